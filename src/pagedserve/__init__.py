@@ -1,0 +1,39 @@
+"""pagedserve: LLM inference and serving with PagedAttention.
+
+The public API is vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`.
+Imports are lazy so that `import pagedserve` stays light (no model, server or GGUF code).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "pagedserve.engine.llm",
+    "LLMEngine": "pagedserve.engine.llm_engine",
+    "EngineArgs": "pagedserve.config",
+    "SamplingParams": "pagedserve.sampling_params",
+    "RequestOutput": "pagedserve.outputs",
+    "CompletionOutput": "pagedserve.outputs",
+    "Logprob": "pagedserve.outputs",
+}
+
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

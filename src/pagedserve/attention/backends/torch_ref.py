@@ -1,0 +1,58 @@
+"""Paged attention in plain PyTorch: the CPU path and the reference for faster kernels.
+
+K/V caches are per layer, shaped `[num_blocks + 1, block_size, num_kv_heads, head_dim]` (the last
+block is the never-written null block, see `AttentionMetadata.build`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    """Store each new token's K and V at its slot."""
+    n, b, h, d = k_cache.shape
+    k_cache.view(n * b, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(n * b, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Write the new K/V into the cache, then attend every query over its sequence's context read
+    through the block tables (causal, optionally within a sliding window of keys)."""
+    write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    n, b, hkv, _ = k_cache.shape
+    flat_k = k_cache.view(n * b, hkv, head_dim)
+    flat_v = v_cache.view(n * b, hkv, head_dim)
+    # One zero row at index T for padded queries.
+    q_padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)], dim=0)  # [T+1, Hq, D]
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    for group in meta.groups:
+        g, max_q = group.token_index.shape
+        q = q_padded[group.token_index].transpose(1, 2)  # [G, Hq, Q, D]
+        k = flat_k[group.kv_slots].transpose(1, 2).to(query.dtype)  # [G, Hkv, L, D]
+        v = flat_v[group.kv_slots].transpose(1, 2).to(query.dtype)  # [G, Hkv, L, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask(sliding_window), scale=scale, enable_gqa=hkv != num_heads
+        )  # [G, Hq, Q, D]
+        o = o.transpose(1, 2).reshape(g * max_q, num_heads, head_dim)  # [G*Q, Hq, D]
+        out[group.out_tokens] = o[group.out_index]
+    return out

@@ -1,0 +1,156 @@
+"""Attention metadata for one model step over a flat token batch.
+
+The model runner builds one `AttentionMetadata` per step; every attention layer of the model reads
+it. It says where each new token's K/V goes (`slot_mapping`) and, per sequence, which physical
+blocks hold its context (`block_tables`) and how long that context is (`seq_lens`).
+
+Tokens of the flat batch are ordered sequence by sequence: the query tokens of sequence `i` are
+`query_start_loc[i] : query_start_loc[i + 1]`, and they are the *last* `query_len` positions of
+that sequence's context of `seq_lens[i]` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose queries are attended together in one padded batch.
+
+    Decode-only sequences (one query token each) form one group and prompt chunks another, so that
+    a long prompt does not pad every decode row to its length.
+    """
+
+    # NOTE: all index tensors live on the model's device and are built once per step, then shared
+    # by every layer; nothing here may depend on the layer.
+    token_index: torch.Tensor  # [G, Q] int64: flat token row of each padded query (padding -> T)
+    out_index: torch.Tensor  # [n_tokens] int64: padded row (g * Q + q) of each real query token
+    out_tokens: torch.Tensor  # [n_tokens] int64: flat token row those outputs go back to
+    kv_slots: torch.Tensor  # [G, L] int64: cache slot of each context position (padding -> null)
+    query_pos: torch.Tensor  # [G, Q] int64: absolute position of each query (padding repeats last)
+    key_pos: torch.Tensor  # [1, L] int64: 0..L-1
+    seq_lens: torch.Tensor  # [G] int64
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """Boolean mask [G, 1, Q, L], True where a query may attend a key (causal, in-context,
+        and within `sliding_window` keys of the query when given)."""
+        key = sliding_window or 0
+        m = self._masks.get(key)
+        if m is None:
+            q = self.query_pos.unsqueeze(-1)  # [G, Q, 1]
+            k = self.key_pos.unsqueeze(0)  # [1, 1, L]
+            m = (k <= q) & (k < self.seq_lens.view(-1, 1, 1))
+            if sliding_window:
+                m = m & (q - k < sliding_window)
+            m = m.unsqueeze(1)  # [G, 1, Q, L]
+            self._masks[key] = m
+        return m
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; see the module docstring."""
+
+    slot_mapping: torch.Tensor  # [T] int64: slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int64, padded with the null block
+    seq_lens: torch.Tensor  # [S] int64: context length after this step's tokens
+    query_start_loc: torch.Tensor  # [S + 1] int64
+    block_size: int
+    num_tokens: int
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_size: int,
+        null_block: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build the metadata from host lists (one entry per sequence, in flat-batch order).
+
+        The slot of context position p of sequence i is
+        `block_tables[i][p // block_size] * block_size + p % block_size`.
+
+        NOTE: `null_block` is a block the pool never hands out and nobody writes (the worker keeps it
+        zero). Padding of block tables and of gathered context points at it, so that masked-out
+        keys read zeros, never stale or NaN contents of freed blocks (0 * NaN would poison softmax).
+        """
+        num_seqs = len(seq_lens)
+        if not (len(block_tables) == len(query_lens) == num_seqs):
+            raise ValueError("block_tables, seq_lens and query_lens must have one entry per sequence")
+        max_blocks = max((len(t) for t in block_tables), default=0) or 1
+        bt = torch.full((num_seqs, max_blocks), null_block, dtype=torch.int64)
+        for i, table in enumerate(block_tables):
+            if table:
+                bt[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        sl = torch.tensor(seq_lens, dtype=torch.int64)
+        ql = torch.tensor(query_lens, dtype=torch.int64)
+        qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(ql, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+
+        # Slot of every new token: positions seq_len - query_len .. seq_len - 1 of each sequence.
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), ql)  # [T]
+        pos_of_token = torch.arange(num_tokens) - qsl[:-1][seq_of_token] + (sl - ql)[seq_of_token]
+        slot_mapping = (
+            bt[seq_of_token, pos_of_token // block_size] * block_size + pos_of_token % block_size
+        )
+
+        groups = []
+        is_decode = ql == 1
+        for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()):
+            if members.numel() == 0:
+                continue
+            groups.append(
+                _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device)
+            )
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=bt.to(device),
+            seq_lens=sl.to(device),
+            query_start_loc=qsl.to(device),
+            block_size=block_size,
+            num_tokens=num_tokens,
+            groups=groups,
+        )
+
+
+def _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device) -> AttentionGroup:
+    g_sl = sl[members]  # [G]
+    g_ql = ql[members]  # [G]
+    g_start = qsl[:-1][members]  # [G]
+    max_q = int(g_ql.max())
+    max_l = int(g_sl.max())
+    q_off = torch.arange(max_q).unsqueeze(0)  # [1, Q]
+    valid_q = q_off < g_ql.unsqueeze(1)  # [G, Q]
+    token_index = torch.where(valid_q, g_start.unsqueeze(1) + q_off, torch.full_like(q_off, num_tokens))
+    # Padded query rows repeat the last real position so that their mask row is never empty.
+    q_off_clamped = torch.minimum(q_off, (g_ql - 1).unsqueeze(1))
+    query_pos = (g_sl - g_ql).unsqueeze(1) + q_off_clamped  # [G, Q]
+    key_pos = torch.arange(max_l).unsqueeze(0)  # [1, L]
+    g_bt = bt[members]  # [G, max_blocks]
+    blk_idx = (key_pos // block_size).clamp(max=g_bt.shape[1] - 1).expand(len(members), -1)
+    kv_slots = torch.gather(g_bt, 1, blk_idx) * block_size + key_pos % block_size
+    kv_slots = torch.where(
+        key_pos < g_sl.unsqueeze(1), kv_slots, torch.full_like(kv_slots, null_block * block_size)
+    )
+    padded_rows = torch.arange(len(members)).unsqueeze(1) * max_q + q_off  # [G, Q]
+    out_index = padded_rows[valid_q]
+    out_tokens = token_index[valid_q]
+    return AttentionGroup(
+        token_index=token_index.to(device),
+        out_index=out_index.to(device),
+        out_tokens=out_tokens.to(device),
+        kv_slots=kv_slots.to(device),
+        query_pos=query_pos.to(device),
+        key_pos=key_pos.to(device),
+        seq_lens=g_sl.to(device),
+    )

@@ -1,0 +1,116 @@
+"""`pagedserve bench throughput`: offline throughput on a seeded trace, optionally side by side with
+HF transformers' static batching on the same requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.bench.trace import TraceRequest, sharegpt_like_trace
+
+
+@dataclass
+class ThroughputResult:
+    name: str
+    elapsed_s: float
+    num_requests: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    def line(self) -> str:
+        return (f"{self.name:>12}: {self.elapsed_s:8.2f} s  {self.requests_per_s:7.3f} req/s  "
+                f"{self.output_tokens_per_s:8.1f} output tok/s  ({self.output_tokens} tokens)")
+
+
+def run_pagedserve(llm, trace: list[TraceRequest]) -> ThroughputResult:
+    """Every request at once through the engine (continuous batching, greedy, ignore_eos)."""
+    from pagedserve.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in trace]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+              for r in trace]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return ThroughputResult("pagedserve", elapsed, len(trace), produced)
+
+
+def run_hf_static(hf_model, trace: list[TraceRequest], batch_size: int, pad_id: int):
+    """HF `generate` in static batches of `batch_size` in arrival order, each running until its
+    longest request (what static batching costs); only the requested tokens count as output."""
+    produced = 0
+    start = time.perf_counter()
+    for i in range(0, len(trace), batch_size):
+        batch = trace[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, r in enumerate(batch):  # left padding
+            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids):] = 1
+        steps = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                              min_new_tokens=steps, do_sample=False, pad_token_id=pad_id)
+        produced += sum(r.output_len for r in batch)
+    return ThroughputResult("hf-static", time.perf_counter() - start, len(trace), produced)
+
+
+def load_hf_reference(source, dtype: torch.dtype):
+    """The same model in HF transformers (from its folder, or from the GGUF)."""
+    from transformers import AutoModelForCausalLM
+
+    if source.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+    return model.eval()
+
+
+def main(args) -> int:
+    from pagedserve.engine.llm import LLM
+
+    engine_kwargs = dict(
+        dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+        seed=args.seed, load_format=args.load_format,
+    )
+    if args.kv_cache_memory:
+        engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
+    llm = LLM(args.model, **engine_kwargs)
+    engine = llm.engine
+    trace = sharegpt_like_trace(
+        engine.tokenizer, args.num_prompts, input_len_mean=args.input_len_mean,
+        output_len_mean=args.output_len_mean, output_len_fixed=args.output_len_fixed,
+        seed=args.seed, max_input_len=min(1024, engine.max_model_len // 2),
+        max_output_len=min(1024, engine.max_model_len // 2),
+    )
+    n_in = sum(len(r.prompt_token_ids) for r in trace)
+    n_out = sum(r.output_len for r in trace)
+    print(f"model={engine.source.name} dtype={engine.dtype} threads={torch.get_num_threads()} "
+          f"requests={len(trace)} input tokens={n_in} (mean {n_in / len(trace):.1f}) "
+          f"output tokens={n_out} (mean {n_out / len(trace):.1f}) batch={args.max_num_seqs}")
+    # A short warm-up so that both sides are measured warm.
+    llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids}], use_tqdm=False)
+    ours = run_pagedserve(llm, trace)
+    print(ours.line())
+    if args.baseline == "hf":
+        hf = load_hf_reference(engine.source, engine.dtype)
+        pad = engine.tokenizer.pad_token_id
+        pad = pad if pad is not None else 0
+        run_hf_static(hf, trace[:1], 1, pad)  # warm-up
+        base = run_hf_static(hf, trace, args.max_num_seqs, pad)
+        print(base.line())
+        print(f"ratio pagedserve / hf-static output tok/s: "
+              f"{ours.output_tokens_per_s / base.output_tokens_per_s:.2f}x")
+    return 0

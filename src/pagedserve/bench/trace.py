@@ -1,0 +1,80 @@
+"""Seeded ShareGPT-like request traces: prompts cut from real text, lognormal lengths.
+
+The text is English prose that every Python installation carries (the standard library's
+docstrings), so traces need no download and are the same on every machine with the same Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import random
+from dataclasses import dataclass
+
+_CORPUS_MODULES = (
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client",
+    "inspect", "itertools", "json", "logging", "pathlib", "pickle", "random", "re", "shutil",
+    "socket", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
+    "unittest", "urllib.parse", "zipfile",
+)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: its prompt tokens and how many tokens to generate."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def corpus_text() -> str:
+    """Docstrings of a fixed list of standard-library modules, in a fixed order."""
+    parts = []
+    for name in _CORPUS_MODULES:
+        module = importlib.import_module(name)
+        if module.__doc__:
+            parts.append(inspect.cleandoc(module.__doc__))
+        for _, obj in sorted(vars(module).items()):
+            doc = getattr(obj, "__doc__", None)
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and isinstance(doc, str):
+                if getattr(obj, "__module__", None) == module.__name__:
+                    parts.append(inspect.cleandoc(doc))
+    return "\n\n".join(parts)
+
+
+def lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float, lo: int, hi: int):
+    """`n` integer lengths from a lognormal with the given mean, clipped to [lo, hi]."""
+    mu = math.log(mean) - sigma**2 / 2
+    return [max(lo, min(hi, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def sharegpt_like_trace(
+    tokenizer,
+    num_prompts: int,
+    *,
+    input_len_mean: float = 161.0,
+    output_len_mean: float = 128.0,
+    output_len_fixed: int | None = None,
+    seed: int = 0,
+    max_input_len: int = 1024,
+    max_output_len: int = 1024,
+) -> list[TraceRequest]:
+    """Seeded requests: prompt lengths lognormal (sigma 0.8, the given mean), cut from the corpus
+    at random offsets; output lengths lognormal (sigma 1, the given mean) or fixed."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    corpus = tokenizer(corpus_text(), add_special_tokens=False).input_ids
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    in_lens = lognormal_lengths(rng, num_prompts, input_len_mean, 0.8, 4, max_input_len)
+    if output_len_fixed is not None:
+        out_lens = [output_len_fixed] * num_prompts
+    else:
+        out_lens = lognormal_lengths(rng, num_prompts, output_len_mean, 1.0, 1, max_output_len)
+    trace = []
+    for n_in, n_out in zip(in_lens, out_lens):
+        start = rng.randrange(0, len(corpus) - n_in)
+        trace.append(TraceRequest(bos + corpus[start : start + n_in - len(bos)], n_out))
+    return trace

@@ -1,0 +1,57 @@
+"""Engine options: one dataclass built from the CLI or the Python API, validated with ValueError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass
+class EngineArgs:
+    """Everything that configures an engine. Names follow vLLM's where vLLM has them.
+
+    `model=None` runs the embedded Gemma 3 270M. `kv_cache_memory` is the KV budget in bytes
+    (default 2 GiB on CPU); `num_kv_blocks` overrides it with an exact block count.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = False
+    max_logprobs: int = 20
+    # Testing aid: randomise the order of the free block list (outputs must not change).
+    shuffle_free_blocks_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,72 @@
+"""The pool of physical KV blocks: reference counts and a free list. Pure Python, no torch."""
+
+from __future__ import annotations
+
+import random
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when a block is requested from an empty pool (callers check `num_free` first)."""
+
+
+class BlockPool:
+    """Physical KV blocks `0 .. num_blocks - 1`, each with a reference count.
+
+    A block is free exactly when its reference count is 0. Blocks are handed out from the head of
+    the free list and returned to its tail.
+
+    NOTE: `shuffle_seed` randomises the initial free-list order. Tests use it to prove that nothing
+    depends on blocks being contiguous or ordered; production leaves it None.
+    """
+
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        order = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(order)
+        # A dict used as an insertion-ordered set: O(1) pop from the head and removal by id.
+        self._free: dict[int, None] = dict.fromkeys(order)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self) -> int:
+        """Take a free block; its reference count becomes 1."""
+        if not self._free:
+            raise NoFreeBlocksError("no free KV blocks")
+        block = next(iter(self._free))
+        del self._free[block]
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        """Add a holder to a block that is in use."""
+        if self.ref_counts[block] <= 0:
+            raise RuntimeError(f"block {block} is free; cannot share it")
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """Drop a holder; the block returns to the free list at 0. Returns True if it was freed."""
+        count = self.ref_counts[block]
+        if count <= 0:
+            raise RuntimeError(f"block {block} is already free (double free)")
+        self.ref_counts[block] = count - 1
+        if count == 1:
+            self._free[block] = None
+            return True
+        return False
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks in free-list order (for tests and invariant checks)."""
+        return list(self._free)

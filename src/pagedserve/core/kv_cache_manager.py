@@ -1,0 +1,131 @@
+"""Block tables of sequences over a `BlockPool`: the paper's KV block manager. Pure Python.
+
+Each sequence has a block table: the physical blocks holding its logical blocks, in order, and the
+number of token slots it has reserved. Slot `p` of a sequence lives in physical block
+`table[p // block_size]` at offset `p % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.block_pool import BlockPool
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class BlockTable:
+    """Logical-to-physical block map of one sequence, with the number of reserved token slots."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVCacheManager:
+    """Allocates, grows, forks and frees the block tables of sequences.
+
+    NOTE: a block's reference count always equals the number of block tables that hold it; blocks
+    are allocated only when a sequence needs slots beyond its last block (never ahead of time).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, shuffle_seed: int | None = None) -> None:
+        if not 1 <= block_size <= 256:
+            raise ValueError(f"block_size must be in [1, 256], got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed)
+        self.tables: dict[int, BlockTable] = {}
+
+    # --- queries -----------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    def block_table(self, seq_id: int) -> list[int]:
+        table = self.tables.get(seq_id)
+        return table.blocks if table is not None else []
+
+    def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks a sequence must gain to hold `num_tokens` slots in all (copy-on-write of a shared
+        partial last block counts as one)."""
+        table = self.tables.get(seq_id)
+        have = len(table.blocks) if table else 0
+        need = max(0, cdiv(num_tokens, self.block_size) - have)
+        if table and self._last_block_needs_copy(table, num_tokens):
+            need += 1
+        return need
+
+    def _last_block_needs_copy(self, table: BlockTable, num_tokens: int) -> bool:
+        # A write into a partly filled last block that another table also holds must copy it.
+        if num_tokens <= table.num_tokens or table.num_tokens % self.block_size == 0:
+            return False
+        return self.pool.ref_counts[table.blocks[-1]] > 1
+
+    # --- mutations ---------------------------------------------------------------------------
+
+    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Reserve slots so that `seq_id` holds `num_tokens` in all; create its table if new.
+
+        Returns copy-on-write pairs `(src_block, dst_block)` whose contents the worker must copy
+        before this step's writes. The caller checks `num_new_blocks` against `num_free_blocks`
+        first; running out here is a bug, not a user error.
+        """
+        table = self.tables.setdefault(seq_id, BlockTable())
+        copies: list[tuple[int, int]] = []
+        if self._last_block_needs_copy(table, num_tokens):
+            old = table.blocks[-1]
+            new = self.pool.allocate()
+            self.pool.decref(old)
+            table.blocks[-1] = new
+            copies.append((old, new))
+        need = cdiv(num_tokens, self.block_size) - len(table.blocks)
+        for _ in range(need):
+            table.blocks.append(self.pool.allocate())
+        table.num_tokens = max(table.num_tokens, num_tokens)
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give `child_id` the parent's blocks (shared: reference counts go up)."""
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has a block table")
+        parent = self.tables[parent_id]
+        for block in parent.blocks:
+            self.pool.incref(block)
+        self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Release every block of a sequence (no-op if it holds none)."""
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return
+        # Free from the last block so that a sequence's blocks return to the pool tail in order.
+        for block in reversed(table.blocks):
+            self.pool.decref(block)
+
+    # --- checks ------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError-free RuntimeError if the pool and the tables disagree."""
+        holders = [0] * self.pool.num_blocks
+        for seq_id, table in self.tables.items():
+            if len(table.blocks) != cdiv(table.num_tokens, self.block_size):
+                raise RuntimeError(f"sequence {seq_id}: {len(table.blocks)} blocks for "
+                                   f"{table.num_tokens} slots")
+            for block in table.blocks:
+                holders[block] += 1
+        for block, count in enumerate(self.pool.ref_counts):
+            if count != holders[block]:
+                raise RuntimeError(f"block {block}: ref count {count}, held by {holders[block]}")
+            if (count == 0) != self.pool.is_free(block):
+                raise RuntimeError(f"block {block}: ref count {count} but free={self.pool.is_free(block)}")

@@ -1,0 +1,98 @@
+"""`LLM`: offline batched generation, vLLM's Python API."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from pagedserve.config import EngineArgs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching over a paged KV cache.
+
+    >>> llm = LLM()                                   # the embedded Gemma 3 270M
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; return their outputs in input order.
+
+        A prompt is a string, `{"prompt": str}` or `{"prompt_token_ids": [int, ...]}`. Every
+        request is validated before any work starts: a bad one raises ValueError naming it.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
+                )
+        engine = self.engine
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
+        # Validate all before adding any, so that a bad prompt leaves the engine untouched.
+        for i, (text, ids) in enumerate(parsed):
+            if ids is None:
+                parsed[i] = (text, engine.tokenize(text))
+        for (_, ids), params in zip(parsed, params_list):
+            engine._validate_params(params, len(engine._validate_prompt(ids)))
+        order: dict[str, int] = {}
+        for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
+            request_id = engine.new_request_id()
+            order[request_id] = i
+            engine.add_request(request_id, text, params, prompt_token_ids=ids)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _parse_prompt(p: PromptType, index: int) -> tuple[str | None, list[int] | None]:
+        if isinstance(p, str):
+            return p, None
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                return p.get("prompt"), list(p["prompt_token_ids"])
+            if "prompt" in p and isinstance(p["prompt"], str):
+                return p["prompt"], None
+        raise ValueError(
+            f"prompts[{index}] must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}"
+        )

@@ -1,0 +1,337 @@
+"""The engine loop: add requests, then `step()`: schedule -> run the model -> process outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.detokenizer import (
+    IncrementalDetokenizer,
+    TokenizerInfo,
+    decode_token,
+    find_stop,
+)
+from pagedserve.engine.tokenizer import eos_token_ids
+from pagedserve.models.loader import load_model, resolve_dtype
+from pagedserve.models.source import resolve_model
+from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.worker.kv_cache import KVCache, num_blocks_for_budget
+from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+class LLMEngine:
+    """One model, its KV cache, a scheduler and a model runner, driven step by step.
+
+    `add_request` validates and queues a request (ValueError names the bad parameter, and the
+    engine is unchanged); `step` runs one iteration for every request in flight and returns the
+    outputs of the requests that advanced; `abort_request` frees a request's blocks at once.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.source = resolve_model(args.model, args.load_format)
+        config = self.source.config
+        self.model_config = _text_config(config)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        )
+        self.dtype = resolve_dtype(args.dtype, config, self.device)
+        weights = None if args.load_format == "dummy" else self.source.iter_weights()
+        self.model = load_model(config, weights=weights, dtype=self.dtype, device=self.device,
+                                seed=args.seed)
+        self.tokenizer = self.source.load_tokenizer(args.tokenizer)
+        self.vocab_size = int(self.model_config.vocab_size)
+        self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
+        self.tokenizer_info = TokenizerInfo.from_tokenizer(self.tokenizer)
+
+        max_pos = getattr(self.model_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = args.max_model_len or int(max_pos)
+        if self.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_pos})"
+            )
+        chunked = args.enable_chunked_prefill
+        batched = args.max_num_batched_tokens or (2048 if chunked else max(self.max_model_len, 2048))
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=chunked,
+        )
+        spec = self.model.kv_cache_spec
+        self.num_kv_blocks = args.num_kv_blocks or num_blocks_for_budget(
+            spec, args.block_size, self.dtype, args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        )
+        self.kv_manager = KVCacheManager(
+            self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.kv_cache = KVCache(spec, self.num_kv_blocks, args.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, device=self.device,
+            stop_token_ids_for_min_tokens=self.eos_token_ids,
+        )
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
+            "in cache), max_model_len=%d",
+            self.source.name, self.dtype, self.device, self.num_kv_blocks, args.block_size,
+            self.num_kv_blocks * args.block_size, self.max_model_len,
+        )
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> SequenceGroup:
+        """Validate and queue one request. Raises ValueError (naming the problem) and leaves the
+        engine untouched when the request cannot be served."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: either a prompt or prompt_token_ids is required")
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = self._validate_prompt(prompt_token_ids)
+        params = self._validate_params(params, len(prompt_token_ids))
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[],
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=prompt,
+        )
+        for _ in range(params.n):
+            seq = Sequence(next(self._seq_ids), prompt_token_ids)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                tokenizer_info=self.tokenizer_info,
+            )
+            group.seqs.append(seq)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+        return group
+
+    def _validate_prompt(self, ids) -> list[int]:
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError) as e:
+            raise ValueError("prompt_token_ids must be a list of integers") from e
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, more than max_model_len ({self.max_model_len})"
+            )
+        return ids
+
+    def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.args.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} is more than max_logprobs ({self.args.max_logprobs})"
+                )
+        blocks = cdiv(prompt_len + 1, self.kv_manager.block_size) * params.n
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens with n={params.n} needs {blocks} KV blocks; the "
+                f"cache has {self.num_kv_blocks} (raise kv_cache_memory or shorten the prompt)"
+            )
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary")
+        if params.max_tokens is None:
+            params = params.clone()
+            params.max_tokens = self.max_model_len - prompt_len
+        return params
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. Returns False if it is unknown."""
+        group = self.scheduler.abort(request_id)
+        self.groups.pop(request_id, None)
+        return group is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration. Returns an output for every request that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        results = self.runner.execute(sched)
+        touched: dict[str, SequenceGroup] = {}
+        for s, r in zip(sched.scheduled, results):
+            group = s.group
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+            s.seq.num_computed_tokens = s.end
+            if r.prompt_logprobs is not None:
+                self._add_prompt_logprobs(s, r)
+            if r.sample is not None:
+                self._append_token(group, s.seq, r)
+                touched[group.request_id] = group
+        self.stats["steps"] += 1
+        self.stats["prompt_tokens"] += sum(
+            max(0, min(s.end, s.seq.num_prompt_tokens) - s.start) for s in sched.scheduled
+        )
+        for group in sched.length_capped:
+            touched[group.request_id] = group
+        for group in self.scheduler.remove_finished():
+            touched[group.request_id] = group
+        outputs = []
+        for group in touched.values():
+            finished = group.is_finished
+            if finished:
+                group.finished_time = time.monotonic()
+                self.groups.pop(group.request_id, None)
+            outputs.append(self._make_output(group, finished))
+        return outputs
+
+    def _add_prompt_logprobs(self, s, r: SeqStepOutput) -> None:
+        group = s.group
+        ids = s.seq.token_ids
+        for offset, (lp, rank, top) in enumerate(r.prompt_logprobs):
+            token = ids[s.start + 1 + offset]
+            group.prompt_logprobs.append(self._logprob_dict(token, lp, rank, top))
+        if s.end >= s.seq.num_prompt_tokens:
+            group.prompt_logprobs_done = True
+
+    def _logprob_dict(self, token: int, lp: float, rank: int, top) -> dict[int, Logprob]:
+        entry = {}
+        for i, (tid, tlp) in enumerate(top):
+            entry[tid] = Logprob(tlp, i + 1, decode_token(self.tokenizer, tid))
+        if token not in entry:
+            entry[token] = Logprob(lp, rank, decode_token(self.tokenizer, token))
+        else:
+            entry[token].rank = rank
+        return entry
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, r: SeqStepOutput) -> None:
+        res = r.sample
+        params = group.sampling_params
+        token = res.token_id
+        seq.append_token(token, res.logprob or 0.0)
+        self.stats["generation_tokens"] += 1
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        if res.top_logprobs is not None:
+            seq.output_logprobs.append(
+                self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
+            )
+        detok: IncrementalDetokenizer = seq.detokenizer
+        new_text = detok.append([token])
+        n_out = seq.num_output_tokens
+        status = None
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            elif params.stop and new_text:
+                cut, matched = find_stop(
+                    detok.text, len(new_text), params.stop, params.include_stop_str_in_output
+                )
+                if matched is not None:
+                    seq.final_text = detok.text[:cut]
+                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, matched
+        if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_seq(seq, status)
+
+    def _make_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
+        params = group.sampling_params
+        outs = []
+        for i, seq in enumerate(group.seqs):
+            want_lp = params.logprobs is not None
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=seq.final_text if seq.final_text is not None else seq.detokenizer.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+                    logprobs=list(seq.output_logprobs) if want_lp else None,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs,
+            outputs=outs,
+            finished=finished,
+            metrics=RequestMetrics(
+                group.arrival_time, group.first_scheduled_time, group.first_token_time,
+                group.finished_time,
+            ),
+            num_preemptions=group.num_preemptions,
+        )
+
+    # --- introspection -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if block tables and the pool disagree."""
+        self.kv_manager.check_invariants()
+
+    def num_used_blocks(self) -> int:
+        return self.kv_manager.pool.num_used
+
+    def last_schedule_info(self) -> dict[str, Any]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.kv_manager.usage(),
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
+
+__all__ = ["LLMEngine", "SchedulerOutput"]

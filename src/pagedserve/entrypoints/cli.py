@@ -1,0 +1,98 @@
+"""The `pagedserve` command: `generate` and `bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedserve.config import DTYPES, LOAD_FORMATS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by every subcommand."""
+    p.add_argument("--model", default=None,
+                   help="HF folder, GGUF file or hub id (default: the embedded Gemma 3 270M)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-chunked-prefill", action="store_true")
+    p.add_argument("--max-logprobs", type=int, default=20)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    from pagedserve.config import EngineArgs
+
+    names = set(EngineArgs.field_names()) - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    for out in llm.generate(args.prompt, params, use_tqdm=False):
+        for comp in out.outputs:
+            print(out.prompt + comp.text if args.echo else comp.text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_kind == "throughput":
+        from pagedserve.bench.throughput import main
+
+        return main(args)
+    raise ValueError(f"unknown benchmark {args.bench_kind!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (offline)")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--echo", action="store_true", help="print the prompt before the output")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_kind", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput on a seeded trace")
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len-mean", type=float, default=161.0)
+    tp.add_argument("--output-len-mean", type=float, default=128.0)
+    tp.add_argument("--output-len-fixed", type=int, default=None)
+    tp.add_argument("--baseline", choices=["none", "hf"], default="none")
+    add_engine_args(tp)
+    tp.set_defaults(func=cmd_bench, max_num_seqs=16)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The attention op every model layer calls: per-head reshapes around paged attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.attention.backends.torch_ref import paged_attention
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """Causal attention of one layer over its paged KV cache (optionally sliding-window).
+
+    Takes projected (and already rotated) q/k/v per head, writes k/v into the layer's cache and
+    attends each query over its sequence's cached context.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ):
+        super().__init__()
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [N + 1, B, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq * D]
+        k_cache, v_cache = kv_cache
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"scale={self.scale:.4g}, sliding_window={self.sliding_window}"
+        )

@@ -1,0 +1,194 @@
+"""Gemma 3 text decoder (`Gemma3ForCausalLM`, and the text part of `Gemma3ForConditionalGeneration`).
+
+Differences from Llama, all as in HF 5.x:
+- embeddings are multiplied by sqrt(hidden_size) cast to the model dtype;
+- Gemma RMSNorm (`x * (1 + w)` in float32) everywhere, four per layer (input, post_attention,
+  pre_feedforward, post_feedforward), plus per-head q/k norm before RoPE;
+- attention scale `query_pre_attn_scalar ** -0.5`;
+- `layer_types[i]` picks sliding-window ("sliding_attention", window `sliding_window`) or global
+  attention, each with its own RoPE: `rope_parameters["sliding_attention"]` (local base, 1e4) and
+  `rope_parameters["full_attention"]` (global base 1e6, possibly linear-scaled);
+- gelu_pytorch_tanh gated MLP, tied LM head, optional `final_logit_softcapping`.
+HF's Gemma3 attention never applies `attn_logit_softcapping` (it is not passed to the kernel), so
+neither do we.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.norms import GemmaRMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedserve.layers.weights import load_named_weights
+from pagedserve.models.base import KVCacheSpec
+from pagedserve.models.llama import KVCache, LlamaAttention, LlamaMLP, check_kv_caches, checkpoint_rename
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def gemma3_layer_types(config: Any) -> list[str]:
+    """`config.layer_types`, or (older configs) every `sliding_window_pattern`-th layer global."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
+    if len(types) != config.num_hidden_layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"bad Gemma3 layer_types {types!r} for {config.num_hidden_layers} layers")
+    return list(types)
+
+
+def gemma3_rope_parameters(config: Any, layer_type: str) -> dict:
+    """RoPE parameters of one layer type: the nested transformers 5 `rope_parameters`, or the
+    transformers 4 attributes (`rope_theta` + `rope_scaling` global, `rope_local_base_freq` local)."""
+    nested = getattr(config, "rope_parameters", None)
+    if isinstance(nested, dict) and isinstance(nested.get(layer_type), dict):
+        return rope_parameters(config, layer_type)
+    if layer_type == SLIDING:
+        return {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    scaling.setdefault("rope_theta", getattr(config, "rope_theta", None) or 1_000_000.0)
+    return scaling
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
+
+    def __init__(self, config: Any, sliding_window: int | None):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            scale=config.query_pre_attn_scalar**-0.5,
+            sliding_window=sliding_window,
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            qk_norm=lambda d: GemmaRMSNorm(d, eps),
+        )
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3TextModel(nn.Module):
+    """Scaled embeddings, decoder layers with per-type RoPE, final norm (HF's `model.`)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise NotImplementedError("Gemma3 with use_bidirectional_attention (embedding models) is not supported")
+        self.layer_types = gemma3_layer_types(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, config.sliding_window if t == SLIDING else None) for t in self.layer_types
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = nn.ModuleDict(
+            {
+                t: RotaryEmbedding(config.head_dim, gemma3_rope_parameters(config, t), config.max_position_embeddings)
+                for t in sorted(set(self.layer_types))
+            }
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        check_kv_caches(kv_caches, len(self.layers))
+        x = self.embed_tokens(input_ids)  # [T, H]
+        x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)  # scale rounded to dtype, as HF
+        ropes = {t: rope(positions, x.dtype) for t, rope in self.rotary_emb.items()}
+        for layer, layer_type, kv_cache in zip(self.layers, self.layer_types, kv_caches):
+            x = layer(x, ropes[layer_type], kv_cache, meta)  # [T, H]
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 text LM on a paged KV cache (see `pagedserve.models.base.CausalLM`)."""
+
+    apply_final_softcap = True
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = Gemma3TextModel(config)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        logits = self.lm_head(hidden).float()  # [S, V]
+        cap = self.final_logit_softcapping
+        if cap is not None and self.apply_final_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _rename(self, name: str) -> str | None:
+        return checkpoint_rename(name, prefix="model.", tied=self.tied)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors (`model.*`, `lm_head.weight` when untied)."""
+        load_named_weights(self, weights, rename=self._rename)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text decoder of a multimodal Gemma 3 checkpoint (vision tower and projector weights are
+    skipped; text-only inputs). Like HF's class, it applies no final logit softcapping."""
+
+    apply_final_softcap = False
+    _RENAMES = (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("language_model.", "model."),
+    )
+    _SKIP = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+    def __init__(self, config: Any):
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
+        super().__init__(text_config)
+        self.config = config
+
+    def _rename(self, name: str) -> str | None:
+        if name.startswith(self._SKIP):
+            return None
+        for old, new in self._RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        return super()._rename(name)

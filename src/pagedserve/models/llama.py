@@ -1,0 +1,232 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral) and the building blocks Qwen2/Qwen3/Gemma3 reuse.
+
+Module and parameter names mirror HF's `LlamaForCausalLM`, so checkpoints load by name. Variants
+are flags: `qkv_bias` (Qwen2), `qk_norm` (Qwen3, Gemma3), per-layer sliding windows (Mistral, Qwen2
+with `use_sliding_window`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.activation import get_activation
+from pagedserve.layers.attention import PagedAttention
+from pagedserve.layers.norms import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedserve.layers.weights import load_named_weights
+from pagedserve.models.base import KVCacheSpec
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def head_dim_of(config: Any) -> int:
+    """`config.head_dim` when set, else hidden_size // num_attention_heads (as HF)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Sliding window of each layer (None = full attention), as HF derives it: from `layer_types`
+    when the config has them, else (transformers 4 Qwen2/3) sliding for layers >= max_window_layers
+    when `use_sliding_window` is set."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        if not getattr(config, "use_sliding_window", False):
+            window = None
+        start = getattr(config, "max_window_layers", 0)
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"config.layer_types has {len(types)} entries for {n} layers")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with separate q/k/v/o projections, optional per-head q/k norm before RoPE,
+    grouped KV heads, paged KV cache."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: Callable[[int], nn.Module] | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, D]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP: `down(act(gate(x)) * up(x))`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Any, sliding_window: int | None, *, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=sliding_window,
+            qkv_bias=qkv_bias,
+            o_bias=getattr(config, "attention_bias", False),
+            qk_norm=(lambda d: RMSNorm(d, eps)) if qk_norm else None,
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and final norm (HF's `model.` submodule)."""
+
+    def __init__(self, config: Any, windows: list[int | None], *, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm) for w in windows
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), config.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        check_kv_caches(kv_caches, len(self.layers))
+        x = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rotary_emb(positions, x.dtype)  # 2 x [T, D]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, rope, kv_cache, meta)  # [T, H]
+        return self.norm(x)
+
+
+def check_kv_caches(kv_caches: list, num_layers: int) -> None:
+    """ValueError unless there is one (k_cache, v_cache) pair per layer."""
+    if len(kv_caches) != num_layers:
+        raise ValueError(f"expected {num_layers} (k_cache, v_cache) pairs, one per layer, got {len(kv_caches)}")
+
+
+def checkpoint_rename(name: str, *, prefix: str, tied: bool, own: tuple[str, ...] = ("lm_head.",)) -> str | None:
+    """Map a checkpoint name onto our parameter names: None for rotary buffers and for a tied
+    head's `lm_head.weight`; `prefix` added to names saved without it (bare base-model checkpoints)."""
+    if name.endswith("inv_freq") or (tied and name == "lm_head.weight"):
+        return None
+    if not name.startswith((prefix, *own)):
+        name = prefix + name
+    return name
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`)."""
+
+    qkv_bias = False  # Qwen2: True (Llama reads config.attention_bias)
+    qk_norm = False  # Qwen3: True
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(
+            config,
+            self.sliding_windows(config),
+            qkv_bias=self.qkv_bias or getattr(config, "attention_bias", False),
+            qk_norm=self.qk_norm,
+        )
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config))
+
+    @staticmethod
+    def sliding_windows(config: Any) -> list[int | None]:
+        """Per-layer sliding windows (None = full attention)."""
+        return layer_sliding_windows(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors (`model.*`, `lm_head.weight`)."""
+        load_named_weights(self, weights, rename=lambda n: checkpoint_rename(n, prefix="model.", tied=self.tied))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with `config.sliding_window` (when set) on every layer, as HF's Mistral."""
+
+    @staticmethod
+    def sliding_windows(config: Any) -> list[int | None]:
+        return [getattr(config, "sliding_window", None)] * config.num_hidden_layers

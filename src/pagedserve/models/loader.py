@@ -1,0 +1,157 @@
+"""Building a model from an HF config and filling it from safetensors (or with dummy weights).
+
+Only safetensors are read; pickled checkpoints (`*.bin`, `torch.load`) are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
+from pagedserve.models.registry import get_model_class
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this x86 CPU has BF16 instructions (AVX512-BF16 or AMX-BF16), per /proc/cpuinfo."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
+        return False  # ATen's CPU kernels do not run an AVX-512 path here; bf16 would be emulated.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _checkpoint_dtype(config: Any) -> torch.dtype | None:
+    """`config.dtype` (transformers 5) or `torch_dtype` (4), of the text config for multimodal ones."""
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    for cfg in configs:
+        value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        if isinstance(value, str):
+            value = _DTYPE_NAMES.get(value)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
+def resolve_dtype(name: str, config: Any, device: torch.device | str) -> torch.dtype:
+    """The model dtype for a `--dtype` style `name`: "float32", "bfloat16", "float16" (or their
+    short forms) as given; "auto" = bfloat16 on a CPU with native BF16 instructions, float32 on
+    other CPUs, and the checkpoint's dtype (`config.dtype` / `torch_dtype`) on accelerators
+    (bfloat16 where the config names none and the GPU supports it, else float16)."""
+    key = str(name).lower()
+    if key in _DTYPE_NAMES:
+        return _DTYPE_NAMES[key]
+    if key != "auto":
+        raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(_DTYPE_NAMES)}")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    ckpt = _checkpoint_dtype(config)
+    if ckpt is not None:
+        return ckpt
+    if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every `(name, tensor)` of an HF model folder, read lazily (one tensor at a time) from
+    `model.safetensors` or from the shards listed in `model.safetensors.index.json`."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = list(dict.fromkeys(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    for file in files:
+        with safe_open(folder / file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _build_context(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Create tensors on `device` in `dtype` inside; restores the default dtype afterwards.
+    (The default dtype is process-wide while inside: build models from one thread at a time.)"""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill `model` with deterministic random weights for `seed`: matrices and embeddings
+    N(0, 0.02), biases 0, norm scales 1 (Gemma norms store offsets: 0)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, GemmaRMSNorm) or pname == "bias":
+                param.zero_()
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                param.fill_(1.0)
+            else:
+                gen = generators.get(param.device)
+                if gen is None:
+                    gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(
+    config: Any,
+    *,
+    weights: Iterable[tuple[str, torch.Tensor]] | None,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> nn.Module:
+    """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
+    e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
+    Returns the model in eval mode without gradients."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    device = torch.device(device)
+    model_class = get_model_class(config)
+    with _build_context(device, dtype):
+        model = model_class(config)
+    model.requires_grad_(False)
+    if weights is None:
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(weights)
+    return model.eval()

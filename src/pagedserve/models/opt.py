@@ -1,0 +1,148 @@
+"""OPT (`OPTForCausalLM`), as HF 5.x implements it.
+
+- learned positions with an offset of 2: position p reads row p + 2 of `embed_positions`;
+- `do_layer_norm_before` picks pre-norm (125m, 1.3b+) or post-norm (350m) blocks;
+- when `word_embed_proj_dim != hidden_size` (350m), `project_in` maps token embeddings up and
+  `project_out` maps the final hidden states back down; the tied LM head works in that smaller space;
+- the final layer norm exists only for pre-norm models without `_remove_final_layer_norm`;
+- queries are multiplied by head_dim ** -0.5 before attention (HF's order); ReLU MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.activation import get_activation
+from pagedserve.layers.attention import PagedAttention
+from pagedserve.layers.norms import LayerNorm
+from pagedserve.layers.weights import load_named_weights
+from pagedserve.models.base import KVCacheSpec
+from pagedserve.models.llama import KVCache, check_kv_caches, checkpoint_rename
+
+POSITION_OFFSET = 2
+
+
+class OPTAttention(nn.Module):
+    """Multi-head self-attention with biased projections on the paged cache."""
+
+    def __init__(self, hidden_size: int, num_heads: int, bias: bool):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_heads})")
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.scaling = self.head_dim**-0.5
+        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.attn = PagedAttention(num_heads, num_heads, self.head_dim, scale=1.0)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        t = x.shape[0]
+        q = (self.q_proj(x) * self.scaling).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        v = self.v_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        return self.out_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
+
+
+class OPTDecoderLayer(nn.Module):
+    """Attention + ReLU MLP, each with a residual, LayerNorm before (pre-norm) or after (post-norm)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        h, affine = config.hidden_size, config.layer_norm_elementwise_affine
+        self.pre_norm = config.do_layer_norm_before
+        self.self_attn = OPTAttention(h, config.num_attention_heads, config.enable_bias)
+        self.self_attn_layer_norm = LayerNorm(h, elementwise_affine=affine)
+        self.fc1 = nn.Linear(h, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = nn.Linear(config.ffn_dim, h, bias=config.enable_bias)
+        self.final_layer_norm = LayerNorm(h, elementwise_affine=affine)
+        self.act_fn = get_activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        if self.pre_norm:
+            x = x + self.self_attn(self.self_attn_layer_norm(x), kv_cache, meta)
+            return x + self.fc2(self.act_fn(self.fc1(self.final_layer_norm(x))))
+        x = self.self_attn_layer_norm(x + self.self_attn(x, kv_cache, meta))
+        return self.final_layer_norm(x + self.fc2(self.act_fn(self.fc1(x))))
+
+
+class OPTDecoder(nn.Module):
+    """Embeddings (+ project_in), layers, final norm (+ project_out): HF's `model.decoder`."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        h, e = config.hidden_size, config.word_embed_proj_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, e)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h)
+        self.project_in = nn.Linear(e, h, bias=False) if e != h else None
+        self.project_out = nn.Linear(h, e, bias=False) if e != h else None
+        has_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        self.final_layer_norm = (
+            LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine) if has_final_norm else None
+        )
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        check_kv_caches(kv_caches, len(self.layers))
+        x = self.embed_tokens(input_ids)  # [T, E]
+        if self.project_in is not None:
+            x = self.project_in(x)  # [T, H]
+        x = x + self.embed_positions(positions + POSITION_OFFSET)  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, kv_cache, meta)  # [T, H]
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)  # [T, E]
+        return x
+
+
+class OPTModel(nn.Module):
+    """HF's `model` wrapper: holds the decoder."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.decoder = OPTDecoder(config)
+
+
+class OPTForCausalLM(nn.Module):
+    """OPT decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`). `forward`
+    returns `[T, word_embed_proj_dim]` (after `project_out`), what the LM head reads."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        self.model = OPTModel(config)
+        self.tied = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+        head_dim = config.hidden_size // config.num_attention_heads
+        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_attention_heads, head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        return self.model.decoder(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V] fp32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors (`model.decoder.*`, or `decoder.*` in original checkpoints)."""
+        load_named_weights(self, weights, rename=lambda n: checkpoint_rename(n, prefix="model.", tied=self.tied))

@@ -1,0 +1,57 @@
+"""Which of our model classes serves an HF checkpoint, by its config's `architectures`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.models.opt import OPTForCausalLM
+from pagedserve.models.qwen2 import Qwen2ForCausalLM
+from pagedserve.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+# For configs built in code, which carry no `architectures`.
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "opt": "OPTForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+
+def supported_architectures() -> list[str]:
+    """The HF `architectures` names we can load."""
+    return list(MODEL_REGISTRY)
+
+
+def get_model_class(config: Any) -> type[nn.Module]:
+    """Our class for `config`: the first of `config.architectures` we support (or, when the config
+    names none, the one for its `model_type`). ValueError listing the supported ones otherwise."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[config.model_type]]
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture {archs or getattr(config, 'model_type', None)!r}; "
+        f"supported: {', '.join(MODEL_REGISTRY)}"
+    )

@@ -1,0 +1,85 @@
+"""Where a model comes from: the embedded GGUF, a GGUF file, an HF folder, or an HF hub id."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its config, where its weights and tokenizer come from."""
+
+    name: str  # what to show users (the served model name by default)
+    kind: str  # "gguf" | "hf"
+    path: Path
+    config: object  # transformers.PretrainedConfig
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors with HF names, read from safetensors or dequantized from the GGUF."""
+        if self.kind == "gguf":
+            from pagedserve.models.gguf_loader import iter_gguf_weights
+
+            return iter_gguf_weights(self.path, self.config)
+        from pagedserve.models.loader import iter_safetensors
+
+        return iter_safetensors(self.path)
+
+    def load_tokenizer(self, tokenizer: str | None = None):
+        """The tokenizer named by `tokenizer`, else the model's own (converted once from a GGUF)."""
+        from pagedserve.engine.tokenizer import load_tokenizer
+
+        if tokenizer is not None:
+            return load_tokenizer(tokenizer)
+        if self.kind == "gguf":
+            from pagedserve.models.gguf_loader import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(self.path)
+        return load_tokenizer(str(self.path))
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Find the model named by `model` (None: the embedded Gemma 3 270M) and read its config."""
+    if model is None:
+        from pagedserve.models.gguf_loader import EMBEDDED_MODEL_NAME, embedded_model_path
+
+        path = embedded_model_path()
+        return _gguf_source(EMBEDDED_MODEL_NAME, path)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf" and load_format != "gguf":
+            raise ValueError(f"model {model!r} is a file but not a .gguf file")
+        return _gguf_source(path.name, path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {model!r} has no config.json")
+        return _hf_source(model, path)
+    if os.path.sep in model and not model.count("/") == 1:
+        raise ValueError(f"model {model!r}: no such file or folder")
+    # An HF hub id ("org/name"): fetched where a network exists. Safetensors only, never pickles.
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        )
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, auth: all one message
+        raise ValueError(f"model {model!r} is not a local path and could not be fetched: {e}") from e
+    return _hf_source(model, Path(local))
+
+
+def _hf_source(name: str, path: Path) -> ModelSource:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    return ModelSource(name=name, kind="hf", path=path, config=config)
+
+
+def _gguf_source(name: str, path: Path) -> ModelSource:
+    from pagedserve.models.gguf_loader import load_gguf_config
+
+    return ModelSource(name=name, kind="gguf", path=path, config=load_gguf_config(path))

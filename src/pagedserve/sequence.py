@@ -1,0 +1,110 @@
+"""Requests as the scheduler sees them: sequences and sequence groups. Pure Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+class Sequence:
+    """One token stream: the prompt, the tokens generated so far, and how many of them have their
+    K/V in the cache (`num_computed_tokens`).
+
+    NOTE: `token_ids` is prompt + output in one list (appended in place every step); the tokens
+    still to be computed are `token_ids[num_computed_tokens:]`. After preemption by recomputation
+    `num_computed_tokens` drops to 0 and the whole list is prefilled again.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, Any]] = []
+        self.stop_reason: int | str | None = None
+        # The output text cut at a stop string, once one matched (else the detokenizer's text).
+        self.final_text: str | None = None
+        # Set by the engine: incremental detokenizer of this sequence (opaque to the scheduler).
+        self.detokenizer: Any = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+
+@dataclass
+class SequenceGroup:
+    """One request: its sequences (n > 1 runs them side by side), sampling parameters and timings.
+
+    NOTE: a group is scheduled, preempted and resumed as a whole (all-or-nothing).
+    """
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    # Set once the prompt logprobs have been computed (never again after a recomputation).
+    prompt_logprobs_done: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,154 @@
+"""Batched sampling: logit processors, greedy / random choice, and logprobs.
+
+Logprobs are always the raw log-softmax of the model's logits (before penalties, bias and
+temperature), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SampleResult:
+    """The chosen token of one row, its raw logprob and rank, and the top-k when asked."""
+
+    token_id: int
+    logprob: float | None
+    rank: int | None
+    top_logprobs: list[tuple[int, float]] | None  # [(token, logprob)] best first
+
+
+def _apply_processors(
+    logits: torch.Tensor, reqs: list[SampleRequest], stop_ids: list[list[int]]
+) -> torch.Tensor:
+    """Penalties, logit bias and min_tokens masking, row by row where a row asks for them."""
+    vocab = logits.shape[-1]
+    for i, req in enumerate(reqs):
+        p = req.params
+        row = logits[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
+            vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab])
+            row.index_add_(0, ids, vals.to(row.dtype))
+        if p.min_tokens and len(req.output_token_ids) < p.min_tokens and stop_ids[i]:
+            row[torch.tensor(stop_ids[i], dtype=torch.long)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)),
+                                dtype=torch.long)
+            if seen.numel():
+                vals = row[seen]
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+        if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
+            counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long),
+                                    minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _needs_processing(p: SamplingParams, n_out: int) -> bool:
+    return bool(
+        p.logit_bias
+        or (p.min_tokens and n_out < p.min_tokens)
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty
+        or p.presence_penalty
+    )
+
+
+def _sample_row(
+    logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
+) -> int:  # logits [V]
+    logits = logits / p.temperature
+    if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [V]
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop_sorted = (cum - sorted_probs) >= p.top_p
+        probs = probs.clone()
+        probs[order[drop_sorted]] = 0.0
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(
+    logits: torch.Tensor,  # [S, V] float32
+    reqs: list[SampleRequest],
+    stop_ids: list[list[int]],
+) -> list[SampleResult]:
+    """Choose one token per row. `stop_ids[i]`: EOS / stop token ids masked while a row is below
+    its `min_tokens`."""
+    num_rows = logits.shape[0]
+    want_lp = [r.params.logprobs is not None for r in reqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [S, V]
+    processed = logits
+    if any(_needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
+        processed = _apply_processors(logits.clone(), reqs, stop_ids)
+
+    greedy_tokens = processed.argmax(dim=-1).tolist()  # fast path: no sort, no softmax
+    tokens = []
+    for i, req in enumerate(reqs):
+        if req.params.temperature < 1e-5:
+            tokens.append(greedy_tokens[i])
+        else:
+            tokens.append(_sample_row(processed[i], req.params, req.generator))
+
+    results = []
+    for i in range(num_rows):
+        tok = tokens[i]
+        if raw_logprobs is not None and want_lp[i]:
+            row = raw_logprobs[i]
+            lp = float(row[tok])
+            rank = int((row > row[tok]).sum()) + 1
+            k = reqs[i].params.logprobs
+            top = None
+            if k:
+                vals, idx = torch.topk(row, k)
+                top = list(zip(idx.tolist(), vals.tolist()))
+            else:
+                top = []
+            results.append(SampleResult(tok, lp, rank, top))
+        else:
+            # NOTE: as in vLLM, no logprob (and no cumulative logprob) unless the request asks:
+            # a log-softmax over a 262k vocabulary per row per step is not free.
+            results.append(SampleResult(tok, None, None, None))
+    return results
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [P, V] float32: logits at positions p, predicting token p + 1
+    targets: list[int],  # [P] the actual next tokens
+    k: int,
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Raw logprob and rank of each target, plus the top-k of each row."""
+    lp = torch.log_softmax(logits, dim=-1)  # [P, V]
+    tgt = torch.tensor(targets, dtype=torch.long)
+    tgt_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1)  # [P]
+    ranks = (lp > tgt_lp.unsqueeze(1)).sum(dim=1) + 1  # [P]
+    if k:
+        vals, idx = torch.topk(lp, k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in targets]
+    return [(float(a), int(b), c) for a, b, c in zip(tgt_lp.tolist(), ranks.tolist(), tops)]

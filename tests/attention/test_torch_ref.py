@@ -1,0 +1,68 @@
+"""The torch paged-attention backend equals dense causal attention on contiguous K/V."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from pagedserve.attention.backends.torch_ref import paged_attention
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def _dense(q, k, v, scale, window):  # q [L, Hq, D] for the last len(q) positions of k/v [S, Hkv, D]
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    s = k.shape[0]
+    qpos = torch.arange(s - q.shape[0], s).unsqueeze(1)
+    kpos = torch.arange(s).unsqueeze(0)
+    mask = kpos <= qpos
+    if window:
+        mask &= qpos - kpos < window
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_attention_matches_dense_attention_for_mixed_batch(window, block_size):
+    torch.manual_seed(0)
+    rng = random.Random(block_size)
+    hq, hkv, d = 4, 2, 8
+    num_blocks = 64
+    k_cache = torch.full((num_blocks + 1, block_size, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[num_blocks] = 0
+    v_cache[num_blocks] = 0
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    # (context already cached, new query tokens)
+    shapes = [(0, 7), (9, 1), (3, 4), (12, 1), (0, 1)]
+    seqs = []
+    for cached, new in shapes:
+        total = cached + new
+        table = [free.pop() for _ in range(math.ceil(total / block_size))]
+        k_all = torch.randn(total, hkv, d)
+        v_all = torch.randn(total, hkv, d)
+        for p in range(cached):
+            k_cache[table[p // block_size], p % block_size] = k_all[p]
+            v_cache[table[p // block_size], p % block_size] = v_all[p]
+        seqs.append((table, total, new, k_all, v_all, torch.randn(new, hq, d)))
+    meta = AttentionMetadata.build(
+        block_tables=[s[0] for s in seqs],
+        seq_lens=[s[1] for s in seqs],
+        query_lens=[s[2] for s in seqs],
+        block_size=block_size,
+        null_block=num_blocks,
+    )
+    q = torch.cat([s[5] for s in seqs])
+    k = torch.cat([s[3][s[1] - s[2]:] for s in seqs])
+    v = torch.cat([s[4][s[1] - s[2]:] for s in seqs])
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=0.3, sliding_window=window)
+    start = 0
+    for table, total, new, k_all, v_all, qs in seqs:
+        ref = _dense(qs, k_all, v_all, 0.3, window)
+        torch.testing.assert_close(out[start:start + new], ref, atol=1e-5, rtol=1e-5)
+        start += new

@@ -1,0 +1,98 @@
+"""The block manager: on-demand allocation, sharing by reference counts, copy-on-write, freeing."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+
+
+def test_prompt_takes_ceil_blocks_and_grows_only_when_last_block_fills():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv.allocate_slots(0, 6)
+    assert len(kv.block_table(0)) == 2
+    kv.allocate_slots(0, 7)
+    kv.allocate_slots(0, 8)
+    assert len(kv.block_table(0)) == 2
+    kv.allocate_slots(0, 9)
+    assert len(kv.block_table(0)) == 3
+    kv.free(0)
+    assert kv.num_free_blocks == 10
+    kv.check_invariants()
+
+
+def test_fork_shares_blocks_and_write_into_shared_partial_block_copies_it():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv.allocate_slots(0, 6)
+    kv.fork(0, 1)
+    shared = kv.block_table(0)
+    assert kv.block_table(1) == shared
+    assert all(kv.pool.ref_counts[b] == 2 for b in shared)
+    assert kv.num_new_blocks(1, 7) == 1
+    copies = kv.allocate_slots(1, 7)
+    assert copies == [(shared[1], kv.block_table(1)[1])]
+    assert kv.block_table(1)[0] == shared[0]
+    assert kv.pool.ref_counts[shared[1]] == 1
+    # The last holder writes in place.
+    assert kv.allocate_slots(0, 7) == []
+    kv.check_invariants()
+    kv.free(0)
+    kv.free(1)
+    assert kv.num_free_blocks == 10
+
+
+def test_full_shared_last_block_needs_no_copy():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv.allocate_slots(0, 8)
+    kv.fork(0, 1)
+    assert kv.allocate_slots(1, 9) == []
+    assert kv.block_table(1)[:2] == kv.block_table(0)
+    kv.check_invariants()
+
+
+def test_block_size_out_of_range_is_a_value_error():
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(num_blocks=4, block_size=0)
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(num_blocks=4, block_size=257)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["alloc", "append", "fork", "free"]), st.integers(0, 7),
+              st.integers(1, 9)),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), shuffle=st.booleans())
+def test_random_allocate_append_fork_free_keeps_invariants(ops, block_size, shuffle):
+    num_blocks = 24
+    kv = KVCacheManager(num_blocks, block_size, shuffle_seed=1 if shuffle else None)
+    for op, seq, n in ops:
+        table = kv.tables.get(seq)
+        if op == "alloc" and table is None:
+            if kv.num_new_blocks(seq, n) <= kv.num_free_blocks:
+                kv.allocate_slots(seq, n)
+        elif op == "append" and table is not None:
+            target = table.num_tokens + n
+            need = kv.num_new_blocks(seq, target)
+            if need <= kv.num_free_blocks:
+                before = kv.num_free_blocks
+                kv.allocate_slots(seq, target)
+                assert before - kv.num_free_blocks == need
+                assert len(kv.block_table(seq)) == cdiv(target, block_size)
+        elif op == "fork" and table is not None:
+            child = (seq + n) % 8
+            if child not in kv.tables:
+                kv.fork(seq, child)
+        elif op == "free":
+            kv.free(seq)
+        kv.check_invariants()
+        free = set(kv.pool.free_blocks())
+        used = {b for t in kv.tables.values() for b in t.blocks}
+        assert not free & used
+        assert len(free) + len(used) == num_blocks
+    for seq in list(kv.tables):
+        kv.free(seq)
+    assert kv.num_free_blocks == num_blocks
+    assert all(c == 0 for c in kv.pool.ref_counts)

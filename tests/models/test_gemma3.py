@@ -1,0 +1,92 @@
+"""Our Gemma3 equals HF transformers: sliding/global layer types with separate RoPE bases,
+query_pre_attn_scalar, Gemma norms, scaled embeddings, final logit softcapping."""
+
+import pytest
+import torch
+import transformers
+
+from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+VOCAB = 512
+
+
+def tiny_gemma3_text(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,  # != head_dim
+        sliding_window=6,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=256,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+        final_logit_softcapping=3.0,
+        pad_token_id=0,
+    )
+    return transformers.Gemma3TextConfig(**{**base, **kw})
+
+
+def test_gemma3_layer_types_window_and_rope_bases(hf_pair, check_hf, prompts):
+    hf, model, _ = hf_pair(tiny_gemma3_text(), std=0.15)
+    assert isinstance(model, Gemma3ForCausalLM)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [6, 6, 6, None]
+    assert model.model.layers[0].self_attn.attn.scale == pytest.approx(24**-0.5)
+    ropes = model.model.rotary_emb
+    assert ropes["sliding_attention"].params["rope_theta"] == 10000.0
+    assert ropes["full_attention"].params["rope_type"] == "linear"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    logits = check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 10)))
+
+
+def test_gemma3_softcap_bounds_logits(paged_runner, hf_pair):
+    _, model, _ = hf_pair(tiny_gemma3_text())
+    (logits,) = paged_runner(model).step([(0, list(range(1, 8)))])
+    assert logits.abs().max() <= 3.0
+
+
+def test_gemma3_old_style_config_with_pattern(hf_pair, check_hf, prompts):
+    """transformers-4 style: rope_theta / rope_local_base_freq / rope_scaling / sliding_window_pattern."""
+
+    def old_style(cfg):
+        for key in ("rope_parameters", "layer_types"):
+            cfg.pop(key, None)
+        cfg.update(
+            rope_theta=50_000.0,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+            sliding_window_pattern=2,
+        )
+        return cfg
+
+    hf, model, _ = hf_pair(tiny_gemma3_text(final_logit_softcapping=None), edit_config=old_style, std=0.15)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [6, None, 6, None]
+    assert model.model.rotary_emb["sliding_attention"].params["rope_theta"] == 100.0
+    assert model.model.rotary_emb["full_attention"].params["rope_theta"] == 50_000.0
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 10)))
+
+
+def test_gemma3_conditional_generation_text_path(hf_pair, check_hf, prompts):
+    config = transformers.Gemma3Config(
+        text_config=tiny_gemma3_text(final_logit_softcapping=None).to_dict(),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+        ),
+        mm_tokens_per_image=4,
+    )
+    hf, model, _ = hf_pair(config, hf_class=transformers.Gemma3ForConditionalGeneration, std=0.15)
+    assert isinstance(model, Gemma3ForConditionalGeneration)
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 10)))
+
+
+def test_gemma3_bidirectional_is_rejected():
+    from pagedserve.models.loader import load_model
+
+    with pytest.raises(NotImplementedError):
+        load_model(tiny_gemma3_text(use_bidirectional_attention=True), weights=None, dtype=torch.float32)

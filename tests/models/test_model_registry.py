@@ -1,0 +1,41 @@
+"""`pagedserve.models.registry`: HF architecture names to our classes."""
+
+import pytest
+import transformers
+
+from pagedserve.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.registry import MODEL_REGISTRY, get_model_class, supported_architectures
+
+EXPECTED = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "OPTForCausalLM",
+    "GPT2LMHeadModel",
+}
+
+
+def test_registry_names():
+    assert set(supported_architectures()) == EXPECTED == set(MODEL_REGISTRY)
+    for name, cls in MODEL_REGISTRY.items():
+        assert cls.__name__ == name
+        assert cls.__doc__
+
+
+def test_get_model_class_by_architectures_or_model_type():
+    config = transformers.LlamaConfig(architectures=["SomethingElse", "LlamaForCausalLM"])
+    assert get_model_class(config) is LlamaForCausalLM
+    assert get_model_class(transformers.Gemma3TextConfig()) is Gemma3ForCausalLM  # no architectures
+
+
+def test_unsupported_architecture_lists_supported_ones():
+    config = transformers.BertConfig(architectures=["BertForMaskedLM"])
+    with pytest.raises(ValueError) as err:
+        get_model_class(config)
+    message = str(err.value)
+    assert "BertForMaskedLM" in message
+    assert all(name in message for name in EXPECTED)

@@ -1,0 +1,100 @@
+"""Tiny random checkpoints for tests: an HF config per architecture, weights large enough that
+logits are not flat, a small byte-level BPE tokenizer, saved as an HF folder (safetensors)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedserve.bench.trace import corpus_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([corpus_text()[:200_000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def config_for(arch: str, **overrides):
+    """A tiny transformers config of the given architecture (2-4 layers, hidden 64)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512, **common)
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=7,
+                               max_position_embeddings=512, **common)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, sliding_window=7,
+                             use_sliding_window=False, max_position_embeddings=512, **common)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             max_position_embeddings=512, **common)
+    elif arch == "gemma3":
+        cfg = tf.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                  query_pre_attn_scalar=24, sliding_window=6,
+                                  layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                  max_position_embeddings=512, **common)
+    elif arch == "opt":
+        cfg = tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=512,
+                           word_embed_proj_dim=64, **common)
+    elif arch == "gpt2":
+        cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of `arch` (and the test tokenizer) to `path`; return `path`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = config_for(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+            elif "norm" in name or "ln" in name:
+                p.normal_(0.0 if arch == "gemma3" else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def load_hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def tokenizer():
+    return _tokenizer()
