@@ -82,3 +82,11 @@ def embedded_hf_model(embedded_hf_reference):
     if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         raise RuntimeError("HF reference model: lm_head is not tied to embed_tokens")
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def embedded_llm(pagedserve_cache_dir):
+    """The embedded Gemma 3 270M in pagedserve, float32, loaded once per session."""
+    from pagedserve import LLM
+
+    return LLM(dtype="float32", block_size=16, kv_cache_memory=256 << 20)

@@ -90,3 +90,30 @@ def test_gemma3_bidirectional_is_rejected():
 
     with pytest.raises(NotImplementedError):
         load_model(tiny_gemma3_text(use_bidirectional_attention=True), weights=None, dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_embedded_gemma3_270m_matches_hf(paged_runner):
+    """The real Gemma 3 270M (embedded GGUF, dequantized) equals HF on a prompt longer than its
+    512-token sliding window, in one prefill and when continued by decode steps."""
+    from pagedserve.models.gguf_loader import embedded_model_path, iter_gguf_weights, load_gguf_config
+    from pagedserve.models.loader import load_model
+
+    path = embedded_model_path()
+    config = load_gguf_config(path)
+    weights = dict(iter_gguf_weights(path, config))
+    model = load_model(config, weights=weights.items(), dtype=torch.float32)
+    hf = transformers.Gemma3ForCausalLM(config).float().eval()
+    hf.load_state_dict(weights, strict=False)  # lm_head is tied to embed_tokens
+    gen = torch.Generator().manual_seed(0)
+    long, short = (torch.randint(0, 4000, (n,), generator=gen).tolist() for n in (600, 9))
+    with torch.no_grad():
+        ref_long = hf(input_ids=torch.tensor([long])).logits[0]
+        ref_short = hf(input_ids=torch.tensor([short])).logits[0]
+    runner = paged_runner(model, block_size=16, num_blocks=64)
+    out_long, out_short = runner.step([(0, long[:595]), (1, short)])
+    torch.testing.assert_close(out_long, ref_long[:595], atol=2e-3, rtol=0)
+    torch.testing.assert_close(out_short, ref_short, atol=2e-3, rtol=0)
+    for i in range(595, 600):
+        (out,) = runner.step([(0, [long[i]])])
+        torch.testing.assert_close(out[0], ref_long[i], atol=2e-3, rtol=0)

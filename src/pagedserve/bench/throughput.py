@@ -67,14 +67,18 @@ def run_hf_static(hf_model, trace: list[TraceRequest], batch_size: int, pad_id: 
 
 
 def load_hf_reference(source, dtype: torch.dtype):
-    """The same model in HF transformers (from its folder, or from the GGUF)."""
+    """The same model in HF transformers: from its folder, or built from the GGUF's config with
+    the weights we dequantize (the same values HF's own GGUF loader produces)."""
     from transformers import AutoModelForCausalLM
 
-    if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(
-            str(source.path.parent), gguf_file=source.path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+    if source.kind != "gguf":
+        return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
+    state = {name: t.to(dtype) for name, t in source.iter_weights()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF reference: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
     return model.eval()
 
 
