@@ -42,7 +42,7 @@ def test_gemma3_layer_types_window_and_rope_bases(hf_pair, check_hf, prompts):
     assert ropes["sliding_attention"].params["rope_theta"] == 10000.0
     assert ropes["full_attention"].params["rope_type"] == "linear"
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    logits = check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 10)))
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 10)))
 
 
 def test_gemma3_softcap_bounds_logits(paged_runner, hf_pair):
@@ -76,7 +76,12 @@ def test_gemma3_conditional_generation_text_path(hf_pair, check_hf, prompts):
     config = transformers.Gemma3Config(
         text_config=tiny_gemma3_text(final_logit_softcapping=None).to_dict(),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
         ),
         mm_tokens_per_image=4,
     )

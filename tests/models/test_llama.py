@@ -1,6 +1,5 @@
 """Our Llama / Mistral equal HF transformers' logits, token for token."""
 
-import pytest
 import transformers
 
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM

@@ -95,17 +95,18 @@ class Gemma3TextModel(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
-            raise NotImplementedError("Gemma3 with use_bidirectional_attention (embedding models) is not supported")
+            raise NotImplementedError("Gemma3 with use_bidirectional_attention (embedding models) is unsupported")
         self.layer_types = gemma3_layer_types(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size**0.5
+        self.embed_scale = nn.Buffer(torch.tensor(config.hidden_size**0.5, dtype=torch.float32), persistent=False)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, config.sliding_window if t == SLIDING else None) for t in self.layer_types
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        max_pos = config.max_position_embeddings
         self.rotary_emb = nn.ModuleDict(
             {
-                t: RotaryEmbedding(config.head_dim, gemma3_rope_parameters(config, t), config.max_position_embeddings)
+                t: RotaryEmbedding(config.head_dim, gemma3_rope_parameters(config, t), max_pos)
                 for t in sorted(set(self.layer_types))
             }
         )
@@ -119,7 +120,7 @@ class Gemma3TextModel(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         check_kv_caches(kv_caches, len(self.layers))
         x = self.embed_tokens(input_ids)  # [T, H]
-        x = x * torch.tensor(self.embed_scale, dtype=torch.float32, device=x.device).to(x.dtype)  # scale rounded to dtype, as HF
+        x = x * self.embed_scale.to(x.dtype)  # [T, H]; sqrt(hidden) rounded to the dtype, as HF
         ropes = {t: rope(positions, x.dtype) for t, rope in self.rotary_emb.items()}
         for layer, layer_type, kv_cache in zip(self.layers, self.layer_types, kv_caches):
             x = layer(x, ropes[layer_type], kv_cache, meta)  # [T, H]

@@ -148,7 +148,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm) for w in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), config.max_position_embeddings)
+        max_pos = config.max_position_embeddings
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos)
 
     def forward(
         self,
