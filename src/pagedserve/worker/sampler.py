@@ -122,12 +122,10 @@ def sample(
             lp = float(row[tok])
             rank = int((row > row[tok]).sum()) + 1
             k = reqs[i].params.logprobs
-            top = None
+            top = []
             if k:
                 vals, idx = torch.topk(row, k)
                 top = list(zip(idx.tolist(), vals.tolist()))
-            else:
-                top = []
             results.append(SampleResult(tok, lp, rank, top))
         else:
             # NOTE: as in vLLM, no logprob (and no cumulative logprob) unless the request asks:

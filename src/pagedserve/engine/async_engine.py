@@ -1,0 +1,506 @@
+"""`AsyncLLMEngine`: an `LLMEngine` stepping in one background thread, fed from asyncio.
+
+- The engine is touched only from its thread. Adds and aborts enter through a thread-safe queue
+  and are applied between steps, so every request that arrived during a step joins the next one
+  (continuous batching across concurrent callers).
+- While nothing is in flight the thread blocks on that queue (no busy loop).
+- Each request has its own `RequestStream`; the engine thread hands outputs to the event loop
+  with `loop.call_soon_threadsafe`. A stream keeps only the newest output: `RequestOutput` holds
+  the full text, token ids and logprobs so far, so a slow reader skips nothing by reading only
+  the newest one, and never reads more than one output per step.
+- Closing a stream (a cancelled task, a client gone) aborts its request before the next step,
+  freeing its KV blocks.
+- If a step raises, every request in flight fails with `EngineDeadError` and new ones are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.stats import FinishedRequestStats, StatsListener, StatsLogLine, StepStats
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "EngineShutdownError",
+    "QueueFullError",
+    "RequestStream",
+]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed; no request can be served any more."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down and ended (or refused) the request."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting to start; try again later."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of `RequestOutput`.
+
+    Each `__anext__` returns the newest output (the engine may have produced several since the
+    previous read; the newest holds everything). Iteration ends after the output with
+    `finished=True`; an engine failure is raised. `close()` aborts the request if it has not
+    finished. Only the event loop's thread may use a stream.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLMEngine, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._owner = owner
+        self._accepted: asyncio.Future[None] = loop.create_future()
+        self._event = asyncio.Event()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._finished = False  # the final output arrived from the engine
+        self._closed = False  # the consumer will read no more (finished, failed or closed)
+        self.started = False  # at least one output arrived (the request is past the queue)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    # --- called on the event loop by the engine's deliveries ----------------------------------
+
+    def _accept(self) -> None:
+        if not self._accepted.done():
+            self._accepted.set_result(None)
+
+    def _put(self, output: RequestOutput) -> None:
+        if self._closed and not self._finished and self._error is None:
+            return  # closed by the consumer; its abort is on its way to the engine
+        self.started = True
+        self._latest = output
+        if output.finished:
+            self._finished = True
+            self._owner._forget(self.request_id)
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the stream with `exc` (raised to the reader) unless it already finished."""
+        if self._finished or self._error is not None:
+            return
+        self._owner._forget(self.request_id)
+        if not self._accepted.done():
+            self._accepted.set_exception(exc)
+            self._closed = True
+            return
+        self._error = exc
+        self._event.set()
+
+    # --- the consumer's side ------------------------------------------------------------------
+
+    async def wait_accepted(self) -> None:
+        """Return once the engine queued the request; raise its ValueError if it refused it."""
+        await self._accepted
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                return out
+            if self._error is not None:
+                err, self._error = self._error, None
+                self._closed = True
+                raise err
+            if self._finished or self._closed:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+    def close(self) -> None:
+        """Stop reading; abort the request in the engine unless it finished (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished and self._error is None:
+            self._owner._abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one request in flight."""
+
+    stream: RequestStream
+    arrival_time: float
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+
+class AsyncLLMEngine:
+    """Serve many concurrent asyncio callers with one `LLMEngine` (see the module docstring).
+
+    Use `start()` from inside the event loop (or `async with`), then `generate()` /
+    `add_request()`; `shutdown()` ends in-flight requests with `EngineShutdownError` and stops
+    the thread. `listeners` receive step and request records in the engine thread (metrics);
+    `log_stats_interval` (seconds) logs a stats line periodically while busy.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queued_requests: int | None = None,
+        log_stats_interval: float | None = None,
+        listeners: Iterable[StatsListener] = (),
+    ) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._listeners: list[StatsListener] = list(listeners)
+        self._log_line = StatsLogLine(log_stats_interval) if log_stats_interval else None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Event-loop side: the streams of requests not yet finished.
+        self._streams: dict[str, RequestStream] = {}
+        # Engine-thread side: requests the engine holds.
+        self._tracked: dict[str, _Tracked] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._prev_totals = self._engine_totals()
+
+    # --- state --------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (encoding is safe from the event loop's thread)."""
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine thread crashed."""
+        return self._dead is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished."""
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests added that have not produced any output yet."""
+        return sum(1 for s in self._streams.values() if not s.started)
+
+    def add_listener(self, listener: StatsListener) -> None:
+        """Receive step and request records (call before `start`)."""
+        if self._thread is not None:
+            raise RuntimeError("add listeners before the engine starts")
+        self._listeners.append(listener)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will use the engine."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests and end every request in flight with `EngineShutdownError`.
+        Call on the event loop."""
+        self._closing = True
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream._fail(EngineShutdownError(reason))
+            self._inbox.put(_Abort(stream.request_id))
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """`begin_shutdown`, then stop and join the engine thread."""
+        self.begin_shutdown()
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._inbox.put(_STOP)
+        await asyncio.to_thread(thread.join, timeout)
+        if thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    @staticmethod
+    def new_request_id() -> str:
+        return uuid.uuid4().hex
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request; return its stream once the engine accepted it.
+
+        Raises ValueError (the engine's validation, naming the problem), QueueFullError past
+        `max_queued_requests`, EngineShutdownError while shutting down, EngineDeadError after a
+        crash. Cancelling the caller while it waits aborts the request.
+        """
+        if self._loop is None:
+            raise RuntimeError("start() the engine first")
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped after an error: {self._dead!r}")
+        if self._closing:
+            raise EngineShutdownError("the server is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if self.max_queued_requests is not None and self.num_queued >= self.max_queued_requests:
+            raise QueueFullError(
+                f"the server has {self.num_queued} requests waiting (max_queued_requests="
+                f"{self.max_queued_requests}); retry later"
+            )
+        stream = RequestStream(request_id, self, self._loop)
+        self._streams[request_id] = stream
+        self._inbox.put(_Add(
+            stream, prompt, None if prompt_token_ids is None else list(prompt_token_ids), params,
+            time.monotonic() if arrival_time is None else arrival_time,
+        ))
+        try:
+            await stream.wait_accepted()
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | None,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes (see `add_request` for errors).
+        Leaving the loop early or cancelling the task aborts the request."""
+        stream = await self.add_request(
+            request_id or self.new_request_id(), prompt, params, prompt_token_ids
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it is unknown or finished). Call on the event loop."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.close()
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._inbox.put(_Abort(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands()
+                stop = False
+                for cmd in commands:
+                    if cmd is _STOP:
+                        stop = True
+                    else:
+                        self._apply(cmd)
+                if stop:
+                    for request_id in list(self._tracked):
+                        self._apply(_Abort(request_id))
+                    self._report([])
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._report(self.engine.step())
+                elif commands:
+                    self._report([])  # e.g. aborts freed blocks: publish the new state
+                elif self._log_line is not None:
+                    self._log_line.log_if_due(time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - any crash ends the engine
+            logger.exception("the engine loop crashed; failing every request in flight")
+            self._dead = exc
+            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {exc!r}"))
+
+    def _next_commands(self) -> list:
+        """Everything queued; when idle, block until something arrives (or a log line is due)."""
+        commands = []
+        if not self.engine.has_unfinished_requests():
+            timeout = None
+            deadline = self._log_line.next_deadline() if self._log_line else None
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
+            try:
+                commands.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            stream = cmd.stream
+            try:
+                self.engine.add_request(
+                    stream.request_id, cmd.prompt, cmd.params,
+                    prompt_token_ids=cmd.prompt_token_ids, arrival_time=cmd.arrival_time,
+                )
+            except Exception as exc:  # noqa: BLE001 - the request's error, not the engine's
+                if not isinstance(exc, ValueError):
+                    logger.exception("adding request %s failed", stream.request_id)
+                self._call_in_loop(stream._fail, exc)
+                return
+            self._tracked[stream.request_id] = _Tracked(stream, cmd.arrival_time)
+            self._call_in_loop(stream._accept)
+        elif isinstance(cmd, _Abort):
+            tracked = self._tracked.pop(cmd.request_id, None)
+            if tracked is None:
+                return
+            group = self.engine.groups.get(cmd.request_id)
+            self.engine.abort_request(cmd.request_id)
+            now = time.monotonic()
+            record = FinishedRequestStats(
+                request_id=cmd.request_id, finish_reason="abort",
+                prompt_tokens=len(group.prompt_token_ids) if group else 0,
+                generation_tokens=tracked.num_tokens,
+                e2e_latency=now - tracked.arrival_time,
+                queue_time=(group.first_scheduled_time - tracked.arrival_time)
+                if group is not None and group.first_scheduled_time is not None else None,
+            )
+            for listener in self._listeners:
+                listener.on_request_finished(record)
+
+    def _report(self, outputs: list[RequestOutput]) -> None:
+        """Deliver a step's outputs to their streams and publish the step's records."""
+        now = time.monotonic()
+        ttft, itl, deliveries, finished = [], [], [], []
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            if num_tokens > tracked.num_tokens:
+                if tracked.last_token_time is None:
+                    ttft.append(now - tracked.arrival_time)
+                else:
+                    itl.append(now - tracked.last_token_time)
+                tracked.last_token_time = now
+                tracked.num_tokens = num_tokens
+            deliveries.append((tracked.stream, out))
+            if out.finished:
+                del self._tracked[out.request_id]
+                finished.append(self._finished_record(out, tracked, now))
+        if deliveries:
+            self._call_in_loop(self._deliver, deliveries)
+        totals = self._engine_totals()
+        prev, self._prev_totals = self._prev_totals, totals
+        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
+        stats = StepStats(
+            now=now, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_usage=kv.usage(), num_used_blocks=kv.pool.num_used, num_blocks=kv.num_blocks,
+            steps=totals[0] - prev[0], prompt_tokens=totals[1] - prev[1],
+            generation_tokens=totals[2] - prev[2], preemptions=totals[3] - prev[3],
+            time_to_first_token=ttft, inter_token_latency=itl,
+        )
+        for listener in self._listeners:
+            listener.on_step(stats)
+            for record in finished:
+                listener.on_request_finished(record)
+        if self._log_line is not None:
+            self._log_line.on_step(stats)
+
+    @staticmethod
+    def _finished_record(out: RequestOutput, tracked: _Tracked, now: float):
+        reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+        m = out.metrics
+        return FinishedRequestStats(
+            request_id=out.request_id,
+            finish_reason=reasons[0] if reasons else "abort",
+            prompt_tokens=len(out.prompt_token_ids),
+            generation_tokens=tracked.num_tokens,
+            e2e_latency=now - tracked.arrival_time,
+            queue_time=(m.first_scheduled_time - tracked.arrival_time)
+            if m is not None and m.first_scheduled_time is not None else None,
+        )
+
+    def _engine_totals(self) -> tuple[int, int, int, int]:
+        s = self.engine.stats
+        return (s["steps"], s["prompt_tokens"], s["generation_tokens"],
+                self.engine.scheduler.num_preemptions)
+
+    def _call_in_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed in between
+            pass
+
+    # --- event-loop side of deliveries --------------------------------------------------------
+
+    @staticmethod
+    def _deliver(deliveries: list[tuple[RequestStream, RequestOutput]]) -> None:
+        for stream, out in deliveries:
+            stream._put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream._fail(exc)

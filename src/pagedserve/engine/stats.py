@@ -1,0 +1,98 @@
+"""What the async engine reports after every step and every finished request, and the periodic
+stats log line built from it.
+
+The engine thread fills these records; listeners (Prometheus metrics, the log line) consume them
+in that thread, so a listener must be thread-safe with respect to its own readers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger("pagedserve.stats")
+
+
+@dataclass
+class StepStats:
+    """The engine's state after a step (or after adds/aborts were applied while idle), and what
+    changed since the previous record."""
+
+    now: float  # time.monotonic()
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    num_used_blocks: int
+    num_blocks: int
+    steps: int = 0  # engine steps since the previous record (0 or 1)
+    prompt_tokens: int = 0  # prompt tokens computed since the previous record
+    generation_tokens: int = 0  # tokens generated since the previous record
+    preemptions: int = 0  # preemptions since the previous record
+    # Per request that produced its first token this step: arrival -> first token (seconds).
+    time_to_first_token: list[float] = field(default_factory=list)
+    # Per request that produced a later token this step: time since its previous token.
+    inter_token_latency: list[float] = field(default_factory=list)
+
+
+@dataclass
+class FinishedRequestStats:
+    """One request that left the engine: finished, stopped, or aborted."""
+
+    request_id: str
+    finish_reason: str  # "stop", "length" or "abort"
+    prompt_tokens: int
+    generation_tokens: int
+    e2e_latency: float  # arrival -> finish (seconds)
+    queue_time: float | None  # arrival -> first scheduled; None if it never ran
+
+
+class StatsListener(Protocol):
+    """Receives the engine thread's records (called in the engine thread)."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_request_finished(self, stats: FinishedRequestStats) -> None: ...
+
+
+class StatsLogLine:
+    """Logs one line every `interval` seconds while the engine is busy: running / waiting
+    requests, KV blocks in use, prompt and generation throughput; one last line once it idles."""
+
+    def __init__(self, interval: float) -> None:
+        if interval <= 0:
+            raise ValueError(f"log_stats_interval must be > 0, got {interval}")
+        self.interval = interval
+        self._last_log = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._last: StepStats | None = None
+        self._active = False  # something happened since the last line
+
+    def on_step(self, stats: StepStats) -> None:
+        self._prompt_tokens += stats.prompt_tokens
+        self._generation_tokens += stats.generation_tokens
+        self._last = stats
+        if stats.steps:
+            self._active = True
+        self.log_if_due(stats.now)
+
+    def next_deadline(self) -> float | None:
+        """When the next line is due (time.monotonic), or None when there is nothing to log."""
+        return self._last_log + self.interval if self._active else None
+
+    def log_if_due(self, now: float) -> None:
+        if not self._active or now - self._last_log < self.interval or self._last is None:
+            return
+        elapsed = now - self._last_log
+        s = self._last
+        logger.info(
+            "running: %d reqs, waiting: %d reqs, KV blocks in use: %.1f%% (%d/%d), "
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s",
+            s.num_running, s.num_waiting, 100.0 * s.kv_usage, s.num_used_blocks, s.num_blocks,
+            self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
+        )
+        self._last_log = now
+        self._prompt_tokens = self._generation_tokens = 0
+        self._active = bool(s.num_running or s.num_waiting)

@@ -1,0 +1,119 @@
+"""Prometheus metrics of the server, with vLLM's names under the `pagedserve:` prefix.
+
+A dashboard built for vLLM maps one-to-one by replacing `vllm:` with `pagedserve:`. Every metric
+carries vLLM's `model_name` label. Each app owns its own `CollectorRegistry` (never the global
+one), so several apps in one process do not clash.
+
+| pagedserve                                   | vLLM equivalent                          |
+| -------------------------------------------- | ---------------------------------------- |
+| pagedserve:num_requests_running              | vllm:num_requests_running                |
+| pagedserve:num_requests_waiting              | vllm:num_requests_waiting                |
+| pagedserve:kv_cache_usage_perc (0..1)        | vllm:kv_cache_usage_perc (was gpu_...)   |
+| pagedserve:num_preemptions_total             | vllm:num_preemptions_total               |
+| pagedserve:prompt_tokens_total               | vllm:prompt_tokens_total                 |
+| pagedserve:generation_tokens_total           | vllm:generation_tokens_total             |
+| pagedserve:request_success_total{finished_reason} | vllm:request_success_total          |
+| pagedserve:time_to_first_token_seconds       | vllm:time_to_first_token_seconds         |
+| pagedserve:time_per_output_token_seconds     | vllm:time_per_output_token_seconds       |
+| pagedserve:inter_token_latency_seconds       | vllm:inter_token_latency_seconds         |
+| pagedserve:e2e_request_latency_seconds       | vllm:e2e_request_latency_seconds         |
+| pagedserve:request_queue_time_seconds        | vllm:request_queue_time_seconds          |
+| pagedserve:request_prompt_tokens             | vllm:request_prompt_tokens               |
+| pagedserve:request_generation_tokens         | vllm:request_generation_tokens           |
+| pagedserve:engine_steps_total                | (ours: engine iterations)                |
+
+Not yet exported because the engine lacks the feature: swapped requests, prefix cache hits.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedserve.engine.stats import FinishedRequestStats, StepStats
+
+PREFIX = "pagedserve:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class ServerMetrics:
+    """The metrics of one server; a `StatsListener` of the async engine (thread-safe)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.num_running = gauge("num_requests_running", "Requests being computed (running).")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.preemptions = counter("num_preemptions", "Preemptions (requests evicted).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.steps = counter("engine_steps", "Engine iterations (one batch each).")
+        success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                          labels + ["finished_reason"], registry=r)
+        self.finished = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._success = success
+        self._model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Time between two output tokens of a request.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between two output tokens of a request.", _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to end.",
+                             _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time from arrival to first scheduling.", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+
+    def on_step(self, stats: StepStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.steps.inc(stats.steps)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.generation_tokens)
+        self.preemptions.inc(stats.preemptions)
+        for value in stats.time_to_first_token:
+            self.ttft.observe(value)
+        for value in stats.inter_token_latency:
+            self.tpot.observe(value)
+            self.itl.observe(value)
+
+    def on_request_finished(self, stats: FinishedRequestStats) -> None:
+        counter = self.finished.get(stats.finish_reason)
+        if counter is None:
+            counter = self._success.labels(self._model_name, stats.finish_reason)
+        counter.inc()
+        self.e2e.observe(stats.e2e_latency)
+        if stats.queue_time is not None:
+            self.queue_time.observe(stats.queue_time)
+        self.request_prompt_tokens.observe(stats.prompt_tokens)
+        self.request_generation_tokens.observe(stats.generation_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,336 @@
+"""Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
+
+Field names and defaults follow OpenAI's API, plus vLLM's extra sampling fields. Request models
+accept unknown fields (`extra="allow"`): the server ignores them with a logged warning, as vLLM
+does, so clients that send extras keep working. Known OpenAI fields whose feature the engine lacks
+are listed in `UNSUPPORTED_FIELDS` and refused with a 400 by the serving layer.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    """Accepts unknown fields; `ignored_fields()` lists them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# --- shared ------------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    # vLLM's extra: usage on every chunk.
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+
+
+# --- completions -------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+    # vLLM's extra
+    add_special_tokens: bool = True
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # vLLM's extra: per prompt position {token id: {logprob, rank, decoded_token}}, first None.
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --- chat --------------------------------------------------------------------------------------
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One input message; `content` is a string, a list of content parts, or null."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    # vLLM's extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[Any] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A chat stream delta; fields left None are left out of the JSON (`{}` on the last chunk)."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # noqa: ANN001
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --- models, tokenizer, version ---------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either `prompt` (completion style) or `messages` (chat style)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# Known fields (OpenAI's, and vLLM's extras) whose feature this engine lacks: a request that sets
+# one to a meaningful value gets a 400 instead of a silently different answer. Maps the field to
+# a predicate "is it in use" on its raw JSON value.
+def _set(value: Any) -> bool:
+    return value is not None and value is not False and value != [] and value != {}
+
+
+def _not_text_format(value: Any) -> bool:
+    return _set(value) and not (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _not_text_modalities(value: Any) -> bool:
+    return _set(value) and value != ["text"]
+
+
+def _tool_choice(value: Any) -> bool:
+    return _set(value) and value not in ("none", "auto")
+
+
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "suffix": (_set, "suffix (insertion) is not supported by this server"),
+    "tools": (_set, "tool calling is not supported by this server"),
+    "tool_choice": (_tool_choice, "tool calling is not supported by this server"),
+    "functions": (_set, "function calling is not supported by this server"),
+    "function_call": (_tool_choice, "function calling is not supported by this server"),
+    "response_format": (_not_text_format, "structured output (response_format other than "
+                        "'text') is not supported by this server"),
+    "audio": (_set, "audio output is not supported by this server"),
+    "modalities": (_not_text_modalities, "only the 'text' modality is supported"),
+    "prediction": (_set, "predicted outputs are not supported by this server"),
+    "web_search_options": (_set, "web search is not supported by this server"),
+    "guided_json": (_set, "guided decoding is not supported by this server"),
+    "guided_regex": (_set, "guided decoding is not supported by this server"),
+    "guided_choice": (_set, "guided decoding is not supported by this server"),
+    "guided_grammar": (_set, "guided decoding is not supported by this server"),
+    "structured_outputs": (_set, "structured outputs are not supported by this server"),
+    "use_beam_search": (_set, "beam search is not supported by this server"),
+    "allowed_token_ids": (_set, "allowed_token_ids is not supported by this server"),
+    "bad_words": (_set, "bad_words is not supported by this server"),
+    "logits_processors": (_set, "logits processors are not supported by this server"),
+}

@@ -1,0 +1,92 @@
+"""The sampler alone: greedy, filters, penalties, min_tokens, logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.sampler import SampleRequest, prompt_logprobs, sample
+
+
+def req(out=(), prompt=(), seed=None, **kw):
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SampleRequest(SamplingParams(**kw), list(prompt), list(out), gen)
+
+
+def test_greedy_picks_argmax_and_reports_raw_logprob_rank_and_top_k():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    [r] = sample(logits, [req(temperature=0.0, logprobs=2)], [[]])
+    assert r.token_id == 1 and r.rank == 1
+    raw = torch.log_softmax(logits[0], -1)
+    assert math.isclose(r.logprob, float(raw[1]), rel_tol=1e-6)
+    assert [t for t, _ in r.top_logprobs] == [1, 3]
+
+
+def test_logprobs_are_raw_even_with_penalties_and_bias():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    [r] = sample(logits, [req(temperature=0.0, logprobs=0, logit_bias={2: 10.0})], [[]])
+    assert r.token_id == 2
+    assert math.isclose(r.logprob, float(torch.log_softmax(logits[0], -1)[2]), rel_tol=1e-6)
+    assert r.rank == 3
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy_and_min_p_drops_the_tail():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
+    for kw in (dict(top_k=1), dict(top_p=0.01)):
+        toks = {sample(logits, [req(temperature=1.0, seed=s, **kw)], [[]])[0].token_id
+                for s in range(20)}
+        assert toks == {1}, kw
+    toks = {sample(logits, [req(temperature=1.0, seed=s, min_p=0.5)], [[]])[0].token_id
+            for s in range(40)}
+    assert toks == {1, 3}
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 1.0]])
+    [r] = sample(logits, [req(temperature=0.0, min_tokens=2, out=[2])], [[1]])
+    assert r.token_id != 1
+    [r] = sample(logits, [req(temperature=0.0, min_tokens=2, out=[2, 2])], [[1]])
+    assert r.token_id == 1
+
+
+def test_repetition_frequency_and_presence_penalties_demote_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    assert sample(logits, [req(temperature=0.0, repetition_penalty=1.5, prompt=[0])],
+                  [[]])[0].token_id == 1
+    assert sample(logits, [req(temperature=0.0, frequency_penalty=0.2, out=[0])],
+                  [[]])[0].token_id == 1
+    assert sample(logits, [req(temperature=0.0, presence_penalty=0.2, out=[0])],
+                  [[]])[0].token_id == 1
+    assert sample(logits, [req(temperature=0.0)], [[]])[0].token_id == 0
+
+
+def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    a = sample(logits, [req(temperature=1.0), req(temperature=1.0, seed=5),
+                        req(temperature=1.0)], [[]] * 3)[1].token_id
+    b = sample(logits[1:2], [req(temperature=1.0, seed=5)], [[]])[0].token_id
+    assert a == b
+
+
+def test_prompt_logprobs_give_target_logprob_rank_and_top_k():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = prompt_logprobs(logits, [2, 0], 1)
+    lp = torch.log_softmax(logits, -1)
+    assert out[0][1] == 2 and math.isclose(out[0][0], float(lp[0, 2]), rel_tol=1e-6)
+    assert out[1][1] == 1 and out[0][2][0][0] == 1
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_sampling_follows_the_distribution(temperature):
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    gen = torch.Generator().manual_seed(0)
+    counts = [0, 0, 0]
+    params = SamplingParams(temperature=temperature)
+    for _ in range(2000):
+        r = sample(logits, [SampleRequest(params, [], [], gen)], [[]])[0]
+        counts[r.token_id] += 1
+    p = torch.softmax(logits[0] / temperature, -1)
+    for c, expected in zip(counts, p.tolist()):
+        assert abs(c / 2000 - expected) < 0.04
