@@ -14,7 +14,9 @@ class EngineArgs:
     """Everything that configures an engine. Names follow vLLM's where vLLM has them.
 
     `model=None` runs the embedded Gemma 3 270M. `kv_cache_memory` is the KV budget in bytes
-    (default 2 GiB on CPU); `num_kv_blocks` overrides it with an exact block count.
+    (default 2 GiB on CPU); `num_kv_blocks` overrides it with an exact block count. Preempted
+    requests are recovered by `preemption_mode` ("recompute" | "swap" | "auto") through a CPU
+    swap pool of `swap_space` GiB (`num_cpu_blocks` overrides it).
     """
 
     model: str | None = None
@@ -29,7 +31,10 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0
+    num_cpu_blocks: int | None = None
     max_logprobs: int = 20
     # Testing aid: randomise the order of the free block list (outputs must not change).
     shuffle_free_blocks_seed: int | None = None
@@ -49,6 +54,14 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}"
+            )
+        if not (self.swap_space >= 0 and self.swap_space < float("inf")):
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

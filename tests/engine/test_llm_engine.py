@@ -81,14 +81,17 @@ def test_sequence_holds_ceil_prompt_blocks_and_gains_one_when_last_fills(checkpo
         assert blocks == math.ceil(computed / 4)
 
 
-def test_forced_preemption_gives_unconstrained_outputs_and_empties_the_pool(checkpoints):
+def test_forced_preemption_by_recomputation_gives_unconstrained_outputs_and_empties_the_pool(
+    checkpoints,
+):
     path = str(checkpoints("qwen3"))
     prompts = prompts_of_lengths([6, 11, 3, 14, 9, 5, 12, 8], seed=3)
     params = greedy(20)
     ref = run(LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22), prompts, params)
-    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=14)
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=14,
+              preemption_mode="recompute")
     outs = run(llm, prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.preemptions_by_mode["recompute"] > 0
     for a, b in zip(outs, ref):
         assert_tie_rule(ours_as_pairs(a), ours_as_pairs(b))
     assert llm.engine.num_used_blocks() == 0
@@ -135,7 +138,7 @@ def test_request_that_cannot_grow_in_an_empty_cache_finishes_with_length(checkpo
 def test_budget_below_max_model_len_without_chunked_prefill_is_rejected(checkpoints):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(str(checkpoints("llama")), dtype="float32", max_model_len=256,
-            max_num_batched_tokens=128)
+            max_num_batched_tokens=128, enable_chunked_prefill=False)
 
 
 def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(checkpoints):

@@ -31,12 +31,23 @@ class KVCacheManager:
     are allocated only when a sequence needs slots beyond its last block (never ahead of time).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, shuffle_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        shuffle_seed: int | None = None,
+        num_cpu_blocks: int = 0,
+    ) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in [1, 256], got {block_size}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed)
         self.tables: dict[int, BlockTable] = {}
+        # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self.cpu_tables: dict[int, BlockTable] = {}
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -105,27 +116,86 @@ class KVCacheManager:
         self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens)
 
     def free(self, seq_id: int) -> None:
-        """Release every block of a sequence (no-op if it holds none)."""
+        """Release every block of a sequence, on the device and in the swap pool (no-op if it
+        holds none)."""
         table = self.tables.pop(seq_id, None)
-        if table is None:
-            return
-        # Free from the last block so that a sequence's blocks return to the pool tail in order.
-        for block in reversed(table.blocks):
-            self.pool.decref(block)
+        if table is not None:
+            # Free from the last block so that a sequence's blocks return to the pool tail in order.
+            for block in reversed(table.blocks):
+                self.pool.decref(block)
+        cpu_table = self.cpu_tables.pop(seq_id, None)
+        if cpu_table is not None:
+            for block in reversed(cpu_table.blocks):
+                self.cpu_pool.decref(block)
+
+    # --- swapping ----------------------------------------------------------------------------
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free if self.cpu_pool else 0
+
+    def num_distinct_blocks(self, seq_ids: list[int], cpu: bool = False) -> int:
+        """Distinct physical blocks held by these sequences (a block shared inside counts once)."""
+        tables = self.cpu_tables if cpu else self.tables
+        return len({b for s in seq_ids if s in tables for b in tables[s].blocks})
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return self.num_distinct_blocks(seq_ids) <= self.num_free_cpu_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move these sequences' tables to the CPU pool; returns (device, cpu) block pairs to copy.
+
+        NOTE: a block shared inside the group is copied once and stays shared on the CPU; the
+        group's device references are dropped (a block another holder keeps stays on the device).
+        """
+        return self._move(seq_ids, self.tables, self.pool, self.cpu_tables, self.cpu_pool)
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back to device blocks; returns (cpu, device) pairs to copy."""
+        return self._move(seq_ids, self.cpu_tables, self.cpu_pool, self.tables, self.pool)
+
+    @staticmethod
+    def _move(seq_ids, src_tables, src_pool, dst_tables, dst_pool) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = src_tables.pop(seq_id, None)
+            if table is None:
+                continue
+            new_blocks = []
+            for block in table.blocks:
+                if block in mapping:
+                    dst_pool.incref(mapping[block])
+                else:
+                    mapping[block] = dst_pool.allocate()
+                new_blocks.append(mapping[block])
+                src_pool.decref(block)
+            dst_tables[seq_id] = BlockTable(new_blocks, table.num_tokens)
+        return list(mapping.items())
 
     # --- checks ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise AssertionError-free RuntimeError if the pool and the tables disagree."""
-        holders = [0] * self.pool.num_blocks
-        for seq_id, table in self.tables.items():
+        """Raise RuntimeError if a pool and its tables disagree (reference counts equal holders,
+        a block is free exactly when nobody holds it, tables cover their slots)."""
+        self._check(self.pool, self.tables, "device")
+        if self.cpu_pool is not None:
+            self._check(self.cpu_pool, self.cpu_tables, "cpu")
+        both = set(self.tables) & set(self.cpu_tables)
+        if both:
+            raise RuntimeError(f"sequences {sorted(both)} are both on the device and swapped")
+
+    def _check(self, pool: BlockPool, tables: dict[int, BlockTable], where: str) -> None:
+        holders = [0] * pool.num_blocks
+        for seq_id, table in tables.items():
             if len(table.blocks) != cdiv(table.num_tokens, self.block_size):
-                raise RuntimeError(f"sequence {seq_id}: {len(table.blocks)} blocks for "
+                raise RuntimeError(f"{where} sequence {seq_id}: {len(table.blocks)} blocks for "
                                    f"{table.num_tokens} slots")
             for block in table.blocks:
                 holders[block] += 1
-        for block, count in enumerate(self.pool.ref_counts):
+        for block, count in enumerate(pool.ref_counts):
             if count != holders[block]:
-                raise RuntimeError(f"block {block}: ref count {count}, held by {holders[block]}")
-            if (count == 0) != self.pool.is_free(block):
-                raise RuntimeError(f"block {block}: ref count {count} but free={self.pool.is_free(block)}")
+                raise RuntimeError(f"{where} block {block}: ref count {count}, "
+                                   f"held by {holders[block]}")
+            if (count == 0) != pool.is_free(block):
+                raise RuntimeError(f"{where} block {block}: ref count {count} but "
+                                   f"free={pool.is_free(block)}")

@@ -10,6 +10,7 @@ sequences), its blocks freed, and it goes back to the front of the waiting queue
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,19 +18,35 @@ from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step."""
+    """Limits of one step, and how preempted requests are recovered.
+
+    `preemption_mode="auto"` swaps a group when the estimated swap time (out and back in:
+    `2 * blocks * swap_seconds_per_block`) is below the estimated recompute time
+    (`tokens * recompute_seconds_per_token`); the engine derives both figures from the model and
+    the device. Every mode falls back to recomputation when the CPU pool is full.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     enable_chunked_prefill: bool = False
+    preemption_mode: str = "recompute"
+    swap_seconds_per_block: float = 0.0
+    recompute_seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
@@ -75,6 +92,11 @@ class SchedulerOutput:
     """What one step computes, handed to the model runner."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
+    # NOTE: the worker applies these in this order, before the forward pass: swap out (device ->
+    # cpu), swap in (cpu -> device), then copy-on-write copies. A block freed by a swap-out may be
+    # handed to another sequence in the same step; its contents are saved first.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
     # Requests that ended since the last step: the runner drops their per-request state.
@@ -92,15 +114,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler over a `KVCacheManager`; see the module docstring."""
+    """FCFS continuous-batching scheduler over a `KVCacheManager`; see the module docstring.
+
+    Queues: `waiting` (new, and preempted-by-recomputation at the front), `running` (sorted by
+    arrival), `swapped` (preempted by swapping, sorted by arrival).
+    """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.preemptions_by_mode = {"recompute": 0, "swap": 0}
 
     # --- queue management --------------------------------------------------------------------
 
@@ -110,7 +138,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is, free its blocks, mark its sequences aborted."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
@@ -136,7 +164,7 @@ class Scheduler:
         return done
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running_seqs(self) -> int:
@@ -150,63 +178,96 @@ class Scheduler:
     # --- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's tokens; allocate their blocks; preempt when the pool runs dry."""
+        """Choose this step's tokens; allocate their blocks; preempt when the pool runs dry.
+
+        Order: decode tokens of running requests first (so that a long prompt never stalls every
+        stream), then prompt chunks of running requests, then swapped requests coming back, then
+        new requests (only when nothing is swapped out and nothing was preempted this step).
+        """
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
+        step = _Step(self.config.max_num_batched_tokens)
 
-        # 1. Running requests, oldest first.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            group = self.running[i]
-            plan = self._plan(group, budget, chunked)
-            if plan is None:  # only without chunked prefill: the prompt must go whole
-                break
-            while not self._fits(plan):
-                victim = self.running[-1]
-                if victim is group and i == 0:
-                    # Alone in the cache and still no room: it can never grow.
-                    self.running.pop()
-                    for seq in group.unfinished_seqs():
-                        self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-                    self._release(group)
-                    out.length_capped.append(group)
-                    plan = None
-                    break
-                self._preempt(self.running.pop())
-                out.preempted.append(victim)
-                if victim is group:
-                    plan = None
-                    break
-            if plan is None:
-                if group not in self.running:
-                    continue  # preempted or capped: the next group now sits at index i
-                break
-            budget -= self._commit(plan, group, out)
-            i += 1
+        decoding = [g for g in self.running if self._is_decoding(g)]
+        prefilling = [g for g in self.running if not self._is_decoding(g)]
+        for group in decoding + prefilling:
+            if group in self.running and step.budget > 0:
+                self._schedule_running(group, step, out)
 
-        # 2. New (or preempted) requests, FCFS, only if nobody was preempted this step.
-        num_seqs = sum(len(g.unfinished_seqs()) for g in self.running)
-        while self.waiting and not out.preempted and budget > 0:
+        while self.swapped and not out.preempted and step.budget > 0:
+            group = self.swapped[0]
+            seq_ids = [s.seq_id for s in group.unfinished_seqs()]
+            plan = self._plan(group, step.budget)
+            need = self._blocks_to_swap_in(plan) if plan else 0
+            if (plan is None or need > self.kv.num_free_blocks
+                    or self._num_seqs() + len(seq_ids) > self.config.max_num_seqs):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.kv.swap_in(seq_ids))
+            self._set_running(group)
+            self._commit(plan, group, step, out)
+
+        while self.waiting and not self.swapped and not out.preempted and step.budget > 0:
             group = self.waiting[0]
             seqs = group.unfinished_seqs()
-            if num_seqs + len(seqs) > self.config.max_num_seqs:
+            if self._num_seqs() + len(seqs) > self.config.max_num_seqs:
                 break
-            plan = self._plan(group, budget, chunked)
+            plan = self._plan(group, step.budget)
             if plan is None or not self._fits(plan):
                 break
             self.waiting.popleft()
-            self.running.append(group)
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            num_seqs += len(seqs)
-            budget -= self._commit(plan, group, out)
+            self._set_running(group)
+            self._commit(plan, group, step, out)
         return out
 
-    def _plan(self, group: SequenceGroup, budget: int, chunked: bool):
+    def _schedule_running(self, group: SequenceGroup, step: "_Step", out: SchedulerOutput) -> None:
+        plan = self._plan(group, step.budget)
+        if plan is None:
+            return
+        while not self._fits(plan):
+            victim = self.running[-1]
+            if victim is group and len(self.running) == 1:
+                # Alone in the cache and still no room: it can never grow.
+                self.running.pop()
+                for seq in group.unfinished_seqs():
+                    self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+                self._release(group)
+                out.length_capped.append(group)
+                return
+            self.running.pop()
+            step.unschedule(victim, out)
+            self._preempt(victim, out)
+            if victim is group:
+                return
+        self._commit(plan, group, step, out)
+
+    def _blocks_to_swap_in(self, plan) -> int:
+        """Device blocks a swapped group needs to come back and run `plan`: its distinct CPU
+        blocks, the blocks its new tokens fill, and one copy-on-write block per sequence (an
+        upper bound)."""
+        seq_ids = [seq.seq_id for seq, _, _ in plan]
+        grow = sum(
+            max(0, cdiv(end, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id].blocks)) + 1
+            for seq, _, end in plan
+        )
+        return self.kv.num_distinct_blocks(seq_ids, cpu=True) + grow
+
+    def _is_decoding(self, group: SequenceGroup) -> bool:
+        return all(s.num_tokens - s.num_computed_tokens == 1 for s in group.unfinished_seqs())
+
+    def _num_seqs(self) -> int:
+        return sum(len(g.unfinished_seqs()) for g in self.running)
+
+    def _set_running(self, group: SequenceGroup) -> None:
+        for seq in group.unfinished_seqs():
+            seq.status = SequenceStatus.RUNNING
+        # NOTE: `running` stays sorted by arrival: the victim of a preemption is its last entry.
+        bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+
+    def _plan(self, group: SequenceGroup, budget: int):
         """(seq, start, end) for each unfinished sequence of the group within `budget`, or None
         if the group cannot be scheduled this step."""
+        chunked = self.config.enable_chunked_prefill
         plan = []
         for seq in group.unfinished_seqs():
             start = seq.num_computed_tokens
@@ -222,26 +283,71 @@ class Scheduler:
         need = sum(self.kv.num_new_blocks(seq.seq_id, end) for seq, _, end in plan)
         return need <= self.kv.num_free_blocks
 
-    def _commit(self, plan, group: SequenceGroup, out: SchedulerOutput) -> int:
-        used = 0
+    def _commit(self, plan, group: SequenceGroup, step: "_Step", out: SchedulerOutput) -> None:
         for seq, start, end in plan:
-            out.blocks_to_copy.extend(self.kv.allocate_slots(seq.seq_id, end))
+            copies = self.kv.allocate_slots(seq.seq_id, end)
+            out.blocks_to_copy.extend(copies)
             out.scheduled.append(
                 ScheduledSequence.make(group, seq, start, end, self.kv.block_table(seq.seq_id))
             )
-            used += end - start
-        return used
+            step.record(group, end - start)
 
-    def _preempt(self, group: SequenceGroup) -> None:
-        """Evict a whole group by recomputation: free its blocks, requeue it at the front."""
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Evict a whole group: swap its blocks to the CPU pool when the mode says so and the
+        pool has room, else drop them and requeue it for recomputation at the front."""
+        seq_ids = [s.seq_id for s in group.unfinished_seqs()]
         for seq in group.seqs:
-            self.kv.free(seq.seq_id)
-            if not seq.is_finished:
-                seq.num_computed_tokens = 0
-                seq.status = SequenceStatus.WAITING
+            if seq.is_finished:
+                self.kv.free(seq.seq_id)
         group.num_preemptions += 1
         self.num_preemptions += 1
+        out.preempted.append(group)
+        if self._should_swap(group, seq_ids):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(seq_ids))
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
+            self.preemptions_by_mode["swap"] += 1
+            return
+        for seq in group.unfinished_seqs():
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(group)
+        self.preemptions_by_mode["recompute"] += 1
 
-    def blocks_needed_for_prompt(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.kv.block_size)
+    def _should_swap(self, group: SequenceGroup, seq_ids: list[int]) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(seq_ids):
+            return False
+        if mode == "swap":
+            return True
+        blocks = self.kv.num_distinct_blocks(seq_ids)
+        tokens = sum(s.num_computed_tokens for s in group.unfinished_seqs())
+        swap_cost = 2 * blocks * self.config.swap_seconds_per_block
+        return swap_cost < tokens * self.config.recompute_seconds_per_token
+
+
+class _Step:
+    """Book-keeping of the step being scheduled, so that a preempted victim that was already
+    scheduled this step can be taken out again."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._used: dict[str, int] = {}
+
+    def record(self, group: SequenceGroup, num_tokens: int) -> None:
+        self.budget -= num_tokens
+        self._used[group.request_id] = self._used.get(group.request_id, 0) + num_tokens
+
+    def unschedule(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        used = self._used.pop(group.request_id, 0)
+        if not used:
+            return
+        self.budget += used
+        mine = {id(s) for s in group.seqs}
+        dropped = [s for s in out.scheduled if id(s.seq) in mine]
+        out.scheduled = [s for s in out.scheduled if id(s.seq) not in mine]
+        # Its copy-on-write targets are about to be freed: no copy needed.
+        targets = {b for s in dropped for b in s.block_table}
+        out.blocks_to_copy = [p for p in out.blocks_to_copy if p[1] not in targets]

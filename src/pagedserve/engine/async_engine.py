@@ -209,6 +209,15 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def accepting(self) -> bool:
+        """True while new requests are accepted (started, not shutting down, not crashed)."""
+        return self.is_running and not self._closing
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
@@ -447,8 +456,6 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._tracked[out.request_id]
                 finished.append(self._finished_record(out, tracked, now))
-        if deliveries:
-            self._call_in_loop(self._deliver, deliveries)
         totals = self._engine_totals()
         prev, self._prev_totals = self._prev_totals, totals
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager
@@ -465,6 +472,10 @@ class AsyncLLMEngine:
                 listener.on_request_finished(record)
         if self._log_line is not None:
             self._log_line.on_step(stats)
+        # NOTE: after the listeners, so that a caller holding an output sees metrics that
+        # already count it.
+        if deliveries:
+            self._call_in_loop(self._deliver, deliveries)
 
     @staticmethod
     def _finished_record(out: RequestOutput, tracked: _Tracked, now: float):

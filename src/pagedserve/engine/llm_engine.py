@@ -24,7 +24,12 @@ from pagedserve.models.source import resolve_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedserve.worker.kv_cache import KVCache, num_blocks_for_budget
+from pagedserve.worker.kv_cache import (
+    KVCache,
+    bytes_per_block,
+    num_blocks_for_budget,
+    preemption_costs,
+)
 from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
 
 logger = logging.getLogger(__name__)
@@ -68,21 +73,34 @@ class LLMEngine:
             )
         chunked = args.enable_chunked_prefill
         batched = args.max_num_batched_tokens or (2048 if chunked else max(self.max_model_len, 2048))
+        spec = self.model.kv_cache_spec
+        block_bytes = bytes_per_block(spec, args.block_size, self.dtype)
+        swap_s, recompute_s = preemption_costs(self.model, block_bytes, self.device)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=batched,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=chunked,
+            preemption_mode=args.preemption_mode,
+            swap_seconds_per_block=swap_s,
+            recompute_seconds_per_token=recompute_s,
         )
-        spec = self.model.kv_cache_spec
         self.num_kv_blocks = args.num_kv_blocks or num_blocks_for_budget(
             spec, args.block_size, self.dtype, args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         )
+        self.num_cpu_blocks = (
+            args.num_cpu_blocks if args.num_cpu_blocks is not None
+            else int(args.swap_space * 1024**3) // block_bytes
+        )
+        if args.preemption_mode == "recompute":
+            self.num_cpu_blocks = 0
         self.kv_manager = KVCacheManager(
-            self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed
+            self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
+            num_cpu_blocks=self.num_cpu_blocks,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
-        self.kv_cache = KVCache(spec, self.num_kv_blocks, args.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(spec, self.num_kv_blocks, args.block_size, self.dtype, self.device,
+                                num_cpu_blocks=self.num_cpu_blocks)
         self.runner = ModelRunner(
             self.model, self.kv_cache, device=self.device,
             stop_token_ids_for_min_tokens=self.eos_token_ids,
@@ -330,6 +348,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_usage": self.kv_manager.usage(),
+            "swapped": len(self.scheduler.swapped),
             "preemptions": self.scheduler.num_preemptions,
         }
 

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: `generate` and `bench throughput`."""
+"""The `pagedserve` command: `generate`, `serve`, `bench throughput` and `bench serve`."""
 
 from __future__ import annotations
 
@@ -48,12 +48,64 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    for name in ("max_n", "max_queued_requests"):
+        if getattr(args, name) < (1 if name == "max_n" else 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= "
+                             f"{1 if name == 'max_n' else 0}, got {getattr(args, name)}")
+    from pagedserve.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_kind == "throughput":
         from pagedserve.bench.throughput import main
 
         return main(args)
+    if args.bench_kind == "serve":
+        from pagedserve.bench.serve import main
+
+        return main(args)
     raise ValueError(f"unknown benchmark {args.bench_kind!r}")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Server options of `pagedserve serve` (the engine's come from `add_engine_args`)."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF folder, GGUF file or hub id (default: the embedded Gemma 3 270M)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $PAGEDSERVE_API_KEY, else none)")
+    p.add_argument("--no-protect-metrics", action="store_true",
+                   help="leave /metrics open when --api-key is set")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the model's name); the first is "
+                        "the one reported in responses")
+    p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--max-queued-requests", type=int, default=4096,
+                   help="requests waiting to start beyond which new ones get 503 + Retry-After")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between stats log lines while busy (0: off)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-access-log", action="store_true")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
+                   help="seconds to wait for connections to close on SIGINT/SIGTERM")
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The seeded ShareGPT-like trace's options (shared by the benchmarks)."""
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-mean", type=float, default=161.0)
+    p.add_argument("--output-len-mean", type=float, default=128.0)
+    p.add_argument("--output-len-fixed", type=int, default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,13 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_kind", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput on a seeded trace")
-    tp.add_argument("--num-prompts", type=int, default=64)
-    tp.add_argument("--input-len-mean", type=float, default=161.0)
-    tp.add_argument("--output-len-mean", type=float, default=128.0)
-    tp.add_argument("--output-len-fixed", type=int, default=None)
+    add_trace_args(tp)
     tp.add_argument("--baseline", choices=["none", "hf"], default="none")
     add_engine_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
+
+    from pagedserve.bench.serve import add_bench_serve_args
+
+    bs = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-"
+                                            "compatible server (ours or a peer)")
+    add_trace_args(bs)
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=cmd_bench, num_prompts=32)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

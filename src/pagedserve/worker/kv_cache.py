@@ -26,6 +26,27 @@ def num_blocks_for_budget(
     return int(n)
 
 
+# Rough device figures for preemption_mode="auto" (see `preemption_costs`).
+_DEVICE_FIGURES = {
+    # copy bandwidth between the pools (B/s), fixed cost per block moved (s), compute (FLOP/s)
+    "cpu": (10e9, 2e-6, 1e11),
+    "cuda": (20e9, 10e-6, 2e14),
+}
+
+
+def preemption_costs(model: torch.nn.Module, block_bytes: int, device: torch.device):
+    """(seconds to move one block one way, seconds to recompute one token) for `auto` preemption.
+
+    Moving a block costs its bytes over the pool-to-pool bandwidth plus a fixed per-block cost
+    (the paper's small-transfer overhead); recomputing a token costs ~2 FLOPs per parameter. On
+    CPU recomputation is far dearer than a host memory copy, so `auto` swaps; over PCIe the two
+    come close at small block sizes, as in the paper's ablation.
+    """
+    bandwidth, per_block, flops = _DEVICE_FIGURES["cuda" if device.type == "cuda" else "cpu"]
+    num_params = sum(p.numel() for p in model.parameters())
+    return block_bytes / bandwidth + per_block, 2.0 * num_params / flops
+
+
 class KVCache:
     """Per layer one K and one V tensor of `[num_blocks + 1, block_size, num_kv_heads, head_dim]`.
 
@@ -40,6 +61,7 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
@@ -51,6 +73,15 @@ class KVCache:
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
+        # The CPU swap pool: the same block shape, in host memory (pinned when the device is CUDA).
+        self.num_cpu_blocks = num_cpu_blocks
+        pin = torch.device(device).type == "cuda"
+        cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+             torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(spec.num_layers)
+        ] if num_cpu_blocks else []
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every layer (copy-on-write), one batched op a tensor."""
@@ -60,6 +91,24 @@ class KVCache:
         for k, v in self.layers:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks, `(device, cpu)` pairs: one gather a tensor."""
+        self._transfer(pairs, self.layers, self.cpu_layers)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks, `(cpu, device)` pairs."""
+        self._transfer(pairs, self.cpu_layers, self.layers)
+
+    @staticmethod
+    def _transfer(pairs, src_layers, dst_layers) -> None:
+        src_dev, dst_dev = src_layers[0][0].device, dst_layers[0][0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
+        non_blocking = src_dev.type == "cuda" or dst_dev.type == "cuda"
+        for (sk, sv), (dk, dv) in zip(src_layers, dst_layers):
+            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
+            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
 
     def fill_blocks(self, blocks: list[int], value: float) -> None:
         """Overwrite blocks with a value (tests fill freed blocks with NaN to prove paging)."""

@@ -59,6 +59,11 @@ class ModelRunner:
         """Run one step; return one entry per scheduled sequence, in scheduled order."""
         for request_id in step.finished_request_ids:
             self.generators.pop(request_id, None)
+        # NOTE: this order matters; see SchedulerOutput.
+        if step.blocks_to_swap_out:
+            self.kv_cache.swap_out(step.blocks_to_swap_out)
+        if step.blocks_to_swap_in:
+            self.kv_cache.swap_in(step.blocks_to_swap_in)
         if step.blocks_to_copy:
             self.kv_cache.copy_blocks(step.blocks_to_copy)
         if not step.scheduled:

@@ -42,17 +42,26 @@ def paged_attention(
     n, b, hkv, _ = k_cache.shape
     flat_k = k_cache.view(n * b, hkv, head_dim)
     flat_v = v_cache.view(n * b, hkv, head_dim)
-    # One zero row at index T for padded queries.
-    q_padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)], dim=0)  # [T+1, Hq, D]
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
         g, max_q = group.token_index.shape
-        q = q_padded[group.token_index].transpose(1, 2)  # [G, Hq, Q, D]
-        k = flat_k[group.kv_slots].transpose(1, 2).to(query.dtype)  # [G, Hkv, L, D]
-        v = flat_v[group.kv_slots].transpose(1, 2).to(query.dtype)  # [G, Hkv, L, D]
+        g_len = group.kv_slots.shape[1]
+        slots = group.kv_slots.view(-1)
+        k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
+        v = flat_v.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
+        if max_q == 1:  # decode rows: one real query each, no padding
+            q = query.index_select(0, group.out_tokens).unsqueeze(2)  # [G, Hq, 1, D]
+        else:
+            # One zero row at index T stands in for padded queries.
+            q_padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])  # [T+1, Hq, D]
+            q = q_padded.index_select(0, group.token_index.view(-1))
+            q = q.view(g, max_q, num_heads, head_dim).transpose(1, 2)  # [G, Hq, Q, D]
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask(sliding_window), scale=scale, enable_gqa=hkv != num_heads
+            q, k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask(sliding_window),
+            scale=scale, enable_gqa=hkv != num_heads,
         )  # [G, Hq, Q, D]
         o = o.transpose(1, 2).reshape(g * max_q, num_heads, head_dim)  # [G*Q, Hq, D]
-        out[group.out_tokens] = o[group.out_index]
+        if max_q > 1:
+            o = o.index_select(0, group.out_index)
+        out.index_copy_(0, group.out_tokens, o)
     return out

@@ -1,0 +1,97 @@
+"""Micro-benchmark: torch's bf16 F.linear vs pagedserve's compiled CPU kernel for small M.
+
+    .venv/bin/python scripts/bench_gemv.py                 # Gemma 3 270M shapes, M in 1..32
+    .venv/bin/python scripts/bench_gemv.py --cold          # rotate weight copies (out of cache)
+    .venv/bin/python scripts/bench_gemv.py --algos avx512,amx --m 1,16
+
+Prints one row per (shape, M): effective weight bandwidth (N*K*2 bytes / time) of torch and of
+the kernel, and their ratio. Torch and the kernel are timed alternately in the same process
+(best of --repeats rounds), so machine noise hits both alike; figures are indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_gemm
+
+# (name, N, K) of Gemma 3 270M: LM head, q / k,v / o, gate,up / down
+SHAPES = [
+    ("lm_head", 262144, 640),
+    ("q_proj", 1024, 640),
+    ("kv_proj", 256, 640),
+    ("o_proj", 640, 1024),
+    ("gate_up", 2048, 640),
+    ("down", 640, 2048),
+]
+
+
+def _time(fn, weights, xs, min_time: float) -> float:
+    """Seconds per call: fn cycles through the weight copies until min_time has passed."""
+    fn(xs, weights[0])
+    n, i, t0 = 0, 0, time.perf_counter()
+    while True:
+        fn(xs, weights[i])
+        i = (i + 1) % len(weights)
+        n += 1
+        t = time.perf_counter() - t0
+        if t >= min_time:
+            return t / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default="1,2,4,8,16,32", help="comma-separated M values")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="shape names to run")
+    ap.add_argument("--algos", default="auto", help="kernel paths to time: auto,avx512,amx")
+    ap.add_argument("--cold", action="store_true", help="cycle weight copies (>= 512 MB) so reads miss cache")
+    ap.add_argument("--repeats", type=int, default=5, help="alternating rounds; the best is kept")
+    ap.add_argument("--min-time", type=float, default=0.1, help="seconds per timing round")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_gemm.kernel_available():
+        raise SystemExit("kernel unavailable here (see the warning above)")
+    algos = args.algos.split(",")
+    if "amx" in algos and not cpu_gemm.amx_available():
+        algos.remove("amx")
+    ms = [int(v) for v in args.m.split(",")]
+    wanted = set(args.shapes.split(","))
+    print(f"threads={torch.get_num_threads()} cold={args.cold} amx={cpu_gemm.amx_available()}")
+    head = f"{'shape':<8} {'N':>7} {'K':>5} {'M':>3} {'torch GB/s':>10}"
+    for a in algos:
+        head += f" {a + ' GB/s':>12} {'ratio':>6}"
+    print(head)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for name, n, k in SHAPES:
+            if name not in wanted:
+                continue
+            nbytes = n * k * 2
+            copies = max(1, (512 << 20) // nbytes) if args.cold else 1
+            weights = [torch.randn(n, k).to(torch.bfloat16) for _ in range(copies)]
+            for m in ms:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                fns = {"torch": lambda x, w: F.linear(x, w)}
+                for a in algos:
+                    fns[a] = lambda x, w, a=a: cpu_gemm._kernel_linear(x, w, algo=a)
+                best = {key: float("inf") for key in fns}
+                for _ in range(args.repeats):
+                    for key, fn in fns.items():
+                        best[key] = min(best[key], _time(fn, weights, x, args.min_time))
+                gbs = {key: nbytes / t / 1e9 for key, t in best.items()}
+                row = f"{name:<8} {n:>7} {k:>5} {m:>3} {gbs['torch']:>10.1f}"
+                for a in algos:
+                    row += f" {gbs[a]:>12.1f} {gbs[a] / gbs['torch']:>6.2f}"
+                print(row, flush=True)
+            del weights
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`pagedserve serve`): see `api_server.build_app`."""

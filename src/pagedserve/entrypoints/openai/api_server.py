@@ -1,0 +1,300 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, args)` (FastAPI) and `run_server(args)`
+(uvicorn, with graceful shutdown on SIGINT/SIGTERM).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version, POST /tokenize, POST /detokenize, GET /metrics. Every error is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`; request validation errors are 400s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+from argparse import Namespace
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedserve
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.openai.auth import APIKeyMiddleware
+from pagedserve.entrypoints.openai.errors import APIError, status_phrase
+from pagedserve.entrypoints.openai.metrics import ServerMetrics
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    VersionResponse,
+)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_engine import ServerSettings
+from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger("pagedserve.server")
+
+T = TypeVar("T", bound=BaseModel)
+
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
+
+
+def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSettings:
+    """ServerSettings from parsed CLI arguments (missing attributes take their defaults)."""
+    names = getattr(args, "served_model_name", None) or [engine.engine.source.name]
+    if isinstance(names, str):
+        names = [names]
+    api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
+    return ServerSettings(
+        served_model_names=list(names),
+        max_n=getattr(args, "max_n", 16),
+        api_key=api_key,
+        protect_metrics=not getattr(args, "no_protect_metrics", False),
+    )
+
+
+def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
+    """The FastAPI app serving `engine` (started by the app's lifespan, stopped at its end)."""
+    settings = settings_from_args(args, engine)
+    metrics = ServerMetrics(settings.model_name)
+    engine.add_listener(metrics)
+    completions = OpenAIServingCompletion(engine, settings)
+    chat = OpenAIServingChat(engine, settings)
+    tokenization = OpenAIServingTokenization(chat)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not engine.started:
+            engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.settings = settings
+    _add_error_handlers(app)
+    if settings.api_key:
+        open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
+                           open_paths=frozenset(open_paths))
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request):
+        request = await parse_body(raw, CompletionRequest)
+        return await respond(raw, completions.create(request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request):
+        request = await parse_body(raw, ChatCompletionRequest)
+        return await respond(raw, chat.create(request))
+
+    @app.get("/v1/models")
+    async def list_models():
+        llm = engine.engine
+        cards = [ModelCard(id=name, root=llm.source.name, max_model_len=llm.max_model_len)
+                 for name in settings.served_model_names]
+        return json_response(ModelList(data=cards))
+
+    @app.get("/health")
+    async def health():
+        if engine.errored:
+            return APIError("the engine has stopped after an error", 503).response()
+        if not engine.accepting:
+            return APIError("the server is not accepting requests", 503).response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return json_response(VersionResponse(version=pagedserve.__version__))
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return json_response(tokenization.tokenize(await parse_body(raw, TokenizeRequest)))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return json_response(tokenization.detokenize(await parse_body(raw, DetokenizeRequest)))
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+# --- request and response plumbing -------------------------------------------------------------
+
+
+async def parse_body(raw: Request, model: type[T]) -> T:
+    """The JSON body validated as `model`; 400 (not 422) naming the field otherwise."""
+    body = await raw.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"Invalid JSON in the request body: {e}", 400) from e
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object", 400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    if not errors:
+        return APIError("invalid request", 400)
+    loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None
+    messages = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return APIError("; ".join(messages), 400, param)
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+async def respond(raw: Request, handler) -> Response:
+    """Run a handler (its result: a response model, or an SSE iterator for streams) until it
+    finishes or the client disconnects; a disconnect cancels it, aborting its requests."""
+    result = await run_until_disconnect(raw, handler)
+    if result is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    if isinstance(result, BaseModel):
+        return json_response(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def run_until_disconnect(raw: Request, coro) -> Any:
+    """`await coro`, cancelled if the client disconnects first (then None).
+
+    NOTE: the body must have been read: after it, the ASGI `receive` only ever returns
+    `http.disconnect`.
+    """
+    handler = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        handler.cancel()
+        watcher.cancel()
+        raise
+    if handler.done():
+        watcher.cancel()
+        return handler.result()
+    handler.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await handler
+    return None
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(_: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
+        return APIError(detail, exc.status_code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        logger.exception("unhandled error", exc_info=exc)
+        return APIError(f"internal server error: {exc!r}", 500).response()
+
+
+# --- running -----------------------------------------------------------------------------------
+
+
+def run_server(args: Namespace) -> int:
+    """Load the model, serve it until SIGINT/SIGTERM, return the exit code (0 after a graceful
+    shutdown)."""
+    from pagedserve.config import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.entrypoints.cli import engine_kwargs
+
+    llm = LLMEngine(EngineArgs(model=args.model, **engine_kwargs(args)))
+    engine = AsyncLLMEngine(
+        llm, max_queued_requests=getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS),
+        log_stats_interval=getattr(args, "log_stats_interval", 10.0) or None,
+    )
+    app = build_app(engine, args)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, lifespan="on",
+        log_level=getattr(args, "uvicorn_log_level", "info"),
+        access_log=not getattr(args, "disable_access_log", False),
+        timeout_graceful_shutdown=getattr(args, "graceful_shutdown_timeout", 10),
+    )
+    server = GracefulServer(config, engine, app.state.settings.model_name)
+    server.run()
+    return 0 if server.started else 1
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus: on the first SIGINT/SIGTERM it ends the requests in flight (an
+    error chunk for streams, 503 otherwise) while uvicorn stops accepting connections, and it
+    exits normally afterwards instead of re-raising the signal (so the process exits 0)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.model_name = model_name
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            logger.info("pagedserve ready: model %r at http://%s:%d (OpenAI API under /v1)",
+                        self.model_name, self.config.host, self.config.port)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self._loop is not None:
+            logger.info("shutting down (signal %d): ending the requests in flight", sig)
+            self._loop.call_soon_threadsafe(self.engine.begin_shutdown)
+
+
+__all__ = ["GracefulServer", "build_app", "parse_body", "run_server"]

@@ -1,0 +1,42 @@
+"""`--api-key`: a pure ASGI middleware requiring `Authorization: Bearer KEY` on every route but
+the open ones (it wraps nothing else, so streaming and disconnect detection are untouched)."""
+
+from __future__ import annotations
+
+import hmac
+
+from pagedserve.entrypoints.openai.errors import APIError
+
+
+class APIKeyMiddleware:
+    """401 in OpenAI's error shape unless the bearer token equals the key (constant time)."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self.app = app
+        self._key = api_key.encode()
+        self.open_paths = open_paths
+
+    def authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        # NOTE: compare_digest runs in time independent of where the tokens differ; both
+        # arguments are always compared, even when the scheme is wrong.
+        same = hmac.compare_digest(token.strip(), self._key)
+        return same and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        header = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                header = value
+                break
+        if self.authorized(header):
+            await self.app(scope, receive, send)
+            return
+        error = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                         headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)

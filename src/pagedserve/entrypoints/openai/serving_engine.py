@@ -1,0 +1,210 @@
+"""What completions and chat share: the model name check, refused and ignored fields, sampling
+parameters from a request, length checks, and submitting requests to the async engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineShutdownError,
+    QueueFullError,
+    RequestStream,
+)
+from pagedserve.entrypoints.openai.chat_template import default_chat_format
+from pagedserve.entrypoints.openai.errors import APIError, bad_request
+from pagedserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, SamplingFields
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve.server")
+
+
+@dataclass
+class ServerSettings:
+    """Server-level options (the engine's own are in EngineArgs)."""
+
+    served_model_names: list[str]
+    max_n: int = 16
+    api_key: str | None = None
+    protect_metrics: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids and, when known, its text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    request_fields: frozenset[str] = frozenset()
+
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        llm = engine.engine
+        self.max_model_len = llm.max_model_len
+        self.vocab_size = llm.vocab_size
+        self.max_logprobs = llm.args.max_logprobs
+        self.model_name = settings.model_name
+        self.chat_format = default_chat_format(self.tokenizer)
+
+    # --- request checks -----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def check_fields(self, request: SamplingFields) -> None:
+        """400 for a known field whose feature the engine lacks; warn about unknown ones."""
+        data = {**dict(request), **(request.model_extra or {})}
+        for name, (in_use, message) in UNSUPPORTED_FIELDS.items():
+            if name in data and in_use(data[name]):
+                raise APIError(f"{name}: {message}", 400, name)
+        ignored = [f for f in request.ignored_fields() if f not in UNSUPPORTED_FIELDS]
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           ignored)
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(f"{param} must not be empty", 400, param)
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise APIError(
+                    f"{param}: token id {t} is outside the vocabulary [0, {self.vocab_size})",
+                    400, param,
+                )
+
+    def sampling_params(self, request: SamplingFields, *, max_tokens: int | None,
+                        logprobs: int | None, logprobs_param: str = "logprobs",
+                        extra_stop_token_ids: list[int] | None = None) -> SamplingParams:
+        """SamplingParams for a request (max_tokens may be None: resolved per prompt)."""
+        n = 1 if request.n is None else request.n
+        if n > self.settings.max_n:
+            raise APIError(f"n must be at most {self.settings.max_n} (--max-n), got {n}", 400, "n")
+        if request.best_of is not None and request.best_of > n:
+            where = " with stream" if request.stream else ""
+            raise APIError(
+                f"best_of > n is not supported{where} (got best_of={request.best_of}, n={n}): "
+                "this engine returns every sequence it generates", 400, "best_of",
+            )
+        for name, value in ((logprobs_param, logprobs), ("prompt_logprobs",
+                                                          request.prompt_logprobs)):
+            if value is not None and value > self.max_logprobs:
+                raise APIError(
+                    f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {value}",
+                    400, name,
+                )
+        try:
+            return SamplingParams(
+                n=n,
+                best_of=request.best_of,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=_default(request.repetition_penalty, 1.0),
+                temperature=_default(request.temperature, 1.0),
+                top_p=_default(request.top_p, 1.0),
+                top_k=_default(request.top_k, 0),
+                min_p=_default(request.min_p, 0.0),
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=list(request.stop_token_ids or []) + list(
+                    extra_stop_token_ids or []),
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=request.prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=request.logit_bias,
+            )
+        except ValueError as e:
+            raise bad_request(e, set(self.request_fields),
+                              {"logprobs": logprobs_param}) from e
+
+    def for_prompt(self, params: SamplingParams, prompt_len: int, *, prompt_param: str,
+                   max_tokens_param: str) -> SamplingParams:
+        """`params` with max_tokens resolved for a prompt; 400 when they exceed max_model_len."""
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if prompt_len >= limit:
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens. However, the "
+                    f"prompt is {prompt_len} tokens long, which leaves no room for a completion.",
+                    400, prompt_param,
+                )
+            params = params.clone()
+            params.max_tokens = limit - prompt_len
+        elif prompt_len + params.max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the "
+                "prompt or completion.", 400,
+                max_tokens_param if prompt_len < limit else prompt_param,
+            )
+        return params
+
+    # --- submitting ---------------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompts: list[Prompt],
+                     params: list[SamplingParams], *, prompt_param: str) -> list[RequestStream]:
+        """Add one engine request per prompt, concurrently; return their streams once all were
+        accepted, or abort them all and raise an APIError."""
+        calls = [
+            self.engine.add_request(
+                f"{request_id}-{i}" if len(prompts) > 1 else request_id,
+                p.text, sp, prompt_token_ids=p.token_ids,
+            )
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            return list(results)
+        for r in results:
+            if isinstance(r, RequestStream):
+                r.close()
+        raise self.engine_error(errors[0], prompt_param)
+
+    def engine_error(self, exc: BaseException, prompt_param: str = "prompt") -> BaseException:
+        """The APIError for an exception from the async engine (others are returned as is)."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, QueueFullError):
+            return APIError(str(exc), 503, headers={"Retry-After": str(exc.retry_after)})
+        if isinstance(exc, (EngineShutdownError, EngineDeadError)):
+            return APIError(str(exc), 503)
+        if isinstance(exc, ValueError):
+            return bad_request(exc, set(self.request_fields) | {prompt_param},
+                               {"prompt": prompt_param})
+        return exc
+
+
+def _default(value, default):
+    return default if value is None else value

@@ -1,0 +1,197 @@
+"""Compiled BF16 skinny-matrix product for small batches on CPU (decode-time linear layers).
+
+`bf16_linear(x, weight, bias, out_dtype)` computes `x @ weight.T (+ bias)` like
+`torch.nn.functional.linear`, but for bf16 inputs with few rows (M = x rows <= `MAX_M`) it runs our
+AVX512_BF16 / AMX kernel (csrc/bf16_gemv.cpp), which reads the weight at close to memory bandwidth;
+torch's own bf16 GEMV on CPU reaches about half of it. Everything else goes to torch.
+
+The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached under
+`$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
+no compiler, a build error, a CPU without AVX512_BF16 -- logs one warning and leaves every call on
+torch's path. Set `PAGEDSERVE_DISABLE_CPU_KERNELS=1` to never build or use it (read on every call).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
+
+# Largest M (rows of x, all leading dims flattened) sent to the kernel; above it torch's GEMM,
+# which re-uses each weight tile across many rows, is as fast or faster. From scripts/bench_gemv.py.
+MAX_M = 32
+
+_SOURCE = Path(__file__).with_name("csrc") / "bf16_gemv.cpp"
+_EXT_NAME = "pagedserve_bf16_gemv"
+
+# The lazily built extension: None = not tried yet, False = unavailable (already warned),
+# else the bound `torch.ops.pagedserve_cpu.bf16_linear.default` op.
+_kernel = None
+_kernel_lock = threading.Lock()
+
+# algo codes understood by the C++ op
+_ALGOS = {"auto": 0, "avx512": 1, "amx": 2}
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build():
+    """Compile and load the extension; returns the op or raises with the reason."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
+    if "avx512_bf16" not in _cpu_flags():
+        raise RuntimeError("the CPU lacks AVX512_BF16")
+    from torch.utils import cpp_extension
+
+    t0 = time.perf_counter()
+    # NOTE: no -march / -mavx512 flags: the AVX-512 and AMX code carries target attributes, so
+    # nothing compiled for the whole file (static init, feature probing) can use them by accident.
+    # -fopenmp is required: at::parallel_for is a header template over `#pragma omp parallel`;
+    # libgomp then resolves to the copy torch has already loaded (same soname).
+    cpp_extension.load(
+        name=_EXT_NAME,
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    avx512bf16, amx = torch.ops.pagedserve_cpu.features()
+    if not avx512bf16:
+        raise RuntimeError("the CPU (or OS) does not enable AVX512_BF16")
+    logger.info(
+        "built CPU bf16 GEMV kernel in %.1f s (AMX %s)", time.perf_counter() - t0, "on" if amx else "off"
+    )
+    return torch.ops.pagedserve_cpu.bf16_linear.default
+
+
+def _get_kernel():
+    """The op, building it on first call (thread-safe); None when disabled or unavailable."""
+    global _kernel
+    if _disabled():
+        return None
+    k = _kernel
+    if k is None:
+        with _kernel_lock:
+            if _kernel is None:
+                try:
+                    _kernel = _build()
+                except Exception as e:  # noqa: BLE001 -- any failure means: use torch
+                    logger.warning("CPU bf16 GEMV kernel unavailable, using torch's F.linear: %s", e)
+                    _kernel = False
+            k = _kernel
+    return k or None
+
+
+def kernel_available() -> bool:
+    """Whether `bf16_linear` can use the compiled kernel here (builds it on first call).
+
+    False when disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS`, on CPUs without AVX512_BF16, or if
+    the build failed (logged once).
+    """
+    return _get_kernel() is not None
+
+
+def amx_available() -> bool:
+    """Whether the kernel can use AMX tiles here (implies `kernel_available()`)."""
+    return kernel_available() and bool(torch.ops.pagedserve_cpu.features()[1])
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (last dim K)")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [N] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+    if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float32, x.dtype):
+        raise ValueError(f"out_dtype must be None, torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def _use_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> bool:
+    return (
+        0 < m <= MAX_M
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and (bias is None or bias.device.type == "cpu")
+        # the kernel has no autograd; inference runs under no_grad / inference_mode
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def bf16_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` (as `F.linear`), on the compiled kernel when that is faster.
+
+    x: [..., K]; weight: [N, K]; bias: [N] or None; result: [..., N] in `out_dtype` (default
+    x.dtype). The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, M (the
+    product of x's leading dims) is at most `MAX_M`, no gradient is needed, and `kernel_available()`;
+    it accumulates in fp32 and rounds once to the output dtype (so `out_dtype=torch.float32` gives
+    unrounded logits). Otherwise this is `F.linear(x, weight, bias)` cast to `out_dtype` (so there a
+    bf16 result is rounded to bf16 before any cast to fp32). ValueError on mismatched shapes or an
+    unsupported `out_dtype`.
+    """
+    _check_args(x, weight, bias, out_dtype)
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if _use_kernel(x, weight, bias, m):
+        kernel = _get_kernel()
+        if kernel is not None:
+            out_fp32 = out_dtype == torch.float32
+            x2 = x.reshape(m, x.shape[-1]).contiguous()
+            y = kernel(x2, weight, bias, out_fp32, 0)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _kernel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    algo: str = "auto",
+) -> torch.Tensor:
+    """The kernel itself for a 2-D x, with no fallback (tests, benchmarks). algo: auto|avx512|amx.
+
+    RuntimeError if the kernel is unavailable, or `algo="amx"` is not possible for this CPU/shape.
+    """
+    _check_args(x, weight, bias, out_dtype)
+    if algo not in _ALGOS:
+        raise ValueError(f"algo must be one of {sorted(_ALGOS)}, got {algo!r}")
+    kernel = _get_kernel()
+    if kernel is None:
+        raise RuntimeError("CPU bf16 GEMV kernel unavailable (disabled, unsupported CPU, or build failed)")
+    return kernel(x, weight, bias, out_dtype == torch.float32, _ALGOS[algo])

@@ -1,0 +1,448 @@
+// BF16 skinny-matrix product for small batches on x86-64 CPUs:
+//     y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]),  fp32 accumulation, bf16 or fp32 output.
+//
+// Two code paths, chosen at run time (see `pick_algo`):
+//   * AVX512_BF16: register tiles of MB (<= 4) rows of x by NB (<= 4) rows of W, each a chain of
+//     `vdpbf16ps` dot products along K, reduced horizontally at the end. Any K (masked tail).
+//   * AMX-BF16: y^T tiles = W-tile (16 rows of W x 32 k, loaded straight from W) times a packed
+//     x-tile (16 k-pairs x 16 rows of x). Compute is then never the limit, only memory; needs
+//     K % 32 == 0 and the OS granting the AMX tile state (`arch_prctl`).
+// Both are parallel over N with at::parallel_for (torch's OpenMP pool, so torch.get_num_threads()
+// is respected) and read each row of W from memory once for all M rows of x.
+//
+// Registered as torch.ops.pagedserve_cpu.{bf16_linear, features}; the Python wrapper is
+// pagedserve/kernels/cpu_gemm.py. Compiled with explicit -mavx512* / -mamx-* flags, so it builds on
+// any x86-64 gcc >= 11; NOTE: callers must check `features()` before calling `bf16_linear`, since
+// the instructions fault on CPUs without them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16_t = uint16_t;
+
+// ----------------------------------------------------------------------------------------------
+// CPU feature detection (cpuid + XCR0 + Linux AMX permission), computed once.
+// ----------------------------------------------------------------------------------------------
+
+struct Features {
+  bool avx512bf16 = false;
+  bool amx = false;
+};
+
+uint64_t read_xcr0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+
+Features detect_features() {
+  Features f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = (c >> 27) & 1;
+  if (!osxsave) return f;
+  const uint64_t xcr0 = read_xcr0();
+  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM state enabled by the OS.
+  const bool os_avx512 = (xcr0 & 0xE6) == 0xE6;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const bool avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  unsigned a1 = 0, b1, c1, d1;
+  __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
+  const bool bf16 = (a1 >> 5) & 1;
+  f.avx512bf16 = os_avx512 && avx512f && avx512bw && avx512vl && bf16;
+  // AMX: XTILECFG (bit 17) and XTILEDATA (bit 18) in XCR0, plus Linux's per-process permission.
+  if (f.avx512bf16 && amx_bf16 && amx_tile && ((xcr0 >> 17) & 3) == 3) {
+#ifdef __linux__
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+    constexpr long XFEATURE_XTILEDATA = 18;
+    f.amx = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#endif
+  }
+  return f;
+}
+
+const Features& features() {
+  static const Features f = detect_features();  // thread-safe static init
+  return f;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Output helpers.
+// ----------------------------------------------------------------------------------------------
+
+inline void store_out(void* y, bool out_fp32, int64_t idx, float v) {
+  if (out_fp32) {
+    static_cast<float*>(y)[idx] = v;
+  } else {
+    static_cast<c10::BFloat16*>(y)[idx] = c10::BFloat16(v);  // round to nearest even
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// AVX512_BF16 path.
+// ----------------------------------------------------------------------------------------------
+
+// 16 fp32 vectors -> one vector whose lane L holds the sum of vector kReducePerm[L].
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 reduce16(const __m512* v) {
+  __m512 s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i) {  // 16 -> 8: add the 256-bit halves, two vectors per result
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 8 -> 4: add the 128-bit quarters
+    const __m512 a = s8[2 * i], b = s8[2 * i + 1];
+    s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // 4 -> 2: add the 64-bit halves of each 128-bit lane
+    const __m512d a = _mm512_castps_pd(s4[2 * i]), b = _mm512_castps_pd(s4[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // 2 -> 1: add adjacent floats
+  return _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lane -> input-vector index of reduce16, found once by reducing vectors filled with their index.
+struct ReducePerm {
+  int perm[16];
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) ReducePerm make_reduce_perm() {
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = _mm512_set1_ps(float(i));
+  alignas(64) float r[16];
+  _mm512_store_ps(r, reduce16(v));
+  ReducePerm p;
+  for (int l = 0; l < 16; ++l) p.perm[l] = int(r[l] / 16.0f + 0.5f);
+  return p;
+}
+
+const ReducePerm& reduce_perm() {
+  // NOTE: only called after features().avx512bf16 was checked (it runs AVX-512 instructions).
+  static const ReducePerm p = make_reduce_perm();
+  return p;
+}
+
+// One register tile: rows x[0..MB) times rows w[0..NB) over all K; writes
+// res[i * NB + j] = dot(x_i, w_j) in fp32.
+template <int MB, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void dp_tile(
+    const bf16_t* __restrict x, int64_t ldx, const bf16_t* __restrict w, int64_t ldw, int64_t K,
+    float* __restrict res, const int* perm) {
+  __m512 acc[MB * NB];
+#pragma GCC unroll 16
+  for (int t = 0; t < MB * NB; ++t) acc[t] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]);
+    }
+  }
+  if (k < K) {  // K tail: masked loads read zeros past the end of each row
+    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + j * ldw + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * ldx + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm512_dpbf16_ps(acc[i * NB + j], xv, wv[j]);
+    }
+  }
+  if constexpr (MB * NB == 16) {
+    alignas(64) float r[16];
+    _mm512_store_ps(r, reduce16(acc));
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) res[perm[l]] = r[l];
+  } else {
+#pragma GCC unroll 16
+    for (int t = 0; t < MB * NB; ++t) res[t] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+template <int MB, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dp_block(
+    const bf16_t* x, int64_t ldx, const bf16_t* w, int64_t ldw, int64_t K, const float* bias,
+    void* y, int64_t ldy, bool out_fp32, int64_t m0, int64_t n0, const int* perm) {
+  float res[MB * NB];
+  dp_tile<MB, NB>(x + m0 * ldx, ldx, w + n0 * ldw, ldw, K, res, perm);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const float b = bias ? bias[n0 + j] : 0.f;
+      store_out(y, out_fp32, (m0 + i) * ldy + n0 + j, res[i * NB + j] + b);
+    }
+}
+
+using DpBlockFn = void (*)(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t, const float*,
+                           void*, int64_t, bool, int64_t, int64_t, const int*);
+
+// kDpBlocks[mb - 1][nb - 1]
+constexpr DpBlockFn kDpBlocks[4][4] = {
+    {dp_block<1, 1>, dp_block<1, 2>, dp_block<1, 3>, dp_block<1, 4>},
+    {dp_block<2, 1>, dp_block<2, 2>, dp_block<2, 3>, dp_block<2, 4>},
+    {dp_block<3, 1>, dp_block<3, 2>, dp_block<3, 3>, dp_block<3, 4>},
+    {dp_block<4, 1>, dp_block<4, 2>, dp_block<4, 3>, dp_block<4, 4>},
+};
+constexpr int64_t kDpNB = 4;  // rows of W per tile
+constexpr int64_t kDpMB = 4;  // rows of x per tile
+
+// Rows [n_begin, n_end) of W against all M rows of x.
+void dp_rows(const bf16_t* x, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y,
+             int64_t N, bool out_fp32, int64_t n_begin, int64_t n_end) {
+  const int* perm = reduce_perm().perm;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kDpNB) {
+    const int64_t nb = std::min(kDpNB, n_end - n0);
+    // NOTE: the m loop is inside the n loop, so the NB rows of W come from memory once and from
+    // L1 for the later m blocks.
+    for (int64_t m0 = 0; m0 < M; m0 += kDpMB) {
+      const int64_t mb = std::min(kDpMB, M - m0);
+      kDpBlocks[mb - 1][nb - 1](x, K, w, K, K, bias, y, N, out_fp32, m0, n0, perm);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// AMX-BF16 path.
+// ----------------------------------------------------------------------------------------------
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: tmm0..3 accumulators (C: 16 rows of W x 16 rows of x, fp32), tmm4/5 W tiles
+// (A: 16 rows x 32 bf16), tmm6/7 packed x tiles (B: 16 k-pairs x 16 rows of x x 2 bf16).
+__attribute__((target("amx-tile"))) void amx_configure() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Packs x rows [m0, m0 + 16) (zero past M) for B tiles: xp[kc][p][r][e] = x[m0 + r][32kc + 2p + e].
+void amx_pack_x(const bf16_t* x, int64_t M, int64_t K, int64_t m0, bf16_t* xp) {
+  const int64_t KC = K / 32;
+  std::memset(xp, 0, sizeof(bf16_t) * KC * 512);
+  for (int64_t r = 0; r < 16 && m0 + r < M; ++r) {
+    const bf16_t* xr = x + (m0 + r) * K;
+    for (int64_t kc = 0; kc < KC; ++kc)
+      for (int64_t p = 0; p < 16; ++p) {
+        bf16_t* dst = xp + kc * 512 + p * 32 + r * 2;
+        dst[0] = xr[kc * 32 + 2 * p];
+        dst[1] = xr[kc * 32 + 2 * p + 1];
+      }
+  }
+}
+
+// Writes C tile `c` (c[n][m], 16 x 16 fp32) for W rows n0.. and x rows m0.. (only valid m).
+inline void amx_store_c(const float* c, const float* bias, void* y, int64_t N, bool out_fp32,
+                        int64_t n0, int64_t m0, int64_t mcount) {
+  for (int64_t m = 0; m < mcount; ++m)
+    for (int64_t n = 0; n < 16; ++n) {
+      const float b = bias ? bias[n0 + n] : 0.f;
+      store_out(y, out_fp32, (m0 + m) * N + n0 + n, c[n * 16 + m] + b);
+    }
+}
+
+// Rows [n_begin, n_end) of W (a multiple of 64 rows, or the last block ending at a multiple of
+// 16) for M <= 16 (one packed x group `xp`) or M <= 32 (two groups, xp and xp + KC * 512).
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(
+    const bf16_t* xp, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y,
+    int64_t N, bool out_fp32, int64_t n_begin, int64_t n_end) {
+  const int64_t KC = K / 32;
+  const int64_t ldw_bytes = K * sizeof(bf16_t);
+  alignas(64) float c[4][256];
+  amx_configure();
+  if (M <= 16) {
+    // Blocks of 4 W tiles (64 rows) share each packed x tile; the last block may be shorter.
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
+      const int64_t nt = std::min<int64_t>(4, (n_end - n0) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const bf16_t* w0 = w + n0 * K;
+      if (nt == 4) {
+        for (int64_t kc = 0; kc < KC; ++kc) {
+          _tile_loadd(6, xp + kc * 512, 64);
+          _tile_loadd(4, w0 + kc * 32, ldw_bytes);
+          _tile_loadd(5, w0 + 16 * K + kc * 32, ldw_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_loadd(4, w0 + 32 * K + kc * 32, ldw_bytes);
+          _tile_loadd(5, w0 + 48 * K + kc * 32, ldw_bytes);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      } else {
+        for (int64_t kc = 0; kc < KC; ++kc) {
+          _tile_loadd(6, xp + kc * 512, 64);
+          _tile_loadd(4, w0 + kc * 32, ldw_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nt > 1) {
+            _tile_loadd(5, w0 + 16 * K + kc * 32, ldw_bytes);
+            _tile_dpbf16ps(1, 5, 6);
+          }
+          if (nt > 2) {
+            _tile_loadd(4, w0 + 32 * K + kc * 32, ldw_bytes);
+            _tile_dpbf16ps(2, 4, 6);
+          }
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int64_t t = 0; t < nt; ++t) amx_store_c(c[t], bias, y, N, out_fp32, n0 + 16 * t, 0, M);
+    }
+  } else {
+    // 17 <= M <= 32: blocks of 2 W tiles (32 rows) x 2 packed x groups.
+    const bf16_t* xp1 = xp + KC * 512;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += 32) {
+      const bool two = n_end - n0 >= 32;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const bf16_t* w0 = w + n0 * K;
+      for (int64_t kc = 0; kc < KC; ++kc) {
+        _tile_loadd(6, xp + kc * 512, 64);
+        _tile_loadd(7, xp1 + kc * 512, 64);
+        _tile_loadd(4, w0 + kc * 32, ldw_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, w0 + 16 * K + kc * 32, ldw_bytes);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      amx_store_c(c[0], bias, y, N, out_fp32, n0, 0, 16);
+      amx_store_c(c[1], bias, y, N, out_fp32, n0, 16, M - 16);
+      if (two) {
+        amx_store_c(c[2], bias, y, N, out_fp32, n0 + 16, 0, 16);
+        amx_store_c(c[3], bias, y, N, out_fp32, n0 + 16, 16, M - 16);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Entry points.
+// ----------------------------------------------------------------------------------------------
+
+enum Algo : int64_t { kAuto = 0, kDp = 1, kAmx = 2 };
+
+// Which path to use: AMX when it is usable and the shape allows it, else AVX512_BF16.
+int64_t pick_algo(int64_t requested, int64_t M, int64_t K) {
+  const bool amx_ok = features().amx && K % 32 == 0 && M <= 32;
+  if (requested == kAmx) {
+    TORCH_CHECK(amx_ok, "bf16_linear: AMX path unavailable for this CPU/shape (M=", M, ", K=", K, ")");
+    return kAmx;
+  }
+  if (requested == kDp) return kDp;
+  return amx_ok ? kAmx : kDp;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t algo) {
+  TORCH_CHECK(features().avx512bf16, "bf16_linear: this CPU lacks AVX512_BF16");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "bf16_linear: x and weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "bf16_linear: x must be [M, K], weight [N, K]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "bf16_linear: contiguous tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "bf16_linear: x is [", M, ", ", K, "] but weight is [", N, ", ",
+              weight.size(1), "]");
+  const float* bias_ptr = nullptr;
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N,
+                "bf16_linear: bias must be a CPU tensor of shape [N]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+    bias_ptr = bias_f32.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bias_ptr ? y.copy_(bias_f32.expand({M, N})) : y.zero_();
+
+  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const bf16_t*>(weight.data_ptr());
+  void* yp = y.data_ptr();
+
+  if (pick_algo(algo, M, K) == kAmx) {
+    const int64_t KC = K / 32;
+    std::vector<bf16_t, std::allocator<bf16_t>> packed(size_t(KC * 512 * 2 + 32));
+    // NOTE: tile loads want 64-byte aligned rows for speed; align the packed buffer by hand.
+    bf16_t* xpk = reinterpret_cast<bf16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
+    amx_pack_x(xp, M, K, 0, xpk);
+    if (M > 16) amx_pack_x(xp, M, K, 16, xpk + KC * 512);
+    const int64_t n_amx = N / 16 * 16;  // the tail rows (N % 16) go through the dp path
+    const int64_t rows_per_unit = M <= 16 ? 64 : 32;
+    const int64_t units = (n_amx + rows_per_unit - 1) / rows_per_unit;
+    at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
+      amx_rows(xpk, M, wp, K, bias_ptr, yp, N, out_fp32, ub * rows_per_unit,
+               std::min(n_amx, ue * rows_per_unit));
+    });
+    if (n_amx < N) dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, n_amx, N);
+    return y;
+  }
+
+  const int64_t tiles = (N + kDpNB - 1) / kDpNB;
+  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+    dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, tb * kDpNB, std::min(N, te * kDpNB));
+  });
+  return y;
+}
+
+// [avx512bf16, amx] as ints (0/1), for the Python side to decide whether to call bf16_linear.
+std::vector<int64_t> cpu_features() {
+  const Features& f = features();
+  return {int64_t(f.avx512bf16), int64_t(f.amx)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool out_fp32, int algo) -> Tensor");
+  m.def("features() -> int[]", &cpu_features);  // catch-all: no tensor arguments to dispatch on
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("bf16_linear", &bf16_linear); }

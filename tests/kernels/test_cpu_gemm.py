@@ -1,0 +1,271 @@
+"""The compiled CPU bf16 GEMV kernel (pagedserve.kernels.cpu_gemm) against torch's fp32 reference."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_gemm
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """Skip the module's kernel tests where the kernel cannot be built or used."""
+    if cpu_gemm._disabled():
+        pytest.skip(f"{cpu_gemm.DISABLE_ENV} is set")
+    if not cpu_gemm.kernel_available():
+        pytest.skip("CPU bf16 GEMV kernel unavailable here (no AVX512_BF16, no compiler, or build error)")
+    return cpu_gemm
+
+
+def _inputs(m, n, k, bias, seed=0, bias_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(bias_dtype) if bias else None
+    return x, w, b
+
+
+def _reference(x, w, b):
+    """fp32 product of the same bf16 inputs."""
+    y = x.float() @ w.float().T
+    return y + b.float() if b is not None else y
+
+
+def _assert_matches(y, ref, out_dtype):
+    if out_dtype == torch.float32:
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-3)
+    else:  # one rounding of (nearly) the same fp32 sum to bf16
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), ref.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-3)
+
+
+def _algos():
+    algos = ["auto", "avx512"]
+    if not cpu_gemm._disabled() and cpu_gemm.amx_available():
+        algos.append("amx")
+    return algos
+
+
+# (M, N, K): tile tails in every dimension (W tiles of 4 / 16 / 64 rows, x tiles of 4 / 16 rows,
+# K chunks of 32), plus Gemma 3 270M's layer shapes.
+SHAPES = [
+    (1, 1, 32),
+    (1, 37, 64),
+    (2, 5, 31),
+    (3, 50, 70),
+    (4, 64, 640),
+    (5, 67, 33),
+    (7, 100, 1),
+    (8, 130, 96),
+    (13, 1024, 640),
+    (16, 81, 640),
+    (17, 64, 640),
+    (24, 97, 128),
+    (31, 48, 2048),
+    (32, 256, 640),
+    (33, 20, 64),
+    (1, 640, 2048),
+    (16, 2048, 640),
+]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_matches_fp32_reference(kernel, m, n, k, bias, out_dtype):
+    x, w, b = _inputs(m, n, k, bias, seed=m * 1000 + n + k)
+    ref = _reference(x, w, b)
+    for algo in _algos():
+        if algo == "amx" and (k % 32 or m > 32):
+            with pytest.raises(RuntimeError):
+                kernel._kernel_linear(x, w, b, out_dtype, algo=algo)
+            continue
+        y = kernel._kernel_linear(x, w, b, out_dtype, algo=algo)
+        assert y.shape == (m, n)
+        _assert_matches(y, ref, out_dtype)
+
+
+def test_random_shapes(kernel):
+    g = torch.Generator().manual_seed(1234)
+    for i in range(40):
+        m = int(torch.randint(1, 34, (1,), generator=g))
+        n = int(torch.randint(1, 300, (1,), generator=g))
+        k = int(torch.randint(1, 9, (1,), generator=g)) * 32 + (0 if i % 2 else int(torch.randint(-31, 32, (1,), generator=g)))
+        bias = bool(i % 3)
+        out_dtype = torch.float32 if i % 4 < 2 else torch.bfloat16
+        x, w, b = _inputs(m, n, k, bias, seed=i)
+        ref = _reference(x, w, b)
+        for algo in _algos():
+            if algo == "amx" and (k % 32 or m > 32):
+                continue
+            _assert_matches(kernel._kernel_linear(x, w, b, out_dtype, algo=algo), ref, out_dtype)
+
+
+def test_bias_dtypes(kernel):
+    x, w, b = _inputs(3, 40, 64, True, bias_dtype=torch.float32)
+    ref = _reference(x, w, b)
+    _assert_matches(kernel.bf16_linear(x, w, b, out_dtype=torch.float32), ref, torch.float32)
+
+
+def test_public_api_uses_kernel_and_keeps_leading_dims(kernel, monkeypatch):
+    x, w, b = _inputs(6, 70, 96, True)
+    x3 = x.reshape(2, 3, 96)
+    monkeypatch.setattr(cpu_gemm, "F", _NoLinear())  # the kernel path must not touch torch's linear
+    y = kernel.bf16_linear(x3, w, b)
+    assert y.shape == (2, 3, 70) and y.dtype == torch.bfloat16
+    _assert_matches(y.reshape(6, 70), _reference(x, w, b), torch.bfloat16)
+    # non-contiguous x is copied, not rejected
+    xt = x.T.contiguous().T
+    assert not xt.is_contiguous()
+    _assert_matches(kernel.bf16_linear(xt, w, out_dtype=torch.float32), _reference(x, w, None), torch.float32)
+
+
+def test_empty_and_degenerate(kernel):
+    x, w, b = _inputs(2, 3, 0, True)
+    y = kernel._kernel_linear(x, w, b, torch.float32)
+    torch.testing.assert_close(y, b.float().expand(2, 3))
+    x, w, _ = _inputs(2, 0, 32, False)
+    assert kernel._kernel_linear(x, w).shape == (2, 0)
+
+
+class _NoLinear:
+    """Stands in for torch.nn.functional inside cpu_gemm: fails if the fallback is taken."""
+
+    def linear(self, *args, **kwargs):
+        raise AssertionError("fell back to F.linear")
+
+
+class _SpyLinear:
+    """Stands in for torch.nn.functional inside cpu_gemm: records fallback calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def linear(self, *args, **kwargs):
+        self.calls += 1
+        return F.linear(*args, **kwargs)
+
+
+def _failing_kernel(*args, **kwargs):
+    raise AssertionError("kernel called")
+
+
+def test_disabled_by_env_var_falls_back(monkeypatch):
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
+    monkeypatch.setattr(cpu_gemm, "_kernel", _failing_kernel)
+    spy = _SpyLinear()
+    monkeypatch.setattr(cpu_gemm, "F", spy)
+    assert not cpu_gemm.kernel_available()
+    x, w, b = _inputs(2, 10, 64, True)
+    y = cpu_gemm.bf16_linear(x, w, b)
+    assert spy.calls == 1
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
+    y32 = cpu_gemm.bf16_linear(x, w, b, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32 and spy.calls == 2
+    with pytest.raises(RuntimeError):
+        cpu_gemm._kernel_linear(x, w)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["fp32", "too_many_rows", "grad", "non_contiguous_weight"],
+)
+def test_fallback_cases(monkeypatch, case):
+    monkeypatch.setattr(cpu_gemm, "_kernel", _failing_kernel)
+    spy = _SpyLinear()
+    monkeypatch.setattr(cpu_gemm, "F", spy)
+    x, w, b = _inputs(3, 10, 64, True)
+    if case == "fp32":
+        x, w, b = x.float(), w.float(), b.float()
+    elif case == "too_many_rows":
+        x = torch.randn(cpu_gemm.MAX_M + 1, 64).to(torch.bfloat16)
+    elif case == "grad":
+        w = w.clone().requires_grad_(True)
+    elif case == "non_contiguous_weight":
+        w = torch.randn(64, 10).to(torch.bfloat16).T
+    y = cpu_gemm.bf16_linear(x, w, b)
+    assert spy.calls == 1
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
+    monkeypatch.delenv(cpu_gemm.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_gemm, "_kernel", None)
+
+    def broken_build():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_gemm, "_build", broken_build)
+    x, w, b = _inputs(2, 10, 64, True)
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.logger.name):
+        for _ in range(3):
+            torch.testing.assert_close(cpu_gemm.bf16_linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+        assert not cpu_gemm.kernel_available()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
+
+
+def test_lazy_build_is_thread_safe(kernel, monkeypatch):
+    """Two threads hitting an unbuilt kernel at once: one build, both get the kernel's result."""
+    real_build = cpu_gemm._build
+    calls = []
+
+    def slow_build():
+        calls.append(threading.get_ident())
+        time.sleep(0.2)  # widen the race window
+        return real_build()
+
+    monkeypatch.setattr(cpu_gemm, "_kernel", None)
+    monkeypatch.setattr(cpu_gemm, "_build", slow_build)
+    x, w, b = _inputs(5, 33, 96, True)
+    ref = _reference(x, w, b)
+    barrier = threading.Barrier(2)
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = cpu_gemm.bf16_linear(x, w, b, out_dtype=torch.float32)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(calls) == 1
+    for y in results:
+        _assert_matches(y, ref, torch.float32)
+
+
+def test_misuse_raises_value_error():
+    x, w, b = _inputs(2, 10, 64, True)
+    with pytest.raises(ValueError):
+        cpu_gemm.bf16_linear(x[:, :32], w)  # K mismatch
+    with pytest.raises(ValueError):
+        cpu_gemm.bf16_linear(x, w[0])  # 1-D weight
+    with pytest.raises(ValueError):
+        cpu_gemm.bf16_linear(x, w, b[:5])  # bias length
+    with pytest.raises(ValueError):
+        cpu_gemm.bf16_linear(x, w, out_dtype=torch.float16)
+    with pytest.raises(ValueError):
+        cpu_gemm._kernel_linear(x, w, algo="nope")
+
+
+def test_import_does_not_build():
+    code = (
+        "import pagedserve.kernels, pagedserve.kernels.cpu_gemm as c, torch; "
+        "assert c._kernel is None; assert not hasattr(torch.ops.pagedserve_cpu, 'features')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
