@@ -39,3 +39,17 @@ def test_bench_throughput_runs_both_engines_on_the_same_trace(tmp_path, capsys):
     ours = [l for l in out.splitlines() if "pagedserve:" in l][0]
     hf = [l for l in out.splitlines() if "hf-static:" in l][0]
     assert ours.split("(")[1] == hf.split("(")[1]  # same number of output tokens
+
+
+def test_bench_preemption_prints_both_parts_and_writes_a_chart(tmp_path, capsys):
+    path = tiny.make_checkpoint(tmp_path / "m", "llama")
+    png = tmp_path / "pre.png"
+    assert main(["bench", "preemption", "--model", str(path), "--num-prompts", "6",
+                 "--input-len-mean", "20", "--output-len-fixed", "12", "--dtype", "float32",
+                 "--swap-seqs", "3", "--block-sizes", "1", "16", "--kv-blocks", "4",
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "(a)" in out and "(b)" in out
+    for mode in ("recompute", "swap", "auto"):
+        assert f"{mode}: normalized latency" in out
+    assert png.stat().st_size > 1000

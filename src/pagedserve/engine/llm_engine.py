@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -71,6 +72,20 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({max_pos})"
             )
+        self._build_cache(args)
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
+            "in cache), max_model_len=%d",
+            self.source.name, self.dtype, self.device, self.num_kv_blocks, args.block_size,
+            self.num_kv_blocks * args.block_size, self.max_model_len,
+        )
+
+    def _build_cache(self, args: EngineArgs) -> None:
+        """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
         chunked = args.enable_chunked_prefill
         batched = args.max_num_batched_tokens or (2048 if chunked else max(self.max_model_len, 2048))
         spec = self.model.kv_cache_spec
@@ -88,12 +103,12 @@ class LLMEngine:
         self.num_kv_blocks = args.num_kv_blocks or num_blocks_for_budget(
             spec, args.block_size, self.dtype, args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         )
-        self.num_cpu_blocks = (
-            args.num_cpu_blocks if args.num_cpu_blocks is not None
-            else int(args.swap_space * 1024**3) // block_bytes
-        )
-        if args.preemption_mode == "recompute":
-            self.num_cpu_blocks = 0
+        self.num_cpu_blocks = 0
+        if args.preemption_mode != "recompute":
+            self.num_cpu_blocks = (
+                args.num_cpu_blocks if args.num_cpu_blocks is not None
+                else int(args.swap_space * 1024**3) // block_bytes
+            )
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
             num_cpu_blocks=self.num_cpu_blocks,
@@ -105,16 +120,16 @@ class LLMEngine:
             self.model, self.kv_cache, device=self.device,
             stop_token_ids_for_min_tokens=self.eos_token_ids,
         )
-        self._seq_ids = itertools.count()
-        self._request_ids = itertools.count()
-        self.groups: dict[str, SequenceGroup] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        logger.info(
-            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
-            "in cache), max_model_len=%d",
-            self.source.name, self.dtype, self.device, self.num_kv_blocks, args.block_size,
-            self.num_kv_blocks * args.block_size, self.max_model_len,
-        )
+
+    def reconfigure_cache(self, **changes) -> None:
+        """Rebuild the KV cache and scheduler with other cache settings (block size, budgets,
+        preemption mode, chunking) on the same model. Only while no request is in flight; used by
+        benchmarks that sweep cache settings without reloading the model."""
+        if self.has_unfinished_requests():
+            raise ValueError("reconfigure_cache needs an idle engine")
+        args = dataclasses.replace(self.args, **changes)
+        self._build_cache(args)
+        self.args = args
 
     # --- requests ----------------------------------------------------------------------------
 

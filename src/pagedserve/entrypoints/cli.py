@@ -24,7 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-chunked-prefill", action="store_true")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts over steps (default on)")
+    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])
+    p.add_argument("--swap-space", type=float, default=4.0, help="CPU swap pool in GiB")
+    p.add_argument("--num-cpu-blocks", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=20)
 
 
@@ -65,6 +69,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_kind == "throughput":
         from pagedserve.bench.throughput import main
+
+        return main(args)
+    if args.bench_kind == "preemption":
+        from pagedserve.bench.preemption import main
 
         return main(args)
     if args.bench_kind == "serve":
@@ -130,6 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--baseline", choices=["none", "hf"], default="none")
     add_engine_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
+
+    pre = bench_sub.add_parser("preemption", help="swap vs recompute by block size (Fig. 19)")
+    add_trace_args(pre)
+    pre.add_argument("--swap-seqs", type=int, default=8,
+                     help="sequences swapped / recomputed in part (a)")
+    pre.add_argument("--block-sizes", type=int, nargs="+",
+                     default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    pre.add_argument("--kv-blocks", type=int, default=None,
+                     help="KV blocks (of 16 tokens) in part (b); default: one request's worth")
+    pre.add_argument("--plot", default="preemption.png")
+    add_engine_args(pre)
+    pre.set_defaults(func=cmd_bench, num_prompts=24)
 
     from pagedserve.bench.serve import add_bench_serve_args
 
