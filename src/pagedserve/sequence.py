@@ -97,6 +97,9 @@ class SequenceGroup:
     num_preemptions: int = 0
     # Set once the prompt logprobs have been computed (never again after a recomputation).
     prompt_logprobs_done: bool = False
+    # NOTE: while True, only seqs[0] (the parent) is scheduled: the prompt is prefilled once and
+    # the other sequences fork its block table when the first tokens are sampled.
+    fork_pending: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -109,3 +112,9 @@ class SequenceGroup:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether chosen tokens' logprobs are needed (asked for, or to rank best_of)."""
+        p = self.sampling_params
+        return p.logprobs is not None or (p.best_of or p.n) > p.n

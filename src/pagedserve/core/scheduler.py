@@ -71,6 +71,8 @@ class ScheduledSequence:
     # True when this step reaches the sequence's last token, so the next one is sampled.
     do_sample: bool = False
     wants_prompt_logprobs: bool = False
+    # Tokens to draw from this row: all sequences' first tokens when the group forks after it.
+    num_samples: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +86,9 @@ class ScheduledSequence:
             and seq is group.seqs[0]
             and start < seq.num_prompt_tokens
         )
-        return cls(group, seq, start, end, table, end == seq.num_tokens, wants)
+        do_sample = end == seq.num_tokens
+        forks = len(group.unfinished_seqs()) if group.fork_pending and do_sample else 1
+        return cls(group, seq, start, end, table, do_sample, wants, forks)
 
 
 @dataclass
@@ -241,6 +245,20 @@ class Scheduler:
                 return
         self._commit(plan, group, step, out)
 
+    def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
+        """Once the parent of a forking group has computed its prompt, give the other sequences
+        its blocks (shared, copy-on-write) and its computed prompt. Returns the sequences, parent
+        first, or [] if the group is not forking now."""
+        seqs = group.unfinished_seqs()
+        if not group.fork_pending or seqs[0].num_computed_tokens < seqs[0].num_prompt_tokens:
+            return []
+        parent = seqs[0]
+        for child in seqs[1:]:
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+        group.fork_pending = False
+        return seqs
+
     def _blocks_to_swap_in(self, plan) -> int:
         """Device blocks a swapped group needs to come back and run `plan`: its distinct CPU
         blocks, the blocks its new tokens fill, and one copy-on-write block per sequence (an
@@ -269,9 +287,14 @@ class Scheduler:
         if the group cannot be scheduled this step."""
         chunked = self.config.enable_chunked_prefill
         plan = []
-        for seq in group.unfinished_seqs():
+        seqs = group.unfinished_seqs()
+        if group.fork_pending:
+            seqs = seqs[:1]
+        for seq in seqs:
             start = seq.num_computed_tokens
-            want = seq.num_tokens - start
+            # A group that will fork computes the parent's prompt alone, then the others share it.
+            stop = seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
+            want = stop - start
             take = min(want, budget) if chunked else want
             if take > budget or take <= 0:
                 return None
@@ -313,6 +336,9 @@ class Scheduler:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
+        # Recompute the shared prompt once again, then fork: the group needs no more blocks
+        # than it held before.
+        group.fork_pending = len(group.unfinished_seqs()) > 1
         self.waiting.appendleft(group)
         self.preemptions_by_mode["recompute"] += 1
 

@@ -166,7 +166,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=prompt,
         )
-        for _ in range(params.n):
+        for _ in range(params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids)
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -176,6 +176,7 @@ class LLMEngine:
                 tokenizer_info=self.tokenizer_info,
             )
             group.seqs.append(seq)
+        group.fork_pending = len(group.seqs) > 1
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
@@ -209,10 +210,12 @@ class LLMEngine:
                 raise ValueError(
                     f"{name}={value} is more than max_logprobs ({self.args.max_logprobs})"
                 )
-        blocks = cdiv(prompt_len + 1, self.kv_manager.block_size) * params.n
+        # The prompt's blocks are shared by the group's sequences; each needs one block more.
+        width = params.best_of or params.n
+        blocks = cdiv(prompt_len, self.kv_manager.block_size) + width
         if blocks > self.num_kv_blocks:
             raise ValueError(
-                f"prompt of {prompt_len} tokens with n={params.n} needs {blocks} KV blocks; the "
+                f"prompt of {prompt_len} tokens with n={width} needs {blocks} KV blocks; the "
                 f"cache has {self.num_kv_blocks} (raise kv_cache_memory or shorten the prompt)"
             )
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
@@ -247,8 +250,12 @@ class LLMEngine:
             s.seq.num_computed_tokens = s.end
             if r.prompt_logprobs is not None:
                 self._add_prompt_logprobs(s, r)
-            if r.sample is not None:
-                self._append_token(group, s.seq, r)
+            # The shared prompt is computed: the other sequences fork the parent's blocks.
+            forked = self.scheduler.fork_if_ready(group)
+            if r.samples:
+                seqs = forked if len(r.samples) > 1 else [s.seq]
+                for seq, res in zip(seqs, r.samples):
+                    self._append_token(group, seq, res)
                 touched[group.request_id] = group
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += sum(
@@ -286,8 +293,7 @@ class LLMEngine:
             entry[token].rank = rank
         return entry
 
-    def _append_token(self, group: SequenceGroup, seq: Sequence, r: SeqStepOutput) -> None:
-        res = r.sample
+    def _append_token(self, group: SequenceGroup, seq: Sequence, res) -> None:
         params = group.sampling_params
         token = res.token_id
         seq.append_token(token, res.logprob or 0.0)
@@ -321,16 +327,19 @@ class LLMEngine:
 
     def _make_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         params = group.sampling_params
+        seqs = group.seqs
+        if len(seqs) > params.n:  # best_of: the n with the highest cumulative logprob
+            seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[: params.n]
+        want_lp = group.needs_logprobs
         outs = []
-        for i, seq in enumerate(group.seqs):
-            want_lp = params.logprobs is not None
+        for i, seq in enumerate(seqs):
             outs.append(
                 CompletionOutput(
                     index=i,
                     text=seq.final_text if seq.final_text is not None else seq.detokenizer.text,
                     token_ids=list(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                    logprobs=list(seq.output_logprobs) if want_lp else None,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                     finish_reason=seq.status.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

@@ -79,6 +79,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pagedserve.bench.serve import main
 
         return main(args)
+    if args.bench_kind == "memory":
+        from pagedserve.bench.memory import main
+
+        return main(args)
     raise ValueError(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -158,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(bs)
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench, num_prompts=32)
+
+    from pagedserve.bench.memory import add_bench_memory_args
+
+    mem = bench_sub.add_parser("memory", help="KV memory breakdown and sharing savings on the "
+                                              "block manager (Fig. 2, Fig. 15; no model)")
+    add_bench_memory_args(mem)
+    mem.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(serve)

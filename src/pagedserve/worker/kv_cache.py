@@ -68,18 +68,24 @@ class KVCache:
         self.block_size = block_size
         self.null_block = num_blocks
         shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        # NOTE: uninitialised on purpose (no page is touched until written: a large budget costs
+        # nothing up front). Attention never reads a slot before it is written: padding and
+        # positions past a sequence's length read the null block, which alone is zeroed.
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            (torch.empty(shape, dtype=dtype, device=device),
+             torch.empty(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
+        for k, v in self.layers:
+            k[num_blocks].zero_()
+            v[num_blocks].zero_()
         # The CPU swap pool: the same block shape, in host memory (pinned when the device is CUDA).
         self.num_cpu_blocks = num_cpu_blocks
         pin = torch.device(device).type == "cuda"
         cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-             torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
+             torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
             for _ in range(spec.num_layers)
         ] if num_cpu_blocks else []
 

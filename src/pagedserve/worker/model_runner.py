@@ -18,7 +18,9 @@ class SeqStepOutput:
     """What one scheduled sequence got from this step."""
 
     seq_id: int
-    sample: SampleResult | None  # None when the step did not reach the sequence's end
+    # One result per sequence this row samples for: empty when the step did not reach the
+    # sequence's end; `num_samples` results when the group forks after its shared prefill.
+    samples: list[SampleResult]
     # (logprob, rank, top-k) for each prompt position start+1 .. end of this chunk, if asked
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
@@ -99,7 +101,7 @@ class ModelRunner:
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()  # [R, V]
 
-        outputs = [SeqStepOutput(s.seq.seq_id, None) for s in step.scheduled]
+        outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
         sample_rows, sample_idx = [], []
         r = 0
         while r < len(row_owner):
@@ -125,23 +127,28 @@ class ModelRunner:
             r += n
 
         if sample_rows:
-            reqs = []
-            for idx in sample_idx:
+            rows, reqs, owners = [], [], []
+            for row, idx in zip(sample_rows, sample_idx):
                 s = step.scheduled[idx]
                 params = s.group.sampling_params
-                reqs.append(
-                    SampleRequest(
+                gen = self._generator(s.group.request_id, params.seed)
+                # NOTE: a forking group draws all its first tokens from the parent's row, in
+                # sequence order, from the one request generator: distinct and reproducible.
+                for seq in s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]:
+                    rows.append(row)
+                    owners.append(idx)
+                    reqs.append(SampleRequest(
                         params=params,
-                        prompt_token_ids=s.seq.prompt_token_ids,
-                        output_token_ids=s.seq.output_token_ids,
-                        generator=self._generator(s.group.request_id, params.seed),
-                    )
-                )
+                        prompt_token_ids=seq.prompt_token_ids,
+                        output_token_ids=seq.output_token_ids,
+                        generator=gen,
+                        need_logprob=s.group.needs_logprobs,
+                    ))
             stop_ids = [
                 ([] if r_.params.ignore_eos else self.eos_ids) + list(r_.params.stop_token_ids or [])
                 for r_ in reqs
             ]
-            results = sample(logits[sample_rows], reqs, stop_ids)
-            for idx, res in zip(sample_idx, results):
-                outputs[idx].sample = res
+            results = sample(logits[rows], reqs, stop_ids)
+            for idx, res in zip(owners, results):
+                outputs[idx].samples.append(res)
         return outputs

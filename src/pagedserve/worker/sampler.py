@@ -21,6 +21,8 @@ class SampleRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    # The chosen token's logprob is needed even without `logprobs` (best_of ranks by it).
+    need_logprob: bool = False
 
 
 @dataclass
@@ -100,7 +102,7 @@ def sample(
     """Choose one token per row. `stop_ids[i]`: EOS / stop token ids masked while a row is below
     its `min_tokens`."""
     num_rows = logits.shape[0]
-    want_lp = [r.params.logprobs is not None for r in reqs]
+    want_lp = [r.params.logprobs is not None or r.need_logprob for r in reqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [S, V]
     processed = logits
     if any(_needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
@@ -122,7 +124,7 @@ def sample(
             lp = float(row[tok])
             rank = int((row > row[tok]).sum()) + 1
             k = reqs[i].params.logprobs
-            top = []
+            top = [] if k is not None else None
             if k:
                 vals, idx = torch.topk(row, k)
                 top = list(zip(idx.tolist(), vals.tolist()))

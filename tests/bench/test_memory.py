@@ -1,0 +1,143 @@
+"""`bench memory`: the KV usage breakdown and sharing savings on the real block manager."""
+
+import pytest
+
+from pagedserve.bench import memory
+from pagedserve.bench.memory import (
+    CATEGORIES,
+    ContiguousAllocator,
+    LengthRequest,
+    length_trace,
+    memory_breakdown,
+    parallel_sampling_savings,
+    reservation,
+    simulate_contiguous,
+    simulate_paged,
+)
+from pagedserve.entrypoints.cli import main as cli_main
+
+POOL = 4096  # token slots: 256 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def sharegpt():
+    return length_trace("sharegpt", 60, seed=0, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def breakdown(sharegpt):
+    return memory_breakdown(sharegpt, POOL)
+
+
+def test_length_trace_is_seeded_and_fits_max_model_len():
+    a = length_trace("alpaca", 300, seed=1, max_model_len=512)
+    assert a == length_trace("alpaca", 300, seed=1, max_model_len=512)
+    assert a != length_trace("alpaca", 300, seed=2, max_model_len=512)
+    assert all(1 <= r.prompt_len and 1 <= r.output_len and r.total_len <= 512 for r in a)
+    assert 12 < sum(r.prompt_len for r in a) / len(a) < 27
+    with pytest.raises(ValueError):
+        length_trace("nope", 3)
+    with pytest.raises(ValueError):
+        length_trace("alpaca", 0)
+
+
+def test_paged_keeps_at_least_96_percent_of_used_memory_in_token_states(breakdown):
+    shares = breakdown["paged"].breakdown.shares()
+    assert shares["token states"] >= 0.96
+    assert shares["external frag"] == 0.0
+
+
+def test_contiguous_max_wastes_most_memory_and_the_order_matches_the_paper(breakdown):
+    token = {name: r.breakdown.shares()["token states"] for name, r in breakdown.items()}
+    assert token["max"] < 0.4
+    shares = breakdown["max"].breakdown.shares()
+    assert shares["reservation"] + shares["internal frag"] + shares["external frag"] > 0.5
+    assert token["max"] < token["pow2"] < token["oracle"] < token["paged"]
+    assert breakdown["oracle"].breakdown.shares()["internal frag"] == 0.0
+
+
+def test_categories_sum_to_one_per_allocator(breakdown):
+    for name, result in breakdown.items():
+        shares = result.breakdown.shares()
+        assert set(shares) == set(CATEGORIES)
+        assert sum(shares.values()) == pytest.approx(1.0), name
+        assert all(v >= 0 for v in shares.values()), name
+        assert result.breakdown.steps > 0
+
+
+def test_every_simulation_ends_with_an_empty_pool(breakdown, sharegpt):
+    for result in breakdown.values():
+        assert result.final_free_slots == POOL
+    for result in parallel_sampling_savings(sharegpt[:20], 4 * POOL, ns=(3,)).values():
+        assert result.final_free_slots == 4 * POOL
+
+
+def test_paged_preempts_under_pressure_and_still_finishes():
+    reqs = [LengthRequest(40, 200)] * 6
+    result = simulate_paged(reqs, 64 * 16, block_size=16)
+    assert result.preemptions > 0
+    assert result.final_free_slots == 64 * 16
+
+
+def test_parallel_sampling_savings_are_positive_and_grow_with_n(sharegpt):
+    runs = parallel_sampling_savings(sharegpt[:30], 4 * POOL, ns=(1, 2, 4, 6))
+    savings = [runs[n].sharing_savings for n in (1, 2, 4, 6)]
+    assert savings[0] == 0.0
+    assert 0 < savings[1] < savings[2] < savings[3] < 1
+    assert runs[2].cow_copies > 0  # partial prompt blocks were copied on write
+
+
+def test_sharing_counts_a_shared_prompt_once():
+    # 32-token prompt = 2 full shared blocks; each of 2 samples writes 1 token into its own block.
+    result = simulate_paged([LengthRequest(32, 1)], 16 * 16, block_size=16, n=2)
+    assert result.used_block_steps == 2 + 4  # prefill step: 2 blocks; decode step: 2 + 2
+    assert result.unshared_block_steps == 4 + 6
+    assert result.cow_copies == 0
+
+
+def test_contiguous_allocator_first_fit_and_coalescing():
+    buf = ContiguousAllocator(10)
+    a, b, c = buf.allocate(3), buf.allocate(3), buf.allocate(3)
+    assert (a, b, c) == (0, 3, 6) and buf.free_gaps() == [1]
+    buf.free(a, 3)
+    assert buf.allocate(4) is None  # 4 free slots, but no range of 4: external fragmentation
+    buf.free(c, 3)
+    assert buf.free_gaps() == [3, 4]
+    buf.free(b, 3)
+    assert buf.free_gaps() == [10]
+    with pytest.raises(RuntimeError):
+        buf.free(0, 2)  # already free
+    with pytest.raises(ValueError):
+        buf.allocate(0)
+
+
+def test_reservations_and_bad_arguments():
+    r = LengthRequest(100, 30)
+    assert reservation("max", r, 2048) == 2048
+    assert reservation("oracle", r, 2048) == 130
+    assert reservation("pow2", r, 2048) == 256
+    assert reservation("pow2", LengthRequest(1000, 1000), 2048) == 2048
+    with pytest.raises(ValueError):
+        reservation("best", r, 2048)
+    with pytest.raises(ValueError):
+        simulate_paged([r], POOL, n=0)
+    with pytest.raises(ValueError):
+        simulate_paged([LengthRequest(5000, 10)], POOL)
+    with pytest.raises(ValueError):
+        simulate_contiguous([r], 1024, "max")
+    with pytest.raises(ValueError):
+        simulate_contiguous([r], POOL, "oracle", busy_threshold=0)
+
+
+def test_cli_runs_on_tiny_settings_and_writes_the_charts(tmp_path, capsys):
+    b, s = tmp_path / "breakdown.png", tmp_path / "sharing.png"
+    assert cli_main(["bench", "memory", "--num-requests", "40", "--pool-tokens", "2048",
+                     "--max-model-len", "512",
+                     "--parallel-n", "2", "4", "--breakdown-plot", str(b),
+                     "--sharing-plot", str(s)]) == 0
+    out = capsys.readouterr().out
+    for label in memory.LABELS.values():
+        assert label in out
+    assert "(2) parallel sampling" in out and "beam search is not measured" in out
+    assert b.stat().st_size > 1000 and s.stat().st_size > 1000
+    assert cli_main(["bench", "memory", "--num-requests", "0"]) == 2
