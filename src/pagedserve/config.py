@@ -32,6 +32,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
     swap_space: float = 4.0
     num_cpu_blocks: int | None = None

@@ -96,3 +96,29 @@ def test_random_allocate_append_fork_free_keeps_invariants(ops, block_size, shuf
         kv.free(seq)
     assert kv.num_free_blocks == num_blocks
     assert all(c == 0 for c in kv.pool.ref_counts)
+
+
+def test_prefix_cache_reuses_full_blocks_checks_tokens_and_forgets_evicted_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    kv.allocate_slots(0, 5)
+    kv.cache_full_blocks(0, tokens, 5)
+    first_two = kv.block_table(0)[:2]
+    assert kv.match_prefix(tokens) == first_two
+    assert kv.match_prefix([1, 2, 3, 4]) == first_two[:1]  # the last token is always recomputed
+    assert kv.match_prefix([1, 2, 9, 9, 9]) == first_two[:1]
+    # A hash that matches with other tokens is not trusted.
+    block = first_two[1]
+    h, _ = kv._block_key[block]
+    kv._block_key[block] = (h, (7, 7))
+    assert kv.match_prefix(tokens) == first_two[:1]
+    kv._block_key[block] = (h, (3, 4))
+    kv.free(0)
+    assert kv.num_free_blocks == 4 and kv.match_prefix(tokens) == first_two  # kept while free
+    kv.use_prefix(1, first_two)
+    assert kv.num_free_blocks == 2
+    kv.check_invariants()
+    kv.free(1)
+    for seq in range(2, 6):  # hand every block out again: the cache forgets them
+        kv.allocate_slots(seq, 2)
+    assert kv.match_prefix(tokens) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -13,13 +14,19 @@ class BlockPool:
     """Physical KV blocks `0 .. num_blocks - 1`, each with a reference count.
 
     A block is free exactly when its reference count is 0. Blocks are handed out from the head of
-    the free list and returned to its tail.
+    the free list and returned to its tail, so the free list is in least-recently-freed order:
+    a freed block keeps its contents (and prefix-cache entry) until it is handed out again.
 
     NOTE: `shuffle_seed` randomises the initial free-list order. Tests use it to prove that nothing
     depends on blocks being contiguous or ordered; production leaves it None.
     """
 
-    def __init__(self, num_blocks: int, shuffle_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        shuffle_seed: int | None = None,
+        on_reuse: "Callable[[int], None] | None" = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -29,6 +36,8 @@ class BlockPool:
             random.Random(shuffle_seed).shuffle(order)
         # A dict used as an insertion-ordered set: O(1) pop from the head and removal by id.
         self._free: dict[int, None] = dict.fromkeys(order)
+        # Called with a free block about to be handed out again (the prefix cache forgets it).
+        self._on_reuse = on_reuse
 
     @property
     def num_free(self) -> int:
@@ -45,7 +54,16 @@ class BlockPool:
         block = next(iter(self._free))
         del self._free[block]
         self.ref_counts[block] = 1
+        if self._on_reuse is not None:
+            self._on_reuse(block)
         return block
+
+    def acquire(self, block: int) -> None:
+        """Add a holder to a specific block, taking it off the free list if it was free (a
+        prefix-cache hit on a block whose last holder already left)."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
 
     def incref(self, block: int) -> None:
         """Add a holder to a block that is in use."""

@@ -22,6 +22,8 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    # Chained hashes of the leading full, computed blocks (prefix caching), one per block.
+    hashes: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -37,14 +39,22 @@ class KVCacheManager:
         block_size: int,
         shuffle_seed: int | None = None,
         num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in [1, 256], got {block_size}")
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed)
+        self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed, on_reuse=self._forget)
         self.tables: dict[int, BlockTable] = {}
+        # Automatic prefix caching: chained hash of a full block -> the block holding it, and
+        # per cached block its hash and tokens (checked on every hit: never trust a hash alone).
+        self.enable_prefix_caching = enable_prefix_caching
+        self._cached: dict[int, int] = {}
+        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.prefix_queries = 0  # tokens looked up at admission
+        self.prefix_hits = 0  # of those, tokens found cached
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_tables: dict[int, BlockTable] = {}
@@ -113,7 +123,8 @@ class KVCacheManager:
         parent = self.tables[parent_id]
         for block in parent.blocks:
             self.pool.incref(block)
-        self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens)
+        self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens,
+                                           list(parent.hashes))
 
     def free(self, seq_id: int) -> None:
         """Release every block of a sequence, on the device and in the swap pool (no-op if it
@@ -127,6 +138,68 @@ class KVCacheManager:
         if cpu_table is not None:
             for block in reversed(cpu_table.blocks):
                 self.cpu_pool.decref(block)
+
+    # --- prefix caching ----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the longest prefix of `token_ids` made of full blocks.
+
+        NOTE: at least the last token is always left to compute (its logits are needed), so a
+        prompt that is entirely cached gets its last block recomputed into a fresh block; a
+        cached block is never written.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = 0
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = hash((parent, tokens))
+            block = self._cached.get(parent)
+            if block is None or self._block_key[block][1] != tokens:
+                break
+            hits.append(block)
+        return hits
+
+    def num_free_among(self, blocks: list[int]) -> int:
+        """How many of these blocks sit on the free list (taking them costs free blocks)."""
+        return sum(1 for b in blocks if self.pool.ref_counts[b] == 0)
+
+    def use_prefix(self, seq_id: int, blocks: list[int]) -> int:
+        """Start `seq_id`'s table with cached blocks; returns the number of tokens they hold."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        for block in blocks:
+            self.pool.acquire(block)
+        table = BlockTable(list(blocks), len(blocks) * self.block_size,
+                           [self._block_key[b][0] for b in blocks])
+        self.tables[seq_id] = table
+        return table.num_tokens
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Register the sequence's newly full and computed blocks in the prefix cache (each
+        block's hash is computed once)."""
+        table = self.tables.get(seq_id)
+        if not self.enable_prefix_caching or table is None:
+            return
+        bs = self.block_size
+        for i in range(len(table.hashes), min(num_computed, table.num_tokens) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hash((table.hashes[-1] if table.hashes else 0, tokens))
+            table.hashes.append(h)
+            block = table.blocks[i]
+            if h not in self._cached and block not in self._block_key:
+                self._cached[h] = block
+                self._block_key[block] = (h, tokens)
+
+    def _forget(self, block: int) -> None:
+        key = self._block_key.pop(block, None)
+        if key is not None and self._cached.get(key[0]) == block:
+            del self._cached[key[0]]
+
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     # --- swapping ----------------------------------------------------------------------------
 
@@ -169,7 +242,7 @@ class KVCacheManager:
                     mapping[block] = dst_pool.allocate()
                 new_blocks.append(mapping[block])
                 src_pool.decref(block)
-            dst_tables[seq_id] = BlockTable(new_blocks, table.num_tokens)
+            dst_tables[seq_id] = BlockTable(new_blocks, table.num_tokens, table.hashes)
         return list(mapping.items())
 
     # --- checks ------------------------------------------------------------------------------

@@ -216,13 +216,67 @@ class Scheduler:
             seqs = group.unfinished_seqs()
             if self._num_seqs() + len(seqs) > self.config.max_num_seqs:
                 break
+            hits = self._prefix_hits(group)
+            for seq, blocks in hits:  # tentatively: the cached tokens need no computing
+                seq.num_computed_tokens = len(blocks) * self.kv.block_size
             plan = self._plan(group, step.budget)
-            if plan is None or not self._fits(plan):
+            if plan is None or self._blocks_to_admit(plan, dict(
+                    (seq.seq_id, blocks) for seq, blocks in hits)) > self.kv.num_free_blocks:
+                for seq, _ in hits:
+                    seq.num_computed_tokens = 0
                 break
+            for seq, blocks in hits:
+                self.kv.prefix_hits += self.kv.use_prefix(seq.seq_id, blocks)
+            if self.kv.enable_prefix_caching:
+                self.kv.prefix_queries += sum(self._lookup_len(group, seq) for seq, _, _ in plan)
             self.waiting.popleft()
             self._set_running(group)
             self._commit(plan, group, step, out)
         return out
+
+    def _prefix_hits(self, group: SequenceGroup) -> list[tuple[Sequence, list[int]]]:
+        """Cached leading blocks for each sequence of a group about to be admitted.
+
+        NOTE: a request asking for prompt logprobs computes its whole prompt (no cached
+        positions are skipped); a forking group looks up its parent only.
+        """
+        if not self.kv.enable_prefix_caching or (
+            group.sampling_params.prompt_logprobs is not None and not group.prompt_logprobs_done
+        ):
+            return []
+        seqs = group.unfinished_seqs()
+        if group.fork_pending:
+            seqs = seqs[:1]
+        hits = []
+        for seq in seqs:
+            if seq.seq_id in self.kv.tables or seq.num_computed_tokens:
+                continue
+            blocks = self.kv.match_prefix(seq.token_ids[: self._lookup_len(group, seq)])
+            if blocks:
+                hits.append((seq, blocks))
+        return hits
+
+    @staticmethod
+    def _lookup_len(group: SequenceGroup, seq: Sequence) -> int:
+        """Tokens of `seq` looked up in the prefix cache (a forking parent's prompt only)."""
+        return seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
+
+    def _blocks_to_admit(self, plan, hits: dict[int, list[int]]) -> int:
+        """Free blocks that admitting `plan` takes: new blocks beyond the cached ones, plus the
+        cached ones that currently sit on the free list."""
+        need = 0
+        for seq, _, end in plan:
+            cached = hits.get(seq.seq_id)
+            if cached is None:
+                need += self.kv.num_new_blocks(seq.seq_id, end)
+            else:
+                need += cdiv(end, self.kv.block_size) - len(cached)
+                need += self.kv.num_free_among(cached)
+        return need
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer a sequence's newly computed full blocks to the prefix cache."""
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _schedule_running(self, group: SequenceGroup, step: "_Step", out: SchedulerOutput) -> None:
         plan = self._plan(group, step.budget)

@@ -111,7 +111,7 @@ class LLMEngine:
             )
         self.kv_manager = KVCacheManager(
             self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
-            num_cpu_blocks=self.num_cpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.kv_cache = KVCache(spec, self.num_kv_blocks, args.block_size, self.dtype, self.device,
@@ -248,6 +248,7 @@ class LLMEngine:
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
             s.seq.num_computed_tokens = s.end
+            self.scheduler.cache_computed_blocks(s.seq)
             if r.prompt_logprobs is not None:
                 self._add_prompt_logprobs(s, r)
             # The shared prompt is computed: the other sequences fork the parent's blocks.
@@ -373,6 +374,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_usage": self.kv_manager.usage(),
             "swapped": len(self.scheduler.swapped),
+            "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
             "preemptions": self.scheduler.num_preemptions,
         }
 

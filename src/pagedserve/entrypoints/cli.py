@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts over steps (default on)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])
     p.add_argument("--swap-space", type=float, default=4.0, help="CPU swap pool in GiB")
     p.add_argument("--num-cpu-blocks", type=int, default=None)

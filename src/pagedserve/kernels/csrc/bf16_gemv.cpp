@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -34,6 +35,30 @@
 namespace {
 
 using bf16_t = uint16_t;
+
+// Software prefetch distances (bytes ahead of the current W address; 0 = off).
+#ifdef PS_EXPERIMENT
+int64_t g_dp_pf = 0, g_amx_pf = 0;
+int g_dp_hint = 0, g_amx_hint = 0;
+#define DP_PF g_dp_pf
+#define AMX_PF g_amx_pf
+#define DP_HINT g_dp_hint
+#define AMX_HINT g_amx_hint
+#else
+#define DP_PF 0
+#define AMX_PF 0
+#define DP_HINT 0
+#define AMX_HINT 0
+#endif
+
+inline void prefetch(const void* p, int hint) {
+  if (hint == 0)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  else if (hint == 1)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+  else
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2);
+}
 
 // ----------------------------------------------------------------------------------------------
 // CPU feature detection (cpuid + XCR0 + Linux AMX permission), computed once.
@@ -94,6 +119,18 @@ inline void store_out(void* y, bool out_fp32, int64_t idx, float v) {
   }
 }
 
+// 16 consecutive outputs y[idx .. idx + 16) = v (+ 16 bias values, if any).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store16(
+    void* y, bool out_fp32, int64_t idx, __m512 v, const float* bias16) {
+  if (bias16) v = _mm512_add_ps(v, _mm512_loadu_ps(bias16));
+  if (out_fp32) {
+    _mm512_storeu_ps(static_cast<float*>(y) + idx, v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<bf16_t*>(y) + idx),
+                        (__m256i)_mm512_cvtneps_pbh(v));  // round to nearest even
+  }
+}
+
 // ----------------------------------------------------------------------------------------------
 // AVX512_BF16 path.
 // ----------------------------------------------------------------------------------------------
@@ -121,7 +158,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 reduce16(cons
 
 // Lane -> input-vector index of reduce16, found once by reducing vectors filled with their index.
 struct ReducePerm {
-  int perm[16];
+  int perm[16];              // lane L of reduce16's result holds the sum of input perm[L]
+  alignas(64) int inv[16];   // lane of reduce16's result holding the sum of input j
 };
 
 __attribute__((target("avx512f,avx512bw,avx512vl"))) ReducePerm make_reduce_perm() {
@@ -131,6 +169,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) ReducePerm make_reduce_perm
   _mm512_store_ps(r, reduce16(v));
   ReducePerm p;
   for (int l = 0; l < 16; ++l) p.perm[l] = int(r[l] / 16.0f + 0.5f);
+  for (int l = 0; l < 16; ++l) p.inv[p.perm[l]] = l;
   return p;
 }
 
@@ -151,6 +190,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) i
   for (int t = 0; t < MB * NB; ++t) acc[t] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    if (DP_PF) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) prefetch(w + j * ldw + k + DP_PF / 2, DP_HINT);
+    }
     __m512bh wv[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + k);
@@ -197,6 +240,34 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dp_block(
     }
 }
 
+// M == 1: 16 rows of W at once, reduced together and stored as one vector.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dp_row16(
+    const bf16_t* __restrict x, const bf16_t* __restrict w, int64_t K, const float* bias, void* y,
+    bool out_fp32, int64_t n0, const int* inv) {
+  w += n0 * K;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      if (DP_PF) prefetch(w + j * K + k + DP_PF / 2, DP_HINT);
+      acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(w + j * K + k));
+    }
+  }
+  if (k < K) {
+    const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_maskz_loadu_epi16(m, w + j * K + k));
+  }
+  const __m512 r = _mm512_permutexvar_ps(_mm512_load_si512(inv), reduce16(acc));
+  store16(y, out_fp32, n0, r, bias ? bias + n0 : nullptr);
+}
+
 using DpBlockFn = void (*)(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t, const float*,
                            void*, int64_t, bool, int64_t, int64_t, const int*);
 
@@ -211,9 +282,13 @@ constexpr int64_t kDpNB = 4;  // rows of W per tile
 constexpr int64_t kDpMB = 4;  // rows of x per tile
 
 // Rows [n_begin, n_end) of W against all M rows of x.
-void dp_rows(const bf16_t* x, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dp_rows(const bf16_t* x, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y,
              int64_t N, bool out_fp32, int64_t n_begin, int64_t n_end) {
   const int* perm = reduce_perm().perm;
+  if (M == 1) {
+    const int* inv = reduce_perm().inv;
+    for (; n_begin + 16 <= n_end; n_begin += 16) dp_row16(x, w, K, bias, y, out_fp32, n_begin, inv);
+  }
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kDpNB) {
     const int64_t nb = std::min(kDpNB, n_end - n0);
     // NOTE: the m loop is inside the n loop, so the NB rows of W come from memory once and from
@@ -265,19 +340,52 @@ void amx_pack_x(const bf16_t* x, int64_t M, int64_t K, int64_t m0, bf16_t* xp) {
   }
 }
 
-// Writes C tile `c` (c[n][m], 16 x 16 fp32) for W rows n0.. and x rows m0.. (only valid m).
-inline void amx_store_c(const float* c, const float* bias, void* y, int64_t N, bool out_fp32,
-                        int64_t n0, int64_t m0, int64_t mcount) {
-  for (int64_t m = 0; m < mcount; ++m)
-    for (int64_t n = 0; n < 16; ++n) {
-      const float b = bias ? bias[n0 + n] : 0.f;
-      store_out(y, out_fp32, (m0 + m) * N + n0 + n, c[n * 16 + m] + b);
+// Writes C tile `c` (c[n][m], 16 x 16 fp32, as stored from the tile) for W rows n0 .. n0 + 16
+// and x rows m0 .. m0 + mcount: y[m0 + m][n0 + n] = c[n][m] + bias[n0 + n].
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void amx_store_c(
+    const float* c, const float* bias, void* y, int64_t N, bool out_fp32, int64_t n0, int64_t m0,
+    int64_t mcount) {
+  const float* b16 = bias ? bias + n0 : nullptr;
+  if (mcount <= 2) {  // gather the few columns needed
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < mcount; ++m)
+      store16(y, out_fp32, (m0 + m) * N + n0, _mm512_i32gather_ps(idx, c + m, 4), b16);
+    return;
+  }
+  // 16 x 16 transpose: 32-bit and 64-bit interleaves within 128-bit lanes, then a 4 x 4
+  // transpose of 128-bit blocks.
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 r0 = _mm512_load_ps(c + 32 * i), r1 = _mm512_load_ps(c + 32 * i + 16);
+    a[2 * i] = _mm512_unpacklo_ps(r0, r1);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r0, r1);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + j], lane l: rows 4i .. 4i + 3 of column 4l + j
+    const __m512d a0 = _mm512_castps_pd(a[4 * i]), a1 = _mm512_castps_pd(a[4 * i + 1]);
+    const __m512d a2 = _mm512_castps_pd(a[4 * i + 2]), a3 = _mm512_castps_pd(a[4 * i + 3]);
+    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 c0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44);
+    const __m512 c1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
+    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
+    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+    const __m512 col[4] = {_mm512_shuffle_f32x4(c0, c2, 0x88), _mm512_shuffle_f32x4(c0, c2, 0xDD),
+                           _mm512_shuffle_f32x4(c1, c3, 0x88), _mm512_shuffle_f32x4(c1, c3, 0xDD)};
+    for (int l = 0; l < 4; ++l) {
+      const int64_t m = 4 * l + j;
+      if (m < mcount) store16(y, out_fp32, (m0 + m) * N + n0, col[l], b16);
     }
+  }
 }
 
 // Rows [n_begin, n_end) of W (a multiple of 64 rows, or the last block ending at a multiple of
 // 16) for M <= 16 (one packed x group `xp`) or M <= 32 (two groups, xp and xp + KC * 512).
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void amx_rows(
     const bf16_t* xp, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y,
     int64_t N, bool out_fp32, int64_t n_begin, int64_t n_end) {
   const int64_t KC = K / 32;
@@ -295,6 +403,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(
       const bf16_t* w0 = w + n0 * K;
       if (nt == 4) {
         for (int64_t kc = 0; kc < KC; ++kc) {
+          if (AMX_PF) {  // the same 64 lines (one per row) AMX_PF bytes further on
+            const char* p = reinterpret_cast<const char*>(w0 + kc * 32) + AMX_PF;
+            for (int r = 0; r < 64; ++r) prefetch(p + r * ldw_bytes, AMX_HINT);
+          }
           _tile_loadd(6, xp + kc * 512, 64);
           _tile_loadd(4, w0 + kc * 32, ldw_bytes);
           _tile_loadd(5, w0 + 16 * K + kc * 32, ldw_bytes);
@@ -367,6 +479,25 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_rows(
 // Entry points.
 // ----------------------------------------------------------------------------------------------
 
+// Runs fn(row_begin, row_end) over [0, rows) in chunks of `unit`-row multiples, handed out
+// dynamically to torch's threads: a thread the OS preempts (the machine is shared with the
+// rest of the server) then delays one chunk, not a fixed half of the work.
+template <typename Fn>
+void parallel_rows(int64_t rows, int64_t unit, const Fn& fn) {
+  const int64_t units = (rows + unit - 1) / unit;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  // ~8 chunks per thread, but at least 4 units (>= 64 KB of W for K = 640) per chunk
+  const int64_t chunk_units = std::max<int64_t>(4, units / (threads * 8));
+  const int64_t chunks = (units + chunk_units - 1) / chunk_units;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(c * chunk_units * unit, std::min(rows, (c + 1) * chunk_units * unit));
+    }
+  });
+}
+
 enum Algo : int64_t { kAuto = 0, kDp = 1, kAmx = 2 };
 
 // Which path to use: AMX when it is usable and the shape allows it, else AVX512_BF16.
@@ -415,19 +546,17 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
     amx_pack_x(xp, M, K, 0, xpk);
     if (M > 16) amx_pack_x(xp, M, K, 16, xpk + KC * 512);
     const int64_t n_amx = N / 16 * 16;  // the tail rows (N % 16) go through the dp path
-    const int64_t rows_per_unit = M <= 16 ? 64 : 32;
-    const int64_t units = (n_amx + rows_per_unit - 1) / rows_per_unit;
-    at::parallel_for(0, units, 1, [&](int64_t ub, int64_t ue) {
-      amx_rows(xpk, M, wp, K, bias_ptr, yp, N, out_fp32, ub * rows_per_unit,
-               std::min(n_amx, ue * rows_per_unit));
+    // NOTE: amx_rows wants ranges of whole 64-row (M <= 16) or 32-row blocks, except at n_amx.
+    parallel_rows(n_amx, M <= 16 ? 64 : 32, [&](int64_t nb, int64_t ne) {
+      amx_rows(xpk, M, wp, K, bias_ptr, yp, N, out_fp32, nb, ne);
     });
     if (n_amx < N) dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, n_amx, N);
     return y;
   }
 
-  const int64_t tiles = (N + kDpNB - 1) / kDpNB;
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
-    dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, tb * kDpNB, std::min(N, te * kDpNB));
+  // NOTE: split N in units of 16 rows, so that M == 1 runs dp_row16 on all but the last rows.
+  parallel_rows(N, 16, [&](int64_t nb, int64_t ne) {
+    dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, nb, ne);
   });
   return y;
 }
@@ -439,6 +568,18 @@ std::vector<int64_t> cpu_features() {
 }
 
 }  // namespace
+
+#ifdef PS_EXPERIMENT
+void set_prefetch(int64_t dp_pf, int64_t dp_hint, int64_t amx_pf, int64_t amx_hint) {
+  g_dp_pf = dp_pf;
+  g_dp_hint = int(dp_hint);
+  g_amx_pf = amx_pf;
+  g_amx_hint = int(amx_hint);
+}
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("set_prefetch(int dp_pf, int dp_hint, int amx_pf, int amx_hint) -> ()", &set_prefetch);
+}
+#endif
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool out_fp32, int algo) -> Tensor");
