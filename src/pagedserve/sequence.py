@@ -52,6 +52,8 @@ class Sequence:
         self.final_text: str | None = None
         # Set by the engine: incremental detokenizer of this sequence (opaque to the scheduler).
         self.detokenizer: Any = None
+        # Beam search: this beam's best (token, logprob) continuations, until the step selects.
+        self.beam_candidates: list[tuple[int, float]] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -100,6 +102,8 @@ class SequenceGroup:
     # NOTE: while True, only seqs[0] (the parent) is scheduled: the prompt is prefilled once and
     # the other sequences fork its block table when the first tokens are sampled.
     fork_pending: bool = False
+    # Beam search state (`engine.beam_search.BeamState`) when the request is a beam search.
+    beam: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

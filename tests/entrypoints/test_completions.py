@@ -62,6 +62,17 @@ def test_n2_returns_two_indexed_choices_and_usage_counts_both(client, server):
     assert resp.choices[0].text != resp.choices[1].text  # independent samples
 
 
+def test_best_of_returns_the_n_most_likely_of_its_samples(client, server):
+    resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, n=1,
+                                     best_of=4, temperature=1.0, seed=11, logprobs=0)
+    assert len(resp.choices) == 1 and resp.usage.completion_tokens == 6
+    wide = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, n=4,
+                                     temperature=1.0, seed=11, logprobs=0)
+    # The same four samples (same seed); best_of keeps the one of highest cumulative logprob.
+    best = max(wide.choices, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert resp.choices[0].text == best.text
+
+
 def test_same_seed_reproduces_sampled_text_and_another_seed_changes_it(client, server):
     def sample(seed):
         return [c.text for c in client.completions.create(

@@ -60,6 +60,7 @@ def _algos():
 SHAPES = [
     (1, 1, 32),
     (1, 37, 64),
+    (1, 40, 70),
     (2, 5, 31),
     (3, 50, 70),
     (4, 64, 640),
@@ -155,13 +156,16 @@ class _SpyLinear:
         return F.linear(*args, **kwargs)
 
 
-def _failing_kernel(*args, **kwargs):
+def _fail(*args, **kwargs):
     raise AssertionError("kernel called")
+
+
+_FAILING_KERNEL = cpu_gemm._Kernel(_fail, cpu_gemm.MAX_M)
 
 
 def test_disabled_by_env_var_falls_back(monkeypatch):
     monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
-    monkeypatch.setattr(cpu_gemm, "_kernel", _failing_kernel)
+    monkeypatch.setattr(cpu_gemm, "_kernel", _FAILING_KERNEL)
     spy = _SpyLinear()
     monkeypatch.setattr(cpu_gemm, "F", spy)
     assert not cpu_gemm.kernel_available()
@@ -177,10 +181,11 @@ def test_disabled_by_env_var_falls_back(monkeypatch):
 
 @pytest.mark.parametrize(
     "case",
-    ["fp32", "too_many_rows", "grad", "non_contiguous_weight"],
+    ["fp32", "too_many_rows", "above_kernel_max_m", "grad", "non_contiguous_weight"],
 )
 def test_fallback_cases(monkeypatch, case):
-    monkeypatch.setattr(cpu_gemm, "_kernel", _failing_kernel)
+    monkeypatch.delenv(cpu_gemm.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_gemm, "_kernel", _FAILING_KERNEL)
     spy = _SpyLinear()
     monkeypatch.setattr(cpu_gemm, "F", spy)
     x, w, b = _inputs(3, 10, 64, True)
@@ -188,6 +193,8 @@ def test_fallback_cases(monkeypatch, case):
         x, w, b = x.float(), w.float(), b.float()
     elif case == "too_many_rows":
         x = torch.randn(cpu_gemm.MAX_M + 1, 64).to(torch.bfloat16)
+    elif case == "above_kernel_max_m":  # e.g. a CPU without AMX: the dot-product path stops early
+        monkeypatch.setattr(cpu_gemm, "_kernel", cpu_gemm._Kernel(_fail, 2))
     elif case == "grad":
         w = w.clone().requires_grad_(True)
     elif case == "non_contiguous_weight":

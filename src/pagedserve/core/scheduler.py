@@ -87,7 +87,8 @@ class ScheduledSequence:
             and start < seq.num_prompt_tokens
         )
         do_sample = end == seq.num_tokens
-        forks = len(group.unfinished_seqs()) if group.fork_pending and do_sample else 1
+        forking = group.fork_pending and do_sample and group.beam is None
+        forks = len(group.unfinished_seqs()) if forking else 1
         return cls(group, seq, start, end, table, do_sample, wants, forks)
 
 
@@ -299,6 +300,17 @@ class Scheduler:
                 return
         self._commit(plan, group, step, out)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks (shared, copy-on-write) and computed tokens."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = parent.status
+
+    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Remove a pruned beam from its group and free its blocks."""
+        self.kv.free(seq.seq_id)
+        group.seqs.remove(seq)
+
     def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
         """Once the parent of a forking group has computed its prompt, give the other sequences
         its blocks (shared, copy-on-write) and its computed prompt. Returns the sequences, parent
@@ -308,8 +320,7 @@ class Scheduler:
             return []
         parent = seqs[0]
         for child in seqs[1:]:
-            self.kv.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
+            self.fork(parent, child)
         group.fork_pending = False
         return seqs
 
@@ -349,6 +360,8 @@ class Scheduler:
             # A group that will fork computes the parent's prompt alone, then the others share it.
             stop = seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
             want = stop - start
+            if want <= 0:  # a beam waiting for its siblings' candidates: nothing to compute
+                continue
             take = min(want, budget) if chunked else want
             if take > budget or take <= 0:
                 return None

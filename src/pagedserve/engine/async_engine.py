@@ -457,13 +457,16 @@ class AsyncLLMEngine:
                 del self._tracked[out.request_id]
                 finished.append(self._finished_record(out, tracked, now))
         totals = self._engine_totals()
-        prev, self._prev_totals = self._prev_totals, totals
-        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
+        delta = [a - b for a, b in zip(totals, self._prev_totals)]
+        self._prev_totals = totals
+        info = self.engine.last_schedule_info()
+        kv = self.engine.kv_manager
         stats = StepStats(
-            now=now, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            kv_usage=kv.usage(), num_used_blocks=kv.pool.num_used, num_blocks=kv.num_blocks,
-            steps=totals[0] - prev[0], prompt_tokens=totals[1] - prev[1],
-            generation_tokens=totals[2] - prev[2], preemptions=totals[3] - prev[3],
+            now=now, num_running=info.get("running", 0), num_waiting=info.get("waiting", 0),
+            num_swapped=info.get("swapped", 0), kv_usage=info.get("kv_usage", kv.usage()),
+            num_used_blocks=self.engine.num_used_blocks(), num_blocks=kv.num_blocks,
+            steps=delta[0], prompt_tokens=delta[1], generation_tokens=delta[2],
+            preemptions=delta[3], prefix_cache_queries=delta[4], prefix_cache_hits=delta[5],
             time_to_first_token=ttft, inter_token_latency=itl,
         )
         for listener in self._listeners:
@@ -491,10 +494,13 @@ class AsyncLLMEngine:
             if m is not None and m.first_scheduled_time is not None else None,
         )
 
-    def _engine_totals(self) -> tuple[int, int, int, int]:
-        s = self.engine.stats
+    def _engine_totals(self) -> tuple[int, ...]:
+        """Cumulative counters: steps, prompt and generation tokens, preemptions, prefix-cache
+        queries and hits (tokens; 0 without prefix caching)."""
+        s, kv = self.engine.stats, self.engine.kv_manager
         return (s["steps"], s["prompt_tokens"], s["generation_tokens"],
-                self.engine.scheduler.num_preemptions)
+                self.engine.scheduler.num_preemptions, getattr(kv, "prefix_queries", 0),
+                getattr(kv, "prefix_hits", 0))
 
     def _call_in_loop(self, fn, *args) -> None:
         loop = self._loop

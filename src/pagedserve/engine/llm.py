@@ -7,6 +7,7 @@ from typing import Any, Sequence as Seq
 from tqdm import tqdm
 
 from pagedserve.config import EngineArgs
+from pagedserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -75,6 +76,50 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's API): the `beam_width` best sequences, best
+        first, with their cumulative logprobs. Runs inside the engine, one group per prompt."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.engine
+        parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
+        parsed = [(t, ids if ids is not None else engine.tokenize(t)) for t, ids in parsed]
+        for _, ids in parsed:
+            engine._validate_prompt(ids)
+        order = {}
+        for i, (text, ids) in enumerate(parsed):
+            request_id = engine.new_request_id()
+            order[request_id] = i
+            engine.add_beam_request(request_id, text, params, prompt_token_ids=ids)
+        results: list[BeamSearchOutput | None] = [None] * len(parsed)
+        bar = tqdm(total=len(parsed), desc="Beam search", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = BeamSearchOutput([
+                            BeamSearchSequence(
+                                tokens=out.prompt_token_ids + c.token_ids,
+                                output_token_ids=c.token_ids, text=c.text,
+                                cum_logprob=c.cumulative_logprob,
+                                score=c.cumulative_logprob / max(len(c.token_ids), 1)
+                                ** params.length_penalty,
+                                finish_reason=c.finish_reason,
+                            ) for c in out.outputs])
                         bar.update(1)
         except BaseException:
             for request_id in order:

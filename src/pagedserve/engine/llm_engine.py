@@ -13,6 +13,14 @@ import torch
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.engine.beam_search import (
+    BeamSearchParams,
+    BeamState,
+    Extension,
+    Hypothesis,
+    final_hypotheses,
+    select,
+)
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
     TokenizerInfo,
@@ -243,6 +251,7 @@ class LLMEngine:
         now = time.monotonic()
         results = self.runner.execute(sched)
         touched: dict[str, SequenceGroup] = {}
+        beams: dict[str, SequenceGroup] = {}
         for s, r in zip(sched.scheduled, results):
             group = s.group
             if group.first_scheduled_time is None:
@@ -257,6 +266,13 @@ class LLMEngine:
                 seqs = forked if len(r.samples) > 1 else [s.seq]
                 for seq, res in zip(seqs, r.samples):
                     self._append_token(group, seq, res)
+                touched[group.request_id] = group
+            elif r.beam_candidates is not None:
+                s.seq.beam_candidates = r.beam_candidates
+                beams[group.request_id] = group
+        for group in beams.values():
+            if all(q.beam_candidates is not None for q in group.unfinished_seqs()):
+                self._beam_step(group)
                 touched[group.request_id] = group
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += sum(
@@ -326,7 +342,95 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_seq(seq, status)
 
+    # --- beam search -------------------------------------------------------------------------
+
+    def add_beam_request(
+        self, request_id: str, prompt: str | None, params: BeamSearchParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> SequenceGroup:
+        """Queue a beam search: one group whose live sequences are the beams."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                                  ignore_eos=params.ignore_eos)
+        group = self.add_request(request_id, prompt, sampling, prompt_token_ids)
+        width_blocks = cdiv(len(group.prompt_token_ids), self.kv_manager.block_size) \
+            + params.beam_width
+        if width_blocks > self.num_kv_blocks:
+            self.abort_request(request_id)
+            raise ValueError(f"beam search of width {params.beam_width} on this prompt needs "
+                             f"{width_blocks} KV blocks; the cache has {self.num_kv_blocks}")
+        group.beam = BeamState(params)
+        group.seqs[0].detokenizer = None
+        return group
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        """Select the next beams from every live beam's candidates; fork, extend and prune."""
+        state: BeamState = group.beam
+        live = group.unfinished_seqs()
+        chosen = select(
+            state,
+            [(q.cumulative_logprob, q.num_output_tokens, q.output_token_ids) for q in live],
+            [q.beam_candidates for q in live],
+            set(self.eos_token_ids),
+        )
+        extended: list[tuple[Sequence, Extension]] = []
+        taken: set[int] = set()
+        for ext in chosen:  # forks first: a child copies its parent before the parent grows
+            parent = live[ext.parent]
+            if ext.parent in taken:
+                child = Sequence(next(self._seq_ids), parent.prompt_token_ids)
+                child.token_ids = list(parent.token_ids)
+                self.scheduler.fork(parent, child)
+                group.seqs.append(child)
+                extended.append((child, ext))
+            else:
+                taken.add(ext.parent)
+                extended.append((parent, ext))
+        for i, q in enumerate(live):
+            q.beam_candidates = None
+            if i not in taken:
+                self.scheduler.drop_seq(group, q)
+        for seq, ext in extended:
+            seq.token_ids.append(ext.token)
+            seq.cumulative_logprob = ext.cum_logprob
+            self.stats["generation_tokens"] += 1
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        beams = [seq for seq, _ in extended]
+        if state.done or not beams or beams[0].num_tokens >= self.max_model_len:
+            group.extra["beam_final"] = final_hypotheses(
+                state, [(q.cumulative_logprob, q.output_token_ids) for q in beams])
+            for q in beams:
+                self.scheduler.finish_seq(q, SequenceStatus.FINISHED_LENGTH)
+
+    def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
+        hyps = group.extra.get("beam_final") if finished else None
+        if hyps is None:
+            hyps = [Hypothesis(q.output_token_ids, q.cumulative_logprob, q.cumulative_logprob,
+                               q.status.finish_reason) for q in group.unfinished_seqs()]
+        outs = [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                token_ids=list(h.token_ids),
+                cumulative_logprob=h.cum_logprob,
+                logprobs=None,
+                finish_reason=h.finish_reason,
+            )
+            for i, h in enumerate(hyps)
+        ]
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids, prompt_logprobs=None, outputs=outs,
+            finished=finished, num_preemptions=group.num_preemptions,
+            metrics=RequestMetrics(group.arrival_time, group.first_scheduled_time,
+                                   group.first_token_time, group.finished_time),
+        )
+
     def _make_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
+        if group.beam is not None:
+            return self._make_beam_output(group, finished)
         params = group.sampling_params
         seqs = group.seqs
         if len(seqs) > params.n:  # best_of: the n with the highest cumulative logprob

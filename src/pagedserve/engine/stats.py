@@ -26,10 +26,13 @@ class StepStats:
     kv_usage: float  # fraction of KV blocks in use, 0..1
     num_used_blocks: int
     num_blocks: int
+    num_swapped: int = 0  # requests swapped out to CPU blocks
     steps: int = 0  # engine steps since the previous record (0 or 1)
     prompt_tokens: int = 0  # prompt tokens computed since the previous record
     generation_tokens: int = 0  # tokens generated since the previous record
     preemptions: int = 0  # preemptions since the previous record
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since then
+    prefix_cache_hits: int = 0  # of those, tokens found cached
     # Per request that produced its first token this step: arrival -> first token (seconds).
     time_to_first_token: list[float] = field(default_factory=list)
     # Per request that produced a later token this step: time since its previous token.
@@ -88,11 +91,11 @@ class StatsLogLine:
         elapsed = now - self._last_log
         s = self._last
         logger.info(
-            "running: %d reqs, waiting: %d reqs, KV blocks in use: %.1f%% (%d/%d), "
-            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s",
-            s.num_running, s.num_waiting, 100.0 * s.kv_usage, s.num_used_blocks, s.num_blocks,
-            self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
+            "running: %d reqs, waiting: %d reqs, swapped: %d reqs, KV blocks in use: %.1f%% "
+            "(%d/%d), prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s",
+            s.num_running, s.num_waiting, s.num_swapped, 100.0 * s.kv_usage, s.num_used_blocks,
+            s.num_blocks, self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
         )
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
-        self._active = bool(s.num_running or s.num_waiting)
+        self._active = bool(s.num_running or s.num_waiting or s.num_swapped)

@@ -19,6 +19,7 @@ import platform
 import threading
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +28,26 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 
-# Largest M (rows of x, all leading dims flattened) sent to the kernel; above it torch's GEMM,
-# which re-uses each weight tile across many rows, is as fast or faster. From scripts/bench_gemv.py.
-MAX_M = 32
+# Largest M (rows of x, all leading dims flattened) sent to the kernel, by the path the CPU allows;
+# above it torch is as fast or faster (scripts/bench_gemv.py). With AMX the kernel stays memory-bound
+# up to M = 32 (its limit); the AVX512_BF16 dot-product path is compute-bound from M ~ 4 on.
+MAX_M_AMX = 32
+MAX_M_AVX512 = 4
+MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_gemv.cpp"
 _EXT_NAME = "pagedserve_bf16_gemv"
 
-# The lazily built extension: None = not tried yet, False = unavailable (already warned),
-# else the bound `torch.ops.pagedserve_cpu.bf16_linear.default` op.
-_kernel = None
+
+
+class _Kernel(NamedTuple):
+    op: Callable  # torch.ops.pagedserve_cpu.bf16_linear.default
+    max_m: int  # MAX_M_AMX or MAX_M_AVX512
+
+
+# The lazily built extension: None = not tried yet, False = unavailable (already warned), else a
+# _Kernel.
+_kernel: _Kernel | bool | None = None
 _kernel_lock = threading.Lock()
 
 # algo codes understood by the C++ op
@@ -59,8 +70,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build():
-    """Compile and load the extension; returns the op or raises with the reason."""
+def _build() -> _Kernel:
+    """Compile and load the extension; returns it or raises with the reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
     if "avx512_bf16" not in _cpu_flags():
@@ -86,11 +97,11 @@ def _build():
     logger.info(
         "built CPU bf16 GEMV kernel in %.1f s (AMX %s)", time.perf_counter() - t0, "on" if amx else "off"
     )
-    return torch.ops.pagedserve_cpu.bf16_linear.default
+    return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_AMX if amx else MAX_M_AVX512)
 
 
-def _get_kernel():
-    """The op, building it on first call (thread-safe); None when disabled or unavailable."""
+def _get_kernel() -> _Kernel | None:
+    """The kernel, building it on first call (thread-safe); None when disabled or unavailable."""
     global _kernel
     if _disabled():
         return None
@@ -156,7 +167,8 @@ def bf16_linear(
 
     x: [..., K]; weight: [N, K]; bias: [N] or None; result: [..., N] in `out_dtype` (default
     x.dtype). The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, M (the
-    product of x's leading dims) is at most `MAX_M`, no gradient is needed, and `kernel_available()`;
+    product of x's leading dims) is at most `MAX_M_AMX` (CPUs with AMX) or `MAX_M_AVX512` (others),
+    no gradient is needed, and `kernel_available()`;
     it accumulates in fp32 and rounds once to the output dtype (so `out_dtype=torch.float32` gives
     unrounded logits). Otherwise this is `F.linear(x, weight, bias)` cast to `out_dtype` (so there a
     bf16 result is rounded to bf16 before any cast to fp32). ValueError on mismatched shapes or an
@@ -166,10 +178,9 @@ def bf16_linear(
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if _use_kernel(x, weight, bias, m):
         kernel = _get_kernel()
-        if kernel is not None:
-            out_fp32 = out_dtype == torch.float32
+        if kernel is not None and m <= kernel.max_m:
             x2 = x.reshape(m, x.shape[-1]).contiguous()
-            y = kernel(x2, weight, bias, out_fp32, 0)
+            y = kernel.op(x2, weight, bias, out_dtype == torch.float32, 0)
             return y.reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
@@ -194,4 +205,4 @@ def _kernel_linear(
     kernel = _get_kernel()
     if kernel is None:
         raise RuntimeError("CPU bf16 GEMV kernel unavailable (disabled, unsupported CPU, or build failed)")
-    return kernel(x, weight, bias, out_dtype == torch.float32, _ALGOS[algo])
+    return kernel.op(x, weight, bias, out_dtype == torch.float32, _ALGOS[algo])

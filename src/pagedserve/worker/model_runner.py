@@ -23,6 +23,8 @@ class SeqStepOutput:
     samples: list[SampleResult]
     # (logprob, rank, top-k) for each prompt position start+1 .. end of this chunk, if asked
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # Beam search: the row's best 2 * beam_width (token, raw logprob), best first.
+    beam_candidates: list[tuple[int, float]] | None = None
 
 
 class ModelRunner:
@@ -130,6 +132,11 @@ class ModelRunner:
             rows, reqs, owners = [], [], []
             for row, idx in zip(sample_rows, sample_idx):
                 s = step.scheduled[idx]
+                if s.group.beam is not None:
+                    lp = torch.log_softmax(logits[row], dim=-1)  # [V] raw logprobs
+                    vals, tok = torch.topk(lp, 2 * s.group.beam.params.beam_width)
+                    outputs[idx].beam_candidates = list(zip(tok.tolist(), vals.tolist()))
+                    continue
                 params = s.group.sampling_params
                 gen = self._generator(s.group.request_id, params.seed)
                 # NOTE: a forking group draws all its first tokens from the parent's row, in
@@ -148,7 +155,7 @@ class ModelRunner:
                 ([] if r_.params.ignore_eos else self.eos_ids) + list(r_.params.stop_token_ids or [])
                 for r_ in reqs
             ]
-            results = sample(logits[rows], reqs, stop_ids)
+            results = sample(logits[rows], reqs, stop_ids) if rows else []
             for idx, res in zip(owners, results):
                 outputs[idx].samples.append(res)
         return outputs

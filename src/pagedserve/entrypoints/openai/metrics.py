@@ -8,8 +8,11 @@ one), so several apps in one process do not clash.
 | -------------------------------------------- | ---------------------------------------- |
 | pagedserve:num_requests_running              | vllm:num_requests_running                |
 | pagedserve:num_requests_waiting              | vllm:num_requests_waiting                |
+| pagedserve:num_requests_swapped              | vllm:num_requests_swapped (vLLM v0)      |
 | pagedserve:kv_cache_usage_perc (0..1)        | vllm:kv_cache_usage_perc (was gpu_...)   |
 | pagedserve:num_preemptions_total             | vllm:num_preemptions_total               |
+| pagedserve:prefix_cache_queries_total (tokens) | vllm:prefix_cache_queries_total        |
+| pagedserve:prefix_cache_hits_total (tokens)  | vllm:prefix_cache_hits_total             |
 | pagedserve:prompt_tokens_total               | vllm:prompt_tokens_total                 |
 | pagedserve:generation_tokens_total           | vllm:generation_tokens_total             |
 | pagedserve:request_success_total{finished_reason} | vllm:request_success_total          |
@@ -22,13 +25,20 @@ one), so several apps in one process do not clash.
 | pagedserve:request_generation_tokens         | vllm:request_generation_tokens           |
 | pagedserve:engine_steps_total                | (ours: engine iterations)                |
 
-Not yet exported because the engine lacks the feature: swapped requests, prefix cache hits.
+The prefix cache hit ratio is `rate(prefix_cache_hits_total) / rate(prefix_cache_queries_total)`,
+as with vLLM's current metrics.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from pagedserve.engine.stats import FinishedRequestStats, StepStats
 
@@ -63,8 +73,13 @@ class ServerMetrics:
 
         self.num_running = gauge("num_requests_running", "Requests being computed (running).")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.preemptions = counter("num_preemptions", "Preemptions (requests evicted).")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.steps = counter("engine_steps", "Engine iterations (one batch each).")
@@ -92,11 +107,14 @@ class ServerMetrics:
     def on_step(self, stats: StepStats) -> None:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+        self.num_swapped.set(stats.num_swapped)
         self.kv_usage.set(stats.kv_usage)
         self.steps.inc(stats.steps)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         self.preemptions.inc(stats.preemptions)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
         for value in stats.time_to_first_token:
             self.ttft.observe(value)
         for value in stats.inter_token_latency:

@@ -302,7 +302,7 @@ class VersionResponse(BaseModel):
 # one to a meaningful value gets a 400 instead of a silently different answer. Maps the field to
 # a predicate "is it in use" on its raw JSON value.
 def _set(value: Any) -> bool:
-    return value is not None and value is not False and value != [] and value != {}
+    return value is not None and value is not False and value not in ([], {}, "")
 
 
 def _not_text_format(value: Any) -> bool:

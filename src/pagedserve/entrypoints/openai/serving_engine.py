@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from pagedserve.engine.async_engine import (
     AsyncLLMEngine,
@@ -31,7 +30,6 @@ class ServerSettings:
     max_n: int = 16
     api_key: str | None = None
     protect_metrics: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -105,11 +103,12 @@ class OpenAIServing:
         n = 1 if request.n is None else request.n
         if n > self.settings.max_n:
             raise APIError(f"n must be at most {self.settings.max_n} (--max-n), got {n}", 400, "n")
-        if request.best_of is not None and request.best_of > n:
-            where = " with stream" if request.stream else ""
+        if request.best_of is not None and request.best_of > n and request.stream:
+            # NOTE: the n best are known only at the end, so they cannot be streamed.
             raise APIError(
-                f"best_of > n is not supported{where} (got best_of={request.best_of}, n={n}): "
-                "this engine returns every sequence it generates", 400, "best_of",
+                f"best_of > n is not supported with stream (got best_of={request.best_of}, "
+                f"n={n}): the best sequences are known only when all have finished", 400,
+                "best_of",
             )
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs",
                                                           request.prompt_logprobs)):
