@@ -1,6 +1,11 @@
 """`bench memory`: the KV usage breakdown and sharing savings on the real block manager."""
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.bench import memory
 from pagedserve.bench.memory import (
@@ -130,14 +135,24 @@ def test_reservations_and_bad_arguments():
 
 
 def test_cli_runs_on_tiny_settings_and_writes_the_charts(tmp_path, capsys):
+    import tiny
+
+    model = tiny.make_checkpoint(tmp_path / "m", "llama")
     b, s = tmp_path / "breakdown.png", tmp_path / "sharing.png"
     assert cli_main(["bench", "memory", "--num-requests", "40", "--pool-tokens", "2048",
                      "--max-model-len", "512",
                      "--parallel-n", "2", "4", "--breakdown-plot", str(b),
-                     "--sharing-plot", str(s)]) == 0
+                     "--sharing-plot", str(s), "--model", str(model), "--dtype", "float32",
+                     "--beam-widths", "2", "3", "--beam-requests", "3",
+                     "--beam-max-tokens", "6"]) == 0
     out = capsys.readouterr().out
     for label in memory.LABELS.values():
         assert label in out
-    assert "(2) parallel sampling" in out and "beam search is not measured" in out
+    assert "(2) parallel sampling" in out and "(3) beam search" in out
+    beam_rows = [line.split() for line in out.splitlines()
+                 if line.split()[:1] in (["sharegpt"], ["alpaca"]) and len(line.split()) >= 4
+                 and line.split()[1] in ("2", "3") and "beam" not in line]
+    savings = [float(r[2].rstrip("%")) for r in beam_rows[-4:]]
+    assert all(x > 0 for x in savings)  # beams share their prompt and common prefixes
     assert b.stat().st_size > 1000 and s.stat().st_size > 1000
     assert cli_main(["bench", "memory", "--num-requests", "0"]) == 2

@@ -62,6 +62,10 @@ class LengthRequest:
         return self.prompt_len + self.output_len
 
 
+PAPER_BEAM_SAVINGS = {("alpaca", 2): "37.6%", ("alpaca", 6): "55.2%",
+                      ("sharegpt", 2): "44.3%", ("sharegpt", 6): "66.3%"}
+
+
 def length_trace(name: str, num_requests: int, seed: int = 0,
                  max_model_len: int = 2048) -> list[LengthRequest]:
     """Seeded lognormal lengths of the named workload (`sharegpt` or `alpaca`).
@@ -497,22 +501,61 @@ def plot_sharing(savings: dict[str, dict[int, float]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(savings), figsize=(5 * len(savings), 3.8), squeeze=False)
-    for ax, (trace, by_n) in zip(axes[0], savings.items()):
+    for ax, (panel, by_n) in zip(axes[0], savings.items()):
+        beam = panel.endswith(" beam")
+        trace = panel.removesuffix(" beam")
+        figures = PAPER_BEAM_SAVINGS if beam else PAPER_PARALLEL_SAVINGS
         ns = list(by_n)
         xs = range(len(ns))
         ax.bar(xs, [100 * by_n[n] for n in ns], color="#4c72b0", label="pagedserve")
         ax.set_xticks(xs, [str(n) for n in ns])
-        paper = [(x, float(PAPER_PARALLEL_SAVINGS[(trace, n)].rstrip("%")))
-                 for x, n in zip(xs, ns) if (trace, n) in PAPER_PARALLEL_SAVINGS]
+        paper = [(x, float(figures[(trace, n)].rstrip("%")))
+                 for x, n in zip(xs, ns) if (trace, n) in figures]
         if paper:
             ax.plot([p[0] for p in paper], [p[1] for p in paper], "k^", label="paper")
-        ax.set_xlabel("# output sequences (parallel sampling)")
+        kind = "beam search" if beam else "parallel sampling"
+        ax.set_xlabel("beam width" if beam else "# output sequences (parallel sampling)")
         ax.set_ylabel("memory saving (%)")
-        ax.set_title(f"parallel sampling ({trace})")
+        ax.set_title(f"{kind} ({trace})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def beam_search_savings(llm, requests: list[LengthRequest], width: int, max_tokens: int,
+                        seed: int = 0) -> tuple[float, int]:
+    """Blocks saved / blocks needed without sharing, summed over the steps of a real beam search
+    on the engine (which beams survive depends on the model's scores), and the steps run.
+
+    Prompts are cut from the benchmark corpus at the trace's prompt lengths; outputs are capped
+    at `max_tokens` and run with `ignore_eos` so that lengths follow the trace.
+    """
+    from pagedserve.bench.trace import corpus_text
+    from pagedserve.engine.beam_search import BeamSearchParams
+
+    engine = llm.engine
+    rng = random.Random(seed)
+    corpus = engine.tokenizer(corpus_text(), add_special_tokens=False).input_ids
+    kv = engine.kv_manager
+    for i, req in enumerate(requests):
+        start = rng.randrange(0, len(corpus) - req.prompt_len)
+        engine.add_beam_request(
+            f"beam{width}-{i}", None,
+            BeamSearchParams(beam_width=width, max_tokens=max(1, min(req.output_len, max_tokens)),
+                             ignore_eos=True),
+            prompt_token_ids=corpus[start : start + req.prompt_len])
+    shared = unshared = steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        for group in engine.scheduler.running:
+            tables = [kv.block_table(q.seq_id) for q in group.unfinished_seqs()]
+            shared += len({b for t in tables for b in t})
+            unshared += sum(len(t) for t in tables)
+    if engine.num_used_blocks():
+        raise RuntimeError("beam search left KV blocks in use")
+    return (1 - shared / unshared if unshared else 0.0), steps
 
 
 def add_bench_memory_args(p) -> None:
@@ -528,6 +571,15 @@ def add_bench_memory_args(p) -> None:
     p.add_argument("--busy-threshold", type=float, default=0.9,
                    help="measure the breakdown only at steps with this share of the pool used")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--beam-widths", type=int, nargs="*", default=[2, 4, 6],
+                   help="beam widths measured on the real engine (none: skip)")
+    p.add_argument("--beam-requests", type=int, default=8,
+                   help="requests per trace for the beam-search part")
+    p.add_argument("--beam-max-tokens", type=int, default=64,
+                   help="output cap for the beam-search part (a shortened trace)")
+    p.add_argument("--model", default=None, help="model for the beam-search part "
+                   "(default: the embedded Gemma 3 270M)")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--breakdown-plot", default="memory_breakdown.png")
     p.add_argument("--sharing-plot", default="memory_sharing.png")
 
@@ -582,7 +634,24 @@ def main(args) -> int:
             print(f"{name:<10} {n:>3} {100 * r.sharing_savings:>7.1f}% {r.cow_copies:>11} "
                   f"{r.preemptions:>8}   {PAPER_PARALLEL_SAVINGS.get((name, n), '-')}")
     print("paper (Fig. 15): parallel sampling n = 2..6 saves 6.1%-9.8% on Alpaca, "
-          "16.2%-30.5% on ShareGPT; beam search is not measured here yet")
+          "16.2%-30.5% on ShareGPT")
+    if args.beam_widths:
+        from pagedserve.engine.llm import LLM
+
+        llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, seed=args.seed)
+        print(f"\n(3) beam search on the real engine ({llm.engine.source.name}): blocks saved / "
+              f"blocks needed without sharing, {args.beam_requests} requests per trace, outputs "
+              f"capped at {args.beam_max_tokens} tokens")
+        print(f"{'trace':<10} {'width':>5} {'saving':>8} {'steps':>6}   paper")
+        for name, reqs in traces.items():
+            for width in args.beam_widths:
+                saving, steps = beam_search_savings(llm, reqs[: args.beam_requests], width,
+                                                    args.beam_max_tokens, args.seed)
+                all_savings.setdefault(f"{name} beam", {})[width] = saving
+                print(f"{name:<10} {width:>5} {100 * saving:>7.1f}% {steps:>6}   "
+                      f"{PAPER_BEAM_SAVINGS.get((name, width), '-')}")
+        print("paper (Fig. 15): beam width 2..6 saves 37.6%-55.2% on Alpaca, 44.3%-66.3% on "
+              "ShareGPT")
     plot_breakdown(all_shares, args.breakdown_plot)
     plot_sharing(all_savings, args.sharing_plot)
     print(f"charts written to {args.breakdown_plot} and {args.sharing_plot}")
