@@ -4,9 +4,11 @@
     .venv/bin/python scripts/bench_gemv.py --cold          # rotate weight copies (out of cache)
     .venv/bin/python scripts/bench_gemv.py --algos avx512,amx --m 1,16
 
-Prints one row per (shape, M): effective weight bandwidth (N*K*2 bytes / time) of torch and of
-the kernel, and their ratio. Torch and the kernel are timed alternately in the same process
-(best of --repeats rounds), so machine noise hits both alike; figures are indicative.
+Prints one row per (shape, M): effective weight bandwidth (N*K*2 bytes / time per call) of torch
+and of the kernel, and their ratio. Torch and the kernel are timed alternately in the same process
+(--repeats rounds each), every call on its own; the time per call is a low percentile (--pct, 10 by
+default) of all calls, which shrugs off the calls that other processes on a shared machine
+preempted. Figures are indicative.
 """
 
 from __future__ import annotations
@@ -30,17 +32,19 @@ SHAPES = [
 ]
 
 
-def _time(fn, weights, xs, min_time: float) -> float:
-    """Seconds per call: fn cycles through the weight copies until min_time has passed."""
-    fn(xs, weights[0])
-    n, i, t0 = 0, 0, time.perf_counter()
+def _time(fn, weights, x, min_time: float) -> list[float]:
+    """Seconds of each call, cycling through the weight copies until min_time has passed."""
+    fn(x, weights[0])
+    times, i = [], 0
+    end = time.perf_counter() + min_time
     while True:
-        fn(xs, weights[i])
+        t0 = time.perf_counter()
+        fn(x, weights[i])
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
         i = (i + 1) % len(weights)
-        n += 1
-        t = time.perf_counter() - t0
-        if t >= min_time:
-            return t / n
+        if t1 >= end:
+            return times
 
 
 def main() -> None:
@@ -49,7 +53,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="shape names to run")
     ap.add_argument("--algos", default="auto", help="kernel paths to time: auto,avx512,amx")
     ap.add_argument("--cold", action="store_true", help="cycle weight copies (>= 512 MB) so reads miss cache")
-    ap.add_argument("--repeats", type=int, default=5, help="alternating rounds; the best is kept")
+    ap.add_argument("--repeats", type=int, default=5, help="alternating timing rounds")
+    ap.add_argument("--pct", type=float, default=10.0, help="percentile of per-call times reported")
     ap.add_argument("--min-time", type=float, default=0.1, help="seconds per timing round")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     args = ap.parse_args()
@@ -81,11 +86,14 @@ def main() -> None:
                 fns = {"torch": lambda x, w: F.linear(x, w)}
                 for a in algos:
                     fns[a] = lambda x, w, a=a: cpu_gemm._kernel_linear(x, w, algo=a)
-                best = {key: float("inf") for key in fns}
+                times: dict[str, list[float]] = {key: [] for key in fns}
                 for _ in range(args.repeats):
                     for key, fn in fns.items():
-                        best[key] = min(best[key], _time(fn, weights, x, args.min_time))
-                gbs = {key: nbytes / t / 1e9 for key, t in best.items()}
+                        times[key] += _time(fn, weights, x, args.min_time)
+                gbs = {}
+                for key, ts in times.items():
+                    ts.sort()
+                    gbs[key] = nbytes / ts[min(len(ts) - 1, int(len(ts) * args.pct / 100))] / 1e9
                 row = f"{name:<8} {n:>7} {k:>5} {m:>3} {gbs['torch']:>10.1f}"
                 for a in algos:
                     row += f" {gbs[a]:>12.1f} {gbs[a] / gbs['torch']:>6.2f}"

@@ -38,7 +38,7 @@ def pagedserve_cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_gguf_path(pagedserve_cache_dir) -> Path:
     """Path of the embedded Gemma 3 270M Q4_K_M GGUF."""
-    from pagedserve.models.gguf_loader import embedded_model_path
+    from pagedserve.models.embedded import embedded_model_path
 
     return embedded_model_path()
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass
@@ -17,6 +18,11 @@ class EngineArgs:
     (default 2 GiB on CPU); `num_kv_blocks` overrides it with an exact block count. Preempted
     requests are recovered by `preemption_mode` ("recompute" | "swap" | "auto") through a CPU
     swap pool of `swap_space` GiB (`num_cpu_blocks` overrides it).
+
+    `tensor_parallel_size` workers each hold a shard of every layer and the KV cache of their
+    heads (the KV budgets are per worker), run by `distributed_executor_backend`: "uni" (in this
+    process; one worker), "mp" (worker processes on this machine) or "ray" (Ray actors on the
+    cluster at `ray_address`, else a local Ray); None picks "uni" for one worker, "mp" for more.
     """
 
     model: str | None = None
@@ -37,6 +43,9 @@ class EngineArgs:
     swap_space: float = 4.0
     num_cpu_blocks: int | None = None
     max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
     # Testing aid: randomise the order of the free block list (outputs must not change).
     shuffle_free_blocks_seed: int | None = None
 
@@ -65,6 +74,15 @@ class EngineArgs:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
+                             f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")
 
     @classmethod
     def field_names(cls) -> list[str]:

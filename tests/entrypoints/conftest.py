@@ -5,6 +5,7 @@ subprocess on a free loopback port, on a tiny random Llama, and waiting for /hea
 - `client` / `async_client_factory`: the official `openai` clients on it (no retries).
 - `http`: an `httpx.Client` on it.
 - `offline_llm`: the same checkpoint in the offline `LLM`, for comparing outputs.
+- `small_engine`: an `LLMEngine` on it for in-process app tests (restore what you patch).
 - `logs`: a folder for the logs of servers a test starts itself (`ServerProcess.start`).
 """
 
@@ -76,3 +77,12 @@ def offline_llm(tiny_llama):
 
     return LLM(str(tiny_llama), dtype="float32", max_model_len=MAX_MODEL_LEN,
                num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE)
+
+
+@pytest.fixture(scope="session")
+def small_engine(tiny_llama):
+    from pagedserve import LLMEngine
+    from pagedserve.config import EngineArgs
+
+    return LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", num_kv_blocks=64,
+                                max_model_len=128))

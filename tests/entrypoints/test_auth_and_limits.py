@@ -3,6 +3,7 @@
 
 import argparse
 import asyncio
+import signal
 
 import httpx
 import pytest
@@ -21,7 +22,8 @@ def guarded(tiny_llama, logs):
                                "--max-queued-requests", "0", "--served-model-name", "tiny",
                                "alias", log_dir=logs)
     yield proc
-    assert proc.stop() == 0, proc.log_text()[-3000:]
+    # SIGINT (Ctrl-C) shuts down as gracefully as SIGTERM (see test_shutdown.py).
+    assert proc.stop(signal.SIGINT) == 0, proc.log_text()[-3000:]
 
 
 ROUTES = [
@@ -75,14 +77,11 @@ def test_requests_past_max_queued_requests_get_503_with_retry_after(guarded):
     assert resp.status_code == 200
 
 
-def test_no_protect_metrics_leaves_metrics_open_but_not_the_api(tiny_llama):
-    from pagedserve import LLMEngine
-    from pagedserve.config import EngineArgs
+def test_no_protect_metrics_leaves_metrics_open_but_not_the_api(small_engine):
     from pagedserve.engine.async_engine import AsyncLLMEngine
     from pagedserve.entrypoints.openai.api_server import build_app
 
-    engine = AsyncLLMEngine(LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32",
-                                                 num_kv_blocks=16, max_model_len=64)))
+    engine = AsyncLLMEngine(small_engine)
     args = argparse.Namespace(api_key=KEY, no_protect_metrics=True)
     app = build_app(engine, args)
 

@@ -1,5 +1,6 @@
-"""SIGTERM / SIGINT: the server stops accepting, ends in-flight streams (an error chunk, then
-[DONE]) and exits 0."""
+"""SIGTERM: the server stops accepting, ends in-flight streams (an error chunk, then [DONE]) and
+exits 0. (SIGINT takes the same path; the guarded server of test_auth_and_limits.py is stopped
+with it and must exit 0 too.)"""
 
 import signal
 import threading
@@ -12,8 +13,7 @@ from server_utils import SERVER_FLAGS, ServerProcess, sse_events
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_ends_in_flight_streams_and_exits_zero(tiny_llama, logs, sig):
+def test_sigterm_ends_in_flight_streams_stops_accepting_and_exits_zero(tiny_llama, logs):
     server = ServerProcess.start(str(tiny_llama), *SERVER_FLAGS, log_dir=logs)
     try:
         first_chunk = threading.Event()
@@ -32,7 +32,7 @@ def test_signal_ends_in_flight_streams_and_exits_zero(tiny_llama, logs, sig):
         reader = threading.Thread(target=read)
         reader.start()
         assert first_chunk.wait(20)
-        server.proc.send_signal(sig)
+        server.proc.send_signal(signal.SIGTERM)
         reader.join(30)
         assert not reader.is_alive()
         code = server.proc.wait(30)

@@ -101,7 +101,8 @@ def test_gemma3_bidirectional_is_rejected():
 def test_embedded_gemma3_270m_matches_hf(paged_runner):
     """The real Gemma 3 270M (embedded GGUF, dequantized) equals HF on a prompt longer than its
     512-token sliding window, in one prefill and when continued by decode steps."""
-    from pagedserve.models.gguf_loader import embedded_model_path, iter_gguf_weights, load_gguf_config
+    from pagedserve.models.embedded import embedded_model_path
+    from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
     from pagedserve.models.loader import load_model
 
     path = embedded_model_path()

@@ -20,8 +20,8 @@ import torch
 import transformers
 
 from pagedserve.models import gguf_loader
+from pagedserve.models.embedded import embedded_model_path
 from pagedserve.models.gguf_loader import (
-    embedded_model_path,
     gguf_cache_dir,
     iter_gguf_weights,
     load_gguf_config,

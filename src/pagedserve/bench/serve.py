@@ -257,7 +257,11 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
+
     from pagedserve.models.source import resolve_model
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
 
     tokenizer = resolve_model(args.model).load_tokenizer(args.tokenizer)
     requests = trace_prompts(tokenizer, args)

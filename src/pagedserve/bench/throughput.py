@@ -88,6 +88,9 @@ def main(args) -> int:
     engine_kwargs = dict(
         dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
         seed=args.seed, load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address,
     )
     if args.kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
@@ -102,12 +105,18 @@ def main(args) -> int:
     n_in = sum(len(r.prompt_token_ids) for r in trace)
     n_out = sum(r.output_len for r in trace)
     print(f"model={engine.source.name} dtype={engine.dtype} threads={torch.get_num_threads()} "
+          f"tensor_parallel_size={args.tensor_parallel_size} "
           f"requests={len(trace)} input tokens={n_in} (mean {n_in / len(trace):.1f}) "
           f"output tokens={n_out} (mean {n_out / len(trace):.1f}) batch={args.max_num_seqs}")
     # A short warm-up so that both sides are measured warm.
     llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids}], use_tqdm=False)
+    stats = getattr(engine.executor, "stats", None)
+    if stats is not None:  # count the measured run only
+        stats.reset()
     ours = run_pagedserve(llm, trace)
     print(ours.line())
+    if stats is not None:
+        print(f"driver <-> workers: {stats.line()}")
     if args.baseline == "hf":
         hf = load_hf_reference(engine.source, engine.dtype)
         pad = engine.tokenizer.pad_token_id
@@ -117,4 +126,5 @@ def main(args) -> int:
         print(base.line())
         print(f"ratio pagedserve / hf-static output tok/s: "
               f"{ours.output_tokens_per_s / base.output_tokens_per_s:.2f}x")
+    engine.shutdown()
     return 0

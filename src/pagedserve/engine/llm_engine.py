@@ -28,18 +28,15 @@ from pagedserve.engine.detokenizer import (
     find_stop,
 )
 from pagedserve.engine.tokenizer import eos_token_ids
-from pagedserve.models.loader import load_model, resolve_dtype
+from pagedserve.models.loader import resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedserve.worker.kv_cache import (
-    KVCache,
-    bytes_per_block,
-    num_blocks_for_budget,
-    preemption_costs,
-)
-from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
+from pagedserve.worker.executor import make_executor
+from pagedserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, preemption_costs
+from pagedserve.worker.model_runner import SeqStepOutput
+from pagedserve.worker.worker import CacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +62,9 @@ class LLMEngine:
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         )
         self.dtype = resolve_dtype(args.dtype, config, self.device)
-        weights = None if args.load_format == "dummy" else self.source.iter_weights()
-        self.model = load_model(config, weights=weights, dtype=self.dtype, device=self.device,
-                                seed=args.seed)
+        # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
+        self.executor = make_executor(args, self.source, self.dtype, self.device)
+        self.model = self.executor.model  # None when the model lives in worker processes
         self.tokenizer = self.source.load_tokenizer(args.tokenizer)
         self.vocab_size = int(self.model_config.vocab_size)
         self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
@@ -96,9 +93,9 @@ class LLMEngine:
         """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
         chunked = args.enable_chunked_prefill
         batched = args.max_num_batched_tokens or (2048 if chunked else max(self.max_model_len, 2048))
-        spec = self.model.kv_cache_spec
+        spec = self.executor.kv_cache_spec  # one worker's: the KV heads it holds
         block_bytes = bytes_per_block(spec, args.block_size, self.dtype)
-        swap_s, recompute_s = preemption_costs(self.model, block_bytes, self.device)
+        swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.device)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=batched,
@@ -122,12 +119,9 @@ class LLMEngine:
             num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
-        self.kv_cache = KVCache(spec, self.num_kv_blocks, args.block_size, self.dtype, self.device,
-                                num_cpu_blocks=self.num_cpu_blocks)
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, device=self.device,
-            stop_token_ids_for_min_tokens=self.eos_token_ids,
-        )
+        self.executor.init_cache(CacheConfig(self.num_kv_blocks, args.block_size,
+                                             self.num_cpu_blocks, tuple(self.eos_token_ids)))
+        self.kv_cache = self.executor.kv_cache  # None when the cache lives in worker processes
 
     def reconfigure_cache(self, **changes) -> None:
         """Rebuild the KV cache and scheduler with other cache settings (block size, budgets,
@@ -243,13 +237,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """Raise `WorkerDiedError` if a model worker has died (cheap: call it between steps)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the model workers (processes or Ray actors); no step can run afterwards."""
+        self.executor.shutdown()
+
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output for every request that produced tokens or finished."""
         sched = self.scheduler.schedule()
         now = time.monotonic()
-        results = self.runner.execute(sched)
+        results = self.executor.execute(sched)
         touched: dict[str, SequenceGroup] = {}
         beams: dict[str, SequenceGroup] = {}
         for s, r in zip(sched.scheduled, results):

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedserve.config import DTYPES, LOAD_FORMATS
+from pagedserve.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4.0, help="CPU swap pool in GiB")
     p.add_argument("--num-cpu-blocks", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="workers sharing every layer (Megatron-style tensor parallelism)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
+                   help="uni: in this process; mp: worker processes on this machine; ray: Ray "
+                        "actors (default: uni for one worker, mp for more)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join with the ray backend (default: a Ray instance "
+                        "running on this machine, else a new local one)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

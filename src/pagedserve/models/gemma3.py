@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.norms import GemmaRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.layers.weights import load_named_weights
@@ -58,7 +60,7 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> dict:
 class Gemma3DecoderLayer(nn.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, config: Any, sliding_window: int | None):
+    def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(
@@ -71,8 +73,9 @@ class Gemma3DecoderLayer(nn.Module):
             qkv_bias=config.attention_bias,
             o_bias=config.attention_bias,
             qk_norm=lambda d: GemmaRMSNorm(d, eps),
+            tp=tp,
         )
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation, tp=tp)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -92,15 +95,16 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     """Scaled embeddings, decoder layers with per-type RoPE, final norm (HF's `model.`)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma3 with use_bidirectional_attention (embedding models) is unsupported")
         self.layer_types = gemma3_layer_types(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.embed_scale = nn.Buffer(torch.tensor(config.hidden_size**0.5, dtype=torch.float32), persistent=False)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, config.sliding_window if t == SLIDING else None) for t in self.layer_types
+            Gemma3DecoderLayer(config, config.sliding_window if t == SLIDING else None, tp=tp)
+            for t in self.layer_types
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         max_pos = config.max_position_embeddings
@@ -128,20 +132,23 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    """Gemma 3 text LM on a paged KV cache (see `pagedserve.models.base.CausalLM`)."""
+    """Gemma 3 text LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp` makes
+    it this rank's shard."""
 
     apply_final_softcap = True
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
-        self.model = Gemma3TextModel(config)
+        self.model = Gemma3TextModel(config, tp=tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        self.kv_cache_spec = KVCacheSpec(
+            config.num_hidden_layers, tp.local_kv_heads(config.num_key_value_heads), config.head_dim
+        )
 
     def forward(
         self,
@@ -180,9 +187,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     )
     _SKIP = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
-        super().__init__(text_config)
+        super().__init__(text_config, tp=tp)
         self.config = config
 
     def _rename(self, name: str) -> str | None:

@@ -15,8 +15,15 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from pagedserve.layers.norms import LayerNorm
 from pagedserve.layers.weights import load_named_weights
 from pagedserve.models.base import KVCacheSpec
@@ -26,19 +33,21 @@ _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
 
 class GPT2Attention(nn.Module):
-    """Multi-head self-attention with a fused q|k|v projection."""
+    """Multi-head self-attention with a fused q|k|v projection (this rank's `num_heads / N` heads:
+    its slice of each of q, k and v)."""
 
-    def __init__(self, config: Any, layer_idx: int):
+    def __init__(self, config: Any, layer_idx: int, *, tp: TPContext = SINGLE):
         super().__init__()
-        h, self.num_heads = config.hidden_size, config.num_attention_heads
-        if h % self.num_heads:
-            raise ValueError(f"hidden_size ({h}) must be divisible by num_attention_heads ({self.num_heads})")
-        self.head_dim = h // self.num_heads
+        h, num_heads = config.hidden_size, config.num_attention_heads
+        if h % num_heads:
+            raise ValueError(f"hidden_size ({h}) must be divisible by num_attention_heads ({num_heads})")
+        self.head_dim = h // num_heads
+        self.num_heads = tp.split(num_heads, "num_attention_heads")
         scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             scale /= float(layer_idx + 1)
-        self.c_attn = nn.Linear(h, 3 * h)
-        self.c_proj = nn.Linear(h, h)
+        self.c_attn = ColumnParallelLinear(h, [h, h, h], tp=tp)
+        self.c_proj = RowParallelLinear(h, h, tp=tp)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, scale)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
@@ -50,11 +59,11 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     """c_proj(act(c_fc(x)))."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         inner = config.n_inner if config.n_inner is not None else 4 * config.hidden_size
-        self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, inner, tp=tp)
+        self.c_proj = RowParallelLinear(inner, config.hidden_size, tp=tp)
         self.act = get_activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -64,14 +73,14 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     """Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, config: Any, layer_idx: int):
+    def __init__(self, config: Any, layer_idx: int, *, tp: TPContext = SINGLE):
         super().__init__()
         if getattr(config, "add_cross_attention", False):
             raise ValueError("GPT-2 with cross-attention is not a causal LM; not supported")
         self.ln_1 = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(config, layer_idx, tp=tp)
         self.ln_2 = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, tp=tp)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         x = x + self.attn(self.ln_1(x), kv_cache, meta)
@@ -79,13 +88,14 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    """Token + position embeddings, blocks, final LayerNorm (HF's `transformer`)."""
+    """Token + position embeddings, blocks, final LayerNorm (HF's `transformer`); positions and
+    norms are replicated on every rank."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(config, i, tp=tp) for i in range(config.num_hidden_layers))
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
     def forward(
@@ -103,18 +113,21 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    """GPT-2 LM on a paged KV cache (see `pagedserve.models.base.CausalLM`)."""
+    """GPT-2 LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp` makes it this
+    rank's shard."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
-        self.transformer = GPT2Model(config)
+        self.transformer = GPT2Model(config, tp=tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = self.transformer.wte.weight
         head_dim = config.hidden_size // config.num_attention_heads
-        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_attention_heads, head_dim)
+        self.kv_cache_spec = KVCacheSpec(
+            config.num_hidden_layers, tp.local_kv_heads(config.num_attention_heads), head_dim
+        )
 
     def forward(
         self,
@@ -136,8 +149,5 @@ class GPT2LMHeadModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors (`transformer.*` or bare `h.*`/`wte.*`), transposing Conv1D weights."""
-
-        def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.t() if name.endswith(_CONV1D) else tensor
-
-        load_named_weights(self, weights, rename=self._rename, transform=transform)
+        load_named_weights(self, weights, rename=self._rename,
+                           transposed=lambda name: name.endswith(_CONV1D))

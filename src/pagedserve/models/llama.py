@@ -13,8 +13,15 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedserve.layers.weights import load_named_weights
@@ -47,7 +54,12 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
 
 class LlamaAttention(nn.Module):
     """Self-attention with separate q/k/v/o projections, optional per-head q/k norm before RoPE,
-    grouped KV heads, paged KV cache."""
+    grouped KV heads, paged KV cache.
+
+    Under tensor parallelism each rank holds `num_heads / N` query heads and their KV heads
+    (column-parallel q/k/v, row-parallel o); with fewer KV heads than ranks each rank holds the
+    one KV head its query heads read (replicated). `num_heads` / `num_kv_heads` are this rank's.
+    """
 
     def __init__(
         self,
@@ -61,16 +73,21 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm: Callable[[int], nn.Module] | None = None,
+        tp: TPContext = SINGLE,
     ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        kv_part = tp.kv_head_part(num_kv_heads)
+        self.num_heads = tp.split(num_heads, "num_attention_heads")
+        self.num_kv_heads, self.head_dim = tp.local_kv_heads(num_kv_heads), head_dim
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, tp=tp)
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, tp=tp,
+                                           part=kv_part)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, tp=tp,
+                                           part=kv_part)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, tp=tp)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
-        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale, sliding_window)
 
     def forward(
         self,
@@ -90,13 +107,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: `down(act(gate(x)) * up(x))`."""
+    """Gated MLP: `down(act(gate(x)) * up(x))` (gate/up column-parallel, down row-parallel)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,
+                 *, tp: TPContext = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp=tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp=tp)
         self.act_fn = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -106,7 +124,8 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: Any, sliding_window: int | None, *, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: Any, sliding_window: int | None, *, qkv_bias: bool, qk_norm: bool,
+                 tp: TPContext = SINGLE):
         super().__init__()
         head_dim = head_dim_of(config)
         eps = config.rms_norm_eps
@@ -120,9 +139,11 @@ class LlamaDecoderLayer(nn.Module):
             qkv_bias=qkv_bias,
             o_bias=getattr(config, "attention_bias", False),
             qk_norm=(lambda d: RMSNorm(d, eps)) if qk_norm else None,
+            tp=tp,
         )
         self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False)
+            config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False),
+            tp=tp,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -141,11 +162,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and final norm (HF's `model.` submodule)."""
 
-    def __init__(self, config: Any, windows: list[int | None], *, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: Any, windows: list[int | None], *, qkv_bias: bool, qk_norm: bool,
+                 tp: TPContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm) for w in windows
+            LlamaDecoderLayer(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm, tp=tp) for w in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         max_pos = config.max_position_embeddings
@@ -183,12 +205,13 @@ def checkpoint_rename(name: str, *, prefix: str, tied: bool, own: tuple[str, ...
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`)."""
+    """Llama decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp`
+    makes it this rank's shard (its KV cache spec then counts this rank's KV heads)."""
 
     qkv_bias = False  # Qwen2: True (Llama reads config.attention_bias)
     qk_norm = False  # Qwen3: True
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
         self.model = LlamaModel(
@@ -196,12 +219,15 @@ class LlamaForCausalLM(nn.Module):
             self.sliding_windows(config),
             qkv_bias=self.qkv_bias or getattr(config, "attention_bias", False),
             qk_norm=self.qk_norm,
+            tp=tp,
         )
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config))
+        self.kv_cache_spec = KVCacheSpec(
+            config.num_hidden_layers, tp.local_kv_heads(config.num_key_value_heads), head_dim_of(config)
+        )
 
     @staticmethod
     def sliding_windows(config: Any) -> list[int | None]:

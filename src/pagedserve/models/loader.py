@@ -14,7 +14,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
+from pagedserve.layers.weights import copy_into, expected_shape
 from pagedserve.models.registry import get_model_class
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -79,9 +81,12 @@ def resolve_dtype(name: str, config: Any, device: torch.device | str) -> torch.d
     return torch.bfloat16
 
 
-def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every `(name, tensor)` of an HF model folder, read lazily (one tensor at a time) from
-    `model.safetensors` or from the shards listed in `model.safetensors.index.json`."""
+    `model.safetensors` or from the shards listed in `model.safetensors.index.json`.
+
+    `lazy=True` yields safetensors slices instead of tensors: indexing one reads only those
+    elements (a tensor-parallel worker reads only its shard)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -94,7 +99,7 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(folder / file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 @contextmanager
@@ -113,7 +118,10 @@ def _build_context(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill `model` with deterministic random weights for `seed`: matrices and embeddings
-    N(0, 0.02), biases 0, norm scales 1 (Gemma norms store offsets: 0)."""
+    N(0, 0.02), biases 0, norm scales 1 (Gemma norms store offsets: 0).
+
+    NOTE: a tensor-parallel shard draws the full tensor and keeps its part, so every
+    `tensor_parallel_size` gets the same model for the same seed."""
     generators: dict[torch.device, torch.Generator] = {}
     seen: set[int] = set()
     for module in model.modules():
@@ -129,7 +137,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 gen = generators.get(param.device)
                 if gen is None:
                     gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-                param.normal_(0.0, 0.02, generator=gen)
+                if getattr(param, "shard", None) is None:
+                    param.normal_(0.0, 0.02, generator=gen)
+                else:
+                    full = param.new_empty(expected_shape(param))
+                    copy_into(param, full.normal_(0.0, 0.02, generator=gen))
 
 
 def load_model(
@@ -139,16 +151,18 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    tp: TPContext = SINGLE,
 ) -> nn.Module:
     """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
     e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
-    Returns the model in eval mode without gradients."""
+    With `tp` of several ranks the model is this rank's shard and loads only its part of each
+    tensor. Returns the model in eval mode without gradients."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
     model_class = get_model_class(config)
     with _build_context(device, dtype):
-        model = model_class(config)
+        model = model_class(config, tp=tp)
     model.requires_grad_(False)
     if weights is None:
         init_dummy_weights(model, seed)

@@ -16,8 +16,15 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from pagedserve.layers.norms import LayerNorm
 from pagedserve.layers.weights import load_named_weights
 from pagedserve.models.base import KVCacheSpec
@@ -27,19 +34,20 @@ POSITION_OFFSET = 2
 
 
 class OPTAttention(nn.Module):
-    """Multi-head self-attention with biased projections on the paged cache."""
+    """Multi-head self-attention with biased projections on the paged cache (this rank's
+    `num_heads / N` heads: column-parallel q/k/v, row-parallel out)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, bias: bool):
+    def __init__(self, hidden_size: int, num_heads: int, bias: bool, *, tp: TPContext = SINGLE):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_heads})")
-        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.num_heads, self.head_dim = tp.split(num_heads, "num_attention_heads"), hidden_size // num_heads
         self.scaling = self.head_dim**-0.5
-        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
-        self.attn = PagedAttention(num_heads, num_heads, self.head_dim, scale=1.0)
+        self.k_proj = ColumnParallelLinear(hidden_size, hidden_size, bias, tp=tp)
+        self.v_proj = ColumnParallelLinear(hidden_size, hidden_size, bias, tp=tp)
+        self.q_proj = ColumnParallelLinear(hidden_size, hidden_size, bias, tp=tp)
+        self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias, tp=tp)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, scale=1.0)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         t = x.shape[0]
@@ -52,14 +60,14 @@ class OPTAttention(nn.Module):
 class OPTDecoderLayer(nn.Module):
     """Attention + ReLU MLP, each with a residual, LayerNorm before (pre-norm) or after (post-norm)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         h, affine = config.hidden_size, config.layer_norm_elementwise_affine
         self.pre_norm = config.do_layer_norm_before
-        self.self_attn = OPTAttention(h, config.num_attention_heads, config.enable_bias)
+        self.self_attn = OPTAttention(h, config.num_attention_heads, config.enable_bias, tp=tp)
         self.self_attn_layer_norm = LayerNorm(h, elementwise_affine=affine)
-        self.fc1 = nn.Linear(h, config.ffn_dim, bias=config.enable_bias)
-        self.fc2 = nn.Linear(config.ffn_dim, h, bias=config.enable_bias)
+        self.fc1 = ColumnParallelLinear(h, config.ffn_dim, config.enable_bias, tp=tp)
+        self.fc2 = RowParallelLinear(config.ffn_dim, h, config.enable_bias, tp=tp)
         self.final_layer_norm = LayerNorm(h, elementwise_affine=affine)
         self.act_fn = get_activation(config.activation_function)
 
@@ -72,12 +80,13 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    """Embeddings (+ project_in), layers, final norm (+ project_out): HF's `model.decoder`."""
+    """Embeddings (+ project_in), layers, final norm (+ project_out): HF's `model.decoder`.
+    Positions, projections and norms are replicated on every rank."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         h, e = config.hidden_size, config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, e)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, e, tp=tp)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, h)
         self.project_in = nn.Linear(e, h, bias=False) if e != h else None
         self.project_out = nn.Linear(h, e, bias=False) if e != h else None
@@ -85,7 +94,7 @@ class OPTDecoder(nn.Module):
         self.final_layer_norm = (
             LayerNorm(h, elementwise_affine=config.layer_norm_elementwise_affine) if has_final_norm else None
         )
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, tp=tp) for _ in range(config.num_hidden_layers))
 
     def forward(
         self,
@@ -111,25 +120,28 @@ class OPTDecoder(nn.Module):
 class OPTModel(nn.Module):
     """HF's `model` wrapper: holds the decoder."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.decoder = OPTDecoder(config)
+        self.decoder = OPTDecoder(config, tp=tp)
 
 
 class OPTForCausalLM(nn.Module):
     """OPT decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`). `forward`
-    returns `[T, word_embed_proj_dim]` (after `project_out`), what the LM head reads."""
+    returns `[T, word_embed_proj_dim]` (after `project_out`), what the LM head reads; `tp` makes
+    it this rank's shard."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         self.config = config
-        self.model = OPTModel(config)
+        self.model = OPTModel(config, tp=tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.word_embed_proj_dim, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
         head_dim = config.hidden_size // config.num_attention_heads
-        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, config.num_attention_heads, head_dim)
+        self.kv_cache_spec = KVCacheSpec(
+            config.num_hidden_layers, tp.local_kv_heads(config.num_attention_heads), head_dim
+        )
 
     def forward(
         self,

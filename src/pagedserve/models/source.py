@@ -19,15 +19,16 @@ class ModelSource:
     path: Path
     config: object  # transformers.PretrainedConfig
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors with HF names, read from safetensors or dequantized from the GGUF."""
+    def iter_weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors with HF names, read from safetensors or dequantized from the GGUF. `lazy`:
+        safetensors slices that read only what is indexed (GGUF tensors are dequantized whole)."""
         if self.kind == "gguf":
             from pagedserve.models.gguf_loader import iter_gguf_weights
 
             return iter_gguf_weights(self.path, self.config)
         from pagedserve.models.loader import iter_safetensors
 
-        return iter_safetensors(self.path)
+        return iter_safetensors(self.path, lazy=lazy)
 
     def load_tokenizer(self, tokenizer: str | None = None):
         """The tokenizer named by `tokenizer`, else the model's own (converted once from a GGUF)."""
@@ -45,7 +46,7 @@ class ModelSource:
 def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     """Find the model named by `model` (None: the embedded Gemma 3 270M) and read its config."""
     if model is None:
-        from pagedserve.models.gguf_loader import EMBEDDED_MODEL_NAME, embedded_model_path
+        from pagedserve.models.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
 
         path = embedded_model_path()
         return _gguf_source(EMBEDDED_MODEL_NAME, path)

@@ -34,8 +34,10 @@ _DEVICE_FIGURES = {
 }
 
 
-def preemption_costs(model: torch.nn.Module, block_bytes: int, device: torch.device):
-    """(seconds to move one block one way, seconds to recompute one token) for `auto` preemption.
+def preemption_costs(num_params: int, block_bytes: int, device: torch.device):
+    """(seconds to move one block one way, seconds to recompute one token) for `auto` preemption,
+    for a worker holding `num_params` parameters and blocks of `block_bytes` (its shard: the
+    workers of a tensor-parallel model move and compute their parts side by side).
 
     Moving a block costs its bytes over the pool-to-pool bandwidth plus a fixed per-block cost
     (the paper's small-transfer overhead); recomputing a token costs ~2 FLOPs per parameter. On
@@ -43,7 +45,6 @@ def preemption_costs(model: torch.nn.Module, block_bytes: int, device: torch.dev
     come close at small block sizes, as in the paper's ablation.
     """
     bandwidth, per_block, flops = _DEVICE_FIGURES["cuda" if device.type == "cuda" else "cpu"]
-    num_params = sum(p.numel() for p in model.parameters())
     return block_bytes / bandwidth + per_block, 2.0 * num_params / flops
 
 

@@ -32,6 +32,9 @@ class ModelRunner:
 
     NOTE: per-request random generators live here, keyed by request id, and survive preemption;
     they are dropped only when the scheduler reports the request finished.
+
+    Under tensor parallelism every rank runs one, on its shard; only rank 0's samples
+    (`sample=True`): the others run the same forward (and logits gather) and return [].
     """
 
     def __init__(
@@ -41,8 +44,10 @@ class ModelRunner:
         *,
         device: torch.device,
         stop_token_ids_for_min_tokens: list[int],
+        sample: bool = True,
     ) -> None:
         self.model = model
+        self.sample = sample
         self.kv_cache = kv_cache
         self.device = device
         self.eos_ids = list(stop_token_ids_for_min_tokens)
@@ -101,7 +106,10 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()  # [R, V]
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, V]
+        if not self.sample:
+            return []
+        logits = logits.float().cpu()  # [R, V]
 
         outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
         sample_rows, sample_idx = [], []

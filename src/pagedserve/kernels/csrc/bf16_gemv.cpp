@@ -473,10 +473,16 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
 template <typename Fn>
 void parallel_rows(int64_t rows, int64_t unit, const Fn& fn) {
   const int64_t units = (rows + unit - 1) / unit;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
-  // ~8 chunks per thread, but at least 4 units (>= 64 KB of W for K = 640) per chunk
-  const int64_t chunk_units = std::max<int64_t>(4, units / (threads * 8));
+  const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
+  // ~8 chunks per thread, each at least 64 rows (80 KB of W for K = 640)
+  const int64_t chunk_units =
+      std::max<int64_t>({1, (64 + unit - 1) / unit, units / (max_threads * 8)});
   const int64_t chunks = (units + chunk_units - 1) / chunk_units;
+  const int64_t threads = std::min(max_threads, chunks);
+  if (threads <= 1) {  // no OpenMP region for small products
+    if (rows > 0) fn(0, rows);
+    return;
+  }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;

@@ -1,0 +1,94 @@
+"""A worker's place in tensor parallelism: its rank, the world size and the process group, passed
+explicitly to every parallel layer (no global state). Collectives go through torch.distributed
+(gloo on CPU, NCCL on CUDA); with one rank they are no-ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Rank `rank` of `world_size` tensor-parallel ranks, joined by `group`.
+
+    `group` is a torch.distributed process group, or None with one rank (and when a model is only
+    built to read its shapes: layers never touch the group while they are constructed).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside [0, {self.world_size})")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    # --- partitioning ------------------------------------------------------------------------
+
+    def split(self, size: int, what: str) -> int:
+        """This rank's equal share of `size` (heads, columns); ValueError unless it divides."""
+        if size % self.world_size:
+            raise ValueError(
+                f"{what} ({size}) must be divisible by tensor_parallel_size ({self.world_size})"
+            )
+        return size // self.world_size
+
+    def kv_head_part(self, num_kv_heads: int) -> tuple[int, int]:
+        """(index, count): the KV heads are cut into `count` equal parts and this rank holds part
+        `index`. With fewer KV heads than ranks each rank holds one head, replicated on
+        `world_size / num_kv_heads` ranks: the head its query heads read."""
+        n = self.world_size
+        if num_kv_heads >= n:
+            self.split(num_kv_heads, "num_key_value_heads")
+            return self.rank, n
+        if n % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size ({n}) must be a multiple of num_key_value_heads "
+                f"({num_kv_heads}) when it is larger"
+            )
+        return self.rank * num_kv_heads // n, num_kv_heads
+
+    def local_kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads this rank holds (and caches): see `kv_head_part`."""
+        return num_kv_heads // self.kv_head_part(num_kv_heads)[1]
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int, int]:
+        """(start, stop, rows): this rank's vocabulary slice `[start, stop)` and its padded row
+        count `ceil(vocab / world_size)` (the last rank's padding rows stay zero)."""
+        rows = cdiv(vocab_size, self.world_size)
+        start = min(self.rank * rows, vocab_size)
+        return start, min(start + rows, vocab_size), rows
+
+    # --- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [..., n] -> [..., n * world_size]
+        """Concatenate every rank's `x` along the last dimension, in rank order."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TPContext()

@@ -1,0 +1,150 @@
+"""Megatron-style tensor-parallel layers. With one rank each is exactly its torch counterpart
+(`nn.Linear` / `nn.Embedding`, same forward), so the single-process path is unchanged.
+
+- `ColumnParallelLinear`: each rank holds a slice of the output features (no communication);
+  fused outputs (q|k|v) are sliced per part.
+- `RowParallelLinear`: each rank holds a slice of the input features; partial products are summed
+  over the ranks (all-reduce), then the bias is added once.
+- `VocabParallelEmbedding` / `ParallelLMHead`: each rank holds `ceil(vocab / ranks)` rows of the
+  vocabulary; lookups outside the slice give zeros and are summed over the ranks, logits are
+  gathered over the ranks.
+
+Every sharded parameter carries a `ShardSpec` (attribute `shard`) saying which part of the
+checkpoint tensor it holds; `layers.weights.load_named_weights` reads only that part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed.tp import SINGLE, TPContext
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The part of a checkpoint tensor a parameter holds: along `dim`, the concatenation of the
+    ranges `[start, stop)` of the full tensor, whose size along `dim` is `full_size`. Rows of the
+    parameter beyond the ranges' total (vocabulary padding) are zero."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    full_size: int
+
+    @property
+    def size(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+    def full_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The checkpoint tensor's shape, from the parameter's."""
+        full = list(shape)
+        full[self.dim] = self.full_size
+        return tuple(full)
+
+
+def set_shard(param: nn.Parameter | None, spec: ShardSpec) -> None:
+    if param is not None:
+        param.shard = spec
+
+
+class ColumnParallelLinear(nn.Linear):
+    """`y = x W^T + b` with this rank's slice of the output features.
+
+    `output_sizes` lists the parts of a fused output (e.g. q, k, v); each is cut into `count`
+    equal pieces and the rank holds piece `index` of every part, by default `(tp.rank,
+    tp.world_size)`. KV projections with fewer heads than ranks pass `tp.kv_head_part(...)`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: int | Sequence[int],
+        bias: bool = True,
+        *,
+        tp: TPContext = SINGLE,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        index, count = part if part is not None else (tp.rank, tp.world_size)
+        for size in sizes:
+            if size % count:
+                raise ValueError(f"output features ({size}) must be divisible by {count} ranks")
+        super().__init__(in_features, sum(sizes) // count, bias=bias)
+        self.tp = tp
+        if count > 1:
+            ranges, offset = [], 0
+            for size in sizes:
+                piece = size // count
+                ranges.append((offset + index * piece, offset + (index + 1) * piece))
+                offset += size
+            spec = ShardSpec(0, tuple(ranges), offset)
+            set_shard(self.weight, spec)
+            set_shard(self.bias, spec)
+
+
+class RowParallelLinear(nn.Linear):
+    """`y = x W^T + b` where this rank holds a slice of the input features: the partial products
+    are summed over the ranks, then the bias is added (once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 tp: TPContext = SINGLE) -> None:
+        local = tp.split(in_features, "input features")
+        super().__init__(local, out_features, bias=bias)
+        self.tp = tp
+        if tp.is_parallel:
+            start = tp.rank * local
+            set_shard(self.weight, ShardSpec(1, ((start, start + local),), in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
+        if not self.tp.is_parallel:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embeddings, this rank holding rows `[start, stop)` of the vocabulary (padded to
+    `ceil(vocab / ranks)` rows)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPContext = SINGLE) -> None:
+        start, stop, rows = tp.vocab_range(num_embeddings)
+        super().__init__(rows, embedding_dim)
+        self.tp = tp
+        self.vocab_size = num_embeddings
+        self.vocab_start, self.vocab_stop = start, stop
+        if tp.is_parallel:
+            set_shard(self.weight, ShardSpec(0, ((start, stop),), num_embeddings))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, E]
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_stop)  # [T]
+        local = torch.where(mine, input_ids - self.vocab_start, 0)  # [T]
+        x = F.embedding(local, self.weight).masked_fill(~mine.unsqueeze(-1), 0.0)  # [T, E]
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(nn.Linear):
+    """Logits over the vocabulary (no bias), this rank computing its vocabulary slice; the slices
+    are gathered over the ranks. Tie it to a `VocabParallelEmbedding` of the same `tp` by sharing
+    the weight."""
+
+    def __init__(self, embedding_dim: int, num_embeddings: int, *, tp: TPContext = SINGLE) -> None:
+        start, stop, rows = tp.vocab_range(num_embeddings)
+        super().__init__(embedding_dim, rows, bias=False)
+        self.tp = tp
+        self.vocab_size = num_embeddings
+        if tp.is_parallel:
+            set_shard(self.weight, ShardSpec(0, ((start, stop),), num_embeddings))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V]
+        if not self.tp.is_parallel:
+            return F.linear(x, self.weight)
+        if x.shape[0] == 0:  # every rank has the same rows: all skip the collective together
+            return x.new_zeros(0, self.vocab_size)
+        logits = self.tp.all_gather(F.linear(x, self.weight))  # [S, rows * N]
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,195 @@
+"""Executors: how the engine's one scheduler drives the model workers.
+
+The engine calls `executor.execute(SchedulerOutput) -> list[SeqStepOutput]` every step, whatever
+the backend (`EngineArgs.distributed_executor_backend`):
+
+- "uni" (`UniExecutor`): one worker in this process, no serialization, no process: the
+  `ModelRunner` reads the scheduler's objects directly (tensor_parallel_size = 1).
+- "mp" (`worker.mp_executor.MultiprocExecutor`): one spawned process per tensor-parallel rank on
+  this machine; each step travels as a `StepMessage` delta.
+- "ray" (`worker.ray_executor.RayExecutor`): one Ray actor per rank, across machines.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pagedserve.config import EXECUTOR_BACKENDS
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.models.base import KVCacheSpec
+from pagedserve.models.loader import load_model
+from pagedserve.models.source import ModelSource
+from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
+from pagedserve.worker.worker import CacheConfig, WorkerConfig, model_info
+
+
+
+class WorkerDiedError(RuntimeError):
+    """A model worker died or failed: the engine cannot run another step."""
+
+
+@dataclass
+class CommStats:
+    """What the driver spent talking to its workers, summed over steps (multi-worker backends).
+
+    `bytes_sent` counts one copy of each step message (what each worker receives);
+    `step_seconds` is the driver's wall time per step, `worker_seconds` rank 0's time inside the
+    step: the difference is the driver <-> worker overhead (pickling, pipes, waiting)."""
+
+    steps: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    step_seconds: float = 0.0
+    worker_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.steps = self.bytes_sent = self.bytes_received = 0
+        self.step_seconds = self.worker_seconds = 0.0
+
+    def record(self, sent: int, received: int, seconds: float, worker_seconds: float) -> None:
+        self.steps += 1
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.step_seconds += seconds
+        self.worker_seconds += worker_seconds
+
+    def line(self) -> str:
+        n = max(self.steps, 1)
+        return (f"{self.steps} steps: {self.bytes_sent / n:.0f} B sent to each worker and "
+                f"{self.bytes_received / n:.0f} B back per step; driver overhead "
+                f"{1e3 * (self.step_seconds - self.worker_seconds) / n:.2f} ms per step "
+                f"(step {1e3 * self.step_seconds / n:.2f} ms, in the worker "
+                f"{1e3 * self.worker_seconds / n:.2f} ms)")
+
+
+class Executor(ABC):
+    """Runs the model for the engine (see the module docstring).
+
+    `kv_cache_spec` and `num_params` describe one worker's shard (its KV heads); `model` and
+    `kv_cache` are set only when they live in this process.
+    """
+
+    kv_cache_spec: KVCacheSpec
+    num_params: int
+    model: torch.nn.Module | None = None
+    kv_cache: KVCache | None = None
+
+    def __init__(self) -> None:
+        self._error: BaseException | None = None
+        self._listeners: list[Callable[[BaseException], None]] = []
+        self._fail_lock = threading.Lock()
+
+    @abstractmethod
+    def init_cache(self, cache: CacheConfig) -> None:
+        """Allocate (or reallocate) every worker's KV cache; requests in flight are forgotten."""
+
+    @abstractmethod
+    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+        """Run one step; one entry per scheduled sequence, in scheduled order. Raises
+        `WorkerDiedError` (never hangs) once a worker is gone."""
+
+    def check_health(self) -> None:
+        """Raise `WorkerDiedError` if a worker has died."""
+        if self._error is not None:
+            raise WorkerDiedError(str(self._error)) from self._error
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+
+    def add_failure_listener(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` once, from any thread, as soon as a worker is found dead (also
+        while the engine is idle). A server uses it to fail fast."""
+        self._listeners.append(callback)
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Record the first failure, stop every worker, tell the listeners; returns the error to
+        raise (the first one)."""
+        with self._fail_lock:
+            if self._error is not None:
+                return self._error
+            self._error = error
+        self._stop_workers()
+        for callback in self._listeners:
+            callback(error)
+        return error
+
+    def _stop_workers(self) -> None:
+        """Stop every worker at once (after a failure)."""
+
+
+class UniExecutor(Executor):
+    """The model and its KV cache in this process; `execute` is the runner's, unchanged."""
+
+    def __init__(self, config: WorkerConfig, device: torch.device) -> None:
+        super().__init__()
+        source = config.source
+        weights = None if config.load_format == "dummy" else source.iter_weights()
+        self.device = device
+        self.dtype = config.dtype
+        self.model = load_model(source.config, weights=weights, dtype=config.dtype, device=device,
+                                seed=config.seed)
+        info = model_info(self.model)
+        self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
+        self.runner: ModelRunner | None = None
+
+    def init_cache(self, cache: CacheConfig) -> None:
+        self.runner = self.kv_cache = None
+        self.kv_cache = KVCache(self.kv_cache_spec, cache.num_blocks, cache.block_size, self.dtype,
+                                self.device, num_cpu_blocks=cache.num_cpu_blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache, device=self.device,
+                                  stop_token_ids_for_min_tokens=list(cache.stop_token_ids))
+
+    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+        return self.runner.execute(sched)
+
+
+def executor_backend(tensor_parallel_size: int, backend: str | None) -> str:
+    """The backend to use: as given, else "uni" for one worker and "mp" for more."""
+    if backend is None:
+        return "uni" if tensor_parallel_size == 1 else "mp"
+    if backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                         f"got {backend!r}")
+    if backend == "uni" and tensor_parallel_size != 1:
+        raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
+                         f"tensor_parallel_size={tensor_parallel_size} needs 'mp' or 'ray'")
+    return backend
+
+
+def check_shardable(config, world_size: int) -> None:
+    """ValueError (before any worker starts) unless the model splits over `world_size` ranks:
+    the model is built on the meta device, which allocates nothing."""
+    from pagedserve.distributed.tp import TPContext
+    from pagedserve.models.registry import get_model_class
+
+    model_class = get_model_class(config)
+    with torch.device("meta"):
+        for rank in range(world_size):
+            model_class(config, tp=TPContext(rank, world_size))
+
+
+def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.device) -> Executor:
+    """The executor `args` (an `EngineArgs`) asks for, with its workers started and the model
+    loaded: `args.tensor_parallel_size` ranks on `args.distributed_executor_backend`."""
+    world_size = args.tensor_parallel_size
+    backend = executor_backend(world_size, args.distributed_executor_backend)
+    threads = None if device.type == "cuda" else max(1, torch.get_num_threads() // world_size)
+    config = WorkerConfig(source=source, load_format=args.load_format, dtype=dtype,
+                          device_type=device.type, seed=args.seed, world_size=world_size,
+                          num_threads=threads)
+    if backend == "uni":
+        return UniExecutor(config, device)
+    check_shardable(source.config, world_size)
+    if backend == "mp":
+        from pagedserve.worker.mp_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from pagedserve.worker.ray_executor import RayExecutor
+
+    return RayExecutor(config, args.ray_address)

@@ -1,0 +1,109 @@
+"""The per-step driver -> worker message: every step of a real engine, sent through the delta
+encoder, pickled, and rebuilt by a worker-side mirror, runs exactly as the scheduler's own objects
+do (sampling, forks, beams, prompt logprobs, preemption), stays small, and leaves no state behind."""
+
+import pickle
+import random
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.worker.step_message import StepDecoder, StepEncoder
+
+
+class LoopbackExecutor:
+    """The engine's in-process executor, but every step goes encoder -> pickle -> decoder, as it
+    does to a worker process."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.encoder, self.decoder = StepEncoder(), StepDecoder()
+        self.sizes: list[tuple[int, int]] = []  # (scheduled sequences, message bytes)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def execute(self, sched):
+        payload = pickle.dumps(self.encoder.encode(sched), protocol=pickle.HIGHEST_PROTOCOL)
+        self.sizes.append((len(sched.scheduled), len(payload)))
+        return self.inner.runner.execute(self.decoder.decode(pickle.loads(payload)))
+
+
+def prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(n - 1)]}
+            for n in lengths]
+
+
+def make(path, loopback: bool, **kw):
+    llm = LLM(path, dtype="float32", block_size=4, **kw)
+    if loopback:
+        llm.engine.executor = LoopbackExecutor(llm.engine.executor)
+    return llm
+
+
+def summary(outs):
+    return [(o.prompt_logprobs and [sorted(d.items()) for d in o.prompt_logprobs[1:]],
+             [(c.token_ids, c.cumulative_logprob, c.logprobs and [sorted(d) for d in c.logprobs])
+              for c in o.outputs]) for o in outs]
+
+
+MIXED = [
+    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=14, ignore_eos=True,
+                   repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+    SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True),
+    SamplingParams(n=2, best_of=3, temperature=0.8, seed=9, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2, ignore_eos=True,
+                   logit_bias={7: 5.0}, min_tokens=4),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True),
+]
+
+
+def test_mixed_requests_through_the_message_path_equal_the_direct_path_under_preemption(checkpoints):
+    path = str(checkpoints("llama"))
+    ps = prompts([9, 17, 6, 13, 22, 8], seed=1)
+    ref = make(path, False, kv_cache_memory=1 << 22).generate(ps, MIXED, use_tqdm=False)
+    for mode in ("swap", "recompute"):
+        llm = make(path, True, num_kv_blocks=20, num_cpu_blocks=12, preemption_mode=mode,
+                   max_num_batched_tokens=16, shuffle_free_blocks_seed=3)
+        outs = llm.generate(ps, MIXED, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0, mode  # the test must preempt
+        assert summary(outs) == summary(ref), mode
+
+
+def test_beam_search_through_the_message_path_frees_pruned_beams(checkpoints):
+    path = str(checkpoints("gemma3"))
+    ps = prompts([7, 12], seed=2)
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    ref = make(path, False, kv_cache_memory=1 << 22).beam_search(ps, params)
+    llm = make(path, True, kv_cache_memory=1 << 22)
+    outs = llm.beam_search(ps, params)
+    assert [[s.tokens for s in o.sequences] for o in outs] == \
+        [[s.tokens for s in o.sequences] for o in ref]
+    llm.engine.step()  # delivers the last finished request ids
+    decoder = llm.engine.executor.decoder
+    assert decoder.seqs == {} and decoder.tables == {} and decoder.groups == {}
+
+
+def test_decode_steps_send_a_few_bytes_per_sequence_and_tables_only_when_they_change(checkpoints):
+    llm = make(str(checkpoints("llama")), True, kv_cache_memory=1 << 22)
+    engine = llm.engine
+    for i, p in enumerate(prompts([30] * 16, seed=4)):
+        engine.add_request(str(i), None, SamplingParams(temperature=0.0, max_tokens=9,
+                                                        ignore_eos=True), **p)
+    executor = engine.executor
+    messages = []
+    original = executor.encoder.encode
+    executor.encoder.encode = lambda sched: messages.append(original(sched)) or messages[-1]
+    while engine.has_unfinished_requests():
+        engine.step()
+    prefill, decodes = messages[0], messages[1:]
+    assert len(prefill.new_requests) == 16 and sum(len(t) for _, _, t in prefill.tokens) == 16 * 30
+    for msg in decodes:
+        assert not msg.new_requests and not msg.new_seqs
+        assert [len(t) for _, _, t in msg.tokens] == [1] * len(msg.rows)  # just the new token
+        # A block of 4 fills every 4 tokens: 30 tokens hold 8 blocks, position 32 opens the 9th.
+        assert all(keep == 8 and len(new) == 1 for _, keep, new in msg.tables)
+    assert sum(1 for m in decodes if m.tables) == 1
+    per_seq = [size / n for n, size in executor.sizes[1:]]
+    assert max(per_seq) < 40, per_seq  # bytes per decoding sequence (pickled)
