@@ -32,6 +32,9 @@ VLLM_DEFAULTS = {
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
     "logit_bias": None,
+    # vLLM v0's beam-search fields (its server's `use_beam_search`, `length_penalty`)
+    "use_beam_search": False,
+    "length_penalty": 1.0,
 }
 
 
@@ -194,3 +197,13 @@ def test_replace_revalidates():
     assert dataclasses.replace(p, n=2).n == 2
     with pytest.raises(ValueError, match="^top_p"):
         dataclasses.replace(p, top_p=2.0)
+
+
+def test_beam_search_needs_greedy_temperature_and_allows_n_above_one():
+    SamplingParams(n=4, temperature=0.0, use_beam_search=True, max_tokens=8)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(n=4, temperature=0.7, use_beam_search=True)
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=2, best_of=3, temperature=0.0, use_beam_search=True)
+    with pytest.raises(ValueError, match="length_penalty"):
+        SamplingParams(n=2, temperature=0.0, use_beam_search=True, length_penalty=float("nan"))

@@ -115,6 +115,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = field(default=None)
+    # Beam search through the sampling API (vLLM v0's, and its server's `use_beam_search`):
+    # `n` is the beam width; the engine runs `engine.beam_search` for such a request.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -206,8 +210,18 @@ class SamplingParams:
         self.min_p = _check_real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        # Greedy gives the same sequence n times; vLLM refuses it.
-        if self.temperature < SAMPLING_EPS:
+        self.length_penalty = _check_real("length_penalty", self.length_penalty)
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.use_beam_search:
+            if self.temperature >= SAMPLING_EPS:
+                raise ValueError(
+                    f"temperature must be 0 with use_beam_search, got {self.temperature}")
+            if self.best_of is not None and self.best_of != self.n:
+                raise ValueError(f"best_of must equal n (the beam width) with use_beam_search, "
+                                 f"got best_of={self.best_of}, n={self.n}")
+        # Greedy gives the same sequence n times; vLLM refuses it (beam search is not greedy).
+        elif self.temperature < SAMPLING_EPS:
             if self.n > 1:
                 raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
             if self.effective_best_of > 1:

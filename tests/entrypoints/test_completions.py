@@ -96,10 +96,11 @@ def test_logprobs_have_openai_shape_and_the_engine_values(client, server, offlin
     assert lp.text_offset == offsets
     for pos, token_id, got, top in zip(ref.logprobs, ref.token_ids, lp.token_logprobs,
                                        lp.top_logprobs):
-        assert got == pytest.approx(pos[token_id].logprob, abs=1e-4)
+        # 1e-3: the server may reuse cached prefix blocks computed in another batch shape.
+        assert got == pytest.approx(pos[token_id].logprob, abs=1e-3)
         assert 3 <= len(top) <= 4  # the top 3, plus the chosen token if outside them
         assert max(top.values()) == pytest.approx(max(e.logprob for e in pos.values()),
-                                                  abs=1e-4)
+                                                  abs=1e-3)
 
 
 def test_echo_with_logprobs_puts_the_prompt_first_with_a_none_logprob(client, server,
@@ -189,3 +190,27 @@ def test_streamed_n2_with_logprobs_gives_each_choice_its_tokens_once(http, serve
         assert len(tokens) == 5
         assert "".join(c["text"] for c in mine) == ref["text"]
         assert tokens == ref["logprobs"]["tokens"]
+
+
+def test_use_beam_search_returns_the_engines_beams_best_first(http, server, offline_llm):
+    from pagedserve import BeamSearchParams
+
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 6, "n": 3,
+            "use_beam_search": True, "length_penalty": 0.0, "ignore_eos": True}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    ref = offline_llm.beam_search(PROMPT, BeamSearchParams(beam_width=3, max_tokens=6,
+                                                           ignore_eos=True, length_penalty=0.0))
+    assert [c["text"] for c in choices] == [s.text for s in ref[0].sequences]
+    assert resp.json()["usage"]["completion_tokens"] == 18
+
+
+@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"),
+                                         ({"temperature": 0.5}, "temperature")])
+def test_use_beam_search_rejects_what_it_cannot_honour(http, server, extra, param):
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, "n": 2,
+            "use_beam_search": True, **extra}
+    resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param

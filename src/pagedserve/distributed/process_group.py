@@ -45,7 +45,7 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.de
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT, **kwargs)
-    return TPContext(rank, world_size, dist.group.WORLD)
+    return TPContext(rank, world_size, dist.group.WORLD, reduce_in_float32=backend == "gloo")
 
 
 def destroy_tp_group(tp: TPContext) -> None:

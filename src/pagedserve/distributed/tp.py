@@ -21,11 +21,14 @@ class TPContext:
 
     `group` is a torch.distributed process group, or None with one rank (and when a model is only
     built to read its shapes: layers never touch the group while they are constructed).
+    `reduce_in_float32`: sum 16-bit tensors as float32 (gloo's bfloat16 sum is slow and rounds
+    every partial sum; NCCL sums 16-bit tensors natively).
     """
 
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    reduce_in_float32: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -76,19 +79,26 @@ class TPContext:
     # --- collectives -------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns it."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum `x` over the ranks; returns the sum (`x` itself, summed in place, unless it is
+        summed as float32)."""
+        if self.world_size == 1:
+            return x
+        if self.reduce_in_float32 and x.dtype in (torch.bfloat16, torch.float16):
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            return wide.to(x.dtype)
+        dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [..., n] -> [..., n * world_size]
-        """Concatenate every rank's `x` along the last dimension, in rank order."""
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:  # [S, n] -> [S, n * N]
+        """Every rank's `x` concatenated along the last dimension, in rank order, on rank 0;
+        None on the other ranks."""
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
 
 SINGLE = TPContext()

@@ -161,6 +161,11 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
         params = self._validate_params(params, len(prompt_token_ids))
+        beam = None
+        if params.use_beam_search:  # one group whose live sequences are the beams
+            beam = BeamState(BeamSearchParams(
+                beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                length_penalty=params.length_penalty))
         group = SequenceGroup(
             request_id=request_id,
             seqs=[],
@@ -168,8 +173,11 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=prompt,
         )
-        for _ in range(params.best_of or params.n):
+        for _ in range(1 if beam else params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids)
+            if beam:  # beams fork every step: their text is decoded once, at the end
+                group.seqs.append(seq)
+                continue
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -179,6 +187,7 @@ class LLMEngine:
             )
             group.seqs.append(seq)
         group.fork_pending = len(group.seqs) > 1
+        group.beam = beam
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
@@ -350,21 +359,14 @@ class LLMEngine:
         self, request_id: str, prompt: str | None, params: BeamSearchParams,
         prompt_token_ids: list[int] | None = None,
     ) -> SequenceGroup:
-        """Queue a beam search: one group whose live sequences are the beams."""
+        """Queue a beam search: one group whose live sequences are the beams (the same as
+        `add_request` with `SamplingParams(use_beam_search=True, n=beam_width, ...)`)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
-                                  ignore_eos=params.ignore_eos)
-        group = self.add_request(request_id, prompt, sampling, prompt_token_ids)
-        width_blocks = cdiv(len(group.prompt_token_ids), self.kv_manager.block_size) \
-            + params.beam_width
-        if width_blocks > self.num_kv_blocks:
-            self.abort_request(request_id)
-            raise ValueError(f"beam search of width {params.beam_width} on this prompt needs "
-                             f"{width_blocks} KV blocks; the cache has {self.num_kv_blocks}")
-        group.beam = BeamState(params)
-        group.seqs[0].detokenizer = None
-        return group
+                                  ignore_eos=params.ignore_eos, n=params.beam_width,
+                                  use_beam_search=True, length_penalty=params.length_penalty)
+        return self.add_request(request_id, prompt, sampling, prompt_token_ids)
 
     def _beam_step(self, group: SequenceGroup) -> None:
         """Select the next beams from every live beam's candidates; fork, extend and prune."""

@@ -7,7 +7,7 @@
   over the ranks (all-reduce), then the bias is added once.
 - `VocabParallelEmbedding` / `ParallelLMHead`: each rank holds `ceil(vocab / ranks)` rows of the
   vocabulary; lookups outside the slice give zeros and are summed over the ranks, logits are
-  gathered over the ranks.
+  gathered on rank 0 (the rank that samples).
 
 Every sharded parameter carries a `ShardSpec` (attribute `shard`) saying which part of the
 checkpoint tensor it holds; `layers.weights.load_named_weights` reads only that part.
@@ -130,8 +130,11 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelLMHead(nn.Linear):
     """Logits over the vocabulary (no bias), this rank computing its vocabulary slice; the slices
-    are gathered over the ranks. Tie it to a `VocabParallelEmbedding` of the same `tp` by sharing
-    the weight."""
+    are gathered on rank 0. Tie it to a `VocabParallelEmbedding` of the same `tp` by sharing the
+    weight.
+
+    NOTE: only rank 0 gets the logits; the other ranks get `[S, 0]` (they do not sample).
+    """
 
     def __init__(self, embedding_dim: int, num_embeddings: int, *, tp: TPContext = SINGLE) -> None:
         start, stop, rows = tp.vocab_range(num_embeddings)
@@ -141,10 +144,12 @@ class ParallelLMHead(nn.Linear):
         if tp.is_parallel:
             set_shard(self.weight, ShardSpec(0, ((start, stop),), num_embeddings))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V] (rank 0)
         if not self.tp.is_parallel:
             return F.linear(x, self.weight)
         if x.shape[0] == 0:  # every rank has the same rows: all skip the collective together
-            return x.new_zeros(0, self.vocab_size)
-        logits = self.tp.all_gather(F.linear(x, self.weight))  # [S, rows * N]
+            return x.new_zeros(0, self.vocab_size if self.tp.rank == 0 else 0)
+        logits = self.tp.gather_to_first(F.linear(x, self.weight))  # [S, rows * N] on rank 0
+        if logits is None:
+            return x.new_empty(x.shape[0], 0)  # [S, 0]
         return logits[:, : self.vocab_size]

@@ -76,8 +76,8 @@ class LlamaAttention(nn.Module):
         tp: TPContext = SINGLE,
     ):
         super().__init__()
-        kv_part = tp.kv_head_part(num_kv_heads)
         self.num_heads = tp.split(num_heads, "num_attention_heads")
+        kv_part = tp.kv_head_part(num_kv_heads)
         self.num_kv_heads, self.head_dim = tp.local_kv_heads(num_kv_heads), head_dim
         self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim, qkv_bias, tp=tp)
         self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, qkv_bias, tp=tp,

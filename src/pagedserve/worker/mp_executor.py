@@ -9,6 +9,7 @@ a monitor thread also notices a death while the engine is idle.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -107,20 +108,33 @@ class MultiprocExecutor(Executor):
             theirs.close()
             self._procs.append(proc)
             self._conns.append(ours)
-        # NOTE: the finalizer (and the monitor thread) hold no reference to `self`: an executor
-        # that is dropped without `shutdown()` still stops its processes when collected.
+        # NOTE: the finalizer, the exit hook and the monitor thread hold no reference to `self`:
+        # an executor dropped without `shutdown()` still stops its processes when collected, and
+        # at interpreter exit it shuts down before multiprocessing terminates its children.
         self._finalizer = weakref.finalize(self, _stop_processes, list(self._procs), list(self._conns))
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
             info = self._collect()[0]
+        except WorkerDiedError as e:
+            self.shutdown()
+            raise WorkerDiedError(
+                f"the tensor-parallel workers failed to start: {e} (they are spawned processes: "
+                "a script that creates the engine must do so under `if __name__ == '__main__':`)"
+            ) from None
         except BaseException:
             self.shutdown()
             raise
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
-        stop_reader, self._stop_signal = ctx.Pipe(duplex=False)
+        self._stop_reader, self._stop_signal = ctx.Pipe(duplex=False)
         self._monitor = threading.Thread(
-            target=_monitor, args=(weakref.ref(self), list(self._procs), stop_reader),
+            target=_monitor, args=(weakref.ref(self), list(self._procs), self._stop_reader),
             name="pagedserve-worker-monitor", daemon=True)
         self._monitor.start()
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, in rank order."""
+        return [proc.pid for proc in self._procs]
 
     # --- calls ---------------------------------------------------------------------------
 
@@ -148,9 +162,11 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_stop_signal"):
+        if hasattr(self, "_monitor"):
             self._stop_signal.send_bytes(b"")
             self._monitor.join(timeout=5)
+            self._stop_signal.close()
+            self._stop_reader.close()
         if self._error is None:
             try:
                 self._send(pickle.dumps(("shutdown", None), protocol=_PROTOCOL))
@@ -210,6 +226,12 @@ class MultiprocExecutor(Executor):
 
     def _stop_workers(self) -> None:
         _stop_processes(self._procs, [])
+
+
+def _shutdown_at_exit(executor_ref: weakref.ref) -> None:
+    executor = executor_ref()
+    if executor is not None:
+        executor.shutdown()
 
 
 def _monitor(executor_ref: weakref.ref, procs: list, stop: Connection) -> None:

@@ -91,6 +91,9 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # vLLM's beam search: `n` is the beam width (runs inside the engine, see engine/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 # --- completions -------------------------------------------------------------------------------
@@ -334,7 +337,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "guided_choice": (_set, "guided decoding is not supported by this server"),
     "guided_grammar": (_set, "guided decoding is not supported by this server"),
     "structured_outputs": (_set, "structured outputs are not supported by this server"),
-    "use_beam_search": (_set, "beam search is not supported by this server"),
     "allowed_token_ids": (_set, "allowed_token_ids is not supported by this server"),
     "bad_words": (_set, "bad_words is not supported by this server"),
     "logits_processors": (_set, "logits processors are not supported by this server"),

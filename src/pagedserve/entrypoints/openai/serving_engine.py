@@ -110,6 +110,14 @@ class OpenAIServing:
                 f"n={n}): the best sequences are known only when all have finished", 400,
                 "best_of",
             )
+        if request.use_beam_search:
+            for name, bad, why in (
+                ("stream", request.stream, "the beams are known only at the end"),
+                (logprobs_param, logprobs is not None, "beams carry no per-token logprobs"),
+            ):
+                if bad:
+                    raise APIError(f"{name} is not supported with use_beam_search: {why}", 400,
+                                   name)
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs",
                                                           request.prompt_logprobs)):
             if value is not None and value > self.max_logprobs:
@@ -124,7 +132,8 @@ class OpenAIServing:
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
                 repetition_penalty=_default(request.repetition_penalty, 1.0),
-                temperature=_default(request.temperature, 1.0),
+                temperature=_default(request.temperature,
+                                     0.0 if request.use_beam_search else 1.0),
                 top_p=_default(request.top_p, 1.0),
                 top_k=_default(request.top_k, 0),
                 min_p=_default(request.min_p, 0.0),
@@ -141,6 +150,8 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=request.logit_bias,
+                use_beam_search=request.use_beam_search,
+                length_penalty=request.length_penalty,
             )
         except ValueError as e:
             raise bad_request(e, set(self.request_fields),

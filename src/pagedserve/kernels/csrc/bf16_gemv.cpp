@@ -317,18 +317,47 @@ __attribute__((target("amx-tile"))) void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// Packs x rows [m0, m0 + 16) (zero past M) for B tiles: xp[kc][p][r][e] = x[m0 + r][32kc + 2p + e].
-void amx_pack_x(const bf16_t* x, int64_t M, int64_t K, int64_t m0, bf16_t* xp) {
+// In-place 16 x 16 transpose of 32-bit elements: on return r[j] holds column j of the input rows.
+// 32-bit and 64-bit interleaves within 128-bit lanes, then a 4 x 4 transpose of 128-bit blocks.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void transpose16x16(__m512 r[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + j], lane l: rows 4i .. 4i + 3 of column 4l + j
+    const __m512d a0 = _mm512_castps_pd(a[4 * i]), a1 = _mm512_castps_pd(a[4 * i + 1]);
+    const __m512d a2 = _mm512_castps_pd(a[4 * i + 2]), a3 = _mm512_castps_pd(a[4 * i + 3]);
+    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 c0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44);
+    const __m512 c1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
+    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
+    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_f32x4(c0, c2, 0x88);
+    r[4 + j] = _mm512_shuffle_f32x4(c0, c2, 0xDD);
+    r[8 + j] = _mm512_shuffle_f32x4(c1, c3, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(c1, c3, 0xDD);
+  }
+}
+
+// Packs x rows [m0, m0 + 16) (zero past M) for B tiles: xp[kc][p][r][e] = x[m0 + r][32kc + 2p + e],
+// i.e. per 32-k chunk a 16 x 16 transpose of bf16 pairs. K % 32 == 0.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_pack_x(
+    const bf16_t* x, int64_t M, int64_t K, int64_t m0, bf16_t* xp) {
   const int64_t KC = K / 32;
-  std::memset(xp, 0, sizeof(bf16_t) * KC * 512);
-  for (int64_t r = 0; r < 16 && m0 + r < M; ++r) {
-    const bf16_t* xr = x + (m0 + r) * K;
-    for (int64_t kc = 0; kc < KC; ++kc)
-      for (int64_t p = 0; p < 16; ++p) {
-        bf16_t* dst = xp + kc * 512 + p * 32 + r * 2;
-        dst[0] = xr[kc * 32 + 2 * p];
-        dst[1] = xr[kc * 32 + 2 * p + 1];
-      }
+  const int64_t rows = std::min<int64_t>(16, M - m0);
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = i < rows ? _mm512_castsi512_ps(_mm512_loadu_si512(x + (m0 + i) * K + kc * 32))
+                      : _mm512_setzero_ps();
+    transpose16x16(r);
+    for (int p = 0; p < 16; ++p) _mm512_store_ps(reinterpret_cast<float*>(xp + kc * 512 + p * 32), r[p]);
   }
 }
 
@@ -345,34 +374,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void amx_store_c
       store16(y, out_fp32, (m0 + m) * N + n0, _mm512_i32gather_ps(idx, c + m, 4), b16);
     return;
   }
-  // 16 x 16 transpose: 32-bit and 64-bit interleaves within 128-bit lanes, then a 4 x 4
-  // transpose of 128-bit blocks.
-  __m512 a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 r0 = _mm512_load_ps(c + 32 * i), r1 = _mm512_load_ps(c + 32 * i + 16);
-    a[2 * i] = _mm512_unpacklo_ps(r0, r1);
-    a[2 * i + 1] = _mm512_unpackhi_ps(r0, r1);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + j], lane l: rows 4i .. 4i + 3 of column 4l + j
-    const __m512d a0 = _mm512_castps_pd(a[4 * i]), a1 = _mm512_castps_pd(a[4 * i + 1]);
-    const __m512d a2 = _mm512_castps_pd(a[4 * i + 2]), a3 = _mm512_castps_pd(a[4 * i + 3]);
-    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
-    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
-    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
-    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512 c0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44);
-    const __m512 c1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
-    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
-    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
-    const __m512 col[4] = {_mm512_shuffle_f32x4(c0, c2, 0x88), _mm512_shuffle_f32x4(c0, c2, 0xDD),
-                           _mm512_shuffle_f32x4(c1, c3, 0x88), _mm512_shuffle_f32x4(c1, c3, 0xDD)};
-    for (int l = 0; l < 4; ++l) {
-      const int64_t m = 4 * l + j;
-      if (m < mcount) store16(y, out_fp32, (m0 + m) * N + n0, col[l], b16);
-    }
-  }
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
+  transpose16x16(r);
+  for (int64_t m = 0; m < mcount; ++m) store16(y, out_fp32, (m0 + m) * N + n0, r[m], b16);
 }
 
 // Rows [n_begin, n_end) of W (a multiple of 64 rows, or the last block ending at a multiple of
@@ -535,8 +540,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 
   if (pick_algo(algo, M, K) == kAmx) {
     const int64_t KC = K / 32;
-    std::vector<bf16_t, std::allocator<bf16_t>> packed(size_t(KC * 512 * 2 + 32));
-    // NOTE: tile loads want 64-byte aligned rows for speed; align the packed buffer by hand.
+    std::vector<bf16_t> packed(size_t(KC * 512 * 2 + 32));
+    // NOTE: amx_pack_x stores with aligned stores: align the packed buffer to 64 bytes by hand.
     bf16_t* xpk = reinterpret_cast<bf16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
     amx_pack_x(xp, M, K, 0, xpk);
     if (M > 16) amx_pack_x(xp, M, K, 16, xpk + KC * 512);

@@ -1,0 +1,126 @@
+"""Tensor parallelism over worker processes (mp backend, gloo on CPU): two ranks give TP=1's greedy
+tokens (float32, tie rule) for a Llama-family, a Gemma 3 and an OPT model, also under preemption;
+a worker that dies fails the engine at once, never hangs."""
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.worker.executor import WorkerDiedError
+from utils import assert_tie_rule, ours_as_pairs
+
+OPTIONS = dict(dtype="float32", block_size=4, kv_cache_memory=1 << 22)
+
+
+def prompts_of_lengths(lengths, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(n - 1)]}
+            for n in lengths]
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+
+
+def completions(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    """One TP=2 engine per architecture for the module; shut down at its end."""
+    engines = {}
+
+    def get(arch):
+        if arch not in engines:
+            engines[arch] = LLM(str(checkpoints(arch)), tensor_parallel_size=2, **OPTIONS)
+        return engines[arch]
+
+    yield get
+    for llm in engines.values():
+        llm.engine.shutdown()
+
+
+def assert_same_greedy(outs, refs, what):
+    for ours, ref in zip(outs, refs):
+        assert_tie_rule(ours_as_pairs(ours), ours_as_pairs(ref), what)
+        for pos, (tok, ref_pos) in zip(ours.logprobs, zip(ref.token_ids, ref.logprobs)):
+            if tok not in pos:
+                break
+            assert abs(pos[tok].logprob - ref_pos[tok].logprob) < 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "opt"])
+def test_two_worker_processes_give_the_single_process_greedy_tokens(arch, tp2, checkpoints):
+    prompts = prompts_of_lengths([3, 9, 17, 30], seed=1)
+    refs = completions(LLM(str(checkpoints(arch)), **OPTIONS), prompts, greedy(16))
+    llm = tp2(arch)
+    assert llm.engine.model is None and llm.engine.kv_cache is None  # all in the workers
+    assert_same_greedy(completions(llm, prompts, greedy(16)), refs, arch)
+    assert llm.engine.num_used_blocks() == 0
+
+
+def test_two_worker_processes_under_swap_and_recompute_preemption(tp2, checkpoints):
+    path = str(checkpoints("gemma3"))
+    prompts = prompts_of_lengths([6, 11, 3, 14, 9, 5, 12, 8, 17, 4], seed=3)
+    refs = completions(LLM(path, **OPTIONS), prompts, greedy(24))
+    llm = tp2("gemma3")
+    llm.engine.reconfigure_cache(num_kv_blocks=16, num_cpu_blocks=10, preemption_mode="auto",
+                                 max_num_batched_tokens=32)
+    try:
+        assert_same_greedy(completions(llm, prompts, greedy(24)), refs, "preempted")
+        sched = llm.engine.scheduler
+        assert sched.preemptions_by_mode["swap"] > 0 and sched.preemptions_by_mode["recompute"] > 0
+        assert llm.engine.kv_manager.pool.num_used == 0
+    finally:
+        llm.engine.reconfigure_cache(num_kv_blocks=None, num_cpu_blocks=None,
+                                     max_num_batched_tokens=None)
+
+
+# NOTE: the two tests below kill a worker of the module's engines: they come last.
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_idle_worker_is_noticed_at_once_and_the_next_step_fails(tp2):
+    llm = tp2("llama")
+    executor = llm.engine.executor
+    noticed = threading.Event()
+    executor.add_failure_listener(lambda error: noticed.set())
+    llm.generate(prompts_of_lengths([5]), greedy(4), use_tqdm=False)
+    os.kill(executor.pids[1], signal.SIGKILL)
+    assert noticed.wait(10), "the monitor did not notice the dead worker while idle"
+    with pytest.raises(WorkerDiedError, match="worker 1 .* died with exit code -9"):
+        llm.engine.check_health()
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError):
+        llm.generate(prompts_of_lengths([5]), greedy(4), use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert not llm.engine.has_unfinished_requests()  # the failed requests were aborted
+    assert all(not proc.is_alive() for proc in executor._procs)  # the survivor was stopped
+    llm.engine.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_during_a_step_fails_that_step_instead_of_hanging(tp2):
+    llm = tp2("opt")
+    executor = llm.engine.executor
+    send = executor._send
+    steps = []
+
+    def send_then_kill(payload):
+        send(payload)
+        steps.append(1)
+        if len(steps) == 3:  # rank 0 now waits in an all-reduce for rank 1, which is gone
+            os.kill(executor.pids[1], signal.SIGKILL)
+
+    executor._send = send_then_kill
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker 1"):
+        llm.generate(prompts_of_lengths([5, 8]), greedy(8), use_tqdm=False)
+    assert time.monotonic() - start < 10 and len(steps) == 3
+    llm.engine.shutdown()
