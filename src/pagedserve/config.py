@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagedserve.core.contiguous import KV_ALLOCATORS
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
@@ -23,6 +25,11 @@ class EngineArgs:
     heads (the KV budgets are per worker), run by `distributed_executor_backend`: "uni" (in this
     process; one worker), "mp" (worker processes on this machine) or "ray" (Ray actors on the
     cluster at `ray_address`, else a local Ray); None picks "uni" for one worker, "mp" for more.
+
+    `kv_allocator` is "paged" (the only mode for production use) or, for measuring paging against
+    Orca-style baselines only, "contiguous-max" | "contiguous-pow2" | "contiguous-oracle": one
+    contiguous reservation per request at admission (see `core.contiguous`); these run without
+    prefix caching, swapping, parallel sampling or beam search.
     """
 
     model: str | None = None
@@ -46,6 +53,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
+    kv_allocator: str = "paged"
     # Testing aid: randomise the order of the free block list (outputs must not change).
     shuffle_free_blocks_seed: int | None = None
 
@@ -80,6 +88,8 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

@@ -233,6 +233,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None:
             self.seed = int(self.seed)
+            # NOTE: torch.Generator.manual_seed takes a signed or unsigned 64-bit integer; a
+            # larger seed would raise inside the model step.
+            if not -(2**63) <= self.seed < 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)

@@ -148,12 +148,15 @@ def test_requests_past_max_queued_requests_raise_queue_full(llm_engine):
 
 
 def test_engine_crash_fails_requests_in_flight_and_refuses_new_ones(llm_engine):
+    # A step that keeps failing before scheduling anything: no request to blame, so the
+    # engine retries once, then dies (a failure pinned on requests only fails those: see
+    # tests/entrypoints/test_engine_failure.py).
     real_step = llm_engine.step
     calls = []
 
     def failing_step():
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) >= 3:
             raise RuntimeError("boom")
         return real_step()
 
@@ -173,7 +176,35 @@ def test_engine_crash_fails_requests_in_flight_and_refuses_new_ones(llm_engine):
                 llm_engine.abort_request(request_id)
 
     asyncio.run(main())
-    assert len(calls) == 3
+    assert len(calls) == 4
+
+
+def test_one_failure_before_scheduling_is_retried_and_the_request_still_completes(llm_engine):
+    real_step = llm_engine.step
+    calls = []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("transient")
+        return real_step()
+
+    async def main():
+        engine = AsyncLLMEngine(llm_engine)
+        llm_engine.step = flaky_step
+        try:
+            async with engine:
+                out = await collect(engine, [1, 5, 6], greedy(8))
+                assert not engine.errored
+                return out
+        finally:
+            del llm_engine.step
+            for request_id in list(llm_engine.groups):
+                llm_engine.abort_request(request_id)
+
+    out = asyncio.run(main())
+    assert out.finished and len(out.outputs[0].token_ids) == 8
+    assert len(calls) > 3
 
 
 def test_shutdown_ends_requests_in_flight_with_engine_shutdown_error(llm_engine):

@@ -26,15 +26,18 @@ No model runs: only lengths drive the allocators, so the command is fast and det
 
 from __future__ import annotations
 
-import bisect
 import random
 from dataclasses import dataclass, field
 
 from pagedserve.bench.trace import lognormal_lengths
+from pagedserve.core.contiguous import (
+    CONTIGUOUS_POLICIES,
+    ContiguousAllocator,
+    reservation_tokens,
+)
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 
 CATEGORIES = ("token states", "reservation", "internal frag", "external frag")
-CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
 ALLOCATORS = ("paged",) + CONTIGUOUS_POLICIES
 LABELS = {"paged": "pagedserve", "max": "Orca (Max)", "pow2": "Orca (Pow2)",
           "oracle": "Orca (Oracle)"}
@@ -67,8 +70,9 @@ PAPER_BEAM_SAVINGS = {("alpaca", 2): "37.6%", ("alpaca", 6): "55.2%",
 
 
 def length_trace(name: str, num_requests: int, seed: int = 0,
-                 max_model_len: int = 2048) -> list[LengthRequest]:
-    """Seeded lognormal lengths of the named workload (`sharegpt` or `alpaca`).
+                 max_model_len: int = 2048, scale: float = 1.0) -> list[LengthRequest]:
+    """Seeded lognormal lengths of the named workload (`sharegpt` or `alpaca`), with both means
+    multiplied by `scale` (1: the paper's workload).
 
     Prompts and outputs are each clipped to half of `max_model_len`, so every request fits it.
     """
@@ -78,7 +82,10 @@ def length_trace(name: str, num_requests: int, seed: int = 0,
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if max_model_len < 4:
         raise ValueError(f"max_model_len must be >= 4, got {max_model_len}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
     mean_in, mean_out = TRACES[name]
+    mean_in, mean_out = mean_in * scale, mean_out * scale
     rng = random.Random(seed + _TRACE_SEED_OFFSET[name])
     half = max_model_len // 2
     ins = lognormal_lengths(rng, num_requests, mean_in, 0.8, 1, half)
@@ -287,73 +294,9 @@ def _record_paged(kv: KVCacheManager, running: list[_Group], n: int, busy_thresh
 # --- contiguous (Orca-style) -----------------------------------------------------------------
 
 
-class ContiguousAllocator:
-    """First-fit ranges in one buffer of `num_slots` token slots.
-
-    NOTE: `_starts`/`_sizes` are the free ranges sorted by start, never overlapping and never
-    adjacent (freeing coalesces with both neighbours), so external fragmentation is real.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.num_slots = num_slots
-        self._starts = [0]
-        self._sizes = [num_slots]
-
-    @property
-    def num_free(self) -> int:
-        return sum(self._sizes)
-
-    def largest_gap(self) -> int:
-        """Size of the largest free range (0 when full)."""
-        return max(self._sizes, default=0)
-
-    def free_gaps(self) -> list[int]:
-        """Sizes of the free ranges, in address order."""
-        return list(self._sizes)
-
-    def allocate(self, size: int) -> int | None:
-        """Start of the first free range that holds `size` slots (taken), or None."""
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
-        for i, gap in enumerate(self._sizes):
-            if gap >= size:
-                start = self._starts[i]
-                if gap == size:
-                    del self._starts[i], self._sizes[i]
-                else:
-                    self._starts[i] += size
-                    self._sizes[i] -= size
-                return start
-        return None
-
-    def free(self, start: int, size: int) -> None:
-        """Return `[start, start + size)` to the free ranges, merging with its neighbours."""
-        i = bisect.bisect_left(self._starts, start)
-        prev_end = self._starts[i - 1] + self._sizes[i - 1] if i > 0 else -1
-        if prev_end > start or (i < len(self._starts) and start + size > self._starts[i]):
-            raise RuntimeError(f"range [{start}, {start + size}) overlaps a free range")
-        if prev_end == start:  # merge into the previous range
-            i -= 1
-            self._sizes[i] += size
-        else:
-            self._starts.insert(i, start)
-            self._sizes.insert(i, size)
-        if i + 1 < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[i + 1]:
-            self._sizes[i] += self._sizes.pop(i + 1)
-            del self._starts[i + 1]
-
-
 def reservation(policy: str, req: LengthRequest, max_model_len: int) -> int:
     """Slots an Orca-style system reserves for `req` at admission under `policy`."""
-    if policy == "max":
-        return max_model_len
-    if policy == "oracle":
-        return req.total_len
-    if policy == "pow2":
-        return min(max_model_len, 1 << (req.total_len - 1).bit_length())
-    raise ValueError(f"unknown policy {policy!r}; choose from {CONTIGUOUS_POLICIES}")
+    return reservation_tokens(policy, req.total_len, max_model_len)
 
 
 @dataclass

@@ -10,7 +10,11 @@
   the newest one, and never reads more than one output per step.
 - Closing a stream (a cancelled task, a client gone) aborts its request before the next step,
   freeing its KV blocks.
-- If a step raises, every request in flight fails with `EngineDeadError` and new ones are refused.
+- If a step raises, the requests that step scheduled (or preempted) are aborted, their blocks
+  freed, and their streams fail with `EngineStepError` (a 500); the engine logs the traceback
+  and keeps stepping for everyone else. A failure that cannot be pinned on any request, twice in
+  a row, or any error outside the step, is fatal: every request in flight fails with
+  `EngineDeadError` and new ones are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.stats import FinishedRequestStats, StatsListener, StatsLogLine, StepStats
+from pagedserve.engine.stats import (
+    FinishedRequestStats,
+    StatsListener,
+    StatsLogLine,
+    StepStats,
+)
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -35,6 +44,7 @@ __all__ = [
     "AsyncLLMEngine",
     "EngineDeadError",
     "EngineShutdownError",
+    "EngineStepError",
     "QueueFullError",
     "RequestStream",
 ]
@@ -42,6 +52,11 @@ __all__ = [
 
 class EngineDeadError(RuntimeError):
     """The engine thread crashed; no request can be served any more."""
+
+
+class EngineStepError(RuntimeError):
+    """The model step that computed this request raised; the request was aborted, the engine
+    lives on."""
 
 
 class EngineShutdownError(RuntimeError):
@@ -154,6 +169,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps; its result or error goes to
+    `future` (see `AsyncLLMEngine.call_in_engine_thread`)."""
+
+    fn: object
+    future: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -198,6 +222,8 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        # Consecutive failed steps that scheduled no request (2 are fatal; see _step).
+        self._unpinned_failures = 0
         self._closing = False
         self._prev_totals = self._engine_totals()
 
@@ -344,6 +370,18 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
+    async def call_in_engine_thread(self, fn):
+        """`fn(llm_engine)` run on the engine thread between two steps (the only thread that may
+        touch the `LLMEngine`); returns its result or raises its exception. For debugging and
+        tests, e.g. `check_invariants`."""
+        if self._loop is None:
+            raise RuntimeError("start() the engine first")
+        if not self.is_running:
+            raise EngineDeadError("the engine thread is not running")
+        future = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it is unknown or finished). Call on the event loop."""
         stream = self._streams.get(request_id)
@@ -375,15 +413,42 @@ class AsyncLLMEngine:
                     self._report([])
                     return
                 if self.engine.has_unfinished_requests():
-                    self._report(self.engine.step())
+                    self._report(self._step())
                 elif commands:
                     self._report([])  # e.g. aborts freed blocks: publish the new state
                 elif self._log_line is not None:
                     self._log_line.log_if_due(time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - any crash ends the engine
+        except BaseException as exc:
             logger.exception("the engine loop crashed; failing every request in flight")
             self._dead = exc
             self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {exc!r}"))
+
+    def _step(self) -> list[RequestOutput]:
+        """`engine.step()`, surviving a step that raises: its requests are aborted (freeing their
+        blocks) and fail with `EngineStepError`, and no output is returned. Re-raises (killing
+        the engine) when the failure touched no request for the second step in a row: the fault
+        is not the requests', so stepping on would only spin."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            blamed = [r for r in self.engine.step_request_ids() if r in self._tracked]
+            if not blamed:
+                self._unpinned_failures += 1
+                if self._unpinned_failures >= 2:
+                    raise
+                logger.exception("a model step failed before scheduling any request; retrying")
+                return []
+            self._unpinned_failures = 0
+            logger.exception("a model step failed; aborting its %d request(s): %s",
+                             len(blamed), ", ".join(blamed))
+            error = EngineStepError(f"the model step computing this request failed: {exc!r}")
+            for request_id in blamed:
+                stream = self._tracked[request_id].stream
+                self._apply(_Abort(request_id))  # frees its blocks, records an "abort"
+                self._call_in_loop(stream._fail, error)
+            return []
+        self._unpinned_failures = 0
+        return outputs
 
     def _next_commands(self) -> list:
         """Everything queued; when idle, block until something arrives (or a log line is due)."""
@@ -411,13 +476,20 @@ class AsyncLLMEngine:
                     stream.request_id, cmd.prompt, cmd.params,
                     prompt_token_ids=cmd.prompt_token_ids, arrival_time=cmd.arrival_time,
                 )
-            except Exception as exc:  # noqa: BLE001 - the request's error, not the engine's
+            except Exception as exc:
                 if not isinstance(exc, ValueError):
                     logger.exception("adding request %s failed", stream.request_id)
                 self._call_in_loop(stream._fail, exc)
                 return
             self._tracked[stream.request_id] = _Tracked(stream, cmd.arrival_time)
             self._call_in_loop(stream._accept)
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's
+                self._call_in_loop(_settle, cmd.future, None, exc)
+            else:
+                self._call_in_loop(_settle, cmd.future, result, None)
         elif isinstance(cmd, _Abort):
             tracked = self._tracked.pop(cmd.request_id, None)
             if tracked is None:
@@ -521,3 +593,12 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream._fail(exc)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

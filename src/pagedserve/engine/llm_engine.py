@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from pagedserve.core.contiguous import ContiguousKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedserve.engine.beam_search import (
@@ -81,6 +82,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
+        self._step_request_ids: list[str] = []  # see step_request_ids()
+        self._step_ids_stamp = -1  # stats["steps"] when they were recorded
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
@@ -109,15 +112,30 @@ class LLMEngine:
             spec, args.block_size, self.dtype, args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
         )
         self.num_cpu_blocks = 0
-        if args.preemption_mode != "recompute":
+        contiguous = args.kv_allocator != "paged"
+        if args.preemption_mode != "recompute" and not contiguous:
             self.num_cpu_blocks = (
                 args.num_cpu_blocks if args.num_cpu_blocks is not None
                 else int(args.swap_space * 1024**3) // block_bytes
             )
-        self.kv_manager = KVCacheManager(
-            self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
-            num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-        )
+        if contiguous:
+            # NOTE: a measurement baseline: prefix caching and swapping are off (not an error, as
+            # both are on by default); running requests never need memory, so never preempt.
+            logger.info("kv_allocator=%s (a benchmark baseline; paged is the production mode): "
+                        "prefix caching and swapping are off", args.kv_allocator)
+            self.kv_manager = ContiguousKVCacheManager(
+                self.num_kv_blocks, args.block_size, args.kv_allocator.removeprefix("contiguous-"),
+                self.max_model_len)
+            if self.kv_manager.reservation_blocks(1) > self.num_kv_blocks:
+                raise ValueError(
+                    f"kv_allocator={args.kv_allocator} reserves "
+                    f"{self.kv_manager.reservation_blocks(1)} blocks per request; the cache has "
+                    f"{self.num_kv_blocks} (raise the KV budget or lower max_model_len)")
+        else:
+            self.kv_manager = KVCacheManager(
+                self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
+                num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
+            )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.executor.init_cache(CacheConfig(self.num_kv_blocks, args.block_size,
                                              self.num_cpu_blocks, tuple(self.eos_token_ids)))
@@ -188,6 +206,10 @@ class LLMEngine:
             group.seqs.append(seq)
         group.fork_pending = len(group.seqs) > 1
         group.beam = beam
+        if isinstance(self.kv_manager, ContiguousKVCacheManager):
+            final_len = min(self.max_model_len, len(prompt_token_ids) + params.max_tokens)
+            for seq in group.seqs:
+                self.kv_manager.expect_length(seq.seq_id, final_len)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
@@ -232,16 +254,36 @@ class LLMEngine:
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary")
         if params.max_tokens is None:
             params = params.clone()
             params.max_tokens = self.max_model_len - prompt_len
+        kv = self.kv_manager
+        if isinstance(kv, ContiguousKVCacheManager):
+            if width > 1 or params.use_beam_search:
+                raise ValueError(f"kv_allocator={self.args.kv_allocator} does not share KV "
+                                 "blocks: n, best_of > 1 and beam search need kv_allocator='paged'")
+            need = kv.reservation_blocks(min(self.max_model_len, prompt_len + params.max_tokens))
+            if need > self.num_kv_blocks:
+                raise ValueError(f"kv_allocator={self.args.kv_allocator} reserves {need} KV blocks "
+                                 f"for this request; the cache has {self.num_kv_blocks}")
         return params
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown."""
         group = self.scheduler.abort(request_id)
         self.groups.pop(request_id, None)
+        if group is not None:
+            self._forget(group)
         return group is not None
+
+    def _forget(self, group: SequenceGroup) -> None:
+        """Drop a finished or aborted request's per-sequence state in a contiguous allocator."""
+        if isinstance(self.kv_manager, ContiguousKVCacheManager):
+            for seq in group.seqs:
+                self.kv_manager.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -258,7 +300,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output for every request that produced tokens or finished."""
+        self._step_request_ids = []
         sched = self.scheduler.schedule()
+        # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
+        # requests it touched (see step_request_ids).
+        self._step_request_ids = list(dict.fromkeys(
+            [s.group.request_id for s in sched.scheduled]
+            + [g.request_id for g in sched.preempted]))
+        self._step_ids_stamp = self.stats["steps"]  # a step that completes moves past it
         now = time.monotonic()
         results = self.executor.execute(sched)
         touched: dict[str, SequenceGroup] = {}
@@ -299,6 +348,7 @@ class LLMEngine:
             if finished:
                 group.finished_time = time.monotonic()
                 self.groups.pop(group.request_id, None)
+                self._forget(group)
             outputs.append(self._make_output(group, finished))
         return outputs
 
@@ -475,6 +525,15 @@ class LLMEngine:
 
     def num_used_blocks(self) -> int:
         return self.kv_manager.pool.num_used
+
+    def step_request_ids(self) -> list[str]:
+        """The requests the step in progress, or the step that last raised, scheduled or
+        preempted, in order; empty once a step completed after them, or if the step raised
+        before scheduling. After a step raises, these are the requests whose state may be
+        half-updated: abort them (`abort_request`) before stepping again."""
+        if self._step_ids_stamp != self.stats["steps"]:
+            return []
+        return list(self._step_request_ids)
 
     def last_schedule_info(self) -> dict[str, Any]:
         return {

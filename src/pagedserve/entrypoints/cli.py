@@ -1,4 +1,4 @@
-"""The `pagedserve` command: `generate`, `serve`, `bench throughput` and `bench serve`."""
+"""The `pagedserve` command: `generate`, `serve` and the `bench` benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedserve.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS
+from pagedserve.core.contiguous import KV_ALLOCATORS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=float, default=4.0, help="CPU swap pool in GiB")
     p.add_argument("--num-cpu-blocks", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--kv-allocator", default="paged", choices=KV_ALLOCATORS,
+                   help="KV memory manager: paged (production) or an Orca-style contiguous "
+                        "reservation baseline, for benchmarks only")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="workers sharing every layer (Megatron-style tensor parallelism)")
     p.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
@@ -67,6 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     for name in ("max_n", "max_queued_requests"):
         if getattr(args, name) < (1 if name == "max_n" else 0):
             raise ValueError(f"--{name.replace('_', '-')} must be >= "
@@ -93,6 +99,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pagedserve.bench.memory import main
 
         return main(args)
+    if args.bench_kind == "paper":
+        from pagedserve.bench.paper import main
+
+        return main(args)
     raise ValueError(f"unknown benchmark {args.bench_kind!r}")
 
 
@@ -113,6 +123,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     p.add_argument("--max-queued-requests", type=int, default=4096,
                    help="requests waiting to start beyond which new ones get 503 + Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted (413 beyond it; default 8 MiB)")
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve GET /debug/engine (block pools, queues, invariant check); for "
+                        "tests and diagnosis, not production")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between stats log lines while busy (0: off)")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -179,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
                                               "block manager (Fig. 2, Fig. 15; no model)")
     add_bench_memory_args(mem)
     mem.set_defaults(func=cmd_bench)
+
+    from pagedserve.bench.paper import add_bench_paper_args
+
+    paper = bench_sub.add_parser("paper", help="throughput at equal latency, paged vs contiguous "
+                                               "KV reservation (Fig. 12, Fig. 13)")
+    add_bench_paper_args(paper)
+    paper.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(serve)

@@ -1,9 +1,10 @@
 """Compiled BF16 skinny-matrix product for small batches on CPU (decode-time linear layers).
 
 `bf16_linear(x, weight, bias, out_dtype)` computes `x @ weight.T (+ bias)` like
-`torch.nn.functional.linear`, but for bf16 inputs with few rows (M = x rows <= `MAX_M`) it runs our
-AVX512_BF16 / AMX kernel (csrc/bf16_gemv.cpp), which reads the weight at close to memory bandwidth;
-torch's own bf16 GEMV on CPU reaches about half of it. Everything else goes to torch.
+`torch.nn.functional.linear`, but for bf16 inputs with few rows (M = rows of x <= 32 on CPUs with
+AMX, <= 4 on other AVX512_BF16 CPUs) it runs our kernel (csrc/bf16_gemv.cpp), which reads the
+weight at ~80-85% of the memory bandwidth a plain sequential read gets; torch's own bf16 GEMV on
+CPU reaches about half of it. Everything else goes to torch.
 
 The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached under
 `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
@@ -37,7 +38,6 @@ MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_gemv.cpp"
 _EXT_NAME = "pagedserve_bf16_gemv"
-
 
 
 class _Kernel(NamedTuple):
@@ -83,6 +83,9 @@ def _build() -> _Kernel:
     # nothing compiled for the whole file (static init, feature probing) can use them by accident.
     # -fopenmp is required: at::parallel_for is a header template over `#pragma omp parallel`;
     # libgomp then resolves to the copy torch has already loaded (same soname).
+    # NOTE: cpp_extension serialises concurrent builds (other processes too) with a lock file in
+    # the build folder; a process killed mid-build leaves it behind and later builds wait on it:
+    # delete `$TORCH_EXTENSIONS_DIR/<py>_cpu/pagedserve_bf16_gemv/lock` if first use hangs.
     cpp_extension.load(
         name=_EXT_NAME,
         sources=[str(_SOURCE)],
@@ -95,7 +98,7 @@ def _build() -> _Kernel:
     if not avx512bf16:
         raise RuntimeError("the CPU (or OS) does not enable AVX512_BF16")
     logger.info(
-        "built CPU bf16 GEMV kernel in %.1f s (AMX %s)", time.perf_counter() - t0, "on" if amx else "off"
+        "CPU bf16 GEMV kernel ready in %.1f s (AMX %s)", time.perf_counter() - t0, "on" if amx else "off"
     )
     return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_AMX if amx else MAX_M_AVX512)
 
@@ -112,7 +115,10 @@ def _get_kernel() -> _Kernel | None:
                 try:
                     _kernel = _build()
                 except Exception as e:  # noqa: BLE001 -- any failure means: use torch
-                    logger.warning("CPU bf16 GEMV kernel unavailable, using torch's F.linear: %s", e)
+                    # first line only: a build error carries the whole compiler log (at debug)
+                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    logger.warning("CPU bf16 GEMV kernel unavailable, using torch's F.linear: %s", reason)
+                    logger.debug("CPU bf16 GEMV kernel failure", exc_info=True)
                     _kernel = False
             k = _kernel
     return k or None
@@ -148,12 +154,15 @@ def _use_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         0 < m <= MAX_M
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        and x.is_cpu
+        and weight.is_cpu
         and weight.is_contiguous()
-        and (bias is None or bias.device.type == "cpu")
+        and (bias is None or bias.is_cpu)
         # the kernel has no autograd; inference runs under no_grad / inference_mode
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
     )
 
 
@@ -165,22 +174,26 @@ def bf16_linear(
 ) -> torch.Tensor:
     """`x @ weight.T + bias` (as `F.linear`), on the compiled kernel when that is faster.
 
-    x: [..., K]; weight: [N, K]; bias: [N] or None; result: [..., N] in `out_dtype` (default
-    x.dtype). The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, M (the
-    product of x's leading dims) is at most `MAX_M_AMX` (CPUs with AMX) or `MAX_M_AVX512` (others),
-    no gradient is needed, and `kernel_available()`;
-    it accumulates in fp32 and rounds once to the output dtype (so `out_dtype=torch.float32` gives
-    unrounded logits). Otherwise this is `F.linear(x, weight, bias)` cast to `out_dtype` (so there a
-    bf16 result is rounded to bf16 before any cast to fp32). ValueError on mismatched shapes or an
-    unsupported `out_dtype`.
+    x: [..., K]; weight: [N, K]; bias: [N] (any float dtype) or None; result: [..., N] in
+    `out_dtype` (None: x.dtype; else torch.bfloat16 or torch.float32).
+
+    The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, M (the product
+    of x's leading dims) is at most `MAX_M_AMX` (CPUs with AMX) or `MAX_M_AVX512` (others), no
+    gradient is needed, and `kernel_available()`. It accumulates in fp32 and rounds once to the
+    output dtype, so `out_dtype=torch.float32` gives unrounded logits. Otherwise this is
+    `F.linear(x, weight, bias)` cast to `out_dtype` (there a bf16 result is rounded to bf16 before
+    any cast to fp32). ValueError on mismatched shapes or an unsupported `out_dtype`.
     """
     _check_args(x, weight, bias, out_dtype)
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
     if _use_kernel(x, weight, bias, m):
         kernel = _get_kernel()
         if kernel is not None and m <= kernel.max_m:
-            x2 = x.reshape(m, x.shape[-1]).contiguous()
-            y = kernel.op(x2, weight, bias, out_dtype == torch.float32, 0)
+            out_fp32 = out_dtype == torch.float32
+            if x.dim() == 2 and x.is_contiguous():  # the decode-time case: no reshapes
+                return kernel.op(x, weight, bias, out_fp32, 0)
+            y = kernel.op(x.reshape(m, k).contiguous(), weight, bias, out_fp32, 0)
             return y.reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)

@@ -27,7 +27,12 @@ class KVCacheSpec:
 
 
 class CausalLM(Protocol):
-    """The interface of `pagedserve.models.*ForCausalLM` classes."""
+    """The interface of `pagedserve.models.*ForCausalLM` classes.
+
+    Constructors take `(config, *, tp=TPContext())`: with several tensor-parallel ranks the model
+    is rank `tp.rank`'s shard, its `kv_cache_spec` counts that rank's KV heads, and
+    `compute_logits` returns the logits on rank 0 only (`[S, 0]` on the others).
+    """
 
     kv_cache_spec: KVCacheSpec
 

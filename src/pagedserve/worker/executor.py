@@ -12,6 +12,7 @@ the backend (`EngineArgs.distributed_executor_backend`):
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
 from pagedserve.worker.worker import CacheConfig, WorkerConfig, model_info
 
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -104,8 +106,13 @@ class Executor(ABC):
 
     def add_failure_listener(self, callback: Callable[[BaseException], None]) -> None:
         """Call `callback(error)` once, from any thread, as soon as a worker is found dead (also
-        while the engine is idle). A server uses it to fail fast."""
-        self._listeners.append(callback)
+        while the engine is idle; at once if it already is). A server uses it to fail fast."""
+        with self._fail_lock:
+            error = self._error
+            if error is None:
+                self._listeners.append(callback)
+        if error is not None:
+            _notify(callback, error)
 
     def _fail(self, error: BaseException) -> BaseException:
         """Record the first failure, stop every worker, tell the listeners; returns the error to
@@ -116,11 +123,18 @@ class Executor(ABC):
             self._error = error
         self._stop_workers()
         for callback in self._listeners:
-            callback(error)
+            _notify(callback, error)
         return error
 
     def _stop_workers(self) -> None:
         """Stop every worker at once (after a failure)."""
+
+
+def _notify(callback: Callable[[BaseException], None], error: BaseException) -> None:
+    try:
+        callback(error)
+    except Exception:  # noqa: BLE001 - a listener's bug must not hide the worker's failure
+        logger.exception("a worker-failure listener raised")
 
 
 class UniExecutor(Executor):

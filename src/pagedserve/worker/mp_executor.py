@@ -154,6 +154,8 @@ class MultiprocExecutor(Executor):
 
     def check_health(self) -> None:
         super().check_health()
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel workers have been shut down")
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
                 raise self._fail(self._death(rank))

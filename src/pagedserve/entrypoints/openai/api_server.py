@@ -2,8 +2,10 @@
 (uvicorn, with graceful shutdown on SIGINT/SIGTERM).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics. Every error is OpenAI's
-`{"error": {"message", "type", "param", "code"}}`; request validation errors are 400s.
+GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
+`--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine. Every error is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`; request validation errors are 400s, bodies
+over `--max-request-bytes` are 413s.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -29,6 +32,10 @@ import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai.auth import APIKeyMiddleware
 from pagedserve.entrypoints.openai.errors import APIError, status_phrase
+from pagedserve.entrypoints.openai.limits import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    RequestSizeLimitMiddleware,
+)
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -90,6 +97,10 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
                            open_paths=frozenset(open_paths))
+    # NOTE: added last, so it runs first: a huge body is refused before authentication reads
+    # anything else.
+    app.add_middleware(RequestSizeLimitMiddleware,
+                       max_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
@@ -132,7 +143,36 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     async def get_metrics():
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    if getattr(args, "enable_debug_endpoints", False):
+        @app.get("/debug/engine")
+        async def debug_engine():
+            """The block pools and queues, after `LLMEngine.check_invariants()` (run on the
+            engine thread between steps); 500 naming the broken invariant otherwise."""
+            try:
+                state = await engine.call_in_engine_thread(_engine_state)
+            except RuntimeError as e:
+                raise APIError(f"engine invariant check failed: {e}", 500) from e
+            return Response(json.dumps(state), media_type="application/json")
+
     return app
+
+
+def _engine_state(llm) -> dict[str, Any]:
+    """Check the engine's invariants and report its pools and queues (on the engine thread)."""
+    llm.check_invariants()
+    kv = llm.kv_manager
+    cpu = getattr(kv, "cpu_pool", None)
+    return {
+        "invariants_ok": True,
+        "used_blocks": llm.num_used_blocks(),
+        "num_blocks": kv.num_blocks,
+        "used_cpu_blocks": cpu.num_used if cpu is not None else 0,
+        "running": len(llm.scheduler.running),
+        "waiting": len(llm.scheduler.waiting),
+        "swapped": len(llm.scheduler.swapped),
+        "groups": len(llm.groups),
+        "preemptions": llm.scheduler.num_preemptions,
+    }
 
 
 # --- request and response plumbing -------------------------------------------------------------
@@ -142,8 +182,10 @@ async def parse_body(raw: Request, model: type[T]) -> T:
     """The JSON body validated as `model`; 400 (not 422) naming the field otherwise."""
     body = await raw.body()
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as e:
+        raise APIError("Invalid JSON in the request body: nested too deeply", 400) from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, too many digits
         raise APIError(f"Invalid JSON in the request body: {e}", 400) from e
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object", 400)
@@ -151,6 +193,19 @@ async def parse_body(raw: Request, model: type[T]) -> T:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from e
+    except RecursionError as e:
+        raise APIError("The request body is nested too deeply", 400) from e
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

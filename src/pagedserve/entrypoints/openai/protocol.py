@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -157,12 +157,22 @@ class CompletionStreamResponse(BaseModel):
 # --- chat --------------------------------------------------------------------------------------
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(OpenAIBaseModel):
     """One input message; `content` is a string, a list of content parts, or null."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        return role
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -228,7 +238,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # noqa: ANN001
+    def _drop_none(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 

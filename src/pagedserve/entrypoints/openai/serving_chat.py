@@ -6,7 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedserve.engine.async_engine import EngineDeadError, EngineShutdownError
+from pagedserve.engine.async_engine import (
+    EngineDeadError,
+    EngineShutdownError,
+    EngineStepError,
+)
 from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
 from pagedserve.entrypoints.openai.errors import APIError, error_body
 from pagedserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
@@ -184,5 +188,7 @@ class OpenAIServingChat(OpenAIServing):
                 ))
         except (EngineDeadError, EngineShutdownError) as e:
             yield sse(error_body(str(e), 503))
+        except EngineStepError as e:
+            yield sse(error_body(str(e), 500))
         yield DONE
 

@@ -6,9 +6,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from pagedserve.engine.async_engine import EngineDeadError, EngineShutdownError
+from pagedserve.engine.async_engine import (
+    EngineDeadError,
+    EngineShutdownError,
+    EngineStepError,
+)
 from pagedserve.entrypoints.openai.errors import APIError, error_body
-from pagedserve.entrypoints.openai.logprobs import append_completion_logprobs, prompt_logprobs_json
+from pagedserve.entrypoints.openai.logprobs import (
+    append_completion_logprobs,
+    prompt_logprobs_json,
+)
 from pagedserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -186,5 +193,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 ))
         except (EngineDeadError, EngineShutdownError) as e:
             yield sse(error_body(str(e), 503))
+        except EngineStepError as e:
+            yield sse(error_body(str(e), 500))
         yield DONE
 

@@ -11,6 +11,7 @@ from pagedserve.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineShutdownError,
+    EngineStepError,
     QueueFullError,
     RequestStream,
 )
@@ -20,6 +21,10 @@ from pagedserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, SamplingF
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.server")
+
+# Server-side bounds on stop strings (each is matched against the text after every token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1000
 
 
 @dataclass
@@ -101,6 +106,14 @@ class OpenAIServing:
                         extra_stop_token_ids: list[int] | None = None) -> SamplingParams:
         """SamplingParams for a request (max_tokens may be None: resolved per prompt)."""
         n = 1 if request.n is None else request.n
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}",
+                           400, "stop")
+        for stop in stops:
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise APIError(f"stop: a stop string may be at most {MAX_STOP_STRING_CHARS} "
+                               f"characters, got one of {len(stop)}", 400, "stop")
         if n > self.settings.max_n:
             raise APIError(f"n must be at most {self.settings.max_n} (--max-n), got {n}", 400, "n")
         if request.best_of is not None and request.best_of > n and request.stream:
@@ -210,6 +223,8 @@ class OpenAIServing:
             return APIError(str(exc), 503, headers={"Retry-After": str(exc.retry_after)})
         if isinstance(exc, (EngineShutdownError, EngineDeadError)):
             return APIError(str(exc), 503)
+        if isinstance(exc, EngineStepError):
+            return APIError(str(exc), 500)
         if isinstance(exc, ValueError):
             return bad_request(exc, set(self.request_fields) | {prompt_param},
                                {"prompt": prompt_param})

@@ -75,10 +75,11 @@ Features detect_features() {
   // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM state enabled by the OS.
   const bool os_avx512 = (xcr0 & 0xE6) == 0xE6;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const unsigned max_subleaf = a;
   const bool avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
   const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
   unsigned a1 = 0, b1, c1, d1;
-  __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
+  if (max_subleaf >= 1) __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   const bool bf16 = (a1 >> 5) & 1;
   f.avx512bf16 = os_avx512 && avx512f && avx512bw && avx512vl && bf16;
   // AMX: XTILECFG (bit 17) and XTILEDATA (bit 18) in XCR0, plus Linux's per-process permission.
@@ -125,7 +126,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void stor
 // AVX512_BF16 path.
 // ----------------------------------------------------------------------------------------------
 
-// 16 fp32 vectors -> one vector whose lane L holds the sum of vector kReducePerm[L].
+// 16 fp32 vectors -> one vector whose lane L holds the sum of vector reduce_perm().perm[L].
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 reduce16(const __m512* v) {
   __m512 s8[8], s4[4], s2[2];
   for (int i = 0; i < 8; ++i) {  // 16 -> 8: add the 256-bit halves, two vectors per result
@@ -267,8 +268,9 @@ constexpr int64_t kDpNB = 4;  // rows of W per tile
 constexpr int64_t kDpMB = 4;  // rows of x per tile
 
 // Rows [n_begin, n_end) of W against all M rows of x.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dp_rows(const bf16_t* x, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y,
-             int64_t N, bool out_fp32, int64_t n_begin, int64_t n_end) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dp_rows(
+    const bf16_t* x, int64_t M, const bf16_t* w, int64_t K, const float* bias, void* y, int64_t N,
+    bool out_fp32, int64_t n_begin, int64_t n_end) {
   const int* perm = reduce_perm().perm;
   if (M == 1) {
     const int* inv = reduce_perm().inv;
