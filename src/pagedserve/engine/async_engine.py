@@ -38,6 +38,8 @@ from pagedserve.engine.stats import (
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
+from pagedserve.worker.executor import WorkerDiedError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -222,6 +224,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._death_listeners: list = []
         # Consecutive failed steps that scheduled no request (2 are fatal; see _step).
         self._unpinned_failures = 0
         self._closing = False
@@ -277,6 +280,10 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None:
+            # A worker found dead while the engine is idle fails the engine at once, too.
+            executor.add_failure_listener(self._die)
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests and end every request in flight with `EngineShutdownError`.
@@ -420,8 +427,21 @@ class AsyncLLMEngine:
                     self._log_line.log_if_due(time.monotonic())
         except BaseException as exc:
             logger.exception("the engine loop crashed; failing every request in flight")
-            self._dead = exc
-            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {exc!r}"))
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead (from any thread): fail every request in flight, refuse new
+        ones, and tell the death listeners (the server exits non-zero)."""
+        if self._dead is not None:
+            return
+        self._dead = exc
+        self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {exc!r}"))
+        for listener in self._death_listeners:
+            self._call_in_loop(listener, exc)
+
+    def add_death_listener(self, callback) -> None:
+        """Call `callback(error)` on the event loop once the engine has died."""
+        self._death_listeners.append(callback)
 
     def _step(self) -> list[RequestOutput]:
         """`engine.step()`, surviving a step that raises: its requests are aborted (freeing their
@@ -430,6 +450,8 @@ class AsyncLLMEngine:
         is not the requests', so stepping on would only spin."""
         try:
             outputs = self.engine.step()
+        except WorkerDiedError:
+            raise  # a dead worker never comes back: the engine is dead, not the requests
         except Exception as exc:
             blamed = [r for r in self.engine.step_request_ids() if r in self._tracked]
             if not blamed:

@@ -310,6 +310,9 @@ def run_server(args: Namespace) -> int:
     )
     server = GracefulServer(config, engine, app.state.settings.model_name)
     server.run()
+    if engine.errored:
+        logger.error("exiting: the engine died (%r)", engine._dead)
+        return 1
     return 0 if server.started else 1
 
 
@@ -326,6 +329,9 @@ class GracefulServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        # NOTE: a dead engine (e.g. a tensor-parallel worker killed) cannot serve again: stop the
+        # server, which then exits non-zero (see run_server).
+        self.engine.add_death_listener(lambda exc: setattr(self, "should_exit", True))
         await super().startup(sockets)
         if self.started:
             logger.info("pagedserve ready: model %r at http://%s:%d (OpenAI API under /v1)",
