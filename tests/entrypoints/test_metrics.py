@@ -60,3 +60,30 @@ def test_a_request_moves_the_counters_and_histograms_by_what_it_did(http, server
     assert 1 <= delta("pagedserve:prompt_tokens_total") <= resp["usage"]["prompt_tokens"]
     assert after["pagedserve:num_requests_running"] == 0
     assert after["pagedserve:kv_cache_usage_perc"] == 0
+
+
+def test_preemptions_by_mode_and_cpu_pool_usage_are_exported_and_logged(caplog):
+    import logging
+
+    from pagedserve.engine.stats import StatsLogLine, StepStats
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+
+    m = ServerMetrics("tiny")
+    stats = StepStats(now=0.0, num_running=1, num_waiting=0, kv_usage=0.5, num_used_blocks=4,
+                      num_blocks=8, num_swapped=2, steps=1, preemptions=3,
+                      cpu_kv_usage=0.25, preemptions_by_mode={"recompute": 1, "swap": 2})
+    m.on_step(stats)
+    text = m.render().decode()
+    assert metric(text, "pagedserve:num_preemptions_by_mode_total", model_name="tiny",
+                  mode="swap") == 2
+    assert metric(text, "pagedserve:num_preemptions_by_mode_total", model_name="tiny",
+                  mode="recompute") == 1
+    assert metric(text, "pagedserve:cpu_cache_usage_perc", model_name="tiny") == 0.25
+    import time
+
+    line = StatsLogLine(interval=1.0)
+    with caplog.at_level(logging.INFO, logger="pagedserve.stats"):
+        line.on_step(stats)
+        line.log_if_due(time.monotonic() + 2.0)
+    assert "swapped: 2 reqs" in caplog.text and "1 recompute / 2 swap" in caplog.text
+    assert "CPU swap blocks in use: 25.0%" in caplog.text

@@ -225,6 +225,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._death_listeners: list = []
+        self._prev_modes: dict[str, int] = {}
         # Consecutive failed steps that scheduled no request (2 are fatal; see _step).
         self._unpinned_failures = 0
         self._closing = False
@@ -555,6 +556,9 @@ class AsyncLLMEngine:
         self._prev_totals = totals
         info = self.engine.last_schedule_info()
         kv = self.engine.kv_manager
+        modes = info.get("preemptions_by_mode", {})
+        mode_delta = {m: c - self._prev_modes.get(m, 0) for m, c in modes.items()}
+        self._prev_modes = modes
         stats = StepStats(
             now=now, num_running=info.get("running", 0), num_waiting=info.get("waiting", 0),
             num_swapped=info.get("swapped", 0), kv_usage=info.get("kv_usage", kv.usage()),
@@ -562,6 +566,7 @@ class AsyncLLMEngine:
             steps=delta[0], prompt_tokens=delta[1], generation_tokens=delta[2],
             preemptions=delta[3], prefix_cache_queries=delta[4], prefix_cache_hits=delta[5],
             time_to_first_token=ttft, inter_token_latency=itl,
+            cpu_kv_usage=info.get("cpu_kv_usage", 0.0), preemptions_by_mode=mode_delta,
         )
         for listener in self._listeners:
             listener.on_step(stats)

@@ -541,6 +541,9 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_usage": self.kv_manager.usage(),
             "swapped": len(self.scheduler.swapped),
+            "cpu_kv_usage": (self.kv_manager.cpu_pool.num_used / self.kv_manager.cpu_pool.num_blocks
+                             if self.kv_manager.cpu_pool else 0.0),
+            "preemptions_by_mode": dict(self.scheduler.preemptions_by_mode),
             "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
             "preemptions": self.scheduler.num_preemptions,
         }

@@ -27,6 +27,9 @@ class StepStats:
     num_used_blocks: int
     num_blocks: int
     num_swapped: int = 0  # requests swapped out to CPU blocks
+    cpu_kv_usage: float = 0.0  # fraction of the CPU swap pool's blocks in use, 0..1
+    # Preemptions since the previous record, by recovery mode ("recompute", "swap").
+    preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     steps: int = 0  # engine steps since the previous record (0 or 1)
     prompt_tokens: int = 0  # prompt tokens computed since the previous record
     generation_tokens: int = 0  # tokens generated since the previous record
@@ -70,12 +73,15 @@ class StatsLogLine:
         self._last_log = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._preempt = {"recompute": 0, "swap": 0}  # since the last line
         self._last: StepStats | None = None
         self._active = False  # something happened since the last line
 
     def on_step(self, stats: StepStats) -> None:
         self._prompt_tokens += stats.prompt_tokens
         self._generation_tokens += stats.generation_tokens
+        for mode, count in stats.preemptions_by_mode.items():
+            self._preempt[mode] = self._preempt.get(mode, 0) + count
         self._last = stats
         if stats.steps:
             self._active = True
@@ -92,10 +98,14 @@ class StatsLogLine:
         s = self._last
         logger.info(
             "running: %d reqs, waiting: %d reqs, swapped: %d reqs, KV blocks in use: %.1f%% "
-            "(%d/%d), prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s",
+            "(%d/%d), CPU swap blocks in use: %.1f%%, preemptions: %d recompute / %d swap, "
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s",
             s.num_running, s.num_waiting, s.num_swapped, 100.0 * s.kv_usage, s.num_used_blocks,
-            s.num_blocks, self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
+            s.num_blocks, 100.0 * s.cpu_kv_usage, self._preempt["recompute"],
+            self._preempt["swap"], self._prompt_tokens / elapsed,
+            self._generation_tokens / elapsed,
         )
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
+        self._preempt = {"recompute": 0, "swap": 0}
         self._active = bool(s.num_running or s.num_waiting or s.num_swapped)

@@ -75,7 +75,14 @@ class ServerMetrics:
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.cpu_usage = gauge("cpu_cache_usage_perc",
+                               "Fraction of CPU swap-pool blocks in use (0-1).")
         self.preemptions = counter("num_preemptions", "Preemptions (requests evicted).")
+        by_mode = Counter(PREFIX + "num_preemptions_by_mode",
+                          "Preemptions by recovery mode (recompute, swap).",
+                          labels + ["mode"], registry=r)
+        self.preemptions_by_mode = {m: by_mode.labels(model_name, m)
+                                    for m in ("recompute", "swap")}
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits",
@@ -113,6 +120,10 @@ class ServerMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         self.preemptions.inc(stats.preemptions)
+        self.cpu_usage.set(stats.cpu_kv_usage)
+        for mode, count in stats.preemptions_by_mode.items():
+            if mode in self.preemptions_by_mode:
+                self.preemptions_by_mode[mode].inc(count)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         for value in stats.time_to_first_token:
