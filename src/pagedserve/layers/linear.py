@@ -1,5 +1,7 @@
-"""Megatron-style tensor-parallel layers. With one rank each is exactly its torch counterpart
-(`nn.Linear` / `nn.Embedding`, same forward), so the single-process path is unchanged.
+"""Megatron-style tensor-parallel layers. With one rank each computes what its torch
+counterpart (`nn.Linear` / `nn.Embedding`) does; products go through `kernels.cpu_gemm.
+bf16_linear`, which is `F.linear` except for small BF16 batches on CPUs with AVX512-BF16/AMX,
+where a compiled GEMV reads the weights at close to memory bandwidth.
 
 - `ColumnParallelLinear`: each rank holds a slice of the output features (no communication);
   fused outputs (q|k|v) are sliced per part.
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.kernels.cpu_gemm import bf16_linear as linear  # F.linear, or our BF16 GEMV/AMX
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class ColumnParallelLinear(nn.Linear):
             set_shard(self.weight, spec)
             set_shard(self.bias, spec)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / N]
+        return linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """`y = x W^T + b` where this rank holds a slice of the input features: the partial products
@@ -101,8 +107,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
         if not self.tp.is_parallel:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over ranks
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias
 
 
@@ -146,10 +152,10 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V] (rank 0)
         if not self.tp.is_parallel:
-            return F.linear(x, self.weight)
+            return linear(x, self.weight)
         if x.shape[0] == 0:  # every rank has the same rows: all skip the collective together
             return x.new_zeros(0, self.vocab_size if self.tp.rank == 0 else 0)
-        logits = self.tp.gather_to_first(F.linear(x, self.weight))  # [S, rows * N] on rank 0
+        logits = self.tp.gather_to_first(linear(x, self.weight))  # [S, rows * N] on rank 0
         if logits is None:
             return x.new_empty(x.shape[0], 0)  # [S, 0]
         return logits[:, : self.vocab_size]
