@@ -69,21 +69,7 @@ class LLM:
             request_id = engine.new_request_id()
             order[request_id] = i
             engine.add_request(request_id, text, params, prompt_token_ids=ids)
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
-        except BaseException:
-            for request_id in order:
-                engine.abort_request(request_id)
-            raise
-        finally:
-            bar.close()
-        return results  # type: ignore[return-value]
+        return self._run(order, "Processed prompts", use_tqdm)
 
     def beam_search(
         self,
@@ -105,21 +91,28 @@ class LLM:
             request_id = engine.new_request_id()
             order[request_id] = i
             engine.add_beam_request(request_id, text, params, prompt_token_ids=ids)
-        results: list[BeamSearchOutput | None] = [None] * len(parsed)
-        bar = tqdm(total=len(parsed), desc="Beam search", disable=not use_tqdm)
+        return [
+            BeamSearchOutput([
+                BeamSearchSequence(
+                    tokens=out.prompt_token_ids + c.token_ids, output_token_ids=c.token_ids,
+                    text=c.text, cum_logprob=c.cumulative_logprob,
+                    score=c.cumulative_logprob / max(len(c.token_ids), 1) ** params.length_penalty,
+                    finish_reason=c.finish_reason,
+                ) for c in out.outputs])
+            for out in self._run(order, "Beam search", use_tqdm)
+        ]
+
+    def _run(self, order: dict[str, int], desc: str, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `order` (request id -> input position) has
+        finished; their final outputs in input order. On any error they are all aborted."""
+        engine = self.engine
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc=desc, disable=not use_tqdm)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = BeamSearchOutput([
-                            BeamSearchSequence(
-                                tokens=out.prompt_token_ids + c.token_ids,
-                                output_token_ids=c.token_ids, text=c.text,
-                                cum_logprob=c.cumulative_logprob,
-                                score=c.cumulative_logprob / max(len(c.token_ids), 1)
-                                ** params.length_penalty,
-                                finish_reason=c.finish_reason,
-                            ) for c in out.outputs])
+                        results[order[out.request_id]] = out
                         bar.update(1)
         except BaseException:
             for request_id in order:
