@@ -15,11 +15,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+# Test helpers (`tiny`, `utils`) live at the top of tests/ and are imported by name.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,3 +96,29 @@ def embedded_llm(pagedserve_cache_dir):
     from pagedserve import LLM
 
     return LLM(dtype="float32", block_size=16, kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Build tiny checkpoints lazily, once per architecture per session."""
+    cache = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = tiny.make_checkpoint(tmp_path_factory.mktemp(arch), arch)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints):
+    """HF transformers models of the tiny checkpoints (float32, eval), built once each."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = tiny.load_hf(checkpoints(arch))
+        return cache[arch]
+
+    return get
