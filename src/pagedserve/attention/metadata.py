@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+BACKENDS = ("torch", "triton")
+
 
 @dataclass
 class AttentionGroup:
@@ -61,7 +63,11 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int64
     block_size: int
     num_tokens: int
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]  # torch backend only: empty when built without groups
+    max_seq_len: int = 0  # host copy of max(seq_lens), for kernel grids and heuristics
+    max_query_len: int = 0  # host copy of max(query lens)
+    backend: str = "torch"  # "torch" | "triton": the attention backend the layers dispatch to
+    num_splits: int | None = None  # triton split-K parts; None = its heuristic (fix it for CUDA graphs)
 
     @classmethod
     def build(
@@ -73,8 +79,16 @@ class AttentionMetadata:
         block_size: int,
         null_block: int,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+        backend: str = "torch",
+        build_groups: bool | None = None,
+        num_splits: int | None = None,
+    ) -> AttentionMetadata:
         """Build the metadata from host lists (one entry per sequence, in flat-batch order).
+
+        `backend` ("torch" | "triton", already resolved: see `attention.backends.get_backend`)
+        picks what `PagedAttention` calls. `build_groups` (default: only for "torch") builds the
+        padded per-group index tensors the torch backend needs; the triton kernels read
+        `block_tables` / `seq_lens` / `query_start_loc` directly, so they skip that host work.
 
         The slot of context position p of sequence i is
         `block_tables[i][p // block_size] * block_size + p % block_size`.
@@ -83,6 +97,10 @@ class AttentionMetadata:
         zero). Padding of block tables and of gathered context points at it, so that masked-out
         keys read zeros, never stale or NaN contents of freed blocks (0 * NaN would poison softmax).
         """
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+        if build_groups is None:
+            build_groups = backend == "torch"
         num_seqs = len(seq_lens)
         if not (len(block_tables) == len(query_lens) == num_seqs):
             raise ValueError("block_tables, seq_lens and query_lens must have one entry per sequence")
@@ -107,7 +125,7 @@ class AttentionMetadata:
         groups = []
         is_decode = ql == 1
         for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()):
-            if members.numel() == 0:
+            if not build_groups or members.numel() == 0:
                 continue
             groups.append(
                 _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device)
@@ -120,6 +138,10 @@ class AttentionMetadata:
             block_size=block_size,
             num_tokens=num_tokens,
             groups=groups,
+            max_seq_len=int(sl.max()) if num_seqs else 0,
+            max_query_len=int(ql.max()) if num_seqs else 0,
+            backend=backend,
+            num_splits=num_splits,
         )
 
 

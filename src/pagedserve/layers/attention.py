@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.attention.backends import backend_module
 from pagedserve.attention.backends.torch_ref import paged_attention
 from pagedserve.attention.metadata import AttentionMetadata
 
@@ -46,7 +47,8 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq * D]
         k_cache, v_cache = kv_cache
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
+        attend = paged_attention if meta.backend == "torch" else backend_module(meta.backend).paged_attention
+        out = attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

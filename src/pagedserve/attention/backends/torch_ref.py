@@ -6,6 +6,8 @@ block is the never-written null block, see `AttentionMetadata.build`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +39,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
     through the block tables (causal, optionally within a sliding window of keys)."""
+    if meta.num_tokens and not meta.groups:
+        raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     n, b, hkv, _ = k_cache.shape
@@ -65,3 +69,14 @@ def paged_attention(
             o = o.index_select(0, group.out_index)
         out.index_copy_(0, group.out_tokens, o)
     return out
+
+
+def copy_blocks(
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer 2 x [N, B, Hkv, D]
+    src: torch.Tensor,  # [P] int64 source blocks
+    dst: torch.Tensor,  # [P] int64 destination blocks
+) -> None:
+    """Copy whole blocks `src[i] -> dst[i]` in every layer's K and V cache (copy-on-write)."""
+    for k, v in kv_caches:
+        k.index_copy_(0, dst, k.index_select(0, src))
+        v.index_copy_(0, dst, v.index_select(0, src))
