@@ -10,6 +10,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -30,6 +31,12 @@ class EngineArgs:
     Orca-style baselines only, "contiguous-max" | "contiguous-pow2" | "contiguous-oracle": one
     contiguous reservation per request at admission (see `core.contiguous`); these run without
     prefix caching, swapping, parallel sampling or beam search.
+
+    On CUDA, when neither `kv_cache_memory` nor `num_kv_blocks` is given, the KV cache gets what a
+    profiled forward pass at the largest batch leaves of `gpu_memory_utilization` of the device's
+    memory. Decode-only steps replay CUDA graphs unless `enforce_eager`. `attention_backend` is
+    "auto" (Triton on CUDA when importable, else the torch reference), "torch" or "triton".
+    `skip_tokenizer_init` loads no tokenizer: prompts must be token ids, outputs carry no text.
     """
 
     model: str | None = None
@@ -54,6 +61,10 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
     kv_allocator: str = "paged"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    skip_tokenizer_init: bool = False
     # Testing aid: randomise the order of the free block list (outputs must not change).
     shuffle_free_blocks_seed: int | None = None
 
@@ -90,6 +101,14 @@ class EngineArgs:
                              f"got {self.distributed_executor_backend!r}")
         if self.kv_allocator not in KV_ALLOCATORS:
             raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
+        if isinstance(self.gpu_memory_utilization, bool) or not (
+                isinstance(self.gpu_memory_utilization, (int, float))
+                and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
@@ -35,15 +36,30 @@ from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.worker.executor import make_executor
-from pagedserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget, preemption_costs
+from pagedserve.worker.kv_cache import (
+    bytes_per_block,
+    kv_budget_from_profile,
+    max_concurrency,
+    num_blocks_for_budget,
+    preemption_costs,
+)
 from pagedserve.worker.model_runner import SeqStepOutput
-from pagedserve.worker.worker import CacheConfig
+from pagedserve.worker.worker import CacheConfig, ProfileConfig
 
 logger = logging.getLogger(__name__)
 
 
 def _text_config(config):
     return getattr(config, "text_config", None) or config
+
+
+class _NoDetokenizer:
+    """Stands in for the incremental detokenizer under `skip_tokenizer_init`: no text."""
+
+    text = ""
+
+    def append(self, token_ids) -> str:
+        return ""
 
 
 class LLMEngine:
@@ -66,10 +82,14 @@ class LLMEngine:
         # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
         self.executor = make_executor(args, self.source, self.dtype, self.device)
         self.model = self.executor.model  # None when the model lives in worker processes
-        self.tokenizer = self.source.load_tokenizer(args.tokenizer)
         self.vocab_size = int(self.model_config.vocab_size)
-        self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
-        self.tokenizer_info = TokenizerInfo.from_tokenizer(self.tokenizer)
+        if args.skip_tokenizer_init:  # token ids in, token ids out (EOS from the config)
+            self.tokenizer = self.tokenizer_info = None
+            self.eos_token_ids = sorted(eos_token_ids(None, config, model_path=self._model_dir()))
+        else:
+            self.tokenizer = self.source.load_tokenizer(args.tokenizer)
+            self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
+            self.tokenizer_info = TokenizerInfo.from_tokenizer(self.tokenizer)
 
         max_pos = getattr(self.model_config, "max_position_embeddings", None) or 2048
         self.max_model_len = args.max_model_len or int(max_pos)
@@ -92,6 +112,34 @@ class LLMEngine:
             self.num_kv_blocks * args.block_size, self.max_model_len,
         )
 
+    def _model_dir(self):
+        path = getattr(self.source, "path", None)
+        return path if path is not None and os.path.isdir(path) else None
+
+    def _num_blocks(self, args: EngineArgs, spec, block_bytes: int, batched: int) -> int:
+        """The KV block count: as given, else from `kv_cache_memory`, else (on CUDA) from what a
+        profiled forward at the largest batch leaves of `gpu_memory_utilization`, else the CPU
+        default budget."""
+        if args.num_kv_blocks:
+            return args.num_kv_blocks
+        if args.kv_cache_memory or self.device.type != "cuda":
+            return num_blocks_for_budget(spec, args.block_size, self.dtype,
+                                         args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+        self.kv_cache = None  # the old cache (reconfigure_cache) must not count as used
+        profiles = self.executor.profile_memory(ProfileConfig(
+            max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=args.block_size))
+        budget = min(kv_budget_from_profile(p.total, args.gpu_memory_utilization, p.peak,
+                                            block_bytes) for p in profiles)
+        blocks = num_blocks_for_budget(spec, args.block_size, self.dtype, budget)
+        logger.info(
+            "GPU KV cache: %d blocks of %d tokens (%.2f GiB per worker, gpu_memory_utilization="
+            "%.2f, peak of the profiled step %.2f GiB): %.1f requests of max_model_len=%d at once",
+            blocks, args.block_size, budget / 2**30, args.gpu_memory_utilization,
+            max(p.peak for p in profiles) / 2**30,
+            max_concurrency(blocks, args.block_size, self.max_model_len), self.max_model_len)
+        return blocks
+
     def _build_cache(self, args: EngineArgs) -> None:
         """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
         chunked = args.enable_chunked_prefill
@@ -108,9 +156,7 @@ class LLMEngine:
             swap_seconds_per_block=swap_s,
             recompute_seconds_per_token=recompute_s,
         )
-        self.num_kv_blocks = args.num_kv_blocks or num_blocks_for_budget(
-            spec, args.block_size, self.dtype, args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        )
+        self.num_kv_blocks = self._num_blocks(args, spec, block_bytes, batched)
         self.num_cpu_blocks = 0
         contiguous = args.kv_allocator != "paged"
         if args.preemption_mode != "recompute" and not contiguous:
@@ -138,7 +184,9 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.executor.init_cache(CacheConfig(self.num_kv_blocks, args.block_size,
-                                             self.num_cpu_blocks, tuple(self.eos_token_ids)))
+                                             self.num_cpu_blocks, tuple(self.eos_token_ids),
+                                             max_num_seqs=args.max_num_seqs,
+                                             max_model_len=self.max_model_len))
         self.kv_cache = self.executor.kv_cache  # None when the cache lives in worker processes
 
     def reconfigure_cache(self, **changes) -> None:
@@ -157,6 +205,9 @@ class LLMEngine:
         return str(next(self._request_ids))
 
     def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: the engine runs without a tokenizer (skip_tokenizer_init): "
+                             "give prompt_token_ids")
         return list(self.tokenizer(prompt).input_ids)
 
     def add_request(
@@ -194,6 +245,10 @@ class LLMEngine:
         for _ in range(1 if beam else params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids)
             if beam:  # beams fork every step: their text is decoded once, at the end
+                group.seqs.append(seq)
+                continue
+            if self.tokenizer is None:
+                seq.detokenizer = _NoDetokenizer()
                 group.seqs.append(seq)
                 continue
             seq.detokenizer = IncrementalDetokenizer(
@@ -237,6 +292,9 @@ class LLMEngine:
     def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (the engine runs with "
+                             "skip_tokenizer_init); use stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.args.max_logprobs:
@@ -364,12 +422,15 @@ class LLMEngine:
     def _logprob_dict(self, token: int, lp: float, rank: int, top) -> dict[int, Logprob]:
         entry = {}
         for i, (tid, tlp) in enumerate(top):
-            entry[tid] = Logprob(tlp, i + 1, decode_token(self.tokenizer, tid))
+            entry[tid] = Logprob(tlp, i + 1, self._decode_token(tid))
         if token not in entry:
-            entry[token] = Logprob(lp, rank, decode_token(self.tokenizer, token))
+            entry[token] = Logprob(lp, rank, self._decode_token(token))
         else:
             entry[token].rank = rank
         return entry
+
+    def _decode_token(self, token: int) -> str | None:
+        return None if self.tokenizer is None else decode_token(self.tokenizer, token)
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, res) -> None:
         params = group.sampling_params
@@ -466,7 +527,8 @@ class LLMEngine:
         outs = [
             CompletionOutput(
                 index=i,
-                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                text=("" if self.tokenizer is None
+                      else self.tokenizer.decode(h.token_ids, skip_special_tokens=True)),
                 token_ids=list(h.token_ids),
                 cumulative_logprob=h.cum_logprob,
                 logprobs=None,

@@ -6,7 +6,12 @@ import argparse
 import logging
 import sys
 
-from pagedserve.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS
+from pagedserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    LOAD_FORMATS,
+)
 from pagedserve.core.contiguous import KV_ALLOCATORS
 
 
@@ -44,6 +49,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to join with the ray backend (default: a Ray instance "
                         "running on this machine, else a new local one)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and the KV cache "
+                        "(CUDA; the KV cache gets what a profiled step leaves)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every step eagerly")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: triton on CUDA when available, else torch")
+    p.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction,
+                   default=False, help="load no tokenizer: token-id prompts, no output text")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -101,6 +115,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return main(args)
     if args.bench_kind == "paper":
         from pagedserve.bench.paper import main
+
+        return main(args)
+    if args.bench_kind == "latency":
+        from pagedserve.bench.latency import main
 
         return main(args)
     raise ValueError(f"unknown benchmark {args.bench_kind!r}")
@@ -201,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                "KV reservation (Fig. 12, Fig. 13)")
     add_bench_paper_args(paper)
     paper.set_defaults(func=cmd_bench)
+
+    from pagedserve.bench.latency import add_bench_latency_args
+
+    lat = bench_sub.add_parser("latency", help="end-to-end latency of one fixed batch, decode "
+                                               "tokens/s and the roofline (as vLLM's)")
+    add_bench_latency_args(lat)
+    add_engine_args(lat)
+    lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(serve)

@@ -27,7 +27,15 @@ from pagedserve.models.loader import load_model
 from pagedserve.models.source import ModelSource
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
-from pagedserve.worker.worker import CacheConfig, WorkerConfig, model_info
+from pagedserve.worker.model_runner import MemoryProfile
+from pagedserve.worker.worker import (
+    CacheConfig,
+    ProfileConfig,
+    WorkerConfig,
+    make_runner,
+    model_info,
+    profile_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,11 @@ class Executor(ABC):
     def init_cache(self, cache: CacheConfig) -> None:
         """Allocate (or reallocate) every worker's KV cache; requests in flight are forgotten."""
 
+    def profile_memory(self, prof: ProfileConfig) -> list[MemoryProfile]:
+        """Free every worker's KV cache and profile the largest step on each (CUDA only); one
+        profile per rank."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile GPU memory")
+
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         """Run one step; one entry per scheduled sequence, in scheduled order. Raises
@@ -151,13 +164,20 @@ class UniExecutor(Executor):
         info = model_info(self.model)
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
         self.runner: ModelRunner | None = None
+        self.attention_backend = config.attention_backend
+        self.enforce_eager = config.enforce_eager
 
     def init_cache(self, cache: CacheConfig) -> None:
         self.runner = self.kv_cache = None
         self.kv_cache = KVCache(self.kv_cache_spec, cache.num_blocks, cache.block_size, self.dtype,
                                 self.device, num_cpu_blocks=cache.num_cpu_blocks)
-        self.runner = ModelRunner(self.model, self.kv_cache, device=self.device,
-                                  stop_token_ids_for_min_tokens=list(cache.stop_token_ids))
+        self.runner = make_runner(self.model, self.kv_cache, cache, self.device,
+                                  attention_backend=self.attention_backend,
+                                  enforce_eager=self.enforce_eager)
+
+    def profile_memory(self, prof: ProfileConfig) -> list[MemoryProfile]:
+        self.runner = self.kv_cache = None
+        return [profile_memory(self.model, self.dtype, self.device, self.attention_backend, prof)]
 
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         return self.runner.execute(sched)
@@ -196,7 +216,8 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     threads = None if device.type == "cuda" else max(1, torch.get_num_threads() // world_size)
     config = WorkerConfig(source=source, load_format=args.load_format, dtype=dtype,
                           device_type=device.type, seed=args.seed, world_size=world_size,
-                          num_threads=threads)
+                          num_threads=threads, attention_backend=args.attention_backend,
+                          enforce_eager=args.enforce_eager)
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

@@ -26,6 +26,29 @@ def num_blocks_for_budget(
     return int(n)
 
 
+def kv_budget_from_profile(total: int, utilization: float, peak: int, block_bytes: int) -> int:
+    """KV cache bytes a GPU worker may allocate: `utilization` of the device's `total` memory,
+    less the `peak` a profiled forward pass at the largest batch reached (weights, activations,
+    logits and memory outside torch's allocator). ValueError when that leaves not even two
+    blocks (one usable block and the null block) of `block_bytes`."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(total * utilization) - int(peak)
+    if budget < 2 * block_bytes:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} of "
+            f"{total / 2**30:.2f} GiB is {total * utilization / 2**30:.2f} GiB, and the model's "
+            f"weights and peak activations take {peak / 2**30:.2f} GiB (a KV block takes "
+            f"{block_bytes} bytes); raise gpu_memory_utilization, lower max_num_batched_tokens / "
+            f"max_num_seqs, or use a smaller model or more tensor-parallel workers")
+    return budget
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
+    """How many requests of `max_model_len` tokens fit in `num_blocks` blocks at once."""
+    return num_blocks * block_size / max_model_len
+
+
 # Rough device figures for preemption_mode="auto" (see `preemption_costs`).
 _DEVICE_FIGURES = {
     # copy bandwidth between the pools (B/s), fixed cost per block moved (s), compute (FLOP/s)

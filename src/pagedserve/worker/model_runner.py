@@ -3,6 +3,11 @@ batch, runs the model and samples. It knows nothing of queues or preemption."""
 
 from __future__ import annotations
 
+import functools
+import gc
+import importlib.util
+import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +15,118 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.kv_cache import KVCache
-from pagedserve.worker.sampler import SampleRequest, SampleResult, prompt_logprobs, sample
+from pagedserve.worker.sampler import (
+    SampleRequest,
+    SampleResult,
+    prompt_logprobs,
+    sample,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _metadata_takes_backend() -> bool:
+    return "backend" in inspect.signature(AttentionMetadata.build).parameters
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The attention backend a runner on `device` uses for `name` ("auto" | "torch" | "triton"):
+    "auto" is Triton on CUDA when Triton and our Triton backend are importable, else the torch
+    reference (always on CPU)."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name != "auto":
+        if name == "triton" and not _metadata_takes_backend():
+            raise ValueError("attention_backend='triton' is not available in this build")
+        return name
+    if torch.device(device).type != "cuda" or not _metadata_takes_backend():
+        return "torch"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+
+
+def build_metadata(backend: str, **kwargs) -> AttentionMetadata:
+    """`AttentionMetadata.build(**kwargs)` for `backend` (the torch reference's is the default)."""
+    if backend != "torch":
+        kwargs["backend"] = backend
+    return AttentionMetadata.build(**kwargs)
+
+
+def is_plain_greedy(req: SampleRequest) -> bool:
+    """A row whose token is the argmax of the raw logits, nothing else asked (no logprobs, no
+    logit processors): the GPU can choose it and send back one integer."""
+    p = req.params
+    return (p.temperature < 1e-5 and p.logprobs is None and not req.need_logprob
+            and not p.logit_bias and not (p.min_tokens and len(req.output_token_ids) < p.min_tokens)
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One GPU worker's profile: the device's total memory and the peak a forward pass at the
+    largest batch reached (weights + activations + logits + memory outside torch's allocator)."""
+
+    total: int
+    peak: int
+
+
+def profile_seq_lens(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the profiling batch: `max_num_batched_tokens` tokens (at most
+    `max_num_seqs * max_model_len`) over as many sequences as allowed, as even as possible."""
+    tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    n = min(max_num_seqs, tokens)
+    n = max(n, -(-tokens // max_model_len))
+    base, extra = divmod(tokens, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def profile_forward(model, kv_cache: KVCache, *, device: torch.device, backend: str,
+                    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+    """Run the largest step the scheduler can form: a prefill of `max_num_batched_tokens`
+    tokens, then logits for `max_num_seqs` rows, in float32 as the sampler takes them. Every block
+    table points at block 0 of `kv_cache` (a scratch cache: the writes collide, harmlessly).
+    Returns the number of tokens run."""
+    lens = profile_seq_lens(max_num_batched_tokens, max_num_seqs, max_model_len)
+    bs = kv_cache.block_size
+    meta = build_metadata(backend, block_tables=[[0] * -(-n // bs) for n in lens], seq_lens=lens,
+                          query_lens=lens, block_size=bs, null_block=kv_cache.null_block,
+                          device=device)
+    total = sum(lens)
+    ids = torch.zeros(total, dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).to(device)
+    hidden = model(ids, pos, kv_cache.layers, meta)  # [T, H]
+    rows = torch.arange(max_num_seqs, device=device) % total
+    logits = model.compute_logits(hidden.index_select(0, rows)).float()  # [S, V]
+    logits.argmax(dim=-1)
+    del hidden, logits
+    return total
+
+
+@torch.inference_mode()
+def profile_peak_memory(model, spec, *, dtype: torch.dtype, device: torch.device, block_size: int,
+                        backend: str, max_num_batched_tokens: int, max_num_seqs: int,
+                        max_model_len: int) -> MemoryProfile:
+    """Profile the peak GPU memory of the largest step (see `profile_forward`) on `device`."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch = KVCache(spec, 1, block_size, dtype, device)
+    profile_forward(model, scratch, device=device, backend=backend,
+                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory outside torch's allocator (CUDA context, cuBLAS/NCCL buffers, other processes).
+    outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    del scratch
+    gc.collect()
+    torch.cuda.empty_cache()
+    logger.info("memory profile on %s: peak %.2f GiB in torch + %.2f GiB outside it, of %.2f GiB",
+                device, peak / 2**30, outside / 2**30, total / 2**30)
+    return MemoryProfile(total=int(total), peak=int(peak + outside))
 
 
 @dataclass
@@ -45,13 +161,54 @@ class ModelRunner:
         device: torch.device,
         stop_token_ids_for_min_tokens: list[int],
         sample: bool = True,
+        attention_backend: str = "auto",
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
     ) -> None:
         self.model = model
         self.sample = sample
         self.kv_cache = kv_cache
-        self.device = device
+        self.device = torch.device(device)
         self.eos_ids = list(stop_token_ids_for_min_tokens)
         self.generators: dict[str, torch.Generator] = {}
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.on_cuda = self.device.type == "cuda"
+        # Pinned host buffers for what comes back each step (CUDA only), grown on demand.
+        self._host_logits: torch.Tensor | None = None
+        self._host_tokens: torch.Tensor | None = None
+        self.graphs = None
+        if cuda_graphs and self.on_cuda:
+            if self.attention_backend == "torch":
+                logger.info("CUDA graphs off: the torch attention backend builds per-step "
+                            "host-side groups (use attention_backend='triton')")
+            else:
+                self.capture_graphs(max_num_seqs, max_model_len)
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture=None) -> None:
+        """Capture the decode graphs (after the KV cache is allocated); see `worker.cuda_graphs`.
+        `capture` replaces the CUDA graph capture (tests run the buffer logic on CPU)."""
+        from pagedserve.worker.cuda_graphs import DecodeGraphs, capture_cuda_graph
+
+        layers = self.kv_cache.layers
+        graphs = DecodeGraphs(
+            forward=lambda ids, pos, meta: self.model(ids, pos, layers, meta),
+            build_meta=self._build_meta, device=self.device, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, block_size=self.kv_cache.block_size,
+            null_block=self.kv_cache.null_block, capture=capture or capture_cuda_graph)
+        with torch.inference_mode():
+            graphs.capture_all()
+            # Capture and warm-up wrote into the null block: it is zero again before any step.
+            for k, v in layers:
+                k[self.kv_cache.null_block].zero_()
+                v[self.kv_cache.null_block].zero_()
+        self.graphs = graphs
+
+    def _build_meta(self, *, block_tables, seq_lens, query_lens, device) -> AttentionMetadata:
+        return build_metadata(self.attention_backend, block_tables=block_tables,
+                              seq_lens=seq_lens, query_lens=query_lens,
+                              block_size=self.kv_cache.block_size,
+                              null_block=self.kv_cache.null_block, device=device)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -94,22 +251,30 @@ class ModelRunner:
                 row_owner.append((idx, "sample"))
             offset += s.num_tokens
 
-        meta = AttentionMetadata.build(
-            block_tables=[s.block_table for s in step.scheduled],
-            seq_lens=[s.end for s in step.scheduled],
-            query_lens=[s.num_tokens for s in step.scheduled],
-            block_size=self.kv_cache.block_size,
-            null_block=self.kv_cache.null_block,
-            device=self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
+        block_tables = [s.block_table for s in step.scheduled]
+        seq_lens = [s.end for s in step.scheduled]
+        if (self.graphs is not None and offset == len(step.scheduled)
+                and self.graphs.can_run(offset)):
+            # Decode-only (one token per sequence): replay the bucket's CUDA graph.
+            hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)  # [n, H]
+        else:
+            meta = self._build_meta(block_tables=block_tables, seq_lens=seq_lens,
+                                    query_lens=[s.num_tokens for s in step.scheduled],
+                                    device=self.device)
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+            hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, V]
         if not self.sample:
             return []
-        logits = logits.float().cpu()  # [R, V]
+        if self.on_cuda:
+            fast = self._greedy_on_device(step, row_owner, logits)
+            if fast is not None:
+                return fast
+            logits = self._to_host(logits)  # [R, V] float32, pinned
+        else:
+            logits = logits.float().cpu()  # [R, V]
 
         outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
         sample_rows, sample_idx = [], []
@@ -166,4 +331,48 @@ class ModelRunner:
             results = sample(logits[rows], reqs, stop_ids) if rows else []
             for idx, res in zip(owners, results):
                 outputs[idx].samples.append(res)
+        return outputs
+
+    # --- CUDA: what comes back to the host --------------------------------------------------
+
+    def _to_host(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits as float32 on the host, through a pinned buffer (one sync: the sampler
+        needs them)."""
+        r, v = logits.shape
+        buf = self._host_logits
+        if buf is None or buf.shape[0] < r or buf.shape[1] != v:
+            buf = self._host_logits = torch.empty((max(r, 1), v), dtype=torch.float32,
+                                                  pin_memory=True)
+        out = buf[:r]
+        out.copy_(logits, non_blocking=True)  # casts to float32 on the way
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def _greedy_on_device(self, step: SchedulerOutput, row_owner, logits: torch.Tensor):
+        """When every row samples plain greedy (no logprobs, processors, beams or prompt
+        logprobs), choose the tokens on the GPU and bring back one integer per row instead of
+        the logits; None otherwise (the host sampler runs)."""
+        reqs = []
+        for idx, kind in row_owner:
+            s = step.scheduled[idx]
+            if kind != "sample" or s.group.beam is not None or s.num_samples > 1:
+                return None
+            params = s.group.sampling_params
+            req = SampleRequest(params=params, prompt_token_ids=s.seq.prompt_token_ids,
+                                output_token_ids=s.seq.output_token_ids, generator=None,
+                                need_logprob=s.group.needs_logprobs)
+            if not is_plain_greedy(req):
+                return None
+            reqs.append(idx)
+        r = logits.shape[0]
+        buf = self._host_tokens
+        if buf is None or buf.shape[0] < r:
+            buf = self._host_tokens = torch.empty(max(r, 256), dtype=torch.long, pin_memory=True)
+        tokens = buf[:r]
+        # NOTE: argmax of the float32 logits, as the host sampler takes them (same tie rule).
+        tokens.copy_(logits.float().argmax(dim=-1), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
+        for idx, tok in zip(reqs, tokens.tolist()):
+            outputs[idx].samples.append(SampleResult(tok, None, None, None))
         return outputs

@@ -48,7 +48,8 @@ def run_worker_process(config: WorkerConfig, rank: int, init_method: str, conn: 
     _exit_with_parent()
     try:
         worker = Worker(config, rank, init_method, device_index=rank)
-        calls = {"init_cache": worker.init_cache, "execute": worker.execute}
+        calls = {"init_cache": worker.init_cache, "execute": worker.execute,
+                 "profile_memory": worker.profile_memory}
         _answer(conn, "ok", worker.info())
         while True:
             method, arg = pickle.loads(conn.recv_bytes())
@@ -141,6 +142,9 @@ class MultiprocExecutor(Executor):
     def init_cache(self, cache: CacheConfig) -> None:
         self._call("init_cache", cache)
         self.encoder.reset()
+
+    def profile_memory(self, prof):
+        return self._call("profile_memory", prof)
 
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         self.check_health()

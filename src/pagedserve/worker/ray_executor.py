@@ -48,6 +48,9 @@ class WorkerActor:
     def init_cache(self, cache: CacheConfig) -> None:
         self.worker.init_cache(cache)
 
+    def profile_memory(self, prof):
+        return self.worker.profile_memory(prof)
+
     def execute(self, payload: bytes) -> StepReply:
         return self.worker.execute(pickle.loads(payload))
 
@@ -112,6 +115,10 @@ class RayExecutor(Executor):
         self.check_health()
         self._get([actor.init_cache.remote(cache) for actor in self._actors])
         self.encoder.reset()
+
+    def profile_memory(self, prof):
+        self.check_health()
+        return self._get([actor.profile_memory.remote(prof) for actor in self._actors])
 
     def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
         super().check_health()

@@ -13,7 +13,13 @@ from pagedserve.models.base import KVCacheSpec
 from pagedserve.models.loader import load_model
 from pagedserve.models.source import ModelSource
 from pagedserve.worker.kv_cache import KVCache
-from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
+from pagedserve.worker.model_runner import (
+    MemoryProfile,
+    ModelRunner,
+    SeqStepOutput,
+    profile_peak_memory,
+    resolve_attention_backend,
+)
 from pagedserve.worker.step_message import StepDecoder, StepMessage
 
 
@@ -29,6 +35,8 @@ class WorkerConfig:
     world_size: int
     # torch threads per worker on CPU (the driver's threads shared among the workers); None: as is
     num_threads: int | None = None
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = False  # no CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,19 @@ class CacheConfig:
     block_size: int
     num_cpu_blocks: int
     stop_token_ids: tuple[int, ...]  # EOS ids masked while a request is below min_tokens
+    # The scheduler's limits, for the CUDA graphs' buckets and block-table width.
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """The largest step the scheduler can form, for GPU memory profiling."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
 
 
 @dataclass
@@ -59,6 +80,29 @@ class StepReply:
 
 def model_info(model: torch.nn.Module) -> ModelInfo:
     return ModelInfo(model.kv_cache_spec, sum(p.numel() for p in model.parameters()))
+
+
+def make_runner(model, kv_cache: KVCache, cache: CacheConfig, device: torch.device, *,
+                attention_backend: str, enforce_eager: bool, sample: bool = True) -> ModelRunner:
+    """The runner of one worker over its freshly allocated KV cache (CUDA graphs captured here,
+    on CUDA unless `enforce_eager`)."""
+    return ModelRunner(model, kv_cache, device=device,
+                       stop_token_ids_for_min_tokens=list(cache.stop_token_ids), sample=sample,
+                       attention_backend=attention_backend,
+                       cuda_graphs=device.type == "cuda" and not enforce_eager,
+                       max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len)
+
+
+def profile_memory(model, dtype: torch.dtype, device: torch.device, attention_backend: str,
+                   prof: ProfileConfig) -> MemoryProfile:
+    """Peak GPU memory of the largest step on this worker (CUDA only)."""
+    if device.type != "cuda":
+        raise ValueError("GPU memory profiling needs a CUDA device")
+    return profile_peak_memory(
+        model, model.kv_cache_spec, dtype=dtype, device=device, block_size=prof.block_size,
+        backend=resolve_attention_backend(attention_backend, device),
+        max_num_batched_tokens=prof.max_num_batched_tokens, max_num_seqs=prof.max_num_seqs,
+        max_model_len=prof.max_model_len)
 
 
 class Worker:
@@ -84,6 +128,8 @@ class Worker:
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()
+        self.attention_backend = config.attention_backend
+        self.enforce_eager = config.enforce_eager
 
     def info(self) -> ModelInfo:
         return model_info(self.model)
@@ -94,10 +140,15 @@ class Worker:
         self.kv_cache = KVCache(self.model.kv_cache_spec, cache.num_blocks, cache.block_size,
                                 self.dtype, self.device,
                                 num_cpu_blocks=cache.num_cpu_blocks)
-        self.runner = ModelRunner(self.model, self.kv_cache, device=self.device,
-                                  stop_token_ids_for_min_tokens=list(cache.stop_token_ids),
-                                  sample=self.rank == 0)
+        self.runner = make_runner(self.model, self.kv_cache, cache, self.device,
+                                  attention_backend=self.attention_backend,
+                                  enforce_eager=self.enforce_eager, sample=self.rank == 0)
         self.decoder.reset()
+
+    def profile_memory(self, prof: ProfileConfig) -> MemoryProfile:
+        """Free the KV cache, then profile the largest step (CUDA only)."""
+        self.runner = self.kv_cache = None
+        return profile_memory(self.model, self.dtype, self.device, self.attention_backend, prof)
 
     def execute(self, msg: StepMessage) -> StepReply:
         """Run one step on this shard; rank 0 returns the sampled outputs."""
