@@ -90,3 +90,16 @@ def test_sampling_follows_the_distribution(temperature):
     p = torch.softmax(logits[0] / temperature, -1)
     for c, expected in zip(counts, p.tolist()):
         assert abs(c / 2000 - expected) < 0.04
+
+
+@pytest.mark.parametrize("vocab", [262144, 32000, 151936, 1000, 7])
+def test_argmax_rows_is_torch_argmax_including_ties_and_nan(vocab):
+    from pagedserve.worker.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g)
+    x[1, :] = 0.0  # every entry ties: the first wins
+    x[2, vocab // 3] = x[2, vocab - 1] = 1e9  # a tie between chunks
+    x[3, vocab // 2] = float("nan")  # NaN is the maximum
+    x[4, -1] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

@@ -35,6 +35,7 @@ class AttentionGroup:
     query_pos: torch.Tensor  # [G, Q] int64: absolute position of each query (padding repeats last)
     key_pos: torch.Tensor  # [1, L] int64: 0..L-1
     seq_lens: torch.Tensor  # [G] int64
+    block_tables: torch.Tensor | None = None  # [G, max_blocks] int64: the members' block tables
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -175,4 +176,5 @@ def _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, d
         query_pos=query_pos.to(device),
         key_pos=key_pos.to(device),
         seq_lens=g_sl.to(device),
+        block_tables=g_bt.to(device),
     )

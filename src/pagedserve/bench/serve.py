@@ -125,11 +125,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 async def send_request(client, url: str, model: str, prompt: str, output_len: int,
-                       api_key: str | None = None) -> RequestResult:
-    """One streamed completion; timings measured at the arrival of chunks with text."""
+                       api_key: str | None = None,
+                       extra_body: dict | None = None) -> RequestResult:
+    """One streamed completion; timings measured at the arrival of chunks with text.
+    `extra_body` adds server-specific fields (llama-server: `{"cache_prompt": false}`)."""
     payload = {
         "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        **(extra_body or {}),
     }
     start = time.perf_counter()
     first = last = None
@@ -177,7 +180,7 @@ async def send_request(client, url: str, model: str, prompt: str, output_len: in
 async def run_benchmark(base_url: str, requests: list[tuple[str, int]], *, model: str,
                         request_rate: float = math.inf, max_concurrency: int | None = None,
                         seed: int = 0, api_key: str | None = None,
-                        timeout: float = 600.0) -> BenchResult:
+                        timeout: float = 600.0, extra_body: dict | None = None) -> BenchResult:
     """Send `requests` ((prompt text, output length) pairs) with Poisson arrivals."""
     import httpx
 
@@ -194,7 +197,8 @@ async def run_benchmark(base_url: str, requests: list[tuple[str, int]], *, model
 
         async def one(prompt: str, output_len: int) -> RequestResult:
             async with limit:
-                return await send_request(client, url, model, prompt, output_len, api_key)
+                return await send_request(client, url, model, prompt, output_len, api_key,
+                                          extra_body)
 
         start = time.perf_counter()
         tasks = []
@@ -254,6 +258,34 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--extra-body", type=_json_object, default=None,
+                   help='JSON merged into every request, e.g. \'{"cache_prompt": false}\' '
+                        "for llama-server")
+    p.add_argument("--profile", action="store_true",
+                   help="per-section step timings from the server (a pagedserve server started "
+                        "with --enable-debug-endpoints)")
+    p.add_argument("--result-json", default=None, help="also write the figures to this file")
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
+def _debug_post(args, path: str, **params) -> dict:
+    import httpx
+
+    resp = httpx.post(args.base_url.rstrip("/") + path, params=params,
+                      headers=_headers(args.api_key), timeout=120)
+    if resp.status_code == 404:
+        raise ValueError("--profile needs a pagedserve server started with --enable-debug-endpoints")
+    resp.raise_for_status()
+    return resp.json()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -274,15 +306,37 @@ def main(args: argparse.Namespace) -> int:
 
         async with httpx.AsyncClient(timeout=args.timeout) as client:  # warm-up
             warm = await send_request(client, args.base_url.rstrip("/") + "/v1/completions",
-                                      model, requests[0][0], 4, args.api_key)
+                                      model, requests[0][0], 4, args.api_key, args.extra_body)
         if not warm.ok:
             raise ValueError(f"the warm-up request failed: {warm.error}")
+        if args.profile:
+            _debug_post(args, "/debug/profile/start")
         return await run_benchmark(
             args.base_url, requests, model=model, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, seed=args.seed, api_key=args.api_key,
-            timeout=args.timeout,
+            timeout=args.timeout, extra_body=args.extra_body,
         )
 
     result = asyncio.run(go())
     print(result.report())
+    profile = None
+    if args.profile:
+        profile = _debug_post(args, "/debug/profile/stop", wall_s=result.duration)
+        # `outside steps`: the server's HTTP handling and streaming, and idle time.
+        print("server-side " + profile["report"])
+    if args.result_json:
+        ok = result.ok
+        summary = {
+            "base_url": args.base_url, "max_concurrency": args.max_concurrency,
+            "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+            "num_ok": len(ok), "num_failed": result.num_failed, "duration_s": result.duration,
+            "output_tokens": result.output_tokens,
+            "output_throughput": result.output_throughput,
+            "ttft_p50_ms": percentile([r.ttft for r in ok], 50) * 1e3,
+            "tpot_p50_ms": percentile([r.tpot for r in ok if r.tpot is not None], 50) * 1e3,
+            "normalized_latency_ms": result.normalized_latency * 1e3,
+            "profile": profile and profile["breakdown"],
+        }
+        with open(args.result_json, "w") as f:
+            json.dump(summary, f, indent=2)
     return 0 if result.num_failed == 0 else 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.bench.profiler import StepProfiler
 from pagedserve.bench.trace import TraceRequest, sharegpt_like_trace
 
 
@@ -113,8 +114,12 @@ def main(args) -> int:
     stats = getattr(engine.executor, "stats", None)
     if stats is not None:  # count the measured run only
         stats.reset()
+    profiler = StepProfiler().attach(engine) if args.profile else None
     ours = run_pagedserve(llm, trace)
     print(ours.line())
+    if profiler is not None:
+        profiler.detach()
+        print(profiler.report(ours.elapsed_s))
     if stats is not None:
         print(f"driver <-> workers: {stats.line()}")
     if args.baseline == "hf":

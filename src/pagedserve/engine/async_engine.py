@@ -378,9 +378,10 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
-    async def call_in_engine_thread(self, fn):
+    async def call_in_engine_thread(self, fn, timeout: float | None = 60.0):
         """`fn(llm_engine)` run on the engine thread between two steps (the only thread that may
-        touch the `LLMEngine`); returns its result or raises its exception. For debugging and
+        touch the `LLMEngine`); returns its result or raises its exception (`TimeoutError`
+        after `timeout` seconds, e.g. if the engine thread dies first). For debugging and
         tests, e.g. `check_invariants`."""
         if self._loop is None:
             raise RuntimeError("start() the engine first")
@@ -388,7 +389,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine thread is not running")
         future = self._loop.create_future()
         self._inbox.put(_Call(fn, future))
-        return await future
+        return await asyncio.wait_for(future, timeout)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it is unknown or finished). Call on the event loop."""

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bench_sub.add_parser("throughput", help="offline throughput on a seeded trace")
     add_trace_args(tp)
     tp.add_argument("--baseline", choices=["none", "hf"], default="none")
+    tp.add_argument("--profile", action="store_true",
+                    help="per-step time by section (schedule, inputs, attention, ...)")
     add_engine_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
 

@@ -36,7 +36,10 @@ MAX_M_AMX = 32
 MAX_M_AVX512 = 4
 MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
 
-_SOURCE = Path(__file__).with_name("csrc") / "bf16_gemv.cpp"
+# The one extension holds every CPU kernel: the GEMV, the fused RMSNorm (kernels/cpu_norm.py) and
+# paged decode attention (kernels/cpu_attention.py).
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp")]
 _EXT_NAME = "pagedserve_bf16_gemv"
 
 
@@ -88,7 +91,7 @@ def _build() -> _Kernel:
     # delete `$TORCH_EXTENSIONS_DIR/<py>_cpu/pagedserve_bf16_gemv/lock` if first use hangs.
     cpp_extension.load(
         name=_EXT_NAME,
-        sources=[str(_SOURCE)],
+        sources=[str(p) for p in _SOURCES],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,

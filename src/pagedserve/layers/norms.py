@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.kernels.cpu_norm import rms_norm as fused_rms_norm
+
 LayerNorm = nn.LayerNorm  # GPT-2 / OPT use torch's LayerNorm as is.
 
 
@@ -18,6 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            y = fused_rms_norm(x, _weight_f32(self, lambda w: w.float()), self.eps, llama=True)
+            if y is not None:
+                return y
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,9 +43,31 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        w1 = _weight_f32(self, lambda w: 1.0 + w.float())  # [H] fp32
+        if x.dtype == torch.bfloat16:
+            y = fused_rms_norm(x, w1, self.eps, llama=False)
+            if y is not None:
+                return y
         x32 = x.float()
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+        return (out * w1).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _weight_f32(norm: nn.Module, make) -> torch.Tensor:
+    """`make(norm.weight)` (an fp32 [H] tensor), cached on the module until the weight changes.
+
+    NOTE: keyed by the weight's storage and version counter, so loading weights (in place or by
+    replacing the parameter) or moving the module invalidates it -- but writes through
+    `weight.data` bypass the version counter: change weights under `torch.no_grad()` instead.
+    """
+    w = norm.weight
+    key = (w.data_ptr(), w._version, w.dtype, w.device)
+    cached = norm.__dict__.get("_w32")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, make(w.detach()).contiguous())
+        norm.__dict__["_w32"] = cached
+    return cached[1]

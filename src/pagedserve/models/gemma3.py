@@ -163,7 +163,7 @@ class Gemma3ForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()  # [S, V]
         cap = self.final_logit_softcapping
         if cap is not None and self.apply_final_softcap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = logits.div_(cap).tanh_().mul_(cap)  # in place: [S, V] fp32 is 1 MB a row
         return logits
 
     def _rename(self, name: str) -> str | None:

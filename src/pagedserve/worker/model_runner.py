@@ -328,7 +328,9 @@ class ModelRunner:
                 ([] if r_.params.ignore_eos else self.eos_ids) + list(r_.params.stop_token_ids or [])
                 for r_ in reqs
             ]
-            results = sample(logits[rows], reqs, stop_ids) if rows else []
+            # (the usual decode step samples every row once, in order: no 16 MB gather then)
+            picked = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            results = sample(picked, reqs, stop_ids) if rows else []
             for idx, res in zip(owners, results):
                 outputs[idx].samples.append(res)
         return outputs

@@ -64,6 +64,25 @@ def _apply_processors(
     return logits
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
+    """`x.argmax(dim=-1)` (same result: the first maximum; NaN counts as the maximum), faster on
+    CPU for large vocabularies: the maximum of each chunk of 512 (or 256, 128, 64) logits first
+    (a vectorised reduction), then the argmax inside the one chunk that holds it. torch's CPU
+    argmax over a 262,144-token row runs at a fraction of memory bandwidth."""
+    s, v = x.shape
+    for c in (512, 256, 128, 64):
+        if v % c == 0 and v >= 8 * c:
+            break
+    else:
+        return x.argmax(dim=-1)
+    blocks = x.reshape(s, v // c, c)  # [S, V/c, c]
+    # NOTE: the first chunk holding the maximum, then the first maximum inside it: the first
+    # maximum overall, as argmax (a NaN is a chunk's amax and the argmax of its chunk).
+    chunk = blocks.amax(dim=-1).argmax(dim=-1)  # [S]
+    inner = blocks[torch.arange(s, device=x.device), chunk].argmax(dim=-1)  # [S]
+    return chunk * c + inner
+
+
 def _needs_processing(p: SamplingParams, n_out: int) -> bool:
     return bool(
         p.logit_bias
@@ -108,7 +127,7 @@ def sample(
     if any(_needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
 
-    greedy_tokens = processed.argmax(dim=-1).tolist()  # fast path: no sort, no softmax
+    greedy_tokens = argmax_rows(processed).tolist()  # fast path: no sort, no softmax
     tokens = []
     for i, req in enumerate(reqs):
         if req.params.temperature < 1e-5:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kernels.cpu_attention import decode_attention
 
 
 def write_kv(
@@ -36,9 +37,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    use_cpu_kernel: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
-    through the block tables (causal, optionally within a sliding window of keys)."""
+    through the block tables (causal, optionally within a sliding window of keys).
+
+    Decode rows of bf16 CPU caches go to the compiled kernel (`kernels.cpu_attention`) when it is
+    available and `use_cpu_kernel`; everything else is plain torch (gather + SDPA)."""
     if meta.num_tokens and not meta.groups:
         raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -49,6 +54,12 @@ def paged_attention(
     out = query.new_empty(num_tokens, num_heads, head_dim)
     for group in meta.groups:
         g, max_q = group.token_index.shape
+        if max_q == 1 and use_cpu_kernel and group.block_tables is not None:
+            o = decode_attention(query.index_select(0, group.out_tokens), k_cache, v_cache,
+                                 group.block_tables, group.seq_lens, scale, sliding_window)
+            if o is not None:  # [G, Hq, D]
+                out.index_copy_(0, group.out_tokens, o)
+                continue
         g_len = group.kv_slots.shape[1]
         slots = group.kv_slots.view(-1)
         k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]

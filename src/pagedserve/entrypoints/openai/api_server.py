@@ -3,7 +3,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
-`--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine. Every error is OpenAI's
+`--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
+/debug/profile/start and /debug/profile/stop (per-section step timings). Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; request validation errors are 400s, bodies
 over `--max-request-bytes` are 413s.
 """
@@ -152,6 +153,46 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
                 state = await engine.call_in_engine_thread(_engine_state)
             except RuntimeError as e:
                 raise APIError(f"engine invariant check failed: {e}", 500) from e
+            return Response(json.dumps(state), media_type="application/json")
+
+        profiler_box: dict[str, Any] = {}
+
+        @app.post("/debug/profile/start")
+        async def debug_profile_start():
+            """Start timing every engine step by section (`pagedserve bench serve --profile`)."""
+            from pagedserve.bench.profiler import StepProfiler
+
+            def attach(llm):
+                old = profiler_box.pop("profiler", None)
+                if old is not None:
+                    old.detach()
+                profiler_box["profiler"] = StepProfiler().attach(llm)
+                return {"started": True}
+
+            try:
+                state = await engine.call_in_engine_thread(attach)
+            except ValueError as e:
+                raise APIError(str(e), 400) from e
+            return Response(json.dumps(state), media_type="application/json")
+
+        @app.post("/debug/profile/stop")
+        async def debug_profile_stop(wall_s: float | None = None):
+            """Stop profiling; the per-section seconds and the printed table."""
+            def detach(llm):
+                prof = profiler_box.pop("profiler", None)
+                if prof is None:
+                    raise ValueError("no profile is running: POST /debug/profile/start first")
+                prof.detach()
+                return {
+                    "kinds": {k: dict(v) for k, v in prof.kinds.items()},
+                    "breakdown": prof.breakdown("all", wall_s),
+                    "report": prof.report(wall_s),
+                }
+
+            try:
+                state = await engine.call_in_engine_thread(detach)
+            except ValueError as e:
+                raise APIError(str(e), 400) from e
             return Response(json.dumps(state), media_type="application/json")
 
     return app

@@ -1,0 +1,109 @@
+"""The fused CPU RMSNorm (kernels.cpu_norm) and paged decode attention (kernels.cpu_attention)
+against the eager torch formulas they replace."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.attention.backends import torch_ref
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels.cpu_attention import decode_attention
+from pagedserve.kernels.cpu_norm import rms_norm
+from pagedserve.layers import norms
+from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+        pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
+
+
+def _eager(norm, x, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(norms, "fused_rms_norm", lambda *a, **k: None)
+        return norm(x)
+
+
+@pytest.mark.parametrize("cls", [GemmaRMSNorm, RMSNorm])
+@pytest.mark.parametrize("shape", [(16, 640), (3, 4, 256), (5, 100), (7, 4096), (1, 16)])
+def test_fused_rms_norm_matches_the_eager_formula(kernel, cls, shape, monkeypatch):
+    torch.manual_seed(shape[-1])
+    norm = cls(shape[-1])
+    norm.weight.data.normal_()
+    norm = norm.bfloat16()
+    x = (torch.randn(*shape) * 3).bfloat16()
+    with torch.inference_mode():
+        fused, eager = norm(x), _eager(norm, x, monkeypatch)
+    assert fused.shape == x.shape and fused.dtype == torch.bfloat16
+    # Same formula; the fp32 sum of squares is added in another order: at most one bf16 step
+    # apart, on a handful of elements.
+    diff = (fused.float() - eager.float()).abs()
+    assert (diff > 0).float().mean() < 0.001
+    assert torch.all(diff <= eager.float().abs() * 2**-7 + 1e-6)
+
+
+def test_fused_rms_norm_follows_reloaded_weights_and_skips_non_bf16(kernel, monkeypatch):
+    norm = GemmaRMSNorm(64).bfloat16()
+    x = torch.randn(4, 64).bfloat16()
+    with torch.inference_mode():
+        before = norm(x)
+        with torch.no_grad():
+            norm.weight.fill_(1.0)  # in place: the cached fp32 weight must be refreshed
+        after = norm(x)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, _eager(norm, x, monkeypatch), atol=0, rtol=2**-7)
+    assert rms_norm(x.float(), torch.ones(64), 1e-6, llama=False) is None
+
+
+def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(nb + 1, bs, hkv, d, generator=g).bfloat16()
+    vc = torch.randn(nb + 1, bs, hkv, d, generator=g).bfloat16()
+    kc[nb] = 0
+    vc[nb] = 0
+    lens = [rng.randint(1, 150) for _ in range(num_seqs)]
+    perm = rng.sample(range(nb), nb)
+    tables, i = [], 0
+    for n in lens:
+        used = -(-n // bs)
+        tables.append(perm[i : i + used])
+        i += used
+    meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=[1] * num_seqs,
+                                   block_size=bs, null_block=nb)
+    q = torch.randn(num_seqs, hq, d, generator=g).bfloat16()
+    k = torch.randn(num_seqs, hkv, d, generator=g).bfloat16()
+    v = torch.randn(num_seqs, hkv, d, generator=g).bfloat16()
+    return q, k, v, kc, vc, meta
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [
+    (4, 1, 256, 16, None),  # Gemma 3 270M
+    (4, 1, 256, 16, 40),  # its sliding-window layers
+    (8, 2, 64, 4, None),
+    (6, 3, 80, 8, None),
+    (2, 2, 128, 1, 7),
+])
+def test_decode_attention_kernel_matches_gather_and_sdpa(kernel, hq, hkv, d, bs, window):
+    q, k, v, kc, vc, meta = _random_decode_batch(hq, hkv, d, bs, seed=hq * d + bs)
+    fast = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window)
+    plain = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window,
+                                      use_cpu_kernel=False)
+    # fp32 throughout vs SDPA's bf16 path: within a bf16 step of values of size ~1
+    torch.testing.assert_close(fast.float(), plain.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_decode_attention_declines_what_it_does_not_cover(kernel):
+    q, _, _, kc, vc, meta = _random_decode_batch(4, 1, 256, 16, seed=1)
+    group = meta.groups[0]
+    assert decode_attention(q.float(), kc, vc, group.block_tables, group.seq_lens, 0.1) is None
+    q72 = torch.randn(5, 4, 72).bfloat16()  # head size not a multiple of 16
+    kc72 = torch.zeros(801, 16, 1, 72).bfloat16()
+    assert decode_attention(q72, kc72, kc72, group.block_tables, group.seq_lens, 0.1) is None
+    out = decode_attention(q, kc, vc, group.block_tables, group.seq_lens, 0.1)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
