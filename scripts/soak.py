@@ -3,6 +3,7 @@
 usage every --interval seconds; writes docs/figures/soak.png and prints RSS growth after warm-up.
 
     .venv/bin/python scripts/soak.py --minutes 3
+    MALLOC_ARENA_MAX=2 .venv/bin/python scripts/soak.py --minutes 12   # the server inherits it
 """
 
 import argparse
@@ -68,6 +69,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--warmup-fraction", type=float, default=0.25)
     p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--plot", default=None, help="default: docs/figures/soak.png")
     args = p.parse_args()
     import tempfile
     from pathlib import Path
@@ -120,9 +122,10 @@ def main() -> int:
     ax.set_title(f"Soak ({args.minutes:g} min): RSS growth after warm-up {growth:+.1f} MiB")
     fig.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURES / "soak.png", dpi=110)
-    print(f"wrote {FIGURES / 'soak.png'}")
+    plot = Path(args.plot) if args.plot else FIGURES / "soak.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot, dpi=110)
+    print(f"wrote {plot}")
     return 0
 
 

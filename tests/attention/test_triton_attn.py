@@ -28,6 +28,9 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# On a GPU these are CUDA tests too (`pytest -m gpu`, scripts/gpu_check.sh); on CPU they run
+# under the interpreter with the rest of the suite.
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 if DEVICE == "cpu" and not triton_attn._interpreting():
     pytest.skip("triton_attn was imported before TRITON_INTERPRET=1 was set: its kernels need a GPU",
                 allow_module_level=True)

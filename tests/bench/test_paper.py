@@ -69,6 +69,17 @@ def test_bench_paper_smoke_run_writes_table_json_and_charts(tmp_path_factory, ca
         assert (out / name).stat().st_size > 0
     assert "sustainable request rate" in capsys.readouterr().out
 
+    # Extending the sweep: one more rate, merged with the first run's points.
+    more = tmp_path_factory.mktemp("paper-more")
+    rc = main(["bench", "paper", "--model", str(model), "--dtype", "float32", "--trace",
+               "alpaca", "--rates", "12", "--duration-s", "1", "--max-point-s", "30",
+               "--length-scale", "0.0625", "--allocators", "paged", "contiguous-max",
+               "--output-dir", str(more), "--merge", str(out / "results.json")])
+    assert rc == 0
+    merged = json.loads((more / "results.json").read_text())
+    assert sorted((p["allocator"], p["rate"]) for p in merged) == sorted(
+        (a, r) for a in ("paged", "contiguous-max") for r in (4.0, 8.0, 12.0))
+
 
 def test_bench_paper_refuses_sharing_with_contiguous_allocators(capsys):
     assert main(["bench", "paper", "--n", "2", "--allocators", "contiguous-oracle"]) == 2

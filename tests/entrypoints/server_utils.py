@@ -104,3 +104,19 @@ def sse_events(lines) -> list:
         data = line[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def worker_pids(pid: int) -> list[int]:
+    """A server's spawned tensor-parallel worker processes (not multiprocessing's resource
+    tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    found = []
+    for child in map(int, out.split()):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ")
+        except OSError:  # exited meanwhile
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(child)
+    return found

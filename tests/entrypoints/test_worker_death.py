@@ -2,33 +2,20 @@
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, worker_pids
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _workers(pid: int) -> list[int]:
-    """The server's spawned worker processes (not multiprocessing's resource tracker)."""
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    workers = []
-    for child in map(int, out.split()):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            workers.append(child)
-    return workers
 
 
 def test_killed_worker_makes_the_server_fail_cleanly_and_exit_non_zero(tiny_llama, logs):
     server = ServerProcess.start(str(tiny_llama), "--dtype", "float32", "--num-kv-blocks", "64",
                                  "--tensor-parallel-size", "2", log_dir=logs)
     try:
-        workers = _workers(server.proc.pid)
+        workers = worker_pids(server.proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[-1], signal.SIGKILL)
         killed = time.monotonic()

@@ -308,6 +308,9 @@ def add_bench_paper_args(p) -> None:
     p.add_argument("--model", default=None, help="default: the embedded Gemma 3 270M")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="add the points of earlier runs (their results.json) to the summary "
+                        "and charts, e.g. to extend a sweep to more rates")
     p.add_argument("--output-dir", default="bench_paper",
                    help="folder for results.json, the table and the two PNG charts")
 
@@ -357,6 +360,18 @@ def main(args) -> int:
         results[trace] = points
         engine.shutdown()
         del llm, engine
+    for path in args.merge or []:
+        # Points of an earlier run (its results.json): this run's points win on the same
+        # (trace, allocator, rate); the summary and the charts cover the union.
+        with open(path) as f:
+            earlier = [PointResult(**d) for d in json.load(f)]
+        for p in earlier:
+            mine = results.setdefault(p.trace, [])
+            if not any(q.allocator == p.allocator and q.rate == p.rate for q in mine):
+                mine.append(p)
+                say(_row(p) + "   (from " + path + ")")
+    for points in results.values():
+        points.sort(key=lambda p: (list(KV_ALLOCATORS).index(p.allocator), p.rate))
     say()
     slo_arg = args.latency_slo
     for trace, points in results.items():

@@ -222,3 +222,42 @@ class StepProfiler:
             lines.append(f"  engine Python (schedule, inputs, sampling, detokenize, outputs): "
                          f"{100.0 * overhead / step_time if step_time else 0.0:.1f}% of step time")
         return "\n".join(lines)
+
+
+def matmul_ceiling(model: torch.nn.Module, batch: int, repeats: int = 20) -> dict[str, float]:
+    """This machine's matmul ceiling on the model's own shapes: `torch.mm` of a [batch, K] input
+    by every linear layer's [N, K] weight (LM head included), in the model's dtype, timed one
+    after the other as a step runs them (weights streamed from memory, not cached). Returns the
+    FLOPs of one step's products, the seconds torch.mm takes for them, and the GFLOP/s."""
+    weights = [m.weight for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
+    if not weights:
+        raise ValueError("the model has no linear layers")
+    dtype = weights[0].dtype
+    xs = {k: torch.randn(batch, k, dtype=dtype) for k in {w.shape[1] for w in weights}}
+    flops = sum(2.0 * batch * w.shape[0] * w.shape[1] for w in weights)
+
+    def one_pass() -> None:
+        for w in weights:
+            torch.mm(xs[w.shape[1]], w.t())
+
+    with torch.inference_mode():
+        one_pass()  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            one_pass()
+        seconds = (time.perf_counter() - start) / repeats
+    return {"flops": flops, "seconds": seconds, "gflops": flops / seconds / 1e9,
+            "weight_bytes": float(sum(w.numel() * w.element_size() for w in weights))}
+
+
+def ceiling_report(model: torch.nn.Module, batch: int, decode_step_s: float) -> str:
+    """The model's achieved GFLOP/s in decode steps of `batch` tokens next to torch.mm's on the
+    same shapes (`matmul_ceiling`)."""
+    c = matmul_ceiling(model, batch)
+    achieved = c["flops"] / decode_step_s / 1e9
+    return (f"matmul ceiling at batch {batch}: torch.mm on the model's shapes {c['gflops']:.1f} "
+            f"GFLOP/s ({1e3 * c['seconds']:.1f} ms for one step's products, "
+            f"{c['weight_bytes'] / c['seconds'] / 1e9:.1f} GB/s of weights); the model's decode "
+            f"steps {achieved:.1f} GFLOP/s ({1e3 * decode_step_s:.1f} ms/step, whole step) = "
+            f"{100 * achieved / c['gflops']:.0f}% of it")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.bench.profiler import StepProfiler
+from pagedserve.bench.profiler import StepProfiler, ceiling_report
 from pagedserve.bench.trace import TraceRequest, sharegpt_like_trace
 
 
@@ -120,6 +120,11 @@ def main(args) -> int:
     if profiler is not None:
         profiler.detach()
         print(profiler.report(ours.elapsed_s))
+        decode = profiler.kinds.get("decode", {})
+        if decode.get("steps") and getattr(engine.executor, "runner", None) is not None:
+            batch = round(decode["tokens"] / decode["steps"])
+            print(ceiling_report(engine.executor.runner.model, batch,
+                                 decode["step"] / decode["steps"]))
     if stats is not None:
         print(f"driver <-> workers: {stats.line()}")
     if args.baseline == "hf":
