@@ -70,12 +70,14 @@ def main() -> int:
     p.add_argument("--warmup-fraction", type=float, default=0.25)
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--plot", default=None, help="default: docs/figures/soak.png")
+    p.add_argument("--server-args", default="",
+                   help="more server flags, e.g. '--kv-cache-memory 134217728'")
     args = p.parse_args()
     import tempfile
     from pathlib import Path
 
     flags = ["--max-model-len", "512", "--enable-debug-endpoints", "--disable-access-log",
-             "--log-stats-interval", "0", "--max-num-seqs", "16"]
+             "--log-stats-interval", "0", "--max-num-seqs", "16", *args.server_args.split()]
     server = ServerProcess.start(args.model, *flags, log_dir=Path(tempfile.mkdtemp()),
                                  timeout=600)
     samples = []  # (seconds, rss MiB, kv usage)
