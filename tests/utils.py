@@ -1,8 +1,13 @@
-"""Helpers shared by tests: the HF greedy reference and vLLM's tie rule for comparing greedy runs."""
+"""Helpers shared by tests: the HF greedy reference, vLLM's tie rule for comparing greedy runs, and
+`PagedRunner` (a model stepped on paged KV caches without the engine)."""
 
 from __future__ import annotations
 
+import random
+
 import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, k: int = 5):
@@ -46,3 +51,60 @@ def assert_tie_rule(ours, ref, name: str = "") -> None:
         )
         return
     assert len(a_tok) == len(b_tok), f"{name}: lengths differ: {len(a_tok)} vs {len(b_tok)}"
+
+
+class PagedRunner:
+    """Runs `model` step by step on a paged KV cache, like the engine would: NaN-filled caches
+    (reading an unwritten slot poisons the output) with a zero null block, block tables drawn
+    from a free list shuffled by `seed`, attention on `backend`."""
+
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
+                 device: str = "cpu", backend: str = "torch"):
+        spec = model.kv_cache_spec
+        dtype = next(model.parameters()).dtype
+        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.device, self.backend = device, backend
+        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = []
+        for _ in range(spec.num_layers):
+            k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+            v = torch.full_like(k, float("nan"))
+            k[num_blocks] = 0
+            v[num_blocks] = 0
+            self.kv_caches.append((k, v))
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Feed `(seq_id, new_tokens)` for each sequence as one flat batch; logits `[n_new, V]` each."""
+        ids, pos, tables, seq_lens, query_lens = [], [], [], [], []
+        for seq_id, tokens in batch:
+            start = self.lens.get(seq_id, 0)
+            end = start + len(tokens)
+            table = self.tables.setdefault(seq_id, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            self.lens[seq_id] = end
+            ids += tokens
+            pos += range(start, end)
+            tables.append(list(table))
+            seq_lens.append(end)
+            query_lens.append(len(tokens))
+        meta = AttentionMetadata.build(
+            block_tables=tables,
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            block_size=self.block_size,
+            null_block=self.num_blocks,
+            device=self.device,
+            backend=self.backend,
+        )
+        hidden = self.model(torch.tensor(ids, device=self.device),
+                            torch.tensor(pos, device=self.device), self.kv_caches, meta)
+        assert hidden.shape[0] == len(ids)
+        logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        return list(logits.split(query_lens))

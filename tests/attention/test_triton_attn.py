@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import tiny
+from utils import PagedRunner
 
 from pagedserve.attention.backends import (
     get_backend,
@@ -208,37 +209,11 @@ def test_tiny_llama_greedy_equal_across_backends():
     """A tiny Llama (GQA) run step by step on paged caches: a chunked prefill of two prompts, a
     mixed step, then greedy decode; the triton backend's logits and tokens equal torch's."""
     model = load_model(tiny.config_for("llama"), weights=None, dtype=torch.float32, device=DEVICE, seed=0)
-    spec = model.kv_cache_spec
-    block_size, num_blocks = 4, 24
-    order = list(range(num_blocks))
-    random.Random(0).shuffle(order)
-    state = {}
-    for backend in ("torch", "triton"):
-        caches = [_caches(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, torch.float32)
-                  for _ in range(spec.num_layers)]
-        state[backend] = {"caches": caches, "free": list(order), "tables": {}, "lens": {}}
+    runners = {b: PagedRunner(model, block_size=4, num_blocks=24, device=DEVICE, backend=b)
+               for b in ("torch", "triton")}
 
     def step(backend, batch):  # batch: [(seq_id, tokens)] -> logits [n_new, V] per sequence
-        st = state[backend]
-        ids, pos, tables, seq_lens, query_lens = [], [], [], [], []
-        for seq_id, tokens in batch:
-            start = st["lens"].get(seq_id, 0)
-            end = start + len(tokens)
-            table = st["tables"].setdefault(seq_id, [])
-            while len(table) * block_size < end:
-                table.append(st["free"].pop())
-            st["lens"][seq_id] = end
-            ids += tokens
-            pos += range(start, end)
-            tables.append(list(table))
-            seq_lens.append(end)
-            query_lens.append(len(tokens))
-        meta = AttentionMetadata.build(
-            block_tables=tables, seq_lens=seq_lens, query_lens=query_lens, block_size=block_size,
-            null_block=num_blocks, device=DEVICE, backend=backend,
-        )
-        hidden = model(torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE), st["caches"], meta)
-        return list(model.compute_logits(hidden).split(query_lens))
+        return runners[backend].step(batch)
 
     prompts = [[5, 17, 99, 3, 42, 7, 8, 250, 31], [11, 12, 400]]
     steps = [[(0, prompts[0][:5]), (1, prompts[1])], [(0, prompts[0][5:])]]

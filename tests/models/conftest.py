@@ -13,14 +13,13 @@ Fixtures:
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from utils import PagedRunner
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.loader import iter_safetensors, load_model
 
 TOL = 1e-3
@@ -46,55 +45,6 @@ def randomize_(model: torch.nn.Module, std: float = 0.2, seed: int = 0) -> None:
             else:
                 mean, s = 0.0, std
             p.copy_(torch.randn(p.shape, generator=gen) * s + mean)
-
-
-class PagedRunner:
-    """Runs `model` step by step on a paged KV cache, like the engine would."""
-
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
-        spec = model.kv_cache_spec
-        dtype = next(model.parameters()).dtype
-        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
-        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = []
-        for _ in range(spec.num_layers):
-            k, v = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
-            k[num_blocks] = 0
-            v[num_blocks] = 0
-            self.kv_caches.append((k, v))
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}
-
-    @torch.inference_mode()
-    def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """Feed `(seq_id, new_tokens)` for each sequence as one flat batch; logits `[n_new, V]` each."""
-        ids, pos, tables, seq_lens, query_lens = [], [], [], [], []
-        for seq_id, tokens in batch:
-            start = self.lens.get(seq_id, 0)
-            end = start + len(tokens)
-            table = self.tables.setdefault(seq_id, [])
-            while len(table) * self.block_size < end:
-                table.append(self.free.pop())
-            self.lens[seq_id] = end
-            ids += tokens
-            pos += range(start, end)
-            tables.append(list(table))
-            seq_lens.append(end)
-            query_lens.append(len(tokens))
-        meta = AttentionMetadata.build(
-            block_tables=tables,
-            seq_lens=seq_lens,
-            query_lens=query_lens,
-            block_size=self.block_size,
-            null_block=self.num_blocks,
-        )
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv_caches, meta)
-        assert hidden.shape[0] == len(ids)
-        logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32
-        return list(logits.split(query_lens))
 
 
 def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
