@@ -66,3 +66,17 @@ def test_paged_attention_matches_dense_attention_for_mixed_batch(window, block_s
         ref = _dense(qs, k_all, v_all, 0.3, window)
         torch.testing.assert_close(out[start:start + new], ref, atol=1e-5, rtol=1e-5)
         start += new
+
+
+@pytest.mark.parametrize(
+    "query_lens,covers_all", [([1, 1, 1], True), ([1], True), ([1, 3, 1], False), ([4, 2], False)]
+)
+def test_only_decode_only_steps_mark_their_group_as_covering_the_batch(query_lens, covers_all):
+    n = len(query_lens)
+    meta = AttentionMetadata.build(
+        block_tables=[[i] for i in range(n)], seq_lens=[5] * n, query_lens=query_lens,
+        block_size=8, null_block=n,
+    )
+    assert [g.covers_all for g in meta.groups] == [covers_all] + [False] * (len(meta.groups) - 1)
+    if covers_all:
+        assert torch.equal(meta.groups[0].out_tokens, torch.arange(n))

@@ -36,6 +36,9 @@ class AttentionGroup:
     key_pos: torch.Tensor  # [1, L] int64: 0..L-1
     seq_lens: torch.Tensor  # [G] int64
     block_tables: torch.Tensor | None = None  # [G, max_blocks] int64: the members' block tables
+    # True when the group's real queries are the whole flat batch in order (out_tokens == 0..T-1,
+    # one per member): a decode-only step, whose attention output needs no scatter.
+    covers_all: bool = False
     _masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -131,6 +134,8 @@ class AttentionMetadata:
             groups.append(
                 _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device)
             )
+        if len(groups) == 1 and num_tokens == num_seqs:  # decode only: member i is token i
+            groups[0].covers_all = True
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=bt.to(device),

@@ -36,10 +36,10 @@ MAX_M_AMX = 32
 MAX_M_AVX512 = 4
 MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
 
-# The one extension holds every CPU kernel: the GEMV, the fused RMSNorm (kernels/cpu_norm.py) and
-# paged decode attention (kernels/cpu_attention.py).
+# The one extension holds every CPU kernel: the GEMV, the fused RMSNorm (kernels/cpu_norm.py),
+# paged decode attention (kernels/cpu_attention.py) and q/k norm + RoPE (kernels/cpu_rotary.py).
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp")]
+            for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp")]
 _EXT_NAME = "pagedserve_bf16_gemv"
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.cpu_norm import rms_norm as fused_rms_norm
+from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 LayerNorm = nn.LayerNorm  # GPT-2 / OPT use torch's LayerNorm as is.
 
@@ -29,6 +30,13 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, int] | None:
+        """(fp32 weight, eps, numerics code) for the fused CPU kernels (`kernels.cpu_rotary`) on
+        `dtype` activations, or None where the eager formula is not the kernel's (not bf16)."""
+        if dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
+            return None
+        return _weight_f32(self, lambda w: w.float()), self.eps, NORM_LLAMA
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
@@ -51,6 +59,13 @@ class GemmaRMSNorm(nn.Module):
         x32 = x.float()
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * w1).to(x.dtype)
+
+    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, int] | None:
+        """(fp32 1 + weight, eps, numerics code) for the fused CPU kernels (`kernels.cpu_rotary`)
+        on `dtype` activations, or None (not bf16)."""
+        if dtype != torch.bfloat16:
+            return None
+        return _weight_f32(self, lambda w: 1.0 + w.float()), self.eps, NORM_GEMMA
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.kernels.cpu_rotary import NORM_NONE, qk_norm_rope_
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -124,6 +126,37 @@ def apply_rotary(
     query = query * cos + rotate_half(query) * sin  # [T, Hq, D]
     key = key * cos + rotate_half(key) * sin  # [T, Hkv, D]
     return query, key
+
+
+def norm_and_rotate(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    q_norm: nn.Module | None = None,
+    k_norm: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head `q_norm`/`k_norm` (both or neither; RMSNorm or GemmaRMSNorm), then RoPE.
+
+    On bf16 CPU activations one fused kernel does it all, in place on `query` and `key` (they
+    must be fresh projection outputs nothing else reads); elsewhere the eager modules and
+    `apply_rotary`, with the same result (see `kernels.cpu_rotary`).
+    """
+    if q_norm is None:
+        fused = qk_norm_rope_(query, key, cos, sin, None, None, 0.0, NORM_NONE)
+    else:
+        q_args, k_args = q_norm.kernel_args(query.dtype), k_norm.kernel_args(key.dtype)
+        fused = (
+            q_args is not None
+            and k_args is not None
+            and q_args[1:] == k_args[1:]
+            and qk_norm_rope_(query, key, cos, sin, q_args[0], k_args[0], q_args[1], q_args[2])
+        )
+    if fused:
+        return query, key
+    if q_norm is not None:
+        query, key = q_norm(query), k_norm(key)
+    return apply_rotary(query, key, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):

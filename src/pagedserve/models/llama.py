@@ -23,7 +23,7 @@ from pagedserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedserve.layers.norms import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
 from pagedserve.layers.weights import load_named_weights
 from pagedserve.models.base import KVCacheSpec
 
@@ -100,9 +100,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm)  # fused in place on CPU
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
 
 

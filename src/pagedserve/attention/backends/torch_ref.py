@@ -51,14 +51,17 @@ def paged_attention(
     n, b, hkv, _ = k_cache.shape
     flat_k = k_cache.view(n * b, hkv, head_dim)
     flat_v = v_cache.view(n * b, hkv, head_dim)
-    out = query.new_empty(num_tokens, num_heads, head_dim)
+    out = query.new_empty(0)  # [T, Hq, D] once a group needs it (a decode-only step may not)
     for group in meta.groups:
         g, max_q = group.token_index.shape
         if max_q == 1 and use_cpu_kernel and group.block_tables is not None:
-            o = decode_attention(query.index_select(0, group.out_tokens), k_cache, v_cache,
-                                 group.block_tables, group.seq_lens, scale, sliding_window)
+            q = query if group.covers_all else query.index_select(0, group.out_tokens)
+            o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
+                                 sliding_window)
             if o is not None:  # [G, Hq, D]
-                out.index_copy_(0, group.out_tokens, o)
+                if group.covers_all:  # a decode-only step: o is the whole output, in order
+                    return o
+                out = _scatter(out, num_tokens, group.out_tokens, o)
                 continue
         g_len = group.kv_slots.shape[1]
         slots = group.kv_slots.view(-1)
@@ -78,8 +81,15 @@ def paged_attention(
         o = o.transpose(1, 2).reshape(g * max_q, num_heads, head_dim)  # [G*Q, Hq, D]
         if max_q > 1:
             o = o.index_select(0, group.out_index)
-        out.index_copy_(0, group.out_tokens, o)
-    return out
+        out = _scatter(out, num_tokens, group.out_tokens, o)
+    return out if out.numel() or not num_tokens else query.new_empty(num_tokens, num_heads, head_dim)
+
+
+def _scatter(out: torch.Tensor, num_tokens: int, rows: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """`out[rows] = o`, allocating `out` ([T, Hq, D]) on the first call (while it is empty)."""
+    if not out.numel():
+        out = o.new_empty(num_tokens, *o.shape[1:])
+    return out.index_copy_(0, rows, o)
 
 
 def copy_blocks(
