@@ -10,7 +10,9 @@ cut into:
 - `schedule`: the scheduler and block manager;
 - `prepare inputs`: building the flat batch and the attention metadata (runner, before the
   forward) and picking the rows to sample;
-- `attention`: the paged attention op of every layer (K/V write included);
+- `attention`: the paged attention op of every layer (K/V write included); on CPU bf16
+  decode-only steps the whole layer runs as one compiled call (`models.llama.fused_decode_layer`)
+  that no hook can split, and attention is then part of `forward (rest)`;
 - `forward (rest)`: the rest of the forward pass (projections, MLPs, norms, RoPE, embeddings);
 - `lm head`: the logits of the sampled rows (LM head matmul, softcapping);
 - `sampling`: logits to host, penalties, top-k/p, the draw, logprobs;

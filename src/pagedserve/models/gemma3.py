@@ -27,7 +27,14 @@ from pagedserve.layers.norms import GemmaRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.layers.weights import load_named_weights
 from pagedserve.models.base import KVCacheSpec
-from pagedserve.models.llama import KVCache, LlamaAttention, LlamaMLP, check_kv_caches, checkpoint_rename
+from pagedserve.models.llama import (
+    KVCache,
+    LlamaAttention,
+    LlamaMLP,
+    check_kv_caches,
+    checkpoint_rename,
+    fused_decode_layer,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -88,6 +95,11 @@ class Gemma3DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
+        fused = fused_decode_layer(x, rope, kv_cache, meta, self.self_attn, self.mlp,
+                                   (self.input_layernorm, self.post_attention_layernorm,
+                                    self.pre_feedforward_layernorm, self.post_feedforward_layernorm))
+        if fused is not None:
+            return fused
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

@@ -1,0 +1,58 @@
+"""A whole decoder layer in one compiled call for decode-only bf16 steps on CPU
+(csrc/decoder_layer.cpp, built with the GEMV kernel).
+
+`decoder_layer(...)` runs the layer's norms, projections, q/k norm + RoPE, K/V write, paged decode
+attention and gated MLP with the same kernels and ATen ops, in the same order, as the modules do
+from Python -- so its result is bit-identical to theirs -- or returns None when it does not apply
+(tensors not bf16/CPU/contiguous, more rows than the GEMV kernel takes, head sizes the kernels do
+not handle, kernels disabled or unavailable), and the caller runs the modules. At batch 1 the
+modules' Python (dispatch, wrapper checks, views: ~60 calls a layer) cost as much as the layer's
+small ops; one call removes it. Which layers may use it is decided in `models.llama`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.cpu_gemm import _get_kernel
+from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
+
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+def decoder_layer(
+    x: torch.Tensor,  # [T, H] bf16, one decode token per sequence
+    weights: list[torch.Tensor],  # q, k, v, o, gate, up, down: bf16 [N, K]
+    biases: list[torch.Tensor | None],  # q, k, v, o
+    norms: list[torch.Tensor | None],  # fp32 [H]/[D]: input, post-attn, pre-ff, post-ff, q, k
+    norm_mode: int,  # NORM_GEMMA (sandwich norms) or NORM_LLAMA (of kernels.cpu_rotary)
+    eps: float,
+    cos: torch.Tensor,  # [T, D] bf16
+    sin: torch.Tensor,  # [T, D] bf16
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16, written at slot_mapping
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_tables: torch.Tensor,  # [T, max_blocks] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    window: int | None,
+    act: int,
+) -> torch.Tensor | None:  # [T, H] bf16
+    """See the module docstring."""
+    if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
+        raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
+    kernel = _get_kernel()
+    if kernel is None or not 0 < x.shape[0] <= kernel.max_m:
+        return None
+    if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
+        return None
+    tensors = [x, cos, sin, k_cache, v_cache, *weights, *(b for b in biases if b is not None)]
+    if any(t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous() for t in tensors):
+        return None
+    return torch.ops.pagedserve_cpu.decoder_layer.default(
+        x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
+        block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0), act,
+    )

@@ -1,0 +1,129 @@
+// One decoder layer of a Llama-family or Gemma 3 model for a decode-only step on CPU (bf16),
+// as a single call: the same kernels and ATen ops, in the same order, as the layer's modules
+// run them from Python (models/llama.py, models/gemma3.py), so the result is bit-identical --
+// without the ~60 Python-level calls a layer otherwise costs at batch 1 (module dispatch, wrapper
+// checks, views), which at 18 layers were as much time as the layer's small ops themselves.
+//
+//   h = norm_in(x)
+//   q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)
+//   q, k = rope(q_norm(q), k_norm(k))         (q/k norms optional)
+//   write k, v at slot_mapping; a = paged decode attention(q)
+//   o = a Wo^T (+bo)
+//   Llama:  x = x + o;               h = norm_post_attn(x)
+//   Gemma:  x = x + norm_post_attn(o); h = norm_pre_ff(x)
+//   m = down(act(gate(h)) * up(h))
+//   Llama:  x = x + m                Gemma: x = x + norm_post_ff(m)
+//
+// The kernels are called through the dispatcher (torch.ops.pagedserve_cpu.*, registered by the
+// other files of this extension). Registered as torch.ops.pagedserve_cpu.decoder_layer; the Python
+// side (kernels/cpu_decoder_layer.py) decides when it applies and checks every precondition the
+// kernels do not (decode-only batch, M within the GEMV limit, single rank, bf16 everywhere).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedserve_cpu::bf16_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                         bool, int64_t)>();
+  return op.call(x, w, b, false, 0);
+}
+
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, bool llama) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedserve_cpu::rms_norm", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)>();
+  return op.call(x, w, eps, llama);
+}
+
+void qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                  const at::Tensor& sin, const OptTensor& qw, const OptTensor& kw, double eps,
+                  int64_t mode) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedserve_cpu::qk_norm_rope_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const OptTensor&, const OptTensor&, double,
+                                   int64_t)>();
+  op.call(q, k, cos, sin, qw, kw, eps, mode);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                     const at::Tensor& tables, const at::Tensor& lens, double scale,
+                     int64_t window) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedserve_cpu::decode_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, double, int64_t)>();
+  return op.call(q, kc, vc, tables, lens, scale, window);
+}
+
+enum Weight { kQ, kK, kV, kO, kGate, kUp, kDown, kNumWeights };
+enum Bias { kBq, kBk, kBv, kBo, kNumBiases };
+enum Norm { kInput, kPostAttn, kPreFf, kPostFf, kQNorm, kKNorm, kNumNorms };
+
+// norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
+// 2 Llama numerics (pre-norms only). act: 0 silu, 1 gelu (tanh approximation).
+at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                         const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                         int64_t norm_mode, double eps, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                         int64_t window, int64_t act) {
+  TORCH_CHECK(w.size() == kNumWeights && b.size() == kNumBiases && n.size() == kNumNorms,
+              "decoder_layer: 7 weights, 4 biases and 6 norm weights expected");
+  TORCH_CHECK(norm_mode == 1 || norm_mode == 2, "decoder_layer: norm_mode 1 (Gemma) or 2 (Llama)");
+  TORCH_CHECK(act == 0 || act == 1, "decoder_layer: act 0 (silu) or 1 (gelu tanh)");
+  const bool gemma = norm_mode == 1, llama = !gemma;
+  for (int i : {kInput, kPostAttn}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
+  if (gemma)
+    for (int i : {kPreFf, kPostFf}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
+  TORCH_CHECK(n[kQNorm].has_value() == n[kKNorm].has_value(), "decoder_layer: q/k norms: both or neither");
+  TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, H]");
+  const int64_t T = x.size(0);
+
+  at::Tensor h = rmsnorm(x, *n[kInput], eps, llama);
+  at::Tensor q = project(h, w[kQ], b[kBq]).view({T, num_heads, head_dim});
+  at::Tensor k = project(h, w[kK], b[kBk]).view({T, num_kv_heads, head_dim});
+  at::Tensor v = project(h, w[kV], b[kBv]).view({T, num_kv_heads, head_dim});
+  qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
+  v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+  at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  at::Tensor o = project(a.view({T, num_heads * head_dim}), w[kO], b[kBo]);
+  at::Tensor r;
+  if (gemma) {
+    r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false));
+    h = rmsnorm(r, *n[kPreFf], eps, false);
+  } else {
+    r = at::add(x, o);
+    h = rmsnorm(r, *n[kPostAttn], eps, true);
+  }
+  at::Tensor g = project(h, w[kGate], std::nullopt);
+  g = act == 1 ? at::gelu(g, "tanh") : at::silu(g);
+  at::Tensor m = project(at::mul(g, project(h, w[kUp], std::nullopt)), w[kDown], std::nullopt);
+  return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false) : m);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def(
+      "decoder_layer(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, int norm_mode, "
+      "float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
+      "int head_dim, float scale, int window, int act) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

@@ -1,0 +1,84 @@
+"""The fused decode layer (kernels.cpu_decoder_layer, chosen in models.llama.fused_decode_layer)
+gives exactly the modules' logits on bf16 CPU decode steps, for every model that may use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from utils import PagedRunner
+
+from pagedserve.kernels import cpu_decoder_layer, cpu_gemm
+from pagedserve.models import gemma3, llama
+from pagedserve.models.loader import load_model
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              max_position_embeddings=256)
+
+
+def configs():
+    yield "llama", transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2)
+    yield "qwen2 (qkv bias)", transformers.Qwen2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=1)
+    yield "qwen3 (q/k norm)", transformers.Qwen3Config(
+        **COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    yield "gemma3 (sandwich norms, window)", transformers.Gemma3TextConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+        pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
+
+
+def _run(model, prompts, steps):
+    """Prefill every prompt, then `steps` decode-only steps of all of them (greedy)."""
+    runner = PagedRunner(model, seed=3)
+    last = [out[-1] for out in runner.step(list(enumerate(prompts)))]
+    logits = []
+    for _ in range(steps):
+        batch = [(i, [int(lg.argmax())]) for i, lg in enumerate(last)]
+        last = [out[-1] for out in runner.step(batch)]
+        logits.append(torch.stack(last))
+    return logits
+
+
+@pytest.mark.parametrize("name,config", list(configs()), ids=[n for n, _ in configs()])
+def test_fused_decode_layer_equals_the_modules_bit_for_bit(kernel, name, config, monkeypatch):
+    torch.manual_seed(0)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (7, 3, 11)]
+    calls = []
+    real = cpu_decoder_layer.decoder_layer
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "decoder_layer", counting)
+    fused = _run(model, prompts, steps=8)
+    assert calls and all(calls), "the fused layer did not run on decode steps"
+    assert len(calls) == 8 * config.num_hidden_layers  # decode steps only, never prefill
+    monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)
+    monkeypatch.setattr(gemma3, "fused_decode_layer", lambda *a: None)
+    modules = _run(model, prompts, steps=8)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"{name}: decode step {step} differs"
+
+
+def test_fused_decode_layer_is_skipped_in_float32_and_mixed_steps(kernel, monkeypatch):
+    _, config = next(configs())
+    calls = []
+    monkeypatch.setattr(llama, "decoder_layer", lambda *a: calls.append(1))
+    model = load_model(config, weights=None, dtype=torch.float32, seed=0)
+    _run(model, [[1, 2, 3]], steps=2)  # fp32: never
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    runner = PagedRunner(model)
+    runner.step([(0, [1, 2, 3])])
+    runner.step([(0, [4]), (1, [5, 6])])  # a decode row next to a prompt: not decode-only
+    assert calls == []
