@@ -95,7 +95,7 @@ class Gemma3DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        fused = fused_decode_layer(x, rope, kv_cache, meta, self.self_attn, self.mlp,
+        fused = fused_decode_layer(self, x, rope, kv_cache, meta, self.self_attn, self.mlp,
                                    (self.input_layernorm, self.post_attention_layernorm,
                                     self.pre_feedforward_layernorm, self.post_feedforward_layernorm))
         if fused is not None:

@@ -7,6 +7,7 @@ with `use_sliding_window`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -164,7 +165,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        fused = fused_decode_layer(x, rope, kv_cache, meta, self.self_attn, self.mlp,
+        fused = fused_decode_layer(self, x, rope, kv_cache, meta, self.self_attn, self.mlp,
                                    (self.input_layernorm, self.post_attention_layernorm, None, None))
         if fused is not None:
             return fused
@@ -172,7 +173,40 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass(frozen=True)
+class _FusedPlan:
+    """What one layer passes to the fused decode call, gathered once (module attribute lookups
+    cost ~1 us each, ~40 a layer). `usable` is False for layers the kernel cannot run."""
+
+    usable: bool
+    weights: list  # q, k, v, o, gate, up, down Parameters
+    biases: list  # q, k, v, o Parameters or None
+    norms: tuple  # input, post-attn, pre-ff, post-ff, q, k norm modules or None
+    consts: tuple  # num_heads, num_kv_heads, head_dim, scale, sliding_window, activation code
+
+
+def _fused_plan(layer: nn.Module, attn: LlamaAttention, mlp: LlamaMLP, norms: tuple) -> _FusedPlan:
+    # NOTE: holds the Parameter objects themselves: loading weights copies into them in place and
+    # `.to()` swaps their data, so the plan stays valid; a Parameter *replaced* by assignment
+    # would not be seen (nothing in pagedserve does that to a decoder layer).
+    plan = layer.__dict__.get("_fused_plan")
+    if plan is None:
+        usable = not (mlp.fused_act is None or attn.o_proj.tp.is_parallel or mlp.down_proj.tp.is_parallel)
+        plan = _FusedPlan(
+            usable,
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight],
+            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias],
+            (*norms, attn.q_norm, attn.k_norm),
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
+             attn.attn.sliding_window, mlp.fused_act),
+        )
+        layer.__dict__["_fused_plan"] = plan
+    return plan
+
+
 def fused_decode_layer(
+    layer: nn.Module,
     x: torch.Tensor,  # [T, H]
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_cache: KVCache,
@@ -181,8 +215,8 @@ def fused_decode_layer(
     mlp: LlamaMLP,
     norms: tuple,  # input, post-attention, pre-ff, post-ff norm modules (the last two: Gemma only)
 ) -> torch.Tensor | None:  # [T, H]
-    """The layer in one compiled call (`kernels.cpu_decoder_layer`, bit-identical to the
-    modules) on a decode-only bf16 CPU step of the torch backend on one rank; None elsewhere.
+    """`layer` in one compiled call (`kernels.cpu_decoder_layer`, bit-identical to its modules)
+    on a decode-only bf16 CPU step of the torch backend on one rank; None elsewhere.
 
     NOTE: the fused call bypasses the submodules' forward hooks (the profiler's attention hook
     among them): decode attention then counts as "forward (rest)".
@@ -190,28 +224,20 @@ def fused_decode_layer(
     if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
             and len(meta.groups) == 1 and meta.groups[0].covers_all):
         return None
-    if mlp.fused_act is None or attn.o_proj.tp.is_parallel or mlp.down_proj.tp.is_parallel:
+    plan = _fused_plan(layer, attn, mlp, norms)
+    if not plan.usable:
         return None
-    gemma = norms[2] is not None
-    mods = (*norms, attn.q_norm, attn.k_norm)
-    args = [None if m is None else m.kernel_args(x.dtype) for m in mods]
-    present = [a for a, m in zip(args, mods) if m is not None]
+    args = [None if m is None else m.kernel_args(x.dtype) for m in plan.norms]
+    present = [a for a, m in zip(args, plan.norms) if m is not None]
     if any(a is None for a in present) or len({a[1:] for a in present}) != 1:
         return None  # a norm the kernels do not take, or mixed eps / numerics
     _, eps, mode = present[0]
-    if mode != (NORM_GEMMA if gemma else NORM_LLAMA):
+    if mode != (NORM_GEMMA if norms[2] is not None else NORM_LLAMA):
         return None
     group = meta.groups[0]
-    k_cache, v_cache = kv_cache
     return decoder_layer(
-        x,
-        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-         mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight],
-        [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias],
-        [None if a is None else a[0] for a in args],
-        mode, eps, *rope, k_cache, v_cache, meta.slot_mapping, group.block_tables, group.seq_lens,
-        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale, attn.attn.sliding_window,
-        mlp.fused_act,
+        x, plan.weights, plan.biases, [None if a is None else a[0] for a in args], mode, eps,
+        *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts,
     )
 
 
