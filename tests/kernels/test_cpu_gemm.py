@@ -276,3 +276,29 @@ def test_import_does_not_build():
         "assert c._kernel is None; assert not hasattr(torch.ops.pagedserve_cpu, 'features')"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("rows,padded", [(33, 64), (100, 128), (128, 128), (161, 192), (5, 5)])
+def test_low_precision_products_above_32_rows_go_to_torch_padded_to_64_rows(monkeypatch, rows, padded):
+    """Bounded oneDNN primitive caches (see cpu_gemm.PAD_ROWS): torch sees row counts in
+    multiples of 64 above 32 rows; the result is the unpadded product."""
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")  # every product goes to torch
+    seen = []
+    real = F.linear
+
+    class Spy:
+        @staticmethod
+        def linear(x, w, b=None):
+            seen.append(x.numel() // x.shape[-1])
+            return real(x, w, b)
+
+    monkeypatch.setattr(cpu_gemm, "F", Spy)
+    torch.manual_seed(rows)
+    x = torch.randn(1, rows, 64).to(torch.bfloat16)
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    b = torch.randn(48).to(torch.bfloat16)
+    y = cpu_gemm.bf16_linear(x, w, b)
+    assert seen == [padded] and y.shape == (1, rows, 48) and y.is_contiguous()
+    torch.testing.assert_close(y, real(x, w, b), rtol=2**-7, atol=1e-2)
+    assert cpu_gemm.bf16_linear(x.float(), w.float()).shape == (1, rows, 48)
+    assert seen[-1] == rows  # fp32 (not oneDNN's per-shape cache): never padded

@@ -37,6 +37,16 @@ MAX_M_AMX = 32
 MAX_M_AVX512 = 4
 MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
 
+# NOTE: torch's low-precision CPU matmul (oneDNN, and ideep's cache in front of it) keeps a compiled
+# primitive per row count -- up to 1,024 in each cache, ~0.3 MiB apiece -- and a server meets
+# every row count its prompts and mixed steps produce: RSS crept up for hours under a random load
+# (docs/reliability.md, "Soak"). Products above PAD_ABOVE rows that go to torch are padded to a
+# multiple of PAD_ROWS rows, so the caches hold a bounded set (max_num_batched_tokens / 64 row
+# counts per weight shape) and hit. The padded rows cost at most 63 rows of arithmetic.
+PAD_ROWS = 64
+PAD_ABOVE = 32
+_PADDED_DTYPES = (torch.bfloat16, torch.float16)
+
 # The one extension holds every CPU kernel: the GEMV, the fused RMSNorm (kernels/cpu_norm.py),
 # paged decode attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py) and
 # the whole decode-step decoder layer built from them (kernels/cpu_decoder_layer.py).
@@ -225,8 +235,22 @@ def bf16_linear(
             return y.reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    y = F.linear(x, weight, bias)
+    if m > PAD_ABOVE and m % PAD_ROWS and x.dtype in _PADDED_DTYPES and x.is_cpu:
+        y = _padded_linear(x, weight, bias, m)
+    else:
+        y = F.linear(x, weight, bias)
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> torch.Tensor:
+    """`F.linear` with the rows of x zero-padded to a multiple of PAD_ROWS (the extra output rows
+    dropped): see PAD_ROWS."""
+    k = x.shape[-1]
+    mp = -(-m // PAD_ROWS) * PAD_ROWS
+    xp = x.new_empty(mp, k)  # [Mp, K]
+    xp[:m] = x.reshape(m, k)
+    xp[m:] = 0
+    return F.linear(xp, weight, bias)[:m].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
 
 
 def _kernel_linear(
