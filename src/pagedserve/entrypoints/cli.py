@@ -144,8 +144,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body accepted (413 beyond it; default 8 MiB)")
     p.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve GET /debug/engine (block pools, queues, invariant check); for "
-                        "tests and diagnosis, not production")
+                   help="serve GET /debug/engine (block pools, queues, invariant check) and "
+                        "the memory endpoints /debug/memory, /debug/memory/trim, "
+                        "/debug/tracemalloc/start|snapshot; for tests and diagnosis, not "
+                        "production")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between stats log lines while busy (0: off)")
     p.add_argument("--uvicorn-log-level", default="info",

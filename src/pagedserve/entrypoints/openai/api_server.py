@@ -4,7 +4,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
 `--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
-/debug/profile/start and /debug/profile/stop (per-section step timings). Every error is OpenAI's
+/debug/profile/start and /debug/profile/stop (per-section step timings), GET /debug/memory and
+POST /debug/memory/trim (RSS by mapping, malloc's arenas, object counts), POST
+/debug/tracemalloc/start and GET /debug/tracemalloc/snapshot. Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; request validation errors are 400s, bodies
 over `--max-request-bytes` are 413s.
 """
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.openai import debug_memory as debug_mem
 from pagedserve.entrypoints.openai.auth import APIKeyMiddleware
 from pagedserve.entrypoints.openai.errors import APIError, status_phrase
 from pagedserve.entrypoints.openai.limits import (
@@ -195,6 +198,45 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
                 raise APIError(str(e), 400) from e
             return Response(json.dumps(state), media_type="application/json")
 
+        # --- memory (scripts/soak.py; docs/reliability.md "Soak") ---------------------------
+
+        @app.get("/debug/memory")
+        async def debug_memory(objects: int = 0):
+            """RSS by kind of mapping, glibc malloc's arenas and, with `objects=N`, the N most
+            common types of the objects the garbage collector tracks."""
+            state = debug_mem.memory_report(*_memory_tensors(engine.engine), objects=objects)
+            return Response(json.dumps(state), media_type="application/json")
+
+        @app.post("/debug/memory/trim")
+        async def debug_memory_trim():
+            """`gc.collect()` + glibc `malloc_trim(0)` on the engine thread between steps (what
+            the loader does after loading): how much of RSS malloc was holding freed."""
+            state = await engine.call_in_engine_thread(lambda _llm: debug_mem.trim())
+            return Response(json.dumps(state), media_type="application/json")
+
+        @app.post("/debug/tracemalloc/start")
+        async def debug_tracemalloc_start(frames: int = 1):
+            """Start tracing Python allocations (`tracemalloc`, `frames` deep) and keep a
+            first snapshot to compare against; restarts a running trace."""
+            try:
+                profiler_box["tracemalloc"] = debug_mem.tracemalloc_start(frames)
+            except ValueError as e:
+                raise APIError(str(e), 400) from e
+            return Response(json.dumps({"started": True, "frames": frames}),
+                            media_type="application/json")
+
+        @app.get("/debug/tracemalloc/snapshot")
+        async def debug_tracemalloc_snapshot(top: int = 20, stop: bool = False):
+            """The `top` allocation sites by growth since /debug/tracemalloc/start (Python
+            objects and buffers only: tensor storage is not traced); `stop=true` ends it."""
+            try:
+                body = debug_mem.tracemalloc_snapshot(profiler_box.get("tracemalloc"), top, stop)
+            except ValueError as e:
+                raise APIError(str(e), 400) from e
+            if stop:
+                profiler_box.pop("tracemalloc", None)
+            return Response(json.dumps(body), media_type="application/json")
+
     return app
 
 
@@ -214,6 +256,18 @@ def _engine_state(llm) -> dict[str, Any]:
         "groups": len(llm.groups),
         "preemptions": llm.scheduler.num_preemptions,
     }
+
+
+def _memory_tensors(llm) -> tuple[list, list]:
+    """The KV cache tensors and the model's parameters and buffers held in this process (none
+    when they live in worker processes), for `debug_memory.memory_report`."""
+    kv = getattr(llm.executor, "kv_cache", None)
+    kv_tensors = [t for pairs in (getattr(kv, "layers", None) or [],
+                                  getattr(kv, "cpu_layers", None) or [])
+                  for k, v in pairs for t in (k, v)]
+    model = getattr(llm, "model", None)
+    params = [*model.parameters(), *model.buffers()] if model is not None else []
+    return kv_tensors, params
 
 
 # --- request and response plumbing -------------------------------------------------------------
