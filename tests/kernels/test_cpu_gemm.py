@@ -302,3 +302,14 @@ def test_low_precision_products_above_32_rows_go_to_torch_padded_to_64_rows(monk
     torch.testing.assert_close(y, real(x, w, b), rtol=2**-7, atol=1e-2)
     assert cpu_gemm.bf16_linear(x.float(), w.float()).shape == (1, rows, 48)
     assert seen[-1] == rows  # fp32 (not oneDNN's per-shape cache): never padded
+
+
+def test_extension_build_folder_is_named_by_a_hash_of_the_sources(tmp_path, monkeypatch):
+    """Two source trees on one machine never share (and rebuild back and forth) a build folder."""
+    src = tmp_path / "k.cpp"
+    src.write_text("int a;")
+    monkeypatch.setattr(cpu_gemm, "_SOURCES", [src])
+    first = cpu_gemm._ext_name()
+    assert first.startswith("pagedserve_cpu_kernels_") and first == cpu_gemm._ext_name()
+    src.write_text("int b;")
+    assert cpu_gemm._ext_name() != first

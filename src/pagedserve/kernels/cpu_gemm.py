@@ -14,6 +14,7 @@ torch's path. Set `PAGEDSERVE_DISABLE_CPU_KERNELS=1` to never build or use it (r
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -53,7 +54,19 @@ _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp",
                          "decoder_layer.cpp")]
-_EXT_NAME = "pagedserve_bf16_gemv"
+_EXT_PREFIX = "pagedserve_cpu_kernels"
+
+
+def _ext_name() -> str:
+    """The extension's name, which is also its build folder: the prefix and a hash of the
+    sources. NOTE: two source trees on one machine (two checkouts, two installed versions) must
+    not share a build folder: cpp_extension would rebuild it back and forth, and a process
+    starting in between could load the other tree's library (ops missing or different)."""
+    digest = hashlib.sha1()
+    for path in _SOURCES:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return f"{_EXT_PREFIX}_{digest.hexdigest()[:12]}"
 
 
 class _Kernel(NamedTuple):
@@ -102,9 +115,9 @@ def _build() -> _Kernel:
     # libgomp then resolves to the copy torch has already loaded (same soname).
     # NOTE: cpp_extension serialises concurrent builds (other processes too) with a lock file in
     # the build folder; a process killed mid-build leaves it behind and later builds wait on it:
-    # delete `$TORCH_EXTENSIONS_DIR/<py>_cpu/pagedserve_bf16_gemv/lock` if first use hangs.
+    # delete `$TORCH_EXTENSIONS_DIR/<py>_cpu/pagedserve_cpu_kernels_<hash>/lock` if first use hangs.
     cpp_extension.load(
-        name=_EXT_NAME,
+        name=_ext_name(),
         sources=[str(p) for p in _SOURCES],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
