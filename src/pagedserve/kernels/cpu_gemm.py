@@ -29,7 +29,6 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
-_BF16 = torch.bfloat16
 
 # Largest M (rows of x, all leading dims flattened) sent to the kernel, by the path the CPU allows;
 # above it torch is as fast or faster (scripts/bench_gemv.py). With AMX the kernel stays memory-bound
@@ -214,27 +213,6 @@ def bf16_linear(
     `F.linear(x, weight, bias)` cast to `out_dtype` (there a bf16 result is rounded to bf16 before
     any cast to fp32). ValueError on mismatched shapes or an unsupported `out_dtype`.
     """
-    kernel = _kernel
-    # The decode-time call, checked in the cheapest order (~130 calls a step: every check costs).
-    if (
-        kernel
-        and out_dtype is None
-        and x.dtype is _BF16
-        and weight.dtype is _BF16
-        and x.dim() == 2
-        and weight.dim() == 2
-        and 0 < x.shape[0] <= kernel.max_m
-        and x.shape[1] == weight.shape[1]
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and x.is_cpu
-        and weight.is_cpu
-        and (bias is None or (bias.is_cpu and bias.dim() == 1 and bias.shape[0] == weight.shape[0]))
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                              or (bias is not None and bias.requires_grad)))
-        and not _disabled()
-    ):
-        return kernel.op(x, weight, bias, False, 0)
     _check_args(x, weight, bias, out_dtype)
     k = x.shape[-1]
     m = x.numel() // k if k else 0

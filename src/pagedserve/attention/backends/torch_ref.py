@@ -51,7 +51,7 @@ def paged_attention(
     n, b, hkv, _ = k_cache.shape
     flat_k = k_cache.view(n * b, hkv, head_dim)
     flat_v = v_cache.view(n * b, hkv, head_dim)
-    out = query.new_empty(0)  # [T, Hq, D] once a group needs it (a decode-only step may not)
+    out: torch.Tensor | None = None  # [T, Hq, D] once a group needs it (a decode-only step may not)
     for group in meta.groups:
         g, max_q = group.token_index.shape
         if max_q == 1 and use_cpu_kernel and group.block_tables is not None:
@@ -82,12 +82,12 @@ def paged_attention(
         if max_q > 1:
             o = o.index_select(0, group.out_index)
         out = _scatter(out, num_tokens, group.out_tokens, o)
-    return out if out.numel() or not num_tokens else query.new_empty(num_tokens, num_heads, head_dim)
+    return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
 
 
-def _scatter(out: torch.Tensor, num_tokens: int, rows: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """`out[rows] = o`, allocating `out` ([T, Hq, D]) on the first call (while it is empty)."""
-    if not out.numel():
+def _scatter(out: torch.Tensor | None, num_tokens: int, rows: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """`out[rows] = o`, allocating `out` ([T, Hq, D]) on the first call (when it is None)."""
+    if out is None:
         out = o.new_empty(num_tokens, *o.shape[1:])
     return out.index_copy_(0, rows, o)
 
