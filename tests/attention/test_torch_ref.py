@@ -25,9 +25,14 @@ def _dense(q, k, v, scale, window):  # q [L, Hq, D] for the last len(q) position
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+MIXED = [(0, 7), (9, 1), (3, 4), (12, 1), (0, 1)]
+DECODE_ONLY = [(9, 1), (0, 1), (20, 1), (4, 1)]  # built by AttentionMetadata._build_decode
+
+
+@pytest.mark.parametrize("shapes", [MIXED, DECODE_ONLY], ids=["mixed", "decode-only"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_attention_matches_dense_attention_for_mixed_batch(window, block_size):
+def test_paged_attention_matches_dense_attention(window, block_size, shapes):
     torch.manual_seed(0)
     rng = random.Random(block_size)
     hq, hkv, d = 4, 2, 8
@@ -38,8 +43,7 @@ def test_paged_attention_matches_dense_attention_for_mixed_batch(window, block_s
     v_cache[num_blocks] = 0
     free = list(range(num_blocks))
     rng.shuffle(free)
-    # (context already cached, new query tokens)
-    shapes = [(0, 7), (9, 1), (3, 4), (12, 1), (0, 1)]
+    # shapes: (context already cached, new query tokens)
     seqs = []
     for cached, new in shapes:
         total = cached + new
@@ -80,3 +84,32 @@ def test_only_decode_only_steps_mark_their_group_as_covering_the_batch(query_len
     assert [g.covers_all for g in meta.groups] == [covers_all] + [False] * (len(meta.groups) - 1)
     if covers_all:
         assert torch.equal(meta.groups[0].out_tokens, torch.arange(n))
+
+
+def test_decode_only_metadata_equals_the_general_build():
+    from pagedserve.attention.metadata import _build_group
+
+    tables = [[7, 3, 9], [2], [5, 6], [8, 1, 4, 0]]
+    lens = [10, 1, 8, 13]
+    bs, null = 4, 11
+    meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=[1] * 4,
+                                   block_size=bs, null_block=null)
+    n = len(lens)
+    bt = torch.tensor([t + [null] * (4 - len(t)) for t in tables])
+    sl = torch.tensor(lens)
+    ql = torch.ones(n, dtype=torch.int64)
+    general = _build_group(torch.arange(n), bt, sl, ql, torch.arange(n + 1), n, bs, null, "cpu")
+    assert meta.slot_mapping.tolist() == [t[(x - 1) // bs] * bs + (x - 1) % bs
+                                          for t, x in zip(tables, lens)]
+    assert torch.equal(meta.block_tables, bt) and torch.equal(meta.seq_lens, sl)
+    assert meta.query_start_loc.tolist() == list(range(n + 1))
+    assert (meta.num_tokens, meta.max_seq_len, meta.max_query_len) == (n, 13, 1)
+    [group] = meta.groups
+    for name in ("token_index", "out_index", "out_tokens", "kv_slots", "query_pos", "key_pos",
+                 "seq_lens", "block_tables"):
+        assert torch.equal(getattr(group, name), getattr(general, name)), name
+    assert torch.equal(group.mask(None), general.mask(None))
+    assert group.kv_slots[1].tolist() == [2 * bs] + [null * bs] * 12  # padding -> the null block
+    with pytest.raises(ValueError, match="seq_len"):
+        AttentionMetadata.build(block_tables=[[1]], seq_lens=[5], query_lens=[1], block_size=4,
+                                null_block=9)

@@ -31,15 +31,30 @@ class AttentionGroup:
     token_index: torch.Tensor  # [G, Q] int64: flat token row of each padded query (padding -> T)
     out_index: torch.Tensor  # [n_tokens] int64: padded row (g * Q + q) of each real query token
     out_tokens: torch.Tensor  # [n_tokens] int64: flat token row those outputs go back to
-    kv_slots: torch.Tensor  # [G, L] int64: cache slot of each context position (padding -> null)
     query_pos: torch.Tensor  # [G, Q] int64: absolute position of each query (padding repeats last)
     key_pos: torch.Tensor  # [1, L] int64: 0..L-1
     seq_lens: torch.Tensor  # [G] int64
-    block_tables: torch.Tensor | None = None  # [G, max_blocks] int64: the members' block tables
+    block_tables: torch.Tensor  # [G, max_blocks] int64: the members' block tables
+    block_size: int
+    null_block: int
     # True when the group's real queries are the whole flat batch in order (out_tokens == 0..T-1,
     # one per member): a decode-only step, whose attention output needs no scatter.
     covers_all: bool = False
+    _kv_slots: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
+
+    @property
+    def kv_slots(self) -> torch.Tensor:  # [G, L] int64
+        """Cache slot of each context position of each member (padding -> the null block), for
+        gathering K/V. NOTE: built on first use: the compiled decode kernel reads the block
+        tables instead, and a decode step then never needs it."""
+        if self._kv_slots is None:
+            bt, key_pos, bs = self.block_tables, self.key_pos, self.block_size
+            blk_idx = (key_pos // bs).clamp(max=bt.shape[1] - 1).expand(bt.shape[0], -1)
+            slots = torch.gather(bt, 1, blk_idx) * bs + key_pos % bs  # [G, L]
+            self._kv_slots = torch.where(key_pos < self.seq_lens.unsqueeze(1), slots,
+                                         torch.full_like(slots, self.null_block * bs))
+        return self._kv_slots
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """Boolean mask [G, 1, Q, L], True where a query may attend a key (causal, in-context,
@@ -108,6 +123,9 @@ class AttentionMetadata:
         num_seqs = len(seq_lens)
         if not (len(block_tables) == len(query_lens) == num_seqs):
             raise ValueError("block_tables, seq_lens and query_lens must have one entry per sequence")
+        if num_seqs and min(query_lens) == max(query_lens) == 1:
+            return cls._build_decode(block_tables, seq_lens, block_size, null_block, device,
+                                     backend, build_groups, num_splits)
         max_blocks = max((len(t) for t in block_tables), default=0) or 1
         bt = torch.full((num_seqs, max_blocks), null_block, dtype=torch.int64)
         for i, table in enumerate(block_tables):
@@ -134,8 +152,6 @@ class AttentionMetadata:
             groups.append(
                 _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device)
             )
-        if len(groups) == 1 and num_tokens == num_seqs:  # decode only: member i is token i
-            groups[0].covers_all = True
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=bt.to(device),
@@ -147,6 +163,45 @@ class AttentionMetadata:
             max_seq_len=int(sl.max()) if num_seqs else 0,
             max_query_len=int(ql.max()) if num_seqs else 0,
             backend=backend,
+            num_splits=num_splits,
+        )
+
+
+    @classmethod
+    def _build_decode(cls, block_tables, seq_lens, block_size, null_block, device, backend,
+                      build_groups, num_splits) -> AttentionMetadata:
+        """`build` for a decode-only step (one query token per sequence, the usual step): the same
+        tensors from host lists in a few ops (each torch op costs microseconds of Python and a GIL
+        round trip, next to a server's HTTP thread)."""
+        n = len(seq_lens)
+        max_blocks = max(len(t) for t in block_tables) or 1
+        padded, slots = [], []
+        for table, length in zip(block_tables, seq_lens):
+            row = table + [null_block] * (max_blocks - len(table))
+            padded.append(row)
+            # the new token is position length - 1 (in padding: the null block, as below)
+            if not 0 < length <= max_blocks * block_size:
+                raise ValueError(f"seq_len {length} is not within its block table ({len(table)} "
+                                 f"blocks of {block_size})")
+            blk = row[(length - 1) // block_size]
+            slots.append(blk * block_size + (length - 1) % block_size)
+        bt = torch.tensor(padded, dtype=torch.int64, device=device)  # [S, max_blocks]
+        sl = torch.tensor(seq_lens, dtype=torch.int64, device=device)  # [S]
+        rows = torch.arange(n + 1, dtype=torch.int64, device=device)  # [S + 1]: query_start_loc
+        max_len = max(seq_lens)
+        groups = []
+        if build_groups:
+            ar = rows[:n]
+            groups.append(AttentionGroup(
+                token_index=ar.view(n, 1), out_index=ar, out_tokens=ar,
+                query_pos=(sl - 1).view(n, 1),
+                key_pos=torch.arange(max_len, dtype=torch.int64, device=device).view(1, max_len),
+                seq_lens=sl, block_tables=bt, block_size=block_size, null_block=null_block,
+                covers_all=True))
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=bt, seq_lens=sl, query_start_loc=rows, block_size=block_size,
+            num_tokens=n, groups=groups, max_seq_len=max_len, max_query_len=1, backend=backend,
             num_splits=num_splits,
         )
 
@@ -165,11 +220,6 @@ def _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, d
     query_pos = (g_sl - g_ql).unsqueeze(1) + q_off_clamped  # [G, Q]
     key_pos = torch.arange(max_l).unsqueeze(0)  # [1, L]
     g_bt = bt[members]  # [G, max_blocks]
-    blk_idx = (key_pos // block_size).clamp(max=g_bt.shape[1] - 1).expand(len(members), -1)
-    kv_slots = torch.gather(g_bt, 1, blk_idx) * block_size + key_pos % block_size
-    kv_slots = torch.where(
-        key_pos < g_sl.unsqueeze(1), kv_slots, torch.full_like(kv_slots, null_block * block_size)
-    )
     padded_rows = torch.arange(len(members)).unsqueeze(1) * max_q + q_off  # [G, Q]
     out_index = padded_rows[valid_q]
     out_tokens = token_index[valid_q]
@@ -177,9 +227,10 @@ def _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, d
         token_index=token_index.to(device),
         out_index=out_index.to(device),
         out_tokens=out_tokens.to(device),
-        kv_slots=kv_slots.to(device),
         query_pos=query_pos.to(device),
         key_pos=key_pos.to(device),
         seq_lens=g_sl.to(device),
         block_tables=g_bt.to(device),
+        block_size=block_size,
+        null_block=null_block,
     )

@@ -2,10 +2,10 @@
 
 `StepProfiler.attach(engine)` instruments one in-process engine (tensor_parallel_size 1) from the
 outside, so that nothing in the engine pays for profiling when it is off: it wraps the engine's
-`step`, the scheduler's `schedule`, the runner's `execute`, the model's `compute_logits`, the
-per-token bookkeeping (`_append_token`: detokenization and stop checks) and output building
-(`_make_output`), and hangs forward hooks on the model and on every attention layer. Each step is
-cut into:
+`step`, the scheduler's `schedule`, the runner's `execute`, the model's `compute_logits` and
+`greedy_tokens`, the per-token bookkeeping (`_append_token`: detokenization and stop checks) and
+output building (`_make_output`), and hangs forward hooks on the model and on every attention
+layer. Each step is cut into:
 
 - `schedule`: the scheduler and block manager;
 - `prepare inputs`: building the flat batch and the attention metadata (runner, before the
@@ -14,7 +14,8 @@ cut into:
   decode-only steps the whole layer runs as one compiled call (`models.llama.fused_decode_layer`)
   that no hook can split, and attention is then part of `forward (rest)`;
 - `forward (rest)`: the rest of the forward pass (projections, MLPs, norms, RoPE, embeddings);
-- `lm head`: the logits of the sampled rows (LM head matmul, softcapping);
+- `lm head`: the logits of the sampled rows (LM head matmul, softcapping), or on plain-greedy
+  CPU steps the LM head with the argmax fused (`greedy_tokens`: no logits);
 - `sampling`: logits to host, penalties, top-k/p, the draw, logprobs;
 - `detokenize`: incremental detokenization and stop checks;
 - `outputs + engine`: `RequestOutput` building and the engine's other bookkeeping.
@@ -73,6 +74,8 @@ class StepProfiler:
         self._wrap(engine, "_append_token", self._section("detokenize"))
         self._wrap(runner, "execute", self._timed_execute)
         self._wrap(model, "compute_logits", self._timed_logits)
+        if hasattr(model, "greedy_tokens"):  # greedy steps: the LM head with the argmax fused
+            self._wrap(model, "greedy_tokens", self._timed_logits)
         self._hook(model, "forward_start", "forward_end")
         from pagedserve.layers.attention import PagedAttention
 

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.kernels.cpu_argmax import argmax_bf16, linear_argmax
 from pagedserve.kernels.cpu_gemm import bf16_linear as linear  # F.linear, or our BF16 GEMV/AMX
+from pagedserve.kernels.cpu_gemm import kernel_available
 
 
 @dataclass(frozen=True)
@@ -159,3 +161,15 @@ class ParallelLMHead(nn.Linear):
         if logits is None:
             return x.new_empty(x.shape[0], 0)  # [S, 0]
         return logits[:, : self.vocab_size]
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor | None:  # [S, E] -> [S] int64
+        """`forward(x).float().argmax(dim=-1)` (the first maximum; a NaN counts as the maximum)
+        without fp32 logits, on the CPU kernels of `kernels.cpu_argmax`; None where they do not
+        apply (not bf16 on CPU, tensor parallel, kernels unavailable): the caller computes logits.
+        """
+        w = self.weight
+        if (self.tp.is_parallel or x.dim() != 2 or x.dtype is not torch.bfloat16
+                or w.dtype is not torch.bfloat16 or not x.is_cpu or not kernel_available()):
+            return None
+        tokens = linear_argmax(x, w)  # few rows: the GEMV kernel, scanned as it writes
+        return tokens if tokens is not None else argmax_bf16(linear(x, w))

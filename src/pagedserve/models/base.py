@@ -48,6 +48,12 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] fp32
         ...
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, hidden] -> [S] int64
+        """`compute_logits(hidden).argmax(dim=-1)` computed without fp32 logits where the model
+        can (greedy decoding), else None. NOTE: must return None on every tensor-parallel rank
+        alike, or the ranks would disagree on calling `compute_logits` (a collective)."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the HF checkpoint (safetensors names)."""
         ...

@@ -178,6 +178,14 @@ class Gemma3ForCausalLM(nn.Module):
             logits = logits.div_(cap).tanh_().mul_(cap)  # in place: [S, V] fp32 is 1 MB a row
         return logits
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
+        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
+        (`ParallelLMHead.greedy`); None otherwise. NOTE: not under a final softcap: tanh is
+        monotonic, but in fp32 it maps distinct large logits to equal values, which moves ties."""
+        if self.final_logit_softcapping is not None and self.apply_final_softcap:
+            return None
+        return self.lm_head.greedy(hidden)
+
     def _rename(self, name: str) -> str | None:
         return checkpoint_rename(name, prefix="model.", tied=self.tied)
 

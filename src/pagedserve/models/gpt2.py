@@ -141,6 +141,11 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         return self.lm_head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
+        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
+        (`ParallelLMHead.greedy`); None otherwise."""
+        return self.lm_head.greedy(hidden)
+
     def _rename(self, name: str) -> str | None:
         # attn.bias / attn.masked_bias: causal-mask buffers stored by old checkpoints.
         if name.endswith((".attn.bias", ".attn.masked_bias")):

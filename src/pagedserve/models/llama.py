@@ -328,6 +328,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         return self.lm_head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
+        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
+        (`ParallelLMHead.greedy`); None otherwise."""
+        return self.lm_head.greedy(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors (`model.*`, `lm_head.weight`)."""
         load_named_weights(self, weights, rename=lambda n: checkpoint_rename(n, prefix="model.", tied=self.tied))

@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.sampler import (
     SampleRequest,
@@ -52,14 +53,30 @@ def build_metadata(backend: str, **kwargs) -> AttentionMetadata:
     return AttentionMetadata.build(**kwargs)
 
 
-def is_plain_greedy(req: SampleRequest) -> bool:
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int, need_logprob: bool) -> bool:
     """A row whose token is the argmax of the raw logits, nothing else asked (no logprobs, no
-    logit processors): the GPU can choose it and send back one integer."""
-    p = req.params
-    return (p.temperature < 1e-5 and p.logprobs is None and not req.need_logprob
-            and not p.logit_bias and not (p.min_tokens and len(req.output_token_ids) < p.min_tokens)
+    logit processors): it can be chosen without the host sampler (one integer per row)."""
+    p = params
+    return (p.temperature < 1e-5 and p.logprobs is None and not need_logprob
+            and not p.logit_bias and not (p.min_tokens and num_output_tokens < p.min_tokens)
             and p.repetition_penalty == 1.0 and not p.frequency_penalty
             and not p.presence_penalty)
+
+
+def plain_greedy_rows(step: SchedulerOutput, row_owner: list[tuple[int, str]]) -> list[int] | None:
+    """The scheduled index of each logits row when every row samples one plain-greedy token (see
+    `is_plain_greedy`; no prompt logprobs, beams or forking groups); None otherwise."""
+    owners = []
+    for idx, kind in row_owner:
+        s = step.scheduled[idx]
+        group = s.group
+        if kind != "sample" or group.beam is not None or s.num_samples > 1:
+            return None
+        if not is_plain_greedy(group.sampling_params, len(s.seq.output_token_ids),
+                               group.needs_logprobs):
+            return None
+        owners.append(idx)
+    return owners
 
 
 @dataclass(frozen=True)
@@ -264,14 +281,26 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
             hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, V]
+        if logit_rows == list(range(offset)):  # decode-only: every row, in order
+            hidden_rows = hidden  # [R, H]
+        else:
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            hidden_rows = hidden.index_select(0, rows)  # [R, H]
+        greedy = plain_greedy_rows(step, row_owner)
+        if greedy == []:  # nothing to sample (prompt chunks short of their end): no LM head
+            return self._greedy_outputs(step, [], torch.empty(0)) if self.sample else []
+        if greedy is not None and not self.on_cuda:
+            # NOTE: decided from the step alone, so every tensor-parallel rank takes the same
+            # branch (a model that gathers logits returns None on every rank).
+            tokens = self.model.greedy_tokens(hidden_rows)  # [R] int64, or None
+            if tokens is not None:
+                return self._greedy_outputs(step, greedy, tokens) if self.sample else []
+        logits = self.model.compute_logits(hidden_rows)  # [R, V]
         if not self.sample:
             return []
         if self.on_cuda:
-            fast = self._greedy_on_device(step, row_owner, logits)
-            if fast is not None:
-                return fast
+            if greedy is not None:
+                return self._greedy_on_device(step, greedy, logits)
             logits = self._to_host(logits)  # [R, V] float32, pinned
         else:
             logits = logits.float().cpu()  # [R, V]
@@ -350,22 +379,10 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def _greedy_on_device(self, step: SchedulerOutput, row_owner, logits: torch.Tensor):
-        """When every row samples plain greedy (no logprobs, processors, beams or prompt
-        logprobs), choose the tokens on the GPU and bring back one integer per row instead of
-        the logits; None otherwise (the host sampler runs)."""
-        reqs = []
-        for idx, kind in row_owner:
-            s = step.scheduled[idx]
-            if kind != "sample" or s.group.beam is not None or s.num_samples > 1:
-                return None
-            params = s.group.sampling_params
-            req = SampleRequest(params=params, prompt_token_ids=s.seq.prompt_token_ids,
-                                output_token_ids=s.seq.output_token_ids, generator=None,
-                                need_logprob=s.group.needs_logprobs)
-            if not is_plain_greedy(req):
-                return None
-            reqs.append(idx)
+    def _greedy_on_device(self, step: SchedulerOutput, owners: list[int],
+                          logits: torch.Tensor) -> list[SeqStepOutput]:
+        """Every row samples plain greedy (`plain_greedy_rows`): choose the tokens on the GPU and
+        bring back one integer per row instead of the logits."""
         r = logits.shape[0]
         buf = self._host_tokens
         if buf is None or buf.shape[0] < r:
@@ -374,7 +391,13 @@ class ModelRunner:
         # NOTE: argmax of the float32 logits, as the host sampler takes them (same tie rule).
         tokens.copy_(logits.float().argmax(dim=-1), non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
+        return self._greedy_outputs(step, owners, tokens)
+
+    @staticmethod
+    def _greedy_outputs(step: SchedulerOutput, owners: list[int],
+                        tokens: torch.Tensor) -> list[SeqStepOutput]:
+        """One plain-greedy sample per row: row i's token goes to scheduled index owners[i]."""
         outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
-        for idx, tok in zip(reqs, tokens.tolist()):
+        for idx, tok in zip(owners, tokens.tolist()):
             outputs[idx].samples.append(SampleResult(tok, None, None, None))
         return outputs

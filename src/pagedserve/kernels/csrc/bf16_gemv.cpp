@@ -11,8 +11,14 @@
 // Both are parallel over N on torch's OpenMP pool (so torch.get_num_threads() is respected), with
 // chunks of rows handed out dynamically, and read each row of W from memory once for all M rows.
 //
-// Registered as torch.ops.pagedserve_cpu.{bf16_linear, features}; the Python wrapper is
-// pagedserve/kernels/cpu_gemm.py. No -m flags: the SIMD code carries target attributes, so the file
+// `bf16_linear_argmax` runs the same product (bf16 output) and returns the argmax of each row of
+// y instead of y, each chunk of y scanned right after it is written (from L1/L2, where a separate
+// argmax reads the whole [M, N] logits back from memory): greedy decoding over a large vocabulary.
+// `argmax_bf16` is that scan alone over a bf16 [M, N] tensor. Both follow torch.argmax: the first
+// maximum, a NaN counting as the maximum (the first NaN).
+//
+// Registered as torch.ops.pagedserve_cpu.{bf16_linear, bf16_linear_argmax, argmax_bf16,
+// features}; the Python wrappers are pagedserve/kernels/cpu_gemm.py and cpu_argmax.py. No -m flags: the SIMD code carries target attributes, so the file
 // builds with any x86-64 gcc >= 11 and its generic code runs anywhere. NOTE: callers must check
 // `features()` before calling `bf16_linear` (it re-checks and throws), since the instructions fault
 // on CPUs without them.
@@ -32,6 +38,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -471,6 +479,94 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
 }
 
 // ----------------------------------------------------------------------------------------------
+// Argmax of bf16 rows (torch.argmax's rule: first maximum, NaN counts as the maximum).
+// ----------------------------------------------------------------------------------------------
+
+// The best element seen so far of one row; idx < 0: none yet.
+struct ArgBest {
+  int64_t idx = -1;
+  float val = 0.0f;
+  bool nan = false;
+};
+
+// Whether a beats b in torch.argmax's order: any NaN beats any number, the larger number beats
+// the smaller, and between equals (or two NaNs) the smaller index wins. NOTE: a total order on
+// (element, index), so chunk results merge in any order to the row's argmax.
+inline bool arg_better(const ArgBest& a, const ArgBest& b) {
+  if (a.idx < 0) return false;
+  if (b.idx < 0) return true;
+  if (a.nan != b.nan) return a.nan;
+  if (!a.nan && a.val != b.val) return a.val > b.val;
+  return a.idx < b.idx;
+}
+
+// The argmax of row[begin, end) (indices into row).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) ArgBest scan_bf16(const bf16_t* row,
+                                                                         int64_t begin, int64_t end) {
+  ArgBest best;
+  if (begin >= end) return best;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 m = end - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - i)) - 1u);
+    __m256i raw = _mm256_maskz_loadu_epi16(m, row + i);
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    if (nan) {  // the first NaN of the range: nothing after it can win
+      best.idx = i + __builtin_ctz(nan);
+      best.nan = true;
+      return best;
+    }
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const __m512 target = _mm512_set1_ps(mx);
+  // Second pass, from L1/L2: the first element equal to the maximum (-0 == +0, as torch compares).
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 m = end - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - i)) - 1u);
+    __m256i raw = _mm256_maskz_loadu_epi16(m, row + i);
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, v, target, _CMP_EQ_OQ);
+    if (eq) {
+      best.idx = i + __builtin_ctz(eq);
+      best.val = mx;
+      return best;
+    }
+  }
+  return best;  // not reached: the maximum is one of the elements
+}
+
+// Per-row results merged from chunks that finish on different threads.
+class RowArgmax {
+ public:
+  explicit RowArgmax(int64_t rows) : best_(size_t(rows)) {}
+
+  // Scans rows [first, end_row) of y (row stride ld) over columns [begin, end) and merges the
+  // results into those rows'.
+  void scan(const bf16_t* y, int64_t first, int64_t end_row, int64_t ld, int64_t begin,
+            int64_t end) {
+    ArgBest local[32];
+    for (int64_t r0 = first; r0 < end_row; r0 += 32) {
+      const int64_t n = std::min<int64_t>(32, end_row - r0);
+      for (int64_t r = 0; r < n; ++r) local[r] = scan_bf16(y + (r0 + r) * ld, begin, end);
+      std::lock_guard<std::mutex> guard(mu_);
+      for (int64_t r = 0; r < n; ++r)
+        if (arg_better(local[r], best_[r0 + r])) best_[r0 + r] = local[r];
+    }
+  }
+
+  at::Tensor result(const at::TensorOptions& opts) const {
+    at::Tensor out = at::empty({int64_t(best_.size())}, opts.dtype(at::kLong));
+    int64_t* p = out.data_ptr<int64_t>();
+    for (size_t r = 0; r < best_.size(); ++r) p[r] = std::max<int64_t>(best_[r].idx, 0);
+    return out;
+  }
+
+ private:
+  std::vector<ArgBest> best_;
+  std::mutex mu_;
+};
+
+// ----------------------------------------------------------------------------------------------
 // Entry points.
 // ----------------------------------------------------------------------------------------------
 
@@ -513,17 +609,62 @@ int64_t pick_algo(int64_t requested, int64_t M, int64_t K) {
   return amx_ok && M >= 2 ? kAmx : kDp;
 }
 
+// y = x @ W^T (+ bias) into y ([M, N], allocated by the caller); after(nb, ne) runs on the thread
+// that wrote rows [nb, ne) of W's outputs (columns of y), right after writing them, for stretches
+// of at most `step` rows (0: whole chunks). NOTE: a chunk streams megabytes of W through the
+// caches; a stretch of 512 rows leaves its outputs in L1 for `after`.
+template <typename After>
+void run_product(const bf16_t* xp, int64_t M, const bf16_t* wp, int64_t K, int64_t N,
+                 const float* bias_ptr, void* yp, bool out_fp32, int64_t algo, int64_t step,
+                 const After& after) {
+  if (pick_algo(algo, M, K) == kAmx) {
+    const int64_t KC = K / 32;
+    std::vector<bf16_t> packed(size_t(KC * 512 * 2 + 32));
+    // NOTE: amx_pack_x stores with aligned stores: align the packed buffer to 64 bytes by hand.
+    bf16_t* xpk = reinterpret_cast<bf16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
+    amx_pack_x(xp, M, K, 0, xpk);
+    if (M > 16) amx_pack_x(xp, M, K, 16, xpk + KC * 512);
+    const int64_t n_amx = N / 16 * 16;  // the tail rows (N % 16) go through the dp path
+    // NOTE: amx_rows wants ranges of whole 64-row (M <= 16) or 32-row blocks, except at n_amx.
+    parallel_rows(n_amx, M <= 16 ? 64 : 32, [&](int64_t nb, int64_t ne) {
+      // (step is a multiple of 64: every stretch but the last is whole blocks)
+      for (int64_t s = nb, e; s < ne; s = e) {
+        e = step ? std::min(ne, s + step) : ne;
+        amx_rows(xpk, M, wp, K, bias_ptr, yp, N, out_fp32, s, e);
+        after(s, e);
+      }
+    });
+    if (n_amx < N) {
+      dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, n_amx, N);
+      after(n_amx, N);
+    }
+    return;
+  }
+  // NOTE: split N in units of 16 rows, so that M == 1 runs dp_row16 on all but the last rows.
+  parallel_rows(N, 16, [&](int64_t nb, int64_t ne) {
+    for (int64_t s = nb, e; s < ne; s = e) {
+      e = step ? std::min(ne, s + step) : ne;
+      dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, s, e);
+      after(s, e);
+    }
+  });
+}
+
+void check_product_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(features().avx512bf16, op, ": this CPU lacks AVX512_BF16");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              op, ": x and weight must be bfloat16");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, op, ": x must be [M, K], weight [N, K]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), op, ": contiguous tensors only");
+  TORCH_CHECK(weight.size(1) == x.size(1), op, ": x is [", x.size(0), ", ", x.size(1),
+              "] but weight is [", weight.size(0), ", ", weight.size(1), "]");
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t algo) {
-  TORCH_CHECK(features().avx512bf16, "bf16_linear: this CPU lacks AVX512_BF16");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "bf16_linear: x and weight must be bfloat16");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "bf16_linear: x must be [M, K], weight [N, K]");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "bf16_linear: contiguous tensors only");
+  check_product_args("bf16_linear", x, weight);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "bf16_linear: x is [", M, ", ", K, "] but weight is [", N, ", ",
-              weight.size(1), "]");
   const float* bias_ptr = nullptr;
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) {
@@ -536,31 +677,56 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
   if (M == 0 || N == 0) return y;
   if (K == 0) return bias_ptr ? y.copy_(bias_f32.expand({M, N})) : y.zero_();
 
-  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const bf16_t*>(weight.data_ptr());
-  void* yp = y.data_ptr();
-
-  if (pick_algo(algo, M, K) == kAmx) {
-    const int64_t KC = K / 32;
-    std::vector<bf16_t> packed(size_t(KC * 512 * 2 + 32));
-    // NOTE: amx_pack_x stores with aligned stores: align the packed buffer to 64 bytes by hand.
-    bf16_t* xpk = reinterpret_cast<bf16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
-    amx_pack_x(xp, M, K, 0, xpk);
-    if (M > 16) amx_pack_x(xp, M, K, 16, xpk + KC * 512);
-    const int64_t n_amx = N / 16 * 16;  // the tail rows (N % 16) go through the dp path
-    // NOTE: amx_rows wants ranges of whole 64-row (M <= 16) or 32-row blocks, except at n_amx.
-    parallel_rows(n_amx, M <= 16 ? 64 : 32, [&](int64_t nb, int64_t ne) {
-      amx_rows(xpk, M, wp, K, bias_ptr, yp, N, out_fp32, nb, ne);
-    });
-    if (n_amx < N) dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, n_amx, N);
-    return y;
-  }
-
-  // NOTE: split N in units of 16 rows, so that M == 1 runs dp_row16 on all but the last rows.
-  parallel_rows(N, 16, [&](int64_t nb, int64_t ne) {
-    dp_rows(xp, M, wp, K, bias_ptr, yp, N, out_fp32, nb, ne);
-  });
+  run_product(reinterpret_cast<const bf16_t*>(x.data_ptr()), M,
+              reinterpret_cast<const bf16_t*>(weight.data_ptr()), K, N, bias_ptr, y.data_ptr(),
+              out_fp32, algo, 0, [](int64_t, int64_t) {});
   return y;
+}
+
+// Rows of W per stretch scanned by bf16_linear_argmax: 16 KB of outputs at M = 16.
+constexpr int64_t kScanRows = 512;
+
+// argmax over N of x @ W^T, rounded to bf16 as bf16_linear's output: [M] int64.
+at::Tensor bf16_linear_argmax(const at::Tensor& x, const at::Tensor& weight, int64_t algo) {
+  check_product_args("bf16_linear_argmax", x, weight);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(N > 0, "bf16_linear_argmax: weight has no rows (argmax of an empty row)");
+  if (M == 0) return at::empty({0}, x.options().dtype(at::kLong));
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (K == 0) y.zero_();
+  const auto* yp = reinterpret_cast<const bf16_t*>(y.data_ptr());
+  RowArgmax best(M);
+  if (K == 0) {
+    best.scan(yp, 0, M, N, 0, N);
+  } else {
+    run_product(reinterpret_cast<const bf16_t*>(x.data_ptr()), M,
+                reinterpret_cast<const bf16_t*>(weight.data_ptr()), K, N, nullptr, y.data_ptr(),
+                false, algo, kScanRows, [&](int64_t nb, int64_t ne) { best.scan(yp, 0, M, N, nb, ne); });
+  }
+  return best.result(x.options());
+}
+
+// argmax over the last dim of a bf16 [M, N] tensor: [M] int64 (rows split into pieces of 32K
+// elements, so that one long row still uses every thread).
+at::Tensor argmax_bf16(const at::Tensor& x) {
+  TORCH_CHECK(features().avx512bf16, "argmax_bf16: this CPU lacks AVX512_BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "argmax_bf16: x must be a contiguous [M, N] bfloat16 CPU tensor");
+  const int64_t M = x.size(0), N = x.size(1);
+  TORCH_CHECK(N > 0 || M == 0, "argmax_bf16: argmax of an empty row");
+  if (M == 0) return at::empty({0}, x.options().dtype(at::kLong));
+  constexpr int64_t kPiece = 32768;
+  const int64_t pieces = (N + kPiece - 1) / kPiece;
+  const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
+  RowArgmax best(M);
+  at::parallel_for(0, M * pieces, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r = u / pieces, p = u % pieces;
+      best.scan(xp, r, r + 1, N, p * kPiece, std::min(N, (p + 1) * kPiece));
+    }
+  });
+  return best.result(x.options());
 }
 
 // [avx512bf16, amx] as ints (0/1), for the Python side to decide whether to call bf16_linear.
@@ -573,7 +739,13 @@ std::vector<int64_t> cpu_features() {
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool out_fp32, int algo) -> Tensor");
+  m.def("bf16_linear_argmax(Tensor x, Tensor weight, int algo) -> Tensor");
+  m.def("argmax_bf16(Tensor x) -> Tensor");
   m.def("features() -> int[]", &cpu_features);  // catch-all: no tensor arguments to dispatch on
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_linear_argmax", &bf16_linear_argmax);
+  m.impl("argmax_bf16", &argmax_bf16);
+}
