@@ -41,6 +41,20 @@ def test_bench_throughput_runs_both_engines_on_the_same_trace(tmp_path, capsys):
     assert ours.split("(")[1] == hf.split("(")[1]  # same number of output tokens
 
 
+def test_bench_throughput_samples_when_given_a_temperature(tmp_path, capsys):
+    path = tiny.make_checkpoint(tmp_path / "m", "llama")
+    args = ["bench", "throughput", "--model", str(path), "--num-prompts", "4",
+            "--input-len-mean", "12", "--output-len-fixed", "6", "--dtype", "float32",
+            "--max-num-seqs", "4", "--kv-cache-memory", str(1 << 22),
+            "--temperature", "0.9", "--top-p", "0.9", "--top-k", "20", "--baseline", "hf"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "sampling: temperature=0.9 top_p=0.9 top_k=20" in out
+    assert "pagedserve:" in out and "(24 tokens)" in out and "hf-static:" in out
+    assert main(args[:-6] + ["--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
 def test_bench_preemption_prints_both_parts_and_writes_a_chart(tmp_path, capsys):
     path = tiny.make_checkpoint(tmp_path / "m", "llama")
     png = tmp_path / "pre.png"

@@ -5,8 +5,19 @@ import math
 import pytest
 import torch
 
+from pagedserve.kernels import cpu_gemm, cpu_sampling
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.sampler import SampleRequest, prompt_logprobs, sample
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def sampling_path(request, monkeypatch):
+    """Random rows drawn by the compiled kernel (kernels.cpu_sampling) or by the torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_sampling, "sample_rows", lambda *a: None)
+    elif cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+        pytest.skip("CPU kernels unavailable here")
+    return request.param
 
 
 def req(out=(), prompt=(), seed=None, **kw):
@@ -31,7 +42,7 @@ def test_logprobs_are_raw_even_with_penalties_and_bias():
     assert r.rank == 3
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy_and_min_p_drops_the_tail():
+def test_top_k_one_and_tiny_top_p_are_greedy_and_min_p_drops_the_tail(sampling_path):
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
     for kw in (dict(top_k=1), dict(top_p=0.01)):
         toks = {sample(logits, [req(temperature=1.0, seed=s, **kw)], [[]])[0].token_id
@@ -61,7 +72,7 @@ def test_repetition_frequency_and_presence_penalties_demote_seen_tokens():
     assert sample(logits, [req(temperature=0.0)], [[]])[0].token_id == 0
 
 
-def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
+def test_seeded_rows_are_reproducible_and_independent_of_neighbours(sampling_path):
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     a = sample(logits, [req(temperature=1.0), req(temperature=1.0, seed=5),
@@ -79,7 +90,7 @@ def test_prompt_logprobs_give_target_logprob_rank_and_top_k():
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
-def test_sampling_follows_the_distribution(temperature):
+def test_sampling_follows_the_distribution(temperature, sampling_path):
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     gen = torch.Generator().manual_seed(0)
     counts = [0, 0, 0]
@@ -90,6 +101,28 @@ def test_sampling_follows_the_distribution(temperature):
     p = torch.softmax(logits[0] / temperature, -1)
     for c, expected in zip(counts, p.tolist()):
         assert abs(c / 2000 - expected) < 0.04
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(top_p=0.8), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0]),  # mass before token 3: 0.9
+    (dict(top_k=2), [2 / 3, 1 / 3, 0.0, 0.0]),
+    (dict(min_p=0.25), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0]),  # 0.1 < 0.25 * 0.5
+])
+def test_filters_renormalise_what_they_keep(kw, expected, sampling_path):
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0, **kw)
+    n = 3000
+    counts = [0] * 4
+    # a batch of 8 rows a call: the kernel's rows run on several threads
+    for _ in range(n // 8):
+        rows = sample(logits.expand(8, -1).contiguous(),
+                      [SampleRequest(params, [], [], gen) for _ in range(8)], [[]] * 8)
+        for r in rows:
+            counts[r.token_id] += 1
+    total = sum(counts)
+    for c, e in zip(counts, expected):
+        assert abs(c / total - e) < 0.035 and (c == 0) == (e == 0)
 
 
 @pytest.mark.parametrize("vocab", [262144, 32000, 151936, 1000, 7])

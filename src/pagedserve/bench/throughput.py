@@ -32,13 +32,18 @@ class ThroughputResult:
                 f"{self.output_tokens_per_s:8.1f} output tok/s  ({self.output_tokens} tokens)")
 
 
-def run_pagedserve(llm, trace: list[TraceRequest]) -> ThroughputResult:
-    """Every request at once through the engine (continuous batching, greedy, ignore_eos)."""
+def run_pagedserve(llm, trace: list[TraceRequest], temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, seed: int = 0) -> ThroughputResult:
+    """Every request at once through the engine (continuous batching, ignore_eos); greedy, or
+    sampled with request i seeded `seed + i`."""
     from pagedserve.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in trace]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-              for r in trace]
+    sampled = temperature > 0.0
+    params = [SamplingParams(temperature=temperature, top_p=top_p if sampled else 1.0,
+                             top_k=top_k if sampled else 0, seed=seed + i if sampled else None,
+                             max_tokens=r.output_len, ignore_eos=True)
+              for i, r in enumerate(trace)]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -46,9 +51,13 @@ def run_pagedserve(llm, trace: list[TraceRequest]) -> ThroughputResult:
     return ThroughputResult("pagedserve", elapsed, len(trace), produced)
 
 
-def run_hf_static(hf_model, trace: list[TraceRequest], batch_size: int, pad_id: int):
+def run_hf_static(hf_model, trace: list[TraceRequest], batch_size: int, pad_id: int,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0):
     """HF `generate` in static batches of `batch_size` in arrival order, each running until its
-    longest request (what static batching costs); only the requested tokens count as output."""
+    longest request (what static batching costs); only the requested tokens count as output.
+    Greedy, or sampled as ours when `temperature` > 0."""
+    sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+                if temperature > 0.0 else dict(do_sample=False))
     produced = 0
     start = time.perf_counter()
     for i in range(0, len(trace), batch_size):
@@ -62,7 +71,7 @@ def run_hf_static(hf_model, trace: list[TraceRequest], batch_size: int, pad_id: 
         steps = max(r.output_len for r in batch)
         with torch.inference_mode():
             hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
-                              min_new_tokens=steps, do_sample=False, pad_token_id=pad_id)
+                              min_new_tokens=steps, pad_token_id=pad_id, **sampling)
         produced += sum(r.output_len for r in batch)
     return ThroughputResult("hf-static", time.perf_counter() - start, len(trace), produced)
 
@@ -115,7 +124,11 @@ def main(args) -> int:
     if stats is not None:  # count the measured run only
         stats.reset()
     profiler = StepProfiler().attach(engine) if args.profile else None
-    ours = run_pagedserve(llm, trace)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.temperature > 0.0:
+        print(f"sampling: temperature={args.temperature} top_p={args.top_p} top_k={args.top_k} "
+              f"(seeded per request)")
+    ours = run_pagedserve(llm, trace, seed=args.seed, **sampling)
     print(ours.line())
     if profiler is not None:
         profiler.detach()
@@ -132,7 +145,7 @@ def main(args) -> int:
         pad = engine.tokenizer.pad_token_id
         pad = pad if pad is not None else 0
         run_hf_static(hf, trace[:1], 1, pad)  # warm-up
-        base = run_hf_static(hf, trace, args.max_num_seqs, pad)
+        base = run_hf_static(hf, trace, args.max_num_seqs, pad, **sampling)
         print(base.line())
         print(f"ratio pagedserve / hf-static output tok/s: "
               f"{ours.output_tokens_per_s / base.output_tokens_per_s:.2f}x")

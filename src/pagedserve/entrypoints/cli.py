@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--baseline", choices=["none", "hf"], default="none")
     tp.add_argument("--profile", action="store_true",
                     help="per-step time by section (schedule, inputs, attention, ...)")
+    tp.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default); else random sampling, seeded per request")
+    tp.add_argument("--top-p", type=float, default=1.0)
+    tp.add_argument("--top-k", type=int, default=0)
     add_engine_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
 

@@ -48,11 +48,12 @@ PAD_ABOVE = 32
 _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 
 # The one extension holds every CPU kernel: the GEMV, the fused RMSNorm (kernels/cpu_norm.py),
-# paged decode attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py) and
-# the whole decode-step decoder layer built from them (kernels/cpu_decoder_layer.py).
+# paged decode attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py), the
+# whole decode-step decoder layer built from them (kernels/cpu_decoder_layer.py), the greedy argmax
+# (kernels/cpu_argmax.py) and random sampling (kernels/cpu_sampling.py).
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp",
-                         "decoder_layer.cpp")]
+                         "decoder_layer.cpp", "sampling.cpp")]
 _EXT_PREFIX = "pagedserve_cpu_kernels"
 
 

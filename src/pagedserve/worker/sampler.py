@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels import cpu_sampling
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -93,16 +94,26 @@ def _needs_processing(p: SamplingParams, n_out: int) -> bool:
     )
 
 
-def _sample_row(
-    logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
-) -> int:  # logits [V]
-    logits = logits / p.temperature
-    if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # [V]
+def _uniform(generator: torch.Generator | None) -> float:
+    """One draw in [0, 1) from the request's generator (the global one when None)."""
+    return float(torch.rand((), generator=generator))
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:  # logits [V]
+    """The torch path of `_sample_random` (csrc/sampling.cpp follows the same rule): temperature,
+    top-k (ties with the k-th kept), top-p (the smallest prefix by probability, ties by index,
+    whose mass reaches top_p), min-p; then the first token whose cumulative probability exceeds
+    `u` times the kept mass. NaN logits have probability 0."""
+    x = logits / p.temperature
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    if not bool(torch.isfinite(x.max())):
+        return 0  # nothing has weight
+    if p.top_k and 0 < p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [V]
     if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop_sorted = (cum - sorted_probs) >= p.top_p
@@ -110,7 +121,26 @@ def _sample_row(
         probs[order[drop_sorted]] = 0.0
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    cdf = torch.cumsum(probs, dim=-1)  # [V]
+    idx = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
+    if idx >= cdf.shape[0]:  # rounding: the last token with weight
+        idx = int(torch.nonzero(probs).max())
+    return idx
+
+
+def _sample_random(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[int]:  # logits [R, V]
+    """One token per row, drawn with the row's own generator: on the compiled kernel
+    (`kernels.cpu_sampling`, no vocabulary sort) where it applies, else row by row in torch. Each
+    row consumes one uniform draw of its generator, so seeded requests are reproducible whatever
+    else is in the batch."""
+    u = [_uniform(r.generator) for r in reqs]
+    params = [r.params for r in reqs]
+    tokens = cpu_sampling.sample_rows(
+        logits, [p.temperature for p in params], [max(p.top_k or 0, 0) for p in params],
+        [p.top_p for p in params], [p.min_p for p in params], u)
+    if tokens is not None:
+        return tokens.tolist()
+    return [_sample_row(logits[i], p, u[i]) for i, p in enumerate(params)]
 
 
 def sample(
@@ -127,13 +157,17 @@ def sample(
     if any(_needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
 
-    greedy_tokens = argmax_rows(processed).tolist()  # fast path: no sort, no softmax
-    tokens = []
-    for i, req in enumerate(reqs):
-        if req.params.temperature < 1e-5:
-            tokens.append(greedy_tokens[i])
-        else:
-            tokens.append(_sample_row(processed[i], req.params, req.generator))
+    greedy_rows = [i for i, r in enumerate(reqs) if r.params.temperature < 1e-5]
+    random_rows = [i for i, r in enumerate(reqs) if r.params.temperature >= 1e-5]
+    tokens = [0] * num_rows
+    if greedy_rows:  # fast path: no sort, no softmax
+        picked = processed if len(greedy_rows) == num_rows else processed[greedy_rows]
+        for i, tok in zip(greedy_rows, argmax_rows(picked).tolist()):
+            tokens[i] = tok
+    if random_rows:
+        picked = processed if len(random_rows) == num_rows else processed[random_rows]
+        for i, tok in zip(random_rows, _sample_random(picked, [reqs[i] for i in random_rows])):
+            tokens[i] = tok
 
     results = []
     for i in range(num_rows):

@@ -1,0 +1,259 @@
+// Random sampling of one token per row of fp32 logits on x86-64 CPUs with AVX-512, for
+// vocabularies of any size, without sorting the vocabulary:
+//
+//   x = logits / temperature; keep the top_k largest (ties at the k-th kept), then the smallest
+//   prefix (by x, descending; ties by index) whose probability mass reaches top_p, then the tokens
+//   whose probability is at least min_p times the largest; draw from what is kept by inverse CDF
+//   with the row's uniform u in [0, 1): walking the kept tokens in vocabulary order, the first
+//   whose cumulative weight exceeds u * (their total).
+//
+// That is the rule of pagedserve/worker/sampler.py's torch path (`_sample_row`), which draws the
+// same u. Per row: one pass for the maximum, one for the softmax denominator, and one that
+// collects the candidates within `delta` of the maximum (widened until they hold the top_k /
+// top_p / min_p set, a few hundred tokens typically); only the candidates are sorted. Without any
+// filter a third pass walks the cumulative weights. NaN logits never win (weight 0).
+//
+// Registered as torch.ops.pagedserve_cpu.sample_rows (a fragment of the library the GEMV file
+// defines); the Python wrapper is pagedserve/kernels/cpu_sampling.py. As there: no -m flags, the
+// SIMD code carries target attributes; callers check features() first.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#define PS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+// e^x for x <= 0 (x - max), to ~2 ulp; 0 below -87 (and for -inf).
+PS_AVX512 inline __m512 exp_nonpos(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);  // (a NaN lane becomes -87: callers mask NaN lanes themselves)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  // e^r on |r| <= ln2 / 2: Taylor to r^7 (relative error < 1e-8 there)
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+PS_AVX512 inline float exp_scalar(float x) {
+  return _mm512_cvtss_f32(exp_nonpos(_mm512_set1_ps(x)));
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+}
+
+// Loads 16 logits (masked) divided by the temperature.
+PS_AVX512 inline __m512 load_scaled(const float* p, __mmask16 m, __m512 temp) {
+  return _mm512_div_ps(_mm512_maskz_loadu_ps(m, p), temp);
+}
+
+struct RowParams {
+  float temperature;
+  int64_t top_k;  // 0: off
+  float top_p;    // 1: off
+  float min_p;    // 0: off
+  float u;        // uniform in [0, 1)
+};
+
+PS_AVX512 int64_t sample_row(const float* logits, int64_t V, const RowParams& prm,
+                             std::vector<std::pair<float, int32_t>>& cand) {
+  const __m512 temp = _mm512_set1_ps(prm.temperature);
+  // Pass 1: the maximum (NaN lanes ignored: max returns the second operand on NaN).
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    vmax = _mm512_mask_max_ps(vmax, m, load_scaled(logits + i, m, temp), vmax);
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  if (!(mx > kNegInf)) return 0;  // every logit -inf or NaN: nothing has weight
+  const __m512 vmx = _mm512_set1_ps(mx);
+
+  // Pass 2: the softmax denominator over the whole row (in units of e^max).
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    const __m512 x = load_scaled(logits + i, m, temp);
+    const __mmask16 ok = _mm512_mask_cmp_ps_mask(m, x, x, _CMP_ORD_Q);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(ok, exp_nonpos(_mm512_sub_ps(x, vmx))));
+  }
+  const float z_all = _mm512_reduce_add_ps(vsum);
+
+  const bool filtered = prm.top_k > 0 || prm.top_p < 1.0f || prm.min_p > 0.0f;
+  if (!filtered) {
+    // Pass 3: inverse CDF over the whole row, 16 weights at a time.
+    const float target = prm.u * z_all;
+    float run = 0.0f;
+    int64_t last = 0;  // the last token with weight so far
+    alignas(64) float ws[16];
+    for (int64_t i = 0; i < V; i += 16) {
+      const __mmask16 m = tail_mask(V - i);
+      const __m512 x = load_scaled(logits + i, m, temp);
+      const __mmask16 ok = _mm512_mask_cmp_ps_mask(m, x, x, _CMP_ORD_Q);
+      const __m512 w = _mm512_maskz_mov_ps(ok, exp_nonpos(_mm512_sub_ps(x, vmx)));
+      const __mmask16 pos = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
+      if (!pos) continue;
+      const float block = _mm512_reduce_add_ps(w);
+      if (run + block > target) {
+        _mm512_store_ps(ws, w);
+        for (int j = 0; j < 16; ++j) {
+          run += ws[j];
+          if (ws[j] > 0.0f && run > target) return i + j;
+        }
+      } else {
+        run += block;
+      }
+      last = i + (31 - __builtin_clz(uint32_t(pos)));
+    }
+    return last;  // rounding kept the running sum below the target
+  }
+
+  // Candidates: every x >= max - delta, widened until they hold the kept set. NOTE: they are
+  // always a prefix of the whole row's order (everything above a threshold), so a cut that falls
+  // inside them is the cut over the whole row.
+  const float minp_delta = prm.min_p > 0.0f ? -std::log(prm.min_p) + 1e-3f : 0.0f;
+  float delta = 4.0f;
+  alignas(64) float xs[16];
+  alignas(64) int32_t is[16];
+  for (;;) {
+    cand.clear();
+    const bool all = !(delta < 1e30f);
+    const __m512 thr = _mm512_set1_ps(all ? kNegInf : mx - delta);
+    float z_cand = 0.0f;
+    for (int64_t i = 0; i < V; i += 16) {
+      const __mmask16 m = tail_mask(V - i);
+      const __m512 x = load_scaled(logits + i, m, temp);
+      // (-inf logits have no weight and never join, even when taking all)
+      const __mmask16 keep = all ? _mm512_mask_cmp_ps_mask(m, x, thr, _CMP_GT_OQ)
+                                 : _mm512_mask_cmp_ps_mask(m, x, thr, _CMP_GE_OQ);
+      if (!keep) continue;
+      const int n = __builtin_popcount(keep);
+      _mm512_mask_compressstoreu_ps(xs, keep, x);
+      _mm512_mask_compressstoreu_epi32(
+          is, keep,
+          _mm512_add_epi32(_mm512_set1_epi32(int32_t(i)),
+                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)));
+      for (int j = 0; j < n; ++j) cand.emplace_back(xs[j], is[j]);
+      z_cand += _mm512_reduce_add_ps(_mm512_maskz_mov_ps(keep, exp_nonpos(_mm512_sub_ps(x, vmx))));
+    }
+    if (all) break;
+    // Enough when the prefix of some filter lies inside (the kept set is the shortest prefix);
+    // top-p also needs its denominator: with top-k, the whole top-k set.
+    const bool minp_inside = prm.min_p > 0.0f && delta >= minp_delta;
+    bool enough;
+    if (prm.top_k > 0 && int64_t(cand.size()) >= prm.top_k) {
+      enough = true;
+    } else if (prm.top_k > 0) {  // fewer than k: all are in the top-k set, its mass unknown
+      enough = prm.top_p >= 1.0f && minp_inside;
+    } else {
+      enough = (prm.top_p < 1.0f && z_cand >= prm.top_p * z_all) || minp_inside;
+    }
+    if (enough) break;
+    delta = delta < 512.0f ? delta * 2.0f : std::numeric_limits<float>::infinity();
+  }
+  // Largest first; equal values by index (deterministic). With top-k only the first k (and the
+  // ties with the k-th) are ordered.
+  const auto before = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  int64_t keep = int64_t(cand.size());
+  if (prm.top_k > 0 && prm.top_k < keep) {
+    std::nth_element(cand.begin(), cand.begin() + (prm.top_k - 1), cand.end(), before);
+    const float kth = cand[size_t(prm.top_k - 1)].first;
+    // ties with the k-th stay (as `logits < kth -> -inf`): move them up behind the first k
+    auto tail = std::partition(cand.begin() + prm.top_k, cand.end(),
+                               [kth](const std::pair<float, int32_t>& c) { return c.first >= kth; });
+    keep = int64_t(tail - cand.begin());
+  }
+  std::sort(cand.begin(), cand.begin() + keep, before);
+  float z = z_all;
+  if (prm.top_k > 0) {  // the softmax is over the top-k set only
+    z = 0.0f;
+    for (int64_t i = 0; i < keep; ++i) z += exp_scalar(cand[size_t(i)].first - mx);
+  }
+  float cum = 0.0f;
+  int64_t n = 0;
+  for (; n < keep; ++n) {
+    const float wi = exp_scalar(cand[size_t(n)].first - mx);
+    if (prm.top_p < 1.0f && n > 0 && cum / z >= prm.top_p) break;  // mass before it reached top_p
+    if (prm.min_p > 0.0f && wi < prm.min_p) break;  // p / p_max < min_p (p_max has weight 1)
+    cum += wi;
+  }
+  // The draw walks the kept tokens in vocabulary order, as the torch path's cumsum does.
+  std::sort(cand.begin(), cand.begin() + n,
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) total += exp_scalar(cand[size_t(i)].first - mx);
+  const float target = prm.u * total;
+  float run = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    run += exp_scalar(cand[size_t(i)].first - mx);
+    if (run > target) return cand[size_t(i)].second;
+  }
+  return cand[size_t(n - 1)].second;
+}
+
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                       const at::Tensor& u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              "sample_rows: logits must be a contiguous [R, V] float32 CPU tensor");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "sample_rows: vocabulary size out of range");
+  for (const at::Tensor* t : {&temperature, &top_p, &min_p, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == R &&
+                    t->is_contiguous(),
+                "sample_rows: per-row parameters must be contiguous float32 [R] tensors");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.dim() == 1 && top_k.size(0) == R &&
+                  top_k.is_contiguous(),
+              "sample_rows: top_k must be a contiguous int64 [R] tensor");
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::pair<float, int32_t>> cand;
+    for (int64_t r = r0; r < r1; ++r) {
+      const RowParams prm{tp[r], kp[r], pp[r], mp[r], up[r]};
+      op[r] = sample_row(lp + r * V, V, prm, cand);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+        "Tensor u) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("sample_rows", &sample_rows); }
