@@ -145,3 +145,34 @@ def test_top_k_keeps_every_token_tied_with_the_kth(kernel):
         assert tok == ref or margin < 1e-4
         drawn.add(tok)
     assert drawn == set(kept)
+
+
+@pytest.mark.parametrize("k,vocab", [(k, v) for v in (7, 3000, 262144) for k in (0, 1, 5, 20)
+                                     if k <= v])
+def test_logprob_rows_equal_log_softmax_rank_and_topk(kernel, k, vocab):
+    g = torch.Generator().manual_seed(vocab + k)
+    logits = torch.randn(5, vocab, generator=g) * 3
+    logits[1, : vocab // 2] = float("-inf")
+    logits[2, 0] = logits[2, vocab - 1] = 50.0  # a tie at the top: the lower index first
+    targets = torch.randint(0, vocab, (5,), generator=g).tolist()
+    targets[1] = vocab - 1
+    got = cpu_sampling.logprob_rows(logits, targets, k)
+    lp = torch.log_softmax(logits, dim=-1)
+    for r, (t_lp, rank, top) in enumerate(got):
+        assert abs(t_lp - float(lp[r, targets[r]])) < 1e-4
+        assert rank == int((logits[r] > logits[r, targets[r]]).sum()) + 1
+        assert len(top) == k
+        if k:
+            vals, idx = torch.topk(lp[r], k)
+            assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-4)
+            assert [i for i, _ in top] == idx.tolist() or r == 2  # torch orders ties freely
+    if k >= 2 and vocab > 2:
+        assert [i for i, _ in got[2][2][:2]] == [0, vocab - 1]
+
+
+def test_logprob_rows_with_fewer_finite_values_than_k(kernel):
+    logits = torch.full((1, 50), float("-inf"))
+    logits[0, 7], logits[0, 9] = 1.0, 2.0
+    [(lp, rank, top)] = cpu_sampling.logprob_rows(logits, [7], 4)
+    assert rank == 2 and lp == pytest.approx(1.0 - math.log(math.e + math.e ** 2), abs=1e-5)
+    assert [i for i, _ in top[:2]] == [9, 7] and [v for _, v in top[2:]] == [float("-inf")] * 2

@@ -19,6 +19,7 @@ from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.sampler import (
     SampleRequest,
     SampleResult,
+    logprob_stats,
     prompt_logprobs,
     sample,
 )
@@ -334,10 +335,10 @@ class ModelRunner:
             rows, reqs, owners = [], [], []
             for row, idx in zip(sample_rows, sample_idx):
                 s = step.scheduled[idx]
-                if s.group.beam is not None:
-                    lp = torch.log_softmax(logits[row], dim=-1)  # [V] raw logprobs
-                    vals, tok = torch.topk(lp, 2 * s.group.beam.params.beam_width)
-                    outputs[idx].beam_candidates = list(zip(tok.tolist(), vals.tolist()))
+                if s.group.beam is not None:  # the row's best 2 * beam_width raw logprobs
+                    [(_, _, top)] = logprob_stats(logits[row : row + 1], [0],
+                                                  2 * s.group.beam.params.beam_width)
+                    outputs[idx].beam_candidates = top
                     continue
                 params = s.group.sampling_params
                 gen = self._generator(s.group.request_id, params.seed)

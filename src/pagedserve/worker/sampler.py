@@ -152,7 +152,6 @@ def sample(
     its `min_tokens`."""
     num_rows = logits.shape[0]
     want_lp = [r.params.logprobs is not None or r.need_logprob for r in reqs]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [S, V]
     processed = logits
     if any(_needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
@@ -169,32 +168,38 @@ def sample(
         for i, tok in zip(random_rows, _sample_random(picked, [reqs[i] for i in random_rows])):
             tokens[i] = tok
 
+    # Raw logprobs (of the logits before processors) of the chosen tokens, where asked.
+    lp_rows = [i for i in range(num_rows) if want_lp[i]]
+    stats = {}
+    if lp_rows:
+        k = max(reqs[i].params.logprobs or 0 for i in lp_rows)
+        picked = logits if len(lp_rows) == num_rows else logits[lp_rows]
+        stats = dict(zip(lp_rows, logprob_stats(picked, [tokens[i] for i in lp_rows], k)))
     results = []
     for i in range(num_rows):
-        tok = tokens[i]
-        if raw_logprobs is not None and want_lp[i]:
-            row = raw_logprobs[i]
-            lp = float(row[tok])
-            rank = int((row > row[tok]).sum()) + 1
-            k = reqs[i].params.logprobs
-            top = [] if k is not None else None
-            if k:
-                vals, idx = torch.topk(row, k)
-                top = list(zip(idx.tolist(), vals.tolist()))
-            results.append(SampleResult(tok, lp, rank, top))
-        else:
+        if i not in stats:
             # NOTE: as in vLLM, no logprob (and no cumulative logprob) unless the request asks:
             # a log-softmax over a 262k vocabulary per row per step is not free.
-            results.append(SampleResult(tok, None, None, None))
+            results.append(SampleResult(tokens[i], None, None, None))
+            continue
+        lp, rank, top = stats[i]
+        k = reqs[i].params.logprobs
+        results.append(SampleResult(tokens[i], lp, rank, None if k is None else top[:k]))
     return results
 
 
-def prompt_logprobs(
-    logits: torch.Tensor,  # [P, V] float32: logits at positions p, predicting token p + 1
-    targets: list[int],  # [P] the actual next tokens
+def logprob_stats(
+    logits: torch.Tensor,  # [P, V] float32
+    targets: list[int],  # [P]
     k: int,
 ) -> list[tuple[float, int, list[tuple[int, float]]]]:
-    """Raw logprob and rank of each target, plus the top-k of each row."""
+    """Per row: the raw logprob of its target token, the target's rank (1 + the number of tokens
+    more likely) and the row's top-k (token, logprob), best first. On the compiled kernel
+    (`kernels.cpu_sampling.logprob_rows`: no log-softmax of the whole row written, no vocabulary
+    sort) where it applies, else with torch."""
+    out = cpu_sampling.logprob_rows(logits, targets, k)
+    if out is not None:
+        return out
     lp = torch.log_softmax(logits, dim=-1)  # [P, V]
     tgt = torch.tensor(targets, dtype=torch.long)
     tgt_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1)  # [P]
@@ -205,3 +210,12 @@ def prompt_logprobs(
     else:
         tops = [[] for _ in targets]
     return [(float(a), int(b), c) for a, b, c in zip(tgt_lp.tolist(), ranks.tolist(), tops)]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [P, V] float32: logits at positions p, predicting token p + 1
+    targets: list[int],  # [P] the actual next tokens
+    k: int,
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Raw logprob and rank of each target, plus the top-k of each row (`logprob_stats`)."""
+    return logprob_stats(logits, targets, k)

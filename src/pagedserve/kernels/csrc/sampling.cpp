@@ -13,9 +13,12 @@
 // top_p / min_p set, a few hundred tokens typically); only the candidates are sorted. Without any
 // filter a third pass walks the cumulative weights. NaN logits never win (weight 0).
 //
-// Registered as torch.ops.pagedserve_cpu.sample_rows (a fragment of the library the GEMV file
-// defines); the Python wrapper is pagedserve/kernels/cpu_sampling.py. As there: no -m flags, the
-// SIMD code carries target attributes; callers check features() first.
+// `logprob_rows` gives the raw logprob and rank of a target token per row and the row's top-k
+// logprobs, the same way (no log-softmax of the whole row written, no vocabulary sort).
+//
+// Registered as torch.ops.pagedserve_cpu.{sample_rows, logprob_rows} (a fragment of the library
+// the GEMV file defines); the Python wrapper is pagedserve/kernels/cpu_sampling.py. As there: no
+// -m flags, the SIMD code carries target attributes; callers check features() first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -28,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -249,11 +253,106 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
   return out;
 }
 
+// Raw logprob and rank of row r's target token, and the row's k largest logprobs (largest first,
+// equal values by index): one pass for the maximum, one for the log-sum-exp and the rank, and for
+// k > 0 one collecting the candidates near the maximum (widened until there are k).
+PS_AVX512 void logprob_row(const float* x, int64_t V, int64_t target, int64_t k, float* lp,
+                           int64_t* rank, float* top_val, int64_t* top_idx,
+                           std::vector<std::pair<float, int32_t>>& cand) {
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    vmax = _mm512_mask_max_ps(vmax, m, _mm512_maskz_loadu_ps(m, x + i), vmax);
+  }
+  const float mx = _mm512_reduce_max_ps(vmax);
+  const float xt = x[target];
+  const __m512 vmx = _mm512_set1_ps(mx), vxt = _mm512_set1_ps(xt);
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t greater = 0;
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = tail_mask(V - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __mmask16 ok = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_ORD_Q);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(ok, exp_nonpos(_mm512_sub_ps(v, vmx))));
+    greater += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, v, vxt, _CMP_GT_OQ));
+  }
+  const float lse = mx + std::log(_mm512_reduce_add_ps(vsum));
+  *lp = xt - lse;
+  *rank = greater + 1;
+  if (k <= 0) return;
+  alignas(64) float xs[16];
+  alignas(64) int32_t is[16];
+  for (float delta = 4.0f;; delta *= 2.0f) {
+    cand.clear();
+    const bool all = !(delta < 1024.0f);
+    const __m512 thr = _mm512_set1_ps(all ? kNegInf : mx - delta);
+    for (int64_t i = 0; i < V; i += 16) {
+      const __mmask16 m = tail_mask(V - i);
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+      // (taking all: every non-NaN value, -inf included, as torch.topk would)
+      const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, v, thr, _CMP_GE_OQ);
+      if (!keep) continue;
+      const int n = __builtin_popcount(keep);
+      _mm512_mask_compressstoreu_ps(xs, keep, v);
+      _mm512_mask_compressstoreu_epi32(
+          is, keep,
+          _mm512_add_epi32(_mm512_set1_epi32(int32_t(i)),
+                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)));
+      for (int j = 0; j < n; ++j) cand.emplace_back(xs[j], is[j]);
+    }
+    if (all || int64_t(cand.size()) >= k) break;
+  }
+  const auto before = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  const int64_t n = std::min<int64_t>(k, int64_t(cand.size()));
+  std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), before);
+  for (int64_t i = 0; i < k; ++i) {  // (fewer than k non-NaN values: the rest is -inf / index -1)
+    top_val[i] = i < n ? cand[size_t(i)].first - lse : kNegInf;
+    top_idx[i] = i < n ? cand[size_t(i)].second : -1;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_rows(
+    const at::Tensor& logits, const at::Tensor& targets, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              "logprob_rows: logits must be a contiguous [R, V] float32 CPU tensor");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "logprob_rows: vocabulary size out of range");
+  TORCH_CHECK(targets.scalar_type() == at::kLong && targets.dim() == 1 && targets.size(0) == R &&
+                  targets.is_contiguous(),
+              "logprob_rows: targets must be a contiguous int64 [R] tensor");
+  TORCH_CHECK(k >= 0 && k <= V, "logprob_rows: k must be in [0, V]");
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "logprob_rows: target ", tp[r], " out of range");
+  at::Tensor lp = at::empty({R}, logits.options());
+  at::Tensor rank = at::empty({R}, logits.options().dtype(at::kLong));
+  at::Tensor top_val = at::empty({R, k}, logits.options());
+  at::Tensor top_idx = at::empty({R, k}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  float* lpp = lp.data_ptr<float>();
+  int64_t* rp = rank.data_ptr<int64_t>();
+  float* tvp = top_val.data_ptr<float>();
+  int64_t* tip = top_idx.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::pair<float, int32_t>> cand;
+    for (int64_t r = r0; r < r1; ++r)
+      logprob_row(xp + r * V, V, tp[r], k, lpp + r, rp + r, tvp + r * k, tip + r * k, cand);
+  });
+  return {lp, rank, top_val, top_idx};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
         "Tensor u) -> Tensor");
+  m.def("logprob_rows(Tensor logits, Tensor targets, int k) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("sample_rows", &sample_rows); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("sample_rows", &sample_rows);
+  m.impl("logprob_rows", &logprob_rows);
+}
