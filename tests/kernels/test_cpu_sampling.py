@@ -116,6 +116,19 @@ def test_rows_without_weight_and_nan_logits(kernel):
         assert got == [0, 0, 40]
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_plus_infinite_logit_is_always_drawn_on_both_paths(kernel, top_p):
+    logits = torch.randn(2, 300)
+    logits[0, 17] = logits[0, 40] = float("inf")
+    logits[1, 250] = float("inf")
+    params = SamplingParams(temperature=0.7, top_p=top_p)
+    for u in (0.0, 0.5, 0.999):
+        got = cpu_sampling.sample_rows(logits, [0.7] * 2, [0] * 2, [top_p] * 2, [0.0] * 2,
+                                       [u] * 2).tolist()
+        assert got == [17, 250]
+        assert [_sample_row(logits[r], params, u) for r in range(2)] == [17, 250]
+
+
 def test_a_flat_vocabulary_with_top_p_widens_to_every_token(kernel):
     # Equal logits: the nucleus of 0.999 holds all but a few tokens; candidates start narrow.
     logits = torch.zeros(1, 70000)

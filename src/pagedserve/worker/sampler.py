@@ -106,7 +106,10 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:  # lo
     `u` times the kept mass. NaN logits have probability 0."""
     x = logits / p.temperature
     x = x.masked_fill(x.isnan(), float("-inf"))
-    if not bool(torch.isfinite(x.max())):
+    top = float(x.max())
+    if top == float("inf"):  # +inf outweighs everything: the first +inf
+        return int(torch.argmax(x))
+    if top == float("-inf"):
         return 0  # nothing has weight
     if p.top_k and 0 < p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]

@@ -94,6 +94,10 @@ PS_AVX512 int64_t sample_row(const float* logits, int64_t V, const RowParams& pr
   }
   const float mx = _mm512_reduce_max_ps(vmax);
   if (!(mx > kNegInf)) return 0;  // every logit -inf or NaN: nothing has weight
+  if (mx == -kNegInf) {  // +inf outweighs everything: the first +inf
+    for (int64_t i = 0;; ++i)
+      if (logits[i] / prm.temperature == mx) return i;
+  }
   const __m512 vmx = _mm512_set1_ps(mx);
 
   // Pass 2: the softmax denominator over the whole row (in units of e^max).
