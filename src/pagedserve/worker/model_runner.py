@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.kernels.cpu_gemm import kernel_available
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.sampler import (
@@ -195,6 +196,10 @@ class ModelRunner:
         # Pinned host buffers for what comes back each step (CUDA only), grown on demand.
         self._host_logits: torch.Tensor | None = None
         self._host_tokens: torch.Tensor | None = None
+        # NOTE: build (or load) the compiled CPU kernels now rather than in the first request's
+        # step: a fresh machine compiles them once (about a minute), and the host-side sampler
+        # uses them whatever the device or dtype (warns once and falls back where unavailable).
+        kernel_available()
         self.graphs = None
         if cuda_graphs and self.on_cuda:
             if self.attention_backend == "torch":
