@@ -125,6 +125,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="our server's per-section profile")
     p.add_argument("--pagedserve-args", default="", help="extra flags for our server")
     p.add_argument("--out", type=Path, default=Path("/tmp/vs-llama"))
+    p.add_argument("--request-body", type=json.loads, default={},
+                   help='JSON fields added to every request of both engines, e.g. sampling: '
+                        '\'{"temperature": 1.0, "top_p": 0.95}\' (default: greedy)')
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gguf = bf16_gguf(args.llama_cpp, args.out) if "llama-server" in args.engines else None
@@ -138,7 +141,7 @@ def main() -> int:
                        "--dtype", "bfloat16", "--max-num-seqs", str(max(c, 1)),
                        "--disable-access-log", "--log-stats-interval", "0",
                        "--uvicorn-log-level", "warning", *args.pagedserve_args.split()]
-                extra = []
+                extra = ["--extra-body", json.dumps(args.request_body)] if args.request_body else []
                 if args.profile:
                     cmd.append("--enable-debug-endpoints")
                     extra.append("--profile")
@@ -147,7 +150,7 @@ def main() -> int:
                 cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(gguf),
                        "--host", "127.0.0.1", "--port", str(port), "-np", str(c),
                        "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui"]
-                extra = ["--extra-body", '{"cache_prompt": false}',
+                extra = ["--extra-body", json.dumps({"cache_prompt": False, **args.request_body}),
                          "--served-model-name", "gemma3"]
             server = Server(cmd, port, args.out / f"{engine}-c{c}.log")
             try:
