@@ -27,7 +27,7 @@ def _dense(q, k, v, scale, window):  # q [L, Hq, D] for the last len(q) position
 
 MIXED = [(0, 7), (9, 1), (3, 4), (12, 1), (0, 1)]
 DECODE_ONLY = [(9, 1), (0, 1), (20, 1), (4, 1)]  # built by AttentionMetadata._build_decode
-FRESH = [(0, 7), (9, 1), (0, 4), (0, 12)]  # prompts with nothing cached: per-prompt causal SDPA
+FRESH = [(0, 7), (9, 1), (0, 4), (0, 12)]  # prompts with nothing cached: causal over their own K/V
 FRESH_SHORT = [(0, 5), (6, 1), (0, 3)]  # ... within the window of 5 too
 
 
@@ -64,9 +64,11 @@ def test_paged_attention_matches_dense_attention(window, block_size, shapes):
         block_size=block_size,
         null_block=num_blocks,
     )
-    prompt_groups = [g for g in meta.groups if g.token_index.shape[1] > 1]
-    fresh = shapes in (FRESH, FRESH_SHORT)
-    assert [g.fresh_spans is not None for g in prompt_groups] == [fresh] * len(prompt_groups)
+    # Prompt chunks are attended one by one: (flat start, query length, context length) each.
+    [prompt_spans] = [g.spans for g in meta.groups if g.token_index.shape[1] > 1] or [None]
+    starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes))]
+    expected = [(starts[i], n, c + n) for i, (c, n) in enumerate(shapes) if n > 1]
+    assert prompt_spans == (expected or None)
     q = torch.cat([s[5] for s in seqs])
     k = torch.cat([s[3][s[1] - s[2]:] for s in seqs])
     v = torch.cat([s[4][s[1] - s[2]:] for s in seqs])

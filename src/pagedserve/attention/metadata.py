@@ -40,10 +40,9 @@ class AttentionGroup:
     # True when the group's real queries are the whole flat batch in order (out_tokens == 0..T-1,
     # one per member): a decode-only step, whose attention output needs no scatter.
     covers_all: bool = False
-    # (flat start, length) of each member's queries, on the host, when every member's queries are
-    # its whole context (a prompt with nothing cached: no prefix-cache hit, not a later chunk);
-    # None otherwise. Such a group can attend each member causally on its own new K/V, unpadded.
-    fresh_spans: list[tuple[int, int]] | None = None
+    # Prompt groups: (flat start, query length, context length) of each member, on the host, for
+    # attending member by member, unpadded (None in decode groups).
+    spans: list[tuple[int, int, int]] | None = None
     _kv_slots: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
@@ -156,11 +155,10 @@ class AttentionMetadata:
             groups.append(
                 _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device)
             )
-        if groups and not bool(is_decode.all()):
-            prompt = [i for i, n in enumerate(query_lens) if n != 1]
-            if all(seq_lens[i] == query_lens[i] for i in prompt):
-                starts = qsl.tolist()
-                groups[-1].fresh_spans = [(starts[i], query_lens[i]) for i in prompt]
+        if groups and not bool(is_decode.all()):  # the prompt group is the last
+            starts = qsl.tolist()
+            groups[-1].spans = [(starts[i], query_lens[i], seq_lens[i])
+                                for i, n in enumerate(query_lens) if n != 1]
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=bt.to(device),

@@ -63,12 +63,11 @@ def paged_attention(
                     return o
                 out = _scatter(out, num_tokens, group.out_tokens, o)
                 continue
-        if group.fresh_spans is not None and (
-                not sliding_window or max(n for _, n in group.fresh_spans) <= sliding_window):
-            # Prompts with nothing cached: each attends causally over its own new K/V (as the
-            # cache holds them), unpadded, no gather, no mask (a causal kernel skips the masked
-            # half). 2-3x faster than the padded batch on prompts of ~100-200 tokens.
-            out = _fresh_prompts(out, query, key, value, k_cache.dtype, group.fresh_spans, scale)
+        if group.spans is not None:
+            # Prompt chunks one by one, unpadded (2-3x faster than one padded batch on prompts of
+            # ~100-300 tokens: no padding to the longest, and a causal kernel skips the masked half).
+            out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
+                                  sliding_window)
             continue
         g_len = group.kv_slots.shape[1]
         slots = group.kv_slots.view(-1)
@@ -92,27 +91,44 @@ def paged_attention(
     return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
 
 
-def _fresh_prompts(
+def _attend_prompts(
     out: torch.Tensor | None,  # [T, Hq, D] or None
     query: torch.Tensor,  # [T, Hq, D]
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
-    cache_dtype: torch.dtype,
-    spans: list[tuple[int, int]],
+    flat_k: torch.Tensor,  # [N * B, Hkv, D] the cache, new K/V already written
+    flat_v: torch.Tensor,
+    group,  # AttentionGroup with spans
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
-    """Causal attention of each span of the flat batch over itself; returns `out` (allocated on
-    the first call) with those rows written."""
+    """Each member of a prompt group attends over its own context; returns `out` (allocated on
+    the first call) with the members' rows written. A chunk whose context is just itself (nothing
+    cached before it) and fits the window attends causally over its new K/V; any other reads its
+    context from the cache through its slots, with an explicit causal (and window) mask."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
     gqa = key.shape[1] != num_heads
-    for start, n in spans:
-        # NOTE: K/V rounded to the cache's dtype, as the padded path reads them back from it.
+    for g, (start, n, ctx) in enumerate(group.spans):
         q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        k = key[start : start + n].to(cache_dtype).to(query.dtype).transpose(0, 1).unsqueeze(0)
-        v = value[start : start + n].to(cache_dtype).to(query.dtype).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+        if ctx == n and (not sliding_window or n <= sliding_window):
+            # NOTE: K/V rounded to the cache's dtype, as reading them back from it would.
+            k = key[start : start + n].to(flat_k.dtype)  # [n, Hkv, D]
+            v = value[start : start + n].to(flat_v.dtype)
+            mask, causal = None, True
+        else:
+            slots = group.kv_slots[g, :ctx]  # [ctx]
+            k = flat_k.index_select(0, slots)  # [ctx, Hkv, D]
+            v = flat_v.index_select(0, slots)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)  # [n, 1]
+            k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # [1, ctx]
+            mask, causal = k_pos <= q_pos, False  # [n, ctx]
+            if sliding_window:
+                mask = mask & (q_pos - k_pos < sliding_window)
+        k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=gqa)  # [1, Hq, n, D]
         out[start : start + n] = o[0].transpose(0, 1)
     return out
