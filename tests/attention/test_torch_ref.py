@@ -113,7 +113,7 @@ def test_decode_only_metadata_equals_the_general_build():
     assert meta.query_start_loc.tolist() == list(range(n + 1))
     assert (meta.num_tokens, meta.max_seq_len, meta.max_query_len) == (n, 13, 1)
     [group] = meta.groups
-    for name in ("token_index", "out_index", "out_tokens", "kv_slots", "query_pos", "key_pos",
+    for name in ("token_index", "out_tokens", "kv_slots", "query_pos", "key_pos",
                  "seq_lens", "block_tables"):
         assert torch.equal(getattr(group, name), getattr(general, name)), name
     assert torch.equal(group.mask(None), general.mask(None))

@@ -20,16 +20,15 @@ BACKENDS = ("torch", "triton")
 
 @dataclass
 class AttentionGroup:
-    """Sequences whose queries are attended together in one padded batch.
+    """The decode rows of a step (one query token each), or its prompt chunks.
 
-    Decode-only sequences (one query token each) form one group and prompt chunks another, so that
-    a long prompt does not pad every decode row to its length.
+    The decode group is attended as one batch (the compiled kernel, or SDPA over gathered K/V);
+    the prompt group chunk by chunk through its host-side `spans`.
     """
 
     # NOTE: all index tensors live on the model's device and are built once per step, then shared
     # by every layer; nothing here may depend on the layer.
     token_index: torch.Tensor  # [G, Q] int64: flat token row of each padded query (padding -> T)
-    out_index: torch.Tensor  # [n_tokens] int64: padded row (g * Q + q) of each real query token
     out_tokens: torch.Tensor  # [n_tokens] int64: flat token row those outputs go back to
     query_pos: torch.Tensor  # [G, Q] int64: absolute position of each query (padding repeats last)
     key_pos: torch.Tensor  # [1, L] int64: 0..L-1
@@ -157,7 +156,7 @@ class AttentionMetadata:
             )
         if groups and not bool(is_decode.all()):  # the prompt group is the last
             starts = qsl.tolist()
-            groups[-1].spans = [(starts[i], query_lens[i], seq_lens[i])
+            groups[-1].spans = [(starts[i], n, seq_lens[i])
                                 for i, n in enumerate(query_lens) if n != 1]
         return cls(
             slot_mapping=slot_mapping.to(device),
@@ -200,7 +199,7 @@ class AttentionMetadata:
         if build_groups:
             ar = rows[:n]
             groups.append(AttentionGroup(
-                token_index=ar.view(n, 1), out_index=ar, out_tokens=ar,
+                token_index=ar.view(n, 1), out_tokens=ar,
                 query_pos=(sl - 1).view(n, 1),
                 key_pos=torch.arange(max_len, dtype=torch.int64, device=device).view(1, max_len),
                 seq_lens=sl, block_tables=bt, block_size=block_size, null_block=null_block,
@@ -227,12 +226,9 @@ def _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, d
     query_pos = (g_sl - g_ql).unsqueeze(1) + q_off_clamped  # [G, Q]
     key_pos = torch.arange(max_l).unsqueeze(0)  # [1, L]
     g_bt = bt[members]  # [G, max_blocks]
-    padded_rows = torch.arange(len(members)).unsqueeze(1) * max_q + q_off  # [G, Q]
-    out_index = padded_rows[valid_q]
     out_tokens = token_index[valid_q]
     return AttentionGroup(
         token_index=token_index.to(device),
-        out_index=out_index.to(device),
         out_tokens=out_tokens.to(device),
         query_pos=query_pos.to(device),
         key_pos=key_pos.to(device),

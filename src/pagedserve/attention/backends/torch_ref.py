@@ -63,31 +63,23 @@ def paged_attention(
                     return o
                 out = _scatter(out, num_tokens, group.out_tokens, o)
                 continue
-        if group.spans is not None:
+        if max_q > 1:
             # Prompt chunks one by one, unpadded (2-3x faster than one padded batch on prompts of
             # ~100-300 tokens: no padding to the longest, and a causal kernel skips the masked half).
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
                                   sliding_window)
             continue
+        # Decode rows the kernel did not take (float32, no kernel): one query each, no padding.
         g_len = group.kv_slots.shape[1]
         slots = group.kv_slots.view(-1)
         k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
         v = flat_v.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
-        if max_q == 1:  # decode rows: one real query each, no padding
-            q = query.index_select(0, group.out_tokens).unsqueeze(2)  # [G, Hq, 1, D]
-        else:
-            # One zero row at index T stands in for padded queries.
-            q_padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])  # [T+1, Hq, D]
-            q = q_padded.index_select(0, group.token_index.view(-1))
-            q = q.view(g, max_q, num_heads, head_dim).transpose(1, 2)  # [G, Hq, Q, D]
+        q = query.index_select(0, group.out_tokens).unsqueeze(2)  # [G, Hq, 1, D]
         o = F.scaled_dot_product_attention(
             q, k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask(sliding_window),
             scale=scale, enable_gqa=hkv != num_heads,
-        )  # [G, Hq, Q, D]
-        o = o.transpose(1, 2).reshape(g * max_q, num_heads, head_dim)  # [G*Q, Hq, D]
-        if max_q > 1:
-            o = o.index_select(0, group.out_index)
-        out = _scatter(out, num_tokens, group.out_tokens, o)
+        )  # [G, Hq, 1, D]
+        out = _scatter(out, num_tokens, group.out_tokens, o.squeeze(2))
     return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
 
 
@@ -106,6 +98,8 @@ def _attend_prompts(
     the first call) with the members' rows written. A chunk whose context is just itself (nothing
     cached before it) and fits the window attends causally over its new K/V; any other reads its
     context from the cache through its slots, with an explicit causal (and window) mask."""
+    if group.spans is None:
+        raise ValueError("a prompt group needs its host-side spans (AttentionMetadata.build)")
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
