@@ -75,6 +75,20 @@ PS_AVX512 inline __m512 load_scaled(const float* p, __mmask16 m, __m512 temp) {
   return _mm512_div_ps(_mm512_maskz_loadu_ps(m, p), temp);
 }
 
+// Appends the lanes of x (the 16 values from index i) selected by `keep` as (value, index).
+PS_AVX512 inline void append_candidates(std::vector<std::pair<float, int32_t>>& cand, __m512 x,
+                                        __mmask16 keep, int64_t i) {
+  alignas(64) float xs[16];
+  alignas(64) int32_t is[16];
+  _mm512_mask_compressstoreu_ps(xs, keep, x);
+  _mm512_mask_compressstoreu_epi32(
+      is, keep,
+      _mm512_add_epi32(_mm512_set1_epi32(int32_t(i)),
+                       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)));
+  const int n = __builtin_popcount(keep);
+  for (int j = 0; j < n; ++j) cand.emplace_back(xs[j], is[j]);
+}
+
 struct RowParams {
   float temperature;
   int64_t top_k;  // 0: off
@@ -144,8 +158,6 @@ PS_AVX512 int64_t sample_row(const float* logits, int64_t V, const RowParams& pr
   // inside them is the cut over the whole row.
   const float minp_delta = prm.min_p > 0.0f ? -std::log(prm.min_p) + 1e-3f : 0.0f;
   float delta = 4.0f;
-  alignas(64) float xs[16];
-  alignas(64) int32_t is[16];
   for (;;) {
     cand.clear();
     const bool all = !(delta < 1e30f);
@@ -158,13 +170,7 @@ PS_AVX512 int64_t sample_row(const float* logits, int64_t V, const RowParams& pr
       const __mmask16 keep = all ? _mm512_mask_cmp_ps_mask(m, x, thr, _CMP_GT_OQ)
                                  : _mm512_mask_cmp_ps_mask(m, x, thr, _CMP_GE_OQ);
       if (!keep) continue;
-      const int n = __builtin_popcount(keep);
-      _mm512_mask_compressstoreu_ps(xs, keep, x);
-      _mm512_mask_compressstoreu_epi32(
-          is, keep,
-          _mm512_add_epi32(_mm512_set1_epi32(int32_t(i)),
-                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)));
-      for (int j = 0; j < n; ++j) cand.emplace_back(xs[j], is[j]);
+      append_candidates(cand, x, keep, i);
       z_cand += _mm512_reduce_add_ps(_mm512_maskz_mov_ps(keep, exp_nonpos(_mm512_sub_ps(x, vmx))));
     }
     if (all) break;
@@ -284,8 +290,6 @@ PS_AVX512 void logprob_row(const float* x, int64_t V, int64_t target, int64_t k,
   *lp = xt - lse;
   *rank = greater + 1;
   if (k <= 0) return;
-  alignas(64) float xs[16];
-  alignas(64) int32_t is[16];
   for (float delta = 4.0f;; delta *= 2.0f) {
     cand.clear();
     const bool all = !(delta < 1024.0f);
@@ -295,14 +299,7 @@ PS_AVX512 void logprob_row(const float* x, int64_t V, int64_t target, int64_t k,
       const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
       // (taking all: every non-NaN value, -inf included, as torch.topk would)
       const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, v, thr, _CMP_GE_OQ);
-      if (!keep) continue;
-      const int n = __builtin_popcount(keep);
-      _mm512_mask_compressstoreu_ps(xs, keep, v);
-      _mm512_mask_compressstoreu_epi32(
-          is, keep,
-          _mm512_add_epi32(_mm512_set1_epi32(int32_t(i)),
-                           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)));
-      for (int j = 0; j < n; ++j) cand.emplace_back(xs[j], is[j]);
+      if (keep) append_candidates(cand, v, keep, i);
     }
     if (all || int64_t(cand.size()) >= k) break;
   }
