@@ -21,6 +21,7 @@ from pagedserve.worker.sampler import (
     SampleRequest,
     SampleResult,
     logprob_stats,
+    needs_processing,
     prompt_logprobs,
     sample,
 )
@@ -58,11 +59,8 @@ def build_metadata(backend: str, **kwargs) -> AttentionMetadata:
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int, need_logprob: bool) -> bool:
     """A row whose token is the argmax of the raw logits, nothing else asked (no logprobs, no
     logit processors): it can be chosen without the host sampler (one integer per row)."""
-    p = params
-    return (p.temperature < 1e-5 and p.logprobs is None and not need_logprob
-            and not p.logit_bias and not (p.min_tokens and num_output_tokens < p.min_tokens)
-            and p.repetition_penalty == 1.0 and not p.frequency_penalty
-            and not p.presence_penalty)
+    return (params.temperature < 1e-5 and params.logprobs is None and not need_logprob
+            and not needs_processing(params, num_output_tokens))
 
 
 def plain_greedy_rows(step: SchedulerOutput, row_owner: list[tuple[int, str]]) -> list[int] | None:

@@ -84,7 +84,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
     return chunk * c + inner
 
 
-def _needs_processing(p: SamplingParams, n_out: int) -> bool:
+def needs_processing(p: SamplingParams, n_out: int) -> bool:
+    """Whether a row with `n_out` output tokens so far has logit processors to apply (bias,
+    min_tokens masking, penalties)."""
     return bool(
         p.logit_bias
         or (p.min_tokens and n_out < p.min_tokens)
@@ -156,7 +158,7 @@ def sample(
     num_rows = logits.shape[0]
     want_lp = [r.params.logprobs is not None or r.need_logprob for r in reqs]
     processed = logits
-    if any(_needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
+    if any(needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
 
     greedy_rows = [i for i, r in enumerate(reqs) if r.params.temperature < 1e-5]
