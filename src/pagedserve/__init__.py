@@ -18,15 +18,15 @@ _LAZY = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",
-    "BeamSearchParams": "pagedserve.engine.beam_search",
-    "BeamSearchOutput": "pagedserve.engine.beam_search",
+    "BeamSearchParams": "pagedserve.core.beam_search",
+    "BeamSearchOutput": "pagedserve.core.beam_search",
 }
 
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedserve.config import EngineArgs
-    from pagedserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput

@@ -116,7 +116,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = field(default=None)
     # Beam search through the sampling API (vLLM v0's, and its server's `use_beam_search`):
-    # `n` is the beam width; the engine runs `engine.beam_search` for such a request.
+    # `n` is the beam width; the engine runs `core.beam_search` for such a request.
     use_beam_search: bool = False
     length_penalty: float = 1.0
 

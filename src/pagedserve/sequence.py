@@ -39,8 +39,10 @@ class Sequence:
     `num_computed_tokens` drops to 0 and the whole list is prefilled again.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:
         self.seq_id = seq_id
+        # Its place among its request's samples (0 .. n-1): which random stream it draws from.
+        self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -102,13 +104,25 @@ class SequenceGroup:
     # NOTE: while True, only seqs[0] (the parent) is scheduled: the prompt is prefilled once and
     # the other sequences fork its block table when the first tokens are sampled.
     fork_pending: bool = False
-    # Beam search state (`engine.beam_search.BeamState`) when the request is a beam search.
+    # Beam search state (`core.beam_search.BeamState`) when the request is a beam search.
     beam: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
+
+    @property
+    def max_width(self) -> int:
+        """The most sequences this request ever runs at once: n (or best_of), or the beam width."""
+        params = self.sampling_params
+        return params.n if self.beam is not None else max(params.best_of or params.n, len(self.seqs))
+
+    @property
+    def max_width_left(self) -> int:
+        """Sequences the group may still run at once (scheduler slots it takes while running):
+        its unfinished sequences, or the beam width for a beam search (beams fork)."""
+        return self.sampling_params.n if self.beam is not None else len(self.unfinished_seqs())
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

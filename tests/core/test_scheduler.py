@@ -123,16 +123,23 @@ def test_max_num_seqs_and_token_budget_limit_admission():
         sched.add(group(rid, 2))
     out = run_step(sched)
     assert [s.group.request_id for s in out.scheduled] == ["a", "b"]
-    sched = make(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    sched = make(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_model_len=64,
+                 enable_chunked_prefill=False)
     sched.add(group("a", 40))
     sched.add(group("b", 40))
     out = run_step(sched)
     assert [s.group.request_id for s in out.scheduled] == ["a"]
+    # With chunked prefill (the default) b takes the rest of the budget as a first chunk.
+    sched = make(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_model_len=64)
+    sched.add(group("a", 40))
+    sched.add(group("b", 40))
+    out = run_step(sched)
+    assert [(s.group.request_id, s.num_tokens) for s in out.scheduled] == [("a", 40), ("b", 24)]
 
 
 def test_budget_below_max_model_len_without_chunked_prefill_is_a_value_error():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_batched_tokens=16, max_model_len=32)
+        SchedulerConfig(max_num_batched_tokens=16, max_model_len=32, enable_chunked_prefill=False)
     SchedulerConfig(max_num_batched_tokens=16, max_model_len=32, enable_chunked_prefill=True)
 
 

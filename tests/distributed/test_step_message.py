@@ -6,7 +6,7 @@ import pickle
 import random
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.core.beam_search import BeamSearchParams
 from pagedserve.worker.step_message import StepDecoder, StepEncoder
 
 

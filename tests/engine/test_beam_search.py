@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, BeamSearchParams
-from pagedserve.engine.beam_search import BeamState, select
+from pagedserve.core.beam_search import BeamState, select
 from test_llm_engine import prompts_of_lengths
 
 

@@ -411,7 +411,7 @@ def beam_search_savings(llm, requests: list[LengthRequest], width: int, max_toke
     at `max_tokens` and run with `ignore_eos` so that lengths follow the trace.
     """
     from pagedserve.bench.trace import corpus_text
-    from pagedserve.engine.beam_search import BeamSearchParams
+    from pagedserve.core.beam_search import BeamSearchParams
 
     engine = llm.engine
     rng = random.Random(seed)

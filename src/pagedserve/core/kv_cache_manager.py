@@ -116,6 +116,30 @@ class KVCacheManager:
         table.num_tokens = max(table.num_tokens, num_tokens)
         return copies
 
+    def snapshot(self, seq_id: int) -> BlockTable | None:
+        """A copy of `seq_id`'s table (None if it has none), to `restore` if a step is undone."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return None
+        return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes))
+
+    def restore(self, seq_id: int, snapshot: BlockTable | None) -> None:
+        """Put `seq_id`'s table back as `snapshot` took it, with reference counts to match: the
+        blocks gained since (new blocks, copy-on-write targets) are released, the blocks it held
+        then are held again.
+
+        NOTE: only for undoing this step's `allocate_slots` of a group before the step runs;
+        the snapshot's blocks must not have been handed to another sequence in between.
+        """
+        current = self.tables.pop(seq_id, None)
+        if snapshot is not None:
+            for block in snapshot.blocks:
+                self.pool.acquire(block)
+            self.tables[seq_id] = snapshot
+        if current is not None:
+            for block in reversed(current.blocks):
+                self.pool.decref(block)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give `child_id` the parent's blocks (shared: reference counts go up)."""
         if child_id in self.tables:

@@ -1,11 +1,25 @@
 """Iteration-level FCFS scheduler with all-or-nothing preemption. Pure Python, no torch.
 
-Every step `schedule()` picks the tokens to compute: first one decode token (or the rest of a
-prompt chunk) for every running request in arrival order, allocating blocks as they fill; then,
-when nothing was preempted, new requests from the waiting queue in arrival order, as long as their
-tokens fit the step's budget and their blocks fit the free pool. When a running request needs a
-block and none is free, the most recently arrived running request is preempted (all its
-sequences), its blocks freed, and it goes back to the front of the waiting queue to be recomputed.
+Every step `schedule()` picks the tokens to compute: decode tokens, then prompt (or
+recomputation) chunks of the running requests in arrival order, allocating blocks as they fill;
+then swapped requests coming back; then, when nothing was preempted and nothing is swapped out,
+new requests from the waiting queue in arrival order, as long as their tokens fit the step's
+budget and their blocks fit the free pool. When a running request needs a block and none is free,
+the most recently arrived running request is preempted whole (all its sequences): its blocks are
+swapped to the CPU pool (`preemption_mode` "swap", or "auto" when cheaper) or freed, and it goes
+back to the front of the waiting queue to be recomputed.
+
+After the model ran, `update_from_output` applies the step: computed tokens, prefix-cache
+registration, forks, appended tokens, token-level stops (EOS, stop token ids, lengths), beam
+steps, finishes and frees. The engine plugs text-level work (detokenizing, stop strings, logprob
+formatting) in through a `StepObserver`.
+
+Progress guarantee (see README "Preemption"): the oldest running request is never a victim
+unless it is alone, and a request alone in the cache that still cannot grow finishes with
+"length"; a group may compute any subset of its sequences in a step (being resident stays
+all-or-nothing), so a group being recomputed always fits the token budget; a swapped group that
+could not come back even into an empty cache is recomputed instead. Requests that can never be
+admitted are rejected by the engine (`LLMEngine.add_request`) before they are queued.
 """
 
 from __future__ import annotations
@@ -13,8 +27,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
+from pagedserve.core.step_update import StepObserver, StepUpdate, apply_step
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -23,7 +39,8 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step, and how preempted requests are recovered.
+    """Limits of one step, and how preempted requests are recovered. The defaults are the
+    engine's (`EngineArgs`) for a model of 2048 positions.
 
     `preemption_mode="auto"` swaps a group when the estimated swap time (out and back in:
     `2 * blocks * swap_seconds_per_block`) is below the estimated recompute time
@@ -32,12 +49,14 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = False
-    preemption_mode: str = "recompute"
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
     swap_seconds_per_block: float = 0.0
     recompute_seconds_per_token: float = 0.0
+    # Token ids that end a sequence (unless its request sets ignore_eos).
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -98,8 +117,11 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     # NOTE: the worker applies these in this order, before the forward pass: swap out (device ->
-    # cpu), swap in (cpu -> device), then copy-on-write copies. A block freed by a swap-out may be
-    # handed to another sequence in the same step; its contents are saved first.
+    # cpu), swap in (cpu -> device), then copy-on-write copies. This is correct by construction:
+    # a victim is taken out of the step with every allocation made for it undone (so no pending
+    # copy-on-write ever targets a block being swapped out, and its blocks all hold computed
+    # K/V); a block freed by a swap-out may be handed to another sequence in the same step, and
+    # its contents are saved first; copy sources may be blocks swapped in this step.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -118,14 +140,20 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# (sequence, first token, end) of each sequence a group computes this step.
+Plan = list[tuple[Sequence, int, int]]
+
+
 class Scheduler:
     """FCFS continuous-batching scheduler over a `KVCacheManager`; see the module docstring.
 
     Queues: `waiting` (new, and preempted-by-recomputation at the front), `running` (sorted by
-    arrival), `swapped` (preempted by swapping, sorted by arrival).
+    arrival), `swapped` (preempted by swapping, sorted by arrival). `new_seq_id` hands out ids
+    for the sequences beam search forks.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 new_seq_id: Callable[[], int] | None = None) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[SequenceGroup] = deque()
@@ -134,11 +162,16 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.new_seq_id = new_seq_id or _counter(1 << 40)
 
     # --- queue management --------------------------------------------------------------------
 
     def add(self, group: SequenceGroup) -> None:
-        """Queue a new request (validated by the engine)."""
+        """Queue a new request. Raises ValueError for a group that could never be admitted."""
+        if group.max_width > self.config.max_num_seqs:
+            raise ValueError(
+                f"n/best_of/beam width {group.max_width} is more than max_num_seqs "
+                f"({self.config.max_num_seqs}): the request could never be scheduled")
         self.waiting.append(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -173,12 +206,48 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(g.unfinished_seqs()) for g in self.running)
+        return sum(g.max_width_left for g in self.running)
 
     def _release(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self.kv.free(seq.seq_id)
         self._finished_ids.append(group.request_id)
+
+    # --- after the step ----------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, results: list,
+                           observer: StepObserver | None = None) -> StepUpdate:
+        """Apply a step's results (one `SeqStepOutput` per scheduled sequence, in order): see
+        `core.step_update.apply_step`."""
+        return apply_step(self, sched, results, observer)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer a sequence's newly computed full blocks to the prefix cache."""
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks (shared, copy-on-write) and computed tokens."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = parent.status
+
+    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Remove a pruned beam from its group and free its blocks."""
+        self.kv.free(seq.seq_id)
+        group.seqs.remove(seq)
+
+    def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
+        """Once the parent of a forking group has computed its prompt, give the other sequences
+        its blocks (shared, copy-on-write) and its computed prompt. Returns the sequences, parent
+        first, or [] if the group is not forking now."""
+        seqs = group.unfinished_seqs()
+        if not group.fork_pending or seqs[0].num_computed_tokens < seqs[0].num_prompt_tokens:
+            return []
+        parent = seqs[0]
+        for child in seqs[1:]:
+            self.fork(parent, child)
+        group.fork_pending = False
+        return seqs
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -203,9 +272,14 @@ class Scheduler:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs()]
             plan = self._plan(group, step.budget)
-            need = self._blocks_to_swap_in(plan) if plan else 0
+            need = self._blocks_to_swap_in(group, plan) if plan else 0
+            if plan is not None and need > self.kv.num_blocks:
+                # It could not come back even into an empty cache: recompute it instead.
+                self.swapped.pop(0)
+                self._requeue_for_recompute(group)
+                continue
             if (plan is None or need > self.kv.num_free_blocks
-                    or self._num_seqs() + len(seq_ids) > self.config.max_num_seqs):
+                    or self.num_running_seqs + group.max_width_left > self.config.max_num_seqs):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq_ids))
@@ -214,8 +288,7 @@ class Scheduler:
 
         while self.waiting and not self.swapped and not out.preempted and step.budget > 0:
             group = self.waiting[0]
-            seqs = group.unfinished_seqs()
-            if self._num_seqs() + len(seqs) > self.config.max_num_seqs:
+            if self.num_running_seqs + group.max_width_left > self.config.max_num_seqs:
                 break
             hits = self._prefix_hits(group)
             for seq, blocks in hits:  # tentatively: the cached tokens need no computing
@@ -262,7 +335,7 @@ class Scheduler:
         """Tokens of `seq` looked up in the prefix cache (a forking parent's prompt only)."""
         return seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
 
-    def _blocks_to_admit(self, plan, hits: dict[int, list[int]]) -> int:
+    def _blocks_to_admit(self, plan: Plan, hits: dict[int, list[int]]) -> int:
         """Free blocks that admitting `plan` takes: new blocks beyond the cached ones, plus the
         cached ones that currently sit on the free list."""
         need = 0
@@ -275,10 +348,6 @@ class Scheduler:
                 need += self.kv.num_free_among(cached)
         return need
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Offer a sequence's newly computed full blocks to the prefix cache."""
-        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-
     def _schedule_running(self, group: SequenceGroup, step: "_Step", out: SchedulerOutput) -> None:
         plan = self._plan(group, step.budget)
         if plan is None:
@@ -286,7 +355,10 @@ class Scheduler:
         while not self._fits(plan):
             victim = self.running[-1]
             if victim is group and len(self.running) == 1:
-                # Alone in the cache and still no room: it can never grow.
+                # Alone in the cache: compute the sequences that still fit, else it can never grow.
+                plan = self._fitting_prefix(plan)
+                if plan:
+                    break
                 self.running.pop()
                 for seq in group.unfinished_seqs():
                     self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
@@ -294,41 +366,17 @@ class Scheduler:
                 out.length_capped.append(group)
                 return
             self.running.pop()
-            step.unschedule(victim, out)
+            step.unschedule(victim, out, self.kv)
             self._preempt(victim, out)
             if victim is group:
                 return
         self._commit(plan, group, step, out)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give `child` the parent's blocks (shared, copy-on-write) and computed tokens."""
-        self.kv.fork(parent.seq_id, child.seq_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = parent.status
-
-    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Remove a pruned beam from its group and free its blocks."""
-        self.kv.free(seq.seq_id)
-        group.seqs.remove(seq)
-
-    def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
-        """Once the parent of a forking group has computed its prompt, give the other sequences
-        its blocks (shared, copy-on-write) and its computed prompt. Returns the sequences, parent
-        first, or [] if the group is not forking now."""
-        seqs = group.unfinished_seqs()
-        if not group.fork_pending or seqs[0].num_computed_tokens < seqs[0].num_prompt_tokens:
-            return []
-        parent = seqs[0]
-        for child in seqs[1:]:
-            self.fork(parent, child)
-        group.fork_pending = False
-        return seqs
-
-    def _blocks_to_swap_in(self, plan) -> int:
-        """Device blocks a swapped group needs to come back and run `plan`: its distinct CPU
-        blocks, the blocks its new tokens fill, and one copy-on-write block per sequence (an
-        upper bound)."""
-        seq_ids = [seq.seq_id for seq, _, _ in plan]
+    def _blocks_to_swap_in(self, group: SequenceGroup, plan: Plan) -> int:
+        """Device blocks a swapped group needs to come back and run `plan`: the distinct CPU
+        blocks of all its sequences, the blocks its planned tokens fill, and one copy-on-write
+        block per planned sequence (an upper bound)."""
+        seq_ids = [seq.seq_id for seq in group.unfinished_seqs()]
         grow = sum(
             max(0, cdiv(end, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id].blocks)) + 1
             for seq, _, end in plan
@@ -338,24 +386,29 @@ class Scheduler:
     def _is_decoding(self, group: SequenceGroup) -> bool:
         return all(s.num_tokens - s.num_computed_tokens == 1 for s in group.unfinished_seqs())
 
-    def _num_seqs(self) -> int:
-        return sum(len(g.unfinished_seqs()) for g in self.running)
-
     def _set_running(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs():
             seq.status = SequenceStatus.RUNNING
         # NOTE: `running` stays sorted by arrival: the victim of a preemption is its last entry.
         bisect.insort(self.running, group, key=lambda g: g.arrival_time)
 
-    def _plan(self, group: SequenceGroup, budget: int):
-        """(seq, start, end) for each unfinished sequence of the group within `budget`, or None
-        if the group cannot be scheduled this step."""
+    def _plan(self, group: SequenceGroup, budget: int) -> Plan | None:
+        """(seq, start, end) for the group's sequences that can compute within `budget`, or None
+        if none can.
+
+        NOTE: a group need not compute all its sequences in one step: after a recomputation each
+        sequence recomputes its own output, and together they may exceed any token budget. Every
+        sequence stays resident (blocks are all-or-nothing per group); the ones left out this
+        step are taken in later steps.
+        """
         chunked = self.config.enable_chunked_prefill
-        plan = []
+        plan: Plan = []
         seqs = group.unfinished_seqs()
         if group.fork_pending:
             seqs = seqs[:1]
         for seq in seqs:
+            if budget <= 0:
+                break
             start = seq.num_computed_tokens
             # A group that will fork computes the parent's prompt alone, then the others share it.
             stop = seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
@@ -363,24 +416,40 @@ class Scheduler:
             if want <= 0:  # a beam waiting for its siblings' candidates: nothing to compute
                 continue
             take = min(want, budget) if chunked else want
-            if take > budget or take <= 0:
-                return None
+            if take > budget:  # without chunking a sequence computes whole: a later step
+                continue
             plan.append((seq, start, start + take))
             budget -= take
         return plan or None
 
-    def _fits(self, plan) -> bool:
+    def _fits(self, plan: Plan) -> bool:
         need = sum(self.kv.num_new_blocks(seq.seq_id, end) for seq, _, end in plan)
         return need <= self.kv.num_free_blocks
 
-    def _commit(self, plan, group: SequenceGroup, step: "_Step", out: SchedulerOutput) -> None:
+    def _fitting_prefix(self, plan: Plan) -> Plan:
+        """The longest leading part of `plan` (whole sequences) whose new blocks are free."""
+        free = self.kv.num_free_blocks
+        kept: Plan = []
         for seq, start, end in plan:
+            free -= self.kv.num_new_blocks(seq.seq_id, end)
+            if free < 0:
+                break
+            kept.append((seq, start, end))
+        return kept
+
+    def _commit(self, plan: Plan, group: SequenceGroup, step: "_Step",
+                out: SchedulerOutput) -> None:
+        record = step.record_for(group)
+        for seq, start, end in plan:
+            record.snapshots.append((seq.seq_id, self.kv.snapshot(seq.seq_id)))
             copies = self.kv.allocate_slots(seq.seq_id, end)
             out.blocks_to_copy.extend(copies)
-            out.scheduled.append(
-                ScheduledSequence.make(group, seq, start, end, self.kv.block_table(seq.seq_id))
-            )
-            step.record(group, end - start)
+            record.copies.extend(copies)
+            entry = ScheduledSequence.make(group, seq, start, end, self.kv.block_table(seq.seq_id))
+            out.scheduled.append(entry)
+            record.entries.append(entry)
+            record.tokens += end - start
+            step.budget -= end - start
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict a whole group: swap its blocks to the CPU pool when the mode says so and the
@@ -399,15 +468,23 @@ class Scheduler:
             bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
             self.preemptions_by_mode["swap"] += 1
             return
+        self._requeue_for_recompute(group)
+        self.preemptions_by_mode["recompute"] += 1
+
+    def _requeue_for_recompute(self, group: SequenceGroup) -> None:
+        """Drop a group's blocks (device and CPU) and put it at the front of the waiting queue;
+        it prefills its prompt once again, forks, and each sequence recomputes its output."""
         for seq in group.unfinished_seqs():
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
+        # NOTE: prompt logprobs of a prompt cut short are computed again from its start.
+        if not group.prompt_logprobs_done and group.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
         # Recompute the shared prompt once again, then fork: the group needs no more blocks
         # than it held before.
         group.fork_pending = len(group.unfinished_seqs()) > 1
         self.waiting.appendleft(group)
-        self.preemptions_by_mode["recompute"] += 1
 
     def _should_swap(self, group: SequenceGroup, seq_ids: list[int]) -> bool:
         mode = self.config.preemption_mode
@@ -421,26 +498,48 @@ class Scheduler:
         return swap_cost < tokens * self.config.recompute_seconds_per_token
 
 
+def _counter(start: int) -> Callable[[], int]:
+    state = [start]
+
+    def next_id() -> int:
+        state[0] += 1
+        return state[0]
+
+    return next_id
+
+
+@dataclass
+class _GroupRecord:
+    """Everything a group's `_commit` changed in the step being scheduled."""
+
+    tokens: int = 0
+    snapshots: list[tuple[int, BlockTable | None]] = field(default_factory=list)
+    entries: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
 class _Step:
-    """Book-keeping of the step being scheduled, so that a preempted victim that was already
-    scheduled this step can be taken out again."""
+    """Book-keeping of the step being scheduled, so that a victim that was already scheduled
+    this step can be taken out again with every change made for it undone."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._used: dict[str, int] = {}
+        self._records: dict[str, _GroupRecord] = {}
 
-    def record(self, group: SequenceGroup, num_tokens: int) -> None:
-        self.budget -= num_tokens
-        self._used[group.request_id] = self._used.get(group.request_id, 0) + num_tokens
+    def record_for(self, group: SequenceGroup) -> _GroupRecord:
+        return self._records.setdefault(group.request_id, _GroupRecord())
 
-    def unschedule(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        used = self._used.pop(group.request_id, 0)
-        if not used:
+    def unschedule(self, group: SequenceGroup, out: SchedulerOutput, kv: KVCacheManager) -> None:
+        """Undo the group's part of this step: its scheduled rows, its copy-on-write copies, its
+        token budget, and its block tables as they were before the step (blocks gained are
+        released)."""
+        record = self._records.pop(group.request_id, None)
+        if record is None:
             return
-        self.budget += used
-        mine = {id(s) for s in group.seqs}
-        dropped = [s for s in out.scheduled if id(s.seq) in mine]
-        out.scheduled = [s for s in out.scheduled if id(s.seq) not in mine]
-        # Its copy-on-write targets are about to be freed: no copy needed.
-        targets = {b for s in dropped for b in s.block_table}
-        out.blocks_to_copy = [p for p in out.blocks_to_copy if p[1] not in targets]
+        self.budget += record.tokens
+        dropped = {id(e) for e in record.entries}
+        out.scheduled = [s for s in out.scheduled if id(s) not in dropped]
+        copies = set(record.copies)
+        out.blocks_to_copy = [p for p in out.blocks_to_copy if p not in copies]
+        for seq_id, snapshot in reversed(record.snapshots):
+            kv.restore(seq_id, snapshot)

@@ -7,7 +7,7 @@ from typing import Any, Sequence as Seq
 from tqdm import tqdm
 
 from pagedserve.config import EngineArgs
-from pagedserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -15,14 +15,7 @@ from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.contiguous import ContiguousKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedserve.engine.beam_search import (
-    BeamSearchParams,
-    BeamState,
-    Extension,
-    Hypothesis,
-    final_hypotheses,
-    select,
-)
+from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
     TokenizerInfo,
@@ -43,7 +36,7 @@ from pagedserve.worker.kv_cache import (
     num_blocks_for_budget,
     preemption_costs,
 )
-from pagedserve.worker.model_runner import SeqStepOutput
+from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.worker.worker import CacheConfig, ProfileConfig
 
 logger = logging.getLogger(__name__)
@@ -98,8 +91,8 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({max_pos})"
             )
-        self._build_cache(args)
         self._seq_ids = itertools.count()
+        self._build_cache(args)
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self._step_request_ids: list[str] = []  # see step_request_ids()
@@ -155,6 +148,7 @@ class LLMEngine:
             preemption_mode=args.preemption_mode,
             swap_seconds_per_block=swap_s,
             recompute_seconds_per_token=recompute_s,
+            eos_token_ids=tuple(self.eos_token_ids),
         )
         self.num_kv_blocks = self._num_blocks(args, spec, block_bytes, batched)
         self.num_cpu_blocks = 0
@@ -182,7 +176,8 @@ class LLMEngine:
                 self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
                 num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
             )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager,
+                                   new_seq_id=lambda: next(self._seq_ids))
         self.executor.init_cache(CacheConfig(self.num_kv_blocks, args.block_size,
                                              self.num_cpu_blocks, tuple(self.eos_token_ids),
                                              max_num_seqs=args.max_num_seqs,
@@ -242,8 +237,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=prompt,
         )
-        for _ in range(1 if beam else params.best_of or params.n):
-            seq = Sequence(next(self._seq_ids), prompt_token_ids)
+        for index in range(1 if beam else params.best_of or params.n):
+            seq = Sequence(next(self._seq_ids), prompt_token_ids, index)
             if beam:  # beams fork every step: their text is decoded once, at the end
                 group.seqs.append(seq)
                 continue
@@ -267,8 +262,8 @@ class LLMEngine:
                 self.kv_manager.expect_length(seq.seq_id, final_len)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
-        self.groups[request_id] = group
         self.scheduler.add(group)
+        self.groups[request_id] = group
         return group
 
     def _validate_prompt(self, ids) -> list[int]:
@@ -301,8 +296,13 @@ class LLMEngine:
                 raise ValueError(
                     f"{name}={value} is more than max_logprobs ({self.args.max_logprobs})"
                 )
-        # The prompt's blocks are shared by the group's sequences; each needs one block more.
         width = params.best_of or params.n
+        if width > self.args.max_num_seqs:
+            name = "n" if params.use_beam_search or params.best_of is None else "best_of"
+            raise ValueError(
+                f"{name}={width} is more than max_num_seqs ({self.args.max_num_seqs}): the "
+                "request could never be scheduled (raise max_num_seqs)")
+        # The prompt's blocks are shared by the group's sequences; each needs one block more.
         blocks = cdiv(prompt_len, self.kv_manager.block_size) + width
         if blocks > self.num_kv_blocks:
             raise ValueError(
@@ -368,40 +368,15 @@ class LLMEngine:
         self._step_ids_stamp = self.stats["steps"]  # a step that completes moves past it
         now = time.monotonic()
         results = self.executor.execute(sched)
-        touched: dict[str, SequenceGroup] = {}
-        beams: dict[str, SequenceGroup] = {}
-        for s, r in zip(sched.scheduled, results):
-            group = s.group
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = now
-            s.seq.num_computed_tokens = s.end
-            self.scheduler.cache_computed_blocks(s.seq)
-            if r.prompt_logprobs is not None:
-                self._add_prompt_logprobs(s, r)
-            # The shared prompt is computed: the other sequences fork the parent's blocks.
-            forked = self.scheduler.fork_if_ready(group)
-            if r.samples:
-                seqs = forked if len(r.samples) > 1 else [s.seq]
-                for seq, res in zip(seqs, r.samples):
-                    self._append_token(group, seq, res)
-                touched[group.request_id] = group
-            elif r.beam_candidates is not None:
-                s.seq.beam_candidates = r.beam_candidates
-                beams[group.request_id] = group
-        for group in beams.values():
-            if all(q.beam_candidates is not None for q in group.unfinished_seqs()):
-                self._beam_step(group)
-                touched[group.request_id] = group
+        for s in sched.scheduled:
+            if s.group.first_scheduled_time is None:
+                s.group.first_scheduled_time = now
+        update = self.scheduler.update_from_output(sched, results, self)
         self.stats["steps"] += 1
-        self.stats["prompt_tokens"] += sum(
-            max(0, min(s.end, s.seq.num_prompt_tokens) - s.start) for s in sched.scheduled
-        )
-        for group in sched.length_capped:
-            touched[group.request_id] = group
-        for group in self.scheduler.remove_finished():
-            touched[group.request_id] = group
+        self.stats["prompt_tokens"] += update.num_prompt_tokens
+        self.stats["generation_tokens"] += update.num_generated_tokens
         outputs = []
-        for group in touched.values():
+        for group in update.groups:
             finished = group.is_finished
             if finished:
                 group.finished_time = time.monotonic()
@@ -410,14 +385,35 @@ class LLMEngine:
             outputs.append(self._make_output(group, finished))
         return outputs
 
-    def _add_prompt_logprobs(self, s, r: SeqStepOutput) -> None:
+    # --- the scheduler's StepObserver: what needs the tokenizer --------------------------------
+
+    def on_prompt_logprobs(self, s, r: SeqStepOutput) -> None:
+        """Format a prompt chunk's logprobs into the group's `prompt_logprobs`."""
         group = s.group
         ids = s.seq.token_ids
         for offset, (lp, rank, top) in enumerate(r.prompt_logprobs):
             token = ids[s.start + 1 + offset]
             group.prompt_logprobs.append(self._logprob_dict(token, lp, rank, top))
-        if s.end >= s.seq.num_prompt_tokens:
-            group.prompt_logprobs_done = True
+
+    def on_token(self, group: SequenceGroup, seq: Sequence, res, check_stop: bool) -> bool:
+        """Record a new token's logprobs, detokenize it; True if a stop string matched."""
+        params = group.sampling_params
+        token = res.token_id
+        if res.top_logprobs is not None:
+            seq.output_logprobs.append(
+                self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
+            )
+        detok: IncrementalDetokenizer = seq.detokenizer
+        new_text = detok.append([token])
+        if check_stop and params.stop and new_text:
+            cut, matched = find_stop(
+                detok.text, len(new_text), params.stop, params.include_stop_str_in_output
+            )
+            if matched is not None:
+                seq.final_text = detok.text[:cut]
+                seq.stop_reason = matched
+                return True
+        return False
 
     def _logprob_dict(self, token: int, lp: float, rank: int, top) -> dict[int, Logprob]:
         entry = {}
@@ -431,38 +427,6 @@ class LLMEngine:
 
     def _decode_token(self, token: int) -> str | None:
         return None if self.tokenizer is None else decode_token(self.tokenizer, token)
-
-    def _append_token(self, group: SequenceGroup, seq: Sequence, res) -> None:
-        params = group.sampling_params
-        token = res.token_id
-        seq.append_token(token, res.logprob or 0.0)
-        self.stats["generation_tokens"] += 1
-        if group.first_token_time is None:
-            group.first_token_time = time.monotonic()
-        if res.top_logprobs is not None:
-            seq.output_logprobs.append(
-                self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
-            )
-        detok: IncrementalDetokenizer = seq.detokenizer
-        new_text = detok.append([token])
-        n_out = seq.num_output_tokens
-        status = None
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif params.stop and new_text:
-                cut, matched = find_stop(
-                    detok.text, len(new_text), params.stop, params.include_stop_str_in_output
-                )
-                if matched is not None:
-                    seq.final_text = detok.text[:cut]
-                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, matched
-        if status is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish_seq(seq, status)
 
     # --- beam search -------------------------------------------------------------------------
 
@@ -478,46 +442,6 @@ class LLMEngine:
                                   ignore_eos=params.ignore_eos, n=params.beam_width,
                                   use_beam_search=True, length_penalty=params.length_penalty)
         return self.add_request(request_id, prompt, sampling, prompt_token_ids)
-
-    def _beam_step(self, group: SequenceGroup) -> None:
-        """Select the next beams from every live beam's candidates; fork, extend and prune."""
-        state: BeamState = group.beam
-        live = group.unfinished_seqs()
-        chosen = select(
-            state,
-            [(q.cumulative_logprob, q.num_output_tokens, q.output_token_ids) for q in live],
-            [q.beam_candidates for q in live],
-            set(self.eos_token_ids),
-        )
-        extended: list[tuple[Sequence, Extension]] = []
-        taken: set[int] = set()
-        for ext in chosen:  # forks first: a child copies its parent before the parent grows
-            parent = live[ext.parent]
-            if ext.parent in taken:
-                child = Sequence(next(self._seq_ids), parent.prompt_token_ids)
-                child.token_ids = list(parent.token_ids)
-                self.scheduler.fork(parent, child)
-                group.seqs.append(child)
-                extended.append((child, ext))
-            else:
-                taken.add(ext.parent)
-                extended.append((parent, ext))
-        for i, q in enumerate(live):
-            q.beam_candidates = None
-            if i not in taken:
-                self.scheduler.drop_seq(group, q)
-        for seq, ext in extended:
-            seq.token_ids.append(ext.token)
-            seq.cumulative_logprob = ext.cum_logprob
-            self.stats["generation_tokens"] += 1
-        if group.first_token_time is None:
-            group.first_token_time = time.monotonic()
-        beams = [seq for seq, _ in extended]
-        if state.done or not beams or beams[0].num_tokens >= self.max_model_len:
-            group.extra["beam_final"] = final_hypotheses(
-                state, [(q.cumulative_logprob, q.output_token_ids) for q in beams])
-            for q in beams:
-                self.scheduler.finish_seq(q, SequenceStatus.FINISHED_LENGTH)
 
     def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         hyps = group.extra.get("beam_final") if finished else None

@@ -26,7 +26,8 @@ from pagedserve.models.base import KVCacheSpec
 from pagedserve.models.loader import load_model
 from pagedserve.models.source import ModelSource
 from pagedserve.worker.kv_cache import KVCache
-from pagedserve.worker.model_runner import ModelRunner, SeqStepOutput
+from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.model_runner import MemoryProfile
 from pagedserve.worker.worker import (
     CacheConfig,

@@ -14,12 +14,12 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.step_output import SampleResult, SeqStepOutput
 from pagedserve.kernels.cpu_gemm import kernel_available
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.sampler import (
     SampleRequest,
-    SampleResult,
     logprob_stats,
     needs_processing,
     prompt_logprobs,
@@ -146,25 +146,12 @@ def profile_peak_memory(model, spec, *, dtype: torch.dtype, device: torch.device
     return MemoryProfile(total=int(total), peak=int(peak + outside))
 
 
-@dataclass
-class SeqStepOutput:
-    """What one scheduled sequence got from this step."""
-
-    seq_id: int
-    # One result per sequence this row samples for: empty when the step did not reach the
-    # sequence's end; `num_samples` results when the group forks after its shared prefill.
-    samples: list[SampleResult]
-    # (logprob, rank, top-k) for each prompt position start+1 .. end of this chunk, if asked
-    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
-    # Beam search: the row's best 2 * beam_width (token, raw logprob), best first.
-    beam_candidates: list[tuple[int, float]] | None = None
-
-
 class ModelRunner:
     """Runs steps of a model over a paged KV cache.
 
-    NOTE: per-request random generators live here, keyed by request id, and survive preemption;
-    they are dropped only when the scheduler reports the request finished.
+    NOTE: the random generators of seeded requests live here, one per sequence (keyed by request
+    id and sample index), and survive preemption; they are dropped only when the scheduler
+    reports the request finished.
 
     Under tensor parallelism every rank runs one, on its shard; only rank 0's samples
     (`sample=True`): the others run the same forward (and logits gather) and return [].
@@ -188,7 +175,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.eos_ids = list(stop_token_ids_for_min_tokens)
-        self.generators: dict[str, torch.Generator] = {}
+        self.generators: dict[str, dict[int, torch.Generator]] = {}
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         self.on_cuda = self.device.type == "cuda"
         # Pinned host buffers for what comes back each step (CUDA only), grown on demand.
@@ -231,14 +218,22 @@ class ModelRunner:
                               block_size=self.kv_cache.block_size,
                               null_block=self.kv_cache.null_block, device=device)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
+        """The random stream of sample `index` of a seeded request.
+
+        NOTE: one stream per sequence (seeded with `seed` for the first, and a value derived
+        from `seed` and `index` for the others), so that a sequence's draws do not depend on
+        which of its siblings are computed in the same step (a group may compute a subset of
+        its sequences in a step, e.g. while it is recomputed).
+        """
         if seed is None:
             return None
-        gen = self.generators.get(request_id)
+        streams = self.generators.setdefault(request_id, {})
+        gen = streams.get(index)
         if gen is None:
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed)
-            self.generators[request_id] = gen
+            gen.manual_seed(seed if index == 0 else hash((seed, index)) & (2**63 - 1))
+            streams[index] = gen
         return gen
 
     @torch.inference_mode()
@@ -344,9 +339,8 @@ class ModelRunner:
                     outputs[idx].beam_candidates = top
                     continue
                 params = s.group.sampling_params
-                gen = self._generator(s.group.request_id, params.seed)
-                # NOTE: a forking group draws all its first tokens from the parent's row, in
-                # sequence order, from the one request generator: distinct and reproducible.
+                # NOTE: a forking group draws all its first tokens from the parent's row, each
+                # from its own sequence's stream: distinct and reproducible.
                 for seq in s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]:
                     rows.append(row)
                     owners.append(idx)
@@ -354,7 +348,7 @@ class ModelRunner:
                         params=params,
                         prompt_token_ids=seq.prompt_token_ids,
                         output_token_ids=seq.output_token_ids,
-                        generator=gen,
+                        generator=self._generator(s.group.request_id, params.seed, seq.index),
                         need_logprob=s.group.needs_logprobs,
                     ))
             stop_ids = [

@@ -25,7 +25,7 @@ from typing import Any
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.distributed.process_group import free_port
 from pagedserve.worker.executor import CommStats, Executor, WorkerDiedError
-from pagedserve.worker.model_runner import SeqStepOutput
+from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.worker.step_message import StepEncoder
 from pagedserve.worker.worker import CacheConfig, Worker, WorkerConfig
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels import cpu_sampling
+from pagedserve.core.step_output import SampleResult
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -24,16 +25,6 @@ class SampleRequest:
     generator: torch.Generator | None
     # The chosen token's logprob is needed even without `logprobs` (best_of ranks by it).
     need_logprob: bool = False
-
-
-@dataclass
-class SampleResult:
-    """The chosen token of one row, its raw logprob and rank, and the top-k when asked."""
-
-    token_id: int
-    logprob: float | None
-    rank: int | None
-    top_logprobs: list[tuple[int, float]] | None  # [(token, logprob)] best first
 
 
 def _apply_processors(

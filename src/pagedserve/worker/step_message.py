@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.scheduler import ScheduledSequence, SchedulerOutput
-from pagedserve.engine.beam_search import BeamSearchParams, BeamState
+from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
 
@@ -34,7 +34,8 @@ class StepMessage:
     """One step's input for every worker, as plain picklable data (see the module docstring)."""
 
     new_requests: list[tuple[str, SamplingParams, BeamSearchParams | None]] = field(default_factory=list)
-    new_seqs: list[tuple[int, str, int]] = field(default_factory=list)  # (seq, request, prompt len)
+    # (seq id, request id, prompt length, sample index)
+    new_seqs: list[tuple[int, str, int, int]] = field(default_factory=list)
     tokens: list[Delta] = field(default_factory=list)
     tables: list[Delta] = field(default_factory=list)
     # One per scheduled sequence, in batch order: (seq_id, start, end, flags, num_samples).
@@ -107,7 +108,7 @@ class StepEncoder:
     def _sync_tokens(self, seq: Sequence, request_id: str, held: set[int], msg: StepMessage) -> None:
         sent = self._num_tokens.get(seq.seq_id)
         if sent is None:
-            msg.new_seqs.append((seq.seq_id, request_id, seq.num_prompt_tokens))
+            msg.new_seqs.append((seq.seq_id, request_id, seq.num_prompt_tokens, seq.index))
             held.add(seq.seq_id)
             sent = 0
         n = len(seq.token_ids)
@@ -169,8 +170,8 @@ class StepDecoder:
                 group.beam = BeamState(beam)
             self.groups[request_id] = group
             self._seqs_of[request_id] = set()
-        for seq_id, request_id, num_prompt_tokens in msg.new_seqs:
-            seq = Sequence(seq_id, [])
+        for seq_id, request_id, num_prompt_tokens, index in msg.new_seqs:
+            seq = Sequence(seq_id, [], index)
             seq.num_prompt_tokens = num_prompt_tokens
             self.seqs[seq_id] = seq
             self._request_of[seq_id] = request_id

@@ -91,7 +91,7 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    # vLLM's beam search: `n` is the beam width (runs inside the engine, see engine/beam_search.py)
+    # vLLM's beam search: `n` is the beam width (runs inside the engine, see core/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
 

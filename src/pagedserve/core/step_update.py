@@ -1,0 +1,153 @@
+"""Applying a step's results to the scheduler's state (`Scheduler.update_from_output`). Pure
+Python, no torch.
+
+For every scheduled sequence, in order: its computed tokens advance, its newly full blocks are
+offered to the prefix cache, a forking group's other sequences fork the parent once the shared
+prompt is computed, sampled tokens are appended and checked against the token-level stops (EOS,
+stop token ids after `min_tokens`, `max_tokens`, `max_model_len`), beam candidates are collected
+and, once every live beam has its candidates, the beam step forks, extends and prunes. Finished
+sequences free their blocks; finished groups leave `running`.
+
+The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
+token logprob entries, incremental detokenization and stop strings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from pagedserve.core.beam_search import Extension, final_hypotheses, select
+from pagedserve.core.step_output import SampleResult, SeqStepOutput
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedserve.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+
+
+class StepObserver(Protocol):
+    """The engine's part of a step update (text and logprob formatting)."""
+
+    def on_prompt_logprobs(self, scheduled: "ScheduledSequence", output: SeqStepOutput) -> None:
+        """Record the prompt logprobs a prompt chunk produced (`group.prompt_logprobs`)."""
+
+    def on_token(self, group: SequenceGroup, seq: Sequence, sample: SampleResult,
+                 check_stop: bool) -> bool:
+        """A token was appended to `seq`: record its logprobs, detokenize it, and when
+        `check_stop` look for a stop string; returns True if one matched (the sequence stops)."""
+
+
+@dataclass
+class StepUpdate:
+    """What a step changed: the groups that produced tokens or finished (in order), and counts."""
+
+    groups: list[SequenceGroup] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[SeqStepOutput],
+               observer: StepObserver | None) -> StepUpdate:
+    """Apply one step's results; see the module docstring."""
+    update = StepUpdate()
+    touched: dict[str, SequenceGroup] = {}
+    beams: dict[str, SequenceGroup] = {}
+    for s, r in zip(sched.scheduled, results):
+        group, seq = s.group, s.seq
+        seq.num_computed_tokens = s.end
+        scheduler.cache_computed_blocks(seq)
+        update.num_prompt_tokens += max(0, min(s.end, seq.num_prompt_tokens) - s.start)
+        if r.prompt_logprobs is not None:
+            if observer is not None:
+                observer.on_prompt_logprobs(s, r)
+            if s.end >= seq.num_prompt_tokens:
+                group.prompt_logprobs_done = True
+        # The shared prompt is computed: the other sequences fork the parent's blocks.
+        forked = scheduler.fork_if_ready(group)
+        if r.samples:
+            seqs = forked if len(r.samples) > 1 else [seq]
+            for q, sample in zip(seqs, r.samples):
+                _append_token(scheduler, group, q, sample, observer)
+                update.num_generated_tokens += 1
+            touched[group.request_id] = group
+        elif r.beam_candidates is not None:
+            seq.beam_candidates = r.beam_candidates
+            beams[group.request_id] = group
+    for group in beams.values():
+        if all(q.beam_candidates is not None for q in group.unfinished_seqs()):
+            update.num_generated_tokens += _beam_step(scheduler, group)
+            touched[group.request_id] = group
+    for group in sched.length_capped:
+        touched[group.request_id] = group
+    for group in scheduler.remove_finished():
+        touched[group.request_id] = group
+    update.groups = list(touched.values())
+    return update
+
+
+def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
+                  sample: SampleResult, observer: StepObserver | None) -> None:
+    params = group.sampling_params
+    token = sample.token_id
+    seq.append_token(token, sample.logprob or 0.0)
+    if group.first_token_time is None:
+        group.first_token_time = time.monotonic()
+    n_out = seq.num_output_tokens
+    status = None
+    if n_out >= params.min_tokens:
+        if not params.ignore_eos and token in scheduler.config.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+    if observer is not None and observer.on_token(
+            group, seq, sample, status is None and n_out >= params.min_tokens):
+        status = SequenceStatus.FINISHED_STOPPED
+    max_tokens = params.max_tokens if params.max_tokens is not None else float("inf")
+    if status is None and (n_out >= max_tokens
+                           or seq.num_tokens >= scheduler.config.max_model_len):
+        status = SequenceStatus.FINISHED_LENGTH
+    if status is not None:
+        scheduler.finish_seq(seq, status)
+
+
+def _beam_step(scheduler: "Scheduler", group: SequenceGroup) -> int:
+    """Select the next beams from every live beam's candidates; fork, extend and prune.
+    Returns the number of tokens appended."""
+    state = group.beam
+    live = group.unfinished_seqs()
+    chosen = select(
+        state,
+        [(q.cumulative_logprob, q.num_output_tokens, q.output_token_ids) for q in live],
+        [q.beam_candidates for q in live],
+        set(scheduler.config.eos_token_ids),
+    )
+    extended: list[tuple[Sequence, Extension]] = []
+    taken: set[int] = set()
+    for ext in chosen:  # forks first: a child copies its parent before the parent grows
+        parent = live[ext.parent]
+        if ext.parent in taken:
+            child = Sequence(scheduler.new_seq_id(), parent.prompt_token_ids)
+            child.token_ids = list(parent.token_ids)
+            scheduler.fork(parent, child)
+            group.seqs.append(child)
+            extended.append((child, ext))
+        else:
+            taken.add(ext.parent)
+            extended.append((parent, ext))
+    for i, q in enumerate(live):
+        q.beam_candidates = None
+        if i not in taken:
+            scheduler.drop_seq(group, q)
+    for seq, ext in extended:
+        seq.token_ids.append(ext.token)
+        seq.cumulative_logprob = ext.cum_logprob
+    if group.first_token_time is None:
+        group.first_token_time = time.monotonic()
+    beams = [seq for seq, _ in extended]
+    if state.done or not beams or beams[0].num_tokens >= scheduler.config.max_model_len:
+        group.extra["beam_final"] = final_hypotheses(
+            state, [(q.cumulative_logprob, q.output_token_ids) for q in beams])
+        for q in beams:
+            scheduler.finish_seq(q, SequenceStatus.FINISHED_LENGTH)
+    return len(extended)
