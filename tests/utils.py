@@ -53,6 +53,46 @@ def assert_tie_rule(ours, ref, name: str = "") -> None:
     assert len(a_tok) == len(b_tok), f"{name}: lengths differ: {len(a_tok)} vs {len(b_tok)}"
 
 
+def output_key(out) -> tuple:
+    """Everything a request returned that must not change when KV moves around (preemption,
+    swapping, prefix caching, chunking, batch composition): tokens, finish reasons, cumulative
+    logprobs, per-token and prompt logprobs (values and ranks). Compared with `==`: exact."""
+    def lp(entries):
+        if entries is None:
+            return None
+        return [None if e is None else sorted((t, x.logprob, x.rank) for t, x in e.items())
+                for e in entries]
+
+    completions = getattr(out, "outputs", None)
+    if completions is None:  # a beam search output
+        return tuple((s.output_token_ids, s.cum_logprob, s.finish_reason) for s in out.sequences)
+    return (tuple((c.token_ids, c.finish_reason, c.cumulative_logprob, lp(c.logprobs))
+                  for c in completions), lp(out.prompt_logprobs))
+
+
+def assert_same_outputs(ours, ref) -> None:
+    """Same-engine runs are compared exactly (float32 on CPU is deterministic): see output_key."""
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert output_key(a) == output_key(b), f"request {i} differs"
+
+
+def drive(engine, max_steps: int) -> dict:
+    """Step `engine` until every request finished, at most `max_steps` steps (a hang fails),
+    checking the block tables after every step; returns the final output of each request."""
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        engine.check_invariants()
+    assert not engine.has_unfinished_requests(), f"not finished after {max_steps} steps"
+    assert engine.num_used_blocks() == 0
+    return final
+
+
 class PagedRunner:
     """Runs `model` step by step on a paged KV cache, like the engine would: NaN-filled caches
     (reading an unwritten slot poisons the output) with a zero null block, block tables drawn

@@ -1,28 +1,40 @@
-"""The scheduler alone (no model): FCFS admission, iteration-level batching, preemption."""
+"""The scheduler alone (no model, a fake runner): FCFS admission, iteration-level batching,
+preemption, and the state update after a step."""
 
 import pytest
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.step_output import SampleResult, SeqStepOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _ids = iter(range(10**6))
 
 
-def group(rid, prompt_len, n=1, arrival=0.0):
-    params = SamplingParams(n=n, max_tokens=100)
-    return SequenceGroup(rid, [Sequence(next(_ids), list(range(prompt_len))) for _ in range(n)],
-                         params, arrival)
+def group(rid, prompt_len, n=1, arrival=0.0, **params):
+    params.setdefault("max_tokens", 100)
+    params = SamplingParams(n=n, **params)
+    g = SequenceGroup(rid, [Sequence(next(_ids), list(range(prompt_len)), i) for i in range(n)],
+                      params, arrival)
+    g.fork_pending = n > 1  # as the engine queues it: the prompt is prefilled once, then forked
+    if params.prompt_logprobs is not None:
+        g.prompt_logprobs = [None]
+    return g
+
+
+def fake_results(out, token=7):
+    """What a model runner would return: token `token` for every sample a row draws."""
+    return [SeqStepOutput(s.seq.seq_id,
+                          [SampleResult(token, -1.0, 1, None)] * s.num_samples if s.do_sample else [],
+                          [(-1.0, 1, [])] * s.num_tokens if s.wants_prompt_logprobs else None)
+            for s in out.scheduled]
 
 
 def run_step(sched):
     """Schedule one step and pretend the model ran: every sampled sequence gains token 7."""
     out = sched.schedule()
-    for s in out.scheduled:
-        s.seq.num_computed_tokens = s.end
-        if s.do_sample:
-            s.seq.append_token(7, 0.0)
+    sched.update_from_output(out, fake_results(out))
     sched.kv.check_invariants()
     return out
 
@@ -103,18 +115,23 @@ def test_request_that_cannot_grow_even_alone_finishes_with_length():
 
 
 def test_all_sequences_of_a_group_are_preempted_together():
-    sched = make(num_blocks=6, block_size=4)
+    sched = make(num_blocks=6, block_size=4, preemption_mode="recompute")
     sched.add(group("a", 4, arrival=0.0))
-    sched.add(group("b", 4, n=2, arrival=1.0))
-    run_step(sched)
-    sched.add(group("c", 8, arrival=2.0))
-    run_step(sched)  # "a" takes a 2nd block, then b's two seqs each need one: b and c compete
-    run_step(sched)
-    for g in list(sched.waiting):
-        for s in g.seqs:
-            assert s.seq_id not in sched.kv.tables
-    for g in sched.running:
-        assert all(s.seq_id in sched.kv.tables for s in g.unfinished_seqs())
+    sched.add(group("b", 3, n=3, arrival=1.0))
+    run_step(sched)  # a: 1 block; b: its parent prefills 1 block, samples 3 first tokens, forks
+    b = next(g for g in sched.running if g.request_id == "b")
+    assert len({tuple(sched.kv.block_table(q.seq_id)) for q in b.seqs}) == 1  # shared
+    preempted = []
+    for _ in range(8):  # a grows a block every 4 tokens; b's 3 sequences copy and grow too
+        preempted += [g.request_id for g in run_step(sched).preempted]
+        if preempted:
+            break
+    assert preempted == ["b"]
+    assert sched.waiting[0] is b and b.fork_pending
+    for q in b.seqs:
+        assert q.seq_id not in sched.kv.tables and q.num_computed_tokens == 0
+        assert q.status is SequenceStatus.WAITING
+    assert [g.request_id for g in sched.running] == ["a"]
 
 
 def test_max_num_seqs_and_token_budget_limit_admission():
@@ -163,3 +180,109 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     assert sched.abort("b") is not None
     assert sched.abort("zzz") is None
     assert sched.kv.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_victim_scheduled_earlier_in_the_step_is_swapped_out_with_its_copy_on_write_undone():
+    # "new" (arrived later) decodes first in the step and copies its shared last block; then the
+    # older "old" needs blocks: "new" is the victim. Its copy is undone and only blocks holding
+    # computed K/V go to the CPU pool (a regression: the un-copied target was swapped out).
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_model_len=64,
+                                      preemption_mode="swap"),
+                      KVCacheManager(6, 4, num_cpu_blocks=16))
+    new = group("new", 10, n=2, arrival=1.0)
+    sched.add(new)
+    sched.add(group("old", 30, arrival=0.0))
+    run_step(sched)  # new: its prompt, then it forks (two sequences share 3 blocks); old: 0..2
+    held = {b for q in new.seqs for b in sched.kv.block_table(q.seq_id)}
+    assert len(held) == 3 and sched.kv.num_free_blocks == 2
+    # new's first sequence copies the shared block (1 free left); then old needs 2 blocks.
+    allocate = sched.kv.allocate_slots
+    copies = []
+
+    def spy(*args):
+        made = allocate(*args)
+        copies.extend(made)
+        return made
+
+    sched.kv.allocate_slots = spy
+    out = sched.schedule()
+    del sched.kv.allocate_slots
+    assert len(copies) == 1  # the copy was made, then undone
+    assert [g.request_id for g in out.preempted] == ["new"]
+    assert out.blocks_to_copy == []
+    assert {src for src, _ in out.blocks_to_swap_out} == held
+    assert [(s.group.request_id, s.start, s.end) for s in out.scheduled] == [("old", 2, 12)]
+    sched.kv.check_invariants()
+    sched.update_from_output(out, fake_results(out))
+    # Both sequences of "new" still share their three blocks, now on the CPU.
+    cpu = [sched.kv.cpu_tables[q.seq_id].blocks for q in new.seqs]
+    assert cpu[0] == cpu[1] and len(cpu[0]) == 3
+
+
+def test_group_whose_recomputation_exceeds_the_token_budget_still_finishes():
+    # Regression: after recomputation every sequence recomputes its own output; the group used
+    # to run only when all of them fit one step's budget, and never ran again.
+    sched = make(num_blocks=16, block_size=4, max_num_batched_tokens=8, max_model_len=64,
+                 preemption_mode="recompute")
+    g = group("a", 3, n=4, max_tokens=12)
+    sched.add(g)
+    for _ in range(6):
+        run_step(sched)
+    assert all(q.num_output_tokens == 6 for q in g.seqs)
+    sched.running.remove(g)  # preempt it by hand: 4 sequences x 8 tokens to recompute
+    sched._requeue_for_recompute(g)
+    steps = 0
+    while sched.has_unfinished():
+        out = run_step(sched)
+        assert out.num_batched_tokens <= 8
+        steps += 1
+        assert steps < 100, "the recomputed group never finished"
+    assert all(q.num_output_tokens == 12 and q.status is SequenceStatus.FINISHED_LENGTH
+               for q in g.seqs)
+    assert sched.kv.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_request_wider_than_max_num_seqs_is_rejected_at_add(n):
+    sched = make(max_num_seqs=2)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.add(group("wide", 4, n=n))
+    sched.add(group("ok", 4, n=2))
+    assert [s.group.request_id for s in run_step(sched).scheduled] == ["ok"]
+
+
+def test_prompt_logprobs_restart_when_a_chunked_prompt_is_recomputed():
+    sched = make(num_blocks=8, block_size=4, max_num_batched_tokens=8, max_model_len=64,
+                 preemption_mode="recompute")
+    g = group("a", 20, prompt_logprobs=1)
+    sched.add(g)
+    run_step(sched)
+    assert len(g.prompt_logprobs) == 1  # the fake runner's observer-less update adds none
+    g.prompt_logprobs.extend([{}] * 8)  # as the engine's observer would
+    sched.running.remove(g)
+    sched._requeue_for_recompute(g)
+    assert g.prompt_logprobs == [None] and not g.prompt_logprobs_done
+    assert sched.schedule().scheduled[0].wants_prompt_logprobs
+
+
+def test_swapped_group_that_cannot_come_back_even_into_an_empty_cache_is_recomputed():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
+                                      preemption_mode="swap"),
+                      KVCacheManager(4, 4, num_cpu_blocks=16))
+    g = group("a", 8, n=2, max_tokens=4)
+    sched.add(g)
+    run_step(sched)  # 2 prompt blocks, shared; each sequence has 1 sampled token
+    run_step(sched)  # each sequence writes position 8 into its own third block
+    assert sched.kv.num_free_blocks == 0
+    sched.running.remove(g)
+    out = sched.schedule()
+    sched._preempt(g, out)
+    assert g in sched.swapped
+    # 4 distinct blocks + growth: more than the whole cache, so swapping back in is impossible.
+    steps = 0
+    while sched.has_unfinished():
+        run_step(sched)
+        steps += 1
+        assert steps < 50
+    assert all(q.status is SequenceStatus.FINISHED_LENGTH for q in g.seqs)
+    assert sched.kv.num_free_blocks == 4 and sched.kv.num_free_cpu_blocks == 16

@@ -3,9 +3,9 @@ swapped requests, and both pools end empty."""
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from test_llm_engine import greedy, prompts_of_lengths, run
-from utils import assert_tie_rule, ours_as_pairs
+from utils import assert_same_outputs, assert_tie_rule, drive, ours_as_pairs
 
 PROMPTS = prompts_of_lengths([6, 11, 3, 14, 9, 5, 12, 8, 17, 4], seed=3)
 
@@ -98,3 +98,79 @@ def test_swapped_groups_come_back_before_newer_requests_are_admitted(reference):
     # "late" is admitted only in a step that brought every swapped group back first.
     assert swapped_when_late_admitted == []
     assert engine.kv_manager.pool.num_used == 0 and engine.kv_manager.cpu_pool.num_used == 0
+
+
+# --- regressions of sharing x preemption (exact comparisons with a roomy cache) --------------
+
+def _roomy_and_tight(path, requests, max_steps, **tight):
+    """Run the same requests on a roomy cache and on `tight` settings; returns both outputs."""
+    outs = []
+    for options in (dict(kv_cache_memory=1 << 24), tight):
+        llm = LLM(path, dtype="float32", block_size=options.pop("block_size", 16), **options)
+        for rid, prompt, params in requests:
+            if isinstance(params, BeamSearchParams):
+                llm.engine.add_beam_request(rid, None, params, prompt_token_ids=prompt)
+            else:
+                llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
+        final = drive(llm.engine, max_steps)
+        outs.append(([final[rid] for rid, _, _ in requests], llm.engine))
+    return outs
+
+
+def test_multi_sequence_group_preempted_by_recomputation_finishes_with_the_same_samples(checkpoints):
+    # Regression: after recomputation every sequence recomputes its output (4 x 33 tokens here),
+    # more than a step's budget; the group never ran again and step() spun forever.
+    prompt = prompts_of_lengths([6], seed=5)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=40, ignore_eos=True,
+                            logprobs=2)
+    requests = [("a", prompt, params), ("b", prompt, params.clone())]
+    (ref, _), (outs, engine) = _roomy_and_tight(
+        str(checkpoints("llama")), requests, 3000, num_kv_blocks=16,
+        max_num_batched_tokens=32, preemption_mode="recompute", enable_prefix_caching=False)
+    assert engine.scheduler.preemptions_by_mode["recompute"] > 0
+    assert_same_outputs(outs, ref)
+
+
+@pytest.mark.parametrize("kind", ["beam", "n"])
+def test_swap_preemption_of_sharing_groups_keeps_outputs_exact(kind, checkpoints):
+    # Regression: a victim already scheduled in the step lost its pending copy-on-write copies
+    # and its never-written copy target was swapped out (beam scores changed).
+    prompts = prompts_of_lengths([7, 10, 5, 9], seed=11)
+    if kind == "beam":
+        params = BeamSearchParams(beam_width=3, max_tokens=14, ignore_eos=True)
+    else:
+        params = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=14, ignore_eos=True,
+                                logprobs=1)
+    requests = [(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    (ref, _), (outs, engine) = _roomy_and_tight(
+        str(checkpoints("llama")), requests, 2000, block_size=4, num_kv_blocks=14,
+        num_cpu_blocks=64, preemption_mode="swap", max_num_batched_tokens=16,
+        enable_prefix_caching=False)
+    assert engine.scheduler.preemptions_by_mode["swap"] > 0
+    assert_same_outputs(outs, ref)
+
+
+def test_prompt_logprobs_are_not_duplicated_when_a_chunked_prompt_is_recomputed(checkpoints):
+    # Regression: entries were appended chunk by chunk and never reset on recomputation (a
+    # 60-token prompt returned 214 entries).
+    long, short = prompts_of_lengths([60, 8], seed=7)
+    requests = [("old", short, greedy(40)),
+                ("plp", long, SamplingParams(max_tokens=2, prompt_logprobs=2, ignore_eos=True))]
+    (ref, _), (outs, engine) = _roomy_and_tight(
+        str(checkpoints("llama")), requests, 2000, block_size=4, num_kv_blocks=17,
+        max_num_batched_tokens=8, preemption_mode="recompute")
+    assert outs[1].num_preemptions > 0
+    assert len(outs[1].prompt_logprobs) == 60
+    assert_same_outputs(outs, ref)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=4, temperature=1.0),
+                                    SamplingParams(n=2, best_of=3, temperature=1.0),
+                                    SamplingParams(n=3, temperature=0.0, use_beam_search=True)])
+def test_request_wider_than_max_num_seqs_is_rejected_and_others_are_served(params, checkpoints):
+    # Regression: it was accepted, could never start, and blocked every later request (FCFS).
+    llm = LLM(str(checkpoints("llama")), dtype="float32", max_num_seqs=2)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        llm.engine.add_request("wide", None, params, prompt_token_ids=[1, 5, 9])
+    llm.engine.add_request("ok", None, greedy(3), prompt_token_ids=[1, 5, 9])
+    assert list(drive(llm.engine, 50)) == ["ok"]
