@@ -43,13 +43,18 @@ def test_beams_share_blocks_and_copy_only_the_last_partial_block(checkpoints):
                                                                  ignore_eos=True),
                                     prompt_token_ids=prompts_of_lengths([10])[0])
     engine.step()  # prefill once, then fork into 3 beams
-    tables = [engine.kv_manager.block_table(q.seq_id) for q in group.seqs]
+    tables = [list(engine.kv_manager.block_table(q.seq_id)) for q in group.seqs]
     assert len(tables) == 3 and tables[0] == tables[1] == tables[2]
+    scheduled = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: scheduled.append(schedule()) or scheduled[-1]
     engine.step()  # each beam writes position 10: the shared partial block is copied twice
-    copies = engine.kv_manager.pool.ref_counts
-    tables = [engine.kv_manager.block_table(q.seq_id) for q in group.seqs]
-    assert all(copies[b] >= 1 for t in tables for b in t)
-    assert len({t[0] for t in tables}) == 1  # the full prompt blocks stay shared
+    full, partial = tables[0][:2], tables[0][2]
+    copies = scheduled[-1].blocks_to_copy
+    assert [src for src, _ in copies] == [partial, partial]  # the last holder writes in place
+    written = [s.block_table for s in scheduled[-1].scheduled]
+    assert all(t[:2] == full for t in written)  # the full prompt blocks stay shared
+    assert sorted(t[2] for t in written) == sorted([partial] + [dst for _, dst in copies])
     engine.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()
