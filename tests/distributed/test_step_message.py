@@ -22,10 +22,15 @@ class LoopbackExecutor:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def execute(self, sched):
-        payload = pickle.dumps(self.encoder.encode(sched), protocol=pickle.HIGHEST_PROTOCOL)
-        self.sizes.append((len(sched.scheduled), len(payload)))
-        return self.inner.runner.execute(self.decoder.decode(pickle.loads(payload)))
+    def execute(self, step):
+        payload = pickle.dumps(self.encoder.encode(step), protocol=pickle.HIGHEST_PROTOCOL)
+        self.sizes.append((len(step.rows), len(payload)))
+        decoded = self.decoder.decode(pickle.loads(payload))
+        # The worker rebuilds exactly the step the driver encoded.
+        assert decoded.rows == step.rows
+        assert (decoded.blocks_to_swap_out, decoded.blocks_to_swap_in, decoded.blocks_to_copy) \
+            == (step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
+        return self.inner.execute(decoded)
 
 
 def prompts(lengths, seed=0):
@@ -83,7 +88,7 @@ def test_beam_search_through_the_message_path_frees_pruned_beams(checkpoints):
         [[s.tokens for s in o.sequences] for o in ref]
     llm.engine.step()  # delivers the last finished request ids
     decoder = llm.engine.executor.decoder
-    assert decoder.seqs == {} and decoder.tables == {} and decoder.groups == {}
+    assert decoder.seqs == {} and decoder.tables == {} and decoder.requests == {}
 
 
 def test_decode_steps_send_a_few_bytes_per_sequence_and_tables_only_when_they_change(checkpoints):

@@ -128,6 +128,8 @@ class SchedulerOutput:
     preempted: list[SequenceGroup] = field(default_factory=list)
     # Requests that ended since the last step: the runner drops their per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Sequences that left their (unfinished) request since the last step: pruned beams.
+    freed_seq_ids: list[int] = field(default_factory=list)
     # Groups that could not grow even alone in the cache: finished with "length" this step.
     length_capped: list[SequenceGroup] = field(default_factory=list)
 
@@ -160,6 +162,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self._finished_ids: list[str] = []
+        self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.new_seq_id = new_seq_id or _counter(1 << 40)
@@ -235,6 +238,7 @@ class Scheduler:
         """Remove a pruned beam from its group and free its blocks."""
         self.kv.free(seq.seq_id)
         group.seqs.remove(seq)
+        self._freed_seq_ids.append(seq.seq_id)
 
     def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
         """Once the parent of a forking group has computed its prompt, give the other sequences
@@ -258,8 +262,9 @@ class Scheduler:
         stream), then prompt chunks of running requests, then swapped requests coming back, then
         new requests (only when nothing is swapped out and nothing was preempted this step).
         """
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_request_ids=self._finished_ids,
+                              freed_seq_ids=self._freed_seq_ids)
+        self._finished_ids, self._freed_seq_ids = [], []
         step = _Step(self.config.max_num_batched_tokens)
 
         decoding = [g for g in self.running if self._is_decoding(g)]

@@ -15,6 +15,7 @@ from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.contiguous import ContiguousKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.core.step_input import StepInput
 from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
@@ -27,7 +28,7 @@ from pagedserve.models.loader import resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.sequence import Sequence, SequenceGroup
 from pagedserve.worker.executor import make_executor
 from pagedserve.worker.kv_cache import (
     bytes_per_block,
@@ -367,7 +368,7 @@ class LLMEngine:
             + [g.request_id for g in sched.preempted]))
         self._step_ids_stamp = self.stats["steps"]  # a step that completes moves past it
         now = time.monotonic()
-        results = self.executor.execute(sched)
+        results = self.executor.execute(StepInput.from_schedule(sched))
         for s in sched.scheduled:
             if s.group.first_scheduled_time is None:
                 s.group.first_scheduled_time = now

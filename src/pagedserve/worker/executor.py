@@ -1,10 +1,10 @@
 """Executors: how the engine's one scheduler drives the model workers.
 
-The engine calls `executor.execute(SchedulerOutput) -> list[SeqStepOutput]` every step, whatever
-the backend (`EngineArgs.distributed_executor_backend`):
+The engine calls `executor.execute(StepInput) -> list[SeqStepOutput]` every step, whatever the
+backend (`EngineArgs.distributed_executor_backend`); every backend runs the same `Worker`:
 
-- "uni" (`UniExecutor`): one worker in this process, no serialization, no process: the
-  `ModelRunner` reads the scheduler's objects directly (tensor_parallel_size = 1).
+- "uni" (`UniExecutor`): one `Worker` in this process, called directly: no serialization, no
+  process (tensor_parallel_size = 1).
 - "mp" (`worker.mp_executor.MultiprocExecutor`): one spawned process per tensor-parallel rank on
   this machine; each step travels as a `StepMessage` delta.
 - "ray" (`worker.ray_executor.RayExecutor`): one Ray actor per rank, across machines.
@@ -21,22 +21,13 @@ from typing import Callable
 import torch
 
 from pagedserve.config import EXECUTOR_BACKENDS
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.step_input import StepInput
+from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.models.base import KVCacheSpec
-from pagedserve.models.loader import load_model
 from pagedserve.models.source import ModelSource
 from pagedserve.worker.kv_cache import KVCache
-from pagedserve.core.step_output import SeqStepOutput
-from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.model_runner import MemoryProfile
-from pagedserve.worker.worker import (
-    CacheConfig,
-    ProfileConfig,
-    WorkerConfig,
-    make_runner,
-    model_info,
-    profile_memory,
-)
+from pagedserve.worker.model_runner import MemoryProfile, ModelRunner
+from pagedserve.worker.worker import CacheConfig, ProfileConfig, Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +97,8 @@ class Executor(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot profile GPU memory")
 
     @abstractmethod
-    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
-        """Run one step; one entry per scheduled sequence, in scheduled order. Raises
+    def execute(self, step: StepInput) -> list[SeqStepOutput]:
+        """Run one step; one entry per row, in order. Raises
         `WorkerDiedError` (never hangs) once a worker is gone."""
 
     def check_health(self) -> None:
@@ -152,36 +143,30 @@ def _notify(callback: Callable[[BaseException], None], error: BaseException) -> 
 
 
 class UniExecutor(Executor):
-    """The model and its KV cache in this process; `execute` is the runner's, unchanged."""
+    """One `Worker` (rank 0 of 1) in this process; `execute` hands it the step directly."""
 
     def __init__(self, config: WorkerConfig, device: torch.device) -> None:
         super().__init__()
-        source = config.source
-        weights = None if config.load_format == "dummy" else source.iter_weights()
-        self.device = device
-        self.dtype = config.dtype
-        self.model = load_model(source.config, weights=weights, dtype=config.dtype, device=device,
-                                seed=config.seed)
-        info = model_info(self.model)
+        self.worker = Worker(config, device_index=device.index or 0)
+        self.model = self.worker.model
+        info = self.worker.info()
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
-        self.runner: ModelRunner | None = None
-        self.attention_backend = config.attention_backend
-        self.enforce_eager = config.enforce_eager
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        return self.worker.runner
 
     def init_cache(self, cache: CacheConfig) -> None:
-        self.runner = self.kv_cache = None
-        self.kv_cache = KVCache(self.kv_cache_spec, cache.num_blocks, cache.block_size, self.dtype,
-                                self.device, num_cpu_blocks=cache.num_cpu_blocks)
-        self.runner = make_runner(self.model, self.kv_cache, cache, self.device,
-                                  attention_backend=self.attention_backend,
-                                  enforce_eager=self.enforce_eager)
+        self.kv_cache = None
+        self.worker.init_cache(cache)
+        self.kv_cache = self.worker.kv_cache
 
     def profile_memory(self, prof: ProfileConfig) -> list[MemoryProfile]:
-        self.runner = self.kv_cache = None
-        return [profile_memory(self.model, self.dtype, self.device, self.attention_backend, prof)]
+        self.kv_cache = None
+        return [self.worker.profile_memory(prof)]
 
-    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
-        return self.runner.execute(sched)
+    def execute(self, step: StepInput) -> list[SeqStepOutput]:
+        return self.worker.execute_step(step)
 
 
 def executor_backend(tensor_parallel_size: int, backend: str | None) -> str:

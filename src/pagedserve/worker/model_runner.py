@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
 from pagedserve.kernels.cpu_gemm import kernel_available
 from pagedserve.sampling_params import SamplingParams
@@ -63,17 +63,15 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int, need_logprob
             and not needs_processing(params, num_output_tokens))
 
 
-def plain_greedy_rows(step: SchedulerOutput, row_owner: list[tuple[int, str]]) -> list[int] | None:
-    """The scheduled index of each logits row when every row samples one plain-greedy token (see
+def plain_greedy_rows(step: StepInput, row_owner: list[tuple[int, str]]) -> list[int] | None:
+    """The row index of each logits row when every row samples one plain-greedy token (see
     `is_plain_greedy`; no prompt logprobs, beams or forking groups); None otherwise."""
     owners = []
     for idx, kind in row_owner:
-        s = step.scheduled[idx]
-        group = s.group
-        if kind != "sample" or group.beam is not None or s.num_samples > 1:
+        row = step.rows[idx]
+        if kind != "sample" or row.beam_width or len(row.samples) != 1:
             return None
-        if not is_plain_greedy(group.sampling_params, len(s.seq.output_token_ids),
-                               group.needs_logprobs):
+        if not is_plain_greedy(row.params, row.num_output_tokens, row.need_logprob):
             return None
         owners.append(idx)
     return owners
@@ -237,8 +235,8 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[SeqStepOutput]:
-        """Run one step; return one entry per scheduled sequence, in scheduled order."""
+    def execute(self, step: StepInput) -> list[SeqStepOutput]:
+        """Run one step; return one entry per row, in order."""
         for request_id in step.finished_request_ids:
             self.generators.pop(request_id, None)
         # NOTE: this order matters; see SchedulerOutput.
@@ -248,7 +246,7 @@ class ModelRunner:
             self.kv_cache.swap_in(step.blocks_to_swap_in)
         if step.blocks_to_copy:
             self.kv_cache.copy_blocks(step.blocks_to_copy)
-        if not step.scheduled:
+        if not step.rows:
             return []
 
         input_ids: list[int] = []
@@ -256,10 +254,10 @@ class ModelRunner:
         logit_rows: list[int] = []
         row_owner: list[tuple[int, str]] = []  # (scheduled index, "sample" | "prompt")
         offset = 0
-        for idx, s in enumerate(step.scheduled):
-            input_ids.extend(s.seq.token_ids[s.start : s.end])
+        for idx, s in enumerate(step.rows):
+            input_ids.extend(s.token_ids[s.start : s.end])
             positions.extend(range(s.start, s.end))
-            if s.wants_prompt_logprobs:
+            if s.prompt_logprobs:
                 logit_rows.extend(range(offset, offset + s.num_tokens))
                 row_owner.extend([(idx, "prompt")] * s.num_tokens)
             elif s.do_sample:
@@ -267,15 +265,15 @@ class ModelRunner:
                 row_owner.append((idx, "sample"))
             offset += s.num_tokens
 
-        block_tables = [s.block_table for s in step.scheduled]
-        seq_lens = [s.end for s in step.scheduled]
-        if (self.graphs is not None and offset == len(step.scheduled)
+        block_tables = [s.block_table for s in step.rows]
+        seq_lens = [s.end for s in step.rows]
+        if (self.graphs is not None and offset == len(step.rows)
                 and self.graphs.can_run(offset)):
             # Decode-only (one token per sequence): replay the bucket's CUDA graph.
             hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)  # [n, H]
         else:
             meta = self._build_meta(block_tables=block_tables, seq_lens=seq_lens,
-                                    query_lens=[s.num_tokens for s in step.scheduled],
+                                    query_lens=[s.num_tokens for s in step.rows],
                                     device=self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
@@ -304,12 +302,12 @@ class ModelRunner:
         else:
             logits = logits.float().cpu()  # [R, V]
 
-        outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
+        outputs = [SeqStepOutput(s.seq_id, []) for s in step.rows]
         sample_rows, sample_idx = [], []
         r = 0
         while r < len(row_owner):
             idx, kind = row_owner[r]
-            s = step.scheduled[idx]
+            s = step.rows[idx]
             if kind == "sample":
                 sample_rows.append(r)
                 sample_idx.append(idx)
@@ -317,10 +315,10 @@ class ModelRunner:
                 continue
             # Prompt logprobs for this chunk: row p predicts token p + 1 (prompt tokens only).
             n = s.num_tokens
-            last_prompt = min(s.end, s.seq.num_prompt_tokens - 1)
-            k = s.group.sampling_params.prompt_logprobs or 0
+            last_prompt = min(s.end, s.num_prompt_tokens - 1)
+            k = s.params.prompt_logprobs or 0
             m = max(0, last_prompt - s.start)
-            targets = s.seq.token_ids[s.start + 1 : s.start + 1 + m]
+            targets = s.token_ids[s.start + 1 : s.start + 1 + m]
             outputs[idx].prompt_logprobs = (
                 prompt_logprobs(logits[r : r + m], targets, k) if m else []
             )
@@ -332,24 +330,23 @@ class ModelRunner:
         if sample_rows:
             rows, reqs, owners = [], [], []
             for row, idx in zip(sample_rows, sample_idx):
-                s = step.scheduled[idx]
-                if s.group.beam is not None:  # the row's best 2 * beam_width raw logprobs
-                    [(_, _, top)] = logprob_stats(logits[row : row + 1], [0],
-                                                  2 * s.group.beam.params.beam_width)
+                s = step.rows[idx]
+                if s.beam_width:  # the row's best 2 * beam_width raw logprobs
+                    [(_, _, top)] = logprob_stats(logits[row : row + 1], [0], 2 * s.beam_width)
                     outputs[idx].beam_candidates = top
                     continue
-                params = s.group.sampling_params
+                params = s.params
                 # NOTE: a forking group draws all its first tokens from the parent's row, each
                 # from its own sequence's stream: distinct and reproducible.
-                for seq in s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]:
+                for spec in s.samples:
                     rows.append(row)
                     owners.append(idx)
                     reqs.append(SampleRequest(
                         params=params,
-                        prompt_token_ids=seq.prompt_token_ids,
-                        output_token_ids=seq.output_token_ids,
-                        generator=self._generator(s.group.request_id, params.seed, seq.index),
-                        need_logprob=s.group.needs_logprobs,
+                        prompt_token_ids=spec.prompt_token_ids,
+                        output_token_ids=spec.output_token_ids,
+                        generator=self._generator(s.request_id, params.seed, spec.index),
+                        need_logprob=s.need_logprob,
                     ))
             stop_ids = [
                 ([] if r_.params.ignore_eos else self.eos_ids) + list(r_.params.stop_token_ids or [])
@@ -377,7 +374,7 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
-    def _greedy_on_device(self, step: SchedulerOutput, owners: list[int],
+    def _greedy_on_device(self, step: StepInput, owners: list[int],
                           logits: torch.Tensor) -> list[SeqStepOutput]:
         """Every row samples plain greedy (`plain_greedy_rows`): choose the tokens on the GPU and
         bring back one integer per row instead of the logits."""
@@ -392,10 +389,10 @@ class ModelRunner:
         return self._greedy_outputs(step, owners, tokens)
 
     @staticmethod
-    def _greedy_outputs(step: SchedulerOutput, owners: list[int],
+    def _greedy_outputs(step: StepInput, owners: list[int],
                         tokens: torch.Tensor) -> list[SeqStepOutput]:
-        """One plain-greedy sample per row: row i's token goes to scheduled index owners[i]."""
-        outputs = [SeqStepOutput(s.seq.seq_id, []) for s in step.scheduled]
+        """One plain-greedy sample per row: logits row i's token goes to step row owners[i]."""
+        outputs = [SeqStepOutput(s.seq_id, []) for s in step.rows]
         for idx, tok in zip(owners, tokens.tolist()):
             outputs[idx].samples.append(SampleResult(tok, None, None, None))
         return outputs

@@ -22,7 +22,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.step_input import StepInput
 from pagedserve.distributed.process_group import free_port
 from pagedserve.worker.executor import CommStats, Executor, WorkerDiedError
 from pagedserve.core.step_output import SeqStepOutput
@@ -146,10 +146,10 @@ class MultiprocExecutor(Executor):
     def profile_memory(self, prof):
         return self._call("profile_memory", prof)
 
-    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+    def execute(self, step: StepInput) -> list[SeqStepOutput]:
         self.check_health()
         start = time.perf_counter()
-        payload = pickle.dumps(("execute", self.encoder.encode(sched)), protocol=_PROTOCOL)
+        payload = pickle.dumps(("execute", self.encoder.encode(step)), protocol=_PROTOCOL)
         self._send(payload)
         received = [0]
         replies = self._collect(received)

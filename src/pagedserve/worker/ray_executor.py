@@ -14,7 +14,7 @@ import pickle
 import time
 from typing import Any
 
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.step_input import StepInput
 from pagedserve.distributed.process_group import free_port
 from pagedserve.worker.executor import CommStats, Executor, WorkerDiedError
 from pagedserve.core.step_output import SeqStepOutput
@@ -120,10 +120,10 @@ class RayExecutor(Executor):
         self.check_health()
         return self._get([actor.profile_memory.remote(prof) for actor in self._actors])
 
-    def execute(self, sched: SchedulerOutput) -> list[SeqStepOutput]:
+    def execute(self, step: StepInput) -> list[SeqStepOutput]:
         super().check_health()
         start = time.perf_counter()
-        payload = pickle.dumps(self.encoder.encode(sched), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(self.encoder.encode(step), protocol=pickle.HIGHEST_PROTOCOL)
         ref = self._ray.put(payload)
         replies = self._get([actor.execute.remote(ref) for actor in self._actors])
         self.stats.record(len(payload), 0, time.perf_counter() - start, replies[0].seconds)

@@ -16,10 +16,11 @@ from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.model_runner import (
     MemoryProfile,
     ModelRunner,
-    SeqStepOutput,
     profile_peak_memory,
     resolve_attention_backend,
 )
+from pagedserve.core.step_input import StepInput
+from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.worker.step_message import StepDecoder, StepMessage
 
 
@@ -109,7 +110,8 @@ class Worker:
     """Rank `rank` of `config.world_size`: joins the process group at `init_method`, builds and
     loads its shard (reading only its part of each safetensors tensor), then runs steps."""
 
-    def __init__(self, config: WorkerConfig, rank: int, init_method: str, device_index: int = 0):
+    def __init__(self, config: WorkerConfig, rank: int = 0, init_method: str = "",
+                 device_index: int = 0):
         self.rank = rank
         self.dtype = config.dtype
         if config.device_type == "cuda":
@@ -151,10 +153,14 @@ class Worker:
         return profile_memory(self.model, self.dtype, self.device, self.attention_backend, prof)
 
     def execute(self, msg: StepMessage) -> StepReply:
-        """Run one step on this shard; rank 0 returns the sampled outputs."""
+        """Run one step, sent as a delta message, on this shard; rank 0 returns the outputs."""
         start = time.perf_counter()
-        outputs = self.runner.execute(self.decoder.decode(msg))
+        outputs = self.execute_step(self.decoder.decode(msg))
         return StepReply(outputs if self.rank == 0 else None, time.perf_counter() - start)
+
+    def execute_step(self, step: StepInput) -> list[SeqStepOutput]:
+        """Run one step on this shard: one output per row on rank 0 ([] on the others)."""
+        return self.runner.execute(step)
 
     def close(self) -> None:
         destroy_tp_group(self.tp)

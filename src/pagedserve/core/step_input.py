@@ -1,0 +1,110 @@
+"""One step as the model workers see it: flat, plain data. Pure Python, no torch.
+
+`StepInput.from_schedule` turns the scheduler's `SchedulerOutput` (which refers to its own
+`SequenceGroup` / `Sequence` objects) into rows of token ids, positions, block tables and
+sampling specs; every executor hands this to its `Worker`s (in process, or encoded as a
+`worker.step_message.StepMessage` delta for worker processes and Ray actors), and the model
+runner reads nothing else.
+
+NOTE: for the in-process executor the token and block-table lists are the scheduler's own
+(no copies): the runner must only read them, and only during the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.core.scheduler import SchedulerOutput
+
+
+@dataclass
+class SampleSpec:
+    """One token drawn from a row's logits, for one sequence: its id, its sample index (which
+    random stream it draws from), and its tokens (prompt + output; penalties read them)."""
+
+    seq_id: int
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepRow:
+    """One sequence's tokens to compute this step: `token_ids[start:end]` at positions
+    `start .. end - 1`, writing and reading the KV cache through `block_table`."""
+
+    request_id: str
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    start: int
+    end: int
+    block_table: list[int]
+    params: SamplingParams
+    # The step reaches the sequence's last token: its last logits row is used.
+    do_sample: bool = False
+    # Logprobs of the prompt positions start+1 .. end (top `params.prompt_logprobs`).
+    prompt_logprobs: bool = False
+    # Tokens to draw from the row's last position (when `do_sample`, beam search aside): one, or
+    # one per sequence of a group that forks after its shared prompt.
+    samples: list[SampleSpec] = field(default_factory=list)
+    # Beam search (width > 0): at the sequence's end, return the best 2 * beam_width
+    # (token, logprob) candidates instead of sampling.
+    beam_width: int = 0
+    # The chosen tokens' logprobs are needed (asked for, or to rank best_of).
+    need_logprob: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInput:
+    """Everything a worker needs for one step (see the module docstring)."""
+
+    rows: list[StepRow] = field(default_factory=list)
+    # NOTE: applied in this order before the forward pass; see SchedulerOutput.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
+    # Requests that ended, and single sequences that left their request (pruned beams), since
+    # the last step: workers drop their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    freed_seq_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_schedule(cls, sched: "SchedulerOutput") -> "StepInput":
+        rows = []
+        for s in sched.scheduled:
+            group, seq = s.group, s.seq
+            samples: list[SampleSpec] = []
+            beam_width = group.beam.params.beam_width if group.beam is not None else 0
+            if s.do_sample and not beam_width:
+                seqs = group.seqs[: s.num_samples] if s.num_samples > 1 else [seq]
+                samples = [SampleSpec(q.seq_id, q.index, q.token_ids, q.num_prompt_tokens)
+                           for q in seqs]
+            rows.append(StepRow(
+                request_id=group.request_id, seq_id=seq.seq_id, token_ids=seq.token_ids,
+                num_prompt_tokens=seq.num_prompt_tokens, start=s.start, end=s.end,
+                block_table=s.block_table, params=group.sampling_params, do_sample=s.do_sample,
+                prompt_logprobs=s.wants_prompt_logprobs, samples=samples, beam_width=beam_width,
+                need_logprob=group.needs_logprobs))
+        return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
+                   sched.finished_request_ids, sched.freed_seq_ids)
