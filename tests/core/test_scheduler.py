@@ -35,7 +35,7 @@ def run_step(sched):
     """Schedule one step and pretend the model ran: every sampled sequence gains token 7."""
     out = sched.schedule()
     sched.update_from_output(out, fake_results(out))
-    sched.kv.check_invariants()
+    sched.check_invariants()
     return out
 
 
@@ -212,7 +212,7 @@ def test_victim_scheduled_earlier_in_the_step_is_swapped_out_with_its_copy_on_wr
     assert out.blocks_to_copy == []
     assert {src for src, _ in out.blocks_to_swap_out} == held
     assert [(s.group.request_id, s.start, s.end) for s in out.scheduled] == [("old", 2, 12)]
-    sched.kv.check_invariants()
+    sched.check_invariants()
     sched.update_from_output(out, fake_results(out))
     # Both sequences of "new" still share their three blocks, now on the CPU.
     cpu = [sched.kv.cpu_tables[q.seq_id].blocks for q in new.seqs]

@@ -216,6 +216,34 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         self._finished_ids.append(group.request_id)
 
+    def check_invariants(self) -> None:
+        """Raise RuntimeError unless the queues and the block tables agree: the KV manager's own
+        checks, a request in one queue only, every unfinished sequence of a running group on the
+        device (of a swapped group in the CPU pool, of a waiting group nowhere), finished
+        sequences holding no blocks, and at most `max_num_seqs` running sequences."""
+        self.kv.check_invariants()
+        seen: set[str] = set()
+        for queue, place in ((self.running, "device"), (self.swapped, "cpu"), (self.waiting, "")):
+            for group in queue:
+                if group.request_id in seen:
+                    raise RuntimeError(f"request {group.request_id} is in two queues")
+                seen.add(group.request_id)
+                live = group.unfinished_seqs()
+                for seq in group.seqs:
+                    held = (seq.seq_id in self.kv.tables, seq.seq_id in self.kv.cpu_tables)
+                    if seq.is_finished or not place:
+                        expected = (False, False)
+                    elif place == "cpu":
+                        expected = (False, True)
+                    else:  # a forking group's other sequences hold nothing until the fork
+                        expected = (not group.fork_pending or seq is live[0], False)
+                    if held != expected:
+                        raise RuntimeError(
+                            f"request {group.request_id} ({place or 'waiting'}): sequence "
+                            f"{seq.seq_id} holds device/cpu blocks {held}, expected {expected}")
+        if self.num_running_seqs > self.config.max_num_seqs:
+            raise RuntimeError(f"{self.num_running_seqs} running sequences > max_num_seqs")
+
     # --- after the step ----------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, results: list,

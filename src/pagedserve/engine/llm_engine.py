@@ -507,8 +507,8 @@ class LLMEngine:
     # --- introspection -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise RuntimeError if block tables and the pool disagree."""
-        self.kv_manager.check_invariants()
+        """Raise RuntimeError if the scheduler's queues, the block tables and the pool disagree."""
+        self.scheduler.check_invariants()
 
     def num_used_blocks(self) -> int:
         return self.kv_manager.pool.num_used
