@@ -231,12 +231,9 @@ class Scheduler:
                 live = group.unfinished_seqs()
                 for seq in group.seqs:
                     held = (seq.seq_id in self.kv.tables, seq.seq_id in self.kv.cpu_tables)
-                    if seq.is_finished or not place:
-                        expected = (False, False)
-                    elif place == "cpu":
-                        expected = (False, True)
-                    else:  # a forking group's other sequences hold nothing until the fork
-                        expected = (not group.fork_pending or seq is live[0], False)
+                    # A forking group's other sequences hold nothing until the fork.
+                    holds = not (seq.is_finished or (group.fork_pending and seq is not live[0]))
+                    expected = (holds and place == "device", holds and place == "cpu")
                     if held != expected:
                         raise RuntimeError(
                             f"request {group.request_id} ({place or 'waiting'}): sequence "
