@@ -29,7 +29,7 @@ from pagedserve.engine.detokenizer import (
     decode_token,
     find_stop,
 )
-from pagedserve.engine.tokenizer import eos_token_ids
+from pagedserve.models.tokenizer import eos_token_ids
 from pagedserve.models.loader import resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
