@@ -1,25 +1,50 @@
-"""The Orca-style contiguous KV manager: first-fit block runs reserved whole at admission."""
+"""The Orca-style contiguous KV manager: first-fit block runs reserved whole at admission, sized
+by the paper's policies."""
 
 import random
 
 import pytest
 
-from pagedserve.core.contiguous import ContiguousKVCacheManager, reservation_tokens
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.bench.contiguous import (
+    ContiguousAllocator,
+    ContiguousKVCacheManager,
+    kv_manager_factory,
+    reservation_tokens,
+)
+from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig
 
 
 def test_reservation_sizes_per_policy():
-    assert reservation_tokens("max", 130, 2048) == 2048
-    assert reservation_tokens("oracle", 130, 2048) == 130
-    assert reservation_tokens("pow2", 130, 2048) == 256
-    assert reservation_tokens("pow2", 2000, 2048) == 2048
+    assert reservation_tokens("max", 100, 30, 2048) == 2048
+    assert reservation_tokens("oracle", 100, 30, 2048) == 130
     with pytest.raises(ValueError):
-        reservation_tokens("best", 10, 2048)
+        reservation_tokens("best", 5, 5, 2048)
+
+
+def test_pow2_reserves_the_prompt_plus_the_next_power_of_two_of_the_output():
+    # The paper's Orca (Pow2): the output part rounded up to a power of two, the prompt exact
+    # (not prompt + output rounded up together: that would be 256 here).
+    assert reservation_tokens("pow2", 100, 30, 2048) == 100 + 32
+    assert reservation_tokens("pow2", 100, 32, 2048) == 100 + 32
+    assert reservation_tokens("pow2", 100, 33, 2048) == 100 + 64
+    assert reservation_tokens("pow2", 7, 1, 2048) == 8
+    assert reservation_tokens("pow2", 1000, 1000, 2048) == 1000 + 1024
+    assert reservation_tokens("pow2", 1500, 540, 2048) == 2048  # capped at max_model_len
+    for prompt, out in [(1, 1), (50, 3), (161, 338), (19, 58)]:
+        pow2 = reservation_tokens("pow2", prompt, out, 1 << 20)
+        assert prompt + out <= pow2 < prompt + 2 * out  # at most 2x over on the output
+
+
+def test_pow2_manager_reserves_blocks_for_prompt_plus_rounded_output():
+    kv = ContiguousKVCacheManager(64, 4, "pow2", max_model_len=256)
+    kv.on_admit(0, 10, 10 + 5)  # 10 + 8 = 18 tokens: 5 blocks of 4
+    assert kv.num_new_blocks(0, 10) == 5
+    kv.check_request(1, False, 10, 15)
 
 
 def test_admission_reserves_the_whole_range_and_growth_needs_no_blocks():
     kv = ContiguousKVCacheManager(16, 4, "oracle", max_model_len=64)
-    kv.expect_length(0, 10)  # 3 blocks of 4
+    kv.on_admit(0, 5, 10)  # 3 blocks of 4
     assert kv.num_new_blocks(0, 5) == 3
     kv.allocate_slots(0, 5)
     assert kv.block_table(0) == [0, 1] and kv.reservations[0] == (0, 3)
@@ -30,30 +55,49 @@ def test_admission_reserves_the_whole_range_and_growth_needs_no_blocks():
     kv.check_invariants()
     with pytest.raises(RuntimeError):
         kv.allocate_slots(0, 13)  # past its reservation: a scheduler bug
-    kv.forget(0)
-    assert kv.pool.num_used == 0 and kv.num_free_blocks == 16
+    kv.on_finish(0)
+    assert kv.pool.num_used == 0 and kv.num_free_blocks == 16 and not kv._lengths
     kv.check_invariants()
 
 
 def test_free_blocks_is_the_largest_gap_so_external_fragmentation_blocks_admission():
     kv = ContiguousKVCacheManager(12, 1, "oracle", max_model_len=12)
     for seq in range(3):
-        kv.expect_length(seq, 4)
+        kv.on_admit(seq, 1, 4)
         kv.allocate_slots(seq, 1)
     kv.free(0)
     kv.free(2)
     # 8 blocks are free, but in runs of 4 and 4: a request of 6 does not fit.
     assert kv.pool.num_free == 8 and kv.num_free_blocks == 4
-    kv.expect_length(3, 6)
+    kv.on_admit(3, 1, 6)
     assert kv.num_new_blocks(3, 1) == 6 > kv.num_free_blocks
     kv.check_invariants()
 
 
-def test_sharing_is_refused():
+def test_sharing_and_oversized_reservations_are_refused():
     kv = ContiguousKVCacheManager(8, 4, "max", max_model_len=16)
     kv.allocate_slots(0, 3)
     with pytest.raises(ValueError):
         kv.fork(0, 1)
+    for n, beam in [(2, False), (1, True)]:
+        with pytest.raises(ValueError, match="does not share"):
+            kv.check_request(n, beam, 3, 8)
+    oracle = ContiguousKVCacheManager(8, 4, "oracle", max_model_len=64)
+    oracle.check_request(1, False, 3, 32)  # 8 blocks: fits
+    with pytest.raises(ValueError, match="reserves 9 KV blocks"):
+        oracle.check_request(1, False, 3, 33)
+
+
+def test_factory_builds_each_allocator_and_refuses_a_cache_below_one_reservation():
+    config = KVManagerConfig(16, 4, num_cpu_blocks=8, enable_prefix_caching=True, max_model_len=64)
+    assert kv_manager_factory("paged") is None  # the engine's default: paging
+    for policy in ("max", "pow2", "oracle"):
+        kv = kv_manager_factory(f"contiguous-{policy}")(config)
+        assert kv.policy == policy and kv.cpu_pool is None and not kv.enable_prefix_caching
+    with pytest.raises(ValueError, match="reserves 16 blocks"):  # 64 tokens = 16 blocks > 12
+        kv_manager_factory("contiguous-max")(KVManagerConfig(12, 4, max_model_len=64))
+    with pytest.raises(ValueError, match="allocator"):
+        kv_manager_factory("buddy")
 
 
 @pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
@@ -63,10 +107,10 @@ def test_random_admissions_never_overlap_live_reservations(policy):
     live: dict[int, int] = {}
     for seq in range(400):
         if live and rng.random() < 0.45:
-            kv.forget(rng.choice(sorted(live)))
+            kv.on_finish(rng.choice(sorted(live)))
             live = {s: n for s, n in live.items() if s in kv.reservations}
         final = rng.randint(1, 32)
-        kv.expect_length(seq, final)
+        kv.on_admit(seq, rng.randint(1, final), final)
         if kv.num_new_blocks(seq, 1) <= kv.num_free_blocks:
             kv.allocate_slots(seq, 1)
             live[seq] = final
@@ -90,8 +134,7 @@ def test_paged_admits_at_least_as_many_as_contiguous_at_the_same_budget():
               else ContiguousKVCacheManager(64, 4, name, max_model_len=64))
         count = 0
         for seq, n in enumerate(lengths):  # prompt of 4 tokens, n in all
-            if name != "paged":
-                kv.expect_length(seq, n)
+            kv.on_admit(seq, 4, n)  # a no-op for paging
             if kv.num_new_blocks(seq, 4) > kv.num_free_blocks:
                 break
             kv.allocate_slots(seq, 4)
@@ -99,3 +142,19 @@ def test_paged_admits_at_least_as_many_as_contiguous_at_the_same_budget():
         admitted[name] = count
     assert admitted["paged"] >= max(admitted["max"], admitted["pow2"], admitted["oracle"])
     assert admitted["paged"] > admitted["max"]
+
+
+def test_contiguous_allocator_first_fit_and_coalescing():
+    buf = ContiguousAllocator(10)
+    a, b, c = buf.allocate(3), buf.allocate(3), buf.allocate(3)
+    assert (a, b, c) == (0, 3, 6) and buf.free_gaps() == [1]
+    buf.free(a, 3)
+    assert buf.allocate(4) is None  # 4 free slots, but no range of 4: external fragmentation
+    buf.free(c, 3)
+    assert buf.free_gaps() == [3, 4]
+    buf.free(b, 3)
+    assert buf.free_gaps() == [10]
+    with pytest.raises(RuntimeError):
+        buf.free(0, 2)  # already free
+    with pytest.raises(ValueError):
+        buf.allocate(0)

@@ -104,9 +104,10 @@ def plot(rows, latency, path: str) -> None:
 
 
 def main(args) -> int:
+    from pagedserve.config import EngineArgs
     from pagedserve.engine.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, load_format=args.load_format)
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args))
     engine = llm.engine
     trace = sharegpt_like_trace(engine.tokenizer, args.num_prompts,
                                 input_len_mean=args.input_len_mean,
