@@ -64,8 +64,8 @@ def paged_attention(
                 out = _scatter(out, num_tokens, group.out_tokens, o)
                 continue
         if max_q > 1:
-            # Prompt chunks one by one, unpadded (2-3x faster than one padded batch on prompts of
-            # ~100-300 tokens: no padding to the longest, and a causal kernel skips the masked half).
+            # Prompt chunks one by one, unpadded: no padding to the longest, and a causal kernel
+            # skips the masked half (docs/benchmarks.md, "Measurements behind design choices").
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
                                   sliding_window)
             continue
