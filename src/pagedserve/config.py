@@ -153,7 +153,10 @@ class EngineArgs:
                 continue
             meta = f.metadata
             flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
-            kwargs: dict[str, Any] = {"default": f.default, "help": meta.get("help")}
+            text = (meta.get("help") or "").replace("%", "%%")  # argparse formats help with %
+            if f.default is not None and "default" not in text:
+                text += " (default: %(default)s)"
+            kwargs: dict[str, Any] = {"default": f.default, "help": text.strip()}
             kind = _flag_type(f.type)
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction

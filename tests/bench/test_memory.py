@@ -110,15 +110,17 @@ def test_sharing_counts_a_shared_prompt_once():
 
 def test_the_simulation_runs_the_engines_scheduler_policy():
     # The same limits, chunking and preemption policy as an engine built with the defaults
-    # (`bench paper` and serving), recomputation instead of swapping (no swap pool).
-    config = scheduler_for(KVCacheManager(64, 16), 2048).config
+    # (`bench paper` and serving), recomputation instead of swapping (no swap pool), and a
+    # token budget of the whole pool (memory, not compute, bounds the batch).
+    config = scheduler_for(KVCacheManager(256, 16), 2048).config
     defaults = EngineArgs()
     assert config.max_num_seqs == defaults.max_num_seqs
     assert config.enable_chunked_prefill == defaults.enable_chunked_prefill
-    assert config == EngineArgs(preemption_mode="recompute").scheduler_config(2048)
-    # A prompt longer than the step's token budget (2048) is prefilled in chunks.
+    assert config == EngineArgs(preemption_mode="recompute",
+                                max_num_batched_tokens=4096).scheduler_config(2048)
+    # Prompts are prefilled within the budget: 3000 tokens in one step, then 3 decode steps.
     result = simulate_paged([LengthRequest(3000, 4)], 4096, max_model_len=4096)
-    assert result.steps == 2 + 3  # ceil(3000 / 2048) prefill steps, then 3 decode steps
+    assert result.steps == 1 + 3
 
 
 def test_reservations_and_bad_arguments():

@@ -3,8 +3,9 @@ block managers.
 
 (1) KV memory usage breakdown (the paper's Fig. 2). Seeded length traces (ShareGPT-like and
 Alpaca-like) run through the engine's `Scheduler` (the same admission, chunked prefill and
-preemption policy as `bench paper` and serving, with the engine's default limits) over a fixed
-pool of KV blocks, for
+preemption policy as `bench paper` and serving, with the engine's default limits but a token
+budget of the whole pool, so that memory alone bounds the batch) over a fixed pool of KV
+blocks, for
     - paged: our `KVCacheManager` (blocks grow on demand; when one is missing the latest running
       request is preempted and recomputed), and
     - the Orca-style contiguous managers of `bench.contiguous`, which reserve at admission one
@@ -154,8 +155,10 @@ class SimResult:
 
 
 def scheduler_for(kv: KVCacheManager, max_model_len: int) -> Scheduler:
-    """The engine's scheduler with its default limits (recompute preemption: no swap pool)."""
-    args = EngineArgs(preemption_mode="recompute", enable_prefix_caching=False)
+    """The engine's scheduler with its default limits, recompute preemption (no swap pool) and a
+    token budget of the whole pool: memory, not compute, bounds every step."""
+    args = EngineArgs(preemption_mode="recompute", enable_prefix_caching=False,
+                      max_num_batched_tokens=max(2048, kv.num_blocks * kv.block_size))
     return Scheduler(args.scheduler_config(max_model_len), kv)
 
 
