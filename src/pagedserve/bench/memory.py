@@ -398,7 +398,7 @@ def main(args) -> int:
                               args.max_model_len) for t in args.traces}
     print(f"KV pool {args.pool_tokens} token slots ({args.pool_tokens // args.block_size} "
           f"blocks of {args.block_size}), max_model_len {args.max_model_len}, "
-          f"seed {args.seed}; the engine's scheduler with its default limits")
+          f"seed {args.seed}; the engine's scheduler, token budget: the whole pool")
     all_shares, all_savings = {}, {}
     for name, reqs in traces.items():
         mean_in = sum(r.prompt_len for r in reqs) / len(reqs)

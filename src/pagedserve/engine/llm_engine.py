@@ -28,9 +28,9 @@ from pagedserve.engine.detokenizer import (
     decode_token,
     find_stop,
 )
-from pagedserve.models.tokenizer import eos_token_ids
 from pagedserve.models.loader import resolve_dtype
 from pagedserve.models.source import resolve_model
+from pagedserve.models.tokenizer import eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
