@@ -14,6 +14,7 @@ import time
 import torch
 
 from pagedserve.bench.trace import sharegpt_like_trace
+from pagedserve.core.scheduler import PREEMPTION_MODES
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -132,7 +133,7 @@ def main(args) -> int:
     print(f"(b) {len(trace)} requests at once, block size 16, {budget} KV blocks "
           f"(~{budget * 16} tokens) so that preemption is forced")
     latency = {}
-    for mode in ("recompute", "swap", "auto"):
+    for mode in PREEMPTION_MODES:
         lat, counts, wall = normalized_latency(engine, mode, trace, budget, 16)
         latency[mode] = (lat, counts, wall)
         print(f"{mode:>10}: normalized latency {lat:.4f} s/token, wall {wall:.1f} s, "
