@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -38,32 +39,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench_kind == "throughput":
-        from pagedserve.bench.throughput import main
-
-        return main(args)
-    if args.bench_kind == "preemption":
-        from pagedserve.bench.preemption import main
-
-        return main(args)
-    if args.bench_kind == "serve":
-        from pagedserve.bench.serve import main
-
-        return main(args)
-    if args.bench_kind == "memory":
-        from pagedserve.bench.memory import main
-
-        return main(args)
-    if args.bench_kind == "paper":
-        from pagedserve.bench.paper import main
-
-        return main(args)
-    if args.bench_kind == "latency":
-        from pagedserve.bench.latency import main
-
-        return main(args)
-    raise ValueError(f"unknown benchmark {args.bench_kind!r}")
+    """Run `pagedserve.bench.<kind>.main(args)` (imported only when asked for)."""
+    if args.bench_kind not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {args.bench_kind!r}")
+    return importlib.import_module(f"pagedserve.bench.{args.bench_kind}").main(args)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
