@@ -8,6 +8,14 @@ import random
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.core.kv_cache_manager import KVCacheManager
+
+
+def shuffled_free_blocks(llm, seed: int):
+    """Rebuild `llm`'s (idle) engine cache over a block pool whose free list is shuffled by `seed`
+    (a test hook: outputs must not depend on which physical blocks a sequence gets)."""
+    llm.engine.reconfigure_cache(lambda config: KVCacheManager.from_config(config, shuffle_seed=seed))
+    return llm
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, k: int = 5):

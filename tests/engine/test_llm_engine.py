@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from utils import assert_tie_rule, hf_greedy, ours_as_pairs
+from utils import assert_tie_rule, hf_greedy, ours_as_pairs, shuffled_free_blocks
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "opt", "gpt2"]
 
@@ -60,8 +60,7 @@ def test_outputs_unchanged_with_shuffled_free_list_and_nan_in_free_blocks(checkp
     path = str(checkpoints("gemma3"))
     prompts = prompts_of_lengths([5, 13, 22, 7, 40])
     ref = run(LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22), prompts, greedy())
-    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22,
-              shuffle_free_blocks_seed=7)
+    llm = shuffled_free_blocks(LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22), 7)
     outs = _run_with_nan_in_free_blocks(llm, prompts, greedy())
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert llm.engine.num_used_blocks() == 0

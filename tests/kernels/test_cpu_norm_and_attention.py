@@ -11,6 +11,7 @@ import torch
 from pagedserve.attention.backends import torch_ref
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels.cpu_gemm import DISABLE_ENV
 from pagedserve.kernels.cpu_attention import decode_attention
 from pagedserve.kernels.cpu_norm import rms_norm
 from pagedserve.layers import norms
@@ -89,11 +90,12 @@ def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800):
     (6, 3, 80, 8, None),
     (2, 2, 128, 1, 7),
 ])
-def test_decode_attention_kernel_matches_gather_and_sdpa(kernel, hq, hkv, d, bs, window):
+def test_decode_attention_kernel_matches_gather_and_sdpa(kernel, hq, hkv, d, bs, window,
+                                                        monkeypatch):
     q, k, v, kc, vc, meta = _random_decode_batch(hq, hkv, d, bs, seed=hq * d + bs)
     fast = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window)
-    plain = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window,
-                                      use_cpu_kernel=False)
+    monkeypatch.setenv(DISABLE_ENV, "1")  # read on every call: the torch path from here on
+    plain = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window)
     # fp32 throughout vs SDPA's bf16 path: within a bf16 step of values of size ~1
     torch.testing.assert_close(fast.float(), plain.float(), atol=1e-2, rtol=1e-2)
 

@@ -20,7 +20,7 @@ from pagedserve.worker.cuda_graphs import (
     pick_bucket,
 )
 from pagedserve.worker.kv_cache import kv_budget_from_profile, max_concurrency
-from pagedserve.worker.model_runner import profile_seq_lens, resolve_attention_backend
+from pagedserve.worker.model_runner import profile_seq_lens
 
 
 def test_graph_batch_sizes_are_bucketed_up_to_max_num_seqs():
@@ -91,13 +91,6 @@ def test_engine_args_cuda_options_are_validated():
     EngineArgs(gpu_memory_utilization=1.0)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineArgs(attention_backend="flash")
-
-
-def test_auto_backend_is_torch_on_cpu():
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
-    with pytest.raises(ValueError):
-        resolve_attention_backend("flash", torch.device("cpu"))
 
 
 def test_skip_tokenizer_init_runs_token_ids(checkpoints):

@@ -179,18 +179,15 @@ def _sync(engine) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pagedserve.config import EngineArgs
     from pagedserve.engine.llm import LLM
-    from pagedserve.entrypoints.cli import engine_kwargs
 
-    kwargs = engine_kwargs(args)
-    kwargs["enable_prefix_caching"] = False
-    if kwargs.get("max_num_seqs") is None:  # one batch: its size (and CUDA graphs up to it)
-        kwargs["max_num_seqs"] = args.batch_size
-    if kwargs.get("max_model_len") is None:
-        kwargs["max_model_len"] = args.input_len + args.output_len
-    if kwargs.get("max_num_batched_tokens") is None:
-        kwargs["max_num_batched_tokens"] = max(2048, args.batch_size * args.input_len)
-    llm = LLM(args.model, **kwargs)
+    # One batch: its size (and CUDA graphs up to it), its length, all its prompts in one step.
+    sizes = {"max_num_seqs": args.batch_size, "max_model_len": args.input_len + args.output_len,
+             "max_num_batched_tokens": max(2048, args.batch_size * args.input_len)}
+    overrides = {k: v for k, v in sizes.items() if getattr(args, k, None) is None}
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args, enable_prefix_caching=False,
+                                                         **overrides))
     engine = llm.engine
     print(f"model {engine.source.name}, dtype {engine.dtype}, device {engine.device}, "
           f"{engine.num_kv_blocks} KV blocks of {engine.args.block_size}")

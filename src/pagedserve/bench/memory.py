@@ -1,27 +1,28 @@
-"""`pagedserve bench memory`: the paper's two memory figures in kind, on the real block manager.
+"""`pagedserve bench memory`: the paper's two memory figures in kind, on the real scheduler and
+block managers.
 
 (1) KV memory usage breakdown (the paper's Fig. 2). Seeded length traces (ShareGPT-like and
-Alpaca-like) run through an iteration-level scheduler over a fixed pool of KV token slots, for
-    - paged: our `KVCacheManager` (blocks grow on demand, recompute-style preemption of the
-      latest request when a block is missing), and
-    - Orca-style contiguous allocators that reserve, at admission, one first-fit range of a
-      single slot buffer: `max_model_len` slots (Max), the next power of two of the true length
-      (Pow2, at most 2x) or exactly the true prompt + output length (Oracle).
-The paged scheduler admits strictly FCFS (as vLLM); the contiguous ones let a later request fill
-a gap the head does not fit (generous to the baseline). Every slot of "used" memory is put in
+Alpaca-like) run through the engine's `Scheduler` (the same admission, chunked prefill and
+preemption policy as `bench paper` and serving, with the engine's default limits but a token
+budget of the whole pool, so that memory alone bounds the batch) over a fixed pool of KV
+blocks, for
+    - paged: our `KVCacheManager` (blocks grow on demand; when one is missing the latest running
+      request is preempted and recomputed), and
+    - the Orca-style contiguous managers of `bench.contiguous`, which reserve at admission one
+      first-fit run of blocks: `max_model_len` (Max), the prompt plus the next power of two of
+      the output length (Pow2) or exactly prompt + output (Oracle).
+No model runs: every scheduled sequence gets one (dummy) token per step, so only lengths drive
+the allocators and the command is fast and deterministic. Every slot of "used" memory is put in
 exactly one category: token states (filled), reservation (reserved, filled later by this
 request), internal fragmentation (reserved, never filled because the request ends first) and
-external fragmentation (free gaps that no waiting request fits). For paged, "used" is every block
-with reference count > 0, and its reservation / internal fragmentation are the empty slots of
-last blocks.
-Shares are averaged over the steps at which >= `busy_threshold` of the pool is used.
+external fragmentation (free gaps smaller than the reservation of the request waiting at the head
+of the queue). For paged, reservation and internal fragmentation are the empty slots of last
+blocks. Shares are averaged over the steps at which >= `busy_threshold` of the pool is used.
 
-(2) Sharing savings of parallel sampling (the paper's Fig. 15): each request's prompt is
-allocated once and forked to n sequences that grow on their own (copy-on-write of a shared partial
-last block on their first write), versus the same sequences allocated independently.
-Beam search savings need the real engine and are not part of this command yet.
-
-No model runs: only lengths drive the allocators, so the command is fast and deterministic.
+(2) Sharing savings (the paper's Fig. 15): parallel sampling on the same scheduler (each
+request's prompt is computed once and forked to n sequences that grow on their own, copy-on-write
+of a shared partial last block on their first write), and beam search on the real engine (which
+beams survive depends on the model's scores), versus the same sequences allocated independently.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from pagedserve.bench.trace import lognormal_lengths
-from pagedserve.core.contiguous import (
+from pagedserve.bench.contiguous import (
     CONTIGUOUS_POLICIES,
-    ContiguousAllocator,
+    ContiguousKVCacheManager,
     reservation_tokens,
 )
+from pagedserve.bench.trace import lognormal_lengths
+from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 CATEGORIES = ("token states", "reservation", "internal frag", "external frag")
 ALLOCATORS = ("paged",) + CONTIGUOUS_POLICIES
@@ -136,7 +141,7 @@ class SimResult:
     cow_copies: int = 0
     used_block_steps: int = 0      # sum over steps of blocks in use (shared counted once)
     unshared_block_steps: int = 0  # sum over steps of blocks the same sequences need unshared
-    final_free_slots: int = 0      # free slots (paged: blocks x block size) after the run
+    final_free_slots: int = 0      # free slots (free blocks x block size) after the run
 
     @property
     def sharing_savings(self) -> float:
@@ -146,239 +151,141 @@ class SimResult:
         return 1.0 - self.used_block_steps / self.unshared_block_steps
 
 
-# --- paged (our block manager) ---------------------------------------------------------------
+# --- the simulation: the real scheduler, lengths only ----------------------------------------
 
 
-@dataclass
-class _Group:
-    """A request's n sequences under the paged simulation; `generated` tokens each so far."""
-
-    req: LengthRequest
-    seq_ids: list[int]
-    generated: int = 0
-
-
-def _rebuild_blocks(req: LengthRequest, n: int, generated: int, block_size: int) -> int:
-    """Blocks that (re)admitting a group takes: the prompt's full blocks once, the rest per
-    sequence (a shared partial prompt block is copied on write by every sample that has written)."""
-    if generated == 0:
-        return cdiv(req.prompt_len, block_size)
-    shared = req.prompt_len // block_size
-    return shared + n * (cdiv(req.prompt_len + generated, block_size) - shared)
+def scheduler_for(kv: KVCacheManager, max_model_len: int) -> Scheduler:
+    """The engine's scheduler with its default limits, recompute preemption (no swap pool) and a
+    token budget of the whole pool: memory, not compute, bounds every step."""
+    args = EngineArgs(preemption_mode="recompute", enable_prefix_caching=False,
+                      max_num_batched_tokens=max(2048, kv.num_blocks * kv.block_size))
+    return Scheduler(args.scheduler_config(max_model_len), kv)
 
 
-def _try_admit(kv: KVCacheManager, running: list[_Group], group: _Group, n: int,
-               result: SimResult) -> bool:
-    """Admit `group` if its blocks are free now."""
-    if _rebuild_blocks(group.req, n, group.generated, kv.block_size) > kv.num_free_blocks:
-        return False
-    _admit(kv, group)
-    running.append(group)
-    return True
-
-
-def _admit(kv: KVCacheManager, group: _Group) -> None:
-    """Allocate the prompt once, fork it to every sample, grow each to its generated length.
-
-    A readmitted group gets the block layout it had when preempted (the copies this makes are
-    layout, not copy-on-write traffic of the run, so they are not counted).
-    """
-    parent, *children = group.seq_ids
-    kv.allocate_slots(parent, group.req.prompt_len)
-    for child in children:
-        kv.fork(parent, child)
-    if group.generated:
-        # NOTE: children first, parent last: the last holder of a shared partial block writes in
-        # place, exactly as on the original run, so `_rebuild_blocks` stays exact.
-        for seq in children + [parent]:
-            kv.allocate_slots(seq, group.req.prompt_len + group.generated)
-
-
-def _grow(kv: KVCacheManager, group: _Group, result: SimResult) -> None:
-    """One decode step: every sample of the group gains a token slot."""
-    length = group.req.prompt_len + group.generated + 1
-    for seq in group.seq_ids:
-        result.cow_copies += len(kv.allocate_slots(seq, length))
-    group.generated += 1
-
-
-def _decode_step(kv: KVCacheManager, running: list[_Group], waiting: list[_Group],
-                 result: SimResult) -> None:
-    """Grow running groups in FCFS order; preempt the latest when a block is missing."""
-    i = 0
-    while i < len(running):
-        group = running[i]
-        length = group.req.prompt_len + group.generated + 1
-        need = sum(kv.num_new_blocks(s, length) for s in group.seq_ids)
-        # NOTE: `need` may overcount by the copy a last holder will not make; that only makes
-        # preemption slightly early, never lets `allocate_slots` run out.
-        if need > kv.num_free_blocks:
-            victim = running.pop()
-            for seq in victim.seq_ids:
-                kv.free(seq)
-            waiting.insert(0, victim)
-            result.preemptions += 1
-            continue  # retry the same group (or stop if it was the victim)
-        _grow(kv, group, result)
-        i += 1
-
-
-def _paged_step_stats(kv: KVCacheManager, running: list[_Group]) -> tuple[int, ...]:
-    """(token, reservation, internal, external) slots.
-
-    NOTE: counts per table, so it is exact only without sharing (n == 1); a shared block would
-    be counted once per holder.
-    """
-    token = reserved = internal = 0
-    for group in running:
-        for seq in group.seq_ids:
-            table = kv.tables[seq]
-            t, r, i = _slot_categories(len(table.blocks) * kv.block_size, table.num_tokens,
-                                       group.req.total_len)
-            token, reserved, internal = token + t, reserved + r, internal + i
-    return token, reserved, internal, 0
-
-
-def simulate_paged(requests: list[LengthRequest], pool_tokens: int, block_size: int = 16,
-                   n: int = 1, busy_threshold: float = 0.9) -> SimResult:
-    """Run the trace (all requests waiting at step 0) through `KVCacheManager`.
-
-    Each step: running groups gain a token per sample (FCFS; on a missing block the latest
-    running group is preempted and requeued first, keeping its progress), waiting groups are
-    admitted strictly FCFS while the head's blocks fit, memory is measured, finished groups are
-    freed.
-    With `n > 1` each request samples n outputs sharing the prompt's blocks.
-    """
-    _check_common(requests, pool_tokens, busy_threshold)
+def simulate(requests: list[LengthRequest], kv: KVCacheManager, n: int = 1,
+             max_model_len: int = 2048, busy_threshold: float = 0.9) -> SimResult:
+    """Run the trace (every request waiting at step 0, in order) through the engine's scheduler
+    over `kv`, with `n` sampled sequences per request, and measure memory at every step."""
+    _check_common(requests, kv.num_blocks * kv.block_size, busy_threshold)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    num_blocks = pool_tokens // block_size
-    worst = max(n * cdiv(r.total_len, block_size) for r in requests)
-    if worst > num_blocks:
+    if max(r.total_len for r in requests) > max_model_len:
+        raise ValueError(f"a request is longer than max_model_len={max_model_len}")
+    worst = max(n * cdiv(r.total_len, kv.block_size) for r in requests)
+    if worst > kv.num_blocks:
         raise ValueError(f"a request with n={n} samples needs {worst} blocks; the pool has "
-                         f"{num_blocks}")
-    kv = KVCacheManager(num_blocks, block_size)
+                         f"{kv.num_blocks}")
+    sched = scheduler_for(kv, max_model_len)
+    seq_ids = iter(range(n * len(requests)))
+    totals: dict[int, int] = {}  # seq id -> prompt + output length
+    for i, req in enumerate(requests):
+        params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0,
+                                max_tokens=req.output_len, ignore_eos=True)
+        kv.check_request(n, False, req.prompt_len, req.total_len)
+        group = SequenceGroup(str(i), [Sequence(next(seq_ids), [0] * req.prompt_len)
+                                       for _ in range(n)], params, arrival_time=float(i))
+        group.fork_pending = n > 1
+        for seq in group.seqs:
+            kv.on_admit(seq.seq_id, req.prompt_len, req.total_len)
+            totals[seq.seq_id] = req.total_len
+        sched.add(group)
     result = SimResult(Breakdown())
-    waiting = [_Group(r, list(range(i * n, (i + 1) * n))) for i, r in enumerate(requests)]
-    running: list[_Group] = []
-    while waiting or running:
-        _decode_step(kv, running, waiting, result)
-        # NOTE: strict FCFS, as vLLM: a free block serves any request, so a head that does not
-        # fit waits for memory rather than for a gap, and later requests may not overtake it.
-        while waiting and _try_admit(kv, running, waiting[0], n, result):
-            waiting.pop(0)
-        _record_paged(kv, running, n, busy_threshold, result)
-        for group in [g for g in running if g.generated >= g.req.output_len]:
-            running.remove(group)
-            for seq in group.seq_ids:
-                kv.free(seq)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError("the scheduler made no progress")
+        if out.length_capped:
+            raise RuntimeError("a request could not grow even alone in the cache")
+        _record(kv, sched, totals, n, busy_threshold, result)
+        _advance(sched, out, result)
+    result.preemptions = sched.num_preemptions
     kv.check_invariants()
-    result.final_free_slots = kv.num_free_blocks * block_size
-    if kv.tables or kv.num_free_blocks != num_blocks:
-        raise RuntimeError(f"leaked {num_blocks - kv.num_free_blocks} blocks")
+    result.final_free_slots = kv.num_free_blocks * kv.block_size
+    if kv.tables or kv.pool.num_used:
+        raise RuntimeError(f"leaked {kv.pool.num_used} blocks")
     return result
 
 
-def _record_paged(kv: KVCacheManager, running: list[_Group], n: int, busy_threshold: float,
-                  result: SimResult) -> None:
-    """Add one step's block counts; the breakdown only when unshared and the pool is busy."""
+def _advance(sched: Scheduler, out: SchedulerOutput, result: SimResult) -> None:
+    """What the engine does with a step's results, with a dummy token for every sample.
+
+    NOTE: mirrors `LLMEngine.step`'s bookkeeping (computed tokens, forks, appends, length
+    finishes); keep the two in step.
+    """
     result.steps += 1
-    used = kv.pool.num_used  # blocks with reference count > 0
-    result.used_block_steps += used
-    result.unshared_block_steps += sum(len(kv.tables[s].blocks)
-                                       for g in running for s in g.seq_ids)
-    if n == 1 and used >= busy_threshold * kv.num_blocks:
-        result.breakdown.add(*_paged_step_stats(kv, running))
+    result.cow_copies += len(out.blocks_to_copy)
+    for s in out.scheduled:
+        s.seq.num_computed_tokens = s.end
+        forked = sched.fork_if_ready(s.group)
+        if not s.do_sample:
+            continue
+        for seq in forked if s.num_samples > 1 else [s.seq]:
+            seq.append_token(0, 0.0)
+            if seq.num_output_tokens >= s.group.sampling_params.max_tokens:
+                sched.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+                sched.kv.on_finish(seq.seq_id)
+    sched.remove_finished()
 
 
-# --- contiguous (Orca-style) -----------------------------------------------------------------
+def _held_blocks(kv: KVCacheManager, seq_id: int) -> int:
+    """Blocks a sequence holds: its table's, or its whole reservation under a contiguous manager."""
+    reservations = getattr(kv, "reservations", None)
+    if reservations is not None:
+        return reservations[seq_id][1]
+    return len(kv.tables[seq_id].blocks)
+
+
+def _record(kv: KVCacheManager, sched: Scheduler, totals: dict[int, int], n: int,
+            busy_threshold: float, result: SimResult) -> None:
+    """Add one step's block counts (after scheduling: this step's slots are allocated); the
+    breakdown only when unshared (n == 1: a shared block would count once per holder) and the
+    pool is busy."""
+    seqs = [q.seq_id for g in sched.running for q in g.unfinished_seqs()]
+    result.used_block_steps += kv.pool.num_used  # blocks with reference count > 0
+    result.unshared_block_steps += sum(len(kv.block_table(s)) for s in seqs)
+    if n > 1:
+        return
+    bs = kv.block_size
+    token = reserved = internal = 0
+    for s in seqs:
+        t, r, i = _slot_categories(_held_blocks(kv, s) * bs, kv.tables[s].num_tokens, totals[s])
+        token, reserved, internal = token + t, reserved + r, internal + i
+    external = 0
+    if sched.waiting and isinstance(kv, ContiguousKVCacheManager):
+        head = sched.waiting[0].seqs[0]
+        need = kv.num_new_blocks(head.seq_id, head.num_prompt_tokens)
+        external = bs * sum(g for g in kv.ranges.free_gaps() if g < need)
+    if token + reserved + internal + external >= busy_threshold * kv.num_blocks * bs:
+        result.breakdown.add(token, reserved, internal, external)
+
+
+def simulate_paged(requests: list[LengthRequest], pool_tokens: int, block_size: int = 16,
+                   n: int = 1, busy_threshold: float = 0.9,
+                   max_model_len: int = 2048) -> SimResult:
+    """`simulate` over `KVCacheManager` with `pool_tokens // block_size` blocks."""
+    kv = KVCacheManager(pool_tokens // block_size, block_size)
+    return simulate(requests, kv, n, max_model_len, busy_threshold)
+
+
+def simulate_contiguous(requests: list[LengthRequest], pool_tokens: int, policy: str,
+                        max_model_len: int = 2048, busy_threshold: float = 0.9,
+                        block_size: int = 16) -> SimResult:
+    """`simulate` over a `ContiguousKVCacheManager` of `policy` with `pool_tokens // block_size`
+    blocks."""
+    kv = ContiguousKVCacheManager(pool_tokens // block_size, block_size, policy, max_model_len)
+    return simulate(requests, kv, 1, max_model_len, busy_threshold)
 
 
 def reservation(policy: str, req: LengthRequest, max_model_len: int) -> int:
     """Slots an Orca-style system reserves for `req` at admission under `policy`."""
-    return reservation_tokens(policy, req.total_len, max_model_len)
-
-
-@dataclass
-class _Reserved:
-    """A running request of the contiguous simulation and its reserved range."""
-
-    req: LengthRequest
-    start: int
-    size: int
-    generated: int = 0
-
-
-def simulate_contiguous(requests: list[LengthRequest], pool_tokens: int, policy: str,
-                        max_model_len: int = 2048, busy_threshold: float = 0.9) -> SimResult:
-    """Run the trace through `ContiguousAllocator` with reservations by `policy`.
-
-    Each step: running requests gain a token; each waiting request, in arrival order, is
-    admitted when a first-fit range holds its reservation (later requests may fill a gap the
-    head does not fit: the most generous policy for the baseline, and the one under which every
-    free gap left while requests wait is external fragmentation); memory is measured; finished
-    requests are freed.
-    """
-    _check_common(requests, pool_tokens, busy_threshold)
-    sizes = [reservation(policy, r, max_model_len) for r in requests]
-    if max(sizes) > pool_tokens:
-        raise ValueError(f"a reservation of {max(sizes)} slots exceeds the pool ({pool_tokens})")
-    if any(s < r.total_len for s, r in zip(sizes, requests)):
-        raise ValueError(f"a request is longer than max_model_len={max_model_len}")
-    buf = ContiguousAllocator(pool_tokens)
-    result = SimResult(Breakdown())
-    waiting = list(zip(requests, sizes))
-    smallest = min(sizes)
-    running: list[_Reserved] = []
-    while waiting or running:
-        for r in running:
-            r.generated += 1
-        # Only scan the queue when some gap could hold its smallest reservation.
-        if waiting and buf.largest_gap() >= smallest:
-            waiting[:] = [w for w in waiting if not _try_reserve(buf, running, *w)]
-            smallest = min((size for _, size in waiting), default=0)
-        _record_contiguous(buf, running, smallest if waiting else None, busy_threshold, result)
-        for r in [r for r in running if r.generated >= r.req.output_len]:
-            running.remove(r)
-            buf.free(r.start, r.size)
-    result.final_free_slots = buf.num_free
-    if buf.free_gaps() != [pool_tokens]:
-        raise RuntimeError(f"leaked slots: free ranges {buf.free_gaps()}")
-    return result
-
-
-def _try_reserve(buf: ContiguousAllocator, running: list[_Reserved], req: LengthRequest,
-                 size: int) -> bool:
-    """Reserve a first-fit range for `req` and run it, if one holds `size` slots."""
-    start = buf.allocate(size)
-    if start is None:
-        return False
-    running.append(_Reserved(req, start, size))
-    return True
-
-
-def _record_contiguous(buf: ContiguousAllocator, running: list[_Reserved], smallest: int | None,
-                       busy_threshold: float, result: SimResult) -> None:
-    """Add one step's breakdown if the pool is busy; `smallest` is the smallest waiting
-    reservation (None when nobody waits)."""
-    result.steps += 1
-    token = reserved = internal = 0
-    for r in running:
-        t, res, i = _slot_categories(r.size, r.req.prompt_len + r.generated, r.req.total_len)
-        token, reserved, internal = token + t, reserved + res, internal + i
-    # NOTE: a free gap is external fragmentation when no waiting request fits it; after the
-    # in-order admission with overtaking above, that is every gap while any request waits.
-    external = sum(g for g in buf.free_gaps() if smallest is not None and g < smallest)
-    used = token + reserved + internal + external
-    if used >= busy_threshold * buf.num_slots:
-        result.breakdown.add(token, reserved, internal, external)
+    return reservation_tokens(policy, req.prompt_len, req.output_len, max_model_len)
 
 
 def _check_common(requests: list[LengthRequest], pool_tokens: int, busy_threshold: float):
     if not requests:
         raise ValueError("requests must not be empty")
     if pool_tokens < 1:
-        raise ValueError(f"pool_tokens must be >= 1, got {pool_tokens}")
+        raise ValueError(f"pool_tokens must be >= 1 block, got {pool_tokens}")
     if not 0.0 < busy_threshold <= 1.0:
         raise ValueError(f"busy_threshold must be in (0, 1], got {busy_threshold}")
 
@@ -389,17 +296,20 @@ def _check_common(requests: list[LengthRequest], pool_tokens: int, busy_threshol
 def memory_breakdown(requests: list[LengthRequest], pool_tokens: int, block_size: int = 16,
                      max_model_len: int = 2048, busy_threshold: float = 0.9):
     """{allocator: SimResult} for the paged manager and every contiguous policy (Fig. 2)."""
-    results = {"paged": simulate_paged(requests, pool_tokens, block_size, 1, busy_threshold)}
+    results = {"paged": simulate_paged(requests, pool_tokens, block_size, 1, busy_threshold,
+                                       max_model_len)}
     for policy in CONTIGUOUS_POLICIES:
         results[policy] = simulate_contiguous(requests, pool_tokens, policy, max_model_len,
-                                              busy_threshold)
+                                              busy_threshold, block_size)
     return results
 
 
 def parallel_sampling_savings(requests: list[LengthRequest], pool_tokens: int,
-                              ns=(2, 4, 6), block_size: int = 16) -> dict[int, SimResult]:
+                              ns=(2, 4, 6), block_size: int = 16,
+                              max_model_len: int = 2048) -> dict[int, SimResult]:
     """{n: SimResult} of parallel sampling with n samples per request (Fig. 15)."""
-    return {n: simulate_paged(requests, pool_tokens, block_size, n) for n in ns}
+    return {n: simulate_paged(requests, pool_tokens, block_size, n, max_model_len=max_model_len)
+            for n in ns}
 
 
 def beam_search_savings(llm, requests: list[LengthRequest], width: int, max_tokens: int,
@@ -438,27 +348,25 @@ def beam_search_savings(llm, requests: list[LengthRequest], width: int, max_toke
 
 
 def add_bench_memory_args(p) -> None:
-    """Options of `pagedserve bench memory`."""
+    """Options of `pagedserve bench memory`; the engine's `--model`, `--dtype`, `--block-size`
+    and `--seed` (the trace's seed too) come from `EngineArgs`."""
+    EngineArgs.add_cli_args(p, only=("model", "dtype", "block_size", "seed"))
     p.add_argument("--traces", nargs="+", choices=sorted(TRACES), default=["sharegpt", "alpaca"])
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per trace (default: 600 ShareGPT-like, 2000 Alpaca-like)")
     p.add_argument("--pool-tokens", type=int, default=16384,
-                   help="KV pool size in token slots (paged: / block size blocks)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=2048)
+                   help="KV pool size in token slots (/ block size blocks)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="the simulated engine's max_model_len")
     p.add_argument("--parallel-n", type=int, nargs="+", default=[2, 4, 6])
     p.add_argument("--busy-threshold", type=float, default=0.9,
                    help="measure the breakdown only at steps with this share of the pool used")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--beam-widths", type=int, nargs="*", default=[2, 4, 6],
                    help="beam widths measured on the real engine (none: skip)")
     p.add_argument("--beam-requests", type=int, default=8,
                    help="requests per trace for the beam-search part")
     p.add_argument("--beam-max-tokens", type=int, default=64,
                    help="output cap for the beam-search part (a shortened trace)")
-    p.add_argument("--model", default=None, help="model for the beam-search part "
-                   "(default: the embedded Gemma 3 270M)")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--breakdown-plot", default="memory_breakdown.png")
     p.add_argument("--sharing-plot", default="memory_sharing.png")
 
@@ -488,9 +396,9 @@ def main(args) -> int:
         raise ValueError(f"--parallel-n values must be >= 1, got {args.parallel_n}")
     traces = {t: length_trace(t, args.num_requests or DEFAULT_REQUESTS[t], args.seed,
                               args.max_model_len) for t in args.traces}
-    print(f"KV pool {args.pool_tokens} token slots (paged: {args.pool_tokens // args.block_size} "
+    print(f"KV pool {args.pool_tokens} token slots ({args.pool_tokens // args.block_size} "
           f"blocks of {args.block_size}), max_model_len {args.max_model_len}, "
-          f"seed {args.seed}")
+          f"seed {args.seed}; the engine's scheduler, token budget: the whole pool")
     all_shares, all_savings = {}, {}
     for name, reqs in traces.items():
         mean_in = sum(r.prompt_len for r in reqs) / len(reqs)
@@ -507,7 +415,7 @@ def main(args) -> int:
     print(f"{'trace':<10} {'n':>3} {'saving':>8} {'CoW copies':>11} {'preempt':>8}   paper")
     for name, reqs in traces.items():
         runs = parallel_sampling_savings(reqs, args.pool_tokens, args.parallel_n,
-                                         args.block_size)
+                                         args.block_size, args.max_model_len)
         all_savings[name] = {n: r.sharing_savings for n, r in runs.items()}
         for n, r in runs.items():
             print(f"{name:<10} {n:>3} {100 * r.sharing_savings:>7.1f}% {r.cow_copies:>11} "
@@ -517,7 +425,8 @@ def main(args) -> int:
     if args.beam_widths:
         from pagedserve.engine.llm import LLM
 
-        llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, seed=args.seed)
+        # (--max-model-len is the simulation's; the engine keeps its model's)
+        llm = LLM.from_engine_args(EngineArgs.from_namespace(args, max_model_len=None))
         print(f"\n(3) beam search on the real engine ({llm.engine.source.name}): blocks saved / "
               f"blocks needed without sharing, {args.beam_requests} requests per trace, outputs "
               f"capped at {args.beam_max_tokens} tokens")

@@ -1,6 +1,6 @@
 """`pagedserve bench paper`: the paper's headline result in kind (Fig. 12 and Fig. 13).
 
-For each KV allocator (paged, and the Orca-style contiguous baselines of `core.contiguous`) and
+For each KV allocator (paged, and the Orca-style contiguous baselines of `bench.contiguous`) and
 each request rate, a seeded ShareGPT-like or Alpaca-like trace arrives by a Poisson process and
 runs through the real engine in this process. Only the memory manager changes between runs: same
 model, same model runner, same scheduler, same KV budget and block size. Recorded per point:
@@ -28,8 +28,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from pagedserve.bench.contiguous import KV_ALLOCATORS, kv_manager_factory
 from pagedserve.bench.memory import TRACES, length_trace
-from pagedserve.core.contiguous import KV_ALLOCATORS
+from pagedserve.config import EngineArgs
 
 LABELS = {"paged": "pagedserve", "contiguous-max": "Orca (Max)",
           "contiguous-pow2": "Orca (Pow2)", "contiguous-oracle": "Orca (Oracle)"}
@@ -115,7 +116,7 @@ def run_point(engine, setup: Setup, allocator: str, rate: float, duration_s: flo
     """Run one Poisson trace through `engine` reconfigured for `allocator`; see the module."""
     from pagedserve.sampling_params import SamplingParams
 
-    engine.reconfigure_cache(kv_allocator=allocator, block_size=setup.block_size,
+    engine.reconfigure_cache(kv_manager_factory(allocator), block_size=setup.block_size,
                              num_kv_blocks=setup.num_kv_blocks, kv_cache_memory=None,
                              enable_prefix_caching=False, preemption_mode="recompute",
                              num_cpu_blocks=None)
@@ -282,7 +283,9 @@ def _ratio_text(trace: str, alloc: str, rates: dict[str, tuple[float, bool]]) ->
 
 
 def add_bench_paper_args(p) -> None:
-    """Options of `pagedserve bench paper`."""
+    """Options of `pagedserve bench paper`; the engine's `--model`, `--dtype`, `--block-size` and
+    `--seed` (the traces' too) come from `EngineArgs`."""
+    EngineArgs.add_cli_args(p, only=("model", "dtype", "block_size", "seed"))
     p.add_argument("--trace", nargs="+", choices=sorted(TRACES), default=["sharegpt", "alpaca"])
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="request rates (req/s) to sweep (default: per trace)")
@@ -301,13 +304,9 @@ def add_bench_paper_args(p) -> None:
                         f"(~{PAPER_KV_TOKENS} tokens) (default: {DEFAULT_SCALE})")
     p.add_argument("--kv-tokens", type=int, default=None,
                    help="KV budget in token states (default: the scaled paper budget)")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--latency-slo", type=float, default=None,
                    help="normalized latency (s/token) at which sustainable rates are compared "
                         "(default: 3x paged's latency at the lowest rate)")
-    p.add_argument("--model", default=None, help="default: the embedded Gemma 3 270M")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON",
                    help="add the points of earlier runs (their results.json) to the summary "
                         "and charts, e.g. to extend a sweep to more rates")
@@ -336,9 +335,9 @@ def main(args) -> int:
 
     for trace in args.trace:
         setup = make_setup(trace, args.length_scale, args.block_size, args.kv_tokens)
-        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_model_len=setup.max_model_len,
-                  block_size=setup.block_size, num_kv_blocks=setup.num_kv_blocks,
-                  enable_prefix_caching=False, preemption_mode="recompute")
+        llm = LLM.from_engine_args(EngineArgs.from_namespace(
+            args, max_model_len=setup.max_model_len, num_kv_blocks=setup.num_kv_blocks,
+            enable_prefix_caching=False, preemption_mode="recompute"))
         engine = llm.engine
         corpus = engine.tokenizer(corpus_text(), add_special_tokens=False).input_ids
         mean_in, mean_out = (round(m * setup.scale, 1) for m in TRACES[trace])

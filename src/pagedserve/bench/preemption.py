@@ -14,6 +14,7 @@ import time
 import torch
 
 from pagedserve.bench.trace import sharegpt_like_trace
+from pagedserve.core.scheduler import PREEMPTION_MODES
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -104,9 +105,10 @@ def plot(rows, latency, path: str) -> None:
 
 
 def main(args) -> int:
+    from pagedserve.config import EngineArgs
     from pagedserve.engine.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, load_format=args.load_format)
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args))
     engine = llm.engine
     trace = sharegpt_like_trace(engine.tokenizer, args.num_prompts,
                                 input_len_mean=args.input_len_mean,
@@ -131,7 +133,7 @@ def main(args) -> int:
     print(f"(b) {len(trace)} requests at once, block size 16, {budget} KV blocks "
           f"(~{budget * 16} tokens) so that preemption is forced")
     latency = {}
-    for mode in ("recompute", "swap", "auto"):
+    for mode in PREEMPTION_MODES:
         lat, counts, wall = normalized_latency(engine, mode, trace, budget, 16)
         latency[mode] = (lat, counts, wall)
         print(f"{mode:>10}: normalized latency {lat:.4f} s/token, wall {wall:.1f} s, "

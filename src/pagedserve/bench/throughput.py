@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.bench.profiler import StepProfiler, ceiling_report
+from pagedserve.engine.profiler import StepProfiler, ceiling_report
 from pagedserve.bench.trace import TraceRequest, sharegpt_like_trace
 
 
@@ -93,18 +93,10 @@ def load_hf_reference(source, dtype: torch.dtype):
 
 
 def main(args) -> int:
+    from pagedserve.config import EngineArgs
     from pagedserve.engine.llm import LLM
 
-    engine_kwargs = dict(
-        dtype=args.dtype, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-        seed=args.seed, load_format=args.load_format,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        ray_address=args.ray_address,
-    )
-    if args.kv_cache_memory:
-        engine_kwargs["kv_cache_memory"] = args.kv_cache_memory
-    llm = LLM(args.model, **engine_kwargs)
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args))
     engine = llm.engine
     trace = sharegpt_like_trace(
         engine.tokenizer, args.num_prompts, input_len_mean=args.input_len_mean,

@@ -26,12 +26,34 @@ class BlockTable:
     hashes: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class KVManagerConfig:
+    """What the engine sizes for its KV manager: device and CPU blocks, prefix caching, the
+    longest sequence. A `kv_manager_factory` (see `LLMEngine`) builds a manager from it."""
+
+    num_blocks: int
+    block_size: int
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = False
+    max_model_len: int | None = None
+
+
 class KVCacheManager:
     """Allocates, grows, forks and frees the block tables of sequences.
 
     NOTE: a block's reference count always equals the number of block tables that hold it; blocks
     are allocated only when a sequence needs slots beyond its last block (never ahead of time).
+
+    The engine also tells the manager about requests (`check_request`, `on_admit`, `on_finish`);
+    paging needs none of it, other managers (the benchmarks' contiguous baselines) plug in there.
     """
+
+    @classmethod
+    def from_config(cls, config: KVManagerConfig, shuffle_seed: int | None = None):
+        """The paged manager for `config` (the engine's default `kv_manager_factory`)."""
+        return cls(config.num_blocks, config.block_size, shuffle_seed=shuffle_seed,
+                   num_cpu_blocks=config.num_cpu_blocks,
+                   enable_prefix_caching=config.enable_prefix_caching)
 
     def __init__(
         self,
@@ -92,6 +114,21 @@ class KVCacheManager:
         if num_tokens <= table.num_tokens or table.num_tokens % self.block_size == 0:
             return False
         return self.pool.ref_counts[table.blocks[-1]] > 1
+
+    # --- request hooks (called by the engine; no-ops for paging) ------------------------------
+
+    def check_request(self, num_seqs: int, beam_search: bool, prompt_len: int,
+                      final_len: int) -> None:
+        """Raise ValueError if a request of `num_seqs` sequences (sharing their prompt), ending
+        at `final_len` tokens at most, cannot be served. Paging serves any request whose blocks
+        fit the cache (checked by the engine)."""
+
+    def on_admit(self, seq_id: int, prompt_len: int, final_len: int) -> None:
+        """A sequence was queued: `prompt_len` prompt tokens, at most `final_len` in all."""
+
+    def on_finish(self, seq_id: int) -> None:
+        """The sequence's request ended (finished or aborted): drop what `on_admit` recorded and
+        any blocks it still holds."""
 
     # --- mutations ---------------------------------------------------------------------------
 

@@ -182,7 +182,7 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine is already started")
         self._loop = asyncio.get_running_loop()
         # NOTE: the model was loaded on this thread: free this thread's OpenMP workers, or the
-        # engine thread's parallel regions run ~20-30% slower (see kernels/openmp.py).
+        # engine thread's parallel regions pay a wake-up each (see kernels/openmp.py).
         release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()

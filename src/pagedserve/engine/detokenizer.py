@@ -57,9 +57,8 @@ def special_token_ids(tokenizer: Any) -> set[int]:
 class TokenizerInfo:
     """What the detokenizer needs to know about a tokenizer, computed once.
 
-    Computing it costs milliseconds for a large vocabulary (Gemma: ~10 ms, mostly listing
-    6k added tokens); build it once per tokenizer with `from_tokenizer` and pass it to
-    every `IncrementalDetokenizer`.
+    Computing it walks the vocabulary and its added tokens (costly for a large one); build it
+    once per tokenizer with `from_tokenizer` and pass it to every `IncrementalDetokenizer`.
     """
 
     vocab_size: int
@@ -285,8 +284,8 @@ def decode_token(tokenizer: Any, token_id: int) -> str:
     token_id = int(token_id)
     if token_id < 0:
         return ""
-    # NOTE: no len(tokenizer) bound check: it costs ~1 ms for a big vocabulary and this
-    # runs for every logprob. Fast tokenizers map unknown ids to None; slow ones may raise.
+    # NOTE: no len(tokenizer) bound check: `len` walks the added tokens of a big vocabulary and
+    # this runs for every logprob. Fast tokenizers map unknown ids to None; slow ones may raise.
     try:
         token = tokenizer.convert_ids_to_tokens(token_id)
     except (IndexError, KeyError, OverflowError):

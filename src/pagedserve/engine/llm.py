@@ -29,6 +29,13 @@ class LLM:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An `LLM` over an engine built from `args` (e.g. `EngineArgs.from_namespace`)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -7,25 +7,24 @@ import itertools
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
-from pagedserve.core.contiguous import ContiguousKVCacheManager
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedserve.core.step_input import StepInput
 from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis
+from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.core.step_input import StepInput
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
     TokenizerInfo,
     decode_token,
     find_stop,
 )
-from pagedserve.engine.tokenizer import eos_token_ids
 from pagedserve.models.loader import resolve_dtype
 from pagedserve.models.source import resolve_model
+from pagedserve.models.tokenizer import eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
@@ -62,10 +61,17 @@ class LLMEngine:
     `add_request` validates and queues a request (ValueError names the bad parameter, and the
     engine is unchanged); `step` runs one iteration for every request in flight and returns the
     outputs of the requests that advanced; `abort_request` frees a request's blocks at once.
+
+    `kv_manager_factory` builds the KV block manager from the engine's sizes (default
+    `KVCacheManager.from_config`: paging). Benchmarks plug other managers in here (the Orca-style
+    baselines of `bench/contiguous.py`), tests a shuffled free list.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs,
+                 kv_manager_factory: Callable[[KVManagerConfig], KVCacheManager] | None = None,
+                 ) -> None:
         self.args = args
+        self.kv_manager_factory = kv_manager_factory or KVCacheManager.from_config
         self.source = resolve_model(args.model, args.load_format)
         config = self.source.config
         self.model_config = _text_config(config)
@@ -136,47 +142,25 @@ class LLMEngine:
 
     def _build_cache(self, args: EngineArgs) -> None:
         """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
-        chunked = args.enable_chunked_prefill
-        batched = args.max_num_batched_tokens or (2048 if chunked else max(self.max_model_len, 2048))
         spec = self.executor.kv_cache_spec  # one worker's: the KV heads it holds
         block_bytes = bytes_per_block(spec, args.block_size, self.dtype)
         swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.device)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=batched,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=chunked,
-            preemption_mode=args.preemption_mode,
-            swap_seconds_per_block=swap_s,
-            recompute_seconds_per_token=recompute_s,
-            eos_token_ids=tuple(self.eos_token_ids),
-        )
+        self.scheduler_config = args.scheduler_config(self.max_model_len, swap_s, recompute_s,
+                                                      eos_token_ids=tuple(self.eos_token_ids))
+        batched = self.scheduler_config.max_num_batched_tokens
         self.num_kv_blocks = self._num_blocks(args, spec, block_bytes, batched)
-        self.num_cpu_blocks = 0
-        contiguous = args.kv_allocator != "paged"
-        if args.preemption_mode != "recompute" and not contiguous:
-            self.num_cpu_blocks = (
+        num_cpu_blocks = 0
+        if args.preemption_mode != "recompute":
+            num_cpu_blocks = (
                 args.num_cpu_blocks if args.num_cpu_blocks is not None
                 else int(args.swap_space * 1024**3) // block_bytes
             )
-        if contiguous:
-            # NOTE: a measurement baseline: prefix caching and swapping are off (not an error, as
-            # both are on by default); running requests never need memory, so never preempt.
-            logger.info("kv_allocator=%s (a benchmark baseline; paged is the production mode): "
-                        "prefix caching and swapping are off", args.kv_allocator)
-            self.kv_manager = ContiguousKVCacheManager(
-                self.num_kv_blocks, args.block_size, args.kv_allocator.removeprefix("contiguous-"),
-                self.max_model_len)
-            if self.kv_manager.reservation_blocks(1) > self.num_kv_blocks:
-                raise ValueError(
-                    f"kv_allocator={args.kv_allocator} reserves "
-                    f"{self.kv_manager.reservation_blocks(1)} blocks per request; the cache has "
-                    f"{self.num_kv_blocks} (raise the KV budget or lower max_model_len)")
-        else:
-            self.kv_manager = KVCacheManager(
-                self.num_kv_blocks, args.block_size, shuffle_seed=args.shuffle_free_blocks_seed,
-                num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-            )
+        self.kv_manager = self.kv_manager_factory(KVManagerConfig(
+            self.num_kv_blocks, args.block_size, num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=args.enable_prefix_caching, max_model_len=self.max_model_len))
+        # The manager may keep no swap pool (a benchmark baseline): the workers follow it.
+        cpu_pool = self.kv_manager.cpu_pool
+        self.num_cpu_blocks = cpu_pool.num_blocks if cpu_pool is not None else 0
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager,
                                    new_seq_id=lambda: next(self._seq_ids))
         self.executor.init_cache(CacheConfig(self.num_kv_blocks, args.block_size,
@@ -185,13 +169,18 @@ class LLMEngine:
                                              max_model_len=self.max_model_len))
         self.kv_cache = self.executor.kv_cache  # None when the cache lives in worker processes
 
-    def reconfigure_cache(self, **changes) -> None:
+    def reconfigure_cache(
+        self, kv_manager_factory: Callable[[KVManagerConfig], KVCacheManager] | None = None,
+        **changes,
+    ) -> None:
         """Rebuild the KV cache and scheduler with other cache settings (block size, budgets,
-        preemption mode, chunking) on the same model. Only while no request is in flight; used by
-        benchmarks that sweep cache settings without reloading the model."""
+        preemption mode, chunking) and KV manager (None: paging) on the same model. Only while no
+        request is in flight; used by benchmarks that sweep cache settings without reloading the
+        model."""
         if self.has_unfinished_requests():
             raise ValueError("reconfigure_cache needs an idle engine")
         args = dataclasses.replace(self.args, **changes)
+        self.kv_manager_factory = kv_manager_factory or KVCacheManager.from_config
         self._build_cache(args)
         self.args = args
 
@@ -257,10 +246,9 @@ class LLMEngine:
             group.seqs.append(seq)
         group.fork_pending = len(group.seqs) > 1
         group.beam = beam
-        if isinstance(self.kv_manager, ContiguousKVCacheManager):
-            final_len = min(self.max_model_len, len(prompt_token_ids) + params.max_tokens)
-            for seq in group.seqs:
-                self.kv_manager.expect_length(seq.seq_id, final_len)
+        final_len = min(self.max_model_len, len(prompt_token_ids) + params.max_tokens)
+        for seq in group.seqs:
+            self.kv_manager.on_admit(seq.seq_id, len(prompt_token_ids), final_len)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.scheduler.add(group)
@@ -319,15 +307,9 @@ class LLMEngine:
         if params.max_tokens is None:
             params = params.clone()
             params.max_tokens = self.max_model_len - prompt_len
-        kv = self.kv_manager
-        if isinstance(kv, ContiguousKVCacheManager):
-            if width > 1 or params.use_beam_search:
-                raise ValueError(f"kv_allocator={self.args.kv_allocator} does not share KV "
-                                 "blocks: n, best_of > 1 and beam search need kv_allocator='paged'")
-            need = kv.reservation_blocks(min(self.max_model_len, prompt_len + params.max_tokens))
-            if need > self.num_kv_blocks:
-                raise ValueError(f"kv_allocator={self.args.kv_allocator} reserves {need} KV blocks "
-                                 f"for this request; the cache has {self.num_kv_blocks}")
+        self.kv_manager.check_request(
+            width, params.use_beam_search, prompt_len,
+            min(self.max_model_len, prompt_len + params.max_tokens))
         return params
 
     def abort_request(self, request_id: str) -> bool:
@@ -339,10 +321,9 @@ class LLMEngine:
         return group is not None
 
     def _forget(self, group: SequenceGroup) -> None:
-        """Drop a finished or aborted request's per-sequence state in a contiguous allocator."""
-        if isinstance(self.kv_manager, ContiguousKVCacheManager):
-            for seq in group.seqs:
-                self.kv_manager.forget(seq.seq_id)
+        """Tell the KV manager that a request ended (finished or aborted)."""
+        for seq in group.seqs:
+            self.kv_manager.on_finish(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -3,75 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from pagedserve.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    EXECUTOR_BACKENDS,
-    LOAD_FORMATS,
-)
-from pagedserve.core.contiguous import KV_ALLOCATORS
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand."""
-    p.add_argument("--model", default=None,
-                   help="HF folder, GGUF file or hub id (default: the embedded Gemma 3 270M)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True, help="split long prompts over steps (default on)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of shared prompt prefixes (default on)")
-    p.add_argument("--preemption-mode", default="auto", choices=["recompute", "swap", "auto"])
-    p.add_argument("--swap-space", type=float, default=4.0, help="CPU swap pool in GiB")
-    p.add_argument("--num-cpu-blocks", type=int, default=None)
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--kv-allocator", default="paged", choices=KV_ALLOCATORS,
-                   help="KV memory manager: paged (production) or an Orca-style contiguous "
-                        "reservation baseline, for benchmarks only")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="workers sharing every layer (Megatron-style tensor parallelism)")
-    p.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
-                   help="uni: in this process; mp: worker processes on this machine; ray: Ray "
-                        "actors (default: uni for one worker, mp for more)")
-    p.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join with the ray backend (default: a Ray instance "
-                        "running on this machine, else a new local one)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the GPU's memory for weights, activations and the KV cache "
-                        "(CUDA; the KV cache gets what a profiled step leaves)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: run every step eagerly")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="auto: triton on CUDA when available, else torch")
-    p.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction,
-                   default=False, help="load no tokenizer: token-id prompts, no output text")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    from pagedserve.config import EngineArgs
-
-    names = set(EngineArgs.field_names()) - {"model"}
-    return {k: v for k, v in vars(args).items() if k in names}
+from pagedserve.config import EngineArgs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedserve.engine.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
@@ -96,36 +39,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench_kind == "throughput":
-        from pagedserve.bench.throughput import main
-
-        return main(args)
-    if args.bench_kind == "preemption":
-        from pagedserve.bench.preemption import main
-
-        return main(args)
-    if args.bench_kind == "serve":
-        from pagedserve.bench.serve import main
-
-        return main(args)
-    if args.bench_kind == "memory":
-        from pagedserve.bench.memory import main
-
-        return main(args)
-    if args.bench_kind == "paper":
-        from pagedserve.bench.paper import main
-
-        return main(args)
-    if args.bench_kind == "latency":
-        from pagedserve.bench.latency import main
-
-        return main(args)
-    raise ValueError(f"unknown benchmark {args.bench_kind!r}")
+    """Run `pagedserve.bench.<kind>.main(args)` (imported only when asked for)."""
+    if args.bench_kind not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {args.bench_kind!r}")
+    return importlib.import_module(f"pagedserve.bench.{args.bench_kind}").main(args)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Server options of `pagedserve serve` (the engine's come from `add_engine_args`)."""
+    """Server options of `pagedserve serve` (the engine's come from `EngineArgs.add_cli_args`)."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF folder, GGUF file or hub id (default: the embedded Gemma 3 270M)")
     p.add_argument("--host", default="127.0.0.1")
@@ -177,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--echo", action="store_true", help="print the prompt before the output")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -191,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0: greedy (default); else random sampling, seeded per request")
     tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--top-k", type=int, default=0)
-    add_engine_args(tp)
+    EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
 
     pre = bench_sub.add_parser("preemption", help="swap vs recompute by block size (Fig. 19)")
@@ -203,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--kv-blocks", type=int, default=None,
                      help="KV blocks (of 16 tokens) in part (b); default: one request's worth")
     pre.add_argument("--plot", default="preemption.png")
-    add_engine_args(pre)
+    EngineArgs.add_cli_args(pre)
     pre.set_defaults(func=cmd_bench, num_prompts=24)
 
     from pagedserve.bench.serve import add_bench_serve_args
@@ -233,12 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     lat = bench_sub.add_parser("latency", help="end-to-end latency of one fixed batch, decode "
                                                "tokens/s and the roofline (as vLLM's)")
     add_bench_latency_args(lat)
-    add_engine_args(lat)
+    EngineArgs.add_cli_args(lat)
     lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(serve)
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -2,7 +2,7 @@
 
 A greedy decode step needs one integer per row, but the usual path writes the LM head's bf16
 logits, converts them to fp32 (16 MB at batch 16 over Gemma 3's 262,144 tokens) and reads them back
-from memory for the argmax: ~1.7 ms of a 40 ms step. Here:
+from memory for the argmax. Here:
 
 - `linear_argmax(x, weight)`: the LM head product on the GEMV kernel (small batches), each chunk of
   its bf16 output scanned for the row maxima right after it is written (still in cache);

@@ -5,9 +5,9 @@ of the whole vocabulary (csrc/sampling.cpp, built with the GEMV kernel).
 top-p and min-p and draws by inverse CDF with the row's uniform `u` -- the rule of the torch path
 in `worker.sampler` (`_sample_row`), which draws the same `u` -- and returns the token ids, or None
 when the kernel does not apply (not a float32 CPU matrix, the kernel disabled or unavailable): the
-caller then runs the torch path. torch's `multinomial` over a 262,144-token row costs ~5 ms and a
-full sort for top-p ~18 ms; the kernel reads the row three times and sorts only the few hundred
-candidates near the maximum.
+caller then runs the torch path. Instead of torch's `multinomial` over the whole row and a full
+sort for top-p, the kernel reads the row three times and sorts only the few hundred candidates
+near the maximum.
 
 `logprob_rows(logits, targets, k)` returns each row's raw logprob and rank of its target token and
 its k largest logprobs, as `log_softmax` + `topk` would, or None (same conditions).

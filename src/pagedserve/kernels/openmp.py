@@ -4,8 +4,8 @@ torch's CPU ops (and our kernels, through `at::parallel_for`) run on GNU OpenMP,
 pool of worker threads per thread that starts parallel regions. The server loads the model on the
 main thread and then steps it on its engine thread, so two pools exist; with more OpenMP threads
 than cores, libgomp stops spinning between parallel regions and every region of the engine's pool
-pays a futex wake-up: decode steps measured ~20-30% slower than the same steps on the loading
-thread (2 cores, Gemma 3 270M). `release_thread_pool()` frees the calling thread's pool
+pays a futex wake-up, which slows every decode step (docs/benchmarks.md, "Measurements behind
+design choices"). `release_thread_pool()` frees the calling thread's pool
 (`omp_pause_resource_all(omp_pause_hard)`, OpenMP 5.0), leaving the engine thread's alone.
 """
 

@@ -301,7 +301,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str], cache_dir: str | os.PathLi
         config = load_gguf_config(path, cache_dir)
         tokenizer = _convert_gguf_tokenizer(path, config)
         _write_dir_atomically(folder, tokenizer.save_pretrained)
-        return tokenizer  # the same tokenizer a reload gives (tested), without ~3 s of reloading
+        return tokenizer  # the same tokenizer a reload gives (tested), without reloading it
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -175,8 +175,8 @@ class LlamaDecoderLayer(nn.Module):
 
 @dataclass(frozen=True)
 class _FusedPlan:
-    """What one layer passes to the fused decode call, gathered once (module attribute lookups
-    cost ~1 us each, ~40 a layer). `usable` is False for layers the kernel cannot run."""
+    """What one layer passes to the fused decode call, gathered once (about 40 module attribute
+    lookups a layer otherwise, every step). `usable` is False for layers the kernel cannot run."""
 
     usable: bool
     weights: list  # q, k, v, o, gate, up, down Parameters

@@ -32,7 +32,7 @@ class ModelSource:
 
     def load_tokenizer(self, tokenizer: str | None = None):
         """The tokenizer named by `tokenizer`, else the model's own (converted once from a GGUF)."""
-        from pagedserve.engine.tokenizer import load_tokenizer
+        from pagedserve.models.tokenizer import load_tokenizer
 
         if tokenizer is not None:
             return load_tokenizer(tokenizer)

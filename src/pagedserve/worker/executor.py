@@ -20,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from pagedserve.config import EXECUTOR_BACKENDS
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.models.base import KVCacheSpec
@@ -170,15 +169,10 @@ class UniExecutor(Executor):
 
 
 def executor_backend(tensor_parallel_size: int, backend: str | None) -> str:
-    """The backend to use: as given, else "uni" for one worker and "mp" for more."""
+    """The backend to use: as given (`EngineArgs` validated it), else "uni" for one worker and
+    "mp" for more."""
     if backend is None:
         return "uni" if tensor_parallel_size == 1 else "mp"
-    if backend not in EXECUTOR_BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
-                         f"got {backend!r}")
-    if backend == "uni" and tensor_parallel_size != 1:
-        raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
-                         f"tensor_parallel_size={tensor_parallel_size} needs 'mp' or 'ray'")
     return backend
 
 

@@ -3,15 +3,13 @@ batch, runs the model and samples. It knows nothing of queues or preemption."""
 
 from __future__ import annotations
 
-import functools
 import gc
-import importlib.util
-import inspect
 import logging
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention.backends import resolve_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
@@ -27,33 +25,6 @@ from pagedserve.worker.sampler import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _metadata_takes_backend() -> bool:
-    return "backend" in inspect.signature(AttentionMetadata.build).parameters
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The attention backend a runner on `device` uses for `name` ("auto" | "torch" | "triton"):
-    "auto" is Triton on CUDA when Triton and our Triton backend are importable, else the torch
-    reference (always on CPU)."""
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
-    if name != "auto":
-        if name == "triton" and not _metadata_takes_backend():
-            raise ValueError("attention_backend='triton' is not available in this build")
-        return name
-    if torch.device(device).type != "cuda" or not _metadata_takes_backend():
-        return "torch"
-    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
-
-
-def build_metadata(backend: str, **kwargs) -> AttentionMetadata:
-    """`AttentionMetadata.build(**kwargs)` for `backend` (the torch reference's is the default)."""
-    if backend != "torch":
-        kwargs["backend"] = backend
-    return AttentionMetadata.build(**kwargs)
 
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int, need_logprob: bool) -> bool:
@@ -104,9 +75,9 @@ def profile_forward(model, kv_cache: KVCache, *, device: torch.device, backend: 
     Returns the number of tokens run."""
     lens = profile_seq_lens(max_num_batched_tokens, max_num_seqs, max_model_len)
     bs = kv_cache.block_size
-    meta = build_metadata(backend, block_tables=[[0] * -(-n // bs) for n in lens], seq_lens=lens,
-                          query_lens=lens, block_size=bs, null_block=kv_cache.null_block,
-                          device=device)
+    meta = AttentionMetadata.build(block_tables=[[0] * -(-n // bs) for n in lens], seq_lens=lens,
+                                   query_lens=lens, block_size=bs, null_block=kv_cache.null_block,
+                                   device=device, backend=backend)
     total = sum(lens)
     ids = torch.zeros(total, dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).to(device)
@@ -174,7 +145,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.eos_ids = list(stop_token_ids_for_min_tokens)
         self.generators: dict[str, dict[int, torch.Generator]] = {}
-        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.attention_backend = resolve_backend(attention_backend, self.device)
         self.on_cuda = self.device.type == "cuda"
         # Pinned host buffers for what comes back each step (CUDA only), grown on demand.
         self._host_logits: torch.Tensor | None = None
@@ -211,10 +182,10 @@ class ModelRunner:
         self.graphs = graphs
 
     def _build_meta(self, *, block_tables, seq_lens, query_lens, device) -> AttentionMetadata:
-        return build_metadata(self.attention_backend, block_tables=block_tables,
-                              seq_lens=seq_lens, query_lens=query_lens,
-                              block_size=self.kv_cache.block_size,
-                              null_block=self.kv_cache.null_block, device=device)
+        return AttentionMetadata.build(block_tables=block_tables, seq_lens=seq_lens,
+                                       query_lens=query_lens, block_size=self.kv_cache.block_size,
+                                       null_block=self.kv_cache.null_block, device=device,
+                                       backend=self.attention_backend)
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.

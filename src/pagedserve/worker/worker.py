@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention.backends import resolve_backend
 from pagedserve.distributed.process_group import destroy_tp_group, init_tp_group
 from pagedserve.models.base import KVCacheSpec
 from pagedserve.models.loader import load_model
@@ -17,7 +18,6 @@ from pagedserve.worker.model_runner import (
     MemoryProfile,
     ModelRunner,
     profile_peak_memory,
-    resolve_attention_backend,
 )
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
@@ -101,7 +101,7 @@ def profile_memory(model, dtype: torch.dtype, device: torch.device, attention_ba
         raise ValueError("GPU memory profiling needs a CUDA device")
     return profile_peak_memory(
         model, model.kv_cache_spec, dtype=dtype, device=device, block_size=prof.block_size,
-        backend=resolve_attention_backend(attention_backend, device),
+        backend=resolve_backend(attention_backend, device),
         max_num_batched_tokens=prof.max_num_batched_tokens, max_num_seqs=prof.max_num_seqs,
         max_model_len=prof.max_model_len)
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-BACKEND_CHOICES = ("auto", "torch", "triton")
+from pagedserve.config import ATTENTION_BACKENDS as BACKEND_CHOICES
 _MODULES = {"torch": "pagedserve.attention.backends.torch_ref",
             "triton": "pagedserve.attention.backends.triton_attn"}
 

@@ -37,13 +37,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
-    use_cpu_kernel: bool = True,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
     through the block tables (causal, optionally within a sliding window of keys).
 
     Decode rows of bf16 CPU caches go to the compiled kernel (`kernels.cpu_attention`) when it is
-    available and `use_cpu_kernel`; everything else is plain torch (gather + SDPA)."""
+    available (not disabled by `PAGEDSERVE_DISABLE_CPU_KERNELS=1`); everything else is plain
+    torch (gather + SDPA)."""
     if meta.num_tokens and not meta.groups:
         raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -54,7 +54,7 @@ def paged_attention(
     out: torch.Tensor | None = None  # [T, Hq, D] once a group needs it (a decode-only step may not)
     for group in meta.groups:
         g, max_q = group.token_index.shape
-        if max_q == 1 and use_cpu_kernel and group.block_tables is not None:
+        if max_q == 1 and group.block_tables is not None:
             q = query if group.covers_all else query.index_select(0, group.out_tokens)
             o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
                                  sliding_window)
@@ -64,8 +64,8 @@ def paged_attention(
                 out = _scatter(out, num_tokens, group.out_tokens, o)
                 continue
         if max_q > 1:
-            # Prompt chunks one by one, unpadded (2-3x faster than one padded batch on prompts of
-            # ~100-300 tokens: no padding to the longest, and a causal kernel skips the masked half).
+            # Prompt chunks one by one, unpadded: no padding to the longest, and a causal kernel
+            # skips the masked half (docs/benchmarks.md, "Measurements behind design choices").
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
                                   sliding_window)
             continue

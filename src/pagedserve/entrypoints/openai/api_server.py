@@ -163,7 +163,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         @app.post("/debug/profile/start")
         async def debug_profile_start():
             """Start timing every engine step by section (`pagedserve bench serve --profile`)."""
-            from pagedserve.bench.profiler import StepProfiler
+            from pagedserve.engine.profiler import StepProfiler
 
             def attach(llm):
                 old = profiler_box.pop("profiler", None)
@@ -389,9 +389,8 @@ def run_server(args: Namespace) -> int:
     shutdown)."""
     from pagedserve.config import EngineArgs
     from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.entrypoints.cli import engine_kwargs
 
-    llm = LLMEngine(EngineArgs(model=args.model, **engine_kwargs(args)))
+    llm = LLMEngine(EngineArgs.from_namespace(args))
     engine = AsyncLLMEngine(
         llm, max_queued_requests=getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS),
         log_stats_interval=getattr(args, "log_stats_interval", 10.0) or None,

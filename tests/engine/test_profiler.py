@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedserve.bench.profiler import SECTIONS, StepProfiler
+from pagedserve.engine.profiler import SECTIONS, StepProfiler
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams

@@ -1,45 +1,82 @@
-"""Orca-style contiguous KV reservation, for measuring paging against it. Pure Python, no torch.
+"""Orca-style contiguous KV reservation: the baselines `bench paper` and `bench memory` measure
+paging against. Pure Python, no torch; not part of the serving runtime.
 
 The paper's baselines reserve, at admission, one contiguous range of KV memory per request that
-holds every token it may ever have: `max_model_len` tokens (Orca (Max)), the next power of two of
-prompt + output, at most 2x over (Orca (Pow2)), or exactly prompt + output (Orca (Oracle)).
+holds every token it may ever have: `max_model_len` tokens (Orca (Max)), the prompt plus the next
+power of two of the output length, so the output part is at most 2x over (Orca (Pow2)), or exactly
+prompt + output (Orca (Oracle)).
 
 `ContiguousKVCacheManager` is a drop-in sibling of `KVCacheManager` (same interface, same block
-tables, same model runner): a reservation is a run of consecutive physical blocks chosen first-fit
-over block ids, so a request's reservation is rounded up to whole blocks and external
-fragmentation between reservations is real. Only which blocks a sequence gets, and that it gets
-all of them at admission, differs from paging.
-
-These allocators exist for the `bench paper` measurement. Paging is the only mode for production
-use: no sharing (n > 1, beam search), no prefix caching, no swapping here.
+tables, same model runner), plugged into the engine by `kv_manager_factory(allocator)`: a
+reservation is a run of consecutive physical blocks chosen first-fit over block ids, so a
+request's reservation is rounded up to whole blocks and external fragmentation between
+reservations is real. Only which blocks a sequence gets, and that it gets all of them at
+admission, differs from paging. No sharing (n > 1, beam search), no prefix caching, no swapping.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+from typing import Callable
 
-from pagedserve.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
+from pagedserve.core.kv_cache_manager import BlockTable, KVCacheManager, KVManagerConfig, cdiv
+
+logger = logging.getLogger(__name__)
 
 CONTIGUOUS_POLICIES = ("max", "pow2", "oracle")
-# `EngineArgs.kv_allocator` values; "paged" is `KVCacheManager`.
+# The allocators `bench paper` compares; "paged" is `KVCacheManager`.
 KV_ALLOCATORS = ("paged",) + tuple(f"contiguous-{p}" for p in CONTIGUOUS_POLICIES)
 
 
-def reservation_tokens(policy: str, total_len: int, max_model_len: int) -> int:
-    """Token slots an Orca-style system reserves at admission for a request whose prompt +
-    output is `total_len` tokens, under `policy` ("max" | "pow2" | "oracle")."""
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def reservation_tokens(policy: str, prompt_len: int, output_len: int, max_model_len: int) -> int:
+    """Token slots an Orca-style system reserves at admission for a request of `prompt_len`
+    prompt tokens and up to `output_len` output tokens, under `policy`: "max" (`max_model_len`),
+    "pow2" (the prompt plus the next power of two of the output length, as in the paper) or
+    "oracle" (prompt + output). Never more than `max_model_len`."""
     if policy == "max":
         return max_model_len
     if policy == "oracle":
-        return total_len
+        return min(max_model_len, prompt_len + output_len)
     if policy == "pow2":
-        return min(max_model_len, 1 << (total_len - 1).bit_length())
+        return min(max_model_len, prompt_len + next_pow2(output_len))
     raise ValueError(f"unknown policy {policy!r}; choose from {CONTIGUOUS_POLICIES}")
 
 
+def kv_manager_factory(allocator: str) -> Callable[[KVManagerConfig], KVCacheManager] | None:
+    """The engine's `kv_manager_factory` for an entry of `KV_ALLOCATORS` (None: paging)."""
+    if allocator not in KV_ALLOCATORS:
+        raise ValueError(f"allocator must be one of {KV_ALLOCATORS}, got {allocator!r}")
+    if allocator == "paged":
+        return None
+    policy = allocator.removeprefix("contiguous-")
+
+    def build(config: KVManagerConfig) -> ContiguousKVCacheManager:
+        if config.max_model_len is None:
+            raise ValueError("a contiguous KV manager needs max_model_len")
+        # NOTE: prefix caching and swapping are off (not an error: both are on by default);
+        # running requests never need memory, so they are never preempted.
+        logger.info("KV allocator %s (a benchmark baseline): prefix caching and swapping are "
+                    "off", allocator)
+        kv = ContiguousKVCacheManager(config.num_blocks, config.block_size, policy,
+                                      config.max_model_len)
+        smallest = kv.reservation_blocks(1, 1)
+        if smallest > config.num_blocks:
+            raise ValueError(f"{allocator} reserves {smallest} blocks per request; the cache has "
+                             f"{config.num_blocks} (raise the KV budget or lower max_model_len)")
+        return kv
+
+    return build
+
+
 class ContiguousAllocator:
-    """First-fit ranges in one buffer of `num_slots` units (token slots in the simulation of
-    `bench memory`, KV blocks in `ContiguousKVCacheManager`).
+    """First-fit ranges in one buffer of `num_slots` units (the KV blocks of a
+    `ContiguousKVCacheManager`).
 
     NOTE: `_starts`/`_sizes` are the free ranges sorted by start, never overlapping and never
     adjacent (freeing coalesces with both neighbours), so external fragmentation is real.
@@ -99,10 +136,10 @@ class ContiguousAllocator:
 class ContiguousKVCacheManager(KVCacheManager):
     """`KVCacheManager` whose sequences each reserve one contiguous run of blocks at admission.
 
-    The engine tells the manager each sequence's final length (`expect_length`: prompt +
-    max_tokens); the first `allocate_slots` of a sequence reserves
-    `cdiv(reservation_tokens(policy, final_len, max_model_len), block_size)` consecutive blocks,
-    first fit, and later growth takes the next blocks of that run, so it never needs new memory.
+    The engine tells the manager each sequence's prompt and final length (`on_admit`: prompt +
+    max_tokens); the first `allocate_slots` of a sequence reserves `reservation_blocks` consecutive
+    blocks, first fit, and later growth takes the next blocks of that run, so it never needs new
+    memory.
 
     NOTE: `num_free_blocks` is the largest free run, not the free total: the scheduler admits a
     sequence when `num_new_blocks` (its whole reservation) <= `num_free_blocks`, which is then
@@ -119,23 +156,36 @@ class ContiguousKVCacheManager(KVCacheManager):
         self.max_model_len = max_model_len
         self.ranges = ContiguousAllocator(num_blocks)
         self.reservations: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, blocks)
-        self._final_len: dict[int, int] = {}
+        self._lengths: dict[int, tuple[int, int]] = {}  # seq_id -> (prompt, final length)
 
     # --- reservations ------------------------------------------------------------------------
 
-    def reservation_blocks(self, final_len: int) -> int:
-        """Blocks reserved for a sequence that ends at `final_len` tokens."""
-        tokens = reservation_tokens(self.policy, max(1, final_len), self.max_model_len)
-        return cdiv(max(tokens, final_len), self.block_size)
+    def reservation_blocks(self, prompt_len: int, final_len: int) -> int:
+        """Blocks reserved for a sequence of `prompt_len` prompt tokens ending at `final_len`."""
+        tokens = reservation_tokens(self.policy, prompt_len, final_len - prompt_len,
+                                    self.max_model_len)
+        return cdiv(max(tokens, final_len, 1), self.block_size)
 
-    def expect_length(self, seq_id: int, final_len: int) -> None:
-        """Record the length `seq_id` will reach (prompt + max_tokens): its reservation size."""
-        self._final_len[seq_id] = final_len
+    def check_request(self, num_seqs: int, beam_search: bool, prompt_len: int,
+                      final_len: int) -> None:
+        """ValueError for sharing (n, best_of > 1, beam search) and for a reservation larger
+        than the cache."""
+        if num_seqs > 1 or beam_search:
+            raise ValueError(f"the contiguous-{self.policy} KV baseline does not share blocks: "
+                             "n, best_of > 1 and beam search need paging")
+        need = self.reservation_blocks(prompt_len, final_len)
+        if need > self.num_blocks:
+            raise ValueError(f"the contiguous-{self.policy} KV baseline reserves {need} KV blocks "
+                             f"for this request; the cache has {self.num_blocks}")
 
-    def forget(self, seq_id: int) -> None:
-        """Drop what `expect_length` recorded (the request ended); frees its blocks too."""
+    def on_admit(self, seq_id: int, prompt_len: int, final_len: int) -> None:
+        """Record the sequence's lengths: its reservation size."""
+        self._lengths[seq_id] = (prompt_len, final_len)
+
+    def on_finish(self, seq_id: int) -> None:
+        """Drop what `on_admit` recorded (the request ended); frees its blocks too."""
         self.free(seq_id)
-        self._final_len.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -149,7 +199,8 @@ class ContiguousKVCacheManager(KVCacheManager):
             if cdiv(num_tokens, self.block_size) > size:
                 raise RuntimeError(f"sequence {seq_id} outgrew its reservation of {size} blocks")
             return 0
-        return self.reservation_blocks(max(num_tokens, self._final_len.get(seq_id, 0)))
+        prompt_len, final_len = self._lengths.get(seq_id, (num_tokens, num_tokens))
+        return self.reservation_blocks(prompt_len, max(num_tokens, final_len))
 
     def allocate_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Reserve the sequence's range on first use, then extend its table inside it."""
@@ -172,7 +223,7 @@ class ContiguousKVCacheManager(KVCacheManager):
 
     def fork(self, parent_id: int, child_id: int) -> None:
         raise ValueError("contiguous KV allocators do not share blocks (n > 1, beam search); "
-                         "use kv_allocator='paged'")
+                         "sharing needs paging")
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's whole reservation (no-op if it holds none)."""

@@ -10,7 +10,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from pagedserve.models.tokenizer import eos_token_ids, load_tokenizer
 
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "<eot>": 3, "hello": 4, "world": 5, "!": 6}
 

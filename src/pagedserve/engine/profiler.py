@@ -1,4 +1,4 @@
-"""Where a step's time goes: `--profile` of the benchmarks.
+"""Where a step's time goes: `--profile` of the benchmarks, and the server's step profile.
 
 `StepProfiler.attach(engine)` instruments one in-process engine (tensor_parallel_size 1) from the
 outside, so that nothing in the engine pays for profiling when it is off: it wraps the engine's
