@@ -41,6 +41,7 @@ from pagedserve.entrypoints.openai.limits import (
     RequestSizeLimitMiddleware,
 )
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
+from pagedserve.entrypoints.openai.offload import CPUPool, json_response
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,8 +82,9 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     settings = settings_from_args(args, engine)
     metrics = ServerMetrics(settings.model_name)
     engine.add_listener(metrics)
-    completions = OpenAIServingCompletion(engine, settings)
-    chat = OpenAIServingChat(engine, settings)
+    pool = CPUPool()
+    completions = OpenAIServingCompletion(engine, settings, pool)
+    chat = OpenAIServingChat(engine, settings, pool)
     tokenization = OpenAIServingTokenization(chat)
 
     @contextlib.asynccontextmanager
@@ -91,6 +93,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             engine.start()
         yield
         await engine.shutdown()
+        pool.shutdown()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.engine = engine
@@ -108,12 +111,12 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
-        request = await parse_body(raw, CompletionRequest)
+        request = await parse_body(raw, CompletionRequest, pool)
         return await respond(raw, completions.create(request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request):
-        request = await parse_body(raw, ChatCompletionRequest)
+        request = await parse_body(raw, ChatCompletionRequest, pool)
         return await respond(raw, chat.create(request))
 
     @app.get("/v1/models")
@@ -137,11 +140,13 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return json_response(tokenization.tokenize(await parse_body(raw, TokenizeRequest)))
+        request = await parse_body(raw, TokenizeRequest, pool)
+        return await pool.run(lambda: json_response(tokenization.tokenize(request)))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
-        return json_response(tokenization.detokenize(await parse_body(raw, DetokenizeRequest)))
+        request = await parse_body(raw, DetokenizeRequest, pool)
+        return await pool.run(lambda: json_response(tokenization.detokenize(request)))
 
     @app.get("/metrics")
     async def get_metrics():
@@ -273,9 +278,21 @@ def _memory_tensors(llm) -> tuple[list, list]:
 # --- request and response plumbing -------------------------------------------------------------
 
 
-async def parse_body(raw: Request, model: type[T]) -> T:
-    """The JSON body validated as `model`; 400 (not 422) naming the field otherwise."""
+# Bodies larger than this are parsed on the CPU pool rather than on the event loop.
+_PARSE_INLINE_BYTES = 64 * 1024
+
+
+async def parse_body(raw: Request, model: type[T], pool: CPUPool | None = None) -> T:
+    """The JSON body validated as `model`; 400 (not 422) naming the field otherwise. A large
+    body is parsed on `pool` (off the event loop)."""
     body = await raw.body()
+    if pool is not None and len(body) > _PARSE_INLINE_BYTES:
+        return await pool.run(parse_json, body, model)
+    return parse_json(body, model)
+
+
+def parse_json(body: bytes, model: type[T]) -> T:
+    """`parse_body`'s work: JSON (finite numbers only), then pydantic validation."""
     try:
         data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError as e:
@@ -315,16 +332,14 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError("; ".join(messages), 400, param)
 
 
-def json_response(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
-
-
 async def respond(raw: Request, handler) -> Response:
     """Run a handler (its result: a response model, or an SSE iterator for streams) until it
     finishes or the client disconnects; a disconnect cancels it, aborting its requests."""
     result = await run_until_disconnect(raw, handler)
     if result is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+    if isinstance(result, Response):
+        return result
     if isinstance(result, BaseModel):
         return json_response(result)
     return StreamingResponse(result, media_type="text/event-stream",

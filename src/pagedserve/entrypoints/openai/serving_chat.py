@@ -14,6 +14,7 @@ from pagedserve.engine.async_engine import (
 from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
 from pagedserve.entrypoints.openai.errors import APIError, error_body
 from pagedserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from pagedserve.entrypoints.openai.offload import json_response
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -30,6 +31,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import DONE, ChoiceState, final_output, sse
 from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 ROLE = "assistant"
 
@@ -61,9 +63,25 @@ class OpenAIServingChat(OpenAIServing):
         self.check_token_ids(ids, "messages")
         return Prompt(ids, text)
 
-    async def create(self, request: ChatCompletionRequest
-                     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """The response, or for `stream: true` an iterator of SSE lines."""
+    async def create(self, request: ChatCompletionRequest):
+        """The response (serialised, as a `Response`), or for `stream: true` an iterator of SSE
+        lines. Rendering, tokenizing and building the response run on the CPU pool."""
+        prompt, params = await self.run_cpu(self._prepare, request)
+        request_id = random_id("chatcmpl")
+        (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
+        if request.stream:
+            return self._stream(request, request_id, stream, params.n,
+                                params.output_text_buffer_length)
+        try:
+            final = await final_output(stream)
+        except BaseException as e:
+            stream.close()
+            raise self.engine_error(e, "messages") from e
+        return await self.run_cpu(
+            lambda: json_response(self._response(request, request_id, final)))
+
+    def _prepare(self, request: ChatCompletionRequest) -> tuple[Prompt, SamplingParams]:
+        """Check the request, render and tokenize its conversation, and its SamplingParams."""
         self.check_model(request.model)
         self.check_fields(request)
         if request.echo:
@@ -93,17 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         params = self.for_prompt(params, len(prompt.token_ids), prompt_param="messages",
                                  max_tokens_param=max_param)
-        request_id = random_id("chatcmpl")
-        (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
-        if request.stream:
-            return self._stream(request, request_id, stream, params.n,
-                                params.output_text_buffer_length)
-        try:
-            final = await final_output(stream)
-        except BaseException as e:
-            stream.close()
-            raise self.engine_error(e, "messages") from e
-        return self._response(request, request_id, final)
+        return prompt, params
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids, positions) -> ChatLogProbs:
         return ChatLogProbs(content=chat_logprobs(

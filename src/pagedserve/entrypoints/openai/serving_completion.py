@@ -12,6 +12,7 @@ from pagedserve.engine.async_engine import (
     EngineStepError,
 )
 from pagedserve.entrypoints.openai.errors import APIError, error_body
+from pagedserve.entrypoints.openai.offload import json_response
 from pagedserve.entrypoints.openai.logprobs import (
     append_completion_logprobs,
     prompt_logprobs_json,
@@ -35,6 +36,7 @@ from pagedserve.entrypoints.openai.streaming import (
     sse,
 )
 from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -45,9 +47,27 @@ class OpenAIServingCompletion(OpenAIServing):
 
     request_fields = frozenset(CompletionRequest.model_fields)
 
-    async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        """The response, or for `stream: true` an iterator of SSE lines (requests already
-        accepted by the engine, so errors up to here are plain HTTP errors)."""
+    async def create(self, request: CompletionRequest):
+        """The response (serialised, as a `Response`), or for `stream: true` an iterator of SSE
+        lines (requests already accepted by the engine, so errors up to here are plain HTTP
+        errors). Tokenizing and building the response run on the CPU pool."""
+        prompts, per_prompt = await self.run_cpu(self._prepare, request)
+        request_id = random_id("cmpl")
+        streams = await self.submit(request_id, prompts, per_prompt, prompt_param="prompt")
+        if request.stream:
+            return self._stream(request, request_id, prompts, streams, per_prompt[0].n,
+                                per_prompt[0].output_text_buffer_length)
+        try:
+            finals = await asyncio.gather(*(final_output(s) for s in streams))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            raise self.engine_error(e) from e
+        return await self.run_cpu(
+            lambda: json_response(self._response(request, request_id, prompts, finals)))
+
+    def _prepare(self, request: CompletionRequest) -> tuple[list[Prompt], list[SamplingParams]]:
+        """Check the request, tokenize its prompts, and resolve each prompt's SamplingParams."""
         self.check_model(request.model)
         self.check_fields(request)
         prompts = self._prompts(request)
@@ -61,18 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             max_tokens_param="max_tokens")
             for p in prompts
         ]
-        request_id = random_id("cmpl")
-        streams = await self.submit(request_id, prompts, per_prompt, prompt_param="prompt")
-        if request.stream:
-            return self._stream(request, request_id, prompts, streams, params.n,
-                                params.output_text_buffer_length)
-        try:
-            finals = await asyncio.gather(*(final_output(s) for s in streams))
-        except BaseException as e:
-            for s in streams:
-                s.close()
-            raise self.engine_error(e) from e
-        return self._response(request, request_id, prompts, finals)
+        return prompts, per_prompt
 
     def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         raw = request.prompt

@@ -17,6 +17,7 @@ from pagedserve.engine.async_engine import (
 )
 from pagedserve.entrypoints.openai.chat_template import default_chat_format
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
+from pagedserve.entrypoints.openai.offload import CPUPool
 from pagedserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, SamplingFields
 from pagedserve.sampling_params import SamplingParams
 
@@ -60,9 +61,13 @@ class OpenAIServing:
 
     request_fields: frozenset[str] = frozenset()
 
-    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings,
+                 pool: CPUPool | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        # NOTE: a request's CPU work (tokenizing, rendering, building and serialising large
+        # responses) runs here, never on the event loop (see offload.py).
+        self.pool = pool if pool is not None else CPUPool()
         self.tokenizer = engine.tokenizer
         llm = engine.engine
         self.max_model_len = llm.max_model_len
@@ -70,6 +75,10 @@ class OpenAIServing:
         self.max_logprobs = llm.args.max_logprobs
         self.model_name = settings.model_name
         self.chat_format = default_chat_format(self.tokenizer)
+
+    async def run_cpu(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the CPU pool, off the event loop."""
+        return await self.pool.run(fn, *args, **kwargs)
 
     # --- request checks -----------------------------------------------------------------------
 
