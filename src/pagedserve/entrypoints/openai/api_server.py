@@ -35,6 +35,7 @@ import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai import debug_memory as debug_mem
 from pagedserve.entrypoints.openai.auth import APIKeyMiddleware
+from pagedserve.entrypoints.openai.cli_args import load_chat_template
 from pagedserve.entrypoints.openai.errors import APIError, status_phrase
 from pagedserve.entrypoints.openai.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -55,6 +56,11 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import ServerSettings
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedserve.entrypoints.openai.vllm_routes import (
+    LoadTracker,
+    RequestIdMiddleware,
+    add_vllm_routes,
+)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -74,6 +80,10 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
         max_n=getattr(args, "max_n", 16),
         api_key=api_key,
         protect_metrics=not getattr(args, "no_protect_metrics", False),
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+        enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
+        chat_template=load_chat_template(getattr(args, "chat_template", None)),
     )
 
 
@@ -95,7 +105,8 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         await engine.shutdown()
         pool.shutdown()
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan,
+                  root_path=getattr(args, "root_path", None) or "")
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
@@ -104,20 +115,30 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
                            open_paths=frozenset(open_paths))
+    if getattr(args, "enable_request_id_headers", False):
+        app.add_middleware(RequestIdMiddleware)
     # NOTE: added last, so it runs first: a huge body is refused before authentication reads
     # anything else.
     app.add_middleware(RequestSizeLimitMiddleware,
                        max_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
 
+    load = LoadTracker(app, getattr(args, "enable_server_load_tracking", False))
+
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
-        request = await parse_body(raw, CompletionRequest, pool)
-        return await respond(raw, completions.create(request))
+        with load.track() as done:
+            request = await parse_body(raw, CompletionRequest, pool)
+            return done(await respond(raw, completions.create(request)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request):
-        request = await parse_body(raw, ChatCompletionRequest, pool)
-        return await respond(raw, chat.create(request))
+        with load.track() as done:
+            request = await parse_body(raw, ChatCompletionRequest, pool)
+            return done(await respond(raw, chat.create(request)))
+
+    add_vllm_routes(app, engine, settings, completions, chat, pool,
+                    tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint",
+                                                    False))
 
     @app.get("/v1/models")
     async def list_models():
