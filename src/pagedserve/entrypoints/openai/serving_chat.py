@@ -201,9 +201,9 @@ class OpenAIServingChat(OpenAIServing):
                         if request.logprobs:
                             logprobs = self._logprobs(
                                 request, new, (comp.logprobs or [])[state.sent_tokens:])
-                        state.sent_tokens = len(comp.token_ids)
                         if not text and not finished and not (logprobs and logprobs.content):
-                            continue
+                            continue  # NOTE: its tokens go with the next chunk sent
+                        state.sent_tokens = len(comp.token_ids)
                         state.done = finished
                         yield sse(chunk(
                             comp.index, DeltaMessage(content=text) if text else DeltaMessage(),

@@ -194,9 +194,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             logprobs, self.tokenizer, new,
                             (comp.logprobs or [])[state.sent_tokens:], state.text_offset, as_ids,
                         )
-                    state.sent_tokens = len(comp.token_ids)
                     if not text and not finished and not (logprobs and logprobs.tokens):
-                        continue
+                        continue  # NOTE: its tokens go with the next chunk sent
+                    state.sent_tokens = len(comp.token_ids)
                     state.started = True
                     state.done = finished
                     chunk = CompletionStreamResponse(
