@@ -372,3 +372,37 @@ def test_root_path_is_the_apps_prefix_for_proxies(llm):
 
     resp = run_app(llm, main, root_path="/api/llm")
     assert {"url": "/api/llm"} in resp.json().get("servers", [])
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+
+def test_metrics_that_vllms_tests_read_are_served_under_the_pagedserve_prefix(llm):
+    from server_utils import metric
+
+    async def main(c):
+        await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "n": 2,
+                                              "temperature": 1.0, "ignore_eos": True})
+        await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 7,
+                                              "ignore_eos": True})
+        return (await c.get("/metrics")).text
+
+    text = run_app(llm, main)
+    name = llm.source.name
+    assert metric(text, "pagedserve:request_params_n_count", model_name=name) == 2
+    assert metric(text, "pagedserve:request_params_n_sum", model_name=name) == 3
+    assert metric(text, "pagedserve:request_params_max_tokens_sum", model_name=name) == 12
+    assert metric(text, "pagedserve:request_num_preemptions_count", model_name=name) == 2
+    for timing in ("inference", "prefill", "decode"):
+        assert metric(text, f"pagedserve:request_{timing}_time_seconds_count",
+                      model_name=name) == 2
+    # Every token computed went through some step: prompt tokens + generated tokens.
+    prompt_len = len(llm.tokenizer(PROMPT).input_ids)
+    total = metric(text, "pagedserve:iteration_tokens_total_sum", model_name=name)
+    assert prompt_len + 17 <= total <= 2 * prompt_len + 17
+    assert metric(text, "pagedserve:num_requests_waiting_by_reason", model_name=name,
+                  reason="capacity") == 0
+    assert metric(text, "pagedserve:num_requests_waiting_by_reason", model_name=name,
+                  reason="deferred") == 0
+    assert metric(text, "pagedserve:cache_config_info", block_size="16",
+                  num_gpu_blocks="64") == 1

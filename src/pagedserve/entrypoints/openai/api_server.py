@@ -91,6 +91,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     """The FastAPI app serving `engine` (started by the app's lifespan, stopped at its end)."""
     settings = settings_from_args(args, engine)
     metrics = ServerMetrics(settings.model_name)
+    metrics.set_cache_config(_cache_config(engine.engine))
     engine.add_listener(metrics)
     pool = CPUPool()
     completions = OpenAIServingCompletion(engine, settings, pool)
@@ -264,6 +265,19 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             return Response(json.dumps(body), media_type="application/json")
 
     return app
+
+
+def _cache_config(llm) -> dict[str, Any]:
+    """The KV cache's configuration for `cache_config_info`."""
+    kv = llm.kv_manager
+    cpu = getattr(kv, "cpu_pool", None)
+    return {
+        "block_size": kv.block_size,
+        "num_gpu_blocks": kv.num_blocks,
+        "num_cpu_blocks": cpu.num_blocks if cpu is not None else 0,
+        "enable_prefix_caching": getattr(kv, "enable_prefix_caching", False),
+        "preemption_mode": getattr(llm.args, "preemption_mode", None),
+    }
 
 
 def _engine_state(llm) -> dict[str, Any]:
