@@ -192,6 +192,11 @@ class AsyncLLMEngine:
             # A worker found dead while the engine is idle fails the engine at once, too.
             executor.add_failure_listener(self._die)
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests (`EngineShutdownError`) and let those in flight finish (a
+        graceful drain; `begin_shutdown` ends them). Call on the event loop."""
+        self._closing = True
+
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests and end every request in flight with `EngineShutdownError`.
         Call on the event loop."""

@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import threading
+import time
 from argparse import Namespace
 from typing import Any, TypeVar
 
@@ -106,8 +107,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         await engine.shutdown()
         pool.shutdown()
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan,
-                  root_path=getattr(args, "root_path", None) or "")
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
@@ -452,8 +452,10 @@ def run_server(args: Namespace) -> int:
         log_level=getattr(args, "uvicorn_log_level", "info"),
         access_log=not getattr(args, "disable_access_log", False),
         timeout_graceful_shutdown=getattr(args, "graceful_shutdown_timeout", 10),
+        root_path=getattr(args, "root_path", None) or "",
     )
-    server = GracefulServer(config, engine, app.state.settings.model_name)
+    server = GracefulServer(config, engine, app.state.settings.model_name,
+                            drain_timeout=getattr(args, "shutdown_timeout", None))
     server.run()
     if engine.errored:
         logger.error("exiting: the engine died (%r)", engine._dead)
@@ -464,12 +466,20 @@ def run_server(args: Namespace) -> int:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, plus: on the first SIGINT/SIGTERM it ends the requests in flight (an
     error chunk for streams, 503 otherwise) while uvicorn stops accepting connections, and it
-    exits normally afterwards instead of re-raising the signal (so the process exits 0)."""
+    exits normally afterwards instead of re-raising the signal (so the process exits 0).
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str) -> None:
+    With `drain_timeout` (--shutdown-timeout S > 0), the first signal drains instead: new
+    requests get 503 (and /health turns 503) while those in flight run on for up to S seconds;
+    then the rest are ended as above and the server exits 0. A second signal ends them at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str,
+                 drain_timeout: float | None = None) -> None:
         super().__init__(config)
         self.engine = engine
         self.model_name = model_name
+        self.drain_timeout = drain_timeout if drain_timeout and drain_timeout > 0 else None
+        self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -496,11 +506,35 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
+        if (self.drain_timeout is not None and not self.draining and not self.should_exit
+                and self._loop is not None):
+            self.draining = True
+            logger.info("draining (signal %d): refusing new requests, waiting up to %.1f s for "
+                        "%d in flight", sig, self.drain_timeout, self.engine.num_in_flight)
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
         first = not self.should_exit
         super().handle_exit(sig, frame)
         if first and self._loop is not None:
             logger.info("shutting down (signal %d): ending the requests in flight", sig)
             self._loop.call_soon_threadsafe(self.engine.begin_shutdown)
+
+    def _start_drain(self) -> None:
+        self.engine.stop_accepting()
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        """Wait for the requests in flight (at most `drain_timeout` s), then shut down."""
+        deadline = time.monotonic() + self.drain_timeout
+        while self.engine.num_in_flight and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        left = self.engine.num_in_flight
+        if left:
+            logger.info("drain timeout: ending %d request(s) still in flight", left)
+        else:
+            logger.info("drained: every request in flight finished")
+        self.engine.begin_shutdown()
+        self.should_exit = True
 
 
 __all__ = ["GracefulServer", "build_app", "parse_body", "run_server"]
