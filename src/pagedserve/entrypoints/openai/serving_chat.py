@@ -164,6 +164,7 @@ class OpenAIServingChat(OpenAIServing):
         want_ids = bool(request.return_token_ids)
         states = [ChoiceState(holdback) for _ in range(n)]
         prompt_tokens = len(prompt.token_ids)
+        heavy = self.heavy_logprobs(request.top_logprobs if request.logprobs else None)
 
         def chunk(index: int, delta: DeltaMessage, completion_tokens: int = 0,
                   **kw) -> ChatCompletionStreamResponse:
@@ -199,13 +200,14 @@ class OpenAIServingChat(OpenAIServing):
                         new = comp.token_ids[state.sent_tokens:]
                         logprobs = None
                         if request.logprobs:
-                            logprobs = self._logprobs(
-                                request, new, (comp.logprobs or [])[state.sent_tokens:])
+                            logprobs = await self.off_loop_if(
+                                heavy, self._logprobs, request, new,
+                                (comp.logprobs or [])[state.sent_tokens:])
                         if not text and not finished and not (logprobs and logprobs.content):
                             continue  # NOTE: its tokens go with the next chunk sent
                         state.sent_tokens = len(comp.token_ids)
                         state.done = finished
-                        yield sse(chunk(
+                        yield await self.off_loop_if(heavy, sse, chunk(
                             comp.index, DeltaMessage(content=text) if text else DeltaMessage(),
                             len(comp.token_ids), logprobs=logprobs,
                             finish_reason=comp.finish_reason if finished else None,

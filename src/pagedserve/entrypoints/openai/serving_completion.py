@@ -171,6 +171,7 @@ class OpenAIServingCompletion(OpenAIServing):
         only_echo = echo_only(request)
         want_ids = bool(request.return_token_ids)
         as_ids = self.settings.return_tokens_as_token_ids
+        heavy = self.heavy_logprobs(request.logprobs)
         try:
             async for i, out in merge_streams(streams):
                 last[i] = out
@@ -183,15 +184,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = CompletionLogProbs() if want_logprobs else None
                     first = not state.started
                     if request.echo and first:
-                        echoed, state.text_offset = self._echo(request, prompts[i], out, logprobs,
-                                                               state.text_offset)
+                        echoed, state.text_offset = await self.off_loop_if(
+                            heavy, self._echo, request, prompts[i], out, logprobs,
+                            state.text_offset)
                         text = echoed + ("" if only_echo else text)
                     elif only_echo:
                         text = ""
                     new = [] if only_echo else comp.token_ids[state.sent_tokens:]
                     if logprobs is not None and new:
-                        state.text_offset = append_completion_logprobs(
-                            logprobs, self.tokenizer, new,
+                        state.text_offset = await self.off_loop_if(
+                            heavy, append_completion_logprobs, logprobs, self.tokenizer, new,
                             (comp.logprobs or [])[state.sent_tokens:], state.text_offset, as_ids,
                         )
                     if not text and not finished and not (logprobs and logprobs.tokens):
@@ -212,7 +214,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                     if continuous:
                         chunk.usage = self.usage([out], 0 if only_echo else len(comp.token_ids))
-                    yield sse(chunk)
+                    yield await self.off_loop_if(heavy, sse, chunk)
             if include_usage:
                 outs = list(last.values())
                 completion_tokens = 0 if only_echo else sum(

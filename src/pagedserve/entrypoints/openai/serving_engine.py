@@ -32,6 +32,8 @@ logger = logging.getLogger("pagedserve.server")
 # Server-side bounds on stop strings (each is matched against the text after every token).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1000
+# Stream chunks with more logprobs per token than this are built off the event loop.
+HEAVY_LOGPROBS = 20
 
 
 @dataclass
@@ -93,6 +95,19 @@ class OpenAIServing:
     async def run_cpu(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` on the CPU pool, off the event loop."""
         return await self.pool.run(fn, *args, **kwargs)
+
+    @staticmethod
+    def heavy_logprobs(k: int | None) -> bool:
+        """Whether `k` logprobs per token make a stream chunk slow to build and serialise."""
+        return k is not None and (k == -1 or k > HEAVY_LOGPROBS)
+
+    @staticmethod
+    async def off_loop_if(heavy: bool, fn, *args):
+        """`fn(*args)`: on a thread when `heavy`, else here. NOTE: not on the CPU pool: a
+        stream's chunks must not queue behind another request's tokenizing."""
+        if heavy:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     # --- request checks -----------------------------------------------------------------------
 
