@@ -102,10 +102,11 @@ def test_any_role_reaches_the_template_and_an_empty_model_means_the_served_one(l
 
 def test_echo_of_a_token_id_prompt_echoes_its_special_tokens(llm, tok):
     ids = [tok.bos_token_id, *tok(PROMPT, add_special_tokens=False).input_ids]
-    (resp,) = post_all(llm, [("/v1/completions", {"prompt": ids, "echo": True,
-                                                  "max_tokens": 2})])
-    text = resp.json()["choices"][0]["text"]
-    assert text.startswith("<s>" + PROMPT) and len(text) > len("<s>" + PROMPT)
+    body = {"prompt": ids, "echo": True, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    echoed, plain = post_all(llm, [("/v1/completions", body),
+                                   ("/v1/completions", {**body, "echo": False})])
+    generated = plain.json()["choices"][0]["text"]
+    assert echoed.json()["choices"][0]["text"] == "<s>" + PROMPT + generated
 
 
 def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(llm, tok):

@@ -100,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs=request.chat_template_kwargs,
             add_special_tokens=request.add_special_tokens,
         )
-        prompt = self.truncate(prompt, request, "messages")
+        prompt = self.truncate(prompt, request)
         params = self.sampling_params(
             request, max_tokens=max_tokens,
             logprobs=(top or 0) if request.logprobs else None, logprobs_param="top_logprobs",

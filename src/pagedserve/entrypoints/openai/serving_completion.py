@@ -69,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Check the request, tokenize its prompts, and resolve each prompt's SamplingParams."""
         self.check_model(request.model)
         self.check_fields(request)
-        prompts = [self.truncate(p, request, "prompt") for p in self._prompts(request)]
+        prompts = [self.truncate(p, request) for p in self._prompts(request)]
         logprobs = request.logprobs
         max_tokens = request.max_tokens
         if echo_only(request):

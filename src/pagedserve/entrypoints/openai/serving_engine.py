@@ -228,7 +228,7 @@ class OpenAIServing:
                 400, name,
             )
 
-    def truncate(self, prompt: Prompt, request: SamplingFields, param: str) -> Prompt:
+    def truncate(self, prompt: Prompt, request: SamplingFields) -> Prompt:
         """`prompt` cut to `truncate_prompt_tokens` tokens (-1: the model's context length),
         keeping its end (`truncation_side` "left", the default) or its start ("right")."""
         keep = request.truncate_prompt_tokens
