@@ -72,13 +72,14 @@ def _mask_tokens(row: torch.Tensor, p: SamplingParams, output: list[int]) -> Non
     token to -inf when the output ends with the word's other tokens), as vLLM's processors."""
     vocab = row.shape[-1]
     if p.allowed_token_ids is not None:
-        keep = torch.zeros(vocab, dtype=torch.bool)
-        keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)] = True
+        keep = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                          device=row.device)] = True
         row.masked_fill_(~keep, float("-inf"))
     banned = [w[-1] for w in p.bad_words_token_ids or ()
               if w[-1] < vocab and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])]
     if banned:
-        row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
