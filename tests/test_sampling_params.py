@@ -35,6 +35,11 @@ VLLM_DEFAULTS = {
     # vLLM v0's beam-search fields (its server's `use_beam_search`, `length_penalty`)
     "use_beam_search": False,
     "length_penalty": 1.0,
+    # vLLM's allowed_token_ids, bad_words (tokenized by the engine), cache_salt
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "bad_words_token_ids": None,
+    "cache_salt": None,
 }
 
 
@@ -85,9 +90,9 @@ def test_defaults_match_vllm():
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 17}, "min_tokens"),  # > max_tokens=16
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"logprobs": 1.0}, "logprobs"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"stop": ""}, "stop"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop": [1]}, "stop"),
@@ -207,3 +212,14 @@ def test_beam_search_needs_greedy_temperature_and_allows_n_above_one():
         SamplingParams(n=2, best_of=3, temperature=0.0, use_beam_search=True)
     with pytest.raises(ValueError, match="length_penalty"):
         SamplingParams(n=2, temperature=0.0, use_beam_search=True, length_penalty=float("nan"))
+
+
+@pytest.mark.parametrize("kw,name", [
+    ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 3}, "cache_salt"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"bad_words": ["ok", 3]}, "bad_words"),
+])
+def test_vllm_request_extras_are_validated_naming_the_parameter(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)

@@ -116,8 +116,9 @@ class EngineArgs:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be >= 0, or -1 (no limit), got {self.max_logprobs}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

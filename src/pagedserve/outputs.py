@@ -58,3 +58,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_preemptions: int = 0
     new_text: list[str] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache (vLLM's num_cached_tokens).
+    num_cached_tokens: int | None = None

@@ -85,13 +85,20 @@ class SamplingParams:
             the model's context length (resolved by the engine).
         min_tokens: EOS and ``stop_token_ids`` are blocked until this many tokens exist.
         logprobs: number of top logprobs returned per output token (the sampled token's
-            logprob is always included, so up to ``logprobs + 1`` entries), or ``None``.
+            logprob is always included, so up to ``logprobs + 1`` entries), or ``None``; -1:
+            the whole vocabulary (when the engine's ``max_logprobs`` is -1).
         prompt_logprobs: the same for each prompt token, or ``None``.
         skip_special_tokens: drop special tokens from the output text.
         spaces_between_special_tokens: join added tokens with spaces (slow tokenizers only,
             as in vLLM).
         include_stop_str_in_output: keep the matched stop string in the output text.
         logit_bias: ``{token_id: bias}`` added to the logits before sampling.
+        allowed_token_ids: only these token ids may be sampled (the rest are masked), or None.
+        bad_words: words never generated: a word's last token is masked whenever the output
+            ends with the word's other tokens (each word with and without a leading space). The
+            engine tokenizes them into ``bad_words_token_ids``.
+        cache_salt: a non-empty string isolating the request's prefix-cache hits: it shares
+            cached blocks only with requests of the same salt (vLLM takes it with the prompt).
     """
 
     n: int = 1
@@ -119,6 +126,10 @@ class SamplingParams:
     # `n` is the beam width; the engine runs `core.beam_search` for such a request.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -248,9 +259,10 @@ class SamplingParams:
             )
 
         if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
+            self.logprobs = _check_int("logprobs", self.logprobs, minimum=-1)
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs,
+                                              minimum=-1)
 
         for s in self.stop:
             if not isinstance(s, str):
@@ -265,6 +277,7 @@ class SamplingParams:
         # Dedupe, keeping the first occurrence (vLLM does the same).
         self.stop_token_ids = list(dict.fromkeys(int(t) for t in self.stop_token_ids))
 
+        self._verify_token_lists()
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -273,6 +286,24 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _verify_token_lists(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(
+                    _is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a list of non-negative integers, "
+                                 f"got {self.allowed_token_ids!r}")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
 
     # ------------------------------------------------------------------ properties
 

@@ -48,6 +48,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
+        # The request's cache_salt: roots its prefix-cache hashes (core/kv_cache_manager.py).
+        self.cache_salt: str | None = None
         self.output_logprobs: list[dict[int, Any]] = []
         self.stop_reason: int | str | None = None
         # The output text cut at a stop string, once one matched (else the detokenizer's text).
@@ -107,6 +109,8 @@ class SequenceGroup:
     # Beam search state (`core.beam_search.BeamState`) when the request is a beam search.
     beam: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Prompt tokens found in the prefix cache when first admitted (None: not admitted yet).
+    num_cached_tokens: int | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -122,3 +122,18 @@ def test_prefix_cache_reuses_full_blocks_checks_tokens_and_forgets_evicted_block
     for seq in range(2, 6):  # hand every block out again: the cache forgets them
         kv.allocate_slots(seq, 2)
     assert kv.match_prefix(tokens) == []
+
+
+def test_cache_salt_isolates_prefix_hits_between_salts():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    kv.allocate_slots(0, 5)
+    kv.cache_full_blocks(0, tokens, 5, salt="alice")
+    salted = kv.block_table(0)[:2]
+    assert kv.match_prefix(tokens, "alice") == salted
+    assert kv.match_prefix(tokens, "bob") == [] and kv.match_prefix(tokens) == []
+    kv.allocate_slots(1, 5)
+    kv.cache_full_blocks(1, tokens, 5)  # the same tokens, unsalted: their own blocks
+    plain = kv.block_table(1)[:2]
+    assert kv.match_prefix(tokens) == plain and not set(plain) & set(salted)
+    assert kv.match_prefix(tokens, "alice") == salted

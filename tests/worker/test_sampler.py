@@ -136,3 +136,23 @@ def test_argmax_rows_is_torch_argmax_including_ties_and_nan(vocab):
     x[3, vocab // 2] = float("nan")  # NaN is the maximum
     x[4, -1] = float("inf")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_allowed_token_ids_mask_every_other_token(sampling_path):
+    logits = torch.tensor([[5.0, 0.0, 1.0, 4.0, 2.0]] * 3)
+    reqs = [req(temperature=0.0, allowed_token_ids=[2, 4]),
+            *(req(temperature=1.0, seed=s, allowed_token_ids=[1, 2]) for s in range(2))]
+    results = sample(logits, reqs, [[], [], []])
+    assert results[0].token_id == 4
+    assert all(r.token_id in (1, 2) for r in results[1:])
+
+
+def test_bad_words_mask_a_words_last_token_after_its_other_tokens():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 4.0, 3.0]])
+    words = [[4, 2], [3]]  # a two-token word ending in 2, a single token 3 (always banned)
+    after_4 = sample(logits, [req(out=[4], temperature=0.0, bad_words_token_ids=words)], [[]])
+    after_1 = sample(logits, [req(out=[1], temperature=0.0, bad_words_token_ids=words)], [[]])
+    assert after_4[0].token_id == 4  # 2 banned after 4, 3 always: next best is 4
+    assert after_1[0].token_id == 2  # 2 allowed elsewhere
+    first = sample(logits, [req(temperature=0.0, bad_words_token_ids=[[1, 4, 2]])], [[]])
+    assert first[0].token_id == 2  # a word's prefix not yet generated bans nothing

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from pagedserve.core.block_pool import BlockPool
 
 
+def salt_root(salt: str | None) -> int:
+    """The parent hash of a chain's first block: 0 unsalted, else derived from the salt."""
+    return 0 if salt is None else hash(("cache_salt", salt))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -202,8 +207,10 @@ class KVCacheManager:
 
     # --- prefix caching ----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding the longest prefix of `token_ids` made of full blocks.
+    def match_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """Cached blocks holding the longest prefix of `token_ids` made of full blocks (cached
+        under the same `salt`: a request's `cache_salt` roots its chain of hashes, so requests
+        with different salts never share blocks).
 
         NOTE: at least the last token is always left to compute (its logits are needed), so a
         prompt that is entirely cached gets its last block recomputed into a fresh block; a
@@ -213,7 +220,7 @@ class KVCacheManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = 0
+        parent = salt_root(salt)
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = hash((parent, tokens))
@@ -238,16 +245,17 @@ class KVCacheManager:
         self.tables[seq_id] = table
         return table.num_tokens
 
-    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int,
+                          salt: str | None = None) -> None:
         """Register the sequence's newly full and computed blocks in the prefix cache (each
-        block's hash is computed once)."""
+        block's hash is computed once), under its `salt` (see `match_prefix`)."""
         table = self.tables.get(seq_id)
         if not self.enable_prefix_caching or table is None:
             return
         bs = self.block_size
         for i in range(len(table.hashes), min(num_computed, table.num_tokens) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash((table.hashes[-1] if table.hashes else 0, tokens))
+            h = hash((table.hashes[-1] if table.hashes else salt_root(salt), tokens))
             table.hashes.append(h)
             block = table.blocks[i]
             if h not in self._cached and block not in self._block_key:

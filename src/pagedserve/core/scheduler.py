@@ -251,7 +251,8 @@ class Scheduler:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer a sequence's newly computed full blocks to the prefix cache."""
-        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                  seq.cache_salt)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks (shared, copy-on-write) and computed tokens."""
@@ -331,6 +332,9 @@ class Scheduler:
                 break
             for seq, blocks in hits:
                 self.kv.prefix_hits += self.kv.use_prefix(seq.seq_id, blocks)
+            if group.num_cached_tokens is None:  # usage's cached_tokens: the first admission's
+                group.num_cached_tokens = max((len(b) for _, b in hits), default=0) * (
+                    self.kv.block_size)
             if self.kv.enable_prefix_caching:
                 self.kv.prefix_queries += sum(self._lookup_len(group, seq) for seq, _, _ in plan)
             self.waiting.popleft()
@@ -355,7 +359,8 @@ class Scheduler:
         for seq in seqs:
             if seq.seq_id in self.kv.tables or seq.num_computed_tokens:
                 continue
-            blocks = self.kv.match_prefix(seq.token_ids[: self._lookup_len(group, seq)])
+            blocks = self.kv.match_prefix(seq.token_ids[: self._lookup_len(group, seq)],
+                                          seq.cache_salt)
             if blocks:
                 hits.append((seq, blocks))
         return hits

@@ -128,6 +128,7 @@ def _beam_step(scheduler: "Scheduler", group: SequenceGroup) -> int:
         parent = live[ext.parent]
         if ext.parent in taken:
             child = Sequence(scheduler.new_seq_id(), parent.prompt_token_ids)
+            child.cache_salt = parent.cache_salt
             child.token_ids = list(parent.token_ids)
             scheduler.fork(parent, child)
             group.seqs.append(child)

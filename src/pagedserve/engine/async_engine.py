@@ -93,6 +93,7 @@ class _Tracked:
     arrival_time: float
     last_token_time: float | None = None
     num_tokens: int = 0
+    params: SamplingParams | None = None
 
 
 class AsyncLLMEngine:
@@ -190,6 +191,11 @@ class AsyncLLMEngine:
         if executor is not None:
             # A worker found dead while the engine is idle fails the engine at once, too.
             executor.add_failure_listener(self._die)
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (`EngineShutdownError`) and let those in flight finish (a
+        graceful drain; `begin_shutdown` ends them). Call on the event loop."""
+        self._closing = True
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Refuse new requests and end every request in flight with `EngineShutdownError`.
@@ -410,7 +416,8 @@ class AsyncLLMEngine:
                     logger.exception("adding request %s failed", stream.request_id)
                 self._call_in_loop(stream._fail, exc)
                 return
-            self._tracked[stream.request_id] = _Tracked(stream, cmd.arrival_time)
+            self._tracked[stream.request_id] = _Tracked(stream, cmd.arrival_time,
+                                                        params=cmd.params)
             self._call_in_loop(stream._accept)
         elif isinstance(cmd, _Call):
             try:
@@ -497,6 +504,7 @@ class AsyncLLMEngine:
             e2e_latency=now - tracked.arrival_time,
             queue_time=(m.first_scheduled_time - tracked.arrival_time)
             if m is not None and m.first_scheduled_time is not None else None,
+            **_request_timings(out, tracked, now),
         )
 
     def _engine_totals(self) -> tuple[int, ...]:
@@ -526,6 +534,23 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream._fail(exc)
+
+
+def _request_timings(out: RequestOutput, tracked: _Tracked, now: float) -> dict:
+    """A finished request's n, max_tokens, preemptions and its inference / prefill / decode
+    times (vLLM's per-request metrics)."""
+    params, m = tracked.params, out.metrics
+    record: dict = {"num_preemptions": out.num_preemptions}
+    if params is not None:
+        record["n"] = max(params.n, params.best_of or 0)
+        record["max_tokens"] = params.max_tokens
+    if m is not None and m.first_scheduled_time is not None:
+        end = m.finished_time or now
+        record["inference_time"] = end - m.first_scheduled_time
+        if m.first_token_time is not None:
+            record["prefill_time"] = m.first_token_time - m.first_scheduled_time
+            record["decode_time"] = end - m.first_token_time
+    return record
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

@@ -24,7 +24,7 @@ from pagedserve.engine.detokenizer import (
 )
 from pagedserve.models.loader import resolve_dtype
 from pagedserve.models.source import resolve_model
-from pagedserve.models.tokenizer import eos_token_ids
+from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
@@ -229,6 +229,7 @@ class LLMEngine:
         )
         for index in range(1 if beam else params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids, index)
+            seq.cache_salt = params.cache_salt
             if beam:  # beams fork every step: their text is decoded once, at the end
                 group.seqs.append(seq)
                 continue
@@ -273,15 +274,40 @@ class LLMEngine:
             )
         return ids
 
+    def _resolve_token_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the vocabulary-dependent fields resolved (a copy when any changes):
+        logprobs -1 (the whole vocabulary, with max_logprobs -1), bad_words to token ids, and
+        allowed_token_ids checked against the vocabulary."""
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        whole = [n for n in ("logprobs", "prompt_logprobs") if getattr(params, n) == -1]
+        if not whole and not (params.bad_words and params.bad_words_token_ids is None):
+            return params
+        params = params.clone()
+        for name in whole:
+            if self.args.max_logprobs != -1:
+                raise ValueError(f"{name}=-1 (the whole vocabulary) needs max_logprobs=-1, "
+                                 f"the engine has {self.args.max_logprobs}")
+            setattr(params, name, self.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (the engine runs with "
+                                 "skip_tokenizer_init)")
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        return params
+
     def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (the engine runs with "
                              "skip_tokenizer_init); use stop_token_ids")
+        params = self._resolve_token_params(params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.args.max_logprobs:
+            if value is not None and self.args.max_logprobs != -1 and value > self.args.max_logprobs:
                 raise ValueError(
                     f"{name}={value} is more than max_logprobs ({self.args.max_logprobs})"
                 )
@@ -398,13 +424,12 @@ class LLMEngine:
         return False
 
     def _logprob_dict(self, token: int, lp: float, rank: int, top) -> dict[int, Logprob]:
-        entry = {}
+        # NOTE: the chosen (or prompt) token first, then the top-k by rank, as vLLM orders them
+        # (its server's top_logprobs follow this order).
+        entry = {token: Logprob(lp, rank, self._decode_token(token))}
         for i, (tid, tlp) in enumerate(top):
-            entry[tid] = Logprob(tlp, i + 1, self._decode_token(tid))
-        if token not in entry:
-            entry[token] = Logprob(lp, rank, self._decode_token(token))
-        else:
-            entry[token].rank = rank
+            if tid != token:
+                entry[tid] = Logprob(tlp, i + 1, self._decode_token(tid))
         return entry
 
     def _decode_token(self, token: int) -> str | None:
@@ -483,6 +508,7 @@ class LLMEngine:
                 group.finished_time,
             ),
             num_preemptions=group.num_preemptions,
+            num_cached_tokens=group.num_cached_tokens,
         )
 
     # --- introspection -----------------------------------------------------------------------

@@ -52,6 +52,13 @@ class FinishedRequestStats:
     generation_tokens: int
     e2e_latency: float  # arrival -> finish (seconds)
     queue_time: float | None  # arrival -> first scheduled; None if it never ran
+    # vLLM's per-request metrics (None / 0 when unknown, e.g. an abort before running)
+    n: int = 1  # sequences asked for (best_of when larger)
+    max_tokens: int | None = None
+    num_preemptions: int = 0
+    inference_time: float | None = None  # first scheduled -> finish
+    prefill_time: float | None = None  # first scheduled -> first token
+    decode_time: float | None = None  # first token -> finish
 
 
 class StatsListener(Protocol):

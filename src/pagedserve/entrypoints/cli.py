@@ -80,6 +80,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-access-log", action="store_true")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds to wait for connections to close on SIGINT/SIGTERM")
+    from pagedserve.entrypoints.openai.cli_args import add_openai_server_args
+
+    add_openai_server_args(p)
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_tokenizer", "eos_token_ids"]
+__all__ = ["load_tokenizer", "eos_token_ids", "bad_words_token_ids"]
 
 
 def load_tokenizer(
@@ -108,3 +108,19 @@ def _add_ids(out: set[int], value: Any, what: str) -> None:
             raise ValueError(f"{what} must be an int or a list of ints, got {value!r}")
         if v >= 0:
             out.add(v)
+
+
+def bad_words_token_ids(tokenizer: Any, words: Iterable[str]) -> list[list[int]]:
+    """The token sequences of `bad_words`, as vLLM builds them: each word as written (left
+    stripped), plus with a leading space when that tokenizes to as many tokens with another
+    first token (mid-sentence spelling for BPE vocabularies)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

@@ -53,7 +53,24 @@ def _apply_processors(
             counts = torch.bincount(torch.tensor(req.output_token_ids, dtype=torch.long),
                                     minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.allowed_token_ids is not None or p.bad_words_token_ids:
+            _mask_tokens(row, p, req.output_token_ids)
     return logits
+
+
+def _mask_tokens(row: torch.Tensor, p: SamplingParams, output: list[int]) -> None:
+    """`allowed_token_ids` (everything else to -inf) and `bad_words_token_ids` (a word's last
+    token to -inf when the output ends with the word's other tokens), as vLLM's processors."""
+    vocab = row.shape[-1]
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                          device=row.device)] = True
+        row.masked_fill_(~keep, float("-inf"))
+    banned = [w[-1] for w in p.bad_words_token_ids or ()
+              if w[-1] < vocab and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])]
+    if banned:
+        row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
@@ -84,6 +101,8 @@ def needs_processing(p: SamplingParams, n_out: int) -> bool:
         or p.repetition_penalty != 1.0
         or p.frequency_penalty
         or p.presence_penalty
+        or p.allowed_token_ids is not None
+        or p.bad_words_token_ids
     )
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import threading
+import time
 from argparse import Namespace
 from typing import Any, TypeVar
 
@@ -35,12 +36,14 @@ import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai import debug_memory as debug_mem
 from pagedserve.entrypoints.openai.auth import APIKeyMiddleware
+from pagedserve.entrypoints.openai.cli_args import load_chat_template
 from pagedserve.entrypoints.openai.errors import APIError, status_phrase
 from pagedserve.entrypoints.openai.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     RequestSizeLimitMiddleware,
 )
 from pagedserve.entrypoints.openai.metrics import ServerMetrics
+from pagedserve.entrypoints.openai.offload import CPUPool, json_response
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +57,11 @@ from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_engine import ServerSettings
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedserve.entrypoints.openai.vllm_routes import (
+    LoadTracker,
+    RequestIdMiddleware,
+    add_vllm_routes,
+)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -73,6 +81,10 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
         max_n=getattr(args, "max_n", 16),
         api_key=api_key,
         protect_metrics=not getattr(args, "no_protect_metrics", False),
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+        enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
+        chat_template=load_chat_template(getattr(args, "chat_template", None)),
     )
 
 
@@ -80,9 +92,11 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     """The FastAPI app serving `engine` (started by the app's lifespan, stopped at its end)."""
     settings = settings_from_args(args, engine)
     metrics = ServerMetrics(settings.model_name)
+    metrics.set_cache_config(_cache_config(engine.engine))
     engine.add_listener(metrics)
-    completions = OpenAIServingCompletion(engine, settings)
-    chat = OpenAIServingChat(engine, settings)
+    pool = CPUPool()
+    completions = OpenAIServingCompletion(engine, settings, pool)
+    chat = OpenAIServingChat(engine, settings, pool)
     tokenization = OpenAIServingTokenization(chat)
 
     @contextlib.asynccontextmanager
@@ -91,6 +105,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             engine.start()
         yield
         await engine.shutdown()
+        pool.shutdown()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.engine = engine
@@ -101,20 +116,30 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
                            open_paths=frozenset(open_paths))
+    if getattr(args, "enable_request_id_headers", False):
+        app.add_middleware(RequestIdMiddleware)
     # NOTE: added last, so it runs first: a huge body is refused before authentication reads
     # anything else.
     app.add_middleware(RequestSizeLimitMiddleware,
                        max_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
 
+    load = LoadTracker(app, getattr(args, "enable_server_load_tracking", False))
+
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
-        request = await parse_body(raw, CompletionRequest)
-        return await respond(raw, completions.create(request))
+        with load.track() as done:
+            request = await parse_body(raw, CompletionRequest, pool)
+            return done(await respond(raw, completions.create(request)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request):
-        request = await parse_body(raw, ChatCompletionRequest)
-        return await respond(raw, chat.create(request))
+        with load.track() as done:
+            request = await parse_body(raw, ChatCompletionRequest, pool)
+            return done(await respond(raw, chat.create(request)))
+
+    add_vllm_routes(app, engine, settings, completions, chat, pool,
+                    tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint",
+                                                    False))
 
     @app.get("/v1/models")
     async def list_models():
@@ -137,11 +162,13 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return json_response(tokenization.tokenize(await parse_body(raw, TokenizeRequest)))
+        request = await parse_body(raw, TokenizeRequest, pool)
+        return await pool.run(lambda: json_response(tokenization.tokenize(request)))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
-        return json_response(tokenization.detokenize(await parse_body(raw, DetokenizeRequest)))
+        request = await parse_body(raw, DetokenizeRequest, pool)
+        return await pool.run(lambda: json_response(tokenization.detokenize(request)))
 
     @app.get("/metrics")
     async def get_metrics():
@@ -240,6 +267,19 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     return app
 
 
+def _cache_config(llm) -> dict[str, Any]:
+    """The KV cache's configuration for `cache_config_info`."""
+    kv = llm.kv_manager
+    cpu = getattr(kv, "cpu_pool", None)
+    return {
+        "block_size": kv.block_size,
+        "num_gpu_blocks": kv.num_blocks,
+        "num_cpu_blocks": cpu.num_blocks if cpu is not None else 0,
+        "enable_prefix_caching": getattr(kv, "enable_prefix_caching", False),
+        "preemption_mode": getattr(llm.args, "preemption_mode", None),
+    }
+
+
 def _engine_state(llm) -> dict[str, Any]:
     """Check the engine's invariants and report its pools and queues (on the engine thread)."""
     llm.check_invariants()
@@ -273,9 +313,21 @@ def _memory_tensors(llm) -> tuple[list, list]:
 # --- request and response plumbing -------------------------------------------------------------
 
 
-async def parse_body(raw: Request, model: type[T]) -> T:
-    """The JSON body validated as `model`; 400 (not 422) naming the field otherwise."""
+# Bodies larger than this are parsed on the CPU pool rather than on the event loop.
+_PARSE_INLINE_BYTES = 64 * 1024
+
+
+async def parse_body(raw: Request, model: type[T], pool: CPUPool | None = None) -> T:
+    """The JSON body validated as `model`; 400 (not 422) naming the field otherwise. A large
+    body is parsed on `pool` (off the event loop)."""
     body = await raw.body()
+    if pool is not None and len(body) > _PARSE_INLINE_BYTES:
+        return await pool.run(parse_json, body, model)
+    return parse_json(body, model)
+
+
+def parse_json(body: bytes, model: type[T]) -> T:
+    """`parse_body`'s work: JSON (finite numbers only), then pydantic validation."""
     try:
         data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError as e:
@@ -315,16 +367,14 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError("; ".join(messages), 400, param)
 
 
-def json_response(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
-
-
 async def respond(raw: Request, handler) -> Response:
     """Run a handler (its result: a response model, or an SSE iterator for streams) until it
     finishes or the client disconnects; a disconnect cancels it, aborting its requests."""
     result = await run_until_disconnect(raw, handler)
     if result is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+    if isinstance(result, Response):
+        return result
     if isinstance(result, BaseModel):
         return json_response(result)
     return StreamingResponse(result, media_type="text/event-stream",
@@ -401,8 +451,10 @@ def run_server(args: Namespace) -> int:
         log_level=getattr(args, "uvicorn_log_level", "info"),
         access_log=not getattr(args, "disable_access_log", False),
         timeout_graceful_shutdown=getattr(args, "graceful_shutdown_timeout", 10),
+        root_path=getattr(args, "root_path", None) or "",
     )
-    server = GracefulServer(config, engine, app.state.settings.model_name)
+    server = GracefulServer(config, engine, app.state.settings.model_name,
+                            drain_timeout=getattr(args, "shutdown_timeout", None))
     server.run()
     if engine.errored:
         logger.error("exiting: the engine died (%r)", engine._dead)
@@ -413,12 +465,20 @@ def run_server(args: Namespace) -> int:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, plus: on the first SIGINT/SIGTERM it ends the requests in flight (an
     error chunk for streams, 503 otherwise) while uvicorn stops accepting connections, and it
-    exits normally afterwards instead of re-raising the signal (so the process exits 0)."""
+    exits normally afterwards instead of re-raising the signal (so the process exits 0).
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str) -> None:
+    With `drain_timeout` (--shutdown-timeout S > 0), the first signal drains instead: new
+    requests get 503 (and /health turns 503) while those in flight run on for up to S seconds;
+    then the rest are ended as above and the server exits 0. A second signal ends them at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, model_name: str,
+                 drain_timeout: float | None = None) -> None:
         super().__init__(config)
         self.engine = engine
         self.model_name = model_name
+        self.drain_timeout = drain_timeout if drain_timeout and drain_timeout > 0 else None
+        self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -445,11 +505,35 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
+        if (self.drain_timeout is not None and not self.draining and not self.should_exit
+                and self._loop is not None):
+            self.draining = True
+            logger.info("draining (signal %d): refusing new requests, waiting up to %.1f s for "
+                        "%d in flight", sig, self.drain_timeout, self.engine.num_in_flight)
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
         first = not self.should_exit
         super().handle_exit(sig, frame)
         if first and self._loop is not None:
             logger.info("shutting down (signal %d): ending the requests in flight", sig)
             self._loop.call_soon_threadsafe(self.engine.begin_shutdown)
+
+    def _start_drain(self) -> None:
+        self.engine.stop_accepting()
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        """Wait for the requests in flight (at most `drain_timeout` s), then shut down."""
+        deadline = time.monotonic() + self.drain_timeout
+        while self.engine.num_in_flight and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        left = self.engine.num_in_flight
+        if left:
+            logger.info("drain timeout: ending %d request(s) still in flight", left)
+        else:
+            logger.info("drained: every request in flight finished")
+        self.engine.begin_shutdown()
+        self.should_exit = True
 
 
 __all__ = ["GracefulServer", "build_app", "parse_body", "run_server"]

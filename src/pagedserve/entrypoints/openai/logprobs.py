@@ -21,7 +21,10 @@ def clamp(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
-def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
+def token_text(tokenizer: Any, token_id: int, entry: Logprob | None, as_id: bool = False) -> str:
+    """A token's text in a logprobs answer; `token_id:N` with --return-tokens-as-token-ids."""
+    if as_id:
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return decode_token(tokenizer, token_id)
@@ -33,24 +36,25 @@ def append_completion_logprobs(
     token_ids: list[int],
     positions: list[dict[int, Logprob] | None],
     offset: int,
+    as_ids: bool = False,
 ) -> int:
     """Append tokens to an OpenAI completions `logprobs` object; return the next text offset.
 
     A position that is None (the first prompt token, with `echo`) gets a None logprob and top
-    logprobs. `top_logprobs` holds every entry the engine returned (the top-k and the chosen
-    token), keyed by token text, as vLLM does.
+    logprobs. `top_logprobs` holds every entry the engine returned, in its order (the chosen
+    token first, then the top-k), keyed by token text, as vLLM does.
     """
     for token_id, pos in zip(token_ids, positions):
         if pos is None:
-            text = decode_token(tokenizer, token_id)
+            text = token_text(tokenizer, token_id, None, as_ids)
             into.token_logprobs.append(None)
             into.top_logprobs.append(None)
         else:
             entry = pos.get(token_id)
-            text = token_text(tokenizer, token_id, entry)
+            text = token_text(tokenizer, token_id, entry, as_ids)
             into.token_logprobs.append(clamp(entry.logprob) if entry else None)
             into.top_logprobs.append({
-                token_text(tokenizer, tid, e): clamp(e.logprob) for tid, e in pos.items()
+                token_text(tokenizer, tid, e, as_ids): clamp(e.logprob) for tid, e in pos.items()
             })
         into.tokens.append(text)
         into.text_offset.append(offset)
@@ -63,17 +67,18 @@ def chat_logprobs(
     token_ids: list[int],
     positions: list[dict[int, Logprob]],
     top_n: int,
+    as_ids: bool = False,
 ) -> list[ChatLogProbsContent]:
     """Chat completions' `logprobs.content`: per token its text, logprob, UTF-8 bytes, and the
-    `top_n` most likely tokens by rank."""
+    first `top_n` entries of the engine's (the chosen token first, then the top-k; -1: all),
+    as vLLM lists them."""
     content = []
     for token_id, pos in zip(token_ids, positions):
         entry = pos.get(token_id)
-        text = token_text(tokenizer, token_id, entry)
-        ranked = sorted(pos.items(), key=lambda kv: kv[1].rank if kv[1].rank else math.inf)
+        text = token_text(tokenizer, token_id, entry, as_ids)
         top = []
-        for tid, e in ranked[:top_n]:
-            t = token_text(tokenizer, tid, e)
+        for tid, e in list(pos.items())[: None if top_n == -1 else top_n]:
+            t = token_text(tokenizer, tid, e, as_ids)
             top.append(ChatLogProb(token=t, logprob=clamp(e.logprob), bytes=_bytes(t)))
         content.append(ChatLogProbsContent(
             token=text, logprob=clamp(entry.logprob) if entry else LOGPROB_FLOOR,

@@ -23,7 +23,19 @@ one), so several apps in one process do not clash.
 | pagedserve:request_queue_time_seconds        | vllm:request_queue_time_seconds          |
 | pagedserve:request_prompt_tokens             | vllm:request_prompt_tokens               |
 | pagedserve:request_generation_tokens         | vllm:request_generation_tokens           |
+| pagedserve:iteration_tokens_total (histogram) | vllm:iteration_tokens_total             |
+| pagedserve:num_requests_waiting_by_reason{reason} | vllm:num_requests_waiting_by_reason |
+| pagedserve:cache_config_info (labels)        | vllm:cache_config_info                   |
+| pagedserve:request_params_n                  | vllm:request_params_n                    |
+| pagedserve:request_params_max_tokens         | vllm:request_params_max_tokens           |
+| pagedserve:request_inference_time_seconds    | vllm:request_inference_time_seconds      |
+| pagedserve:request_prefill_time_seconds      | vllm:request_prefill_time_seconds        |
+| pagedserve:request_decode_time_seconds       | vllm:request_decode_time_seconds         |
+| pagedserve:request_num_preemptions           | vllm:request_num_preemptions (v0)        |
 | pagedserve:engine_steps_total                | (ours: engine iterations)                |
+
+`num_requests_waiting_by_reason` has vLLM's two reasons: `capacity` (every waiting request here)
+and `deferred` (always 0: nothing here waits on a grammar compile or a remote KV transfer).
 
 The prefix cache hit ratio is `rate(prefix_cache_hits_total) / rate(prefix_cache_queries_total)`,
 as with vLLM's current metrics.
@@ -49,6 +61,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -110,6 +123,35 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
+        self.iteration_tokens = histogram("iteration_tokens_total",
+                                          "Tokens (prompt + generated) per engine step.",
+                                          _ITERATION_BUCKETS)
+        by_reason = Gauge(PREFIX + "num_requests_waiting_by_reason",
+                          "Requests waiting, by reason (capacity, deferred).",
+                          labels + ["reason"], registry=r)
+        self.waiting_by_reason = {reason: by_reason.labels(model_name, reason)
+                                  for reason in ("capacity", "deferred")}
+        self.params_n = histogram("request_params_n", "The n (or best_of) of each request.",
+                                  (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "The max_tokens of each request.", _TOKEN_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Request time from first scheduled to finish.",
+                                        _REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Request time from first scheduled to first token.",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Request time from first token to finish.", _REQUEST_BUCKETS)
+        self.request_preemptions = histogram("request_num_preemptions",
+                                             "Preemptions of each finished request.",
+                                             (0, 1, 2, 5, 10, 20))
+
+    def set_cache_config(self, info: dict[str, object]) -> None:
+        """`cache_config_info`: the KV cache's configuration as labels (value 1), as vLLM's."""
+        labels = {k: str(v) for k, v in info.items()}
+        Gauge(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
+              list(labels), registry=self.registry).labels(**labels).set(1)
 
     def on_step(self, stats: StepStats) -> None:
         self.num_running.set(stats.num_running)
@@ -124,6 +166,10 @@ class ServerMetrics:
         for mode, count in stats.preemptions_by_mode.items():
             if mode in self.preemptions_by_mode:
                 self.preemptions_by_mode[mode].inc(count)
+        self.waiting_by_reason["capacity"].set(stats.num_waiting)
+        self.waiting_by_reason["deferred"].set(0)
+        if stats.steps:
+            self.iteration_tokens.observe(stats.prompt_tokens + stats.generation_tokens)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         for value in stats.time_to_first_token:
@@ -142,6 +188,15 @@ class ServerMetrics:
             self.queue_time.observe(stats.queue_time)
         self.request_prompt_tokens.observe(stats.prompt_tokens)
         self.request_generation_tokens.observe(stats.generation_tokens)
+        self.params_n.observe(stats.n)
+        if stats.max_tokens is not None:
+            self.params_max_tokens.observe(stats.max_tokens)
+        self.request_preemptions.observe(stats.num_preemptions)
+        for histogram, value in ((self.inference_time, stats.inference_time),
+                                 (self.prefill_time, stats.prefill_time),
+                                 (self.decode_time, stats.decode_time)):
+            if value is not None:
+                histogram.observe(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

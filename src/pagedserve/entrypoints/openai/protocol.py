@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -53,10 +53,16 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details: prompt tokens found in the prefix cache.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -94,6 +100,13 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's beam search: `n` is the beam width (runs inside the engine, see core/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's request extras (serving_engine.py applies them)
+    return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    cache_salt: str | None = None
 
 
 # --- completions -------------------------------------------------------------------------------
@@ -126,6 +139,9 @@ class CompletionResponseChoice(BaseModel):
     stop_reason: int | str | None = None
     # vLLM's extra: per prompt position {token id: {logprob, rank, decoded_token}}, first None.
     prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+    # vLLM's extras with return_token_ids
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -143,6 +159,8 @@ class CompletionResponseStreamChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on a choice's first chunk
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
 class CompletionStreamResponse(BaseModel):
@@ -157,22 +175,13 @@ class CompletionStreamResponse(BaseModel):
 # --- chat --------------------------------------------------------------------------------------
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 class ChatMessage(OpenAIBaseModel):
-    """One input message; `content` is a string, a list of content parts, or null."""
+    """One input message; `content` is a string, a list of content parts, or null. Any role is
+    accepted and passed to the chat template (as vLLM does: templates may know custom roles)."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-
-    @field_validator("role")
-    @classmethod
-    def _known_role(cls, role: str) -> str:
-        if role not in CHAT_ROLES:
-            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        return role
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -219,6 +228,7 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -229,6 +239,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -248,6 +259,7 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -257,6 +269,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 # --- models, tokenizer, version ---------------------------------------------------------------
@@ -347,7 +360,5 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "guided_choice": (_set, "guided decoding is not supported by this server"),
     "guided_grammar": (_set, "guided decoding is not supported by this server"),
     "structured_outputs": (_set, "structured outputs are not supported by this server"),
-    "allowed_token_ids": (_set, "allowed_token_ids is not supported by this server"),
-    "bad_words": (_set, "bad_words is not supported by this server"),
     "logits_processors": (_set, "logits processors are not supported by this server"),
 }

@@ -14,6 +14,7 @@ from pagedserve.engine.async_engine import (
 from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
 from pagedserve.entrypoints.openai.errors import APIError, error_body
 from pagedserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from pagedserve.entrypoints.openai.offload import json_response
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -30,6 +31,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import DONE, ChoiceState, final_output, sse
 from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 ROLE = "assistant"
 
@@ -61,17 +63,29 @@ class OpenAIServingChat(OpenAIServing):
         self.check_token_ids(ids, "messages")
         return Prompt(ids, text)
 
-    async def create(self, request: ChatCompletionRequest
-                     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """The response, or for `stream: true` an iterator of SSE lines."""
+    async def create(self, request: ChatCompletionRequest):
+        """The response (serialised, as a `Response`), or for `stream: true` an iterator of SSE
+        lines. Rendering, tokenizing and building the response run on the CPU pool."""
+        prompt, params = await self.run_cpu(self._prepare, request)
+        request_id = random_id("chatcmpl")
+        (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
+        if request.stream:
+            return self._stream(request, request_id, stream, params.n,
+                                params.output_text_buffer_length, prompt)
+        try:
+            final = await final_output(stream)
+        except BaseException as e:
+            stream.close()
+            raise self.engine_error(e, "messages") from e
+        return await self.run_cpu(
+            lambda: json_response(self._response(request, request_id, final)))
+
+    def _prepare(self, request: ChatCompletionRequest) -> tuple[Prompt, SamplingParams]:
+        """Check the request, render and tokenize its conversation, and its SamplingParams."""
         self.check_model(request.model)
         self.check_fields(request)
-        if request.echo:
-            raise APIError("echo is not supported for chat completions by this server", 400,
-                           "echo")
         top = request.top_logprobs
-        if top is not None and top < 0:
-            raise APIError(f"top_logprobs must be >= 0, got {top}", 400, "top_logprobs")
+        self.check_logprobs("top_logprobs", top)
         if top and not request.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
         max_tokens, max_param = request.max_completion_tokens, "max_completion_tokens"
@@ -86,6 +100,7 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs=request.chat_template_kwargs,
             add_special_tokens=request.add_special_tokens,
         )
+        prompt = self.truncate(prompt, request)
         params = self.sampling_params(
             request, max_tokens=max_tokens,
             logprobs=(top or 0) if request.logprobs else None, logprobs_param="top_logprobs",
@@ -93,64 +108,87 @@ class OpenAIServingChat(OpenAIServing):
         )
         params = self.for_prompt(params, len(prompt.token_ids), prompt_param="messages",
                                  max_tokens_param=max_param)
-        request_id = random_id("chatcmpl")
-        (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
-        if request.stream:
-            return self._stream(request, request_id, stream, params.n,
-                                params.output_text_buffer_length)
-        try:
-            final = await final_output(stream)
-        except BaseException as e:
-            stream.close()
-            raise self.engine_error(e, "messages") from e
-        return self._response(request, request_id, final)
+        return prompt, params
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids, positions) -> ChatLogProbs:
         return ChatLogProbs(content=chat_logprobs(
-            self.tokenizer, token_ids, positions or [], request.top_logprobs or 0
+            self.tokenizer, token_ids, positions or [], request.top_logprobs or 0,
+            self.settings.return_tokens_as_token_ids,
         ))
+
+    @staticmethod
+    def _role(request: ChatCompletionRequest) -> str:
+        """The answer's role: the assistant's, or when continuing the last message, its role."""
+        return ROLE if request.add_generation_prompt else request.messages[-1].role
+
+    def _echoed(self, request: ChatCompletionRequest) -> str:
+        """With `echo`: the last message's content when the answer continues it (same role),
+        which the answer's content then starts with (as vLLM does); else ""."""
+        last = request.messages[-1]
+        if not request.echo or last.role != self._role(request):
+            return ""
+        return flatten_content(last.content, len(request.messages) - 1)
 
     def _response(self, request: ChatCompletionRequest, request_id: str,
                   out: RequestOutput) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
+        echoed = self._echoed(request)
+        want_ids = bool(request.return_token_ids)
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index,
-                message=ChatResponseMessage(role=ROLE, content=comp.text),
+                message=ChatResponseMessage(role=self._role(request), content=echoed + comp.text),
                 logprobs=self._logprobs(request, comp.token_ids, comp.logprobs)
                 if request.logprobs else None,
                 finish_reason=comp.finish_reason,
                 stop_reason=comp.stop_reason,
+                token_ids=list(comp.token_ids) if want_ids else None,
             ))
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
-            usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens),
+            usage=self.usage([out], completion_tokens),
             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
             if request.prompt_logprobs is not None else None,
+            prompt_token_ids=list(out.prompt_token_ids) if want_ids else None,
         )
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream, n: int,
-                      holdback: int) -> AsyncIterator[str]:
+                      holdback: int, prompt: Prompt) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = bool(options and options.continuous_usage_stats)
+        include_usage = bool(options and options.include_usage) or (
+            self.settings.enable_force_include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        want_ids = bool(request.return_token_ids)
         states = [ChoiceState(holdback) for _ in range(n)]
+        prompt_tokens = len(prompt.token_ids)
+        heavy = self.heavy_logprobs(request.top_logprobs if request.logprobs else None)
 
-        def chunk(index: int, delta: DeltaMessage, **kw) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(
+        def chunk(index: int, delta: DeltaMessage, completion_tokens: int = 0,
+                  **kw) -> ChatCompletionStreamResponse:
+            c = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name,
                 choices=[ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)],
             )
+            if continuous:
+                c.usage = UsageInfo.of(prompt_tokens, completion_tokens)
+            return c
 
         last: RequestOutput | None = None
         try:
             try:
-                # The first chunk of every choice carries the role.
+                # The first chunk of every choice carries the role (and with return_token_ids
+                # the prompt's ids); with echo, the echoed content follows.
+                echoed = self._echoed(request)
                 for i in range(n):
-                    yield sse(chunk(i, DeltaMessage(role=ROLE, content="")))
+                    first = chunk(i, DeltaMessage(role=self._role(request), content=""))
+                    if want_ids:
+                        first.prompt_token_ids = list(prompt.token_ids)
+                    yield sse(first)
+                    if echoed:
+                        yield sse(chunk(i, DeltaMessage(content=echoed)))
                 async for out in stream:
                     last = out
                     for comp in out.outputs:
@@ -159,36 +197,32 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         finished = comp.finish_reason is not None
                         text = state.next_text(comp.text, finished)
+                        new = comp.token_ids[state.sent_tokens:]
                         logprobs = None
                         if request.logprobs:
-                            new = comp.token_ids[state.sent_tokens:]
-                            logprobs = self._logprobs(
-                                request, new, (comp.logprobs or [])[state.sent_tokens:])
-                            state.sent_tokens = len(comp.token_ids)
+                            logprobs = await self.off_loop_if(
+                                heavy, self._logprobs, request, new,
+                                (comp.logprobs or [])[state.sent_tokens:])
                         if not text and not finished and not (logprobs and logprobs.content):
-                            continue
+                            continue  # NOTE: its tokens go with the next chunk sent
+                        state.sent_tokens = len(comp.token_ids)
                         state.done = finished
-                        c = chunk(
+                        yield await self.off_loop_if(heavy, sse, chunk(
                             comp.index, DeltaMessage(content=text) if text else DeltaMessage(),
-                            logprobs=logprobs,
+                            len(comp.token_ids), logprobs=logprobs,
                             finish_reason=comp.finish_reason if finished else None,
                             stop_reason=comp.stop_reason if finished else None,
-                        )
-                        if continuous:
-                            c.usage = UsageInfo.of(len(out.prompt_token_ids),
-                                                   len(comp.token_ids))
-                        yield sse(c)
+                            token_ids=list(new) if want_ids else None,
+                        ))
             finally:
                 stream.close()
             if include_usage and last is not None:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
-                    usage=UsageInfo.of(len(last.prompt_token_ids),
-                                 sum(len(c.token_ids) for c in last.outputs)),
+                    usage=self.usage([last], sum(len(c.token_ids) for c in last.outputs)),
                 ))
         except (EngineDeadError, EngineShutdownError) as e:
             yield sse(error_body(str(e), 503))
         except EngineStepError as e:
             yield sse(error_body(str(e), 500))
         yield DONE
-

@@ -15,9 +15,16 @@ from pagedserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from pagedserve.entrypoints.openai.chat_template import default_chat_format
+from pagedserve.entrypoints.openai.chat_template import ChatFormat, default_chat_format
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
-from pagedserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, SamplingFields
+from pagedserve.entrypoints.openai.offload import CPUPool
+from pagedserve.entrypoints.openai.protocol import (
+    UNSUPPORTED_FIELDS,
+    PromptTokenUsageInfo,
+    SamplingFields,
+    UsageInfo,
+)
+from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.server")
@@ -25,6 +32,8 @@ logger = logging.getLogger("pagedserve.server")
 # Server-side bounds on stop strings (each is matched against the text after every token).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1000
+# Stream chunks with more logprobs per token than this are built off the event loop.
+HEAVY_LOGPROBS = 20
 
 
 @dataclass
@@ -35,6 +44,11 @@ class ServerSettings:
     max_n: int = 16
     api_key: str | None = None
     protect_metrics: bool = True
+    # vLLM's server flags (entrypoints/openai/cli_args.py)
+    enable_prompt_tokens_details: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    chat_template: str | None = None  # --chat-template (its source): replaces the default
 
     @property
     def model_name(self) -> str:
@@ -60,9 +74,13 @@ class OpenAIServing:
 
     request_fields: frozenset[str] = frozenset()
 
-    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings,
+                 pool: CPUPool | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        # NOTE: a request's CPU work (tokenizing, rendering, building and serialising large
+        # responses) runs here, never on the event loop (see offload.py).
+        self.pool = pool if pool is not None else CPUPool()
         self.tokenizer = engine.tokenizer
         llm = engine.engine
         self.max_model_len = llm.max_model_len
@@ -70,15 +88,39 @@ class OpenAIServing:
         self.max_logprobs = llm.args.max_logprobs
         self.model_name = settings.model_name
         self.chat_format = default_chat_format(self.tokenizer)
+        if settings.chat_template:
+            self.chat_format = ChatFormat("server", settings.chat_template,
+                                          self.chat_format.stop_token_ids)
+
+    async def run_cpu(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the CPU pool, off the event loop."""
+        return await self.pool.run(fn, *args, **kwargs)
+
+    @staticmethod
+    def heavy_logprobs(k: int | None) -> bool:
+        """Whether `k` logprobs per token make a stream chunk slow to build and serialise."""
+        return k is not None and (k == -1 or k > HEAVY_LOGPROBS)
+
+    @staticmethod
+    async def off_loop_if(heavy: bool, fn, *args):
+        """`fn(*args)`: on a thread when `heavy`, else here. NOTE: not on the CPU pool: a
+        stream's chunks must not queue behind another request's tokenizing."""
+        if heavy:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     # --- request checks -----------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
+        # NOTE: a missing or empty model means the served one (as vLLM does).
+        if model and model not in self.settings.served_model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def check_fields(self, request: SamplingFields) -> None:
         """400 for a known field whose feature the engine lacks; warn about unknown ones."""
+        if request.stream_options is not None and not request.stream:
+            raise APIError("stream_options can only be given when stream is true", 400,
+                           "stream_options")
         data = {**dict(request), **(request.model_extra or {})}
         for name, (in_use, message) in UNSUPPORTED_FIELDS.items():
             if name in data and in_use(data[name]):
@@ -133,11 +175,7 @@ class OpenAIServing:
                                    name)
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs",
                                                           request.prompt_logprobs)):
-            if value is not None and value > self.max_logprobs:
-                raise APIError(
-                    f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {value}",
-                    400, name,
-                )
+            self.check_logprobs(name, value)
         try:
             return SamplingParams(
                 n=n,
@@ -165,10 +203,51 @@ class OpenAIServing:
                 logit_bias=request.logit_bias,
                 use_beam_search=request.use_beam_search,
                 length_penalty=request.length_penalty,
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
+                cache_salt=request.cache_salt,
             )
         except ValueError as e:
             raise bad_request(e, set(self.request_fields),
                               {"logprobs": logprobs_param}) from e
+
+    def check_logprobs(self, name: str, value: int | None) -> None:
+        """400 unless `value` is None, within --max-logprobs, or -1 (the whole vocabulary) with
+        --max-logprobs -1."""
+        if value is None:
+            return
+        if value < -1:
+            raise APIError(f"{name} must be >= 0, or -1 for the whole vocabulary, got {value}",
+                           400, name)
+        if value == -1 and self.max_logprobs != -1:
+            raise APIError(f"{name}=-1 (the whole vocabulary) needs --max-logprobs -1; the "
+                           f"server allows at most {self.max_logprobs}", 400, name)
+        if self.max_logprobs != -1 and value > self.max_logprobs:
+            raise APIError(
+                f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {value}",
+                400, name,
+            )
+
+    def truncate(self, prompt: Prompt, request: SamplingFields) -> Prompt:
+        """`prompt` cut to `truncate_prompt_tokens` tokens (-1: the model's context length),
+        keeping its end (`truncation_side` "left", the default) or its start ("right")."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.max_model_len
+        if keep < 1:
+            raise APIError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}", 400,
+                           "truncate_prompt_tokens")
+        if keep > self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens ({keep}) is greater than the model's "
+                           f"context length ({self.max_model_len})", 400,
+                           "truncate_prompt_tokens")
+        ids = prompt.token_ids
+        if len(ids) <= keep:
+            return prompt
+        ids = ids[:keep] if request.truncation_side == "right" else ids[len(ids) - keep:]
+        return Prompt(ids, None)
 
     def for_prompt(self, params: SamplingParams, prompt_len: int, *, prompt_param: str,
                    max_tokens_param: str) -> SamplingParams:
@@ -192,6 +271,15 @@ class OpenAIServing:
                 max_tokens_param if prompt_len < limit else prompt_param,
             )
         return params
+
+    def usage(self, outs: list[RequestOutput], completion_tokens: int) -> UsageInfo:
+        """Usage of the requests behind one response (with the prompt's cached tokens under
+        --enable-prompt-tokens-details)."""
+        usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in outs), completion_tokens)
+        if self.settings.enable_prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(
+                cached_tokens=sum(o.num_cached_tokens or 0 for o in outs))
+        return usage
 
     # --- submitting ---------------------------------------------------------------------------
 

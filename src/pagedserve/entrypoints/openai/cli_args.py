@@ -1,0 +1,52 @@
+"""The OpenAI server's own flags that vLLM users expect (added to `pagedserve serve` by
+`entrypoints/cli.py`), and loading `--chat-template`."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+
+
+def add_openai_server_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server flags, with vLLM's names and meanings."""
+    p.add_argument("--chat-template", default=None,
+                   help="the chat template for /v1/chat/completions: a file, or the jinja2 "
+                        "source itself (default: the tokenizer's, else a documented default)")
+    p.add_argument("--root-path", default=None,
+                   help="the path prefix the server is mounted under behind a proxy")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer every request with an X-Request-Id header (the client's own "
+                        "X-Request-Id when it sent one)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens as 'token_id:N' instead of their text")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="streams end with a usage chunk even without "
+                        "stream_options.include_usage")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage reports prompt_tokens_details.cached_tokens (prompt tokens "
+                        "found in the prefix cache)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count the completions / chat requests in progress; GET /load")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
+                        "template; remote tokenizers such as lm-evaluation-harness's use it)")
+    p.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
+                        "finish for up to this many seconds before aborting the rest "
+                        "(default: end them at once)")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a template (holds
+    `{`, `}` or a newline; escapes such as `\\n` are decoded, as vLLM does). ValueError for a
+    value that looks like a path but cannot be read."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it could "
+                             f"not be read: {e}") from e
+    return codecs.decode(value, "unicode_escape")
