@@ -138,9 +138,10 @@ class Workload:
                 f" reqs=[{' '.join(kinds)}]")
 
 
-def _params(rng: random.Random) -> SamplingParams | BeamSearchParams:
-    max_tokens = rng.randint(1, 16)
-    kind = rng.choices(["greedy", "sample", "parallel", "beam"], [3, 3, 3, 2])[0]
+def _params(rng: random.Random, pressure: bool) -> SamplingParams | BeamSearchParams:
+    max_tokens = rng.randint(6, 20) if pressure else rng.randint(1, 16)
+    weights = [1, 1, 3, 3] if pressure else [3, 3, 3, 2]
+    kind = rng.choices(["greedy", "sample", "parallel", "beam"], weights)[0]
     if kind == "beam":
         width = rng.randint(2, 4)
         length_penalty = rng.choice([1.0, 0.0, 0.5, 2.0])
@@ -162,7 +163,7 @@ def _params(rng: random.Random) -> SamplingParams | BeamSearchParams:
             kw["n"] = rng.randint(1, 4)
             kw["best_of"] = kw["n"] + rng.choice([0, 0, 1, 2])
     kw["logprobs"] = rng.choice([None, None, 0, 1, 3])
-    kw["prompt_logprobs"] = rng.choice([None, None, None, 0, 2])
+    kw["prompt_logprobs"] = rng.choice([None, 0, 2] if pressure else [None, None, None, 0, 2])
     if rng.random() < 0.3:
         kw["stop"] = rng.sample(STOP_STRINGS, rng.randint(1, 2))
         kw["include_stop_str_in_output"] = rng.random() < 0.5
@@ -176,25 +177,30 @@ def _params(rng: random.Random) -> SamplingParams | BeamSearchParams:
 def make_workload(seed: int) -> Workload:
     """The requests and engine configuration of `seed` (deterministic)."""
     rng = random.Random(seed)
+    # Half the workloads are built for memory pressure: several wide or long requests at once on
+    # a pool that barely holds the largest (preemption with sharing, recomputation mid-prompt).
+    pressure = rng.random() < 0.5
     prefixes = [[1] + [rng.randrange(3, 500) for _ in range(rng.randint(4, 36))]
                 for _ in range(rng.randint(1, 2))]
     requests = []
-    for i in range(rng.randint(1, 6)):
+    for i in range(rng.randint(3, 6) if pressure else rng.randint(1, 6)):
         if rng.random() < 0.5:  # a prompt sharing a prefix (often several full blocks)
             base = rng.choice(prefixes)
             prompt = base[: rng.randint(1, len(base))]
         else:
             prompt = [1]
         prompt = prompt + [rng.randrange(3, 500) for _ in range(rng.randint(0, 12))]
-        arrive = 0 if i == 0 else rng.choice([0, 0, rng.randint(0, 12)])
+        if pressure and rng.random() < 0.3:  # a long prompt, computed in many chunks
+            prompt = prompt + [rng.randrange(3, 500) for _ in range(rng.randint(16, 48))]
+        arrive = 0 if i == 0 else rng.choice([0, 0, rng.randint(0, 4 if pressure else 12)])
         abort_at = arrive + rng.randint(0, 14) if rng.random() < 0.15 else None
-        requests.append(Request(f"s{seed}-{i}", prompt, _params(rng), arrive, abort_at))
+        requests.append(Request(f"s{seed}-{i}", prompt, _params(rng, pressure), arrive, abort_at))
 
     bs = rng.choice([1, 2, 3, 4, 4, 8, 8, 16, 16, 32])
     tight = max(r.blocks_tight(bs) for r in requests)
     fits = max(r.blocks_needed(bs) for r in requests)
     total = sum(r.blocks_needed(bs) for r in requests)
-    pool = rng.choice(["tiny", "tiny", "small", "roomy"])
+    pool = "tiny" if pressure else rng.choice(["tiny", "small", "roomy"])
     num_kv_blocks = {"tiny": tight + rng.randint(0, 2),
                      "small": rng.randint(tight, max(tight, total // 2)),
                      "roomy": 2 * total}[pool]
@@ -281,7 +287,7 @@ class Harness:
         self.engine = engine
         self.oracle_cache: dict[tuple, dict] = {}
         self._ids = 0
-        self._stuck: list[tuple[Request, int]] = []  # of a hang: (request, preemptions)
+        self._stuck: list[tuple] = []  # of a hang: (request, preemptions, queue)
 
     def _add(self, req: Request, rid: str) -> None:
         if isinstance(req.params, BeamSearchParams):
@@ -345,9 +351,11 @@ class Harness:
             return "4: wider than max_num_seqs accepted"
         if failure.kind == "hang":
             stuck = self._stuck
-            if any(reqs.width > budget for reqs, _ in stuck):
+            if any(req.width > budget for req, _, _ in stuck):
                 return "new: width > max_num_batched_tokens accepted, never decodes"
-            if any(reqs.width > 1 and preempted for reqs, preempted in stuck):
+            if any(where == "swapped" for _, _, where in stuck):
+                return "new: swapped group never swapped back in"
+            if any(req.width > 1 and preempted for req, preempted, _ in stuck):
                 return "1: multi-sequence group stuck after preemption"
             return "hang: other"
         if failure.kind == "mismatch":
@@ -426,8 +434,10 @@ class Harness:
             progress = sig
             stats.preemptions = dict(engine.scheduler.preemptions_by_mode)
             if idle >= 64 or stats.steps > bound:
-                self._stuck = [(reqs[rid], getattr(engine.groups.get(rid), "num_preemptions", 0))
-                               for rid in in_flight]
+                where = {g.request_id: name for name in ("waiting", "running", "swapped")
+                         for g in getattr(engine.scheduler, name)}
+                self._stuck = [(reqs[rid], getattr(engine.groups.get(rid), "num_preemptions", 0),
+                                where.get(rid)) for rid in in_flight]
                 raise StressFailure("hang", self._hang_report(step, idle, bound, in_flight, reqs))
         stats.finished, stats.aborted = len(finished), len(aborted)
         stats.preemptions = dict(engine.scheduler.preemptions_by_mode)
