@@ -104,7 +104,8 @@ def main() -> int:
             by_cause[cause].append(seed)
         print("failing seeds by cause:")
         for cause, ss in sorted(by_cause.items()):
-            print(f"  {cause}: {len(ss)}: {' '.join(map(str, ss[:40]))}{' ...' if len(ss) > 40 else ''}")
+            more = " ..." if len(ss) > 40 else ""
+            print(f"  {cause}: {len(ss)}: {' '.join(map(str, ss[:40]))}{more}")
         return 1
     return 0
 

@@ -59,7 +59,8 @@ def invariant_paged_attention(query, key, value, k_cache, v_cache, meta, scale,
         if nq == 0:
             continue
         pos = torch.arange(ctx)
-        slots = meta.block_tables[i, pos // meta.block_size] * meta.block_size + pos % meta.block_size
+        bs_ = meta.block_size
+        slots = meta.block_tables[i, pos // bs_] * bs_ + pos % bs_
         k = flat_k.index_select(0, slots).to(query.dtype).repeat_interleave(rep, dim=1)  # [L, H, D]
         v = flat_v.index_select(0, slots).to(query.dtype).repeat_interleave(rep, dim=1)
         q = query[start:end]  # [nq, H, D]

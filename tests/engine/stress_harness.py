@@ -133,7 +133,8 @@ class Workload:
                 kinds.append("greedy" if p.temperature == 0 else "sample")
         c = self.config
         return (f"bs={c['block_size']} kv={c['num_kv_blocks']} budget={c['max_num_batched_tokens']}"
-                f" chunked={int(c['enable_chunked_prefill'])} prefix={int(c['enable_prefix_caching'])}"
+                f" chunked={int(c['enable_chunked_prefill'])}"
+                f" prefix={int(c['enable_prefix_caching'])}"
                 f" {c['preemption_mode']} cpu={c['num_cpu_blocks']} seqs={c['max_num_seqs']}"
                 f" reqs=[{' '.join(kinds)}]")
 
@@ -288,6 +289,7 @@ class Harness:
         self.oracle_cache: dict[tuple, dict] = {}
         self._ids = 0
         self._stuck: list[tuple] = []  # of a hang: (request, preemptions, queue)
+        self._mismatch: tuple = ({}, {})  # of a mismatch: (got, oracle) summaries
 
     def _add(self, req: Request, rid: str) -> None:
         if isinstance(req.params, BeamSearchParams):
@@ -361,6 +363,12 @@ class Harness:
         if failure.kind == "mismatch":
             if "prompt_logprobs:" in str(failure) and "entries" in str(failure):
                 return "3: prompt_logprobs count after recomputation"
+            got, want = self._mismatch
+            if not got["outputs"] and want["outputs"]:
+                return "new: length-capped beam request returns no outputs"
+            if any(a["finish_reason"] == "length" and len(a["token_ids"]) < len(b["token_ids"])
+                   for a, b in zip(got["outputs"], want["outputs"])):
+                return "new: finished early by length (capped) though the pool holds it"
             multi = any(r.width > 1 for r in workload.requests)
             if stats.preemptions.get("swap") and multi:
                 return "2?: mismatch after swap with a multi-sequence group"
@@ -423,7 +431,8 @@ class Harness:
             for out in outputs:
                 rid = out.request_id
                 if rid not in in_flight:
-                    why = "finished" if rid in finished else "aborted" if rid in aborted else "unknown"
+                    why = ("finished" if rid in finished else "aborted" if rid in aborted
+                           else "unknown")
                     raise StressFailure("lost", f"step {step}: output for {why} request {rid}")
                 self._check_stream(reqs[rid], out, last_tokens)
                 if out.finished:
@@ -445,6 +454,7 @@ class Harness:
         for rid, got in finished.items():
             want = expected[reqs[rid].key()]
             if got != want:
+                self._mismatch = (got, want)
                 raise StressFailure("mismatch", f"request {rid}: {first_difference(got, want)}")
 
     def _admit(self, r: Request, config: dict, in_flight: set, stats: RunStats) -> None:
