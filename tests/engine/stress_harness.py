@@ -389,7 +389,6 @@ class Harness:
     def _drive(self, workload: Workload, expected: dict, stats: RunStats) -> None:
         engine = self.engine
         config = workload.config
-        bs = config["block_size"]
         reqs = {r.rid: r for r in workload.requests}
         # Generous but finite: every token of every sequence computed ten times over, plus the
         # arrival window.
