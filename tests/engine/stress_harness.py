@@ -31,9 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve import SamplingParams
+from pagedserve import BeamSearchParams, SamplingParams
 from pagedserve.config import EngineArgs
-from pagedserve.engine.beam_search import BeamSearchParams
 from pagedserve.engine.llm_engine import LLMEngine
 
 MAX_MODEL_LEN = 96
