@@ -289,6 +289,9 @@ class Harness:
         self._ids = 0
         self._stuck: list[tuple] = []  # of a hang: (request, preemptions, queue)
         self._mismatch: tuple = ({}, {})  # of a mismatch: (got, oracle) summaries
+        self._mismatch_request: Request | None = None
+        self._swapped: set[str] = set()  # requests seen swapped out, this workload
+        self._recomputed: set[str] = set()  # requests seen waiting after a preemption
 
     def _add(self, req: Request, rid: str) -> None:
         if isinstance(req.params, BeamSearchParams):
@@ -368,11 +371,15 @@ class Harness:
             if any(a["finish_reason"] == "length" and len(a["token_ids"]) < len(b["token_ids"])
                    for a, b in zip(got["outputs"], want["outputs"])):
                 return "new: finished early by length (capped) though the pool holds it"
-            multi = any(r.width > 1 for r in workload.requests)
-            if stats.preemptions.get("swap") and multi:
-                return "2?: mismatch after swap with a multi-sequence group"
-            if stats.preemptions.get("recompute"):
+            req = self._mismatch_request
+            if req.width > 1 and req.rid in self._recomputed:
+                return "new: multi-sequence group differs after recomputation (re-fork)"
+            if req.width > 1 and req.rid in self._swapped:
+                return "2: multi-sequence group swapped"
+            if req.rid in self._recomputed:
                 return "mismatch after recompute"
+            if req.rid in self._swapped:
+                return "mismatch after swap"
             return "mismatch: other"
         return failure.kind
 
@@ -395,6 +402,7 @@ class Harness:
             r.width * (len(r.prompt) + r.max_tokens) for r in reqs.values())
         stats.bound = bound
         in_flight: set[str] = set()
+        self._swapped, self._recomputed = set(), set()
         finished: dict[str, dict] = {}
         aborted: set[str] = set()
         last_tokens: dict[str, list] = {}
@@ -426,6 +434,7 @@ class Harness:
             except RuntimeError as e:
                 raise StressFailure("invariant", f"after step {step}: {e}") from e
             self._poison_free_blocks()
+            self._note_preempted()
             for out in outputs:
                 rid = out.request_id
                 if rid not in in_flight:
@@ -452,7 +461,7 @@ class Harness:
         for rid, got in finished.items():
             want = expected[reqs[rid].key()]
             if got != want:
-                self._mismatch = (got, want)
+                self._mismatch, self._mismatch_request = (got, want), reqs[rid]
                 raise StressFailure("mismatch", f"request {rid}: {first_difference(got, want)}")
 
     def _admit(self, r: Request, config: dict, in_flight: set, stats: RunStats) -> None:
@@ -493,6 +502,12 @@ class Harness:
                     raise StressFailure("mismatch", f"{r.rid}: streamed tokens went from {a} to "
                                                     f"{b}")
         last_tokens[r.rid] = now
+
+    def _note_preempted(self) -> None:
+        """Which requests were swapped out or requeued for recomputation (for `_classify`)."""
+        sched = self.engine.scheduler
+        self._swapped.update(g.request_id for g in sched.swapped)
+        self._recomputed.update(g.request_id for g in sched.waiting if g.num_preemptions)
 
     def _poison_free_blocks(self) -> None:
         """NaN into every free device block that the prefix cache does not hold: a step that
