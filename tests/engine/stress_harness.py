@@ -60,8 +60,24 @@ def tiny_llama(path: Path) -> Path:
 def make_engine(model: Path, tp: int = 1) -> LLMEngine:
     """One engine for many workloads (`Harness.run` reconfigures its cache each time)."""
     extra = dict(tensor_parallel_size=2, distributed_executor_backend="mp") if tp == 2 else {}
+    cache = {k: v for k, v in ORACLE_CONFIG.items() if k != "shuffle_free_blocks_seed"}
     return LLMEngine(EngineArgs(model=str(model), dtype="float32", device="cpu",
-                                max_model_len=MAX_MODEL_LEN, **ORACLE_CONFIG, **extra))
+                                max_model_len=MAX_MODEL_LEN, **cache, **extra))
+
+
+def reconfigure(engine: LLMEngine, config: dict) -> None:
+    """`engine.reconfigure_cache(**config)`; the shuffled free list goes through the EngineArgs
+    field where it exists, else through a `kv_manager_factory`."""
+    config = dict(config)
+    shuffle = config.pop("shuffle_free_blocks_seed", None)
+    if "shuffle_free_blocks_seed" in EngineArgs.field_names():
+        engine.reconfigure_cache(shuffle_free_blocks_seed=shuffle, **config)
+        return
+    from pagedserve.core.kv_cache_manager import KVCacheManager
+
+    factory = None if shuffle is None else (
+        lambda c: KVCacheManager.from_config(c, shuffle_seed=shuffle))
+    engine.reconfigure_cache(kv_manager_factory=factory, **config)
 
 
 class StressFailure(AssertionError):
@@ -304,7 +320,7 @@ class Harness:
         todo = {r.key(): r for r in requests if r.key() not in self.oracle_cache}
         if todo:
             engine = self.engine
-            engine.reconfigure_cache(**ORACLE_CONFIG)
+            reconfigure(engine, ORACLE_CONFIG)
             ids = {}
             for key, r in todo.items():
                 self._ids += 1
@@ -327,7 +343,7 @@ class Harness:
         config = workload.config
         stats = RunStats()
         try:
-            engine.reconfigure_cache(**config)
+            reconfigure(engine, config)
         except ValueError as e:
             # A budget below max_num_seqs may be refused (vLLM refuses it): the step could not
             # hold one decode token per sequence.
