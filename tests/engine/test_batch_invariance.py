@@ -5,6 +5,7 @@ size (torch's own float32 CPU matmul and SDPA do: see tests/engine/batch_invaria
 import random
 
 import pytest
+import torch
 
 from batch_invariant import batch_invariant_ops
 from pagedserve import SamplingParams
@@ -28,10 +29,13 @@ def _run(engine, prompts, **cache):
 
 @pytest.fixture(scope="module")
 def engine(checkpoints):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny Python-bound steps: threads only contend
     with batch_invariant_ops():
         yield LLMEngine(EngineArgs(model=str(checkpoints("llama")), dtype="float32",
                                    device="cpu", block_size=4, num_kv_blocks=256,
                                    max_model_len=128))
+    torch.set_num_threads(threads)
 
 
 def test_request_alone_in_a_crowd_chunked_or_in_blocks_of_one_gives_identical_bits(engine):
