@@ -573,8 +573,3 @@ class Harness:
 
 def repro(seed: int, tp: bool = False) -> str:
     return f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
-
-
-def run_seed(harness: Harness, seed: int) -> RunStats:
-    return harness.run(make_workload(seed))
-
