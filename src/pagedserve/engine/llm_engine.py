@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
-from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis
+from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis, final_hypotheses
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.step_input import StepInput
@@ -452,6 +452,11 @@ class LLMEngine:
 
     def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         hyps = group.extra.get("beam_final") if finished else None
+        if hyps is None and finished:
+            # Ended without a last beam step (aborted, or capped by "length" because it could
+            # not grow even alone in the cache): the beams it had are its hypotheses.
+            hyps = final_hypotheses(group.beam, [(q.cumulative_logprob, q.output_token_ids)
+                                                 for q in group.seqs])
         if hyps is None:
             hyps = [Hypothesis(q.output_token_ids, q.cumulative_logprob, q.cumulative_logprob,
                                q.status.finish_reason) for q in group.unfinished_seqs()]

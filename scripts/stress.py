@@ -1,0 +1,120 @@
+"""The differential stress harness for as long as asked (tests/engine/stress_harness.py).
+
+    python scripts/stress.py --minutes 30            # random seeds from --seed-start (default 0)
+    python scripts/stress.py --seed 1234             # one seed (a repro), with its workload shown
+    python scripts/stress.py --minutes 5 --tp        # the same on tensor_parallel_size=2 ("mp")
+    STRESS_STOCK_OPS=1 python scripts/stress.py --seed 0   # torch's float32 ops (see below)
+
+Every seed draws a workload (requests, arrivals, aborts) and a cache configuration, runs it step
+by step on a tiny random float32 Llama and compares every request's output exactly with its run
+on a roomy cache (see the harness). Prints progress, and every failing seed with a one-line repro;
+exits 1 if any seed failed. CI runs a fixed set of seeds (tests/engine/test_stress.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "engine")]
+
+import os  # noqa: E402
+
+from batch_invariant import install_batch_invariant_ops  # noqa: E402
+
+# NOTE: at import, not under __main__: the tensor-parallel workers are spawned processes that
+# import this script as their main module, and they need the batch-invariant ops too.
+# STRESS_STOCK_OPS=1 keeps torch's own float32 ops (whose rows depend on the rest of the step:
+# expect last-bit mismatches that have nothing to do with the KV cache).
+if os.environ.get("STRESS_STOCK_OPS") != "1":
+    install_batch_invariant_ops()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=None, help="run random seeds for this long")
+    ap.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
+    ap.add_argument("--seed-start", type=int, default=0, help="first seed of a timed run")
+    ap.add_argument("--tp", action="store_true", help="tensor_parallel_size=2 (mp workers)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="checkpoint folder to reuse (default: a fresh tiny Llama in a temp dir)")
+    ap.add_argument("--verbose", action="store_true", help="print every seed's workload")
+    args = ap.parse_args()
+    if args.minutes is None and not args.seed:
+        ap.error("give --minutes N or --seed S")
+
+    import torch
+
+    import stress_harness as sh
+
+    torch.set_num_threads(1)
+    model = args.model or Path(tempfile.mkdtemp(prefix="pagedserve-stress-")) / "llama"
+    started = time.monotonic()
+    engine = sh.make_engine(sh.tiny_llama(model), tp=2 if args.tp else 1)
+    harness = sh.Harness(engine)
+    print(f"engine ready in {time.monotonic() - started:.1f}s (tp={2 if args.tp else 1})",
+          flush=True)
+
+    seeds = iter(args.seed) if args.seed else _count(args.seed_start)
+    deadline = None if args.minutes is None else time.monotonic() + 60 * args.minutes
+    counts: collections.Counter = collections.Counter()
+    failed: list[tuple[int, str]] = []
+    t0 = last = time.monotonic()
+    try:
+        for seed in seeds:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            workload = sh.make_workload(seed)
+            if args.verbose or args.seed:
+                print(f"seed {seed}: {workload.describe()}", flush=True)
+            try:
+                stats = harness.run(workload)
+            except sh.StressFailure as e:
+                counts["failed"] += 1
+                failed.append((seed, e.cause))
+                print(f"FAIL seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
+                      f"    repro: {sh.repro(seed, args.tp)}", flush=True)
+                continue
+            counts["passed"] += 1
+            counts["steps"] += stats.steps
+            counts["rejected requests"] += stats.rejected
+            counts["aborted requests"] += stats.aborted
+            counts["configs refused"] += stats.config_rejected
+            for mode, n in stats.preemptions.items():
+                if n:
+                    counts[f"workloads preempting by {mode}"] += 1
+            if time.monotonic() - last > 30 or args.seed:
+                last = time.monotonic()
+                print(f"[{last - t0:6.0f}s] up to seed {seed}: {counts['passed']} passed, "
+                      f"{counts['failed']} failed", flush=True)
+    finally:
+        engine.shutdown()
+    elapsed = time.monotonic() - t0
+    total = counts["passed"] + counts["failed"]
+    print(f"\n{total} workloads in {elapsed:.0f}s ({elapsed / max(total, 1):.2f}s each): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if failed:
+        by_cause = collections.defaultdict(list)
+        for seed, cause in failed:
+            by_cause[cause].append(seed)
+        print("failing seeds by cause:")
+        for cause, ss in sorted(by_cause.items()):
+            more = " ..." if len(ss) > 40 else ""
+            print(f"  {cause}: {len(ss)}: {' '.join(map(str, ss[:40]))}{more}")
+        return 1
+    return 0
+
+
+def _count(start: int):
+    while True:
+        yield start
+        start += 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
