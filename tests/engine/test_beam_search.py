@@ -120,3 +120,24 @@ def test_invalid_beam_params_raise_value_errors():
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.5)
+
+
+def test_beam_search_capped_by_a_cache_too_small_to_grow_returns_its_beams(checkpoints):
+    # 3 blocks of 4 slots: a 7-token prompt and 2 beams fit at admission, but the beams soon
+    # cannot grow even alone; the request finishes with "length" and keeps its beams.
+    llm = LLM(str(checkpoints("llama")), dtype="float32", block_size=4, num_kv_blocks=4,
+              preemption_mode="recompute")
+    engine = llm.engine
+    engine.add_beam_request("b", None, BeamSearchParams(beam_width=2, max_tokens=30,
+                                                        ignore_eos=True),
+                            prompt_token_ids=prompts_of_lengths([7])[0])
+    final = None
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                final = out
+        if not engine.has_unfinished_requests():
+            break
+    assert final is not None and len(final.outputs) == 2
+    assert all(o.finish_reason == "length" and 0 < len(o.token_ids) < 30 for o in final.outputs)
+    assert engine.num_used_blocks() == 0
