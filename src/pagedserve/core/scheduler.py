@@ -108,6 +108,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Groups that could not grow even alone in the cache: finished with "length" this step.
     length_capped: list[SequenceGroup] = field(default_factory=list)
+    # Structured outputs: the constrained rows' token bitmasks (a
+    # `structured_output.bitmask.GrammarBitmask`), set by the engine after scheduling.
+    grammar_bitmask: object | None = None
 
     @property
     def num_batched_tokens(self) -> int:

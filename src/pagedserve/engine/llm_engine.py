@@ -35,6 +35,7 @@ from pagedserve.models.source import resolve_model
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.structured_output.manager import GRAMMAR_KEY, StructuredOutputManager
 from pagedserve.worker.executor import make_executor
 from pagedserve.worker.kv_cache import (
     bytes_per_block,
@@ -99,6 +100,8 @@ class LLMEngine:
                 f"max_position_embeddings ({max_pos})"
             )
         self._build_cache(args)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -267,6 +270,9 @@ class LLMEngine:
                 self.kv_manager.expect_length(seq.seq_id, final_len)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
+        if params.structured_outputs is not None:  # one grammar matcher per sequence
+            group.extra[GRAMMAR_KEY] = self.structured.new_matchers(
+                params.structured_outputs, [q.seq_id for q in group.seqs])
         self.groups[request_id] = group
         self.scheduler.add(group)
         return group
@@ -360,6 +366,7 @@ class LLMEngine:
         """One iteration. Returns an output for every request that produced tokens or finished."""
         self._step_request_ids = []
         sched = self.scheduler.schedule()
+        sched.grammar_bitmask = self.structured.bitmask_for(sched)  # structured outputs
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
         # requests it touched (see step_request_ids).
         self._step_request_ids = list(dict.fromkeys(
@@ -447,7 +454,9 @@ class LLMEngine:
         new_text = detok.append([token])
         n_out = seq.num_output_tokens
         status = None
-        if n_out >= params.min_tokens:
+        if self.structured.accept(group, seq, token):  # the grammar has ended
+            status = SequenceStatus.FINISHED_STOPPED
+        if status is None and n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
             elif params.stop_token_ids and token in params.stop_token_ids:

@@ -345,6 +345,7 @@ class ModelRunner:
                     continue
                 params = s.group.sampling_params
                 gen = self._generator(s.group.request_id, params.seed)
+                grammar = step.grammar_bitmask
                 # NOTE: a forking group draws all its first tokens from the parent's row, in
                 # sequence order, from the one request generator: distinct and reproducible.
                 for seq in s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]:
@@ -356,6 +357,9 @@ class ModelRunner:
                         output_token_ids=seq.output_token_ids,
                         generator=gen,
                         need_logprob=s.group.needs_logprobs,
+                        token_bitmask=(grammar.bitmask[grammar.rows[seq.seq_id]]
+                                       if grammar is not None and seq.seq_id in grammar.rows
+                                       else None),
                     ))
             stop_ids = [
                 ([] if r_.params.ignore_eos else self.eos_ids) + list(r_.params.stop_token_ids or [])

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.kernels import cpu_sampling
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.bitmask import apply_bitmask
 
 
 @dataclass
@@ -24,6 +25,8 @@ class SampleRequest:
     generator: torch.Generator | None
     # The chosen token's logprob is needed even without `logprobs` (best_of ranks by it).
     need_logprob: bool = False
+    # Structured outputs: the int32 bitmask [ceil(V / 32)] of the tokens the grammar allows.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,6 +68,25 @@ def _apply_processors(
     return logits
 
 
+def _apply_grammar(logits: torch.Tensor, processed: torch.Tensor,
+                   reqs: list[SampleRequest]) -> torch.Tensor:
+    """Mask the tokens each constrained row's grammar disallows (one batched call). NOTE: the
+    grammar wins: a row the processors (min_tokens, bias) left with no allowed token is masked
+    from its raw logits instead, so the token drawn is always one the grammar allows."""
+    rows = [i for i, r in enumerate(reqs) if r.token_bitmask is not None]
+    width = reqs[rows[0]].token_bitmask.shape[-1]
+    bitmask = torch.full((len(reqs), width), -1, dtype=torch.int32)
+    for i in rows:
+        bitmask[i] = reqs[i].token_bitmask
+    apply_bitmask(processed, bitmask, rows)
+    top = processed.amax(dim=-1).tolist()
+    dead = [i for i in rows if top[i] == float("-inf")]
+    if dead:
+        processed[dead] = logits[dead]
+        apply_bitmask(processed, bitmask, dead)
+    return processed
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
     """`x.argmax(dim=-1)` (same result: the first maximum; NaN counts as the maximum), faster on
     CPU for large vocabularies: the maximum of each chunk of 512 (or 256, 128, 64) logits first
@@ -93,6 +115,7 @@ def needs_processing(p: SamplingParams, n_out: int) -> bool:
         or p.repetition_penalty != 1.0
         or p.frequency_penalty
         or p.presence_penalty
+        or p.structured_outputs is not None
     )
 
 
@@ -160,6 +183,8 @@ def sample(
     processed = logits
     if any(needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
+    if any(r.token_bitmask is not None for r in reqs):
+        processed = _apply_grammar(logits, processed, reqs)
 
     greedy_rows = [i for i, r in enumerate(reqs) if r.params.temperature < 1e-5]
     random_rows = [i for i, r in enumerate(reqs) if r.params.temperature >= 1e-5]

@@ -46,6 +46,8 @@ class StepMessage:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: the step's GrammarBitmask (keyed by sequence id), or None.
+    grammar_bitmask: object | None = None
 
 
 class StepEncoder:
@@ -66,6 +68,7 @@ class StepEncoder:
             blocks_to_swap_out=sched.blocks_to_swap_out,
             blocks_to_swap_in=sched.blocks_to_swap_in,
             blocks_to_copy=sched.blocks_to_copy,
+            grammar_bitmask=sched.grammar_bitmask,
         )
         for request_id in sched.finished_request_ids:
             held = self._seqs_of.pop(request_id, None)
@@ -196,6 +199,7 @@ class StepDecoder:
             blocks_to_swap_in=msg.blocks_to_swap_in,
             blocks_to_copy=msg.blocks_to_copy,
             finished_request_ids=msg.finished_requests,
+            grammar_bitmask=msg.grammar_bitmask,
         )
 
     def _drop(self, seq_id: int) -> None:
