@@ -65,6 +65,9 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     skip_tokenizer_init: bool = False
+    # Structured outputs: JSON without free whitespace for every request (vLLM's
+    # structured_outputs_config.disable_any_whitespace); a request can also ask for it.
+    structured_outputs_disable_any_whitespace: bool = False
     # Testing aid: randomise the order of the free block list (outputs must not change).
     shuffle_free_blocks_seed: int | None = None
 

@@ -100,8 +100,9 @@ class LLMEngine:
                 f"max_position_embeddings ({max_pos})"
             )
         self._build_cache(args)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                  self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            disable_any_whitespace=args.structured_outputs_disable_any_whitespace)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}

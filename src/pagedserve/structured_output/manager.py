@@ -24,8 +24,10 @@ class StructuredOutputManager:
     the per-sequence matchers' bookkeeping. The tokenizer's xgrammar info is built on the first
     constrained request (a 262k vocabulary takes a moment)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 disable_any_whitespace: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.disable_any_whitespace = disable_any_whitespace
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = None
@@ -47,7 +49,7 @@ class StructuredOutputManager:
             raise ValueError("structured_outputs needs a tokenizer (the engine runs with "
                              "skip_tokenizer_init)")
         compiler = self._get_compiler()
-        whitespace = not so.disable_any_whitespace
+        whitespace = not (so.disable_any_whitespace or self.disable_any_whitespace)
         try:
             if so.kind == "json":
                 return compiler.compile_json_schema(so.schema_text(), any_whitespace=whitespace)

@@ -73,6 +73,8 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
         max_n=getattr(args, "max_n", 16),
         api_key=api_key,
         protect_metrics=not getattr(args, "no_protect_metrics", False),
+        tool_call_parser=(getattr(args, "tool_call_parser", None)
+                          if getattr(args, "enable_auto_tool_choice", False) else None),
     )
 
 

@@ -18,7 +18,9 @@ from pagedserve.engine.async_engine import (
 from pagedserve.entrypoints.openai.chat_template import default_chat_format
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, SamplingFields
+from pagedserve.entrypoints.openai.structured import structured_outputs_of
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -35,6 +37,8 @@ class ServerSettings:
     max_n: int = 16
     api_key: str | None = None
     protect_metrics: bool = True
+    # tool_choice "auto": the parser of tool calls in the model's text (None: "auto" is a 400)
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -88,6 +92,11 @@ class OpenAIServing:
             logger.warning("The following fields were present in the request but ignored: %s",
                            ignored)
 
+    @staticmethod
+    def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+        """The structured-output constraint of a request's fields (400 when invalid)."""
+        return structured_outputs_of({**dict(request), **(request.model_extra or {})})
+
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
@@ -103,8 +112,13 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None, logprobs_param: str = "logprobs",
-                        extra_stop_token_ids: list[int] | None = None) -> SamplingParams:
-        """SamplingParams for a request (max_tokens may be None: resolved per prompt)."""
+                        extra_stop_token_ids: list[int] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        ) -> SamplingParams:
+        """SamplingParams for a request (max_tokens may be None: resolved per prompt).
+        `structured_outputs`: the constraint, when not the one the request's fields give."""
+        if structured_outputs is None:
+            structured_outputs = self.structured_outputs(request)
         n = 1 if request.n is None else request.n
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
@@ -165,6 +179,7 @@ class OpenAIServing:
                 logit_bias=request.logit_bias,
                 use_beam_search=request.use_beam_search,
                 length_penalty=request.length_penalty,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             raise bad_request(e, set(self.request_fields),
