@@ -68,22 +68,25 @@ def _apply_processors(
     return logits
 
 
-def _apply_grammar(logits: torch.Tensor, processed: torch.Tensor,
-                   reqs: list[SampleRequest]) -> torch.Tensor:
-    """Mask the tokens each constrained row's grammar disallows (one batched call). NOTE: the
-    grammar wins: a row the processors (min_tokens, bias) left with no allowed token is masked
-    from its raw logits instead, so the token drawn is always one the grammar allows."""
+def _apply_grammar(logits: torch.Tensor, processed: torch.Tensor, reqs: list[SampleRequest],
+                   processors: list[bool]) -> torch.Tensor:
+    """Mask the tokens each constrained row's grammar disallows (one batched call), in
+    `processed` (which may be `logits` itself). NOTE: the grammar wins: a row the processors
+    (`processors[i]`: min_tokens, bias, ...) left with no allowed token is masked from its raw
+    logits instead, so the token drawn is always one the grammar allows."""
     rows = [i for i, r in enumerate(reqs) if r.token_bitmask is not None]
     width = reqs[rows[0]].token_bitmask.shape[-1]
     bitmask = torch.full((len(reqs), width), -1, dtype=torch.int32)
     for i in rows:
         bitmask[i] = reqs[i].token_bitmask
     apply_bitmask(processed, bitmask, rows)
-    top = processed.amax(dim=-1).tolist()
-    dead = [i for i in rows if top[i] == float("-inf")]
-    if dead:
-        processed[dead] = logits[dead]
-        apply_bitmask(processed, bitmask, dead)
+    risky = [i for i in rows if processors[i]]  # a grammar alone always allows a token
+    if risky:
+        top = processed[risky].amax(dim=-1).tolist()
+        dead = [i for i, t in zip(risky, top) if t == float("-inf")]
+        if dead:
+            processed[dead] = logits[dead]
+            apply_bitmask(processed, bitmask, dead)
     return processed
 
 
@@ -108,14 +111,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
 
 def needs_processing(p: SamplingParams, n_out: int) -> bool:
     """Whether a row with `n_out` output tokens so far has logit processors to apply (bias,
-    min_tokens masking, penalties)."""
+    min_tokens masking, penalties, a structured-output grammar)."""
+    return _has_processors(p, n_out) or p.structured_outputs is not None
+
+
+def _has_processors(p: SamplingParams, n_out: int) -> bool:
     return bool(
         p.logit_bias
         or (p.min_tokens and n_out < p.min_tokens)
         or p.repetition_penalty != 1.0
         or p.frequency_penalty
         or p.presence_penalty
-        or p.structured_outputs is not None
     )
 
 
@@ -177,14 +183,18 @@ def sample(
     stop_ids: list[list[int]],
 ) -> list[SampleResult]:
     """Choose one token per row. `stop_ids[i]`: EOS / stop token ids masked while a row is below
-    its `min_tokens`."""
+    its `min_tokens`. NOTE: `logits` may be masked in place (structured outputs) when no row
+    needs its raw logprobs."""
     num_rows = logits.shape[0]
     want_lp = [r.params.logprobs is not None or r.need_logprob for r in reqs]
     processed = logits
-    if any(needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
+    processors = [_has_processors(r.params, len(r.output_token_ids)) for r in reqs]
+    if any(processors):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
     if any(r.token_bitmask is not None for r in reqs):
-        processed = _apply_grammar(logits, processed, reqs)
+        if processed is logits and any(want_lp):
+            processed = logits.clone()  # the logprobs are of the raw logits
+        processed = _apply_grammar(logits, processed, reqs, processors)
 
     greedy_rows = [i for i, r in enumerate(reqs) if r.params.temperature < 1e-5]
     random_rows = [i for i, r in enumerate(reqs) if r.params.temperature >= 1e-5]

@@ -109,6 +109,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         params = self.for_prompt(params, len(prompt.token_ids), prompt_param="messages",
                                  max_tokens_param=max_param)
+        if tools is not None and not tools.makes_calls:  # "none": the template has seen them
+            tools = None
         request_id = random_id("chatcmpl")
         (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
         if request.stream:
@@ -131,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(f"tool_choice {request.tool_choice!r} cannot be combined with "
                                "another structured-output constraint", 400, "tool_choice")
             structured = plan.constraint
-        return (plan if plan is not None and plan.makes_calls else None), structured
+        return plan, structured
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids, positions) -> ChatLogProbs:
         return ChatLogProbs(content=chat_logprobs(
