@@ -32,6 +32,7 @@ VLLM_DEFAULTS = {
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
     "logit_bias": None,
+    "structured_outputs": None,
     # vLLM v0's beam-search fields (its server's `use_beam_search`, `length_penalty`)
     "use_beam_search": False,
     "length_penalty": 1.0,

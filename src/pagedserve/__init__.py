@@ -15,6 +15,7 @@ _LAZY = {
     "LLMEngine": "pagedserve.engine.llm_engine",
     "EngineArgs": "pagedserve.config",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.structured_output.params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedserve.sampling_params import SamplingParams
+    from pagedserve.structured_output.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

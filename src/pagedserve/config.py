@@ -95,6 +95,9 @@ class EngineArgs:
         "auto", "auto: triton on CUDA when available, else torch", choices=ATTENTION_BACKENDS)
     skip_tokenizer_init: bool = option(
         False, "load no tokenizer: prompts must be token ids, outputs carry no text")
+    structured_outputs_disable_any_whitespace: bool = option(
+        False, "structured JSON outputs without free whitespace between tokens (vLLM's "
+        "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -30,6 +30,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.structured_output.params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
@@ -130,6 +132,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
     cache_salt: str | None = None
+    # Structured outputs (vLLM's name): the output matches a JSON schema / regex / choice /
+    # grammar; see `structured_output`. A dict is read as StructuredOutputsParams(**dict).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -182,6 +187,7 @@ class SamplingParams:
                 setattr(self, name, None)
         if self.logit_bias is not None:
             self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.structured_outputs = _normalise_structured_outputs(self.structured_outputs)
 
     def _verify(self) -> None:
         self.n = _check_int("n", self.n, minimum=1)
@@ -225,6 +231,8 @@ class SamplingParams:
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
         if self.use_beam_search:
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs is not supported with use_beam_search")
             if self.temperature >= SAMPLING_EPS:
                 raise ValueError(
                     f"temperature must be 0 with use_beam_search, got {self.temperature}")
@@ -359,6 +367,18 @@ def _check_real(name: str, value: Any) -> float:
     if not _is_real(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+def _normalise_structured_outputs(value: Any) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as e:  # an unknown key
+            raise ValueError(f"structured_outputs: {e}") from None
+    raise ValueError("structured_outputs must be StructuredOutputsParams or a dict, got "
+                     f"{type(value).__name__}")
 
 
 def _normalise_logit_bias(logit_bias: Any) -> dict[int, float]:

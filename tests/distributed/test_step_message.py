@@ -119,3 +119,22 @@ def test_decode_steps_send_a_few_bytes_per_sequence_and_tables_only_when_they_ch
     assert sum(1 for m in decodes if m.tables) == 2
     per_seq = [size / n for n, size in executor.sizes[1:]]
     assert max(per_seq) < 64, per_seq  # bytes per decoding sequence, pickled (~40 measured)
+
+
+def test_structured_outputs_through_the_message_path_equal_the_direct_path(checkpoints):
+    import re
+
+    from pagedserve.structured_output import StructuredOutputsParams as SO
+
+    path = str(checkpoints("llama"))
+    ps = prompts([9, 5, 12], seed=4)
+    regex = r"[a-z]{2,5}-[0-9]{1,3}"
+    params = [SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=20,
+                             structured_outputs=SO(regex=regex)),
+              SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=SO(choice=["x y"])),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=12, ignore_eos=True)]
+    ref = make(path, False, kv_cache_memory=1 << 22).generate(ps, params, use_tqdm=False)
+    outs = make(path, True, kv_cache_memory=1 << 22).generate(ps, params, use_tqdm=False)
+    assert summary(outs) == summary(ref)
+    assert all(re.fullmatch(regex, c.text) for c in outs[0].outputs)
+    assert outs[1].outputs[0].text == "x y"

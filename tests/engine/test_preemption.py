@@ -155,7 +155,8 @@ def test_prompt_logprobs_are_not_duplicated_when_a_chunked_prompt_is_recomputed(
     # 60-token prompt returned 214 entries).
     long, short = prompts_of_lengths([60, 8], seed=7)
     requests = [("old", short, greedy(40)),
-                ("plp", long, SamplingParams(max_tokens=2, prompt_logprobs=2, ignore_eos=True))]
+                ("plp", long, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2,
+                                            ignore_eos=True))]
     (ref, _), (outs, engine) = _roomy_and_tight(
         str(checkpoints("llama")), requests, 2000, block_size=4, num_kv_blocks=17,
         max_num_batched_tokens=8, preemption_mode="recompute")

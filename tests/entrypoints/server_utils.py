@@ -23,6 +23,10 @@ SERVER_FLAGS = [
     str(NUM_KV_BLOCKS), "--block-size", str(BLOCK_SIZE), "--seed", "0",
     "--disable-access-log", "--log-stats-interval", "1",
 ]
+# tool_choice "auto"; compact JSON (a random model writes whitespace without end otherwise):
+# tests/entrypoints/test_tool_calls.py, test_structured_outputs.py
+SERVER_FLAGS += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                 "--structured-outputs-disable-any-whitespace"]
 
 
 def free_port() -> int:

@@ -56,10 +56,10 @@ def _poison_the_model(monkeypatch, llm):
     """Make the model step raise whenever a scheduled sequence holds the POISON token."""
     real = llm.executor.execute
 
-    def execute(sched):
-        if any(POISON in s.seq.token_ids for s in sched.scheduled):
+    def execute(step):
+        if any(POISON in row.token_ids for row in step.rows):
             raise RuntimeError("simulated kernel fault on a poisoned batch")
-        return real(sched)
+        return real(step)
 
     monkeypatch.setattr(llm.executor, "execute", execute)
 

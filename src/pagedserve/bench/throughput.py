@@ -112,6 +112,12 @@ def main(args) -> int:
           f"output tokens={n_out} (mean {n_out / len(trace):.1f}) batch={args.max_num_seqs}")
     # A short warm-up so that both sides are measured warm.
     llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids}], use_tqdm=False)
+    if getattr(args, "structured", None) == "json":
+        from pagedserve.bench.structured import compare
+
+        print(compare(engine, trace, args.max_num_seqs, args.temperature, args.seed))
+        engine.shutdown()
+        return 0
     stats = getattr(engine.executor, "stats", None)
     if stats is not None:  # count the measured run only
         stats.reset()

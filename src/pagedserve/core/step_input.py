@@ -88,6 +88,9 @@ class StepInput:
     # the last step: workers drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
     freed_seq_ids: list[int] = field(default_factory=list)
+    # Structured outputs: the constrained sequences' token bitmasks (a
+    # `structured_output.bitmask.GrammarBitmask`, plain data), set by the engine.
+    grammar_bitmask: object | None = None
 
     @classmethod
     def from_schedule(cls, sched: "SchedulerOutput") -> "StepInput":

@@ -28,6 +28,7 @@ from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
+from pagedserve.structured_output.manager import GRAMMAR_KEY, StructuredOutputManager
 from pagedserve.worker.executor import make_executor
 from pagedserve.worker.kv_cache import (
     bytes_per_block,
@@ -98,6 +99,9 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({max_pos})"
             )
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            disable_any_whitespace=args.structured_outputs_disable_any_whitespace)
         self._seq_ids = itertools.count()
         self._build_cache(args)
         self._request_ids = itertools.count()
@@ -252,6 +256,9 @@ class LLMEngine:
             self.kv_manager.on_admit(seq.seq_id, len(prompt_token_ids), final_len)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
+        if params.structured_outputs is not None:  # one grammar matcher per sequence
+            group.extra[GRAMMAR_KEY] = self.structured.new_matchers(
+                params.structured_outputs, [q.seq_id for q in group.seqs])
         self.scheduler.add(group)
         self.groups[request_id] = group
         return group
@@ -375,7 +382,9 @@ class LLMEngine:
             + [g.request_id for g in sched.preempted]))
         self._step_ids_stamp = self.stats["steps"]  # a step that completes moves past it
         now = time.monotonic()
-        results = self.executor.execute(StepInput.from_schedule(sched))
+        step = StepInput.from_schedule(sched)
+        step.grammar_bitmask = self.structured.bitmask_for(sched)  # structured outputs
+        results = self.executor.execute(step)
         for s in sched.scheduled:
             if s.group.first_scheduled_time is None:
                 s.group.first_scheduled_time = now
@@ -413,6 +422,10 @@ class LLMEngine:
             )
         detok: IncrementalDetokenizer = seq.detokenizer
         new_text = detok.append([token])
+        # NOTE: the matcher accepts every token; a grammar that has ended stops the sequence
+        # (before min_tokens, as vLLM: the grammar wins).
+        if self.structured.accept(group, seq, token):
+            return True
         if check_stop and params.stop and new_text:
             cut, matched = find_stop(
                 detok.text, len(new_text), params.stop, params.include_stop_str_in_output

@@ -34,6 +34,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) < (1 if name == "max_n" else 0):
             raise ValueError(f"--{name.replace('_', '-')} must be >= "
                              f"{1 if name == 'max_n' else 0}, got {getattr(args, name)}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     from pagedserve.entrypoints.openai.api_server import run_server
 
     return run_server(args)
@@ -64,6 +66,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name(s) clients use (default: the model's name); the first is "
                         "the one reported in responses")
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto' (the default with tools): the model's text "
+                        "is parsed for tool calls with --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "pythonic"],
+                   help="how 'auto' tool calls are read from the model's text")
     p.add_argument("--max-queued-requests", type=int, default=4096,
                    help="requests waiting to start beyond which new ones get 503 + Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
@@ -119,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0: greedy (default); else random sampling, seeded per request")
     tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--top-k", type=int, default=0)
+    tp.add_argument("--structured", choices=["json"], default=None,
+                    help="compare the per-step time of JSON-schema constrained requests with "
+                         "unconstrained ones (side by side, full decode batches)")
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
 

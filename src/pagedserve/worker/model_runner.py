@@ -309,6 +309,7 @@ class ModelRunner:
                 params = s.params
                 # NOTE: a forking group draws all its first tokens from the parent's row, each
                 # from its own sequence's stream: distinct and reproducible.
+                grammar = step.grammar_bitmask
                 for spec in s.samples:
                     rows.append(row)
                     owners.append(idx)
@@ -318,6 +319,9 @@ class ModelRunner:
                         output_token_ids=spec.output_token_ids,
                         generator=self._generator(s.request_id, params.seed, spec.index),
                         need_logprob=s.need_logprob,
+                        token_bitmask=(grammar.bitmask[grammar.rows[spec.seq_id]]
+                                       if grammar is not None and spec.seq_id in grammar.rows
+                                       else None),
                     ))
             stop_ids = [
                 ([] if r_.params.ignore_eos else self.eos_ids) + list(r_.params.stop_token_ids or [])

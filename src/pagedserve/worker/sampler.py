@@ -13,6 +13,7 @@ import torch
 from pagedserve.kernels import cpu_sampling
 from pagedserve.core.step_output import SampleResult
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.bitmask import apply_bitmask
 
 
 @dataclass
@@ -25,6 +26,8 @@ class SampleRequest:
     generator: torch.Generator | None
     # The chosen token's logprob is needed even without `logprobs` (best_of ranks by it).
     need_logprob: bool = False
+    # Structured outputs: the int32 bitmask [ceil(V / 32)] of the tokens the grammar allows.
+    token_bitmask: torch.Tensor | None = None
 
 
 def _apply_processors(
@@ -73,6 +76,28 @@ def _mask_tokens(row: torch.Tensor, p: SamplingParams, output: list[int]) -> Non
         row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
 
 
+def _apply_grammar(logits: torch.Tensor, processed: torch.Tensor, reqs: list[SampleRequest],
+                   processors: list[bool]) -> torch.Tensor:
+    """Mask the tokens each constrained row's grammar disallows (one batched call), in
+    `processed` (which may be `logits` itself). NOTE: the grammar wins: a row the processors
+    (`processors[i]`: min_tokens, bias, ...) left with no allowed token is masked from its raw
+    logits instead, so the token drawn is always one the grammar allows."""
+    rows = [i for i, r in enumerate(reqs) if r.token_bitmask is not None]
+    width = reqs[rows[0]].token_bitmask.shape[-1]
+    bitmask = torch.full((len(reqs), width), -1, dtype=torch.int32)
+    for i in rows:
+        bitmask[i] = reqs[i].token_bitmask
+    apply_bitmask(processed, bitmask, rows)
+    risky = [i for i in rows if processors[i]]  # a grammar alone always allows a token
+    if risky:
+        top = processed[risky].amax(dim=-1).tolist()
+        dead = [i for i, t in zip(risky, top) if t == float("-inf")]
+        if dead:
+            processed[dead] = logits[dead]
+            apply_bitmask(processed, bitmask, dead)
+    return processed
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
     """`x.argmax(dim=-1)` (same result: the first maximum; NaN counts as the maximum), faster on
     CPU for large vocabularies: the maximum of each chunk of 512 (or 256, 128, 64) logits first
@@ -94,7 +119,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
 
 def needs_processing(p: SamplingParams, n_out: int) -> bool:
     """Whether a row with `n_out` output tokens so far has logit processors to apply (bias,
-    min_tokens masking, penalties)."""
+    min_tokens masking, penalties, a structured-output grammar)."""
+    return _has_processors(p, n_out) or p.structured_outputs is not None
+
+
+def _has_processors(p: SamplingParams, n_out: int) -> bool:
     return bool(
         p.logit_bias
         or (p.min_tokens and n_out < p.min_tokens)
@@ -164,12 +193,18 @@ def sample(
     stop_ids: list[list[int]],
 ) -> list[SampleResult]:
     """Choose one token per row. `stop_ids[i]`: EOS / stop token ids masked while a row is below
-    its `min_tokens`."""
+    its `min_tokens`. NOTE: `logits` may be masked in place (structured outputs) when no row
+    needs its raw logprobs."""
     num_rows = logits.shape[0]
     want_lp = [r.params.logprobs is not None or r.need_logprob for r in reqs]
     processed = logits
-    if any(needs_processing(r.params, len(r.output_token_ids)) for r in reqs):
+    processors = [_has_processors(r.params, len(r.output_token_ids)) for r in reqs]
+    if any(processors):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
+    if any(r.token_bitmask is not None for r in reqs):
+        if processed is logits and any(want_lp):
+            processed = logits.clone()  # the logprobs are of the raw logits
+        processed = _apply_grammar(logits, processed, reqs, processors)
 
     greedy_rows = [i for i, r in enumerate(reqs) if r.params.temperature < 1e-5]
     random_rows = [i for i, r in enumerate(reqs) if r.params.temperature >= 1e-5]

@@ -44,6 +44,8 @@ class StepMessage:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: the step's GrammarBitmask (keyed by sequence id), or None.
+    grammar_bitmask: object | None = None
 
 
 class StepEncoder:
@@ -64,6 +66,7 @@ class StepEncoder:
             blocks_to_swap_out=step.blocks_to_swap_out,
             blocks_to_swap_in=step.blocks_to_swap_in,
             blocks_to_copy=step.blocks_to_copy,
+            grammar_bitmask=step.grammar_bitmask,
         )
         for request_id in step.finished_request_ids:
             held = self._seqs_of.pop(request_id, None)
@@ -194,7 +197,7 @@ class StepDecoder:
                 samples=samples, beam_width=beam_width,
                 need_logprob=bool(flags & NEED_LOGPROB)))
         return StepInput(rows, msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy,
-                         msg.finished_requests, msg.freed_seqs)
+                         msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask)
 
     def _drop(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)

@@ -85,6 +85,8 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         enable_force_include_usage=getattr(args, "enable_force_include_usage", False),
         chat_template=load_chat_template(getattr(args, "chat_template", None)),
+        tool_call_parser=(getattr(args, "tool_call_parser", None)
+                          if getattr(args, "enable_auto_tool_choice", False) else None),
     )
 
 

@@ -107,6 +107,13 @@ class SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    # Structured outputs (read by entrypoints/openai/structured.py, which checks them)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 # --- completions -------------------------------------------------------------------------------
@@ -199,6 +206,10 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (read by entrypoints/openai/tool_calls.py, which checks them)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class ChatLogProb(BaseModel):
@@ -213,6 +224,40 @@ class ChatLogProbsContent(ChatLogProb):
 
 class ChatLogProbs(BaseModel):
     content: list[ChatLogProbsContent] | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """One tool call's piece in a stream chunk (OpenAI's shape: `index`, then on the first piece
+    `id`, `type` and `function.name`, and `function.arguments` text to append)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatResponseMessage(BaseModel):
@@ -247,6 +292,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
@@ -331,10 +377,6 @@ def _set(value: Any) -> bool:
     return value is not None and value is not False and value not in ([], {}, "")
 
 
-def _not_text_format(value: Any) -> bool:
-    return _set(value) and not (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _not_text_modalities(value: Any) -> bool:
     return _set(value) and value != ["text"]
 
@@ -345,20 +387,11 @@ def _tool_choice(value: Any) -> bool:
 
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
     "suffix": (_set, "suffix (insertion) is not supported by this server"),
-    "tools": (_set, "tool calling is not supported by this server"),
-    "tool_choice": (_tool_choice, "tool calling is not supported by this server"),
     "functions": (_set, "function calling is not supported by this server"),
     "function_call": (_tool_choice, "function calling is not supported by this server"),
-    "response_format": (_not_text_format, "structured output (response_format other than "
-                        "'text') is not supported by this server"),
     "audio": (_set, "audio output is not supported by this server"),
     "modalities": (_not_text_modalities, "only the 'text' modality is supported"),
     "prediction": (_set, "predicted outputs are not supported by this server"),
     "web_search_options": (_set, "web search is not supported by this server"),
-    "guided_json": (_set, "guided decoding is not supported by this server"),
-    "guided_regex": (_set, "guided decoding is not supported by this server"),
-    "guided_choice": (_set, "guided decoding is not supported by this server"),
-    "guided_grammar": (_set, "guided decoding is not supported by this server"),
-    "structured_outputs": (_set, "structured outputs are not supported by this server"),
     "logits_processors": (_set, "logits processors are not supported by this server"),
 }

@@ -30,6 +30,15 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import DONE, ChoiceState, final_output, sse
+from pagedserve.entrypoints.openai.tool_calls import (
+    ToolPlan,
+    ToolStream,
+    finish_reason,
+    parse_calls,
+    plan_tools,
+    tool_calls_json,
+)
+from pagedserve.entrypoints.openai.tool_parsers import make_tool_parser
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -40,6 +49,11 @@ class OpenAIServingChat(OpenAIServing):
     """Chat completions: one engine request per call, `n` choices."""
 
     request_fields = frozenset(ChatCompletionRequest.model_fields)
+
+    def __init__(self, engine, settings) -> None:
+        super().__init__(engine, settings)
+        parser = settings.tool_call_parser
+        self.tool_parser = make_tool_parser(parser) if parser else None
 
     def render(self, messages: list[ChatMessage], *, chat_template: str | None,
                add_generation_prompt: bool, continue_final_message: bool,
@@ -66,22 +80,24 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest):
         """The response (serialised, as a `Response`), or for `stream: true` an iterator of SSE
         lines. Rendering, tokenizing and building the response run on the CPU pool."""
-        prompt, params = await self.run_cpu(self._prepare, request)
+        prompt, params, tools = await self.run_cpu(self._prepare, request)
         request_id = random_id("chatcmpl")
         (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
         if request.stream:
             return self._stream(request, request_id, stream, params.n,
-                                params.output_text_buffer_length, prompt)
+                                params.output_text_buffer_length, prompt, tools)
         try:
             final = await final_output(stream)
         except BaseException as e:
             stream.close()
             raise self.engine_error(e, "messages") from e
         return await self.run_cpu(
-            lambda: json_response(self._response(request, request_id, final)))
+            lambda: json_response(self._response(request, request_id, final, tools)))
 
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[Prompt, SamplingParams]:
-        """Check the request, render and tokenize its conversation, and its SamplingParams."""
+    def _prepare(self, request: ChatCompletionRequest
+                 ) -> tuple[Prompt, SamplingParams, ToolPlan | None]:
+        """Check the request, render and tokenize its conversation; its SamplingParams and its
+        tool plan (None without tools, or with tool_choice "none")."""
         self.check_model(request.model)
         self.check_fields(request)
         top = request.top_logprobs
@@ -93,22 +109,38 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, max_param = request.max_tokens, "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise APIError(f"{max_param} must be at least 1, got {max_tokens}", 400, max_param)
+        tools, structured = self._tools(request)
         prompt = self.render(
             request.messages, chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            template_kwargs=request.chat_template_kwargs,
+            template_kwargs=({**(request.chat_template_kwargs or {}), "tools": tools.tools}
+                             if tools else request.chat_template_kwargs),
             add_special_tokens=request.add_special_tokens,
         )
         prompt = self.truncate(prompt, request)
         params = self.sampling_params(
             request, max_tokens=max_tokens,
             logprobs=(top or 0) if request.logprobs else None, logprobs_param="top_logprobs",
-            extra_stop_token_ids=self.chat_format.stop_token_ids,
+            extra_stop_token_ids=self.chat_format.stop_token_ids, structured_outputs=structured,
         )
         params = self.for_prompt(params, len(prompt.token_ids), prompt_param="messages",
                                  max_tokens_param=max_param)
-        return prompt, params
+        if tools is not None and not tools.makes_calls:  # "none": the template has seen them
+            tools = None
+        return prompt, params, tools
+
+    def _tools(self, request: ChatCompletionRequest):
+        """The request's tool plan (None without tools) and its structured-output constraint:
+        the one `required` / a named function enforces, else the request's own."""
+        plan = plan_tools(request.tools, request.tool_choice, self.tool_parser)
+        structured = self.structured_outputs(request)
+        if plan is not None and plan.constraint is not None:
+            if structured is not None:
+                raise APIError(f"tool_choice {request.tool_choice!r} cannot be combined with "
+                               "another structured-output constraint", 400, "tool_choice")
+            structured = plan.constraint
+        return plan, structured
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids, positions) -> ChatLogProbs:
         return ChatLogProbs(content=chat_logprobs(
@@ -130,19 +162,24 @@ class OpenAIServingChat(OpenAIServing):
         return flatten_content(last.content, len(request.messages) - 1)
 
     def _response(self, request: ChatCompletionRequest, request_id: str,
-                  out: RequestOutput) -> ChatCompletionResponse:
+                  out: RequestOutput, tools: ToolPlan | None) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         echoed = self._echoed(request)
         want_ids = bool(request.return_token_ids)
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
+            content, calls = parse_calls(tools, comp.text) if tools else (comp.text, [])
+            if calls and not (content or "").strip():
+                content = None
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index,
-                message=ChatResponseMessage(role=self._role(request), content=echoed + comp.text),
+                message=ChatResponseMessage(role=self._role(request),
+                                            content=None if content is None else echoed + content,
+                                            tool_calls=tool_calls_json(calls)),
                 logprobs=self._logprobs(request, comp.token_ids, comp.logprobs)
                 if request.logprobs else None,
-                finish_reason=comp.finish_reason,
+                finish_reason=finish_reason(tools, calls, comp.finish_reason),
                 stop_reason=comp.stop_reason,
                 token_ids=list(comp.token_ids) if want_ids else None,
             ))
@@ -155,7 +192,8 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream, n: int,
-                      holdback: int, prompt: Prompt) -> AsyncIterator[str]:
+                      holdback: int, prompt: Prompt,
+                      tools: ToolPlan | None) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         include_usage = bool(options and options.include_usage) or (
@@ -165,6 +203,7 @@ class OpenAIServingChat(OpenAIServing):
         states = [ChoiceState(holdback) for _ in range(n)]
         prompt_tokens = len(prompt.token_ids)
         heavy = self.heavy_logprobs(request.top_logprobs if request.logprobs else None)
+        tool_streams = [ToolStream(tools) for _ in range(n)] if tools else None
 
         def chunk(index: int, delta: DeltaMessage, completion_tokens: int = 0,
                   **kw) -> ChatCompletionStreamResponse:
@@ -197,20 +236,27 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         finished = comp.finish_reason is not None
                         text = state.next_text(comp.text, finished)
+                        calls, reason = [], comp.finish_reason
+                        if tool_streams:  # text -> content and tool-call deltas
+                            tool_stream = tool_streams[comp.index]
+                            text, calls = tool_stream.feed(text, finished)
+                            reason = finish_reason(tools, tool_stream.calls, reason)
                         new = comp.token_ids[state.sent_tokens:]
                         logprobs = None
                         if request.logprobs:
                             logprobs = await self.off_loop_if(
                                 heavy, self._logprobs, request, new,
                                 (comp.logprobs or [])[state.sent_tokens:])
-                        if not text and not finished and not (logprobs and logprobs.content):
+                        if (not text and not calls and not finished
+                                and not (logprobs and logprobs.content)):
                             continue  # NOTE: its tokens go with the next chunk sent
                         state.sent_tokens = len(comp.token_ids)
                         state.done = finished
                         yield await self.off_loop_if(heavy, sse, chunk(
-                            comp.index, DeltaMessage(content=text) if text else DeltaMessage(),
+                            comp.index, DeltaMessage(content=text or None,
+                                                     tool_calls=calls or None),
                             len(comp.token_ids), logprobs=logprobs,
-                            finish_reason=comp.finish_reason if finished else None,
+                            finish_reason=reason if finished else None,
                             stop_reason=comp.stop_reason if finished else None,
                             token_ids=list(new) if want_ids else None,
                         ))

@@ -25,7 +25,9 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedserve.outputs import RequestOutput
+from pagedserve.entrypoints.openai.structured import structured_outputs_of
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -49,6 +51,8 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     chat_template: str | None = None  # --chat-template (its source): replaces the default
+    # tool_choice "auto": the parser of tool calls in the model's text (None: "auto" is a 400)
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -130,6 +134,11 @@ class OpenAIServing:
             logger.warning("The following fields were present in the request but ignored: %s",
                            ignored)
 
+    @staticmethod
+    def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+        """The structured-output constraint of a request's fields (400 when invalid)."""
+        return structured_outputs_of({**dict(request), **(request.model_extra or {})})
+
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
@@ -145,8 +154,13 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None, logprobs_param: str = "logprobs",
-                        extra_stop_token_ids: list[int] | None = None) -> SamplingParams:
-        """SamplingParams for a request (max_tokens may be None: resolved per prompt)."""
+                        extra_stop_token_ids: list[int] | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        ) -> SamplingParams:
+        """SamplingParams for a request (max_tokens may be None: resolved per prompt).
+        `structured_outputs`: the constraint, when not the one the request's fields give."""
+        if structured_outputs is None:
+            structured_outputs = self.structured_outputs(request)
         n = 1 if request.n is None else request.n
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
@@ -206,6 +220,7 @@ class OpenAIServing:
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words,
                 cache_salt=request.cache_salt,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             raise bad_request(e, set(self.request_fields),

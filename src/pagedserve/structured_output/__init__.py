@@ -1,0 +1,7 @@
+"""Structured outputs (JSON schema, regex, choice, grammar) with xgrammar: request parameters
+(`params`), the engine's matchers and per-step bitmask (`manager`), and the bitmask's application
+in the sampler (`manager.apply_bitmask`)."""
+
+from pagedserve.structured_output.params import StructuredOutputsParams
+
+__all__ = ["StructuredOutputsParams"]

@@ -1,0 +1,119 @@
+"""The engine's side of structured outputs: compiled grammars, one xgrammar matcher per sequence,
+the step's token bitmask, and advancing the matchers with each accepted token.
+
+The matchers live in the request's `SequenceGroup.extra["grammar"]` (sequence id -> matcher), so
+they go when the group goes, and survive preemption unchanged: a preempted sequence keeps its
+tokens (recomputation re-runs them through the model, not through the matcher), so its matcher
+is already at the right state when it runs again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagedserve.structured_output.bitmask import GrammarBitmask
+from pagedserve.structured_output.params import StructuredOutputsParams, xgrammar_message
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_KEY = "grammar"  # SequenceGroup.extra key: {seq_id: xgrammar.GrammarMatcher}
+
+
+class StructuredOutputManager:
+    """Compiles constraints against the tokenizer (once per distinct constraint, cached) and keeps
+    the per-sequence matchers' bookkeeping. The tokenizer's xgrammar info is built on the first
+    constrained request (a 262k vocabulary takes a moment)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 disable_any_whitespace: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.disable_any_whitespace = disable_any_whitespace
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler = None
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            # NOTE: vocab_size is the model's (its logits may have more rows than the tokenizer
+            # has tokens): the ids past the tokenizer's are never allowed.
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        return self._compiler
+
+    def compile(self, so: StructuredOutputsParams):
+        """The compiled grammar of `so` (ValueError naming the problem when it cannot be)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (the engine runs with "
+                             "skip_tokenizer_init)")
+        compiler = self._get_compiler()
+        whitespace = not (so.disable_any_whitespace or self.disable_any_whitespace)
+        try:
+            if so.kind == "json":
+                return compiler.compile_json_schema(so.schema_text(), any_whitespace=whitespace)
+            if so.kind == "json_object":  # as vLLM: any JSON object
+                return compiler.compile_json_schema('{"type": "object"}',
+                                                    any_whitespace=whitespace)
+            if so.kind == "regex":
+                return compiler.compile_regex(so.regex)
+            return compiler.compile_grammar(so.grammar_text())
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError
+            raise ValueError(f"structured_outputs.{so.kind} cannot be compiled: "
+                             f"{xgrammar_message(e)}") from None
+
+    def new_matchers(self, so: StructuredOutputsParams, seq_ids: list[int]) -> dict:
+        """A fresh matcher for each sequence of a request."""
+        import xgrammar as xgr
+
+        compiled = self.compile(so)
+        return {seq_id: xgr.GrammarMatcher(compiled) for seq_id in seq_ids}
+
+    def bitmask_for(self, sched) -> GrammarBitmask | None:
+        """The token bitmask of every constrained sequence that samples this step (all of a
+        forking group's sequences, from the row they share), or None when there is none."""
+        todo = []
+        for s in sched.scheduled:
+            if not s.do_sample:
+                continue
+            matchers = s.group.extra.get(GRAMMAR_KEY)
+            if not matchers:
+                continue
+            seqs = s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]
+            todo.extend((q.seq_id, matchers[q.seq_id]) for q in seqs)
+        if not todo:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(todo), self.vocab_size)
+        rows = {}
+        for i, (seq_id, matcher) in enumerate(todo):
+            matcher.fill_next_token_bitmask(bitmask, i)
+            rows[seq_id] = i
+        return GrammarBitmask(bitmask, rows)
+
+    @staticmethod
+    def accept(group, seq, token: int) -> bool | None:
+        """Advance `seq`'s matcher with its new `token`. None when the request is unconstrained;
+        else True when the grammar has ended (the sequence must stop), False to go on.
+
+        NOTE: a token the matcher rejects can only come from a row the grammar left nothing
+        allowed in; the sequence stops there (logged) rather than continue outside its grammar.
+        """
+        matchers = group.extra.get(GRAMMAR_KEY)
+        if not matchers:
+            return None
+        matcher = matchers[seq.seq_id]
+        if not matcher.accept_token(token):
+            logger.warning("request %s: token %d is outside its grammar; stopping the sequence",
+                           group.request_id, token)
+            return True
+        return matcher.is_terminated()
+
+    @staticmethod
+    def fork(group, parent_id: int, child_id: int) -> None:
+        """Give a forked sequence a copy of its parent's matcher (beam search)."""
+        matchers = group.extra.get(GRAMMAR_KEY)
+        if matchers:
+            matchers[child_id] = matchers[parent_id].fork()
