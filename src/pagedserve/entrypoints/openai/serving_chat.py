@@ -50,8 +50,8 @@ class OpenAIServingChat(OpenAIServing):
 
     request_fields = frozenset(ChatCompletionRequest.model_fields)
 
-    def __init__(self, engine, settings) -> None:
-        super().__init__(engine, settings)
+    def __init__(self, engine, settings, pool=None) -> None:
+        super().__init__(engine, settings, pool)
         parser = settings.tool_call_parser
         self.tool_parser = make_tool_parser(parser) if parser else None
 
