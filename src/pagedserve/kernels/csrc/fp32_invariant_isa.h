@@ -1,0 +1,135 @@
+// The SIMD body of fp32_invariant.cpp, included there once per instruction set, inside a
+// `#pragma GCC target` region and a namespace that defines:
+//   struct V   a 16-lane fp32 vector, with zero/load/store/fmadd/mul/div/set1 and hsum
+//   MR, NR     the linear's register tile (rows of x, rows of W)
+// No include guard on purpose; nothing here may include headers (they are included before).
+//
+// NOTE: the arithmetic order below is the contract of the file: every ISA performs exactly the
+// same IEEE operations in the same order (16 lanes, lane j summing the products of k = j, j + 16,
+// ... in increasing k with fused multiply-adds, tails zero-filled, then the fixed tree of hsum), so
+// results are bit-identical across tiles, row counts, thread counts and the two ISAs.
+
+// ---- linear ---------------------------------------------------------------------------------
+
+// y[m, n] = hsum(sum_k x[m, k] w[n, k]) (+ bias[n]) for an MRT x NRT tile.
+template <int MRT, int NRT>
+void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
+          float* y, int64_t ldy) {
+  V acc[MRT][NRT];
+  for (int m = 0; m < MRT; ++m)
+    for (int n = 0; n < NRT; ++n) acc[m][n] = V::zero();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    V xv[MRT];
+    for (int m = 0; m < MRT; ++m) xv[m] = V::load(x + m * ldx + k);
+    for (int n = 0; n < NRT; ++n) {
+      const V wv = V::load(w + n * ldw + k);
+      for (int m = 0; m < MRT; ++m) acc[m][n] = V::fmadd(xv[m], wv, acc[m][n]);
+    }
+  }
+  if (k < K) {
+    const int rem = static_cast<int>(K - k);
+    V xv[MRT];
+    for (int m = 0; m < MRT; ++m) xv[m] = V::load_tail(x + m * ldx + k, rem);
+    for (int n = 0; n < NRT; ++n) {
+      const V wv = V::load_tail(w + n * ldw + k, rem);
+      for (int m = 0; m < MRT; ++m) acc[m][n] = V::fmadd(xv[m], wv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MRT; ++m)
+    for (int n = 0; n < NRT; ++n) {
+      const float s = acc[m][n].hsum();
+      y[m * ldy + n] = bias ? s + bias[n] : s;
+    }
+}
+
+template <int MRT>
+void tile_n(int nr, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+            const float* bias, float* y, int64_t ldy) {
+  static_assert(NR <= 8, "extend the switch");
+  switch (nr) {
+    case 8: if constexpr (NR >= 8) { tile<MRT, 8>(x, ldx, w, ldw, K, bias, y, ldy); } break;
+    case 7: if constexpr (NR >= 7) { tile<MRT, 7>(x, ldx, w, ldw, K, bias, y, ldy); } break;
+    case 6: if constexpr (NR >= 6) { tile<MRT, 6>(x, ldx, w, ldw, K, bias, y, ldy); } break;
+    case 5: if constexpr (NR >= 5) { tile<MRT, 5>(x, ldx, w, ldw, K, bias, y, ldy); } break;
+    case 4: if constexpr (NR >= 4) { tile<MRT, 4>(x, ldx, w, ldw, K, bias, y, ldy); } break;
+    case 3: tile<MRT, 3>(x, ldx, w, ldw, K, bias, y, ldy); break;
+    case 2: tile<MRT, 2>(x, ldx, w, ldw, K, bias, y, ldy); break;
+    default: tile<MRT, 1>(x, ldx, w, ldw, K, bias, y, ldy); break;
+  }
+}
+
+// Rows [m0, m1) x columns [n0, n1) of y: the M loop inside, so an N block of W (NR rows at a
+// time) stays in cache while all rows of the block pass over it.
+void linear_block(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                  int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  static_assert(MR <= 4, "extend the switch");
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+    const float* wn = w + n * K;
+    const float* bn = bias ? bias + n : nullptr;
+    for (int64_t m = m0; m < m1; m += MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+      const float* xm = x + m * K;
+      float* ym = y + m * N + n;
+      switch (mr) {
+        case 4: if constexpr (MR >= 4) { tile_n<4>(nr, xm, K, wn, K, K, bn, ym, N); } break;
+        case 3: if constexpr (MR >= 3) { tile_n<3>(nr, xm, K, wn, K, K, bn, ym, N); } break;
+        case 2: tile_n<2>(nr, xm, K, wn, K, K, bn, ym, N); break;
+        default: tile_n<1>(nr, xm, K, wn, K, K, bn, ym, N); break;
+      }
+    }
+  }
+}
+
+// ---- attention ------------------------------------------------------------------------------
+
+// One query token, one KV head: out[g] = sum_t softmax_t(q[g] * scale . k_t) v_t over the keys
+// t in [start, len) of its sequence (block table `table`), in increasing t.
+void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+            int64_t len, int64_t start, int64_t block_size, int64_t row, int64_t G, int64_t D,
+            float scale, float* out, float* qs, float* scores, float* acc) {
+  const int64_t L = len - start;
+  const int64_t nfull = D / 16, rem = D % 16;
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
+  // Pass 1: scores[g, t] = hsum(lanes of q_s[g] * k_t), and their maximum per head.
+  for (int64_t t = start; t < len; ++t) {
+    const float* k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      V a = V::zero();
+      for (int64_t i = 0; i < nfull; ++i) a = V::fmadd(V::load(qg + 16 * i), V::load(k + 16 * i), a);
+      if (rem) a = V::fmadd(V::load_tail(qg + 16 * nfull, rem), V::load_tail(k + 16 * nfull, rem), a);
+      scores[g * L + (t - start)] = a.hsum();
+    }
+  }
+  // Softmax weights (unnormalised): exp(s - max), summed in key order.
+  float sums[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float mx = sg[0];
+    for (int64_t j = 1; j < L; ++j) mx = std::max(mx, sg[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      sg[j] = std::exp(sg[j] - mx);
+      sum += sg[j];
+    }
+    sums[g] = sum;
+  }
+  // Pass 2: acc[g] = sum_t p[g, t] v_t (lane-wise fused multiply-adds in key order).
+  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+  for (int64_t t = start; t < len; ++t) {
+    const float* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+    for (int64_t g = 0; g < G; ++g) {
+      const V p = V::set1(scores[g * L + (t - start)]);
+      float* ag = acc + g * D;
+      for (int64_t i = 0; i < nfull; ++i)
+        V::fmadd(p, V::load(v + 16 * i), V::load(ag + 16 * i)).store(ag + 16 * i);
+      if (rem)
+        V::fmadd(p, V::load_tail(v + 16 * nfull, rem), V::load_tail(ag + 16 * nfull, rem))
+            .store_tail(ag + 16 * nfull, rem);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] / sums[g];
+}
