@@ -109,6 +109,25 @@ def test_model_linear_uses_the_kernel_for_float32_and_torch_when_disabled(kernel
     assert torch.equal(linear_layers.linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("name,ref", [("silu", F.silu),
+                                      ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+def test_activation_element_is_bitwise_the_same_whatever_the_tensor_size(kernels, name, ref):
+    x = torch.randn(3 * 40_000 + 7, generator=torch.Generator().manual_seed(0)) * 4
+    full = kernels.invariant_activation(x, name)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.invariant_activation(x, name), full)
+    finally:
+        torch.set_num_threads(threads)
+    for i in (0, 15, 31, 32, 40_001, x.numel() - 1):
+        assert torch.equal(kernels.invariant_activation(x[i : i + 1], name), full[i : i + 1])
+    assert torch.equal(kernels.invariant_activation(x[5:2000], name), full[5:2000])
+    torch.testing.assert_close(full, ref(x), rtol=1e-6, atol=1e-6)
+    assert kernels.invariant_activation(x.bfloat16(), name) is None
+
+
 # ---- attention ------------------------------------------------------------------------------
 
 

@@ -11,6 +11,9 @@ on CPU gives the same bits whatever the batch composition, chunking, preemption,
 caching.
 
 - `invariant_linear(x, weight, bias)`: `F.linear` with a fixed reduction order over K.
+- `invariant_activation(x, name)`: silu / gelu (tanh) element by element with one formula
+  (torch's loops run each parallel chunk's last elements through a scalar path that rounds exp
+  and tanh differently; where chunks end depends on the tensor size and the thread count).
 - `invariant_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
   sliding_window)`: every query token attended alone over its own context, read from the cache
   (the step's K/V written first).
@@ -137,6 +140,17 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     y = torch.ops.pagedserve_fp32.fp32_linear.default(
         x2.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), 0)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def invariant_activation(x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """`F.silu(x)` (name "silu") or `F.gelu(x, approximate="tanh")` ("gelu_tanh"), each element
+    by the same scalar formula; None where the kernel does not apply (see the module docstring)."""
+    if x.dtype is not torch.float32 or not x.is_cpu or _needs_grad(x) or _get_isa() is None:
+        return None
+    return torch.ops.pagedserve_fp32.fp32_activation.default(x.contiguous(), ACTIVATIONS[name])
 
 
 def invariant_attention(

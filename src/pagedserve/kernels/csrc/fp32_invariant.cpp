@@ -19,6 +19,9 @@
 //     own query and context, not on how the prompt was chunked or what else is in the step. The
 //     step's new K/V must already be in the cache.
 //
+//   fp32_activation(x, act) -> silu(x) (act 0) or gelu_tanh(x) (act 1), element by element with
+//     one scalar formula, whatever the tensor's size (torch's loops do not guarantee that).
+//
 // Same machine => same ISA => same bits; the two ISAs also agree with each other (the AVX2 vector
 // is two 8-lane halves of the same 16 lanes). Compiled without -m flags: the SIMD code sits in
 // `#pragma GCC target` regions and runs only after `fp32_isa()` says the CPU has it; and with
@@ -28,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -248,12 +252,43 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
   return out;
 }
 
+// Activations, element by element with one scalar formula (torch's vectorized loops send each
+// chunk's last elements through a scalar path whose exp/tanh differ from the vector ones in the
+// last bit, and where the chunks end depends on the tensor's size and the thread count).
+constexpr int64_t kActSilu = 0, kActGeluTanh = 1;
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  const float inner = kBeta * (x + kKappa * (x * x * x));
+  return 0.5f * x * (1.0f + std::tanh(inner));
+}
+
+at::Tensor fp32_activation(const at::Tensor& x, int64_t act) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "fp32_activation: contiguous float32 input only");
+  TORCH_CHECK(act == kActSilu || act == kActGeluTanh, "fp32_activation: act must be 0 or 1");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 16384, [&](int64_t b, int64_t e) {
+    if (act == kActSilu)
+      for (int64_t i = b; i < e; ++i) yp[i] = silu(xp[i]);
+    else
+      for (int64_t i = b; i < e; ++i) yp[i] = gelu_tanh(xp[i]);
+  });
+  return y;
+}
+
 int64_t fp32_isa() { return best_isa(); }
 
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_fp32, m) {
   m.def("fp32_isa() -> int", &fp32_isa);  // catch-all: no tensor arguments to dispatch on
+  m.def("fp32_activation(Tensor x, int act) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def(
       "fp32_paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -261,6 +296,7 @@ TORCH_LIBRARY(pagedserve_fp32, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_fp32, CPU, m) {
+  m.impl("fp32_activation", &fp32_activation);
   m.impl("fp32_linear", &fp32_linear);
   m.impl("fp32_paged_attention", &fp32_paged_attention);
 }
