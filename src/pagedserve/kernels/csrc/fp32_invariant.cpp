@@ -65,6 +65,7 @@ int64_t best_isa() {
 #pragma GCC target("avx512f")
 namespace isa_avx512 {
 constexpr int MR = 4, NR = 6;  // 24 accumulators + 4 x rows + 1 w row of the 32 zmm registers
+constexpr int ATT_GH = 4, ATT_DV = 4;
 struct V {
   __m512 r;
   static V zero() { return {_mm512_setzero_ps()}; }
@@ -96,6 +97,7 @@ struct V {
 #pragma GCC target("avx2,fma")
 namespace isa_avx2 {
 constexpr int MR = 2, NR = 3;  // 6 accumulators of 2 ymm + 2 x rows of 2 + 1 w row of 2 = 18 of 16
+constexpr int ATT_GH = 2, ATT_DV = 2;
 struct V {
   __m256 a, b;  // lanes 0..7, 8..15
   static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -234,19 +236,21 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> qs(G * D), acc(G * D), scores;
+    std::vector<const float*> ptrs;
     for (int64_t pair = b; pair < e; ++pair) {
       const int64_t t = pair / Hkv, h = pair % Hkv;
       const int64_t ctx = tok_ctx[t], s = tok_seq[t];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       scores.resize(size_t(G * (ctx - start)));
+      ptrs.resize(size_t(ctx - start));
       const float* q = qp + (t * Hq + h * G) * D;
       float* o = op + (t * Hq + h * G) * D;
       if (use == kIsaAvx512)
         isa_avx512::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D,
-                           sc, o, qs.data(), scores.data(), acc.data());
+                           sc, o, qs.data(), scores.data(), acc.data(), ptrs.data());
       else
         isa_avx2::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
-                         o, qs.data(), scores.data(), acc.data());
+                         o, qs.data(), scores.data(), acc.data(), ptrs.data());
     }
   });
   return out;

@@ -2,6 +2,7 @@
 // `#pragma GCC target` region and a namespace that defines:
 //   struct V   a 16-lane fp32 vector, with zero/load/store/fmadd/mul/div/set1 and hsum
 //   MR, NR     the linear's register tile (rows of x, rows of W)
+//   ATT_GH, ATT_DV  attention's register tiles: query heads x 16-lane vectors of the head
 // No include guard on purpose; nothing here may include headers (they are included before).
 //
 // NOTE: the arithmetic order below is the contract of the file: every ISA performs exactly the
@@ -84,23 +85,77 @@ void linear_block(const float* x, const float* w, const float* bias, float* y, i
 
 // ---- attention ------------------------------------------------------------------------------
 
+// Scores of heads [g0, g0 + GH) against keys t and t + 1 (KT = 2) or t alone (KT = 1): each
+// (head, key) is its own 16-lane accumulator over D, so the grouping changes no bit.
+template <int GH, int KT>
+void score_tile(const float* qs, const float* const* keys, int64_t D, float* out, int64_t L) {
+  const int64_t nfull = D / 16, rem = D % 16;
+  V a[GH][KT];
+  for (int g = 0; g < GH; ++g)
+    for (int j = 0; j < KT; ++j) a[g][j] = V::zero();
+  for (int64_t i = 0; i < nfull; ++i) {
+    V kv[KT];
+    for (int j = 0; j < KT; ++j) kv[j] = V::load(keys[j] + 16 * i);
+    for (int g = 0; g < GH; ++g) {
+      const V qv = V::load(qs + g * D + 16 * i);
+      for (int j = 0; j < KT; ++j) a[g][j] = V::fmadd(qv, kv[j], a[g][j]);
+    }
+  }
+  if (rem) {
+    V kv[KT];
+    for (int j = 0; j < KT; ++j) kv[j] = V::load_tail(keys[j] + 16 * nfull, rem);
+    for (int g = 0; g < GH; ++g) {
+      const V qv = V::load_tail(qs + g * D + 16 * nfull, rem);
+      for (int j = 0; j < KT; ++j) a[g][j] = V::fmadd(qv, kv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    for (int j = 0; j < KT; ++j) out[g * L + j] = a[g][j].hsum();
+}
+
+// acc[g][d-vectors i0 .. i0 + DV) = sum over the keys, in order, of p[g, t] v_t: lane-wise fused
+// multiply-adds in key order, kept in registers across the keys (the order per lane is the same
+// for every DV, GH).
+template <int GH, int DV>
+void value_tile(const float* p, int64_t L, const float* const* vals, int64_t i0, float* acc,
+                int64_t D) {
+  V a[GH][DV];
+  for (int g = 0; g < GH; ++g)
+    for (int j = 0; j < DV; ++j) a[g][j] = V::zero();
+  for (int64_t t = 0; t < L; ++t) {
+    V vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = V::load(vals[t] + 16 * (i0 + j));
+    for (int g = 0; g < GH; ++g) {
+      const V pg = V::set1(p[g * L + t]);
+      for (int j = 0; j < DV; ++j) a[g][j] = V::fmadd(pg, vv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    for (int j = 0; j < DV; ++j) a[g][j].store(acc + g * D + 16 * (i0 + j));
+}
+
 // One query token, one KV head: out[g] = sum_t softmax_t(q[g] * scale . k_t) v_t over the keys
 // t in [start, len) of its sequence (block table `table`), in increasing t.
 void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
             int64_t len, int64_t start, int64_t block_size, int64_t row, int64_t G, int64_t D,
-            float scale, float* out, float* qs, float* scores, float* acc) {
+            float scale, float* out, float* qs, float* scores, float* acc,
+            const float** ptrs) {
   const int64_t L = len - start;
   const int64_t nfull = D / 16, rem = D % 16;
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
-  // Pass 1: scores[g, t] = hsum(lanes of q_s[g] * k_t), and their maximum per head.
-  for (int64_t t = start; t < len; ++t) {
-    const float* k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qs + g * D;
-      V a = V::zero();
-      for (int64_t i = 0; i < nfull; ++i) a = V::fmadd(V::load(qg + 16 * i), V::load(k + 16 * i), a);
-      if (rem) a = V::fmadd(V::load_tail(qg + 16 * nfull, rem), V::load_tail(k + 16 * nfull, rem), a);
-      scores[g * L + (t - start)] = a.hsum();
+  // Pass 1: scores[g, t] = hsum(lanes of q_s[g] * k_t).
+  for (int64_t t = start; t < len; ++t)
+    ptrs[t - start] = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+  for (int64_t g = 0; g < G; g += ATT_GH) {
+    const bool full = g + ATT_GH <= G;
+    int64_t j = 0;
+    for (; j + 2 <= L; j += 2) {
+      if (full) score_tile<ATT_GH, 2>(qs + g * D, ptrs + j, D, scores + g * L + j, L);
+      else for (int64_t h = g; h < G; ++h) score_tile<1, 2>(qs + h * D, ptrs + j, D, scores + h * L + j, L);
+    }
+    for (; j < L; ++j) {
+      if (full) score_tile<ATT_GH, 1>(qs + g * D, ptrs + j, D, scores + g * L + j, L);
+      else for (int64_t h = g; h < G; ++h) score_tile<1, 1>(qs + h * D, ptrs + j, D, scores + h * L + j, L);
     }
   }
   // Softmax weights (unnormalised): exp(s - max), summed in key order.
@@ -116,18 +171,29 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     }
     sums[g] = sum;
   }
-  // Pass 2: acc[g] = sum_t p[g, t] v_t (lane-wise fused multiply-adds in key order).
-  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
-  for (int64_t t = start; t < len; ++t) {
-    const float* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+  // Pass 2: acc[g] = sum_t p[g, t] v_t.
+  for (int64_t t = start; t < len; ++t)
+    ptrs[t - start] = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+  for (int64_t g = 0; g < G; g += ATT_GH) {
+    const int64_t heads = std::min<int64_t>(ATT_GH, G - g);
+    for (int64_t h = g; h < g + heads; h += heads == ATT_GH ? ATT_GH : 1) {
+      int64_t i = 0;
+      for (; i + ATT_DV <= nfull; i += ATT_DV) {
+        if (heads == ATT_GH) value_tile<ATT_GH, ATT_DV>(scores + h * L, L, ptrs, i, acc + h * D, D);
+        else value_tile<1, ATT_DV>(scores + h * L, L, ptrs, i, acc + h * D, D);
+      }
+      for (; i < nfull; ++i) {
+        if (heads == ATT_GH) value_tile<ATT_GH, 1>(scores + h * L, L, ptrs, i, acc + h * D, D);
+        else value_tile<1, 1>(scores + h * L, L, ptrs, i, acc + h * D, D);
+      }
+    }
+  }
+  if (rem) {  // the last D % 16 lanes, zero-filled
     for (int64_t g = 0; g < G; ++g) {
-      const V p = V::set1(scores[g * L + (t - start)]);
-      float* ag = acc + g * D;
-      for (int64_t i = 0; i < nfull; ++i)
-        V::fmadd(p, V::load(v + 16 * i), V::load(ag + 16 * i)).store(ag + 16 * i);
-      if (rem)
-        V::fmadd(p, V::load_tail(v + 16 * nfull, rem), V::load_tail(ag + 16 * nfull, rem))
-            .store_tail(ag + 16 * nfull, rem);
+      V a = V::zero();
+      for (int64_t t = 0; t < L; ++t)
+        a = V::fmadd(V::set1(scores[g * L + t]), V::load_tail(ptrs[t] + 16 * nfull, rem), a);
+      a.store_tail(acc + g * D + 16 * nfull, rem);
     }
   }
   for (int64_t g = 0; g < G; ++g)
