@@ -54,16 +54,6 @@ def test_linear_row_is_bitwise_the_same_for_every_row_count(kernels, n, k, bias)
     assert torch.equal(kernels.invariant_linear(x[perm], w, b), full[perm])
 
 
-def test_torch_linear_is_not_row_invariant_which_is_why_the_kernel_exists():
-    # NOTE: documents the problem (MKL/oneDNN pick kernels by M); if a torch version ever makes
-    # this hold, the kernel's reason to exist is gone -- not a failure of ours.
-    x, w, _ = _linear_inputs(300, 1152, 2048, False, seed=3)
-    full = F.linear(x, w)
-    differs = [m for m in ROW_COUNTS if not torch.equal(F.linear(x[:m], w), full[:m])]
-    if not differs:
-        pytest.skip("this torch build's F.linear happens to be row-invariant here")
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_linear_random_shapes_are_row_invariant_and_match_float64(kernels, seed):
     rng = random.Random(seed)
