@@ -53,9 +53,10 @@ _lock = threading.Lock()
 
 
 def _ext_name() -> str:
-    """Prefix + hash of the sources: two source trees never share a build folder (see
-    `cpu_gemm._ext_name`)."""
-    digest = hashlib.sha1()
+    """Prefix + hash of the sources and of their folder. NOTE: two checkouts with the same sources
+    must not share a build folder either: its build.ninja names the sources by absolute path, so
+    each would rebuild the extension (minutes) every time the other had built it last."""
+    digest = hashlib.sha1(str(_CSRC.resolve()).encode())
     for path in _SOURCES + _HEADERS:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
