@@ -103,12 +103,14 @@ def test_model_linear_uses_the_kernel_for_float32_and_torch_when_disabled(kernel
                                       ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
 def test_activation_element_is_bitwise_the_same_whatever_the_tensor_size(kernels, name, ref):
     x = torch.randn(3 * 40_000 + 7, generator=torch.Generator().manual_seed(0)) * 4
+    x[:6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])
     full = kernels.invariant_activation(x, name)
     threads = torch.get_num_threads()
     try:
         for t in (1, 3):
             torch.set_num_threads(t)
-            assert torch.equal(kernels.invariant_activation(x, name), full)
+            for isa in _isas():
+                assert torch.equal(kernels._kernel_activation(x, name, isa), full), (isa, t)
     finally:
         torch.set_num_threads(threads)
     for i in (0, 15, 31, 32, 40_001, x.numel() - 1):

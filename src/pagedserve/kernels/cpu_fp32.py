@@ -11,7 +11,7 @@ on CPU gives the same bits whatever the batch composition, chunking, preemption,
 caching.
 
 - `invariant_linear(x, weight, bias)`: `F.linear` with a fixed reduction order over K.
-- `invariant_activation(x, name)`: silu / gelu (tanh) element by element with one formula
+- `invariant_activation(x, name)`: silu / gelu (tanh), every element by one vector formula
   (torch's loops run each parallel chunk's last elements through a scalar path that rounds exp
   and tanh differently; where chunks end depends on the tensor size and the thread count).
 - `invariant_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -148,10 +148,18 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 def invariant_activation(x: torch.Tensor, name: str) -> torch.Tensor | None:
     """`F.silu(x)` (name "silu") or `F.gelu(x, approximate="tanh")` ("gelu_tanh"), each element
-    by the same scalar formula; None where the kernel does not apply (see the module docstring)."""
+    by the same formula (within ~2 ulp of torch's); None where the kernel does not apply (see the
+    module docstring)."""
     if x.dtype is not torch.float32 or not x.is_cpu or _needs_grad(x) or _get_isa() is None:
         return None
-    return torch.ops.pagedserve_fp32.fp32_activation.default(x.contiguous(), ACTIVATIONS[name])
+    return torch.ops.pagedserve_fp32.fp32_activation.default(x.contiguous(), ACTIVATIONS[name], 0)
+
+
+def _kernel_activation(x: torch.Tensor, name: str, isa: str = "auto") -> torch.Tensor:
+    """The activation kernel with no fallback, on a chosen ISA (tests)."""
+    if _get_isa() is None:
+        raise RuntimeError("CPU fp32 invariant kernels unavailable (disabled, unsupported CPU, or build failed)")
+    return torch.ops.pagedserve_fp32.fp32_activation.default(x, ACTIVATIONS[name], ISAS[isa])
 
 
 def invariant_attention(

@@ -19,8 +19,9 @@
 //     own query and context, not on how the prompt was chunked or what else is in the step. The
 //     step's new K/V must already be in the cache.
 //
-//   fp32_activation(x, act) -> silu(x) (act 0) or gelu_tanh(x) (act 1), element by element with
-//     one scalar formula, whatever the tensor's size (torch's loops do not guarantee that).
+//   fp32_activation(x, act) -> silu(x) (act 0) or gelu_tanh(x) (act 1), every element by one
+//     lane-wise vector formula (our exp), whatever the tensor's size and the thread count --
+//     torch's loops do not guarantee that.
 //
 // Same machine => same ISA => same bits; the two ISAs also agree with each other (the AVX2 vector
 // is two 8-lane halves of the same 16 lanes). Compiled without -m flags: the SIMD code sits in
@@ -75,6 +76,19 @@ struct V {
     return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
   }
   static V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }
+  static V fnmadd(V a, V b, V c) { return {_mm512_fnmadd_ps(a.r, b.r, c.r)}; }
+  static V add(V a, V b) { return {_mm512_add_ps(a.r, b.r)}; }
+  static V mul(V a, V b) { return {_mm512_mul_ps(a.r, b.r)}; }
+  static V div(V a, V b) { return {_mm512_div_ps(a.r, b.r)}; }
+  static V clamp(V a, float lo, float hi) {
+    return {_mm512_min_ps(_mm512_max_ps(a.r, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))};
+  }
+  static V round(V a) { return {_mm512_roundscale_ps(a.r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  // 2^n for integral n in [-126, 127]
+  static V pow2(V n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.r), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, r); }
   void store_tail(float* p, int n) const {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), r);
@@ -109,6 +123,23 @@ struct V {
     return {_mm256_load_ps(buf), _mm256_load_ps(buf + 8)};
   }
   static V fmadd(V x, V y, V c) { return {_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)}; }
+  static V fnmadd(V x, V y, V c) { return {_mm256_fnmadd_ps(x.a, y.a, c.a), _mm256_fnmadd_ps(x.b, y.b, c.b)}; }
+  static V add(V x, V y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  static V mul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  static V div(V x, V y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+  static V clamp(V x, float lo, float hi) {
+    const __m256 l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+    return {_mm256_min_ps(_mm256_max_ps(x.a, l), h), _mm256_min_ps(_mm256_max_ps(x.b, l), h)};
+  }
+  static V round(V x) {
+    constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(x.a, kMode), _mm256_round_ps(x.b, kMode)};
+  }
+  static __m256 pow2_half(__m256 n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static V pow2(V n) { return {pow2_half(n.a), pow2_half(n.b)}; }
   void store(float* p) const {
     _mm256_storeu_ps(p, a);
     _mm256_storeu_ps(p + 8, b);
@@ -256,32 +287,25 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
   return out;
 }
 
-// Activations, element by element with one scalar formula (torch's vectorized loops send each
-// chunk's last elements through a scalar path whose exp/tanh differ from the vector ones in the
-// last bit, and where the chunks end depends on the tensor's size and the thread count).
-constexpr int64_t kActSilu = 0, kActGeluTanh = 1;
-
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-
-inline float gelu_tanh(float x) {
-  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-  constexpr float kKappa = 0.044715f;
-  const float inner = kBeta * (x + kKappa * (x * x * x));
-  return 0.5f * x * (1.0f + std::tanh(inner));
-}
-
-at::Tensor fp32_activation(const at::Tensor& x, int64_t act) {
+// Activations: every element by the same lane-wise vector formula (isa header), the tail too
+// (zero-filled lanes), never a scalar path: torch's vectorized loops send each parallel chunk's
+// last elements through a scalar path whose exp/tanh round differently from the vector ones, and
+// where chunks end depends on the tensor's size and the thread count.
+at::Tensor fp32_activation(const at::Tensor& x, int64_t act, int64_t isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
               "fp32_activation: contiguous float32 input only");
-  TORCH_CHECK(act == kActSilu || act == kActGeluTanh, "fp32_activation: act must be 0 or 1");
+  TORCH_CHECK(act == 0 || act == 1, "fp32_activation: act must be 0 (silu) or 1 (gelu tanh)");
+  const int64_t use = pick_isa(isa, "fp32_activation");
   at::Tensor y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 16384, [&](int64_t b, int64_t e) {
-    if (act == kActSilu)
-      for (int64_t i = b; i < e; ++i) yp[i] = silu(xp[i]);
+  const int64_t n = x.numel(), groups = (n + 15) / 16;
+  at::parallel_for(0, groups, 1024, [&](int64_t b, int64_t e) {
+    const int64_t i0 = b * 16, i1 = std::min(n, e * 16);
+    if (use == kIsaAvx512)
+      isa_avx512::activation(xp + i0, yp + i0, i1 - i0, act);
     else
-      for (int64_t i = b; i < e; ++i) yp[i] = gelu_tanh(xp[i]);
+      isa_avx2::activation(xp + i0, yp + i0, i1 - i0, act);
   });
   return y;
 }
@@ -292,7 +316,7 @@ int64_t fp32_isa() { return best_isa(); }
 
 TORCH_LIBRARY(pagedserve_fp32, m) {
   m.def("fp32_isa() -> int", &fp32_isa);  // catch-all: no tensor arguments to dispatch on
-  m.def("fp32_activation(Tensor x, int act) -> Tensor");
+  m.def("fp32_activation(Tensor x, int act, int isa) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def(
       "fp32_paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
