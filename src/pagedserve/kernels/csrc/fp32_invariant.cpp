@@ -46,6 +46,8 @@
 namespace {
 
 constexpr int kMaxGroup = 64;  // query heads per KV head
+// The linear splits K into blocks of kBlockK (a multiple of 16) above kSplitK (see linear_block).
+constexpr int64_t kBlockK = 512, kSplitK = 768;
 constexpr int64_t kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
 int64_t detect_isa() {
@@ -197,6 +199,8 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   float* yp = y.data_ptr<float>();
   const int64_t mb = (M + kBlockM - 1) / kBlockM, nb = (N + kBlockN - 1) / kBlockN;
   at::parallel_for(0, mb * nb, 1, [&](int64_t b, int64_t e) {
+    // accumulators of every tile of a block between K blocks
+    std::vector<float> spill(K > kSplitK ? size_t(16 * (kBlockM + 4) * (kBlockN + 8)) : 0);
     for (int64_t task = b; task < e; ++task) {
       // column blocks outer: consecutive tasks of a thread share a block of W
       const int64_t bn = task / mb, bm = task % mb;
@@ -206,9 +210,9 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bp ? 0.f + bp[n] : 0.f;
       } else if (use == kIsaAvx512) {
-        isa_avx512::linear_block(xp, wp, bp, yp, K, N, m0, m1, n0, n1);
+        isa_avx512::linear_block(xp, wp, bp, yp, K, N, m0, m1, n0, n1, spill.data());
       } else {
-        isa_avx2::linear_block(xp, wp, bp, yp, K, N, m0, m1, n0, n1);
+        isa_avx2::linear_block(xp, wp, bp, yp, K, N, m0, m1, n0, n1, spill.data());
       }
     }
   });

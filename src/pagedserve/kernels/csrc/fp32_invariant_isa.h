@@ -12,15 +12,19 @@
 
 // ---- linear ---------------------------------------------------------------------------------
 
-// y[m, n] = hsum(sum_k x[m, k] w[n, k]) (+ bias[n]) for an MRT x NRT tile.
+// y[m, n] = hsum(sum_k x[m, k] w[n, k]) (+ bias[n]) for an MRT x NRT tile, over k in [k0, k1):
+// the accumulators start from zero (k0 == 0) or from `spill` (a previous K block), and end in
+// `spill` (k1 < K) or reduced into y (k1 == K; the zero-filled tail is then the last step). Spilling
+// stores and reloads the vectors exactly, so K blocks change no bit.
 template <int MRT, int NRT>
-void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, const float* bias,
-          float* y, int64_t ldy) {
+void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, int64_t k0,
+          int64_t k1, const float* bias, float* y, int64_t ldy, float* spill) {
   V acc[MRT][NRT];
   for (int m = 0; m < MRT; ++m)
-    for (int n = 0; n < NRT; ++n) acc[m][n] = V::zero();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
+    for (int n = 0; n < NRT; ++n)
+      acc[m][n] = k0 == 0 ? V::zero() : V::load(spill + 16 * (m * NRT + n));
+  int64_t k = k0;
+  for (; k + 16 <= k1; k += 16) {
     V xv[MRT];
     for (int m = 0; m < MRT; ++m) xv[m] = V::load(x + m * ldx + k);
     for (int n = 0; n < NRT; ++n) {
@@ -28,14 +32,19 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, c
       for (int m = 0; m < MRT; ++m) acc[m][n] = V::fmadd(xv[m], wv, acc[m][n]);
     }
   }
-  if (k < K) {
-    const int rem = static_cast<int>(K - k);
+  if (k < k1) {  // only in the last block (k1 == K)
+    const int rem = static_cast<int>(k1 - k);
     V xv[MRT];
     for (int m = 0; m < MRT; ++m) xv[m] = V::load_tail(x + m * ldx + k, rem);
     for (int n = 0; n < NRT; ++n) {
       const V wv = V::load_tail(w + n * ldw + k, rem);
       for (int m = 0; m < MRT; ++m) acc[m][n] = V::fmadd(xv[m], wv, acc[m][n]);
     }
+  }
+  if (k1 < K) {
+    for (int m = 0; m < MRT; ++m)
+      for (int n = 0; n < NRT; ++n) acc[m][n].store(spill + 16 * (m * NRT + n));
+    return;
   }
   for (int m = 0; m < MRT; ++m)
     for (int n = 0; n < NRT; ++n) {
@@ -46,38 +55,46 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, c
 
 template <int MRT>
 void tile_n(int nr, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-            const float* bias, float* y, int64_t ldy) {
+            int64_t k0, int64_t k1, const float* bias, float* y, int64_t ldy, float* spill) {
   static_assert(NR <= 8, "extend the switch");
+#define PS_TILE(NRT) tile<MRT, NRT>(x, ldx, w, ldw, K, k0, k1, bias, y, ldy, spill)
   switch (nr) {
-    case 8: if constexpr (NR >= 8) { tile<MRT, 8>(x, ldx, w, ldw, K, bias, y, ldy); } break;
-    case 7: if constexpr (NR >= 7) { tile<MRT, 7>(x, ldx, w, ldw, K, bias, y, ldy); } break;
-    case 6: if constexpr (NR >= 6) { tile<MRT, 6>(x, ldx, w, ldw, K, bias, y, ldy); } break;
-    case 5: if constexpr (NR >= 5) { tile<MRT, 5>(x, ldx, w, ldw, K, bias, y, ldy); } break;
-    case 4: if constexpr (NR >= 4) { tile<MRT, 4>(x, ldx, w, ldw, K, bias, y, ldy); } break;
-    case 3: tile<MRT, 3>(x, ldx, w, ldw, K, bias, y, ldy); break;
-    case 2: tile<MRT, 2>(x, ldx, w, ldw, K, bias, y, ldy); break;
-    default: tile<MRT, 1>(x, ldx, w, ldw, K, bias, y, ldy); break;
+    case 8: if constexpr (NR >= 8) { PS_TILE(8); } break;
+    case 7: if constexpr (NR >= 7) { PS_TILE(7); } break;
+    case 6: if constexpr (NR >= 6) { PS_TILE(6); } break;
+    case 5: if constexpr (NR >= 5) { PS_TILE(5); } break;
+    case 4: if constexpr (NR >= 4) { PS_TILE(4); } break;
+    case 3: PS_TILE(3); break;
+    case 2: PS_TILE(2); break;
+    default: PS_TILE(1); break;
   }
+#undef PS_TILE
 }
 
-// Rows [m0, m1) x columns [n0, n1) of y: the M loop inside, so an N block of W (NR rows at a
-// time) stays in cache while all rows of the block pass over it.
+// Rows [m0, m1) x columns [n0, n1) of y: K in blocks of kBlockK (a multiple of 16) when it is
+// long, so that an NR-row slice of W stays in L1 while all rows of the block pass over it; each
+// tile's accumulators wait in `spill` ([tiles][MR * NR][16]) between K blocks.
 void linear_block(const float* x, const float* w, const float* bias, float* y, int64_t K,
-                  int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+                  int64_t N, int64_t m0, int64_t m1, int64_t n0, int64_t n1, float* spill) {
   static_assert(MR <= 4, "extend the switch");
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
-    const float* wn = w + n * K;
-    const float* bn = bias ? bias + n : nullptr;
-    for (int64_t m = m0; m < m1; m += MR) {
-      const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-      const float* xm = x + m * K;
-      float* ym = y + m * N + n;
-      switch (mr) {
-        case 4: if constexpr (MR >= 4) { tile_n<4>(nr, xm, K, wn, K, K, bn, ym, N); } break;
-        case 3: if constexpr (MR >= 3) { tile_n<3>(nr, xm, K, wn, K, K, bn, ym, N); } break;
-        case 2: tile_n<2>(nr, xm, K, wn, K, K, bn, ym, N); break;
-        default: tile_n<1>(nr, xm, K, wn, K, K, bn, ym, N); break;
+  const int64_t kb = K > kSplitK ? kBlockK : K;
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t k1 = std::min(K, k0 + kb);
+    float* sp = spill;
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+      const float* wn = w + n * K;
+      const float* bn = bias ? bias + n : nullptr;
+      for (int64_t m = m0; m < m1; m += MR, sp += 16 * MR * NR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        const float* xm = x + m * K;
+        float* ym = y + m * N + n;
+        switch (mr) {
+          case 4: if constexpr (MR >= 4) { tile_n<4>(nr, xm, K, wn, K, K, k0, k1, bn, ym, N, sp); } break;
+          case 3: if constexpr (MR >= 3) { tile_n<3>(nr, xm, K, wn, K, K, k0, k1, bn, ym, N, sp); } break;
+          case 2: tile_n<2>(nr, xm, K, wn, K, K, k0, k1, bn, ym, N, sp); break;
+          default: tile_n<1>(nr, xm, K, wn, K, K, k0, k1, bn, ym, N, sp); break;
+        }
       }
     }
   }
