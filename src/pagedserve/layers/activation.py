@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-_GELU_TANH = partial(F.gelu, approximate="tanh")
+from pagedserve.kernels.cpu_fp32 import invariant_activation
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """`F.silu`; float32 on CPU through the batch-invariant kernel (`kernels.cpu_fp32`)."""
+    if x.dtype is torch.float32:
+        y = invariant_activation(x, "silu")
+        if y is not None:
+            return y
+    return F.silu(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """`F.gelu(x, approximate="tanh")`; float32 on CPU through the batch-invariant kernel."""
+    if x.dtype is torch.float32:
+        y = invariant_activation(x, "gelu_tanh")
+        if y is not None:
+            return y
+    return F.gelu(x, approximate="tanh")
+
+
+_GELU_TANH = gelu_tanh
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
+    "silu": silu,
+    "swish": silu,
     "relu": F.relu,
     "gelu": F.gelu,
     # All tanh approximations of GELU: same function, differing only in float rounding.

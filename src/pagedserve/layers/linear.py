@@ -1,7 +1,9 @@
 """Megatron-style tensor-parallel layers. With one rank each computes what its torch
-counterpart (`nn.Linear` / `nn.Embedding`) does; products go through `kernels.cpu_gemm.
-bf16_linear`, which is `F.linear` except for small BF16 batches on CPUs with AVX512-BF16/AMX,
-where a compiled GEMV reads the weights at close to memory bandwidth.
+counterpart (`nn.Linear` / `nn.Embedding`) does; products go through `linear` below: float32 on
+CPU runs the batch-invariant kernel of `kernels.cpu_fp32` (a row's bits do not depend on the
+batch); everything else `kernels.cpu_gemm.bf16_linear`, which is `F.linear` except for small BF16
+batches on CPUs with AVX512-BF16/AMX, where a compiled GEMV reads the weights at close to memory
+bandwidth.
 
 - `ColumnParallelLinear`: each rank holds a slice of the output features (no communication);
   fused outputs (q|k|v) are sliced per part.
@@ -26,8 +28,21 @@ from torch import nn
 
 from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.kernels.cpu_argmax import argmax_bf16, linear_argmax
-from pagedserve.kernels.cpu_gemm import bf16_linear as linear  # F.linear, or our BF16 GEMV/AMX
+from pagedserve.kernels.cpu_fp32 import invariant_linear
+from pagedserve.kernels.cpu_gemm import bf16_linear  # F.linear, or our BF16 GEMV/AMX
 from pagedserve.kernels.cpu_gemm import kernel_available
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: float32 CPU products on the batch-invariant kernel (None from
+    it: not float32 CPU, or the kernels unavailable), the rest through `bf16_linear`.
+    NOTE: every fp32 product of the model must come through here (LM head included), or a row's
+    logits would again depend on the batch it is in."""
+    if x.dtype is torch.float32:
+        y = invariant_linear(x, weight, bias)
+        if y is not None:
+            return y
+    return bf16_linear(x, weight, bias)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels.cpu_attention import decode_attention
+from pagedserve.kernels.cpu_fp32 import invariant_attention
 
 
 def write_kv(
@@ -41,12 +42,19 @@ def paged_attention(
     """Write the new K/V into the cache, then attend every query over its sequence's context read
     through the block tables (causal, optionally within a sliding window of keys).
 
-    Decode rows of bf16 CPU caches go to the compiled kernel (`kernels.cpu_attention`) when it is
-    available (not disabled by `PAGEDSERVE_DISABLE_CPU_KERNELS=1`); everything else is plain
-    torch (gather + SDPA)."""
+    When the compiled kernels are available (not disabled by `PAGEDSERVE_DISABLE_CPU_KERNELS=1`):
+    float32 CPU queries and caches go to the batch-invariant kernel (`kernels.cpu_fp32`), every
+    token -- decode row or prompt chunk token -- attended alone over its own context, so its bits
+    do not depend on chunking or on the rest of the step; decode rows of bf16 CPU caches go to
+    `kernels.cpu_attention`. Everything else is plain torch (gather + SDPA)."""
     if meta.num_tokens and not meta.groups:
         raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    if meta.num_tokens:
+        o = invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, scale, sliding_window)
+        if o is not None:  # [T, Hq, D]
+            return o
     num_tokens, num_heads, head_dim = query.shape
     n, b, hkv, _ = k_cache.shape
     flat_k = k_cache.view(n * b, hkv, head_dim)

@@ -1,0 +1,208 @@
+"""Batch-invariant float32 kernels on CPU (csrc/fp32_invariant.cpp): a linear layer and paged
+attention whose result for a row depends only on that row -- not on the batch it is in, the
+prompt chunking, the tiling or the thread count.
+
+Why: torch's fp32 `F.linear` (MKL / oneDNN) chooses kernels and blocking by the row count M, so
+the same row gets different bits at M = 1, 2 and M >= 3 (and again at large M); and SDPA over a
+prompt chunk sums a query's keys differently than the decode path does. A request's tokens and
+logprobs then depended on what it was batched with, on chunked prefill and on recompute after
+preemption (which re-prefills tokens first computed in decode steps). With these kernels, float32
+on CPU gives the same bits whatever the batch composition, chunking, preemption, swap or prefix
+caching.
+
+- `invariant_linear(x, weight, bias)`: `F.linear` with a fixed reduction order over K.
+- `invariant_activation(x, name)`: silu / gelu (tanh), every element by one vector formula
+  (torch's loops run each parallel chunk's last elements through a scalar path that rounds exp
+  and tanh differently; where chunks end depends on the tensor size and the thread count).
+- `invariant_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+  sliding_window)`: every query token attended alone over its own context, read from the cache
+  (the step's K/V written first).
+
+Both return None where they do not apply (not float32 CPU tensors, gradients needed, the
+extension disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS` or unavailable) and the caller uses torch.
+The extension is its own (it needs only AVX2 + FMA, not the AVX512_BF16 of the bf16 kernels),
+compiled on first use like `kernels.cpu_gemm`'s, never at import; a failure logs one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels.cpu_gemm import _disabled
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "fp32_invariant.cpp"]
+_HEADERS = [_CSRC / "fp32_invariant_isa.h"]  # included by the source (hashed into the name too)
+_EXT_PREFIX = "pagedserve_fp32_kernels"
+
+# isa codes of the C++ ops: 0 = the best this CPU has
+ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
+
+# None = not tried yet, False = unavailable (already warned), else the ISA code in use
+_isa: int | bool | None = None
+_lock = threading.Lock()
+
+
+def _ext_name() -> str:
+    """Prefix + hash of the sources and of their folder. NOTE: two checkouts with the same sources
+    must not share a build folder either: its build.ninja names the sources by absolute path, so
+    each would rebuild the extension (minutes) every time the other had built it last."""
+    digest = hashlib.sha1(str(_CSRC.resolve()).encode())
+    for path in _SOURCES + _HEADERS:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return f"{_EXT_PREFIX}_{digest.hexdigest()[:12]}"
+
+
+def _build() -> int:
+    """Compile and load the extension; returns the ISA code it will use, or raises."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
+    from torch.utils import cpp_extension
+
+    t0 = time.perf_counter()
+    # NOTE: -ffp-contract=off: the compiler must not fuse a multiply and an add the source keeps
+    # apart (scalar code inside the AVX2/AVX-512 regions could otherwise differ between them).
+    cpp_extension.load(
+        name=_ext_name(),
+        sources=[str(p) for p in _SOURCES],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_CSRC)],
+        is_python_module=False,
+        verbose=False,
+    )
+    isa = int(torch.ops.pagedserve_fp32.fp32_isa())
+    if isa == 0:
+        raise RuntimeError("the CPU has neither AVX-512F nor AVX2 + FMA")
+    logger.info("CPU fp32 batch-invariant kernels ready in %.1f s (%s)", time.perf_counter() - t0,
+                "AVX-512" if isa == ISAS["avx512"] else "AVX2")
+    return isa
+
+
+def _get_isa() -> int | None:
+    """The ISA code the kernels use here, building them on first call (thread-safe); None when
+    disabled or unavailable."""
+    global _isa
+    if _disabled():
+        return None
+    if _isa is None:
+        with _lock:
+            if _isa is None:
+                try:
+                    _isa = _build()
+                except Exception as e:  # noqa: BLE001 -- any failure means: use torch
+                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    logger.warning("CPU fp32 invariant kernels unavailable, using torch: %s", reason)
+                    logger.debug("CPU fp32 invariant kernels failure", exc_info=True)
+                    _isa = False
+    return _isa or None
+
+
+def fp32_kernels_available() -> bool:
+    """Whether the fp32 kernels can run here (builds them on first call)."""
+    return _get_isa() is not None
+
+
+def best_isa() -> str | None:
+    """"avx512" or "avx2": the instruction set the kernels use here; None when unavailable."""
+    isa = _get_isa()
+    return None if isa is None else {v: k for k, v in ISAS.items()}[isa]
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` (x: [..., K], weight: [N, K], bias: [N]) with each output row
+    computed alone, in a fixed order; None where the kernel does not apply (see the module
+    docstring): the caller runs `F.linear`."""
+    if (x.dtype is not torch.float32 or weight.dtype is not torch.float32 or not x.is_cpu
+            or not weight.is_cpu or weight.dim() != 2 or x.dim() < 1
+            or x.shape[-1] != weight.shape[1]
+            or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu))
+            or _needs_grad(x, weight, bias)):
+        return None
+    if _get_isa() is None:
+        return None
+    k = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    y = torch.ops.pagedserve_fp32.fp32_linear.default(
+        x2.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), 0)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def invariant_activation(x: torch.Tensor, name: str) -> torch.Tensor | None:
+    """`F.silu(x)` (name "silu") or `F.gelu(x, approximate="tanh")` ("gelu_tanh"), each element
+    by the same formula (within ~2 ulp of torch's); None where the kernel does not apply (see the
+    module docstring)."""
+    if x.dtype is not torch.float32 or not x.is_cpu or _needs_grad(x) or _get_isa() is None:
+        return None
+    return torch.ops.pagedserve_fp32.fp32_activation.default(x.contiguous(), ACTIVATIONS[name], 0)
+
+
+def _kernel_activation(x: torch.Tensor, name: str, isa: str = "auto") -> torch.Tensor:
+    """The activation kernel with no fallback, on a chosen ISA (tests)."""
+    if _get_isa() is None:
+        raise RuntimeError("CPU fp32 invariant kernels unavailable (disabled, unsupported CPU, or build failed)")
+    return torch.ops.pagedserve_fp32.fp32_activation.default(x, ACTIVATIONS[name], ISAS[isa])
+
+
+def invariant_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D], the step's K/V already written
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int64
+    seq_lens: torch.Tensor,  # [S] int64: context length after this step's tokens
+    query_start_loc: torch.Tensor,  # [S + 1] int64: sequence i's query tokens are [qsl[i], qsl[i+1])
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:  # [T, Hq, D]
+    """Causal paged attention of every query token over its own context (the last query_len
+    positions of its sequence's seq_len are its query tokens), each token alone; None where the
+    kernel does not apply (see the module docstring)."""
+    if (query.dtype is not torch.float32 or k_cache.dtype is not torch.float32
+            or v_cache.dtype is not torch.float32 or not query.is_cpu or not k_cache.is_cpu
+            or _needs_grad(query)):
+        return None
+    hq, hkv = query.shape[1], k_cache.shape[2]
+    if hkv == 0 or hq % hkv or hq // hkv > 64:
+        return None
+    if _get_isa() is None:
+        return None
+    return torch.ops.pagedserve_fp32.fp32_paged_attention.default(
+        query.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+        query_start_loc.contiguous(), float(scale), int(sliding_window or 0), 0)
+
+
+def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   isa: str = "auto") -> torch.Tensor:
+    """The kernel on a 2-D x, no fallback, on a chosen ISA (tests, benchmarks). RuntimeError if
+    unavailable or the CPU lacks `isa`."""
+    if _get_isa() is None:
+        raise RuntimeError("CPU fp32 invariant kernels unavailable (disabled, unsupported CPU, or build failed)")
+    return torch.ops.pagedserve_fp32.fp32_linear.default(x, weight, bias, ISAS[isa])
+
+
+def _kernel_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                      sliding_window=None, isa: str = "auto") -> torch.Tensor:
+    """The attention kernel with no fallback, on a chosen ISA (tests)."""
+    if _get_isa() is None:
+        raise RuntimeError("CPU fp32 invariant kernels unavailable (disabled, unsupported CPU, or build failed)")
+    return torch.ops.pagedserve_fp32.fp32_paged_attention.default(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
+        int(sliding_window or 0), ISAS[isa])

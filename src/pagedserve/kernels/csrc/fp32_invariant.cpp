@@ -1,0 +1,334 @@
+// Batch-invariant float32 kernels for x86-64 CPUs (AVX-512F, or AVX2 + FMA): a row's result
+// depends only on that row's own inputs -- never on how many other rows share the call, how the
+// work is tiled, or how many threads run it.
+//
+//   fp32_linear(x [M, K], w [N, K], bias [N] or None) -> y [M, N],  y[m, n] = x[m] . w[n] + bias[n]
+//     The reduction over K is fixed (fp32_invariant_isa.h): 16 lanes, lane j accumulating the
+//     products of k = j, j + 16, ... in order with fused multiply-adds, then a fixed tree over the
+//     lanes, then the bias. Work is split over (row block, column block) tiles only, never over K.
+//     torch's F.linear (MKL / oneDNN) picks its blocking and kernels by M, so a row's bits change
+//     with the batch it is in.
+//
+//   fp32_paged_attention(query [T, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, MB],
+//                        seq_lens [S], query_start_loc [S + 1], scale, window) -> [T, Hq, D]
+//     Every query token -- a decode row, or a token of a prompt chunk with or without cached
+//     context -- is attended alone, the same way: keys t in [start, ctx) of its own sequence, read
+//     through the block table in increasing t, two passes (scores, then softmax weights times
+//     values), where ctx = its own context length (the positions up to and including itself) and
+//     start = max(0, ctx - window) for a sliding window (0: none). So its bits depend only on its
+//     own query and context, not on how the prompt was chunked or what else is in the step. The
+//     step's new K/V must already be in the cache.
+//
+//   fp32_activation(x, act) -> silu(x) (act 0) or gelu_tanh(x) (act 1), every element by one
+//     lane-wise vector formula (our exp), whatever the tensor's size and the thread count --
+//     torch's loops do not guarantee that.
+//
+// Same machine => same ISA => same bits; the two ISAs also agree with each other (the AVX2 vector
+// is two 8-lane halves of the same 16 lanes). Compiled without -m flags: the SIMD code sits in
+// `#pragma GCC target` regions and runs only after `fp32_isa()` says the CPU has it; and with
+// -ffp-contract=off, so the compiler fuses nothing the source does not. Registered as
+// torch.ops.pagedserve_fp32.*; the Python wrapper is pagedserve/kernels/cpu_fp32.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 64;  // query heads per KV head
+// The linear splits K into blocks of kBlockK (a multiple of 16) above kSplitK (see linear_block).
+constexpr int64_t kBlockK = 512, kSplitK = 768;
+constexpr int64_t kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+
+int64_t detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return kIsaAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
+  return kIsaNone;
+}
+
+int64_t best_isa() {
+  static const int64_t isa = detect_isa();
+  return isa;
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace isa_avx512 {
+constexpr int MR = 4, NR = 6;  // 24 accumulators + 4 x rows + 1 w row of the 32 zmm registers
+constexpr int ATT_GH = 4, ATT_DV = 4;
+struct V {
+  __m512 r;
+  static V zero() { return {_mm512_setzero_ps()}; }
+  static V set1(float a) { return {_mm512_set1_ps(a)}; }
+  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V load_tail(const float* p, int n) {
+    return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p)};
+  }
+  static V fmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }
+  static V fnmadd(V a, V b, V c) { return {_mm512_fnmadd_ps(a.r, b.r, c.r)}; }
+  static V add(V a, V b) { return {_mm512_add_ps(a.r, b.r)}; }
+  static V mul(V a, V b) { return {_mm512_mul_ps(a.r, b.r)}; }
+  static V div(V a, V b) { return {_mm512_div_ps(a.r, b.r)}; }
+  static V clamp(V a, float lo, float hi) {
+    return {_mm512_min_ps(_mm512_max_ps(a.r, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))};
+  }
+  static V round(V a) { return {_mm512_roundscale_ps(a.r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  // 2^n for integral n in [-126, 127]
+  static V pow2(V n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.r), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, r); }
+  void store_tail(float* p, int n) const {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), r);
+  }
+  // ((((l0..7 + l8..15) -> 8) lo4 + hi4) -> 4) then (0+2, 1+3) then (0 + 1)
+  float hsum() const {
+    const __m256 lo = _mm512_castps512_ps256(r);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+};
+#include "fp32_invariant_isa.h"
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace isa_avx2 {
+constexpr int MR = 2, NR = 3;  // 6 accumulators of 2 ymm + 2 x rows of 2 + 1 w row of 2 = 18 of 16
+constexpr int ATT_GH = 2, ATT_DV = 2;
+struct V {
+  __m256 a, b;  // lanes 0..7, 8..15
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V load_tail(const float* p, int n) {
+    alignas(32) float buf[16] = {};
+    std::memcpy(buf, p, sizeof(float) * n);
+    return {_mm256_load_ps(buf), _mm256_load_ps(buf + 8)};
+  }
+  static V fmadd(V x, V y, V c) { return {_mm256_fmadd_ps(x.a, y.a, c.a), _mm256_fmadd_ps(x.b, y.b, c.b)}; }
+  static V fnmadd(V x, V y, V c) { return {_mm256_fnmadd_ps(x.a, y.a, c.a), _mm256_fnmadd_ps(x.b, y.b, c.b)}; }
+  static V add(V x, V y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  static V mul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  static V div(V x, V y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+  static V clamp(V x, float lo, float hi) {
+    const __m256 l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+    return {_mm256_min_ps(_mm256_max_ps(x.a, l), h), _mm256_min_ps(_mm256_max_ps(x.b, l), h)};
+  }
+  static V round(V x) {
+    constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(x.a, kMode), _mm256_round_ps(x.b, kMode)};
+  }
+  static __m256 pow2_half(__m256 n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static V pow2(V n) { return {pow2_half(n.a), pow2_half(n.b)}; }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, a);
+    _mm256_storeu_ps(p + 8, b);
+  }
+  void store_tail(float* p, int n) const {
+    alignas(32) float buf[16];
+    store(buf);
+    std::memcpy(p, buf, sizeof(float) * n);
+  }
+  float hsum() const {
+    const __m256 s8 = _mm256_add_ps(a, b);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+};
+#include "fp32_invariant_isa.h"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+namespace {
+
+int64_t pick_isa(int64_t requested, const char* op) {
+  const int64_t best = best_isa();
+  TORCH_CHECK(best != kIsaNone, op, ": this CPU has neither AVX-512F nor AVX2 + FMA");
+  if (requested == 0) return best;
+  TORCH_CHECK(requested == kIsaAvx2 || requested == kIsaAvx512, op, ": isa must be 0, 1 or 2");
+  TORCH_CHECK(requested <= best, op, ": this CPU lacks the requested ISA");
+  return requested;
+}
+
+// Block sizes for the parallel split (they change only which thread computes a tile, never a bit).
+constexpr int64_t kBlockM = 64, kBlockN = 48;  // kBlockN: a multiple of both NRs
+
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "fp32_linear: float32 x and weight only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && w.is_contiguous(),
+              "fp32_linear: contiguous x [M, K] and weight [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "fp32_linear: x and weight disagree on K");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->is_contiguous(),
+                "fp32_linear: bias must be a contiguous float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t use = pick_isa(isa, "fp32_linear");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t mb = (M + kBlockM - 1) / kBlockM, nb = (N + kBlockN - 1) / kBlockN;
+  at::parallel_for(0, mb * nb, 1, [&](int64_t b, int64_t e) {
+    // accumulators of every tile of a block between K blocks
+    std::vector<float> spill(K > kSplitK ? size_t(16 * (kBlockM + 4) * (kBlockN + 8)) : 0);
+    for (int64_t task = b; task < e; ++task) {
+      // column blocks outer: consecutive tasks of a thread share a block of W
+      const int64_t bn = task / mb, bm = task % mb;
+      const int64_t m0 = bm * kBlockM, m1 = std::min(M, m0 + kBlockM);
+      const int64_t n0 = bn * kBlockN, n1 = std::min(N, n0 + kBlockN);
+      if (K == 0) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t n = n0; n < n1; ++n) yp[m * N + n] = bp ? 0.f + bp[n] : 0.f;
+      } else if (use == kIsaAvx512) {
+        isa_avx512::linear_block(xp, wp, bp, yp, K, N, m0, m1, n0, n1, spill.data());
+      } else {
+        isa_avx2::linear_block(xp, wp, bp, yp, K, N, m0, m1, n0, n1, spill.data());
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                double scale, int64_t window, int64_t isa) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "fp32_paged_attention: float32 query and caches only");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "fp32_paged_attention: query [T, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "fp32_paged_attention: caches [N, B, Hkv, D], contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && query_start_loc.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous(),
+              "fp32_paged_attention: int64 block_tables [S, MB], seq_lens [S], query_start_loc [S+1]");
+  const int64_t T = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t NB = k_cache.size(0), B = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t S = seq_lens.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && D > 0, "fp32_paged_attention: head_dim");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "fp32_paged_attention: heads");
+  TORCH_CHECK(block_tables.size(0) == S && query_start_loc.size(0) == S + 1,
+              "fp32_paged_attention: one block table row and query span per sequence");
+  const int64_t use = pick_isa(isa, "fp32_paged_attention");
+  const auto* lens = seq_lens.data_ptr<int64_t>();
+  const auto* qsl = query_start_loc.data_ptr<int64_t>();
+  const auto* bt = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[S] == T, "fp32_paged_attention: query_start_loc must span [0, T]");
+  // Per token: its sequence and its own context length.
+  std::vector<int64_t> tok_seq(T), tok_ctx(T);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(n >= 0 && n <= lens[s] && lens[s] <= MB * B,
+                "fp32_paged_attention: seq_lens / query_start_loc out of range");
+    for (int64_t i = 0; i * B < lens[s]; ++i)  // the blocks the context occupies
+      TORCH_CHECK(bt[s * MB + i] >= 0 && bt[s * MB + i] < NB,
+                  "fp32_paged_attention: block table entry out of range");
+    for (int64_t i = 0; i < n; ++i) {
+      tok_seq[qsl[s] + i] = s;
+      tok_ctx[qsl[s] + i] = lens[s] - n + i + 1;
+    }
+  }
+  const int64_t G = Hq / Hkv;
+  at::Tensor out = at::empty({T, Hq, D}, query.options());
+  if (T == 0) return out;
+  const float* qp = query.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> qs(G * D), acc(G * D), scores;
+    std::vector<const float*> ptrs;
+    for (int64_t pair = b; pair < e; ++pair) {
+      const int64_t t = pair / Hkv, h = pair % Hkv;
+      const int64_t ctx = tok_ctx[t], s = tok_seq[t];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      scores.resize(size_t(G * (ctx - start)));
+      ptrs.resize(size_t(ctx - start));
+      const float* q = qp + (t * Hq + h * G) * D;
+      float* o = op + (t * Hq + h * G) * D;
+      if (use == kIsaAvx512)
+        isa_avx512::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D,
+                           sc, o, qs.data(), scores.data(), acc.data(), ptrs.data());
+      else
+        isa_avx2::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
+                         o, qs.data(), scores.data(), acc.data(), ptrs.data());
+    }
+  });
+  return out;
+}
+
+// Activations: every element by the same lane-wise vector formula (isa header), the tail too
+// (zero-filled lanes), never a scalar path: torch's vectorized loops send each parallel chunk's
+// last elements through a scalar path whose exp/tanh round differently from the vector ones, and
+// where chunks end depends on the tensor's size and the thread count.
+at::Tensor fp32_activation(const at::Tensor& x, int64_t act, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "fp32_activation: contiguous float32 input only");
+  TORCH_CHECK(act == 0 || act == 1, "fp32_activation: act must be 0 (silu) or 1 (gelu tanh)");
+  const int64_t use = pick_isa(isa, "fp32_activation");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t n = x.numel(), groups = (n + 15) / 16;
+  at::parallel_for(0, groups, 1024, [&](int64_t b, int64_t e) {
+    const int64_t i0 = b * 16, i1 = std::min(n, e * 16);
+    if (use == kIsaAvx512)
+      isa_avx512::activation(xp + i0, yp + i0, i1 - i0, act);
+    else
+      isa_avx2::activation(xp + i0, yp + i0, i1 - i0, act);
+  });
+  return y;
+}
+
+int64_t fp32_isa() { return best_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_fp32, m) {
+  m.def("fp32_isa() -> int", &fp32_isa);  // catch-all: no tensor arguments to dispatch on
+  m.def("fp32_activation(Tensor x, int act, int isa) -> Tensor");
+  m.def("fp32_linear(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
+  m.def(
+      "fp32_paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int window, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_fp32, CPU, m) {
+  m.impl("fp32_activation", &fp32_activation);
+  m.impl("fp32_linear", &fp32_linear);
+  m.impl("fp32_paged_attention", &fp32_paged_attention);
+}
