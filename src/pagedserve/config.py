@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 
 
 @dataclass
@@ -37,6 +38,10 @@ class EngineArgs:
     memory. Decode-only steps replay CUDA graphs unless `enforce_eager`. `attention_backend` is
     "auto" (Triton on CUDA when importable, else the torch reference), "torch" or "triton".
     `skip_tokenizer_init` loads no tokenizer: prompts must be token ids, outputs carry no text.
+    `quantization` (CPU, one worker): None keeps a GGUF file's quantized weights as they are
+    (otherwise "none"); "none" dequantizes them to `dtype`; "gguf" requires that they stay;
+    "int8" quantizes every linear layer and embedding to INT8 per output channel at load. `dtype`
+    stays the activation and KV cache dtype.
     """
 
     model: str | None = None
@@ -65,6 +70,7 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     skip_tokenizer_init: bool = False
+    quantization: str | None = None
     # Testing aid: randomise the order of the free block list (outputs must not change).
     shuffle_free_blocks_seed: int | None = None
 
@@ -109,6 +115,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

@@ -9,6 +9,7 @@ import sys
 from pagedserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    QUANTIZATIONS,
     EXECUTOR_BACKENDS,
     LOAD_FORMATS,
 )
@@ -22,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                   help="CPU weights: none (dequantize to --dtype), gguf (keep a GGUF file's "
+                        "quantized tensors; the default for GGUF files) or int8 (per-channel, at load)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)

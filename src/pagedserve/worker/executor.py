@@ -156,11 +156,12 @@ class UniExecutor(Executor):
     def __init__(self, config: WorkerConfig, device: torch.device) -> None:
         super().__init__()
         source = config.source
-        weights = None if config.load_format == "dummy" else source.iter_weights()
+        weights = None if config.load_format == "dummy" else source.iter_weights(
+            keep_quantized=config.quantization == "gguf")
         self.device = device
         self.dtype = config.dtype
         self.model = load_model(source.config, weights=weights, dtype=config.dtype, device=device,
-                                seed=config.seed)
+                                seed=config.seed, quantization=config.quantization)
         info = model_info(self.model)
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
         self.runner: ModelRunner | None = None
@@ -214,10 +215,16 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     world_size = args.tensor_parallel_size
     backend = executor_backend(world_size, args.distributed_executor_backend)
     threads = None if device.type == "cuda" else max(1, torch.get_num_threads() // world_size)
+    from pagedserve.layers.quantization import resolve_quantization
+
+    quantization = resolve_quantization(getattr(args, "quantization", None), source.kind, device.type,
+                                        world_size)
+    if args.load_format == "dummy" and quantization == "gguf":
+        quantization = "none"  # random weights: nothing to keep
     config = WorkerConfig(source=source, load_format=args.load_format, dtype=dtype,
                           device_type=device.type, seed=args.seed, world_size=world_size,
                           num_threads=threads, attention_backend=args.attention_backend,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, quantization=quantization)
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

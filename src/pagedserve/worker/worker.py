@@ -37,6 +37,7 @@ class WorkerConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs
+    quantization: str = "none"  # "none" | "gguf" | "int8" (layers.quantization.resolve_quantization)
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,10 @@ class Worker:
         self.tp = init_tp_group(rank, config.world_size, init_method, self.device)
         source = config.source
         weights = None if config.load_format == "dummy" else source.iter_weights(
-            lazy=config.world_size > 1)
+            lazy=config.world_size > 1, keep_quantized=config.quantization == "gguf")
         self.model = load_model(source.config, weights=weights, dtype=config.dtype,
-                                device=self.device, seed=config.seed, tp=self.tp)
+                                device=self.device, seed=config.seed, tp=self.tp,
+                                quantization=config.quantization)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()
