@@ -89,17 +89,6 @@ inline void put_out(const Out& o, int64_t m, int64_t n, float v) {
 inline void put(float* dst, int64_t i, float v) { dst[i] = v; }
 inline void put(uint16_t* dst, int64_t i, float v) { dst[i] = bf16_round(v); }
 
-#if PS_ISA == 1  // the format loops: built once, for AVX2 (see dequant_to)
-template <typename T>
-void dq_q8_0(const uint8_t* row, int64_t K, T* dst) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 34;
-    const float d = half_to_float(load_u16(blk));
-    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
-    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * float(qs[l]));
-  }
-}
-
 // 32 bits -> 32 bytes: 0xFF where the bit is set (llama.cpp's bytes_from_bits_32).
 inline __m256i bits_to_bytes(uint32_t bits) {
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
@@ -115,6 +104,17 @@ inline __m256i nibbles(const uint8_t* qs) {
   const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0xF));
   const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0xF));
   return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+#if PS_ISA == 1  // the format loops: built once, for AVX2 (see dequant_to)
+template <typename T>
+void dq_q8_0(const uint8_t* row, int64_t K, T* dst) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const float d = half_to_float(load_u16(blk));
+    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * float(qs[l]));
+  }
 }
 
 template <typename T>
@@ -261,11 +261,65 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
 
 #endif
 
+// The 32-value block formats (most of a Q4_K_M file's bytes), straight to the kernel's weight
+// type: the block's 32 int8 values (AVX2), times d in fp32 (as the format loops compute it),
+// stored as 32 WT. Returns false for the other formats.
+inline void emit32(__m256i q, float d, WT* dst) {
+#if PS_ISA >= 2  // kIsaAvx512
+  const __m512 vd = _mm512_set1_ps(d);
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), vd);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), vd);
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+  _mm512_storeu_ps(dst, lo);
+  _mm512_storeu_ps(dst + 16, hi);
+#endif
+#else
+  const __m256 vd = _mm256_set1_ps(d);
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), vd));
+  _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), vd));
+  _mm256_storeu_ps(dst + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), vd));
+  _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), vd));
+#endif
+}
+
+inline bool dequant_fast(int64_t fmt, const uint8_t* row, int64_t K, WT* dst) {
+  const int64_t nb = K / 32;
+  switch (fmt) {
+    case kFmtQ8_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 34;
+        emit32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), half_to_float(load_u16(blk)), dst + b * 32);
+      }
+      return true;
+    case kFmtQ5_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 22;
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nibbles(blk + 6), hb), _mm256_set1_epi8(16));
+        emit32(v, half_to_float(load_u16(blk)), dst + b * 32);
+      }
+      return true;
+    case kFmtQ4_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 18;
+        emit32(_mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8)), half_to_float(load_u16(blk)), dst + b * 32);
+      }
+      return true;
+  }
+  return false;
+}
+
 // One row into the kernel's weight type. Every level dequantizes with the AVX2 build of the
 // format loops (the AVX-512 builds of the K-quant loops measured up to 3x slower), so all levels
 // see the same weight values. On the bf16 levels the row goes to fp32 in `tmp` (K floats), then
 // is rounded 32 values at a time (vcvtne2ps2bf16: round to nearest even, as bf16_round).
 inline void dequant_to(int64_t fmt, const uint8_t* row, int64_t K, WT* dst, float* tmp) {
+  if (dequant_fast(fmt, row, K, dst)) return;
 #if PS_ISA >= 3  // kIsaAvx512Bf16
   ::isa_avx2::dequant_row<float>(fmt, row, K, tmp);
   int64_t k = 0;
@@ -460,36 +514,42 @@ inline void run(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint8_t* w
   // bf16 weights on the bf16 levels are used in place (no buffer)
   const bool in_place = fmt == kFmtBf16 && sizeof(WT) == 2;
   parallel_blocks(N, [&](int64_t nb, int64_t ne) {
-    std::vector<WT> buf;
+    // NOTE: two buffers: block i + 1 is dequantized before block i is multiplied, so the
+    // products read stores that have long left the store buffer (AMX tile loads of just-written
+    // lines stall). A partial block's missing rows are zeros (the A tile reads 16 rows).
+    std::vector<WT> buf(in_place ? 0 : size_t(2 * 16 * K + 64));
     std::vector<float> tmp(sizeof(WT) == 2 && !in_place ? size_t(K) : 0);
-    WT* wb = nullptr;
+    WT* wb[2] = {nullptr, nullptr};
     if (!in_place) {
-      buf.resize(size_t(16 * K + 64));
-      wb = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      wb[0] = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      wb[1] = wb[0] + 16 * K;
     }
+    auto fill = [&](int64_t n0, WT* dst) {
+      const int64_t nr = std::min<int64_t>(16, N - n0);
+      for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * K, tmp.data());
+      if (nr < 16) std::memset(dst + nr * K, 0, size_t((16 - nr) * K) * sizeof(WT));
+    };
 #if PS_ISA >= 4  // kIsaAmx
     if (amx) amx_config();
 #endif
-    for (int64_t n0 = nb; n0 < ne; n0 += 16) {
+    if (!in_place && nb < ne) fill(nb, wb[0]);
+    for (int64_t n0 = nb, i = 0; n0 < ne; n0 += 16, ++i) {
       const int64_t nr = std::min<int64_t>(16, N - n0);
       const WT* blk;
       if (in_place) {
         blk = reinterpret_cast<const WT*>(w + n0 * row_bytes);
       } else {
-        for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, wb + r * K, tmp.data());
-        blk = wb;
+        if (n0 + 16 < ne) fill(n0 + 16, wb[(i + 1) & 1]);
+        blk = wb[i & 1];
       }
 #if PS_ISA >= 4  // kIsaAmx
       if (amx) {
-        if (nr < 16) {  // a partial block: the A tile reads 16 rows; pad from a zeroed buffer
-          if (in_place) {
-            buf.assign(size_t(16 * K + 64), 0);
-            wb = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-            std::memcpy(wb, blk, size_t(nr * K) * sizeof(WT));
-          } else {
-            std::memset(wb + nr * K, 0, size_t((16 - nr) * K) * sizeof(WT));
-          }
-          blk = wb;
+        std::vector<WT> pad;
+        if (nr < 16 && in_place) {  // a partial block of bf16 weights read in place: pad a copy
+          pad.assign(size_t(16 * K + 64), 0);
+          WT* p = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(pad.data()) + 63) & ~uintptr_t(63));
+          std::memcpy(p, blk, size_t(nr * K) * sizeof(WT));
+          blk = p;
         }
         amx_block(xpk, M, K, blk, K, nr, out, n0);
         continue;
