@@ -1,15 +1,19 @@
-"""Compiled BF16 skinny-matrix product for small batches on CPU (decode-time linear layers).
+"""The CPU kernel extension (built lazily) and the linear layers' product on it.
 
 `bf16_linear(x, weight, bias, out_dtype)` computes `x @ weight.T (+ bias)` like
-`torch.nn.functional.linear`, but for bf16 inputs with few rows (M = rows of x <= 32 on CPUs with
-AMX, <= 4 on other AVX512_BF16 CPUs) it runs our kernel (csrc/bf16_gemv.cpp), which reads the
-weight at ~80-85% of the memory bandwidth a plain sequential read gets; torch's own bf16 GEMV on
-CPU reaches about half of it. Everything else goes to torch.
+`torch.nn.functional.linear`; for bf16 activations on x86-64 CPUs with AVX2 or better it runs the
+format-generic kernel (csrc/qlinear.cpp, `kernels.cpu_qlinear`) for every row count, bf16 or
+quantized weights, at the ISA level `linear_isa()` picks (AMX, AVX512-BF16, AVX512F, AVX2;
+`$PAGEDSERVE_CPU_ISA` caps it). NOTE: one kernel for every row count keeps a row's result
+independent of its batch. Everything else (fp32 models, gradients, no kernels) goes to torch.
+The older GEMV (csrc/bf16_gemv.cpp: `_kernel_linear`, the fused argmax) stays for its callers.
 
 The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached under
 `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
-no compiler, a build error, a CPU without AVX512_BF16 -- logs one warning and leaves every call on
+no compiler, a build error, a CPU without AVX2 -- logs one warning and leaves every call on
 torch's path. Set `PAGEDSERVE_DISABLE_CPU_KERNELS=1` to never build or use it (read on every call).
+The AVX512-BF16 kernels (norms, attention, RoPE, sampling, the fused layer: `kernel_available()`)
+need that level; on AVX2-only CPUs (or capped there) those steps run in torch.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 
-# Largest M (rows of x, all leading dims flattened) sent to the kernel, by the path the CPU allows;
-# above it torch is as fast or faster (scripts/bench_gemv.py). With AMX the kernel stays memory-bound
-# up to M = 32 (its limit); the AVX512_BF16 dot-product path is compute-bound from M ~ 4 on.
+# Row limits of the older bf16 GEMV (csrc/bf16_gemv.cpp: `_kernel_linear`, the fused LM-head
+# argmax): its AMX path takes M <= 32; its AVX512_BF16 path is compute-bound from M ~ 4 on.
 MAX_M_AMX = 32
 MAX_M_AVX512 = 4
 MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
+# Rows the whole-layer decode call (kernels/cpu_decoder_layer.py) takes: its products run on the
+# format-generic kernel, which takes any row count.
+MAX_M_FUSED = 256
 
 # NOTE: torch's low-precision CPU matmul (oneDNN, and ideep's cache in front of it) keeps a compiled
 # primitive per row count -- up to 1,024 in each cache, ~0.3 MiB apiece -- and a server meets
@@ -75,7 +81,7 @@ def _ext_name() -> str:
 
 class _Kernel(NamedTuple):
     op: Callable  # torch.ops.pagedserve_cpu.bf16_linear.default
-    max_m: int  # MAX_M_AMX or MAX_M_AVX512
+    max_m: int  # rows the fused decode layer takes (MAX_M_FUSED)
 
 
 # The lazily built extension: None = not tried yet, False = unavailable (already warned), else the
@@ -158,7 +164,7 @@ def _get_kernel() -> _Kernel | None:
     isa = linear_isa()
     if isa < ISA_AVX512BF16:
         return None
-    return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_AMX if isa >= ISA_AMX else MAX_M_AVX512)
+    return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_FUSED)
 
 
 def kernel_available() -> bool:
@@ -215,10 +221,10 @@ def bf16_linear(
     x: [..., K]; weight: [N, K]; bias: [N] (any float dtype) or None; result: [..., N] in
     `out_dtype` (None: x.dtype; else torch.bfloat16 or torch.float32).
 
-    The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, M (the product
-    of x's leading dims) is at most `MAX_M_AMX` (CPUs with AMX) or `MAX_M_AVX512` (others), no
-    gradient is needed, and `kernel_available()`. It accumulates in fp32 and rounds once to the
-    output dtype, so `out_dtype=torch.float32` gives unrounded logits. Otherwise this is
+    The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, no gradient is
+    needed and `linear_isa()` is not ISA_NONE, for any M (the product of x's leading dims); a
+    quantized weight (`kernels.cpu_qlinear`) always does. It accumulates in fp32 and rounds once
+    to the output dtype, so `out_dtype=torch.float32` gives unrounded logits. Otherwise this is
     `F.linear(x, weight, bias)` cast to `out_dtype` (there a bf16 result is rounded to bf16 before
     any cast to fp32). ValueError on mismatched shapes or an unsupported `out_dtype`.
     """
