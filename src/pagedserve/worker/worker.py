@@ -80,7 +80,13 @@ class StepReply:
 
 
 def model_info(model: torch.nn.Module) -> ModelInfo:
-    return ModelInfo(model.kv_cache_spec, sum(p.numel() for p in model.parameters()))
+    return ModelInfo(model.kv_cache_spec, sum(_num_values(p) for p in model.parameters()))
+
+
+def _num_values(p: torch.Tensor) -> int:
+    """Parameters a tensor holds: a quantized weight's rows times its input features."""
+    spec = getattr(p, "quant", None)  # kernels.cpu_qlinear.QuantSpec
+    return p.shape[0] * spec.in_features if spec is not None else p.numel()
 
 
 def make_runner(model, kv_cache: KVCache, cache: CacheConfig, device: torch.device, *,
