@@ -161,6 +161,9 @@ def main() -> int:
     p.add_argument("--peers", nargs="*", default=["q4km", "bf16"], choices=["q4km", "bf16"])
     p.add_argument("--profile", action="store_true", help="our server's per-section profile")
     p.add_argument("--pagedserve-args", default="", help="extra flags for our server")
+    p.add_argument("--llama-args", default="",
+                   help="extra flags for llama-server (e.g. -nr: no weight repacking, where its "
+                        "repacked kernels die with SIGILL, as on our AMX VM)")
     p.add_argument("--out", type=Path, default=Path("/tmp/vs-llama"))
     p.add_argument("--request-body", type=json.loads, default={},
                    help='JSON fields added to every request of both engines, e.g. sampling: '
@@ -199,7 +202,8 @@ def main() -> int:
                 slot_ctx = 1024 + args.output_len + 64
                 cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
                        "--host", "127.0.0.1", "--port", str(port), "-np", str(c),
-                       "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui"]
+                       "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui",
+                       *args.llama_args.split()]
                 extra = ["--extra-body", json.dumps({"cache_prompt": False, **args.request_body}),
                          "--served-model-name", "gemma3"]
                 name, path = f"llama-server {cfg}", "llama.cpp native build"
