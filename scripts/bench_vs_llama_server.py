@@ -1,16 +1,20 @@
 """Side by side: `pagedserve bench serve` against our server and against llama.cpp's llama-server
-on the same weights (the embedded Gemma 3 270M, BF16), one server at a time, in one run.
+on the same model (the embedded Gemma 3 270M), one server at a time, in one run.
 
     ../shared/tools/build-llama-server.sh /tmp/llama.cpp        # once; not part of the repo
     .venv/bin/python scripts/bench_vs_llama_server.py --llama-cpp /tmp/llama.cpp \
-        --concurrency 1 16 64 --out /tmp/vs-llama
+        --concurrency 1 16 64 --ours amx:gguf avx512bf16:gguf avx2:gguf --out /tmp/vs-llama
 
-For each concurrency C: our server with `--dtype bfloat16 --max-num-seqs C`, llama-server with
-`-np C -t <threads>` and every request `cache_prompt: false`; the same seeded ShareGPT-like trace
-(64 requests, mean input 161 tokens, 128 output tokens, ignore_eos, distinct prompts), at most C
-in flight. Records output tokens/s, TTFT/TPOT p50 and the servers' peak resident memory, prints
-a table and writes `results.json` in --out. The BF16 GGUF is made from the embedded Q4_K_M file
-with llama-quantize (the same values our engine gets by dequantizing).
+Engines: ours once per `--ours ISA:QUANT` (ISA capped with $PAGEDSERVE_CPU_ISA; QUANT is our
+`--quantization`: gguf keeps the Q4_K_M file's blocks, none runs BF16), and llama-server once per
+`--peers` entry: `q4km` (the very GGUF file we load) and `bf16` (made from it with llama-quantize,
+the values our engine gets by dequantizing), each with `-np C -t <threads>` and every request
+`cache_prompt: false`. The same seeded ShareGPT-like trace (mean input 161 tokens, --output-len
+output tokens, ignore_eos, greedy, distinct prompts; max(--min-prompts, C) requests), at most C in
+flight. Checks that every engine produced exactly the requested output tokens, counts how many
+greedy tokens agree with the first peer (common prefix, per request), records output tokens/s,
+TTFT/TPOT p50 and idle/peak resident memory, and prints one table (CPU model, ISA path) plus each
+of our configs' ratio to the faster peer. `results.json` in --out keeps everything.
 """
 
 from __future__ import annotations
@@ -89,6 +93,17 @@ class Server:
         self.log.close()
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 def bf16_gguf(llama_cpp: Path, out_dir: Path) -> Path:
     from pagedserve.models.embedded import embedded_model_path
 
@@ -100,9 +115,9 @@ def bf16_gguf(llama_cpp: Path, out_dir: Path) -> Path:
     return target
 
 
-def bench(url: str, concurrency: int, args, out: Path, extra: list[str]) -> dict:
+def bench(url: str, concurrency: int, num_prompts: int, args, out: Path, extra: list[str]) -> dict:
     cmd = [PY, "-m", "pagedserve.entrypoints.cli", "bench", "serve", "--base-url", url,
-           "--num-prompts", str(args.num_prompts), "--input-len-mean", str(args.input_len_mean),
+           "--num-prompts", str(num_prompts), "--input-len-mean", str(args.input_len_mean),
            "--output-len-fixed", str(args.output_len), "--max-concurrency", str(concurrency),
            "--result-json", str(out), *extra]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -113,72 +128,127 @@ def bench(url: str, concurrency: int, args, out: Path, extra: list[str]) -> dict
     return json.loads(out.read_text())
 
 
+def exact_lengths(result: dict) -> bool:
+    """Whether every request succeeded with exactly the output tokens it asked for."""
+    outs = result.get("outputs") or []
+    return bool(outs) and all(o["ok"] and o["output_tokens"] == o["requested_tokens"] for o in outs)
+
+
+def agreement(a: dict, b: dict, tokenizer) -> tuple[int, int]:
+    """(greedy tokens equal before the first difference, tokens compared), summed over requests."""
+    same = total = 0
+    for x, y in zip(a["outputs"], b["outputs"]):
+        tx = tokenizer(x["text"], add_special_tokens=False).input_ids
+        ty = tokenizer(y["text"], add_special_tokens=False).input_ids
+        n = 0
+        while n < min(len(tx), len(ty)) and tx[n] == ty[n]:
+            n += 1
+        same += n
+        total += max(len(tx), len(ty))
+    return same, total
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp", type=Path, default=Path("/tmp/llama.cpp"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-prompts", type=int, default=8, help="requests per run: max(this, C)")
     p.add_argument("--input-len-mean", type=float, default=161.0)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--engines", nargs="+", default=["pagedserve", "llama-server"])
+    p.add_argument("--ours", nargs="*", default=["amx:gguf", "avx512bf16:gguf", "avx2:gguf"],
+                   help="our configs, ISA:QUANTIZATION (ISA as $PAGEDSERVE_CPU_ISA)")
+    p.add_argument("--peers", nargs="*", default=["q4km", "bf16"], choices=["q4km", "bf16"])
     p.add_argument("--profile", action="store_true", help="our server's per-section profile")
     p.add_argument("--pagedserve-args", default="", help="extra flags for our server")
+    p.add_argument("--llama-args", default="",
+                   help="extra flags for llama-server (e.g. -nr: no weight repacking, where its "
+                        "repacked kernels die with SIGILL, as on our AMX VM)")
     p.add_argument("--out", type=Path, default=Path("/tmp/vs-llama"))
     p.add_argument("--request-body", type=json.loads, default={},
                    help='JSON fields added to every request of both engines, e.g. sampling: '
                         '\'{"temperature": 1.0, "top_p": 0.95}\' (default: greedy)')
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    gguf = bf16_gguf(args.llama_cpp, args.out) if "llama-server" in args.engines else None
+    from pagedserve.models.embedded import embedded_model_path
+    from pagedserve.models.source import resolve_model
+
+    tokenizer = resolve_model(None).load_tokenizer()
+    ggufs = {"q4km": embedded_model_path()}
+    if "bf16" in args.peers:
+        ggufs["bf16"] = bf16_gguf(args.llama_cpp, args.out)
+    engines = [("ours", cfg) for cfg in args.ours] + [("llama-server", peer) for peer in args.peers]
 
     rows = []
     for c in args.concurrency:
-        for engine in args.engines:
+        num_prompts = max(args.min_prompts, c)
+        for kind, cfg in engines:
             port = free_port()
-            if engine == "pagedserve":
+            env = {}
+            if kind == "ours":
+                isa, _, quant = cfg.partition(":")
+                env = {"PAGEDSERVE_CPU_ISA": isa}
                 cmd = [PY, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
                        "--dtype", "bfloat16", "--max-num-seqs", str(max(c, 1)),
+                       "--quantization", quant or "gguf",
                        "--disable-access-log", "--log-stats-interval", "0",
                        "--uvicorn-log-level", "warning", *args.pagedserve_args.split()]
                 extra = ["--extra-body", json.dumps(args.request_body)] if args.request_body else []
                 if args.profile:
                     cmd.append("--enable-debug-endpoints")
                     extra.append("--profile")
+                name, path = f"pagedserve {cfg}", f"{isa} path, {quant or 'gguf'} weights"
             else:
                 slot_ctx = 1024 + args.output_len + 64
-                cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(gguf),
+                cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
                        "--host", "127.0.0.1", "--port", str(port), "-np", str(c),
-                       "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui"]
+                       "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui",
+                       *args.llama_args.split()]
                 extra = ["--extra-body", json.dumps({"cache_prompt": False, **args.request_body}),
                          "--served-model-name", "gemma3"]
-            server = Server(cmd, port, args.out / f"{engine}-c{c}.log")
+                name, path = f"llama-server {cfg}", "llama.cpp native build"
+            tag = name.replace(" ", "-").replace(":", "-")
+            server = Server(cmd, port, args.out / f"{tag}-c{c}.log", env)
             try:
                 server.wait_ready()
+                time.sleep(1.0)
                 idle_rss = rss(server.proc.pid)
-                result = bench(server.url, c, args, args.out / f"{engine}-c{c}.json", extra)
+                result = bench(server.url, c, num_prompts, args, args.out / f"{tag}-c{c}.json", extra)
             finally:
                 server.stop()
-            result.update(engine=engine, concurrency=c, peak_rss_mib=server.peak_rss / 2**20,
-                          idle_rss_mib=idle_rss / 2**20)
+            result.update(engine=name, kind=kind, path=path, concurrency=c,
+                          peak_rss_mib=server.peak_rss / 2**20, idle_rss_mib=idle_rss / 2**20,
+                          exact_lengths=exact_lengths(result))
             rows.append(result)
-            print(f"{engine} C={c}: {result['output_throughput']:.1f} tok/s, TTFT p50 "
-                  f"{result['ttft_p50_ms']:.0f} ms, peak RSS {result['peak_rss_mib']:.0f} MiB",
-                  flush=True)
+            print(f"{name} C={c}: {result['output_throughput']:.1f} tok/s, TTFT p50 "
+                  f"{result['ttft_p50_ms']:.0f} ms, idle/peak RSS {result['idle_rss_mib']:.0f}/"
+                  f"{result['peak_rss_mib']:.0f} MiB, exact lengths {result['exact_lengths']}", flush=True)
 
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(f"\n{'engine':<13}{'C':>4}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
-          f"{'peak RSS':>10}")
-    for r in rows:
-        print(f"{r['engine']:<13}{r['concurrency']:>4}{r['output_throughput']:>11.1f}"
-              f"{r['ttft_p50_ms']:>8.0f}ms{r['tpot_p50_ms']:>8.1f}ms{r['peak_rss_mib']:>7.0f}MiB")
+    print(f"\nCPU: {cpu_model()}, {args.threads} threads; {args.output_len} output tokens, greedy, ignore_eos")
+    print(f"{'engine':<30}{'C':>4}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}{'idle RSS':>10}"
+          f"{'peak RSS':>10}{'exact':>7}{'agree':>8}")
     for c in args.concurrency:
-        ours = [r for r in rows if r["engine"] == "pagedserve" and r["concurrency"] == c]
-        peer = [r for r in rows if r["engine"] == "llama-server" and r["concurrency"] == c]
-        if ours and peer:
-            print(f"C={c}: pagedserve / llama-server output tok/s = "
-                  f"{ours[0]['output_throughput'] / peer[0]['output_throughput']:.2f}x, "
-                  f"TTFT p50 {ours[0]['ttft_p50_ms']:.0f} vs {peer[0]['ttft_p50_ms']:.0f} ms")
+        group = [r for r in rows if r["concurrency"] == c]
+        peers = [r for r in group if r["kind"] == "llama-server"]
+        ref = peers[0] if peers else None
+        for r in group:
+            agree = ""
+            if ref is not None and r is not ref:
+                same, total = agreement(r, ref, tokenizer)
+                r["agree_with"], r["agree_tokens"], r["compared_tokens"] = ref["engine"], same, total
+                agree = f"{same / max(total, 1):.0%}"
+            print(f"{r['engine']:<30}{c:>4}{r['output_throughput']:>11.1f}{r['ttft_p50_ms']:>8.0f}ms"
+                  f"{r['tpot_p50_ms']:>8.1f}ms{r['idle_rss_mib']:>7.0f}MiB{r['peak_rss_mib']:>7.0f}MiB"
+                  f"{'yes' if r['exact_lengths'] else 'NO':>7}{agree:>8}")
+        if peers:
+            best = max(peers, key=lambda r: r["output_throughput"])
+            for r in group:
+                if r["kind"] == "ours":
+                    print(f"  C={c}: {r['engine']} ({r['path']}) / {best['engine']} = "
+                          f"{r['output_throughput'] / best['output_throughput']:.2f}x output tok/s; "
+                          f"idle RSS {r['idle_rss_mib'] / best['idle_rss_mib']:.2f}x")
+    (args.out / "results.json").write_text(json.dumps(rows, indent=2))
     return 0
 
 

@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -57,6 +58,10 @@ class EngineArgs:
                               choices=LOAD_FORMATS)
     dtype: str = option("auto", "weight, activation and KV dtype (auto: bfloat16 on CPUs with "
                         "native BF16, else float32; the checkpoint's on GPUs)", choices=DTYPES)
+    quantization: str | None = option(
+        None, "CPU weights: none (dequantize to --dtype), gguf (keep a GGUF file's quantized "
+        "tensors; the default for GGUF files on CPU with one worker) or int8 (weight-only, "
+        "per-channel, computed at load)", choices=QUANTIZATIONS, aliases=("-q",))
     device: str = option("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
     seed: int = option(0, "seed of the engine's random state")
     block_size: int = option(16, "tokens per KV block (1-256)")

@@ -161,11 +161,12 @@ def _fail(*args, **kwargs):
 
 
 _FAILING_KERNEL = cpu_gemm._Kernel(_fail, cpu_gemm.MAX_M)
+_BUILT_AMX = 4  # cpu_gemm._kernel's state once built on a CPU with AMX (kernels.cpu_isa.ISA_AMX)
 
 
 def test_disabled_by_env_var_falls_back(monkeypatch):
     monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
-    monkeypatch.setattr(cpu_gemm, "_kernel", _FAILING_KERNEL)
+    monkeypatch.setattr(cpu_gemm, "_kernel", _BUILT_AMX)
     spy = _SpyLinear()
     monkeypatch.setattr(cpu_gemm, "F", spy)
     assert not cpu_gemm.kernel_available()
@@ -179,22 +180,15 @@ def test_disabled_by_env_var_falls_back(monkeypatch):
         cpu_gemm._kernel_linear(x, w)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["fp32", "too_many_rows", "above_kernel_max_m", "grad", "non_contiguous_weight"],
-)
+@pytest.mark.parametrize("case", ["fp32", "grad", "non_contiguous_weight"])
 def test_fallback_cases(monkeypatch, case):
     monkeypatch.delenv(cpu_gemm.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(cpu_gemm, "_kernel", _FAILING_KERNEL)
+    monkeypatch.setattr(cpu_gemm, "_kernel", _BUILT_AMX)
     spy = _SpyLinear()
     monkeypatch.setattr(cpu_gemm, "F", spy)
     x, w, b = _inputs(3, 10, 64, True)
     if case == "fp32":
         x, w, b = x.float(), w.float(), b.float()
-    elif case == "too_many_rows":
-        x = torch.randn(cpu_gemm.MAX_M + 1, 64).to(torch.bfloat16)
-    elif case == "above_kernel_max_m":  # e.g. a CPU without AMX: the dot-product path stops early
-        monkeypatch.setattr(cpu_gemm, "_kernel", cpu_gemm._Kernel(_fail, 2))
     elif case == "grad":
         w = w.clone().requires_grad_(True)
     elif case == "non_contiguous_weight":
@@ -202,6 +196,17 @@ def test_fallback_cases(monkeypatch, case):
     y = cpu_gemm.bf16_linear(x, w, b)
     assert spy.calls == 1
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 32, 33, 200])
+def test_every_row_count_takes_the_one_kernel(kernel, monkeypatch, rows):
+    """No row count goes to torch (whose reduction order differs): a row's result must not
+    depend on how many rows its batch has."""
+    monkeypatch.setattr(cpu_gemm, "F", _NoLinear())
+    x, w, b = _inputs(rows, 70, 96, True, seed=rows)
+    y = kernel.bf16_linear(x, w, b, out_dtype=torch.float32)
+    _assert_matches(y, _reference(x, w, b), torch.float32)
+    assert torch.equal(kernel.bf16_linear(x[-1:], w, b, out_dtype=torch.float32)[0], y[-1])
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):

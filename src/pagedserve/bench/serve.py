@@ -35,6 +35,8 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    requested_tokens: int = 0  # max_tokens asked for
+    text: str = ""  # the streamed completion
 
     @property
     def tpot(self) -> float | None:
@@ -139,6 +141,7 @@ async def send_request(client, url: str, model: str, prompt: str, output_len: in
     itl: list[float] = []
     chunks = 0
     usage = None
+    pieces: list[str] = []
     try:
         async with client.stream("POST", url, json=payload, headers=_headers(api_key)) as resp:
             if resp.status_code != 200:
@@ -157,6 +160,7 @@ async def send_request(client, url: str, model: str, prompt: str, output_len: in
                     usage = obj["usage"]
                 choices = obj.get("choices") or []
                 if choices and choices[0].get("text"):
+                    pieces.append(choices[0]["text"])
                     now = time.perf_counter()
                     if first is None:
                         first = now
@@ -173,7 +177,8 @@ async def send_request(client, url: str, model: str, prompt: str, output_len: in
         True,
         prompt_tokens=int(usage["prompt_tokens"]) if usage else 0,
         output_tokens=int(usage["completion_tokens"]) if usage else chunks,
-        ttft=first - start, latency=end - start, itl=itl,
+        ttft=first - start, latency=end - start, itl=itl, requested_tokens=output_len,
+        text="".join(pieces),
     )
 
 
@@ -336,6 +341,9 @@ def main(args: argparse.Namespace) -> int:
             "tpot_p50_ms": percentile([r.tpot for r in ok if r.tpot is not None], 50) * 1e3,
             "normalized_latency_ms": result.normalized_latency * 1e3,
             "profile": profile and profile["breakdown"],
+            # per request, in trace order: for checking lengths and comparing engines' tokens
+            "outputs": [{"ok": r.ok, "requested_tokens": r.requested_tokens,
+                         "output_tokens": r.output_tokens, "text": r.text} for r in result.results],
         }
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)

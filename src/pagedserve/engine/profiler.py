@@ -234,8 +234,9 @@ def matmul_ceiling(model: torch.nn.Module, batch: int, repeats: int = 20) -> dic
     by every linear layer's [N, K] weight (LM head included), in the model's dtype, timed one
     after the other as a step runs them (weights streamed from memory, not cached). Returns the
     FLOPs of one step's products, the seconds torch.mm takes for them, and the GFLOP/s."""
-    weights = [m.weight for m in model.modules()
-               if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2]
+    weights = [m.weight for m in model.modules()  # (quantized weights have no torch.mm)
+               if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2
+               and getattr(m.weight, "quant", None) is None]
     if not weights:
         raise ValueError("the model has no linear layers")
     dtype = weights[0].dtype

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import _get_kernel
+from pagedserve.kernels.cpu_gemm import _get_kernel, linear_isa
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 ACT_SILU, ACT_GELU_TANH = 0, 1
@@ -22,7 +22,7 @@ ACT_SILU, ACT_GELU_TANH = 0, 1
 
 def decoder_layer(
     x: torch.Tensor,  # [T, H] bf16, one decode token per sequence
-    weights: list[torch.Tensor],  # q, k, v, o, gate, up, down: bf16 [N, K]
+    weights: list[torch.Tensor],  # q, k, v, o, gate, up, down: bf16 [N, K] or quantized
     biases: list[torch.Tensor | None],  # q, k, v, o
     norms: list[torch.Tensor | None],  # fp32 [H]/[D]: input, post-attn, pre-ff, post-ff, q, k
     norm_mode: int,  # NORM_GEMMA (sandwich norms) or NORM_LLAMA (of kernels.cpu_rotary)
@@ -49,10 +49,17 @@ def decoder_layer(
         return None
     if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return None
-    tensors = [x, cos, sin, k_cache, v_cache, *weights, *(b for b in biases if b is not None)]
+    tensors = [x, cos, sin, k_cache, v_cache, *(b for b in biases if b is not None)]
     if any(t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous() for t in tensors):
         return None
+    formats = []
+    for w in weights:
+        spec = getattr(w, "quant", None)  # kernels.cpu_qlinear.QuantSpec
+        if not (w.is_cpu and w.is_contiguous() and (spec is not None or w.dtype is torch.bfloat16)):
+            return None
+        formats.append(spec.format.code if spec is not None else 0)
     return torch.ops.pagedserve_cpu.decoder_layer.default(
         x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0), act,
+        formats, linear_isa(),
     )

@@ -1,15 +1,19 @@
-"""Compiled BF16 skinny-matrix product for small batches on CPU (decode-time linear layers).
+"""The CPU kernel extension (built lazily) and the linear layers' product on it.
 
 `bf16_linear(x, weight, bias, out_dtype)` computes `x @ weight.T (+ bias)` like
-`torch.nn.functional.linear`, but for bf16 inputs with few rows (M = rows of x <= 32 on CPUs with
-AMX, <= 4 on other AVX512_BF16 CPUs) it runs our kernel (csrc/bf16_gemv.cpp), which reads the
-weight at ~80-85% of the memory bandwidth a plain sequential read gets; torch's own bf16 GEMV on
-CPU reaches about half of it. Everything else goes to torch.
+`torch.nn.functional.linear`; for bf16 activations on x86-64 CPUs with AVX2 or better it runs the
+format-generic kernel (csrc/qlinear.cpp, `kernels.cpu_qlinear`) for every row count, bf16 or
+quantized weights, at the ISA level `linear_isa()` picks (AMX, AVX512-BF16, AVX512F, AVX2;
+`$PAGEDSERVE_CPU_ISA` caps it). NOTE: one kernel for every row count keeps a row's result
+independent of its batch. Everything else (fp32 models, gradients, no kernels) goes to torch.
+The older GEMV (csrc/bf16_gemv.cpp: `_kernel_linear`, the fused argmax) stays for its callers.
 
 The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached under
 `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
-no compiler, a build error, a CPU without AVX512_BF16 -- logs one warning and leaves every call on
+no compiler, a build error, a CPU without AVX2 -- logs one warning and leaves every call on
 torch's path. Set `PAGEDSERVE_DISABLE_CPU_KERNELS=1` to never build or use it (read on every call).
+The AVX512-BF16 kernels (norms, attention, RoPE, sampling, the fused layer: `kernel_available()`)
+need that level; on AVX2-only CPUs (or capped there) those steps run in torch.
 """
 
 from __future__ import annotations
@@ -26,16 +30,20 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.cpu_isa import ISA_AMX, ISA_AVX512BF16, ISA_NAMES, ISA_NONE, isa_cap
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
 
-# Largest M (rows of x, all leading dims flattened) sent to the kernel, by the path the CPU allows;
-# above it torch is as fast or faster (scripts/bench_gemv.py). With AMX the kernel stays memory-bound
-# up to M = 32 (its limit); the AVX512_BF16 dot-product path is compute-bound from M ~ 4 on.
+# Row limits of the older bf16 GEMV (csrc/bf16_gemv.cpp: `_kernel_linear`, the fused LM-head
+# argmax): its AMX path takes M <= 32; its AVX512_BF16 path is compute-bound from M ~ 4 on.
 MAX_M_AMX = 32
 MAX_M_AVX512 = 4
 MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
+# Rows the whole-layer decode call (kernels/cpu_decoder_layer.py) takes: its products run on the
+# format-generic kernel, which takes any row count.
+MAX_M_FUSED = 256
 
 # NOTE: torch's low-precision CPU matmul (oneDNN, and ideep's cache in front of it) keeps a compiled
 # primitive per row count -- up to 1,024 in each cache, ~0.3 MiB apiece -- and a server meets
@@ -51,9 +59,11 @@ _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 # paged decode attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py), the
 # whole decode-step decoder layer built from them (kernels/cpu_decoder_layer.py), the greedy argmax
 # (kernels/cpu_argmax.py) and random sampling (kernels/cpu_sampling.py).
+# (and the weight-format-generic linear kernel with its per-ISA code, kernels/cpu_qlinear.py).
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp",
-                         "decoder_layer.cpp", "sampling.cpp")]
+                         "decoder_layer.cpp", "sampling.cpp", "qlinear.cpp")]
+_HEADERS = [Path(__file__).with_name("csrc") / "qlinear_impl.h"]
 _EXT_PREFIX = "pagedserve_cpu_kernels"
 
 
@@ -63,7 +73,7 @@ def _ext_name() -> str:
     not share a build folder: cpp_extension would rebuild it back and forth, and a process
     starting in between could load the other tree's library (ops missing or different)."""
     digest = hashlib.sha1()
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return f"{_EXT_PREFIX}_{digest.hexdigest()[:12]}"
@@ -71,12 +81,12 @@ def _ext_name() -> str:
 
 class _Kernel(NamedTuple):
     op: Callable  # torch.ops.pagedserve_cpu.bf16_linear.default
-    max_m: int  # MAX_M_AMX or MAX_M_AVX512
+    max_m: int  # rows the fused decode layer takes (MAX_M_FUSED)
 
 
-# The lazily built extension: None = not tried yet, False = unavailable (already warned), else a
-# _Kernel.
-_kernel: _Kernel | bool | None = None
+# The lazily built extension: None = not tried yet, False = unavailable (already warned), else the
+# CPU's ISA level (kernels.cpu_isa).
+_kernel: int | bool | None = None
 _kernel_lock = threading.Lock()
 
 # algo codes understood by the C++ op
@@ -88,24 +98,11 @@ def _disabled() -> bool:
     return raw is not None and raw.strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _build() -> _Kernel:
-    """Compile and load the extension; returns it or raises with the reason."""
+def _build() -> int:
+    """Compile and load the extension; returns the CPU's ISA level (kernels.cpu_isa) or raises
+    with the reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
-    if "avx512_bf16" not in _cpu_flags():
-        raise RuntimeError("the CPU lacks AVX512_BF16")
     from torch.utils import cpp_extension
 
     t0 = time.perf_counter()
@@ -121,23 +118,23 @@ def _build() -> _Kernel:
         sources=[str(p) for p in _SOURCES],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_SOURCES[0].parent)],
         is_python_module=False,
         verbose=False,
     )
-    avx512bf16, amx = torch.ops.pagedserve_cpu.features()
-    if not avx512bf16:
-        raise RuntimeError("the CPU (or OS) does not enable AVX512_BF16")
-    logger.info(
-        "CPU bf16 GEMV kernel ready in %.1f s (AMX %s)", time.perf_counter() - t0, "on" if amx else "off"
-    )
-    return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_AMX if amx else MAX_M_AVX512)
+    isa = int(torch.ops.pagedserve_cpu.cpu_isa())
+    if isa == ISA_NONE:
+        raise RuntimeError("the CPU (or OS) lacks AVX2 + FMA")
+    logger.info("CPU kernels ready in %.1f s (best ISA: %s)", time.perf_counter() - t0, ISA_NAMES[isa])
+    return isa
 
 
-def _get_kernel() -> _Kernel | None:
-    """The kernel, building it on first call (thread-safe); None when disabled or unavailable."""
+def _cpu_isa() -> int:
+    """The CPU's ISA level with the extension built (on first call, thread-safe); ISA_NONE when
+    disabled or unavailable (warned once)."""
     global _kernel
     if _disabled():
-        return None
+        return ISA_NONE
     k = _kernel
     if k is None:
         with _kernel_lock:
@@ -147,25 +144,41 @@ def _get_kernel() -> _Kernel | None:
                 except Exception as e:  # noqa: BLE001 -- any failure means: use torch
                     # first line only: a build error carries the whole compiler log (at debug)
                     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    logger.warning("CPU bf16 GEMV kernel unavailable, using torch's F.linear: %s", reason)
-                    logger.debug("CPU bf16 GEMV kernel failure", exc_info=True)
+                    logger.warning("CPU kernels unavailable, using torch: %s", reason)
+                    logger.debug("CPU kernel failure", exc_info=True)
                     _kernel = False
             k = _kernel
-    return k or None
+    return int(k) if k else ISA_NONE
+
+
+def linear_isa() -> int:
+    """The ISA level `kernels.cpu_qlinear.qlinear` runs at: the CPU's, capped by
+    `$PAGEDSERVE_CPU_ISA`; ISA_NONE when the kernels are disabled or unavailable."""
+    isa = _cpu_isa()
+    return min(isa, isa_cap()) if isa else ISA_NONE
+
+
+def _get_kernel() -> _Kernel | None:
+    """The AVX512-BF16 kernels (GEMV, norms, attention, ...), building the extension on first
+    call; None when disabled, unavailable, or the ISA (or its cap) is below AVX512-BF16."""
+    isa = linear_isa()
+    if isa < ISA_AVX512BF16:
+        return None
+    return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_FUSED)
 
 
 def kernel_available() -> bool:
-    """Whether `bf16_linear` can use the compiled kernel here (builds it on first call).
+    """Whether the AVX512-BF16 kernels can run here (builds them on first call).
 
-    False when disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS`, on CPUs without AVX512_BF16, or if
-    the build failed (logged once).
+    False when disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS`, capped below avx512bf16 by
+    `$PAGEDSERVE_CPU_ISA`, on CPUs without AVX512_BF16, or if the build failed (logged once).
     """
     return _get_kernel() is not None
 
 
 def amx_available() -> bool:
-    """Whether the kernel can use AMX tiles here (implies `kernel_available()`)."""
-    return kernel_available() and bool(torch.ops.pagedserve_cpu.features()[1])
+    """Whether the kernels can use AMX tiles here (implies `kernel_available()`)."""
+    return linear_isa() >= ISA_AMX and bool(torch.ops.pagedserve_cpu.features()[1])
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> None:
@@ -181,7 +194,8 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _use_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> bool:
     return (
-        0 < m <= MAX_M
+        0 < m
+        and x.shape[-1] > 0
         and x.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
         and x.is_cpu
@@ -207,24 +221,30 @@ def bf16_linear(
     x: [..., K]; weight: [N, K]; bias: [N] (any float dtype) or None; result: [..., N] in
     `out_dtype` (None: x.dtype; else torch.bfloat16 or torch.float32).
 
-    The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, M (the product
-    of x's leading dims) is at most `MAX_M_AMX` (CPUs with AMX) or `MAX_M_AVX512` (others), no
-    gradient is needed, and `kernel_available()`. It accumulates in fp32 and rounds once to the
-    output dtype, so `out_dtype=torch.float32` gives unrounded logits. Otherwise this is
+    The kernel runs when x and weight are bf16 CPU tensors, weight is contiguous, no gradient is
+    needed and `linear_isa()` is not ISA_NONE, for any M (the product of x's leading dims); a
+    quantized weight (`kernels.cpu_qlinear`) always does. It accumulates in fp32 and rounds once
+    to the output dtype, so `out_dtype=torch.float32` gives unrounded logits. Otherwise this is
     `F.linear(x, weight, bias)` cast to `out_dtype` (there a bf16 result is rounded to bf16 before
     any cast to fp32). ValueError on mismatched shapes or an unsupported `out_dtype`.
     """
+    spec = getattr(weight, "quant", None)  # a quantized weight (kernels.cpu_qlinear.QuantSpec)
+    if spec is not None:
+        from pagedserve.kernels.cpu_qlinear import qlinear
+
+        return qlinear(x, weight, bias, out_dtype)
     _check_args(x, weight, bias, out_dtype)
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if _use_kernel(x, weight, bias, m):
-        kernel = _get_kernel()
-        if kernel is not None and m <= kernel.max_m:
+        isa = linear_isa()
+        if isa:
+            # NOTE: every row count goes to the one kernel, whose per-row results do not depend
+            # on the batch (a request's tokens do not change with the requests beside it).
             out_fp32 = out_dtype == torch.float32
-            if x.dim() == 2 and x.is_contiguous():  # the decode-time case: no reshapes
-                return kernel.op(x, weight, bias, out_fp32, 0)
-            y = kernel.op(x.reshape(m, k).contiguous(), weight, bias, out_fp32, 0)
-            return y.reshape(*x.shape[:-1], weight.shape[0])
+            x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(m, k).contiguous()
+            y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, 0, k, bias, out_fp32, isa)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     if m > PAD_ABOVE and m % PAD_ROWS and x.dtype in _PADDED_DTYPES and x.is_cpu:

@@ -1,9 +1,9 @@
 """Megatron-style tensor-parallel layers. With one rank each computes what its torch
 counterpart (`nn.Linear` / `nn.Embedding`) does; products go through `linear` below: float32 on
 CPU runs the batch-invariant kernel of `kernels.cpu_fp32` (a row's bits do not depend on the
-batch); everything else `kernels.cpu_gemm.bf16_linear`, which is `F.linear` except for small BF16
-batches on CPUs with AVX512-BF16/AMX, where a compiled GEMV reads the weights at close to memory
-bandwidth.
+batch); everything else `kernels.cpu_gemm.bf16_linear`, which is `F.linear` except for BF16
+activations on x86 CPUs, where our compiled kernel runs them (any batch size; bf16 or quantized
+weights: `layers.quantization`).
 
 - `ColumnParallelLinear`: each rank holds a slice of the output features (no communication);
   fused outputs (q|k|v) are sliced per part.
@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.kernels.cpu_argmax import argmax_bf16, linear_argmax
+from pagedserve.kernels.cpu_argmax import argmax_bf16
 from pagedserve.kernels.cpu_fp32 import invariant_linear
-from pagedserve.kernels.cpu_gemm import bf16_linear  # F.linear, or our BF16 GEMV/AMX
+from pagedserve.kernels.cpu_gemm import bf16_linear  # F.linear, or our BF16 / quantized kernel
 from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.kernels.cpu_qlinear import qembedding
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +144,8 @@ class VocabParallelEmbedding(nn.Embedding):
             set_shard(self.weight, ShardSpec(0, ((start, stop),), num_embeddings))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, E]
+        if getattr(self.weight, "quant", None) is not None:  # quantized rows (one rank)
+            return qembedding(input_ids, self.weight)
         if not self.tp.is_parallel:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_stop)  # [T]
@@ -181,10 +184,12 @@ class ParallelLMHead(nn.Linear):
         """`forward(x).float().argmax(dim=-1)` (the first maximum; a NaN counts as the maximum)
         without fp32 logits, on the CPU kernels of `kernels.cpu_argmax`; None where they do not
         apply (not bf16 on CPU, tensor parallel, kernels unavailable): the caller computes logits.
+        NOTE: the logits come from the same product as `forward` for every batch size, so a
+        row's greedy token does not depend on its batch.
         """
         w = self.weight
+        quantized = getattr(w, "quant", None) is not None
         if (self.tp.is_parallel or x.dim() != 2 or x.dtype is not torch.bfloat16
-                or w.dtype is not torch.bfloat16 or not x.is_cpu or not kernel_available()):
+                or not (quantized or w.dtype is torch.bfloat16) or not x.is_cpu or not kernel_available()):
             return None
-        tokens = linear_argmax(x, w)  # few rows: the GEMV kernel, scanned as it writes
-        return tokens if tokens is not None else argmax_bf16(linear(x, w))
+        return argmax_bf16(linear(x, w))

@@ -75,7 +75,8 @@ def load_named_weights(
     transposed (GPT-2's Conv1D). A tensor may be a lazy safetensors slice: a tensor-parallel shard
     then reads only its own rows. Tied parameters count once, under their first name.
     Raises ValueError naming the offenders for unexpected names, shape mismatches and parameters
-    the checkpoint did not provide.
+    the checkpoint did not provide. A `layers.quantization.QuantizedTensor` replaces the weight of
+    a linear layer / LM head / embedding by its blocks (else it is dequantized into the parameter).
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -94,13 +95,25 @@ def load_named_weights(
             raise ValueError(
                 f"weight {hf_name!r} has shape {source_shape(source)}, the model expects {want}"
             )
-        copy_into(param, source, flip)
+        if _is_quantized(source):
+            from pagedserve.layers.quantization import can_quantize, install_quantized_tensor
+
+            if not flip and can_quantize(module, param):
+                install_quantized_tensor(module, param, source)  # kept as its blocks
+            else:
+                copy_into(param, source.dequantize(), flip)
+        else:
+            copy_into(param, source, flip)
         loaded.add(name)
     if unexpected:
         raise ValueError(f"unexpected weights in checkpoint: {_names(unexpected)}")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"weights missing from checkpoint: {_names(missing)}")
+
+
+def _is_quantized(source: TensorSource) -> bool:
+    return type(source).__name__ == "QuantizedTensor" and hasattr(source, "dequantize")
 
 
 def _names(names: list[str], limit: int = 10) -> str:

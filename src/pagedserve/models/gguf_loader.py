@@ -396,8 +396,12 @@ def _unpermute_qk(w: torch.Tensor, n_head: int, name: str) -> torch.Tensor:
     return w.reshape(rows, *rest).contiguous()  # [out, ...]
 
 
-def iter_gguf_weights(path: str | os.PathLike[str], config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield `(hf_name, tensor)` for every weight in the GGUF file, as float32 in HF layout.
+
+    `keep_quantized`: 2-D tensors in a block format the CPU kernel reads (Q8_0, Q4_0, Q5_0, Q4_K,
+    Q5_K, Q6_K: `kernels.cpu_qlinear.GGML_FORMATS`) come as `layers.quantization.QuantizedTensor`
+    (their blocks, copied out of the file) instead.
 
     Names are HF safetensors names (`model.layers.0.self_attn.q_proj.weight`, ...); shapes are
     HF's (`[out, in]` for linear weights). Quantized tensors are dequantized with `gguf`. llama.cpp's
@@ -429,7 +433,8 @@ def iter_gguf_weights(path: str | os.PathLike[str], config) -> Iterator[tuple[st
     for info in header.tensors:
         if info.name not in hf_names:
             continue
-        tensor = _read_tensor_f32(blob, info)  # float32, HF shape
+        quantized = _read_quantized(blob, info) if keep_quantized else None
+        tensor = quantized.data if quantized is not None else _read_tensor_f32(blob, info)  # HF shape
         leaf = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
         if arch == "llama" and leaf == "attn_q":
             tensor = _unpermute_qk(tensor, n_head, info.name)  # [H*D, hidden] or [H*D]
@@ -439,4 +444,26 @@ def iter_gguf_weights(path: str | os.PathLike[str], config) -> Iterator[tuple[st
         # computes x * (1 + w)); this covers the q/k norms as well as the block and final norms.
         if arch == "gemma3" and info.name.endswith("norm.weight"):
             tensor = tensor - 1.0  # [dim]
+        if quantized is not None:  # rows permuted above as whole rows of blocks
+            quantized.data = tensor.contiguous()
+            tensor = quantized
         yield hf_names[info.name], tensor
+
+
+def _read_quantized(blob: np.memmap, info: GGUFTensorInfo):
+    """The tensor's blocks as a `QuantizedTensor` (a copy: the model does not pin the file), or
+    None if it is not a 2-D tensor in a format the kernel reads."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pagedserve.kernels.cpu_qlinear import FORMATS, GGML_FORMATS
+    from pagedserve.layers.quantization import QuantizedTensor
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    name = GGML_FORMATS.get(qtype.name)
+    if name is None or len(info.shape) != 2:
+        return None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = info.shape
+    raw = blob[info.offset : info.offset + info.nbytes].reshape(rows, cols // block_size * type_size)
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # [rows, row_bytes]
+    return QuantizedTensor(data, FORMATS[name], (rows, cols), int(info.ggml_type))

@@ -152,11 +152,15 @@ def load_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
     tp: TPContext = SINGLE,
+    quantization: str = "none",
 ) -> nn.Module:
     """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
     e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
     With `tp` of several ranks the model is this rank's shard and loads only its part of each
-    tensor. Returns the model in eval mode without gradients."""
+    tensor. `quantization` ("none" | "gguf" | "int8", see `layers.quantization`): "gguf" keeps
+    the quantized tensors `weights` yields as blocks (they come that way from
+    `ModelSource.iter_weights(keep_quantized=True)`), "int8" quantizes the linear layers and
+    embeddings after loading. Returns the model in eval mode without gradients."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
@@ -168,6 +172,10 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         model.load_weights(weights)
+    if quantization == "int8":
+        from pagedserve.layers.quantization import quantize_model_int8
+
+        quantize_model_int8(model)
     release_freed_memory()
     return model.eval()
 

@@ -19,13 +19,15 @@ class ModelSource:
     path: Path
     config: object  # transformers.PretrainedConfig
 
-    def iter_weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, lazy: bool = False, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors with HF names, read from safetensors or dequantized from the GGUF. `lazy`:
-        safetensors slices that read only what is indexed (GGUF tensors are dequantized whole)."""
+        safetensors slices that read only what is indexed (GGUF tensors are dequantized whole).
+        `keep_quantized`: a GGUF's block-quantized matrices come as their blocks
+        (`layers.quantization.QuantizedTensor`)."""
         if self.kind == "gguf":
             from pagedserve.models.gguf_loader import iter_gguf_weights
 
-            return iter_gguf_weights(self.path, self.config)
+            return iter_gguf_weights(self.path, self.config, keep_quantized=keep_quantized)
         from pagedserve.models.loader import iter_safetensors
 
         return iter_safetensors(self.path, lazy=lazy)

@@ -194,10 +194,16 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     world_size = args.tensor_parallel_size
     backend = executor_backend(world_size, args.distributed_executor_backend)
     threads = None if device.type == "cuda" else max(1, torch.get_num_threads() // world_size)
+    from pagedserve.layers.quantization import resolve_quantization
+
+    quantization = resolve_quantization(getattr(args, "quantization", None), source.kind, device.type,
+                                        world_size)
+    if args.load_format == "dummy" and quantization == "gguf":
+        quantization = "none"  # random weights: nothing to keep
     config = WorkerConfig(source=source, load_format=args.load_format, dtype=dtype,
                           device_type=device.type, seed=args.seed, world_size=world_size,
                           num_threads=threads, attention_backend=args.attention_backend,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, quantization=quantization)
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

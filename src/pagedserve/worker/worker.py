@@ -38,6 +38,7 @@ class WorkerConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs
+    quantization: str = "none"  # "none" | "gguf" | "int8" (layers.quantization.resolve_quantization)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,13 @@ class StepReply:
 
 
 def model_info(model: torch.nn.Module) -> ModelInfo:
-    return ModelInfo(model.kv_cache_spec, sum(p.numel() for p in model.parameters()))
+    return ModelInfo(model.kv_cache_spec, sum(_num_values(p) for p in model.parameters()))
+
+
+def _num_values(p: torch.Tensor) -> int:
+    """Parameters a tensor holds: a quantized weight's rows times its input features."""
+    spec = getattr(p, "quant", None)  # kernels.cpu_qlinear.QuantSpec
+    return p.shape[0] * spec.in_features if spec is not None else p.numel()
 
 
 def make_runner(model, kv_cache: KVCache, cache: CacheConfig, device: torch.device, *,
@@ -124,9 +131,10 @@ class Worker:
         self.tp = init_tp_group(rank, config.world_size, init_method, self.device)
         source = config.source
         weights = None if config.load_format == "dummy" else source.iter_weights(
-            lazy=config.world_size > 1)
+            lazy=config.world_size > 1, keep_quantized=config.quantization == "gguf")
         self.model = load_model(source.config, weights=weights, dtype=config.dtype,
-                                device=self.device, seed=config.seed, tp=self.tp)
+                                device=self.device, seed=config.seed, tp=self.tp,
+                                quantization=config.quantization)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()

@@ -1,0 +1,145 @@
+"""Linear layers over bf16 or quantized weights, on the compiled kernel (csrc/qlinear.cpp).
+
+A quantized weight is a uint8 tensor `[N, row_bytes]` holding each output row's blocks exactly as
+the format lays them out (GGUF's ggml blocks, or our INT8 rows: an fp32 scale then K int8), with a
+`QuantSpec` attached as its `quant` attribute (`set_quant`); `kernels.cpu_gemm.bf16_linear` routes
+such weights here. The kernel dequantizes 16 rows of W at a time into a buffer in L1/L2 and
+multiplies every row of x by them (AMX, AVX512-BF16, AVX512F or AVX2 FMA: `kernels.cpu_isa`);
+each weight byte is read once per product, for any number of rows, and a row's result does not
+depend on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.cpu_gemm import linear_isa
+from pagedserve.kernels.cpu_isa import ISA_NONE
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A weight format: its code for the kernel, values per block and bytes per block."""
+
+    name: str
+    code: int
+    block: int
+    block_bytes: int
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one row of k values; ValueError if k is not whole blocks."""
+        if self.name == "int8":
+            return 4 + k
+        if k % self.block:
+            raise ValueError(f"{self.name} rows need a multiple of {self.block} values, got {k}")
+        return k // self.block * self.block_bytes
+
+
+FORMATS = {
+    f.name: f
+    for f in (
+        QuantFormat("bf16", 0, 1, 2),
+        QuantFormat("q8_0", 1, 32, 34),
+        QuantFormat("q4_k", 2, 256, 144),
+        QuantFormat("q5_k", 3, 256, 176),
+        QuantFormat("q6_k", 4, 256, 210),
+        QuantFormat("int8", 5, 1, 1),  # per row: fp32 scale, then K int8
+        QuantFormat("q5_0", 6, 32, 22),
+        QuantFormat("q4_0", 7, 32, 18),
+    )
+}
+
+# ggml type names (gguf.GGMLQuantizationType) the kernel takes as they are
+GGML_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0",
+                "Q4_0": "q4_0"}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a quantized weight tensor holds: `format` rows of `in_features` values; `dtype` is
+    the activation dtype of the model it serves (embedding lookups return it)."""
+
+    format: QuantFormat
+    in_features: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+def set_quant(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Mark `weight` (uint8 `[N, row_bytes]`) as holding `spec`; returns it. ValueError if the
+    bytes do not match."""
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise ValueError(f"a quantized weight is a 2-D uint8 tensor, got {weight.dtype} {tuple(weight.shape)}")
+    want = spec.format.row_bytes(spec.in_features)
+    if weight.shape[1] != want:
+        raise ValueError(f"{spec.format.name} rows of {spec.in_features} values take {want} bytes, "
+                         f"the tensor has {weight.shape[1]}")
+    weight.quant = spec
+    return weight
+
+
+def quant_spec(weight: torch.Tensor) -> QuantSpec | None:
+    """The `QuantSpec` of a quantized weight, None for a plain one."""
+    return getattr(weight, "quant", None)
+
+
+def quantized_available() -> bool:
+    """Whether quantized weights can be multiplied here (the kernel built, an x86 CPU with AVX2)."""
+    return linear_isa() != ISA_NONE
+
+
+def qlinear(
+    x: torch.Tensor,  # [..., K] bf16 or fp32
+    weight: torch.Tensor,  # bf16 [N, K], or uint8 [N, row_bytes] with a QuantSpec
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
+    isa: int | None = None,  # None: linear_isa()
+) -> torch.Tensor:  # [..., N]
+    """`x @ dequant(weight).T + bias` on the compiled kernel, fp32 accumulation and one rounding.
+
+    RuntimeError when the kernel is unavailable (see `quantized_available`)."""
+    spec = quant_spec(weight)
+    fmt, k = (spec.format, spec.in_features) if spec is not None else (FORMATS["bf16"], weight.shape[1])
+    if x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not match a weight of {k} input features")
+    level = linear_isa() if isa is None else isa
+    if level == ISA_NONE:
+        raise RuntimeError("the compiled CPU linear kernel is unavailable (disabled, not x86-64 "
+                           "with AVX2, or the build failed)")
+    out_fp32 = out_dtype == torch.float32 and x.dtype != torch.float32
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, fmt.code, k, bias, out_fp32, level)
+    if out_dtype is not None and y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def qembedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, any shape) of a quantized weight, dequantized: `[*ids.shape, K]` in the
+    weight's `QuantSpec.dtype`."""
+    spec = quant_spec(weight)
+    if spec is None:
+        raise ValueError("qembedding needs a quantized weight")
+    level = linear_isa()
+    if level == ISA_NONE:
+        raise RuntimeError("the compiled CPU kernels are unavailable")
+    flat = ids.reshape(-1).to(torch.long)
+    y = torch.ops.pagedserve_cpu.qrows.default(weight, spec.format.code, spec.in_features, flat, level)
+    return y.to(spec.dtype).reshape(*ids.shape, spec.in_features)
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Weight-only INT8 with one scale per output row (absmax / 127, round to nearest): the
+    uint8 `[N, 4 + K]` rows the kernel reads, marked with their `QuantSpec`."""
+    if w.dim() != 2:
+        raise ValueError(f"int8 quantization takes a 2-D weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1) / 127.0  # [N]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(wf / scale[:, None]), -127, 127).to(torch.int8)  # [N, K]
+    out = torch.empty(n, 4 + k, dtype=torch.uint8)
+    out[:, :4] = scale.contiguous().view(torch.uint8).view(n, 4)
+    out[:, 4:] = q.view(torch.uint8)
+    return set_quant(out, QuantSpec(FORMATS["int8"], k, dtype))

@@ -1,0 +1,572 @@
+// One ISA's instance of the weight-format-generic linear kernel (csrc/qlinear.cpp includes this
+// file once per ISA, inside `namespace isa_<name>` and between `#pragma GCC push_options /
+// target(...)`, with PS_ISA set to that ISA's level). Nothing here may be used outside its ISA.
+//
+//   y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  fp32 accumulation.
+//
+// W is walked in blocks of 16 rows: each block is dequantized once (to bf16 on the AMX and
+// AVX512-BF16 levels, to fp32 on AVX512F and AVX2) into a thread's buffer -- bf16 weights on the
+// bf16 levels are read in place -- and multiplied by every row of x from there.
+//
+// NOTE: batch invariance. Every output element y[m, n] is computed by the same instruction
+// sequence whatever M is and wherever row m sits in its tile: one accumulator per (m, n) walks K
+// in the same steps, then one fixed horizontal reduction (or, with AMX, one C-tile element that
+// only ever sees row m of x and row n of W), then + bias and one rounding. A request's results
+// therefore do not depend on the batch it runs in. Keep it so: no M-dependent paths.
+
+#ifndef PS_ISA
+#error "include from qlinear.cpp with PS_ISA defined"
+#endif
+
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+using WT = uint16_t;  // dequantized weights: bf16
+#else
+using WT = float;
+#endif
+
+// NOTE: these small helpers live here, compiled for this ISA, so that they inline into its
+// code: a call from AVX code into generic (SSE) code costs an AVX-SSE state transition, which
+// made the first version 30x slower.
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp32 -> bf16, round to nearest even (as vcvtneps2bf16 and c10::BFloat16 for non-NaN values).
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// IEEE half -> float (block scales).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: man * 2^-24
+      const float f = float(man) * 5.9604644775390625e-8f;
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// y[m, n] = v + bias[n], rounded once to y's dtype.
+inline void put_out(const Out& o, int64_t m, int64_t n, float v) {
+  if (o.bias) v += o.bias[n];
+  if (o.fp32) {
+    static_cast<float*>(o.y)[m * o.ldy + n] = v;
+  } else {
+    static_cast<uint16_t*>(o.y)[m * o.ldy + n] = bf16_round(v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization of one row (K values) into dst. Plain loops over a block: auto-vectorized for
+// this ISA. Block layouts follow ggml (ggml-common.h).
+// ---------------------------------------------------------------------------------------------
+
+inline void put(float* dst, int64_t i, float v) { dst[i] = v; }
+inline void put(uint16_t* dst, int64_t i, float v) { dst[i] = bf16_round(v); }
+
+// 32 bits -> 32 bytes: 0xFF where the bit is set (llama.cpp's bytes_from_bits_32).
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                         0x0101010101010101, 0x0000000000000000);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+
+// 16 bytes of nibble pairs -> 32 bytes: the low nibbles, then the high nibbles (ggml's order).
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0xF));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0xF));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+#if PS_ISA == 1  // the format loops: built once, for AVX2 (see dequant_to)
+template <typename T>
+void dq_q8_0(const uint8_t* row, int64_t K, T* dst) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const float d = half_to_float(load_u16(blk));
+    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * float(qs[l]));
+  }
+}
+
+template <typename T>
+inline void scale32(const int8_t* q, float d, T* y) {
+  for (int l = 0; l < 32; ++l) put(y, l, d * float(q[l]));
+}
+
+template <typename T>
+void dq_q5_0(const uint8_t* row, int64_t K, T* dst) {
+  alignas(32) int8_t q[32];
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 22;
+    const float d = half_to_float(load_u16(blk));
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nibbles(blk + 6), hb), _mm256_set1_epi8(16));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
+    scale32(q, d, dst + b * 32);
+  }
+}
+
+template <typename T>
+void dq_q4_0(const uint8_t* row, int64_t K, T* dst) {
+  alignas(32) int8_t q[32];
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 18;
+    const float d = half_to_float(load_u16(blk));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8)));
+    scale32(q, d, dst + b * 32);
+  }
+}
+
+// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
+inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+}
+
+template <typename T>
+void dq_q4_k(const uint8_t* row, int64_t K, T* dst) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * 144;
+    const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
+    uint8_t sc[8], mn[8];
+    k4_scales(blk + 4, sc, mn);
+    const uint8_t* qs = blk + 16;
+    T* y = dst + b * 256;
+    for (int j = 0; j < 4; ++j) {
+      const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
+      const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
+      for (int l = 0; l < 32; ++l) put(y, 64 * j + l, d1 * float(qs[32 * j + l] & 0xF) - m1);
+      for (int l = 0; l < 32; ++l) put(y, 64 * j + 32 + l, d2 * float(qs[32 * j + l] >> 4) - m2);
+    }
+  }
+}
+
+template <typename T>
+void dq_q5_k(const uint8_t* row, int64_t K, T* dst) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * 176;
+    const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
+    uint8_t sc[8], mn[8];
+    k4_scales(blk + 4, sc, mn);
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + 48;
+    T* y = dst + b * 256;
+    for (int j = 0; j < 4; ++j) {
+      const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
+      const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
+      const int s1 = 2 * j, s2 = 2 * j + 1;
+      for (int l = 0; l < 32; ++l)
+        put(y, 64 * j + l, d1 * float(int(qs[32 * j + l] & 0xF) | (((qh[l] >> s1) & 1) << 4)) - m1);
+      for (int l = 0; l < 32; ++l)
+        put(y, 64 * j + 32 + l, d2 * float(int(qs[32 * j + l] >> 4) | (((qh[l] >> s2) & 1) << 4)) - m2);
+    }
+  }
+}
+
+template <typename T>
+void dq_q6_k(const uint8_t* row, int64_t K, T* dst) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_to_float(load_u16(blk + 208));
+    T* y = dst + b * 256;
+    for (int h = 0; h < 2; ++h) {  // two halves of 128
+      const uint8_t* l0 = ql + 64 * h;
+      const uint8_t* hh = qh + 32 * h;
+      const int8_t* s = sc + 8 * h;
+      for (int i = 0; i < 2; ++i) {  // l in [16 i, 16 i + 16): scale index i
+        const float a0 = d * s[i], a1 = d * s[i + 2], a2 = d * s[i + 4], a3 = d * s[i + 6];
+        for (int l = 16 * i; l < 16 * i + 16; ++l) {
+          const int q1 = int((l0[l] & 0xF) | (((hh[l] >> 0) & 3) << 4)) - 32;
+          const int q2 = int((l0[l + 32] & 0xF) | (((hh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = int((l0[l] >> 4) | (((hh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = int((l0[l + 32] >> 4) | (((hh[l] >> 6) & 3) << 4)) - 32;
+          put(y, 128 * h + l, a0 * float(q1));
+          put(y, 128 * h + l + 32, a1 * float(q2));
+          put(y, 128 * h + l + 64, a2 * float(q3));
+          put(y, 128 * h + l + 96, a3 * float(q4));
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void dq_int8(const uint8_t* row, int64_t K, T* dst) {
+  float s;
+  std::memcpy(&s, row, 4);
+  const int8_t* q = reinterpret_cast<const int8_t*>(row + 4);
+  for (int64_t k = 0; k < K; ++k) put(dst, k, s * float(q[k]));
+}
+
+template <typename T>
+void dq_bf16(const uint8_t* row, int64_t K, T* dst) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  for (int64_t k = 0; k < K; ++k) put(dst, k, bf16_to_float(w[k]));
+}
+
+template <typename T>
+void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
+  switch (fmt) {
+    case kFmtBf16: return dq_bf16(row, K, dst);
+    case kFmtQ8_0: return dq_q8_0(row, K, dst);
+    case kFmtQ4_K: return dq_q4_k(row, K, dst);
+    case kFmtQ5_K: return dq_q5_k(row, K, dst);
+    case kFmtQ6_K: return dq_q6_k(row, K, dst);
+    case kFmtInt8: return dq_int8(row, K, dst);
+    case kFmtQ5_0: return dq_q5_0(row, K, dst);
+    case kFmtQ4_0: return dq_q4_0(row, K, dst);
+  }
+}
+
+#endif
+
+// The 32-value block formats (most of a Q4_K_M file's bytes), straight to the kernel's weight
+// type: the block's 32 int8 values (AVX2), times d in fp32 (as the format loops compute it),
+// stored as 32 WT. Returns false for the other formats.
+inline void emit32(__m256i q, float d, WT* dst) {
+#if PS_ISA >= 2  // kIsaAvx512
+  const __m512 vd = _mm512_set1_ps(d);
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), vd);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), vd);
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+  _mm512_storeu_ps(dst, lo);
+  _mm512_storeu_ps(dst + 16, hi);
+#endif
+#else
+  const __m256 vd = _mm256_set1_ps(d);
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), vd));
+  _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), vd));
+  _mm256_storeu_ps(dst + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), vd));
+  _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), vd));
+#endif
+}
+
+inline bool dequant_fast(int64_t fmt, const uint8_t* row, int64_t K, WT* dst) {
+  const int64_t nb = K / 32;
+  switch (fmt) {
+    case kFmtQ8_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 34;
+        emit32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), half_to_float(load_u16(blk)), dst + b * 32);
+      }
+      return true;
+    case kFmtQ5_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 22;
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nibbles(blk + 6), hb), _mm256_set1_epi8(16));
+        emit32(v, half_to_float(load_u16(blk)), dst + b * 32);
+      }
+      return true;
+    case kFmtQ4_0:
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 18;
+        emit32(_mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8)), half_to_float(load_u16(blk)), dst + b * 32);
+      }
+      return true;
+  }
+  return false;
+}
+
+// One row into the kernel's weight type. Every level dequantizes with the AVX2 build of the
+// format loops (the AVX-512 builds of the K-quant loops measured up to 3x slower), so all levels
+// see the same weight values. On the bf16 levels the row goes to fp32 in `tmp` (K floats), then
+// is rounded 32 values at a time (vcvtne2ps2bf16: round to nearest even, as bf16_round).
+inline void dequant_to(int64_t fmt, const uint8_t* row, int64_t K, WT* dst, float* tmp) {
+  if (dequant_fast(fmt, row, K, dst)) return;
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+  ::isa_avx2::dequant_row<float>(fmt, row, K, tmp);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + k + 16),
+                                                               _mm512_loadu_ps(tmp + k)));
+  for (; k < K; ++k) dst[k] = bf16_round(tmp[k]);
+#elif PS_ISA == 2  // kIsaAvx512
+  (void)tmp;
+  ::isa_avx2::dequant_row<float>(fmt, row, K, dst);
+#else
+  (void)tmp;
+  dequant_row<float>(fmt, row, K, dst);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot-product tiles: rows x[0..MB) (stride K) times rows w[0..NB) (stride ldw) over all K.
+// ---------------------------------------------------------------------------------------------
+
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+using XT = uint16_t;  // x as bf16
+constexpr int64_t kStep = 32;
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline Acc acc_step(Acc a, const XT* x, const WT* w) {
+  return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
+}
+inline Acc acc_tail(Acc a, const XT* x, const WT* w, int64_t n) {
+  const __mmask32 m = (__mmask32)((1ull << n) - 1);
+  return _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(m, x),
+                          (__m512bh)_mm512_maskz_loadu_epi16(m, w));
+}
+inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+#elif PS_ISA == 2  // kIsaAvx512
+using XT = float;
+constexpr int64_t kStep = 16;
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline Acc acc_step(Acc a, const XT* x, const WT* w) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), a);
+}
+inline Acc acc_tail(Acc a, const XT* x, const WT* w, int64_t n) {
+  const __mmask16 m = (__mmask16)((1u << n) - 1);
+  return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x), _mm512_maskz_loadu_ps(m, w), a);
+}
+inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+#else
+using XT = float;
+constexpr int64_t kStep = 8;
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline Acc acc_step(Acc a, const XT* x, const WT* w) {
+  return _mm256_fmadd_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(w), a);
+}
+inline Acc acc_tail(Acc a, const XT* x, const WT* w, int64_t n) {
+  alignas(32) static const int32_t ones[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ones + 8 - n));
+  return _mm256_fmadd_ps(_mm256_maskload_ps(x, m), _mm256_maskload_ps(w, m), a);
+}
+inline float acc_sum(Acc a) {  // fixed tree: halves, then quarters, then pairs
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+template <int MB, int NB>
+__attribute__((always_inline)) inline void dot_tile(const XT* __restrict x, int64_t K,
+                                                    const WT* __restrict w, int64_t ldw, float* res) {
+  Acc acc[MB * NB];
+#pragma GCC unroll 16
+  for (int t = 0; t < MB * NB; ++t) acc[t] = acc_zero();
+  int64_t k = 0;
+  for (; k + kStep <= K; k += kStep)
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i * NB + j] = acc_step(acc[i * NB + j], x + i * K + k, w + j * ldw + k);
+  if (k < K)
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j)
+        acc[i * NB + j] = acc_tail(acc[i * NB + j], x + i * K + k, w + j * ldw + k, K - k);
+#pragma GCC unroll 16
+  for (int t = 0; t < MB * NB; ++t) res[t] = acc_sum(acc[t]);
+}
+
+template <int MB>
+inline void dot_rows(const XT* x, int64_t K, const WT* w, int64_t ldw, int64_t nr, const Out& out,
+                     int64_t m0, int64_t n0) {
+  float res[MB * 4];
+  int64_t j = 0;
+  for (; j + 4 <= nr; j += 4) {
+    dot_tile<MB, 4>(x, K, w + j * ldw, ldw, res);
+    for (int i = 0; i < MB; ++i)
+      for (int jj = 0; jj < 4; ++jj) put_out(out, m0 + i, n0 + j + jj, res[i * 4 + jj]);
+  }
+  for (; j < nr; ++j) {
+    dot_tile<MB, 1>(x, K, w + j * ldw, ldw, res);
+    for (int i = 0; i < MB; ++i) put_out(out, m0 + i, n0 + j, res[i]);
+  }
+}
+
+// All M rows of x times the nr (<= 16) rows of one dequantized block.
+inline void dot_block(const XT* x, int64_t M, int64_t K, const WT* w, int64_t ldw, int64_t nr,
+                      const Out& out, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_rows<4>(x + m * K, K, w, ldw, nr, out, m, n0);
+  switch (M - m) {
+    case 3: dot_rows<3>(x + m * K, K, w, ldw, nr, out, m, n0); break;
+    case 2: dot_rows<2>(x + m * K, K, w, ldw, nr, out, m, n0); break;
+    case 1: dot_rows<1>(x + m * K, K, w, ldw, nr, out, m, n0); break;
+  }
+}
+
+#if PS_ISA >= 4  // kIsaAmx
+// AMX: C (16 rows of W x 16 rows of x) += A (16 rows of W x 32 k, bf16) . B (x packed: 16 k-pairs
+// x 16 rows x 2). Two C tiles share each A tile load.
+inline void amx_config() {
+  alignas(64) uint8_t cfg[64] = {0};
+  cfg[0] = 1;  // palette 1
+  for (int t : {0, 1, 4, 6, 7}) {
+    cfg[16 + 2 * t] = 64;  // colsb
+    cfg[48 + t] = 16;      // rows
+  }
+  _tile_loadconfig(cfg);
+}
+
+// xpk: [ceil(M / 16)][K / 32][16][16][2] bf16, zero-padded rows.
+inline void amx_pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xpk) {
+  const int64_t KC = K / 32, MBk = (M + 15) / 16;
+  std::memset(xpk, 0, size_t(MBk * KC * 512) * 2);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t mb = m / 16, mi = m % 16;
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      uint16_t* t = xpk + (mb * KC + kc) * 512;
+      const uint16_t* xr = x + m * K + kc * 32;
+      for (int p = 0; p < 16; ++p) {
+        t[p * 32 + mi * 2] = xr[2 * p];
+        t[p * 32 + mi * 2 + 1] = xr[2 * p + 1];
+      }
+    }
+  }
+}
+
+inline void amx_block(const uint16_t* xpk, int64_t M, int64_t K, const WT* w, int64_t ldw,
+                      int64_t nr, const Out& out, int64_t n0) {
+  const int64_t KC = K / 32, MBk = (M + 15) / 16;
+  alignas(64) float c[2][256];
+  for (int64_t mb = 0; mb < MBk; mb += 2) {
+    const bool two = mb + 1 < MBk;
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint16_t* b0 = xpk + mb * KC * 512;
+    const uint16_t* b1 = b0 + KC * 512;
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      _tile_loadd(4, w + kc * 32, ldw * 2);
+      _tile_loadd(6, b0 + kc * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) {
+        _tile_loadd(7, b1 + kc * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    if (two) _tile_stored(1, c[1], 64);
+    for (int h = 0; h < (two ? 2 : 1); ++h) {
+      const int64_t mbase = (mb + h) * 16, mn = std::min<int64_t>(16, M - mbase);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = 0; j < mn; ++j) put_out(out, mbase + j, n0 + i, c[h][i * 16 + j]);
+    }
+  }
+}
+#endif
+
+// The whole product. x: [M, K] bf16 (bf16 levels) or fp32; w: rows of row_bytes bytes.
+inline void run(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint8_t* w,
+                int64_t row_bytes, int64_t N, const Out& out) {
+#if PS_ISA >= 4  // kIsaAmx
+  const bool amx = K % 32 == 0;
+  std::vector<uint16_t> packed;
+  uint16_t* xpk = nullptr;
+  if (amx) {
+    packed.resize(size_t(((M + 15) / 16) * (K / 32) * 512 + 32));
+    xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
+    amx_pack_x(x, M, K, xpk);
+  }
+#endif
+  // bf16 weights on the bf16 levels are used in place (no buffer)
+  const bool in_place = fmt == kFmtBf16 && sizeof(WT) == 2;
+  parallel_blocks(N, [&](int64_t nb, int64_t ne) {
+    // NOTE: two buffers: block i + 1 is dequantized before block i is multiplied, so the
+    // products read stores that have long left the store buffer (AMX tile loads of just-written
+    // lines stall). A partial block's missing rows are zeros (the A tile reads 16 rows).
+    std::vector<WT> buf(in_place ? 0 : size_t(2 * 16 * K + 64));
+    std::vector<float> tmp(sizeof(WT) == 2 && !in_place ? size_t(K) : 0);
+    WT* wb[2] = {nullptr, nullptr};
+    if (!in_place) {
+      wb[0] = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+      wb[1] = wb[0] + 16 * K;
+    }
+    auto fill = [&](int64_t n0, WT* dst) {
+      const int64_t nr = std::min<int64_t>(16, N - n0);
+      for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * K, tmp.data());
+      if (nr < 16) std::memset(dst + nr * K, 0, size_t((16 - nr) * K) * sizeof(WT));
+    };
+#if PS_ISA >= 4  // kIsaAmx
+    if (amx) amx_config();
+#endif
+    if (!in_place && nb < ne) fill(nb, wb[0]);
+    for (int64_t n0 = nb, i = 0; n0 < ne; n0 += 16, ++i) {
+      const int64_t nr = std::min<int64_t>(16, N - n0);
+      const WT* blk;
+      if (in_place) {
+        blk = reinterpret_cast<const WT*>(w + n0 * row_bytes);
+      } else {
+        if (n0 + 16 < ne) fill(n0 + 16, wb[(i + 1) & 1]);
+        blk = wb[i & 1];
+      }
+#if PS_ISA >= 4  // kIsaAmx
+      if (amx) {
+        std::vector<WT> pad;
+        if (nr < 16 && in_place) {  // a partial block of bf16 weights read in place: pad a copy
+          pad.assign(size_t(16 * K + 64), 0);
+          WT* p = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(pad.data()) + 63) & ~uintptr_t(63));
+          std::memcpy(p, blk, size_t(nr * K) * sizeof(WT));
+          blk = p;
+        }
+        amx_block(xpk, M, K, blk, K, nr, out, n0);
+        continue;
+      }
+#endif
+      dot_block(x, M, K, blk, K, nr, out, n0);
+    }
+#if PS_ISA >= 4  // kIsaAmx
+    if (amx) _tile_release();
+#endif
+  });
+}
+
+// Rows `ids` of W dequantized to fp32 (embedding lookups).
+inline void rows_f32(int64_t fmt, const uint8_t* w, int64_t row_bytes, int64_t K,
+                     const int64_t* ids, int64_t T, float* dst) {
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) ::isa_avx2::dequant_row<float>(fmt, w + ids[t] * row_bytes, K, dst + t * K);
+  });
+}

@@ -1,0 +1,141 @@
+"""Weights kept quantized in a model (CPU): GGUF blocks as loaded, or INT8 computed at load.
+
+- `QuantizedTensor`: a checkpoint tensor as its format's rows of blocks (what
+  `models.gguf_loader.iter_gguf_weights(..., keep_quantized=True)` yields for the block formats
+  the kernel reads); `layers.weights.load_named_weights` installs it with `install_quantized`.
+- `quantize_model_int8(model)`: weight-only INT8, one scale per output row, for every linear
+  layer, LM head and embedding table of a loaded model.
+- `resolve_quantization(...)`: what `EngineArgs.quantization` means for a model source.
+
+A quantized weight replaces the module's `weight` Parameter (in every module sharing it: a tied
+LM head and embedding stay tied) by a uint8 Parameter carrying a `kernels.cpu_qlinear.QuantSpec`;
+the layers' products (`kernels.cpu_gemm.bf16_linear`) and embedding lookups see it there.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.cpu_qlinear import (
+    QuantFormat,
+    QuantSpec,
+    quantize_int8,
+    quantized_available,
+    set_quant,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "gguf", "int8")
+"""`EngineArgs.quantization` values (None: "gguf" for a GGUF file on CPU, else "none")."""
+
+
+class QuantizedTensor:
+    """A 2-D checkpoint tensor `[N, K]` kept as `data`, uint8 `[N, row_bytes]` rows of `format`
+    blocks. `dequantize()` gives the float32 values (for parameters that cannot stay quantized)."""
+
+    def __init__(self, data: torch.Tensor, format: QuantFormat, shape: tuple[int, int], ggml_type: int):
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != shape[0]:
+            raise ValueError(f"quantized tensor data must be uint8 [{shape[0]}, row_bytes]")
+        if data.shape[1] != format.row_bytes(shape[1]):
+            raise ValueError(f"{format.name} rows of {shape[1]} values take {format.row_bytes(shape[1])} bytes")
+        self.data, self.format, self.shape, self.ggml_type = data, format, tuple(shape), ggml_type
+
+    def get_shape(self) -> tuple[int, int]:
+        return self.shape
+
+    def dequantize(self) -> torch.Tensor:  # float32 [N, K]
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(self.data.numpy(), GGMLQuantizationType(self.ggml_type)).copy())
+
+
+def _quantizable_classes() -> tuple[type, ...]:
+    from pagedserve.layers.linear import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    return ColumnParallelLinear, RowParallelLinear, ParallelLMHead, VocabParallelEmbedding
+
+
+def _owners(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str]]:
+    return [(m, k) for m in model.modules() for k, p in m._parameters.items() if p is param]
+
+
+def can_quantize(model: nn.Module, param: torch.Tensor) -> bool:
+    """Whether `param` may be replaced by a quantized weight: the `weight` of linear layers, LM
+    heads and embeddings only, on one rank, in a CPU model."""
+    owners = _owners(model, param)
+    classes = _quantizable_classes()
+    return bool(owners) and param.device.type == "cpu" and all(
+        isinstance(m, classes) and k == "weight" and not m.tp.is_parallel for m, k in owners
+    )
+
+
+def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tensor) -> None:
+    """Replace `param` by `weight` (uint8, marked by `set_quant`) in every module holding it."""
+    new = nn.Parameter(weight, requires_grad=False)
+    new.quant = weight.quant
+    for module, key in _owners(model, param):
+        module._parameters[key] = new
+
+
+def install_quantized_tensor(model: nn.Module, param: torch.Tensor, source: QuantizedTensor) -> None:
+    """Install checkpoint blocks `source` in place of `param` (its shape already checked)."""
+    spec = QuantSpec(source.format, source.shape[1], param.dtype)
+    install_quantized(model, param, set_quant(source.data, spec))
+
+
+@torch.no_grad()
+def quantize_model_int8(model: nn.Module) -> int:
+    """Weight-only INT8 (per output row) for every linear layer, LM head and embedding table of
+    `model` that is not already quantized; returns how many weights were converted."""
+    seen: set[int] = set()
+    count = 0
+    for module in list(model.modules()):
+        if not isinstance(module, _quantizable_classes()):
+            continue
+        w = module._parameters.get("weight")
+        if w is None or id(w) in seen or getattr(w, "quant", None) is not None or w.dim() != 2:
+            continue
+        seen.add(id(w))
+        if can_quantize(model, w):
+            install_quantized(model, w, quantize_int8(w, w.dtype))
+            count += 1
+    return count
+
+
+def resolve_quantization(requested: str | None, source_kind: str, device_type: str, world_size: int) -> str:
+    """What to load: "none", "gguf" (keep a GGUF file's quantized tensors) or "int8".
+
+    None picks "gguf" for a GGUF file on one CPU worker when the kernels are available, else
+    "none". ValueError for an explicit choice that cannot apply (GPU, tensor parallel, "gguf" on a
+    non-GGUF model, kernels unavailable)."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {requested!r}")
+    if requested is None:
+        if source_kind != "gguf" or device_type != "cpu" or world_size != 1:
+            return "none"
+        if not quantized_available():
+            logger.warning("quantized CPU kernels unavailable: GGUF weights are dequantized")
+            return "none"
+        return "gguf"
+    if requested == "none":
+        return "none"
+    if device_type != "cpu":
+        raise ValueError(f"quantization={requested!r} runs on CPU only (device is {device_type})")
+    if world_size != 1:
+        raise ValueError(f"quantization={requested!r} needs tensor_parallel_size=1")
+    if requested == "gguf" and source_kind != "gguf":
+        raise ValueError("quantization='gguf' needs a GGUF model file")
+    if not quantized_available():
+        raise ValueError(f"quantization={requested!r} needs the compiled CPU kernels (x86-64 with "
+                         "AVX2 and a C++ compiler; not disabled by PAGEDSERVE_DISABLE_CPU_KERNELS)")
+    return requested
