@@ -3,11 +3,11 @@
     python scripts/stress.py --minutes 30            # random seeds from --seed-start (default 0)
     python scripts/stress.py --seed 1234             # one seed (a repro), with its workload shown
     python scripts/stress.py --minutes 5 --tp        # the same on tensor_parallel_size=2 ("mp")
-    STRESS_STOCK_OPS=1 python scripts/stress.py --seed 0   # torch's float32 ops (see below)
 
 Every seed draws a workload (requests, arrivals, aborts) and a cache configuration, runs it step
 by step on a tiny random float32 Llama and compares every request's output exactly with its run
-on a roomy cache (see the harness). Prints progress, and every failing seed with a one-line repro;
+on a roomy cache (see the harness; the exactness rests on the engine's batch-invariant float32
+CPU kernels, kernels/cpu_fp32.py). Prints progress, and every failing seed with a one-line repro;
 exits 1 if any seed failed. CI runs a fixed set of seeds (tests/engine/test_stress.py).
 """
 
@@ -22,18 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "engine")]
-
-import os  # noqa: E402
-
-from batch_invariant import install_batch_invariant_ops  # noqa: E402
-
-# NOTE: at import, not under __main__: the tensor-parallel workers are spawned processes that
-# import this script as their main module, and they need the batch-invariant ops too.
-# STRESS_STOCK_OPS=1 keeps torch's own float32 ops (whose rows depend on the rest of the step:
-# expect last-bit mismatches that have nothing to do with the KV cache).
-if os.environ.get("STRESS_STOCK_OPS") != "1":
-    install_batch_invariant_ops()
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -8,8 +8,9 @@ from barely-fits to roomy, token budget, chunked prefill, prefix caching, preemp
 max_num_seqs, shuffled free list). `Harness.run(seed)` drives `LLMEngine` step by step and raises
 `StressFailure` on the first broken promise:
 
-- oracle: float32 on CPU is deterministic, and with `batch_invariant.batch_invariant_ops` a row's
-  result does not depend on its step's other rows, so every request that was not aborted must
+- oracle: float32 on CPU is deterministic, and the engine's float32 kernels (kernels/cpu_fp32.py)
+  make a row's result independent of its step's other rows and of chunking, so every request
+  that was not aborted must
   return exactly (tokens, texts, finish/stop reasons, cumulative and per-token logprobs,
   prompt_logprobs, beam scores) what it returns on the roomy oracle configuration;
 - liveness: the workload finishes within a step bound derived from its lengths, and never goes 64

@@ -7,7 +7,6 @@ a one-line repro (`python scripts/stress.py --seed N`); `scripts/stress.py --min
 import pytest
 import torch
 
-from batch_invariant import batch_invariant_ops
 from pagedserve import SamplingParams
 from stress_harness import (
     Harness,
@@ -29,8 +28,7 @@ def harness(tmp_path_factory):
     threads = torch.get_num_threads()
     # One thread: the tiny model's steps are Python-bound, and threads only contend on 2 cores.
     torch.set_num_threads(1)
-    with batch_invariant_ops():
-        yield Harness(make_engine(tiny_llama(tmp_path_factory.mktemp("stress-llama"))))
+    yield Harness(make_engine(tiny_llama(tmp_path_factory.mktemp("stress-llama"))))
     torch.set_num_threads(threads)
 
 
