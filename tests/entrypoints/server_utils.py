@@ -24,7 +24,7 @@ SERVER_FLAGS = [
     "--disable-access-log", "--log-stats-interval", "1",
 ]
 # tool_choice "auto"; compact JSON (a random model writes whitespace without end otherwise):
-# tests/entrypoints/test_tool_calls.py, test_structured_outputs.py
+# tests/entrypoints/test_tool_calls.py, test_server_structured_outputs.py
 SERVER_FLAGS += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                  "--structured-outputs-disable-any-whitespace"]
 
