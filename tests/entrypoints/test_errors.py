@@ -43,10 +43,6 @@ CASES = [
      {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400,
      "messages"),
-    ("chat tools unsupported", "/v1/chat/completions",
-     {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat json response_format unsupported", "/v1/chat/completions",
-     {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat image content unsupported", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [
          {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),

@@ -3,7 +3,7 @@
 `StepProfiler.attach(engine)` instruments one in-process engine (tensor_parallel_size 1) from the
 outside, so that nothing in the engine pays for profiling when it is off: it wraps the engine's
 `step`, the scheduler's `schedule`, the runner's `execute`, the model's `compute_logits` and
-`greedy_tokens`, the per-token bookkeeping (`_append_token`: detokenization and stop checks) and
+`greedy_tokens`, the per-token bookkeeping (`on_token`, the scheduler's step observer: detokenization and stop strings) and
 output building (`_make_output`), and hangs forward hooks on the model and on every attention
 layer. Each step is cut into:
 
@@ -71,7 +71,7 @@ class StepProfiler:
 
         self._wrap(engine, "step", self._timed_step)
         self._wrap(engine.scheduler, "schedule", self._section("schedule"))
-        self._wrap(engine, "_append_token", self._section("detokenize"))
+        self._wrap(engine, "on_token", self._section("detokenize"))
         self._wrap(runner, "execute", self._timed_execute)
         self._wrap(model, "compute_logits", self._timed_logits)
         if hasattr(model, "greedy_tokens"):  # greedy steps: the LM head with the argmax fused
@@ -152,16 +152,16 @@ class StepProfiler:
         return timed
 
     def _timed_execute(self, fn: Callable) -> Callable:
-        def timed(sched):
+        def timed(step):
             self._marks.clear()
             attn_before = self.totals["attention"]
             t0 = time.perf_counter()
-            out = fn(sched)
+            out = fn(step)
             self._sync()
             t_end = time.perf_counter()
-            self.totals["tokens"] += sum(s.num_tokens for s in sched.scheduled)
-            if sched.scheduled:
-                decode = all(s.num_tokens == 1 for s in sched.scheduled)
+            self.totals["tokens"] += sum(row.num_tokens for row in step.rows)
+            if step.rows:
+                decode = all(row.num_tokens == 1 for row in step.rows)
                 self._kind = "decode" if decode else "mixed"
             m = self._marks
             if "forward_start" not in m:  # nothing scheduled: swaps/copies only

@@ -133,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
     def _tools(self, request: ChatCompletionRequest):
         """The request's tool plan (None without tools) and its structured-output constraint:
         the one `required` / a named function enforces, else the request's own."""
-        plan = plan_tools(request.tools, request.tool_choice, self.tool_parser)
+        plan = plan_tools(request.tools, request.tool_choice, self.tool_parser,
+                          parallel=request.parallel_tool_calls is not False)
         structured = self.structured_outputs(request)
         if plan is not None and plan.constraint is not None:
             if structured is not None:

@@ -87,15 +87,18 @@ def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
                        400, "tools") from None
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """vLLM's schema for `tool_choice: "required"`: a non-empty list of calls."""
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """vLLM's schema for `tool_choice: "required"`: a non-empty list of calls (one call exactly
+    when `parallel_tool_calls` is false)."""
+    bound = {} if parallel else {"maxItems": 1}
+    return {"type": "array", "minItems": 1, **bound, "items": {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                         "parameters": _parameters(t)},
          "required": ["name", "parameters"]} for t in tools]}}
 
 
-def plan_tools(tools: Any, tool_choice: Any, parser: ToolParser | None) -> ToolPlan | None:
+def plan_tools(tools: Any, tool_choice: Any, parser: ToolParser | None,
+               parallel: bool = True) -> ToolPlan | None:
     """The request's tool plan, or None without tools. 400 for what cannot be served."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -112,7 +115,7 @@ def plan_tools(tools: Any, tool_choice: Any, parser: ToolParser | None) -> ToolP
                            "--tool-call-parser to be set", 400, "tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if tool_choice == "required":
-        return ToolPlan("required", tools, constraint=_constraint(required_schema(tools)))
+        return ToolPlan("required", tools, constraint=_constraint(required_schema(tools, parallel)))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
