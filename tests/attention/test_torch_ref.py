@@ -65,7 +65,7 @@ def test_paged_attention_matches_dense_attention(window, block_size, shapes):
         null_block=num_blocks,
     )
     # Prompt chunks are attended one by one: (flat start, query length, context length) each.
-    [prompt_spans] = [g.spans for g in meta.groups if g.token_index.shape[1] > 1] or [None]
+    [prompt_spans] = [g.spans for g in meta.groups if g.is_prompt] or [None]
     starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes))]
     expected = [(starts[i], n, c + n) for i, (c, n) in enumerate(shapes) if n > 1]
     assert prompt_spans == (expected or None)
@@ -95,7 +95,7 @@ def test_only_decode_only_steps_mark_their_group_as_covering_the_batch(query_len
 
 
 def test_decode_only_metadata_equals_the_general_build():
-    from pagedserve.attention.metadata import _build_group
+    from pagedserve.attention.metadata import _group
 
     tables = [[7, 3, 9], [2], [5, 6], [8, 1, 4, 0]]
     lens = [10, 1, 8, 13]
@@ -105,18 +105,21 @@ def test_decode_only_metadata_equals_the_general_build():
     n = len(lens)
     bt = torch.tensor([t + [null] * (4 - len(t)) for t in tables])
     sl = torch.tensor(lens)
-    ql = torch.ones(n, dtype=torch.int64)
-    general = _build_group(torch.arange(n), bt, sl, ql, torch.arange(n + 1), n, bs, null, "cpu")
+    general = _group(torch.arange(n), bt, sl, bs, null, "cpu", out_tokens=torch.arange(n))
     assert meta.slot_mapping.tolist() == [t[(x - 1) // bs] * bs + (x - 1) % bs
                                           for t, x in zip(tables, lens)]
     assert torch.equal(meta.block_tables, bt) and torch.equal(meta.seq_lens, sl)
     assert meta.query_start_loc.tolist() == list(range(n + 1))
     assert (meta.num_tokens, meta.max_seq_len, meta.max_query_len) == (n, 13, 1)
     [group] = meta.groups
-    for name in ("token_index", "out_tokens", "kv_slots", "query_pos", "key_pos",
-                 "seq_lens", "block_tables"):
+    for name in ("out_tokens", "kv_slots", "seq_lens", "block_tables"):
         assert torch.equal(getattr(group, name), getattr(general, name)), name
-    assert torch.equal(group.mask(None), general.mask(None))
+    assert group.max_len == general.max_len == 13 and not group.is_prompt
+    for window in (None, 3):
+        assert torch.equal(group.mask(window), general.mask(window))
+    # member 0 (10 tokens) with a window of 3: its query (position 9) sees keys 7, 8, 9
+    assert group.mask(3)[0, 0, 0].nonzero().flatten().tolist() == [7, 8, 9]
+    assert group.mask(None)[1, 0, 0].nonzero().flatten().tolist() == [0]
     assert group.kv_slots[1].tolist() == [2 * bs] + [null * bs] * 12  # padding -> the null block
     with pytest.raises(ValueError, match="seq_len"):
         AttentionMetadata.build(block_tables=[[1]], seq_lens=[5], query_lens=[1], block_size=4,

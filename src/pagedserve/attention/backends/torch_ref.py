@@ -61,33 +61,28 @@ def paged_attention(
     flat_v = v_cache.view(n * b, hkv, head_dim)
     out: torch.Tensor | None = None  # [T, Hq, D] once a group needs it (a decode-only step may not)
     for group in meta.groups:
-        g, max_q = group.token_index.shape
-        if max_q == 1 and group.block_tables is not None:
-            q = query if group.covers_all else query.index_select(0, group.out_tokens)
-            o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
-                                 sliding_window)
-            if o is not None:  # [G, Hq, D]
-                if group.covers_all:  # a decode-only step: o is the whole output, in order
-                    return o
-                out = _scatter(out, num_tokens, group.out_tokens, o)
-                continue
-        if max_q > 1:
+        if group.is_prompt:
             # Prompt chunks one by one, unpadded: no padding to the longest, and a causal kernel
             # skips the masked half (docs/benchmarks.md, "Measurements behind design choices").
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
                                   sliding_window)
             continue
-        # Decode rows the kernel did not take (float32, no kernel): one query each, no padding.
-        g_len = group.kv_slots.shape[1]
-        slots = group.kv_slots.view(-1)
-        k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
-        v = flat_v.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
-        q = query.index_select(0, group.out_tokens).unsqueeze(2)  # [G, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask(sliding_window),
-            scale=scale, enable_gqa=hkv != num_heads,
-        )  # [G, Hq, 1, D]
-        out = _scatter(out, num_tokens, group.out_tokens, o.squeeze(2))
+        q = query if group.covers_all else query.index_select(0, group.out_tokens)  # [G, Hq, D]
+        o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
+                             sliding_window)
+        if o is None:
+            # Decode rows the kernel did not take (float32, no kernel): SDPA over gathered K/V.
+            g, g_len = group.kv_slots.shape
+            slots = group.kv_slots.view(-1)
+            k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
+            v = flat_v.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask(sliding_window),
+                scale=scale, enable_gqa=hkv != num_heads,
+            ).squeeze(2)  # [G, Hq, D]
+        if group.covers_all:  # a decode-only step: o is the whole output, in order
+            return o
+        out = _scatter(out, num_tokens, group.out_tokens, o)
     return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
 
 
@@ -106,8 +101,6 @@ def _attend_prompts(
     the first call) with the members' rows written. A chunk whose context is just itself (nothing
     cached before it) and fits the window attends causally over its new K/V; any other reads its
     context from the cache through its slots, with an explicit causal (and window) mask."""
-    if group.spans is None:
-        raise ValueError("a prompt group needs its host-side spans (AttentionMetadata.build)")
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
