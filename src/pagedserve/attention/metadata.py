@@ -11,7 +11,7 @@ that sequence's context of `seq_lens[i]` tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,7 +42,6 @@ class AttentionGroup:
     # attending member by member, unpadded (None in decode groups).
     spans: list[tuple[int, int, int]] | None = None
     _kv_slots: torch.Tensor | None = None
-    _masks: dict = field(default_factory=dict)
 
     @property
     def is_prompt(self) -> bool:
@@ -63,21 +62,6 @@ class AttentionGroup:
             self._kv_slots = torch.where(key_pos < self.seq_lens.unsqueeze(1), slots,
                                          torch.full_like(slots, self.null_block * bs))
         return self._kv_slots
-
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """Decode groups: boolean mask [G, 1, 1, L], True where a member's query (its last
-        position) may attend a key (in context, and within `sliding_window` keys when given)."""
-        key = sliding_window or 0
-        m = self._masks.get(key)
-        if m is None:
-            q = (self.seq_lens - 1).view(-1, 1)  # [G, 1]
-            k = self._key_pos()  # [1, L]
-            m = k <= q
-            if sliding_window:
-                m = m & (q - k < sliding_window)
-            m = m.view(m.shape[0], 1, 1, -1)  # [G, 1, 1, L]
-            self._masks[key] = m
-        return m
 
 
 @dataclass
