@@ -1,8 +1,9 @@
-"""Micro-benchmark: torch's bf16 F.linear vs pagedserve's compiled CPU kernel for small M.
+"""Micro-benchmark: torch's bf16 F.linear vs pagedserve's compiled CPU product
+(`kernels.cpu_gemm.bf16_linear`) on bf16 weights, at each ISA level asked for.
 
-    .venv/bin/python scripts/bench_gemv.py                 # Gemma 3 270M shapes, M in 1..32
-    .venv/bin/python scripts/bench_gemv.py --cold          # rotate weight copies (out of cache)
-    .venv/bin/python scripts/bench_gemv.py --algos avx512,amx --m 1,16
+    python scripts/bench_gemv.py                        # Gemma 3 270M shapes, M in 1..32
+    python scripts/bench_gemv.py --cold                 # rotate weight copies (out of cache)
+    python scripts/bench_gemv.py --isas avx2,amx --m 1,16
 
 Prints one row per (shape, M): effective weight bandwidth (N*K*2 bytes / time per call) of torch
 and of the kernel, and their ratio. Torch and the kernel are timed alternately in the same process
@@ -14,12 +15,14 @@ preempted. Figures are indicative.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels.cpu_isa import ISA_ENV, ISA_LEVELS, ISA_NAMES
 
 # (name, N, K) of Gemma 3 270M: LM head, q / k,v / o, gate,up / down
 SHAPES = [
@@ -51,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,2,4,8,16,32", help="comma-separated M values")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="shape names to run")
-    ap.add_argument("--algos", default="auto", help="kernel paths to time: auto,avx512,amx")
+    ap.add_argument("--isas", default="", help="ISA levels to time, e.g. avx2,amx (default: the best)")
     ap.add_argument("--cold", action="store_true", help="cycle weight copies (>= 512 MB) so reads miss cache")
     ap.add_argument("--repeats", type=int, default=5, help="alternating timing rounds")
     ap.add_argument("--pct", type=float, default=10.0, help="percentile of per-call times reported")
@@ -61,14 +64,16 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_gemm.kernel_available():
+    best = cpu_gemm.linear_isa()
+    if not best:
         raise SystemExit("kernel unavailable here (see the warning above)")
-    algos = args.algos.split(",")
-    if "amx" in algos and not cpu_gemm.amx_available():
-        algos.remove("amx")
+    algos = [a for a in args.isas.split(",") if a] or [ISA_NAMES[best]]
+    skipped = [a for a in algos if ISA_LEVELS.get(a, 99) > best]
+    if skipped:
+        raise SystemExit(f"--isas {','.join(skipped)}: above this CPU's best ({ISA_NAMES[best]})")
     ms = [int(v) for v in args.m.split(",")]
     wanted = set(args.shapes.split(","))
-    print(f"threads={torch.get_num_threads()} cold={args.cold} amx={cpu_gemm.amx_available()}")
+    print(f"threads={torch.get_num_threads()} cold={args.cold} best ISA={ISA_NAMES[best]}")
     head = f"{'shape':<8} {'N':>7} {'K':>5} {'M':>3} {'torch GB/s':>10}"
     for a in algos:
         head += f" {a + ' GB/s':>12} {'ratio':>6}"
@@ -85,10 +90,11 @@ def main() -> None:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 fns = {"torch": lambda x, w: F.linear(x, w)}
                 for a in algos:
-                    fns[a] = lambda x, w, a=a: cpu_gemm._kernel_linear(x, w, algo=a)
+                    fns[a] = lambda x, w: cpu_gemm.bf16_linear(x, w)
                 times: dict[str, list[float]] = {key: [] for key in fns}
                 for _ in range(args.repeats):
                     for key, fn in fns.items():
+                        os.environ[ISA_ENV] = key if key in ISA_LEVELS else ISA_NAMES[best]
                         times[key] += _time(fn, weights, x, args.min_time)
                 gbs = {}
                 for key, ts in times.items():

@@ -30,7 +30,23 @@ class SequenceStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-class Sequence:
+class PromptThenOutput:
+    """`token_ids` holding the prompt then the output, split at `num_prompt_tokens` (shared by
+    `Sequence` and the runner's per-row `core.step_input.SampleSpec`)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class Sequence(PromptThenOutput):
     """One token stream: the prompt, the tokens generated so far, and how many of them have their
     K/V in the cache (`num_computed_tokens`).
 
@@ -58,14 +74,6 @@ class Sequence:
         self.detokenizer: Any = None
         # Beam search: this beam's best (token, logprob) continuations, until the step selects.
         self.beam_candidates: list[tuple[int, float]] | None = None
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:

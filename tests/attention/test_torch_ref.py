@@ -65,7 +65,7 @@ def test_paged_attention_matches_dense_attention(window, block_size, shapes):
         null_block=num_blocks,
     )
     # Prompt chunks are attended one by one: (flat start, query length, context length) each.
-    [prompt_spans] = [g.spans for g in meta.groups if g.token_index.shape[1] > 1] or [None]
+    [prompt_spans] = [g.spans for g in meta.groups if g.is_prompt] or [None]
     starts = [sum(n for _, n in shapes[:i]) for i in range(len(shapes))]
     expected = [(starts[i], n, c + n) for i, (c, n) in enumerate(shapes) if n > 1]
     assert prompt_spans == (expected or None)
@@ -95,7 +95,7 @@ def test_only_decode_only_steps_mark_their_group_as_covering_the_batch(query_len
 
 
 def test_decode_only_metadata_equals_the_general_build():
-    from pagedserve.attention.metadata import _build_group
+    from pagedserve.attention.metadata import _group
 
     tables = [[7, 3, 9], [2], [5, 6], [8, 1, 4, 0]]
     lens = [10, 1, 8, 13]
@@ -105,19 +105,44 @@ def test_decode_only_metadata_equals_the_general_build():
     n = len(lens)
     bt = torch.tensor([t + [null] * (4 - len(t)) for t in tables])
     sl = torch.tensor(lens)
-    ql = torch.ones(n, dtype=torch.int64)
-    general = _build_group(torch.arange(n), bt, sl, ql, torch.arange(n + 1), n, bs, null, "cpu")
+    general = _group(torch.arange(n), bt, sl, bs, null, "cpu", out_tokens=torch.arange(n))
     assert meta.slot_mapping.tolist() == [t[(x - 1) // bs] * bs + (x - 1) % bs
                                           for t, x in zip(tables, lens)]
     assert torch.equal(meta.block_tables, bt) and torch.equal(meta.seq_lens, sl)
     assert meta.query_start_loc.tolist() == list(range(n + 1))
     assert (meta.num_tokens, meta.max_seq_len, meta.max_query_len) == (n, 13, 1)
     [group] = meta.groups
-    for name in ("token_index", "out_tokens", "kv_slots", "query_pos", "key_pos",
-                 "seq_lens", "block_tables"):
+    for name in ("out_tokens", "kv_slots", "seq_lens", "block_tables"):
         assert torch.equal(getattr(group, name), getattr(general, name)), name
-    assert torch.equal(group.mask(None), general.mask(None))
+    assert group.max_len == general.max_len == 13 and not group.is_prompt
+
     assert group.kv_slots[1].tolist() == [2 * bs] + [null * bs] * 12  # padding -> the null block
     with pytest.raises(ValueError, match="seq_len"):
         AttentionMetadata.build(block_tables=[[1]], seq_lens=[5], query_lens=[1], block_size=4,
                                 null_block=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_decode_row_is_bit_identical_alone_and_beside_longer_rows(monkeypatch, dtype, window):
+    """The torch path attends each decode row over exactly its own context: a row's bits must not
+    depend on the longest context in its batch."""
+    monkeypatch.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")  # the torch path, not the kernels
+    torch.manual_seed(0)
+    bs, hq, hkv, d, nblocks = 4, 4, 2, 16, 12
+    k_cache = torch.randn(nblocks + 1, bs, hkv, d).to(dtype)
+    v_cache = torch.randn(nblocks + 1, bs, hkv, d).to(dtype)
+    tables, lens = [[0, 1], [2, 3, 4, 5, 6, 7, 8, 9], [10]], [6, 31, 3]
+    q = torch.randn(3, hq, d).to(dtype)
+    k_new, v_new = torch.randn(3, hkv, d).to(dtype), torch.randn(3, hkv, d).to(dtype)
+
+    def attend(rows):
+        meta = AttentionMetadata.build(block_tables=[tables[i] for i in rows],
+                                       seq_lens=[lens[i] for i in rows], query_lens=[1] * len(rows),
+                                       block_size=bs, null_block=nblocks)
+        return paged_attention(q[rows], k_new[rows], v_new[rows], k_cache.clone(), v_cache.clone(),
+                               meta, scale=0.25, sliding_window=window)
+
+    batch = attend([0, 1, 2])
+    for i in range(3):
+        assert torch.equal(attend([i])[0], batch[i]), i

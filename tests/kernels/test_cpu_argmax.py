@@ -1,6 +1,5 @@
-"""Greedy tokens without fp32 logits (kernels.cpu_argmax): the LM head product with the argmax
-fused, and the bf16 argmax scan, against `bf16_linear(x, w).float().argmax(-1)` / torch.argmax,
-ties, NaN and infinities included."""
+"""Greedy tokens without fp32 logits (kernels.cpu_argmax): the bf16 argmax scan against
+torch.argmax of the fp32 logits, ties across pieces, NaN and infinities included."""
 
 from __future__ import annotations
 
@@ -11,73 +10,59 @@ from hypothesis import strategies as st
 
 from pagedserve.kernels import cpu_argmax, cpu_gemm
 from pagedserve.kernels.cpu_gemm import bf16_linear
+from pagedserve.kernels.extension import kernels_disabled
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    if kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
-
-
-def _algos(m: int) -> list[str]:
-    algos = ["auto", "avx512"]
-    if cpu_gemm.amx_available() and m <= cpu_gemm.MAX_M_AMX:
-        algos.append("amx")
-    return algos
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 32])
 @pytest.mark.parametrize("n", [37, 50257, 65536])
-def test_linear_argmax_equals_the_argmax_of_the_bf16_logits(kernel, m, n):
+def test_argmax_bf16_equals_the_argmax_of_the_fp32_logits(kernel, m, n):
     torch.manual_seed(m * n)
-    x = torch.randn(m, 64).bfloat16()
-    w = torch.randn(n, 64).bfloat16()
-    ref = bf16_linear(x, w).float().argmax(dim=-1)
-    for algo in _algos(m):
-        got = cpu_argmax.linear_argmax(x, w, algo)
-        assert got.dtype == torch.int64 and torch.equal(got, ref), algo
+    logits = bf16_linear(torch.randn(m, 64).bfloat16(), torch.randn(n, 64).bfloat16())
+    got = cpu_argmax.argmax_bf16(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.float().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_linear_argmax_takes_the_first_of_equal_maxima_across_threads_chunks(kernel, m):
-    # Identical rows of W give identical logits; they sit in different chunks of the parallel
-    # product (a chunk is thousands of rows here), which finish in any order.
+def test_argmax_bf16_takes_the_first_of_equal_maxima_across_pieces(kernel, m):
+    # Identical rows of W give identical logits; they sit in different pieces of the parallel
+    # scan (32K columns each), which finish in any order.
     torch.manual_seed(0)
-    n = 65536
+    n = 70000
     x = torch.randn(m, 64).bfloat16()
     w = (torch.randn(n, 64) * 0.01).bfloat16()
     top = x[0].float().sign().bfloat16()  # a large logit for row 0
     for j in (60000, 4100, 100, 33333):
         w[j] = top
-    ref = bf16_linear(x, w).float().argmax(dim=-1)
-    for algo in _algos(m):
-        got = cpu_argmax.linear_argmax(x, w, algo)
-        assert torch.equal(got, ref), algo
-        assert int(got[0]) == 100
+    logits = bf16_linear(x, w)
+    got = cpu_argmax.argmax_bf16(logits)
+    assert torch.equal(got, logits.float().argmax(dim=-1)) and int(got[0]) == 100
 
 
-def test_linear_argmax_counts_nan_as_the_maximum_and_takes_the_first(kernel):
+def test_argmax_bf16_counts_nan_as_the_maximum_and_takes_the_first(kernel):
     torch.manual_seed(1)
     x = torch.randn(4, 64).bfloat16()
-    w = torch.randn(20000, 64).bfloat16()
-    w[15000, 3] = float("nan")  # NaN logits in every row at 15000 and 9000
+    w = torch.randn(40000, 64).bfloat16()
+    w[35000, 3] = float("nan")  # NaN logits in every row at 35000 and 9000
     w[9000, 7] = float("nan")
     w[200] = x[0]  # the largest number for row 0, before the NaNs
-    ref = bf16_linear(x, w).float().argmax(dim=-1)
-    for algo in _algos(4):
-        got = cpu_argmax.linear_argmax(x, w, algo)
-        assert torch.equal(got, ref) and got.tolist() == [9000] * 4, algo
+    logits = bf16_linear(x, w)
+    got = cpu_argmax.argmax_bf16(logits)
+    assert torch.equal(got, logits.float().argmax(dim=-1)) and got.tolist() == [9000] * 4
 
 
-def test_linear_argmax_declines_what_the_kernel_does_not_take(kernel):
+def test_argmax_bf16_declines_what_the_kernel_does_not_take(kernel):
     x = torch.randn(2, 64)
-    w = torch.randn(100, 64)
-    assert cpu_argmax.linear_argmax(x, w) is None  # float32
-    assert cpu_argmax.linear_argmax(x.bfloat16(), w.bfloat16()[:, :32]) is None  # shape mismatch
-    assert cpu_argmax.linear_argmax(x.bfloat16(), w.bfloat16()[:0]) is None  # empty vocabulary
-    assert cpu_argmax.argmax_bf16(x) is None
-    too_many = cpu_gemm._get_kernel().max_m + 1  # torch computes those logits
-    assert cpu_argmax.linear_argmax(torch.randn(too_many, 64).bfloat16(), w.bfloat16()) is None
+    assert cpu_argmax.argmax_bf16(x) is None  # float32
+    assert cpu_argmax.argmax_bf16(x.bfloat16()[:, :0]) is None  # empty vocabulary
+    assert cpu_argmax.argmax_bf16(x.bfloat16()[0]) is None  # not a matrix
+    with torch.enable_grad():
+        assert cpu_argmax.argmax_bf16(x.bfloat16().requires_grad_()) is None
 
 
 _SPECIAL = [0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]
@@ -88,7 +73,7 @@ _SPECIAL = [0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")
                      min_size=1, max_size=5),
        width=st.sampled_from([1, 17, 40000]))
 def test_argmax_bf16_equals_torch_argmax_with_ties_infinities_and_nan(rows, width):
-    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    if kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here")
     # Each row: its listed values spread over `width`-long stretches (ties far apart), -inf between.
     n = max(len(r) for r in rows) * width

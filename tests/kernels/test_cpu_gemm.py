@@ -12,16 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels import cpu_gemm, extension
+from pagedserve.kernels.cpu_isa import ISA_NONE
+from pagedserve.kernels.extension import kernels_disabled
 
 
 @pytest.fixture(scope="module")
 def kernel():
     """Skip the module's kernel tests where the kernel cannot be built or used."""
-    if cpu_gemm._disabled():
+    if kernels_disabled():
         pytest.skip(f"{cpu_gemm.DISABLE_ENV} is set")
-    if not cpu_gemm.kernel_available():
-        pytest.skip("CPU bf16 GEMV kernel unavailable here (no AVX512_BF16, no compiler, or build error)")
+    if cpu_gemm.linear_isa() == ISA_NONE:
+        pytest.skip("CPU kernels unavailable here (no AVX2, no compiler, or build error)")
     return cpu_gemm
 
 
@@ -46,13 +48,6 @@ def _assert_matches(y, ref, out_dtype):
     else:  # one rounding of (nearly) the same fp32 sum to bf16
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), ref.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-3)
-
-
-def _algos():
-    algos = ["auto", "avx512"]
-    if not cpu_gemm._disabled() and cpu_gemm.amx_available():
-        algos.append("amx")
-    return algos
 
 
 # (M, N, K): tile tails in every dimension (W tiles of 4 / 16 / 64 rows, x tiles of 4 / 16 rows,
@@ -84,15 +79,9 @@ SHAPES = [
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_fp32_reference(kernel, m, n, k, bias, out_dtype):
     x, w, b = _inputs(m, n, k, bias, seed=m * 1000 + n + k)
-    ref = _reference(x, w, b)
-    for algo in _algos():
-        if algo == "amx" and (k % 32 or m > 32):
-            with pytest.raises(RuntimeError):
-                kernel._kernel_linear(x, w, b, out_dtype, algo=algo)
-            continue
-        y = kernel._kernel_linear(x, w, b, out_dtype, algo=algo)
-        assert y.shape == (m, n)
-        _assert_matches(y, ref, out_dtype)
+    y = kernel.bf16_linear(x, w, b, out_dtype)
+    assert y.shape == (m, n)
+    _assert_matches(y, _reference(x, w, b), out_dtype)
 
 
 def test_random_shapes(kernel):
@@ -104,11 +93,7 @@ def test_random_shapes(kernel):
         bias = bool(i % 3)
         out_dtype = torch.float32 if i % 4 < 2 else torch.bfloat16
         x, w, b = _inputs(m, n, k, bias, seed=i)
-        ref = _reference(x, w, b)
-        for algo in _algos():
-            if algo == "amx" and (k % 32 or m > 32):
-                continue
-            _assert_matches(kernel._kernel_linear(x, w, b, out_dtype, algo=algo), ref, out_dtype)
+        _assert_matches(kernel.bf16_linear(x, w, b, out_dtype), _reference(x, w, b), out_dtype)
 
 
 def test_bias_dtypes(kernel):
@@ -132,10 +117,10 @@ def test_public_api_uses_kernel_and_keeps_leading_dims(kernel, monkeypatch):
 
 def test_empty_and_degenerate(kernel):
     x, w, b = _inputs(2, 3, 0, True)
-    y = kernel._kernel_linear(x, w, b, torch.float32)
+    y = kernel.bf16_linear(x, w, b, torch.float32)
     torch.testing.assert_close(y, b.float().expand(2, 3))
     x, w, _ = _inputs(2, 0, 32, False)
-    assert kernel._kernel_linear(x, w).shape == (2, 0)
+    assert kernel.bf16_linear(x, w).shape == (2, 0)
 
 
 class _NoLinear:
@@ -156,17 +141,12 @@ class _SpyLinear:
         return F.linear(*args, **kwargs)
 
 
-def _fail(*args, **kwargs):
-    raise AssertionError("kernel called")
-
-
-_FAILING_KERNEL = cpu_gemm._Kernel(_fail, cpu_gemm.MAX_M)
-_BUILT_AMX = 4  # cpu_gemm._kernel's state once built on a CPU with AMX (kernels.cpu_isa.ISA_AMX)
+_BUILT_AMX = 4  # the extension's state once built on a CPU with AMX (kernels.cpu_isa.ISA_AMX)
 
 
 def test_disabled_by_env_var_falls_back(monkeypatch):
     monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
-    monkeypatch.setattr(cpu_gemm, "_kernel", _BUILT_AMX)
+    monkeypatch.setattr(cpu_gemm._EXTENSION, "_isa", _BUILT_AMX)
     spy = _SpyLinear()
     monkeypatch.setattr(cpu_gemm, "F", spy)
     assert not cpu_gemm.kernel_available()
@@ -176,14 +156,12 @@ def test_disabled_by_env_var_falls_back(monkeypatch):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
     y32 = cpu_gemm.bf16_linear(x, w, b, out_dtype=torch.float32)
     assert y32.dtype == torch.float32 and spy.calls == 2
-    with pytest.raises(RuntimeError):
-        cpu_gemm._kernel_linear(x, w)
 
 
 @pytest.mark.parametrize("case", ["fp32", "grad", "non_contiguous_weight"])
 def test_fallback_cases(monkeypatch, case):
     monkeypatch.delenv(cpu_gemm.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(cpu_gemm, "_kernel", _BUILT_AMX)
+    monkeypatch.setattr(cpu_gemm._EXTENSION, "_isa", _BUILT_AMX)
     spy = _SpyLinear()
     monkeypatch.setattr(cpu_gemm, "F", spy)
     x, w, b = _inputs(3, 10, 64, True)
@@ -211,14 +189,14 @@ def test_every_row_count_takes_the_one_kernel(kernel, monkeypatch, rows):
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
     monkeypatch.delenv(cpu_gemm.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(cpu_gemm, "_kernel", None)
+    monkeypatch.setattr(cpu_gemm._EXTENSION, "_isa", None)
 
     def broken_build():
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(cpu_gemm, "_build", broken_build)
+    monkeypatch.setattr(cpu_gemm._EXTENSION, "_build", broken_build)
     x, w, b = _inputs(2, 10, 64, True)
-    with caplog.at_level(logging.WARNING, logger=cpu_gemm.logger.name):
+    with caplog.at_level(logging.WARNING, logger=extension.logger.name):
         for _ in range(3):
             torch.testing.assert_close(cpu_gemm.bf16_linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
         assert not cpu_gemm.kernel_available()
@@ -228,7 +206,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, caplog):
 
 def test_lazy_build_is_thread_safe(kernel, monkeypatch):
     """Two threads hitting an unbuilt kernel at once: one build, both get the kernel's result."""
-    real_build = cpu_gemm._build
+    real_build = cpu_gemm._EXTENSION._build
     calls = []
 
     def slow_build():
@@ -236,8 +214,8 @@ def test_lazy_build_is_thread_safe(kernel, monkeypatch):
         time.sleep(0.2)  # widen the race window
         return real_build()
 
-    monkeypatch.setattr(cpu_gemm, "_kernel", None)
-    monkeypatch.setattr(cpu_gemm, "_build", slow_build)
+    monkeypatch.setattr(cpu_gemm._EXTENSION, "_isa", None)
+    monkeypatch.setattr(cpu_gemm._EXTENSION, "_build", slow_build)
     x, w, b = _inputs(5, 33, 96, True)
     ref = _reference(x, w, b)
     barrier = threading.Barrier(2)
@@ -271,14 +249,12 @@ def test_misuse_raises_value_error():
         cpu_gemm.bf16_linear(x, w, b[:5])  # bias length
     with pytest.raises(ValueError):
         cpu_gemm.bf16_linear(x, w, out_dtype=torch.float16)
-    with pytest.raises(ValueError):
-        cpu_gemm._kernel_linear(x, w, algo="nope")
 
 
 def test_import_does_not_build():
     code = (
         "import pagedserve.kernels, pagedserve.kernels.cpu_gemm as c, torch; "
-        "assert c._kernel is None; assert not hasattr(torch.ops.pagedserve_cpu, 'features')"
+        "assert c._EXTENSION._isa is None; assert not hasattr(torch.ops.pagedserve_cpu, 'argmax_bf16')"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -313,8 +289,13 @@ def test_extension_build_folder_is_named_by_a_hash_of_the_sources(tmp_path, monk
     """Two source trees on one machine never share (and rebuild back and forth) a build folder."""
     src = tmp_path / "k.cpp"
     src.write_text("int a;")
-    monkeypatch.setattr(cpu_gemm, "_SOURCES", [src])
-    first = cpu_gemm._ext_name()
-    assert first.startswith("pagedserve_cpu_kernels_") and first == cpu_gemm._ext_name()
+    ext = cpu_gemm._EXTENSION
+    monkeypatch.setattr(ext, "sources", [src])
+    first = ext.build_name()
+    assert first.startswith("pagedserve_cpu_kernels_") and first == ext.build_name()
     src.write_text("int b;")
-    assert cpu_gemm._ext_name() != first
+    second = ext.build_name()
+    assert second != first
+    # a second source tree with the same sources gets its own folder too (build.ninja holds paths)
+    monkeypatch.setattr(extension, "CSRC", tmp_path / "other_checkout")
+    assert ext.build_name() != second

@@ -16,11 +16,12 @@ from pagedserve.kernels.cpu_attention import decode_attention
 from pagedserve.kernels.cpu_norm import rms_norm
 from pagedserve.layers import norms
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
+from pagedserve.kernels.extension import kernels_disabled
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    if kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
 
 

@@ -10,11 +10,12 @@ from pagedserve.kernels import cpu_gemm, cpu_rotary
 from pagedserve.layers import rotary
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, norm_and_rotate
+from pagedserve.kernels.extension import kernels_disabled
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    if kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
 
 

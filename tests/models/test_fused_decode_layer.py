@@ -11,6 +11,7 @@ from utils import PagedRunner
 from pagedserve.kernels import cpu_decoder_layer, cpu_gemm
 from pagedserve.models import gemma3, llama
 from pagedserve.models.loader import load_model
+from pagedserve.kernels.extension import kernels_disabled
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -31,7 +32,7 @@ def configs():
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    if kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
 
 

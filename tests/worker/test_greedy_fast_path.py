@@ -8,11 +8,12 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels.extension import kernels_disabled
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    if kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
 
 

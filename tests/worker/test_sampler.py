@@ -8,6 +8,7 @@ import torch
 from pagedserve.kernels import cpu_gemm, cpu_sampling
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.sampler import SampleRequest, prompt_logprobs, sample
+from pagedserve.kernels.extension import kernels_disabled
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -15,7 +16,7 @@ def sampling_path(request, monkeypatch):
     """Random rows drawn by the compiled kernel (kernels.cpu_sampling) or by the torch path."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_sampling, "sample_rows", lambda *a: None)
-    elif cpu_gemm._disabled() or not cpu_gemm.kernel_available():
+    elif kernels_disabled() or not cpu_gemm.kernel_available():
         pytest.skip("CPU kernels unavailable here")
     return request.param
 

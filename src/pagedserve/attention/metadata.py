@@ -11,7 +11,7 @@ that sequence's context of `seq_lens[i]` tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,22 +28,27 @@ class AttentionGroup:
 
     # NOTE: all index tensors live on the model's device and are built once per step, then shared
     # by every layer; nothing here may depend on the layer.
-    token_index: torch.Tensor  # [G, Q] int64: flat token row of each padded query (padding -> T)
-    out_tokens: torch.Tensor  # [n_tokens] int64: flat token row those outputs go back to
-    query_pos: torch.Tensor  # [G, Q] int64: absolute position of each query (padding repeats last)
-    key_pos: torch.Tensor  # [1, L] int64: 0..L-1
     seq_lens: torch.Tensor  # [G] int64
     block_tables: torch.Tensor  # [G, max_blocks] int64: the members' block tables
     block_size: int
     null_block: int
-    # True when the group's real queries are the whole flat batch in order (out_tokens == 0..T-1,
-    # one per member): a decode-only step, whose attention output needs no scatter.
+    max_len: int  # host copy of max(seq_lens)
+    # Decode groups: the flat token row of each member's query (None in prompt groups).
+    out_tokens: torch.Tensor | None = None  # [G] int64
+    # True when the group's queries are the whole flat batch in order (out_tokens == 0..T-1):
+    # a decode-only step, whose attention output needs no scatter.
     covers_all: bool = False
     # Prompt groups: (flat start, query length, context length) of each member, on the host, for
     # attending member by member, unpadded (None in decode groups).
     spans: list[tuple[int, int, int]] | None = None
     _kv_slots: torch.Tensor | None = None
-    _masks: dict = field(default_factory=dict)
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.spans is not None
+
+    def _key_pos(self) -> torch.Tensor:  # [1, L] int64: 0..L-1
+        return torch.arange(self.max_len, dtype=torch.int64, device=self.seq_lens.device).view(1, -1)
 
     @property
     def kv_slots(self) -> torch.Tensor:  # [G, L] int64
@@ -51,27 +56,12 @@ class AttentionGroup:
         gathering K/V. NOTE: built on first use: the compiled decode kernel reads the block
         tables instead, and a decode step then never needs it."""
         if self._kv_slots is None:
-            bt, key_pos, bs = self.block_tables, self.key_pos, self.block_size
+            bt, key_pos, bs = self.block_tables, self._key_pos(), self.block_size
             blk_idx = (key_pos // bs).clamp(max=bt.shape[1] - 1).expand(bt.shape[0], -1)
             slots = torch.gather(bt, 1, blk_idx) * bs + key_pos % bs  # [G, L]
             self._kv_slots = torch.where(key_pos < self.seq_lens.unsqueeze(1), slots,
                                          torch.full_like(slots, self.null_block * bs))
         return self._kv_slots
-
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """Boolean mask [G, 1, Q, L], True where a query may attend a key (causal, in-context,
-        and within `sliding_window` keys of the query when given)."""
-        key = sliding_window or 0
-        m = self._masks.get(key)
-        if m is None:
-            q = self.query_pos.unsqueeze(-1)  # [G, Q, 1]
-            k = self.key_pos.unsqueeze(0)  # [1, 1, L]
-            m = (k <= q) & (k < self.seq_lens.view(-1, 1, 1))
-            if sliding_window:
-                m = m & (q - k < sliding_window)
-            m = m.unsqueeze(1)  # [G, 1, Q, L]
-            self._masks[key] = m
-        return m
 
 
 @dataclass
@@ -108,7 +98,7 @@ class AttentionMetadata:
 
         `backend` ("torch" | "triton", already resolved: see `attention.backends.get_backend`)
         picks what `PagedAttention` calls. `build_groups` (default: only for "torch") builds the
-        padded per-group index tensors the torch backend needs; the triton kernels read
+        per-group tensors the torch backend needs; the triton kernels read
         `block_tables` / `seq_lens` / `query_start_loc` directly, so they skip that host work.
 
         The slot of context position p of sequence i is
@@ -148,16 +138,16 @@ class AttentionMetadata:
 
         groups = []
         is_decode = ql == 1
-        for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()):
-            if not build_groups or members.numel() == 0:
-                continue
-            groups.append(
-                _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device)
-            )
-        if groups and not bool(is_decode.all()):  # the prompt group is the last
-            starts = qsl.tolist()
-            groups[-1].spans = [(starts[i], n, seq_lens[i])
-                                for i, n in enumerate(query_lens) if n != 1]
+        if build_groups:
+            decode, prompt = torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()
+            if decode.numel():
+                groups.append(_group(decode, bt, sl, block_size, null_block, device,
+                                     out_tokens=qsl[:-1][decode].to(device)))
+            if prompt.numel():
+                starts = qsl.tolist()
+                groups.append(_group(prompt, bt, sl, block_size, null_block, device,
+                                     spans=[(starts[i], n, seq_lens[i])
+                                            for i, n in enumerate(query_lens) if n != 1]))
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=bt.to(device),
@@ -198,12 +188,9 @@ class AttentionMetadata:
         groups = []
         if build_groups:
             ar = rows[:n]
-            groups.append(AttentionGroup(
-                token_index=ar.view(n, 1), out_tokens=ar,
-                query_pos=(sl - 1).view(n, 1),
-                key_pos=torch.arange(max_len, dtype=torch.int64, device=device).view(1, max_len),
-                seq_lens=sl, block_tables=bt, block_size=block_size, null_block=null_block,
-                covers_all=True))
+            groups.append(AttentionGroup(seq_lens=sl, block_tables=bt, block_size=block_size,
+                                         null_block=null_block, max_len=max_len, out_tokens=ar,
+                                         covers_all=True))
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=bt, seq_lens=sl, query_start_loc=rows, block_size=block_size,
@@ -212,28 +199,11 @@ class AttentionMetadata:
         )
 
 
-def _build_group(members, bt, sl, ql, qsl, num_tokens, block_size, null_block, device) -> AttentionGroup:
+def _group(members: torch.Tensor, bt: torch.Tensor, sl: torch.Tensor, block_size: int, null_block: int,
+           device, *, out_tokens: torch.Tensor | None = None,
+           spans: list[tuple[int, int, int]] | None = None) -> AttentionGroup:
+    """The group of sequences `members` (indices into the step's sequences)."""
     g_sl = sl[members]  # [G]
-    g_ql = ql[members]  # [G]
-    g_start = qsl[:-1][members]  # [G]
-    max_q = int(g_ql.max())
-    max_l = int(g_sl.max())
-    q_off = torch.arange(max_q).unsqueeze(0)  # [1, Q]
-    valid_q = q_off < g_ql.unsqueeze(1)  # [G, Q]
-    token_index = torch.where(valid_q, g_start.unsqueeze(1) + q_off, torch.full_like(q_off, num_tokens))
-    # Padded query rows repeat the last real position so that their mask row is never empty.
-    q_off_clamped = torch.minimum(q_off, (g_ql - 1).unsqueeze(1))
-    query_pos = (g_sl - g_ql).unsqueeze(1) + q_off_clamped  # [G, Q]
-    key_pos = torch.arange(max_l).unsqueeze(0)  # [1, L]
-    g_bt = bt[members]  # [G, max_blocks]
-    out_tokens = token_index[valid_q]
-    return AttentionGroup(
-        token_index=token_index.to(device),
-        out_tokens=out_tokens.to(device),
-        query_pos=query_pos.to(device),
-        key_pos=key_pos.to(device),
-        seq_lens=g_sl.to(device),
-        block_tables=g_bt.to(device),
-        block_size=block_size,
-        null_block=null_block,
-    )
+    return AttentionGroup(seq_lens=g_sl.to(device), block_tables=bt[members].to(device),
+                          block_size=block_size, null_block=null_block, max_len=int(g_sl.max()),
+                          out_tokens=out_tokens, spans=spans)

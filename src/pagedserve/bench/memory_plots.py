@@ -9,18 +9,14 @@ from pagedserve.bench.memory import (
     PAPER_BEAM_SAVINGS,
     PAPER_PARALLEL_SAVINGS,
 )
+from pagedserve.bench.plotting import label_panel, panel_row, save_figure
 
 
 def plot_breakdown(shares: dict[str, dict[str, dict[str, float]]], path: str) -> None:
     """Stacked bars of each allocator's shares, one panel per trace."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(shares), figsize=(5.5 * len(shares), 4.2), squeeze=False)
+    fig, axes = panel_row(len(shares), 5.5, 4.2)
     colors = ("#4c72b0", "#dd8452", "#c44e52", "#8c8c8c")
-    for ax, (trace, per_alloc) in zip(axes[0], shares.items()):
+    for ax, (trace, per_alloc) in zip(axes, shares.items()):
         names = list(per_alloc)
         bottom = [0.0] * len(names)
         for cat, color in zip(CATEGORIES, colors):
@@ -32,25 +28,17 @@ def plot_breakdown(shares: dict[str, dict[str, dict[str, float]]], path: str) ->
             ax.text(x, share / 2, f"{share:.1f}%", ha="center", va="center", color="white",
                     fontsize=9)
         ax.set_ylim(0, 100)
-        ax.set_ylabel("KV cache memory (%)")
-        ax.set_title(f"KV memory usage ({trace})")
+        label_panel(ax, title=f"KV memory usage ({trace})", ylabel="KV cache memory (%)")
         ax.tick_params(axis="x", labelsize=8)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(CATEGORIES), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, legend_below=True)
 
 
 def plot_sharing(savings: dict[str, dict[int, float]], path: str) -> None:
     """Bars of parallel-sampling savings by n, one panel per trace, paper's values as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(savings), figsize=(5 * len(savings), 3.8), squeeze=False)
-    for ax, (panel, by_n) in zip(axes[0], savings.items()):
+    fig, axes = panel_row(len(savings), 5, 3.8)
+    for ax, (panel, by_n) in zip(axes, savings.items()):
         beam = panel.endswith(" beam")
         trace = panel.removesuffix(" beam")
         figures = PAPER_BEAM_SAVINGS if beam else PAPER_PARALLEL_SAVINGS
@@ -63,10 +51,6 @@ def plot_sharing(savings: dict[str, dict[int, float]], path: str) -> None:
         if paper:
             ax.plot([p[0] for p in paper], [p[1] for p in paper], "k^", label="paper")
         kind = "beam search" if beam else "parallel sampling"
-        ax.set_xlabel("beam width" if beam else "# output sequences (parallel sampling)")
-        ax.set_ylabel("memory saving (%)")
-        ax.set_title(f"{kind} ({trace})")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        label_panel(ax, title=f"{kind} ({trace})", ylabel="memory saving (%)", legend=True,
+                    xlabel="beam width" if beam else "# output sequences (parallel sampling)")
+    save_figure(fig, path)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from pagedserve.bench.contiguous import KV_ALLOCATORS, kv_manager_factory
 from pagedserve.bench.memory import TRACES, length_trace
+from pagedserve.bench.plotting import label_panel, panel_row, save_figure
 from pagedserve.config import EngineArgs
 
 LABELS = {"paged": "pagedserve", "contiguous-max": "Orca (Max)",
@@ -207,48 +208,31 @@ def sustainable_rate(points: list[PointResult], slo: float) -> tuple[float, bool
 
 def plot_latency(results: dict[str, list[PointResult]], path: str, slo: float | None) -> None:
     """Fig. 12 in kind: normalized latency vs request rate, one line per allocator, per trace."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-    for ax, (trace, points) in zip(axes[0], results.items()):
+    fig, axes = panel_row(len(results), 5.5, 4)
+    for ax, (trace, points) in zip(axes, results.items()):
         for alloc in dict.fromkeys(p.allocator for p in points):
             pts = sorted((p for p in points if p.allocator == alloc), key=lambda p: p.rate)
             ax.plot([p.rate for p in pts], [p.normalized_latency for p in pts], "o-",
                     label=LABELS[alloc])
         if slo:
             ax.axhline(slo, color="gray", ls=":", lw=1, label="latency target")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("normalized latency (s/token)")
-        ax.set_title(f"{trace}-like trace")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        label_panel(ax, title=f"{trace}-like trace", ylabel="normalized latency (s/token)",
+                    xlabel="request rate (req/s)", legend=True)
+    save_figure(fig, path)
 
 
 def plot_batch(results: dict[str, list[PointResult]], path: str) -> None:
     """Fig. 13 in kind: mean batched requests per allocator, at each trace's highest rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), squeeze=False)
-    for ax, (trace, points) in zip(axes[0], results.items()):
+    fig, axes = panel_row(len(results), 5, 3.8)
+    for ax, (trace, points) in zip(axes, results.items()):
         top = max(p.rate for p in points)
         pts = [p for p in points if p.rate == top]
         ax.bar([LABELS[p.allocator] for p in pts], [p.mean_batch for p in pts], color="#4c72b0")
         for x, p in enumerate(pts):
             ax.text(x, p.mean_batch, f"{p.mean_batch:.1f}", ha="center", va="bottom", fontsize=9)
-        ax.set_ylabel("# batched requests (mean)")
-        ax.set_title(f"{trace}-like, {top:g} req/s")
+        label_panel(ax, title=f"{trace}-like, {top:g} req/s", ylabel="# batched requests (mean)")
         ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _row(p: PointResult) -> str:

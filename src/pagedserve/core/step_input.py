@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import PromptThenOutput
 
 if TYPE_CHECKING:
     from pagedserve.core.scheduler import SchedulerOutput
 
 
 @dataclass
-class SampleSpec:
+class SampleSpec(PromptThenOutput):
     """One token drawn from a row's logits, for one sequence: its id, its sample index (which
     random stream it draws from), and its tokens (prompt + output; penalties read them)."""
 
@@ -30,14 +31,6 @@ class SampleSpec:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Paged decode attention on CPU (csrc/paged_attention.cpp, built with the GEMV kernel).
+"""Paged decode attention on CPU (csrc/paged_attention.cpp, part of the extension of kernels.cpu_gemm).
 
 `decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)` attends
 one query token per sequence over its blocks, reading the cache in place (no gathered copy, no
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import _get_kernel
+from pagedserve.kernels.cpu_gemm import kernel_available
 
 
 def decode_attention(
@@ -31,7 +31,7 @@ def decode_attention(
     hkv = k_cache.shape[2]
     if d % 16 or d > 512 or hq % hkv or hq // hkv > 16 or s == 0:
         return None
-    if _get_kernel() is None:
+    if not kernel_available():
         return None
     return torch.ops.pagedserve_cpu.decode_attention.default(
         query.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale),

@@ -1,10 +1,10 @@
 """A whole decoder layer in one compiled call for decode-only bf16 steps on CPU
-(csrc/decoder_layer.cpp, built with the GEMV kernel).
+(csrc/decoder_layer.cpp, part of the extension of kernels.cpu_gemm).
 
 `decoder_layer(...)` runs the layer's norms, projections, q/k norm + RoPE, K/V write, paged decode
 attention and gated MLP with the same kernels and ATen ops, in the same order, as the modules do
 from Python -- so its result is bit-identical to theirs -- or returns None when it does not apply
-(tensors not bf16/CPU/contiguous, more rows than the GEMV kernel takes, head sizes the kernels do
+(tensors not bf16/CPU/contiguous, more rows than MAX_M_FUSED, head sizes the kernels do
 not handle, kernels disabled or unavailable), and the caller runs the modules. At batch 1 the
 modules' Python (dispatch, wrapper checks, views: ~60 calls a layer) cost as much as the layer's
 small ops; one call removes it. Which layers may use it is decided in `models.llama`.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import _get_kernel, linear_isa
+from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, kernel_available, linear_isa
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 ACT_SILU, ACT_GELU_TANH = 0, 1
@@ -44,8 +44,7 @@ def decoder_layer(
     """See the module docstring."""
     if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
         raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
-    kernel = _get_kernel()
-    if kernel is None or not 0 < x.shape[0] <= kernel.max_m:
+    if not kernel_available() or not 0 < x.shape[0] <= MAX_M_FUSED:
         return None
     if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return None

@@ -26,86 +26,30 @@ compiled on first use like `kernels.cpu_gemm`'s, never at import; a failure logs
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
-import threading
-import time
-from pathlib import Path
-
 import torch
 
-from pagedserve.kernels.cpu_gemm import _disabled
+from pagedserve.kernels.extension import LazyExtension
 
-logger = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "fp32_invariant.cpp"]
-_HEADERS = [_CSRC / "fp32_invariant_isa.h"]  # included by the source (hashed into the name too)
-_EXT_PREFIX = "pagedserve_fp32_kernels"
 
 # isa codes of the C++ ops: 0 = the best this CPU has
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 
-# None = not tried yet, False = unavailable (already warned), else the ISA code in use
-_isa: int | bool | None = None
-_lock = threading.Lock()
-
-
-def _ext_name() -> str:
-    """Prefix + hash of the sources and of their folder. NOTE: two checkouts with the same sources
-    must not share a build folder either: its build.ninja names the sources by absolute path, so
-    each would rebuild the extension (minutes) every time the other had built it last."""
-    digest = hashlib.sha1(str(_CSRC.resolve()).encode())
-    for path in _SOURCES + _HEADERS:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return f"{_EXT_PREFIX}_{digest.hexdigest()[:12]}"
-
-
-def _build() -> int:
-    """Compile and load the extension; returns the ISA code it will use, or raises."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
-    from torch.utils import cpp_extension
-
-    t0 = time.perf_counter()
-    # NOTE: -ffp-contract=off: the compiler must not fuse a multiply and an add the source keeps
-    # apart (scalar code inside the AVX2/AVX-512 regions could otherwise differ between them).
-    cpp_extension.load(
-        name=_ext_name(),
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(_CSRC)],
-        is_python_module=False,
-        verbose=False,
-    )
-    isa = int(torch.ops.pagedserve_fp32.fp32_isa())
-    if isa == 0:
-        raise RuntimeError("the CPU has neither AVX-512F nor AVX2 + FMA")
-    logger.info("CPU fp32 batch-invariant kernels ready in %.1f s (%s)", time.perf_counter() - t0,
-                "AVX-512" if isa == ISAS["avx512"] else "AVX2")
-    return isa
+# NOTE: -ffp-contract=off: the compiler must not fuse a multiply and an add the source keeps
+# apart (scalar code inside the AVX2/AVX-512 regions could otherwise differ between them).
+_EXTENSION = LazyExtension(
+    "pagedserve_fp32_kernels",
+    ["fp32_invariant.cpp"],
+    ["fp32_invariant_isa.h"],
+    cflags=["-ffp-contract=off"],
+    probe=lambda: torch.ops.pagedserve_fp32.fp32_isa(),
+    describe=lambda isa: "AVX-512" if isa == ISAS["avx512"] else "AVX2",
+)
 
 
 def _get_isa() -> int | None:
     """The ISA code the kernels use here, building them on first call (thread-safe); None when
     disabled or unavailable."""
-    global _isa
-    if _disabled():
-        return None
-    if _isa is None:
-        with _lock:
-            if _isa is None:
-                try:
-                    _isa = _build()
-                except Exception as e:  # noqa: BLE001 -- any failure means: use torch
-                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    logger.warning("CPU fp32 invariant kernels unavailable, using torch: %s", reason)
-                    logger.debug("CPU fp32 invariant kernels failure", exc_info=True)
-                    _isa = False
-    return _isa or None
+    return _EXTENSION.isa() or None
 
 
 def fp32_kernels_available() -> bool:

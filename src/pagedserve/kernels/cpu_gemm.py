@@ -6,7 +6,6 @@ format-generic kernel (csrc/qlinear.cpp, `kernels.cpu_qlinear`) for every row co
 quantized weights, at the ISA level `linear_isa()` picks (AMX, AVX512-BF16, AVX512F, AVX2;
 `$PAGEDSERVE_CPU_ISA` caps it). NOTE: one kernel for every row count keeps a row's result
 independent of its batch. Everything else (fp32 models, gradients, no kernels) goes to torch.
-The older GEMV (csrc/bf16_gemv.cpp: `_kernel_linear`, the fused argmax) stays for its callers.
 
 The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached under
 `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
@@ -18,29 +17,14 @@ need that level; on AVX2-only CPUs (or capped there) those steps run in torch.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import threading
-import time
-from pathlib import Path
-from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu_isa import ISA_AMX, ISA_AVX512BF16, ISA_NAMES, ISA_NONE, isa_cap
+from pagedserve.kernels.cpu_isa import ISA_AVX512BF16, ISA_NAMES, ISA_NONE, isa_cap
+from pagedserve.kernels.extension import DISABLE_ENV, LazyExtension  # noqa: F401 -- DISABLE_ENV re-exported
 
-logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "PAGEDSERVE_DISABLE_CPU_KERNELS"
-
-# Row limits of the older bf16 GEMV (csrc/bf16_gemv.cpp: `_kernel_linear`, the fused LM-head
-# argmax): its AMX path takes M <= 32; its AVX512_BF16 path is compute-bound from M ~ 4 on.
-MAX_M_AMX = 32
-MAX_M_AVX512 = 4
-MAX_M = max(MAX_M_AMX, MAX_M_AVX512)
 # Rows the whole-layer decode call (kernels/cpu_decoder_layer.py) takes: its products run on the
 # format-generic kernel, which takes any row count.
 MAX_M_FUSED = 256
@@ -55,100 +39,28 @@ PAD_ROWS = 64
 PAD_ABOVE = 32
 _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 
-# The one extension holds every CPU kernel: the GEMV, the fused RMSNorm (kernels/cpu_norm.py),
-# paged decode attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py), the
-# whole decode-step decoder layer built from them (kernels/cpu_decoder_layer.py), the greedy argmax
+# The one extension holds every CPU kernel: the weight-format-generic linear kernel with its
+# per-ISA code (kernels/cpu_qlinear.py), the fused RMSNorm (kernels/cpu_norm.py), paged decode
+# attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py), the whole
+# decode-step decoder layer built from them (kernels/cpu_decoder_layer.py), the greedy argmax
 # (kernels/cpu_argmax.py) and random sampling (kernels/cpu_sampling.py).
-# (and the weight-format-generic linear kernel with its per-ISA code, kernels/cpu_qlinear.py).
-_SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp",
-                         "decoder_layer.cpp", "sampling.cpp", "qlinear.cpp")]
-_HEADERS = [Path(__file__).with_name("csrc") / "qlinear_impl.h"]
-_EXT_PREFIX = "pagedserve_cpu_kernels"
-
-
-def _ext_name() -> str:
-    """The extension's name, which is also its build folder: the prefix and a hash of the
-    sources. NOTE: two source trees on one machine (two checkouts, two installed versions) must
-    not share a build folder: cpp_extension would rebuild it back and forth, and a process
-    starting in between could load the other tree's library (ops missing or different)."""
-    digest = hashlib.sha1()
-    for path in _SOURCES + _HEADERS:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return f"{_EXT_PREFIX}_{digest.hexdigest()[:12]}"
-
-
-class _Kernel(NamedTuple):
-    op: Callable  # torch.ops.pagedserve_cpu.bf16_linear.default
-    max_m: int  # rows the fused decode layer takes (MAX_M_FUSED)
-
-
-# The lazily built extension: None = not tried yet, False = unavailable (already warned), else the
-# CPU's ISA level (kernels.cpu_isa).
-_kernel: int | bool | None = None
-_kernel_lock = threading.Lock()
-
-# algo codes understood by the C++ op
-_ALGOS = {"auto": 0, "avx512": 1, "amx": 2}
-
-
-def _disabled() -> bool:
-    raw = os.environ.get(DISABLE_ENV)
-    return raw is not None and raw.strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _build() -> int:
-    """Compile and load the extension; returns the CPU's ISA level (kernels.cpu_isa) or raises
-    with the reason."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
-    from torch.utils import cpp_extension
-
-    t0 = time.perf_counter()
-    # NOTE: no -march / -mavx512 flags: the AVX-512 and AMX code carries target attributes, so
-    # nothing compiled for the whole file (static init, feature probing) can use them by accident.
-    # -fopenmp is required: at::parallel_for is a header template over `#pragma omp parallel`;
-    # libgomp then resolves to the copy torch has already loaded (same soname).
-    # NOTE: cpp_extension serialises concurrent builds (other processes too) with a lock file in
-    # the build folder; a process killed mid-build leaves it behind and later builds wait on it:
-    # delete `$TORCH_EXTENSIONS_DIR/<py>_cpu/pagedserve_cpu_kernels_<hash>/lock` if first use hangs.
-    cpp_extension.load(
-        name=_ext_name(),
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(_SOURCES[0].parent)],
-        is_python_module=False,
-        verbose=False,
-    )
-    isa = int(torch.ops.pagedserve_cpu.cpu_isa())
-    if isa == ISA_NONE:
-        raise RuntimeError("the CPU (or OS) lacks AVX2 + FMA")
-    logger.info("CPU kernels ready in %.1f s (best ISA: %s)", time.perf_counter() - t0, ISA_NAMES[isa])
-    return isa
+# NOTE: no -march / -mavx512 flags: the AVX-512 and AMX code carries target attributes, so
+# nothing compiled for the whole file (static init, feature probing) can use them by accident.
+_EXTENSION = LazyExtension(
+    "pagedserve_cpu_kernels",
+    ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
+     "sampling.cpp", "qlinear.cpp"],
+    ["qlinear_impl.h"],
+    cflags=[],
+    probe=lambda: torch.ops.pagedserve_cpu.cpu_isa(),
+    describe=lambda isa: f"best ISA: {ISA_NAMES[isa]}",
+)
 
 
 def _cpu_isa() -> int:
-    """The CPU's ISA level with the extension built (on first call, thread-safe); ISA_NONE when
-    disabled or unavailable (warned once)."""
-    global _kernel
-    if _disabled():
-        return ISA_NONE
-    k = _kernel
-    if k is None:
-        with _kernel_lock:
-            if _kernel is None:
-                try:
-                    _kernel = _build()
-                except Exception as e:  # noqa: BLE001 -- any failure means: use torch
-                    # first line only: a build error carries the whole compiler log (at debug)
-                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    logger.warning("CPU kernels unavailable, using torch: %s", reason)
-                    logger.debug("CPU kernel failure", exc_info=True)
-                    _kernel = False
-            k = _kernel
-    return int(k) if k else ISA_NONE
+    """The CPU's ISA level (kernels.cpu_isa) with the extension built on first call; ISA_NONE
+    when disabled or unavailable (warned once)."""
+    return _EXTENSION.isa()
 
 
 def linear_isa() -> int:
@@ -158,27 +70,13 @@ def linear_isa() -> int:
     return min(isa, isa_cap()) if isa else ISA_NONE
 
 
-def _get_kernel() -> _Kernel | None:
-    """The AVX512-BF16 kernels (GEMV, norms, attention, ...), building the extension on first
-    call; None when disabled, unavailable, or the ISA (or its cap) is below AVX512-BF16."""
-    isa = linear_isa()
-    if isa < ISA_AVX512BF16:
-        return None
-    return _Kernel(torch.ops.pagedserve_cpu.bf16_linear.default, MAX_M_FUSED)
-
-
 def kernel_available() -> bool:
     """Whether the AVX512-BF16 kernels can run here (builds them on first call).
 
     False when disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS`, capped below avx512bf16 by
     `$PAGEDSERVE_CPU_ISA`, on CPUs without AVX512_BF16, or if the build failed (logged once).
     """
-    return _get_kernel() is not None
-
-
-def amx_available() -> bool:
-    """Whether the kernels can use AMX tiles here (implies `kernel_available()`)."""
-    return linear_isa() >= ISA_AMX and bool(torch.ops.pagedserve_cpu.features()[1])
+    return linear_isa() >= ISA_AVX512BF16
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> None:
@@ -263,23 +161,3 @@ def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     xp[:m] = x.reshape(m, k)
     xp[m:] = 0
     return F.linear(xp, weight, bias)[:m].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
-
-
-def _kernel_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    algo: str = "auto",
-) -> torch.Tensor:
-    """The kernel itself for a 2-D x, with no fallback (tests, benchmarks). algo: auto|avx512|amx.
-
-    RuntimeError if the kernel is unavailable, or `algo="amx"` is not possible for this CPU/shape.
-    """
-    _check_args(x, weight, bias, out_dtype)
-    if algo not in _ALGOS:
-        raise ValueError(f"algo must be one of {sorted(_ALGOS)}, got {algo!r}")
-    kernel = _get_kernel()
-    if kernel is None:
-        raise RuntimeError("CPU bf16 GEMV kernel unavailable (disabled, unsupported CPU, or build failed)")
-    return kernel.op(x, weight, bias, out_dtype == torch.float32, _ALGOS[algo])

@@ -1,4 +1,4 @@
-"""Fused RMSNorm for bf16 activations on CPU (csrc/rms_norm.cpp, built with the GEMV kernel).
+"""Fused RMSNorm for bf16 activations on CPU (csrc/rms_norm.cpp, part of the extension of kernels.cpu_gemm).
 
 `rms_norm(x, weight_f32, eps, llama)` returns the normalised `x` like the eager formulas of
 `layers.norms` (HF's numerics), or None when the kernel does not apply -- not a bf16 CPU tensor,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import _get_kernel
+from pagedserve.kernels.cpu_gemm import kernel_available
 
 
 def rms_norm(
@@ -25,7 +25,7 @@ def rms_norm(
     (`LlamaRMSNorm`); else multiply in fp32 and round once (`Gemma3RMSNorm`)."""
     if x.dtype is not torch.bfloat16 or not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    if _get_kernel() is None or x.numel() == 0:
+    if not kernel_available() or x.numel() == 0:
         return None
     op = torch.ops.pagedserve_cpu.rms_norm.default
     if x.dim() == 2 and x.is_contiguous():  # the usual case: no reshapes

@@ -1,4 +1,4 @@
-"""Fused per-head q/k RMSNorm + RoPE on CPU (csrc/rotary.cpp, built with the GEMV kernel).
+"""Fused per-head q/k RMSNorm + RoPE on CPU (csrc/rotary.cpp, part of the extension of kernels.cpu_gemm).
 
 `qk_norm_rope_(q, k, cos, sin, q_weight, k_weight, eps, norm)` normalises (optionally) and rotates
 the q and k heads in place, bit-identical to the eager ops of `layers.norms` and
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import _get_kernel
+from pagedserve.kernels.cpu_gemm import kernel_available
 
 NORM_NONE, NORM_GEMMA, NORM_LLAMA = 0, 1, 2
 
@@ -39,7 +39,7 @@ def qk_norm_rope_(
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return False
-    if _get_kernel() is None:
+    if not kernel_available():
         return False
     torch.ops.pagedserve_cpu.qk_norm_rope_.default(q, k, cos, sin, q_weight, k_weight, float(eps), norm)
     return True

@@ -1,5 +1,5 @@
 """Random sampling of one token per row of fp32 logits on CPU, and logprobs without a log-softmax
-of the whole vocabulary (csrc/sampling.cpp, built with the GEMV kernel).
+of the whole vocabulary (csrc/sampling.cpp, part of the extension of kernels.cpu_gemm).
 
 `sample_rows(logits, temperature, top_k, top_p, min_p, u)` applies each row's temperature, top-k,
 top-p and min-p and draws by inverse CDF with the row's uniform `u` -- the rule of the torch path
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import _get_kernel
+from pagedserve.kernels.cpu_gemm import kernel_available
 
 
 def sample_rows(
@@ -33,7 +33,7 @@ def sample_rows(
     """See the module docstring."""
     if logits.dim() != 2 or logits.dtype is not torch.float32 or not logits.is_cpu:
         return None
-    if logits.shape[1] == 0 or _get_kernel() is None:
+    if logits.shape[1] == 0 or not kernel_available():
         return None
     f32 = dict(dtype=torch.float32)
     return torch.ops.pagedserve_cpu.sample_rows.default(
@@ -51,7 +51,7 @@ def logprob_rows(
     apply. NOTE: NaN logits count as absent."""
     if logits.dim() != 2 or logits.dtype is not torch.float32 or not logits.is_cpu:
         return None
-    if logits.shape[1] == 0 or not 0 <= k <= logits.shape[1] or _get_kernel() is None:
+    if logits.shape[1] == 0 or not 0 <= k <= logits.shape[1] or not kernel_available():
         return None
     lp, rank, top_val, top_idx = torch.ops.pagedserve_cpu.logprob_rows.default(
         logits.contiguous(), torch.tensor(targets, dtype=torch.int64), k)

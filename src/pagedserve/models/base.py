@@ -9,11 +9,17 @@ samples from and calls `compute_logits` on those only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
+from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.tp import TPContext
+from pagedserve.layers.linear import ParallelLMHead
+from pagedserve.layers.weights import load_named_weights
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -57,3 +63,115 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load tensors named as in the HF checkpoint (safetensors names)."""
         ...
+
+
+def check_kv_caches(kv_caches: list, num_layers: int) -> None:
+    """ValueError unless there is one (k_cache, v_cache) pair per layer."""
+    if len(kv_caches) != num_layers:
+        raise ValueError(f"expected {num_layers} (k_cache, v_cache) pairs, one per layer, got {len(kv_caches)}")
+
+
+def checkpoint_rename(name: str, *, prefix: str, tied: bool, own: tuple[str, ...] = ("lm_head.",)) -> str | None:
+    """Map a checkpoint name onto our parameter names: None for rotary buffers and for a tied
+    head's `lm_head.weight`; `prefix` added to names saved without it (bare base-model checkpoints)."""
+    if name.endswith("inv_freq") or (tied and name == "lm_head.weight"):
+        return None
+    if not name.startswith((prefix, *own)):
+        name = prefix + name
+    return name
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, decoder layers, final norm: the backbone of a `PagedCausalLM`. A subclass
+    implements `embed`, `decoder_layers` and `final`; each layer is called as
+    `layer(x, *extra, kv_cache, meta)` with that layer's `extra` inputs from `embed` (its RoPE
+    tables, or nothing for absolute-position models)."""
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+        """`([T, H] input of the first layer, one tuple of extra layer inputs per layer)`."""
+        raise NotImplementedError
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers, first to last."""
+        raise NotImplementedError
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H']
+        """What follows the last layer (final norm, output projection)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H']
+        layers = self.decoder_layers()
+        check_kv_caches(kv_caches, len(layers))
+        x, extras = self.embed(input_ids, positions)  # [T, H]
+        for layer, extra, kv_cache in zip(layers, extras, kv_caches):
+            x = layer(x, *extra, kv_cache, meta)  # [T, H]
+        return self.final(x)
+
+
+class PagedCausalLM(nn.Module):
+    """What the `*ForCausalLM` classes share (they implement `CausalLM`): an LM head (tied to the
+    input embedding when the config says so), the KV cache spec, logits, the fused greedy path
+    and checkpoint loading. A subclass builds its decoder stack, then calls `_init_head`, and
+    names in `backbone` the module whose forward maps `(input_ids, positions, kv_caches, meta)`
+    to the hidden states the head reads.
+
+    NOTE: `backbone` is a method, not an attribute: a submodule stored under a second name would
+    appear twice among the parameters that checkpoint loading matches by name.
+    """
+
+    checkpoint_prefix = "model."  # added to bare base-model checkpoint names
+    tied_by_default = True  # when the config has no `tie_word_embeddings`
+
+    def _init_head(self, config: Any, embedding: nn.Module, *, head_in: int, num_kv_heads: int,
+                   head_dim: int, tp: TPContext) -> None:
+        self.config = config
+        self.tied = bool(getattr(config, "tie_word_embeddings", self.tied_by_default))
+        self.lm_head = ParallelLMHead(head_in, config.vocab_size, tp=tp)
+        if self.tied:
+            self.lm_head.weight = embedding.weight
+        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, tp.local_kv_heads(num_kv_heads), head_dim)
+
+    def backbone(self) -> nn.Module:
+        """The decoder stack (embeddings through the final norm / projection)."""
+        raise NotImplementedError
+
+    def forward(self, *step: Any) -> torch.Tensor:  # [T, H]
+        """`(input_ids [T], positions [T], kv_caches, meta)` -> the backbone's hidden states."""
+        return self.backbone()(*step)
+
+    def final_softcap(self) -> float | None:
+        """The cap of `cap * tanh(logits / cap)` applied to the logits, or None."""
+        return None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        logits = self.lm_head(hidden).float()  # [S, V]
+        cap = self.final_softcap()
+        if cap is not None:
+            logits = logits.div_(cap).tanh_().mul_(cap)  # in place: [S, V] fp32 is 1 MB a row
+        return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
+        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
+        (`ParallelLMHead.greedy`); None otherwise. NOTE: not under a final softcap: tanh is
+        monotonic, but in fp32 it maps distinct large logits to equal values, which moves ties."""
+        if self.final_softcap() is not None:
+            return None
+        return self.lm_head.greedy(hidden)
+
+    def _rename(self, name: str) -> str | None:
+        """A checkpoint tensor name -> our parameter name, or None to skip it."""
+        return checkpoint_rename(name, prefix=self.checkpoint_prefix, tied=self.tied)
+
+    def _transposed(self) -> Callable[[str], bool] | None:
+        """Which parameters the checkpoint stores transposed (GPT-2's Conv1D), or None."""
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF checkpoint tensors, named as in the checkpoint (safetensors names)."""
+        load_named_weights(self, weights, rename=self._rename, transposed=self._transposed())

@@ -15,26 +15,18 @@ neither do we.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.linear import VocabParallelEmbedding
 from pagedserve.layers.norms import GemmaRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedserve.layers.weights import load_named_weights
-from pagedserve.models.base import KVCacheSpec
-from pagedserve.models.llama import (
-    KVCache,
-    LlamaAttention,
-    LlamaMLP,
-    check_kv_caches,
-    checkpoint_rename,
-    fused_decode_layer,
-)
+from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
+from pagedserve.models.llama import FusableDecoderLayer, LlamaAttention, LlamaMLP
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -64,7 +56,7 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> dict:
     return scaling
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(FusableDecoderLayer):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
     def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE):
@@ -88,23 +80,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        fused = fused_decode_layer(self, x, rope, kv_cache, meta, self.self_attn, self.mlp,
-                                   (self.input_layernorm, self.post_attention_layernorm,
-                                    self.pre_feedforward_layernorm, self.post_feedforward_layernorm))
-        if fused is not None:
-            return fused
+    def layer_norms(self) -> tuple:
+        return (self.input_layernorm, self.post_attention_layernorm,
+                self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
+
+    def unfused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3TextModel(nn.Module):
+class Gemma3TextModel(DecoderStack):
     """Scaled embeddings, decoder layers with per-type RoPE, final norm (HF's `model.`)."""
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
@@ -127,23 +113,20 @@ class Gemma3TextModel(nn.Module):
             }
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        check_kv_caches(kv_caches, len(self.layers))
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]
         x = x * self.embed_scale.to(x.dtype)  # [T, H]; sqrt(hidden) rounded to the dtype, as HF
         ropes = {t: rope(positions, x.dtype) for t, rope in self.rotary_emb.items()}
-        for layer, layer_type, kv_cache in zip(self.layers, self.layer_types, kv_caches):
-            x = layer(x, ropes[layer_type], kv_cache, meta)  # [T, H]
+        return x, [(ropes[t],) for t in self.layer_types]
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(PagedCausalLM):
     """Gemma 3 text LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp` makes
     it this rank's shard."""
 
@@ -151,47 +134,16 @@ class Gemma3ForCausalLM(nn.Module):
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.config = config
         self.model = Gemma3TextModel(config, tp=tp)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,
+                        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, tp=tp)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        self.kv_cache_spec = KVCacheSpec(
-            config.num_hidden_layers, tp.local_kv_heads(config.num_key_value_heads), config.head_dim
-        )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.model(input_ids, positions, kv_caches, meta)
+    def backbone(self) -> nn.Module:
+        return self.model
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
-        logits = self.lm_head(hidden).float()  # [S, V]
-        cap = self.final_logit_softcapping
-        if cap is not None and self.apply_final_softcap:
-            logits = logits.div_(cap).tanh_().mul_(cap)  # in place: [S, V] fp32 is 1 MB a row
-        return logits
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
-        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
-        (`ParallelLMHead.greedy`); None otherwise. NOTE: not under a final softcap: tanh is
-        monotonic, but in fp32 it maps distinct large logits to equal values, which moves ties."""
-        if self.final_logit_softcapping is not None and self.apply_final_softcap:
-            return None
-        return self.lm_head.greedy(hidden)
-
-    def _rename(self, name: str) -> str | None:
-        return checkpoint_rename(name, prefix="model.", tied=self.tied)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF checkpoint tensors (`model.*`, `lm_head.weight` when untied)."""
-        load_named_weights(self, weights, rename=self._rename)
+    def final_softcap(self) -> float | None:
+        return self.final_logit_softcapping if self.apply_final_softcap else None
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

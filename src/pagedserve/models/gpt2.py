@@ -9,7 +9,7 @@ head_dim ** -0.5 (when `scale_attn_weights`), divided by layer_idx + 1 when
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,14 +20,11 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from pagedserve.layers.norms import LayerNorm
-from pagedserve.layers.weights import load_named_weights
-from pagedserve.models.base import KVCacheSpec
-from pagedserve.models.llama import KVCache, check_kv_caches, checkpoint_rename
+from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
@@ -87,7 +84,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(DecoderStack):
     """Token + position embeddings, blocks, final LayerNorm (HF's `transformer`); positions and
     norms are replicated on every rank."""
 
@@ -98,61 +95,38 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config, i, tp=tp) for i in range(config.num_hidden_layers))
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        check_kv_caches(kv_caches, len(self.h))
-        x = self.wte(input_ids) + self.wpe(positions)  # [T, H]
-        for block, kv_cache in zip(self.h, kv_caches):
-            x = block(x, kv_cache, meta)  # [T, H]
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+        return self.wte(input_ids) + self.wpe(positions), [()] * len(self.h)  # [T, H]
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.h
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.ln_f(x)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(PagedCausalLM):
     """GPT-2 LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp` makes it this
-    rank's shard."""
+    rank's shard. Checkpoints name the stack `transformer.*` (or bare `h.*` / `wte.*`) and store
+    Conv1D weights transposed."""
+
+    checkpoint_prefix = "transformer."
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.config = config
         self.transformer = GPT2Model(config, tp=tp)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
-        if self.tied:
-            self.lm_head.weight = self.transformer.wte.weight
-        head_dim = config.hidden_size // config.num_attention_heads
-        self.kv_cache_spec = KVCacheSpec(
-            config.num_hidden_layers, tp.local_kv_heads(config.num_attention_heads), head_dim
-        )
+        self._init_head(config, self.transformer.wte, head_in=config.hidden_size,
+                        num_kv_heads=config.num_attention_heads,
+                        head_dim=config.hidden_size // config.num_attention_heads, tp=tp)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.transformer(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
-        return self.lm_head(hidden).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
-        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
-        (`ParallelLMHead.greedy`); None otherwise."""
-        return self.lm_head.greedy(hidden)
+    def backbone(self) -> nn.Module:
+        return self.transformer
 
     def _rename(self, name: str) -> str | None:
         # attn.bias / attn.masked_bias: causal-mask buffers stored by old checkpoints.
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             return None
-        return checkpoint_rename(name, prefix="transformer.", tied=self.tied)
+        return super()._rename(name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF checkpoint tensors (`transformer.*` or bare `h.*`/`wte.*`), transposing Conv1D weights."""
-        load_named_weights(self, weights, rename=self._rename,
-                           transposed=lambda name: name.endswith(_CONV1D))
+    def _transposed(self) -> Callable[[str], bool]:
+        return lambda name: name.endswith(_CONV1D)

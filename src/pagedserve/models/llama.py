@@ -8,7 +8,7 @@ with `use_sliding_window`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,16 +21,13 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
-from pagedserve.layers.weights import load_named_weights
-from pagedserve.models.base import KVCacheSpec
+from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def head_dim_of(config: Any) -> int:
@@ -131,7 +128,32 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaDecoderLayer(nn.Module):
+class FusableDecoderLayer(nn.Module):
+    """A decoder layer of attention (`self_attn`) and a gated MLP (`mlp`) with RMS norms, which
+    one-token decode steps may run through the fused CPU kernel (`fused_decode_layer`); the
+    subclass names its norms and writes the unfused math."""
+
+    def layer_norms(self) -> tuple:
+        """(input, post-attention, pre-feedforward, post-feedforward) norms; None where absent."""
+        raise NotImplementedError
+
+    def unfused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The layer in torch ops (prompts, other dtypes, no kernel)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        fused = fused_decode_layer(self, x, rope, kv_cache, meta, self.self_attn, self.mlp, self.layer_norms())
+        return self.unfused(x, rope, kv_cache, meta) if fused is None else fused
+
+
+class LlamaDecoderLayer(FusableDecoderLayer):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: Any, sliding_window: int | None, *, qkv_bias: bool, qk_norm: bool,
@@ -158,17 +180,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        fused = fused_decode_layer(self, x, rope, kv_cache, meta, self.self_attn, self.mlp,
-                                   (self.input_layernorm, self.post_attention_layernorm, None, None))
-        if fused is not None:
-            return fused
+    def layer_norms(self) -> tuple:
+        return (self.input_layernorm, self.post_attention_layernorm, None, None)
+
+    def unfused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -241,7 +257,7 @@ def fused_decode_layer(
     )
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     """Embeddings, decoder layers and final norm (HF's `model.` submodule)."""
 
     def __init__(self, config: Any, windows: list[int | None], *, qkv_bias: bool, qk_norm: bool,
@@ -255,47 +271,28 @@ class LlamaModel(nn.Module):
         max_pos = config.max_position_embeddings
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        check_kv_caches(kv_caches, len(self.layers))
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary_emb(positions, x.dtype)  # 2 x [T, D]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)  # [T, H]
+        return x, [(rope,)] * len(self.layers)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.norm(x)
 
 
-def check_kv_caches(kv_caches: list, num_layers: int) -> None:
-    """ValueError unless there is one (k_cache, v_cache) pair per layer."""
-    if len(kv_caches) != num_layers:
-        raise ValueError(f"expected {num_layers} (k_cache, v_cache) pairs, one per layer, got {len(kv_caches)}")
-
-
-def checkpoint_rename(name: str, *, prefix: str, tied: bool, own: tuple[str, ...] = ("lm_head.",)) -> str | None:
-    """Map a checkpoint name onto our parameter names: None for rotary buffers and for a tied
-    head's `lm_head.weight`; `prefix` added to names saved without it (bare base-model checkpoints)."""
-    if name.endswith("inv_freq") or (tied and name == "lm_head.weight"):
-        return None
-    if not name.startswith((prefix, *own)):
-        name = prefix + name
-    return name
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(PagedCausalLM):
     """Llama decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp`
     makes it this rank's shard (its KV cache spec then counts this rank's KV heads)."""
 
     qkv_bias = False  # Qwen2: True (Llama reads config.attention_bias)
     qk_norm = False  # Qwen3: True
+    tied_by_default = False
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.config = config
         self.model = LlamaModel(
             config,
             self.sliding_windows(config),
@@ -303,39 +300,16 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=self.qk_norm,
             tp=tp,
         )
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp=tp)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.kv_cache_spec = KVCacheSpec(
-            config.num_hidden_layers, tp.local_kv_heads(config.num_key_value_heads), head_dim_of(config)
-        )
+        self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,
+                        num_kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config), tp=tp)
+
+    def backbone(self) -> nn.Module:
+        return self.model
 
     @staticmethod
     def sliding_windows(config: Any) -> list[int | None]:
         """Per-layer sliding windows (None = full attention)."""
         return layer_sliding_windows(config)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
-        return self.lm_head(hidden).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
-        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
-        (`ParallelLMHead.greedy`); None otherwise."""
-        return self.lm_head.greedy(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF checkpoint tensors (`model.*`, `lm_head.weight`)."""
-        load_named_weights(self, weights, rename=lambda n: checkpoint_rename(n, prefix="model.", tied=self.tied))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

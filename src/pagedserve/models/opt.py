@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,14 +21,11 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from pagedserve.layers.norms import LayerNorm
-from pagedserve.layers.weights import load_named_weights
-from pagedserve.models.base import KVCacheSpec
-from pagedserve.models.llama import KVCache, check_kv_caches, checkpoint_rename
+from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
 
 POSITION_OFFSET = 2
 
@@ -79,7 +76,7 @@ class OPTDecoderLayer(nn.Module):
         return self.final_layer_norm(x + self.fc2(self.act_fn(self.fc1(x))))
 
 
-class OPTDecoder(nn.Module):
+class OPTDecoder(DecoderStack):
     """Embeddings (+ project_in), layers, final norm (+ project_out): HF's `model.decoder`.
     Positions, projections and norms are replicated on every rank."""
 
@@ -96,20 +93,16 @@ class OPTDecoder(nn.Module):
         )
         self.layers = nn.ModuleList(OPTDecoderLayer(config, tp=tp) for _ in range(config.num_hidden_layers))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, E]
-        check_kv_caches(kv_caches, len(self.layers))
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, E]
         if self.project_in is not None:
             x = self.project_in(x)  # [T, H]
-        x = x + self.embed_positions(positions + POSITION_OFFSET)  # [T, H]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta)  # [T, H]
+        return x + self.embed_positions(positions + POSITION_OFFSET), [()] * len(self.layers)  # [T, H]
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -125,41 +118,18 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config, tp=tp)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(PagedCausalLM):
     """OPT decoder-only LM on a paged KV cache (see `pagedserve.models.base.CausalLM`). `forward`
     returns `[T, word_embed_proj_dim]` (after `project_out`), what the LM head reads; `tp` makes
-    it this rank's shard."""
+    it this rank's shard. Checkpoints name the stack `model.decoder.*` (`decoder.*` in the
+    original ones)."""
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.config = config
         self.model = OPTModel(config, tp=tp)
-        self.tied = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.word_embed_proj_dim, config.vocab_size, tp=tp)
-        if self.tied:
-            self.lm_head.weight = self.model.decoder.embed_tokens.weight
-        head_dim = config.hidden_size // config.num_attention_heads
-        self.kv_cache_spec = KVCacheSpec(
-            config.num_hidden_layers, tp.local_kv_heads(config.num_attention_heads), head_dim
-        )
+        self._init_head(config, self.model.decoder.embed_tokens, head_in=config.word_embed_proj_dim,
+                        num_kv_heads=config.num_attention_heads,
+                        head_dim=config.hidden_size // config.num_attention_heads, tp=tp)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, E]
-        return self.model.decoder(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V] fp32
-        return self.lm_head(hidden).float()
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
-        """`compute_logits(hidden).argmax(-1)` without the logits where the LM head can
-        (`ParallelLMHead.greedy`); None otherwise."""
-        return self.lm_head.greedy(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF checkpoint tensors (`model.decoder.*`, or `decoder.*` in original checkpoints)."""
-        load_named_weights(self, weights, rename=lambda n: checkpoint_rename(n, prefix="model.", tied=self.tied))
+    def backbone(self) -> nn.Module:
+        return self.model.decoder

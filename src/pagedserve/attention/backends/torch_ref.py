@@ -61,33 +61,20 @@ def paged_attention(
     flat_v = v_cache.view(n * b, hkv, head_dim)
     out: torch.Tensor | None = None  # [T, Hq, D] once a group needs it (a decode-only step may not)
     for group in meta.groups:
-        g, max_q = group.token_index.shape
-        if max_q == 1 and group.block_tables is not None:
-            q = query if group.covers_all else query.index_select(0, group.out_tokens)
-            o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
-                                 sliding_window)
-            if o is not None:  # [G, Hq, D]
-                if group.covers_all:  # a decode-only step: o is the whole output, in order
-                    return o
-                out = _scatter(out, num_tokens, group.out_tokens, o)
-                continue
-        if max_q > 1:
+        if group.is_prompt:
             # Prompt chunks one by one, unpadded: no padding to the longest, and a causal kernel
             # skips the masked half (docs/benchmarks.md, "Measurements behind design choices").
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
                                   sliding_window)
             continue
-        # Decode rows the kernel did not take (float32, no kernel): one query each, no padding.
-        g_len = group.kv_slots.shape[1]
-        slots = group.kv_slots.view(-1)
-        k = flat_k.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
-        v = flat_v.index_select(0, slots).view(g, g_len, hkv, head_dim).transpose(1, 2)  # [G, Hkv, L, D]
-        q = query.index_select(0, group.out_tokens).unsqueeze(2)  # [G, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask(sliding_window),
-            scale=scale, enable_gqa=hkv != num_heads,
-        )  # [G, Hq, 1, D]
-        out = _scatter(out, num_tokens, group.out_tokens, o.squeeze(2))
+        q = query if group.covers_all else query.index_select(0, group.out_tokens)  # [G, Hq, D]
+        o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
+                             sliding_window)
+        if o is None:
+            o = _attend_decode_rows(q, flat_k, flat_v, group, scale, sliding_window)  # [G, Hq, D]
+        if group.covers_all:  # a decode-only step: o is the whole output, in order
+            return o
+        out = _scatter(out, num_tokens, group.out_tokens, o)
     return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
 
 
@@ -106,8 +93,6 @@ def _attend_prompts(
     the first call) with the members' rows written. A chunk whose context is just itself (nothing
     cached before it) and fits the window attends causally over its new K/V; any other reads its
     context from the cache through its slots, with an explicit causal (and window) mask."""
-    if group.spans is None:
-        raise ValueError("a prompt group needs its host-side spans (AttentionMetadata.build)")
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
@@ -133,6 +118,31 @@ def _attend_prompts(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=gqa)  # [1, Hq, n, D]
         out[start : start + n] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend_decode_rows(
+    q: torch.Tensor,  # [G, Hq, D] one query per member
+    flat_k: torch.Tensor,  # [N * B, Hkv, D] the cache, new K/V already written
+    flat_v: torch.Tensor,
+    group,  # the decode AttentionGroup
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # [G, Hq, D]
+    """Decode rows the compiled kernels did not take (no kernel for this dtype / CPU): SDPA for
+    each row alone over exactly its own context (within the window). NOTE: one row at a time, never
+    padded to the batch's longest context: SDPA's blocking depends on the key length, so padding
+    would make a row's bits depend on the rows beside it."""
+    gqa = flat_k.shape[1] != q.shape[1]
+    out = torch.empty_like(q)
+    for i, ctx in enumerate(group.seq_lens.tolist()):
+        first = max(0, ctx - sliding_window) if sliding_window else 0
+        slots = group.kv_slots[i, first:ctx]  # [n]
+        k = flat_k.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+        v = flat_v.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q[i : i + 1].unsqueeze(2), k, v, scale=scale,
+                                           enable_gqa=gqa)  # [1, Hq, 1, D]
+        out[i] = o[0, :, 0]
     return out
 
 

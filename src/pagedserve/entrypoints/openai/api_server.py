@@ -189,6 +189,14 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
 
         profiler_box: dict[str, Any] = {}
 
+        async def _profile_call(fn) -> Response:
+            """`fn(llm)` on the engine thread, its dict as JSON; its ValueError as a 400."""
+            try:
+                state = await engine.call_in_engine_thread(fn)
+            except ValueError as e:
+                raise APIError(str(e), 400) from e
+            return Response(json.dumps(state), media_type="application/json")
+
         @app.post("/debug/profile/start")
         async def debug_profile_start():
             """Start timing every engine step by section (`pagedserve bench serve --profile`)."""
@@ -201,11 +209,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
                 profiler_box["profiler"] = StepProfiler().attach(llm)
                 return {"started": True}
 
-            try:
-                state = await engine.call_in_engine_thread(attach)
-            except ValueError as e:
-                raise APIError(str(e), 400) from e
-            return Response(json.dumps(state), media_type="application/json")
+            return await _profile_call(attach)
 
         @app.post("/debug/profile/stop")
         async def debug_profile_stop(wall_s: float | None = None):
@@ -221,11 +225,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
                     "report": prof.report(wall_s),
                 }
 
-            try:
-                state = await engine.call_in_engine_thread(detach)
-            except ValueError as e:
-                raise APIError(str(e), 400) from e
-            return Response(json.dumps(state), media_type="application/json")
+            return await _profile_call(detach)
 
         # --- memory (scripts/soak.py; docs/reliability.md "Soak") ---------------------------
 

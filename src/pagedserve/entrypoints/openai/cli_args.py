@@ -7,6 +7,23 @@ import argparse
 import codecs
 
 
+# vLLM's on/off server flags: (flag, what it switches on).
+SWITCHES = (
+    ("--enable-request-id-headers",
+     "answer every request with an X-Request-Id header (the client's own X-Request-Id when it "
+     "sent one)"),
+    ("--return-tokens-as-token-ids", "logprobs name tokens as 'token_id:N' instead of their text"),
+    ("--enable-force-include-usage",
+     "streams end with a usage chunk even without stream_options.include_usage"),
+    ("--enable-prompt-tokens-details",
+     "usage reports prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache)"),
+    ("--enable-server-load-tracking", "count the completions / chat requests in progress; GET /load"),
+    ("--enable-tokenizer-info-endpoint",
+     "serve GET /tokenizer_info (the tokenizer's configuration and chat template; remote "
+     "tokenizers such as lm-evaluation-harness's use it)"),
+)
+
+
 def add_openai_server_args(p: argparse.ArgumentParser) -> None:
     """vLLM's server flags, with vLLM's names and meanings."""
     p.add_argument("--chat-template", default=None,
@@ -14,22 +31,8 @@ def add_openai_server_args(p: argparse.ArgumentParser) -> None:
                         "source itself (default: the tokenizer's, else a documented default)")
     p.add_argument("--root-path", default=None,
                    help="the path prefix the server is mounted under behind a proxy")
-    p.add_argument("--enable-request-id-headers", action="store_true",
-                   help="answer every request with an X-Request-Id header (the client's own "
-                        "X-Request-Id when it sent one)")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="logprobs name tokens as 'token_id:N' instead of their text")
-    p.add_argument("--enable-force-include-usage", action="store_true",
-                   help="streams end with a usage chunk even without "
-                        "stream_options.include_usage")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="usage reports prompt_tokens_details.cached_tokens (prompt tokens "
-                        "found in the prefix cache)")
-    p.add_argument("--enable-server-load-tracking", action="store_true",
-                   help="count the completions / chat requests in progress; GET /load")
-    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
-                        "template; remote tokenizers such as lm-evaluation-harness's use it)")
+    for flag, help_text in SWITCHES:
+        p.add_argument(flag, action="store_true", help=help_text)
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
                         "finish for up to this many seconds before aborting the rest "

@@ -10,7 +10,7 @@
 //
 // Parallel over (sequence, KV head) pairs on torch's OpenMP pool. Registered as
 // torch.ops.pagedserve_cpu.decode_attention; the Python wrapper is kernels/cpu_attention.py. No -m
-// flags (target attributes); callers check features() first.
+// flags (target attributes); callers check kernels.cpu_gemm.kernel_available() first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

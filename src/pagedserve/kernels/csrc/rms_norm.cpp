@@ -8,7 +8,7 @@
 //
 // Registered as torch.ops.pagedserve_cpu.rms_norm (a fragment of the library the GEMV file
 // defines); the Python wrapper is pagedserve/kernels/cpu_norm.py. As there: no -m flags, the SIMD
-// code carries target attributes; callers check features() first.
+// code carries target attributes; callers check kernels.cpu_gemm.kernel_available() first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

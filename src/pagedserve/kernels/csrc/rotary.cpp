@@ -12,7 +12,7 @@
 //
 // Registered as torch.ops.pagedserve_cpu.qk_norm_rope_ (a fragment of the library the GEMV file
 // defines); the Python wrapper is pagedserve/kernels/cpu_rotary.py. No -m flags (target
-// attributes); callers check features() first.
+// attributes); callers check kernels.cpu_gemm.kernel_available() first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

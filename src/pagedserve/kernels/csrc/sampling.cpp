@@ -18,7 +18,7 @@
 //
 // Registered as torch.ops.pagedserve_cpu.{sample_rows, logprob_rows} (a fragment of the library
 // the GEMV file defines); the Python wrapper is pagedserve/kernels/cpu_sampling.py. As there: no
-// -m flags, the SIMD code carries target attributes; callers check features() first.
+// -m flags, the SIMD code carries target attributes; callers check kernels.cpu_gemm.kernel_available() first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
