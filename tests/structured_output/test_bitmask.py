@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_grammar
-
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output import StructuredOutputsParams
 from pagedserve.structured_output.bitmask import apply_bitmask
