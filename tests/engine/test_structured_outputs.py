@@ -1,6 +1,7 @@
 """Structured outputs through the engine on a tiny random model: every output matches its JSON
 schema / regex / choice / grammar, over many seeds, greedy and sampled, n > 1, through
-preemption; invalid constraints are ValueErrors that leave the engine serving."""
+preemption, the same on the CPU grammar kernels as on the torch path; invalid constraints are
+ValueErrors that leave the engine serving."""
 
 import json
 import re
@@ -130,6 +131,25 @@ def test_outputs_are_unchanged_by_recompute_and_swap_preemption(checkpoints, llm
         for c in outs:
             jsonschema.validate(json.loads(c.text), SCHEMA)
         assert small.engine.kv_manager.pool.num_used == 0
+
+
+def test_the_cpu_kernels_and_the_torch_path_give_the_same_outputs(llm, monkeypatch):
+    from pagedserve.kernels import cpu_grammar
+
+    if not cpu_grammar.available():
+        pytest.skip("grammar-mask kernels unavailable here")
+    so = SO(json=SCHEMA, disable_any_whitespace=True)
+    params = ([SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so)] * 2
+              + [SamplingParams(temperature=0.0, max_tokens=40, logprobs=2,
+                                structured_outputs=SO(regex=EMAIL))]
+              + sampled(so, range(3)) + sampled(SO(choice=CHOICES), range(2), logprobs=1))
+
+    def run():
+        return [(c.token_ids, c.logprobs) for c in texts(llm, params)]
+
+    fast = run()
+    monkeypatch.setattr(cpu_grammar, "available", lambda: False)
+    assert run() == fast
 
 
 def test_a_bad_constraint_is_a_value_error_and_the_engine_keeps_serving(llm):

@@ -31,6 +31,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = None
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made on first use
 
     def _get_compiler(self):
         if self._compiler is None:
@@ -87,11 +88,13 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(todo), self.vocab_size)
-        rows = {}
-        for i, (seq_id, matcher) in enumerate(todo):
-            matcher.fill_next_token_bitmask(bitmask, i)
-            rows[seq_id] = i
-        return GrammarBitmask(bitmask, rows)
+        if self._batch is None:
+            # NOTE: one thread: filling 16 JSON-schema masks takes ~0.1 ms (xgrammar caches each
+            # grammar state's mask); more threads only add their start-up and contend with the
+            # step's own threads (measured: issue 17 in docs/benchmarks.md).
+            self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in todo], bitmask)
+        return GrammarBitmask(bitmask, {seq_id: i for i, (seq_id, _) in enumerate(todo)})
 
     @staticmethod
     def accept(group, seq, token: int) -> bool | None:

@@ -13,6 +13,7 @@ from pagedserve.attention.backends import resolve_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
+from pagedserve.kernels import cpu_grammar
 from pagedserve.kernels.cpu_gemm import kernel_available
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
@@ -154,6 +155,8 @@ class ModelRunner:
         # step: a fresh machine compiles them once (about a minute), and the host-side sampler
         # uses them whatever the device or dtype (warns once and falls back where unavailable).
         kernel_available()
+        if sample:
+            cpu_grammar.available()  # the structured-output mask kernels (their own extension)
         self.graphs = None
         if cuda_graphs and self.on_cuda:
             if self.attention_backend == "torch":

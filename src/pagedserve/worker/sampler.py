@@ -1,7 +1,8 @@
 """Batched sampling: logit processors, greedy / random choice, and logprobs.
 
 Logprobs are always the raw log-softmax of the model's logits (before penalties, bias and
-temperature), as vLLM reports them.
+temperature), as vLLM reports them; for a structured-output row, of its logits after the grammar's
+token bitmask (as vLLM's, which masks the logits before its sampler).
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels import cpu_sampling
+from pagedserve.kernels import cpu_grammar, cpu_sampling
 from pagedserve.core.step_output import SampleResult
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.structured_output.bitmask import apply_bitmask
+from pagedserve.structured_output.bitmask import apply_bitmask, first_allowed, is_allowed
 
 
 @dataclass
@@ -76,26 +77,28 @@ def _mask_tokens(row: torch.Tensor, p: SamplingParams, output: list[int]) -> Non
         row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
 
 
-def _apply_grammar(logits: torch.Tensor, processed: torch.Tensor, reqs: list[SampleRequest],
-                   processors: list[bool]) -> torch.Tensor:
-    """Mask the tokens each constrained row's grammar disallows (one batched call), in
-    `processed` (which may be `logits` itself). NOTE: the grammar wins: a row the processors
-    (`processors[i]`: min_tokens, bias, ...) left with no allowed token is masked from its raw
-    logits instead, so the token drawn is always one the grammar allows."""
-    rows = [i for i, r in enumerate(reqs) if r.token_bitmask is not None]
-    width = reqs[rows[0]].token_bitmask.shape[-1]
-    bitmask = torch.full((len(reqs), width), -1, dtype=torch.int32)
+def _grammar_wins(logits: torch.Tensor, processed: torch.Tensor, rows: list[int]) -> None:
+    """NOTE: the grammar wins: a constrained row the processors (min_tokens, bias, ...) left with
+    no allowed token goes back to its grammar-masked logits (`logits`, already masked), so the
+    token drawn is always one the grammar allows."""
+    if not rows:
+        return
+    top = processed[rows].amax(dim=-1).tolist()
+    dead = [i for i, t in zip(rows, top) if t == float("-inf")]
+    if dead:
+        processed[dead] = logits[dead]
+
+
+def _enforce_grammar(tokens: list[int], reqs: list[SampleRequest], rows: list[int]) -> None:
+    """NOTE: a constrained row whose allowed tokens all have no weight (every allowed logit -inf)
+    would get token 0 from argmax / the draw, which its grammar may forbid: it gets its first
+    allowed token instead (what `cpu_grammar.masked_argmax` returns for such a row)."""
     for i in rows:
-        bitmask[i] = reqs[i].token_bitmask
-    apply_bitmask(processed, bitmask, rows)
-    risky = [i for i in rows if processors[i]]  # a grammar alone always allows a token
-    if risky:
-        top = processed[risky].amax(dim=-1).tolist()
-        dead = [i for i, t in zip(risky, top) if t == float("-inf")]
-        if dead:
-            processed[dead] = logits[dead]
-            apply_bitmask(processed, bitmask, dead)
-    return processed
+        mask = reqs[i].token_bitmask
+        if not is_allowed(mask, tokens[i]):
+            first = first_allowed(mask)
+            if first is not None:
+                tokens[i] = first
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
@@ -193,22 +196,40 @@ def sample(
     stop_ids: list[list[int]],
 ) -> list[SampleResult]:
     """Choose one token per row. `stop_ids[i]`: EOS / stop token ids masked while a row is below
-    its `min_tokens`. NOTE: `logits` may be masked in place (structured outputs) when no row
-    needs its raw logprobs."""
+    its `min_tokens`.
+
+    NOTE: structured outputs mask `logits` in place (the rows of constrained requests), as vLLM
+    applies the grammar bitmask to the logits before its sampler: the logprobs of a constrained
+    row are those of its masked logits (renormalised over the tokens the grammar allows). A greedy
+    constrained row that needs nothing else (no logprobs, no processors) is not written: its token
+    comes from one fused scan of the logits and the mask (`kernels.cpu_grammar.masked_argmax`)."""
     num_rows = logits.shape[0]
     want_lp = [r.params.logprobs is not None or r.need_logprob for r in reqs]
-    processed = logits
     processors = [_has_processors(r.params, len(r.output_token_ids)) for r in reqs]
+    greedy = [r.params.temperature < 1e-5 for r in reqs]
+    grammar = [i for i, r in enumerate(reqs) if r.token_bitmask is not None]
+    fused, fused_tokens = [], []
+    if grammar:
+        fused = [i for i in grammar if greedy[i] and not want_lp[i] and not processors[i]]
+        if fused:
+            masks = torch.stack([reqs[i].token_bitmask for i in fused])
+            out = cpu_grammar.masked_argmax(logits, masks, fused)
+            fused, fused_tokens = ([], []) if out is None else (fused, out.tolist())
+        in_place = [i for i in grammar if i not in fused]
+        if in_place:
+            apply_bitmask(logits, torch.stack([reqs[i].token_bitmask for i in in_place]),
+                          in_place)
+    processed = logits
     if any(processors):
         processed = _apply_processors(logits.clone(), reqs, stop_ids)
-    if any(r.token_bitmask is not None for r in reqs):
-        if processed is logits and any(want_lp):
-            processed = logits.clone()  # the logprobs are of the raw logits
-        processed = _apply_grammar(logits, processed, reqs, processors)
+        _grammar_wins(logits, processed, [i for i in grammar if processors[i]])
 
-    greedy_rows = [i for i, r in enumerate(reqs) if r.params.temperature < 1e-5]
-    random_rows = [i for i, r in enumerate(reqs) if r.params.temperature >= 1e-5]
+    fused_set = set(fused)
+    greedy_rows = [i for i in range(num_rows) if greedy[i] and i not in fused_set]
+    random_rows = [i for i in range(num_rows) if not greedy[i]]
     tokens = [0] * num_rows
+    for i, tok in zip(fused, fused_tokens):
+        tokens[i] = tok
     if greedy_rows:  # fast path: no sort, no softmax
         picked = processed if len(greedy_rows) == num_rows else processed[greedy_rows]
         for i, tok in zip(greedy_rows, argmax_rows(picked).tolist()):
@@ -217,8 +238,10 @@ def sample(
         picked = processed if len(random_rows) == num_rows else processed[random_rows]
         for i, tok in zip(random_rows, _sample_random(picked, [reqs[i] for i in random_rows])):
             tokens[i] = tok
+    if grammar:
+        _enforce_grammar(tokens, reqs, [i for i in grammar if i not in fused_set])
 
-    # Raw logprobs (of the logits before processors) of the chosen tokens, where asked.
+    # Raw logprobs (of the logits before processors; grammar-masked) of the chosen tokens.
     lp_rows = [i for i in range(num_rows) if want_lp[i]]
     stats = {}
     if lp_rows:

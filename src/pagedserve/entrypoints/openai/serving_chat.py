@@ -1,7 +1,9 @@
-"""POST /v1/chat/completions: messages rendered with the chat template, streamed or not."""
+"""POST /v1/chat/completions: messages rendered with the chat template, streamed or not; and
+vLLM's POST /v1/chat/completions/batch: several conversations in one request, one choice each."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -93,6 +95,35 @@ class OpenAIServingChat(OpenAIServing):
             raise self.engine_error(e, "messages") from e
         return await self.run_cpu(
             lambda: json_response(self._response(request, request_id, final, tools)))
+
+    async def create_batch(self, requests: list[ChatCompletionRequest]):
+        """vLLM's /v1/chat/completions/batch: one engine request per conversation, answered
+        together in one chat completion whose choice i is conversation i's (usage summed). The
+        requests come from `vllm_routes.batch_chat_requests` (no streaming, tools, n > 1)."""
+        prepared = [await self.run_cpu(self._prepare, r) for r in requests]
+        request_id = random_id("chatcmpl")
+        streams = await self.submit(request_id, [p for p, _, _ in prepared],
+                                    [sp for _, sp, _ in prepared], prompt_param="messages")
+        try:
+            finals = await asyncio.gather(*(final_output(s) for s in streams))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            raise self.engine_error(e, "messages") from e
+
+        def build():
+            choices, completion_tokens = [], 0
+            for i, (request, out) in enumerate(zip(requests, finals)):
+                one = self._response(request, request_id, out, None)
+                for choice in one.choices:
+                    choice.index = i
+                choices += one.choices
+                completion_tokens += one.usage.completion_tokens
+            return json_response(ChatCompletionResponse(
+                id=request_id, model=self.model_name, choices=choices,
+                usage=self.usage(list(finals), completion_tokens)))
+
+        return await self.run_cpu(build)
 
     def _prepare(self, request: ChatCompletionRequest
                  ) -> tuple[Prompt, SamplingParams, ToolPlan | None]:

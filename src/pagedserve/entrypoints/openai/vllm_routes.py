@@ -1,6 +1,7 @@
 """vLLM's extra routes and server behaviours: GET /v1/models/{id}, GET /tokenizer_info (with
 --enable-tokenizer-info-endpoint), POST /invocations (SageMaker-style: a completions or chat
-body), GET /load (--enable-server-load-tracking), and the X-Request-Id header
+body), POST /v1/chat/completions/batch (a chat body whose `messages` is a list of conversations:
+one choice per conversation, in order; no streaming, tools, n > 1 or beam search), GET /load (--enable-server-load-tracking), and the X-Request-Id header
 (--enable-request-id-headers)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
+    OpenAIBaseModel,
 )
 
 
@@ -137,6 +139,48 @@ def add_vllm_routes(app: FastAPI, engine, settings, completions, chat, pool: CPU
         request = await pool.run(_invocation_request, await raw.body())
         handler = chat if isinstance(request, ChatCompletionRequest) else completions
         return await respond(raw, handler.create(request))
+
+    @app.post("/v1/chat/completions/batch")
+    async def create_batch_chat_completion(raw: Request):
+        requests = await pool.run(batch_chat_requests, await raw.body())
+        return await respond(raw, chat.create_batch(requests))
+
+
+class _BatchBody(OpenAIBaseModel):
+    messages: list[list[Any]]  # conversations (each validated as a chat request's messages)
+
+
+# vLLM's BatchChatCompletionRequest refuses these (field -> what it allows)
+_BATCH_LIMITS = {
+    "stream": (lambda v: not v, "Batch chat completions do not support streaming"),
+    "n": (lambda v: v in (None, 1), "Batch chat completions do not support `n > 1`"),
+    "use_beam_search": (lambda v: not v, "Batch chat completions do not support beam search"),
+    "tools": (lambda v: not v, "Batch chat completions do not support tools"),
+    "tool_choice": (lambda v: v in (None, "none"),
+                    "Batch chat completions support only tool_choice \"none\""),
+}
+
+
+def batch_chat_requests(body: bytes) -> list[ChatCompletionRequest]:
+    """The chat request of each conversation of a /v1/chat/completions/batch body (every other
+    field shared); APIError 400 naming the field otherwise."""
+    from pydantic import ValidationError
+
+    from pagedserve.entrypoints.openai.api_server import parse_json, validation_error
+
+    batch = parse_json(body, _BatchBody)
+    if not batch.messages or not all(batch.messages):
+        raise APIError("messages must be a non-empty list of non-empty conversations (lists "
+                       "of messages)", 400, "messages")
+    shared = dict(batch.model_extra or {})
+    for name, (ok, message) in _BATCH_LIMITS.items():
+        if name in shared and not ok(shared[name]):
+            raise APIError(message, 400, name)
+    try:
+        return [ChatCompletionRequest.model_validate({**shared, "messages": conversation})
+                for conversation in batch.messages]
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
 
 
 def _invocation_request(body: bytes) -> ChatCompletionRequest | CompletionRequest:
