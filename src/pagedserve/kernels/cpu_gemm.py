@@ -63,7 +63,7 @@ _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 _SOURCES = [Path(__file__).with_name("csrc") / name
             for name in ("bf16_gemv.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp",
                          "decoder_layer.cpp", "sampling.cpp", "qlinear.cpp")]
-_HEADERS = [Path(__file__).with_name("csrc") / "qlinear_impl.h"]
+_HEADERS = [Path(__file__).with_name("csrc") / name for name in ("qlinear_impl.h", "qlinear_q8.h")]
 _EXT_PREFIX = "pagedserve_cpu_kernels"
 
 
