@@ -220,22 +220,24 @@ __attribute__((always_inline)) inline void q8_tile(const XQ& x, int64_t m0, cons
     for (int t = 0; t < F::kBlocks; ++t) {
       const int64_t b = u * F::kBlocks + t;
       __m256i qw[NB], aw[NB], mul[NB];
-      float dw[NB];
+      __m256 dw[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
-        qw[j] = F::block(h[j], wu[j], t, &dw[j], &mul[j]);
+        float d;
+        qw[j] = F::block(h[j], wu[j], t, &d, &mul[j]);
+        dw[j] = _mm256_set1_ps(d);
         aw[j] = _mm256_sign_epi8(qw[j], qw[j]);  // |qw| (-128 stays 0x80 = 128 unsigned)
       }
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + i) * x.K + b * 32));
-        const float dx = x.d[(m0 + i) * nbx + b];
+        const __m256 dx = _mm256_broadcast_ss(x.d + (m0 + i) * nbx + b);
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) {
           // |qw| * sign(qx, qw): pairs of u8 * s8 fit int16 (|qx| <= 127, |qw| <= 128)
           const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, qw[j]));
           const __m256i p32 = _mm256_madd_epi16(p16, F::kMul16 ? mul[j] : ones16);
-          acc[i * NB + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dw[j] * dx), acc[i * NB + j]);
+          acc[i * NB + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dw[j], dx), acc[i * NB + j]);
         }
       }
     }
