@@ -1,6 +1,10 @@
 """The format-generic CPU linear kernel (kernels/cpu_qlinear.py, csrc/qlinear.cpp): every weight
 format against a dequantize-then-matmul reference of the same blocks (gguf's own dequantizer),
-under every ISA level this machine has, and a row's result independent of its batch."""
+under every ISA level this machine has, and a row's result independent of its batch.
+
+The ggml formats multiply 8-bit activations (csrc/qlinear_q8.h): they are checked against the
+float64 product of the same quantized activations (tight), and against the unquantized product
+within the bound that quantizing x to blocks of 32 allows (half a step per value)."""
 
 from __future__ import annotations
 
@@ -84,6 +88,35 @@ def _int8_values(w: torch.Tensor) -> torch.Tensor:
 FMTS = ["q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "bf16"]
 
 
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the kernel quantizes it for the ggml formats (float64 values), and half a
+    quantization step per value: blocks of 32, d = amax / 127, q = round-half-even(x * (127 / amax))
+    in float32."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    # NOTE: `127.0 / amax` would be torch's reciprocal-then-multiply, not IEEE division
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)
+    assert q.abs().max() <= 127
+    d = (amax / 127.0).double()
+    return (q.double() * d).reshape(m, k), (d / 2).expand(m, k // 32, 32).reshape(m, k)
+
+
+def check_ggml_product(y: torch.Tensor, x: torch.Tensor, ref_w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y (fp32 out) against float64 references of the same blocks: the product of the quantized
+    activations up to fp32 accumulation, and the exact product within the activations' rounding."""
+    w64 = ref_w.double()
+    b64 = torch.zeros(w64.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    xq, half_step = q8_activations(x)
+    scale = xq.abs() @ w64.abs().T + b64.abs()  # what fp32 rounding of the sums is relative to
+    err_q = (y.double() - (xq @ w64.T + b64)).abs()
+    assert (err_q <= 1e-5 * scale + 1e-30).all(), float((err_q / scale).max())
+    bound = half_step @ w64.abs().T  # |sum_k w (x - xq)| <= sum_k |w| step / 2
+    err = (y.double() - (x.double() @ w64.T + b64)).abs()
+    assert (err <= bound + 1e-5 * scale).all(), float((err - bound).max())
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_product_matches_dequantize_then_matmul(fmt, isa):
     n, k = 40, 512
@@ -92,28 +125,66 @@ def test_product_matches_dequantize_then_matmul(fmt, isa):
     for m in (1, 3, 17, 40):
         x = torch.randn(m, k).to(torch.bfloat16)
         y = qlinear(x, w, bias, out_dtype=torch.float32)
-        ref = x.float() @ ref_w.T + bias
-        # the bf16 levels round dequantized weights to bf16 (relative 2^-9 per weight)
-        tol = 1e-2 if isa >= ISA_LEVELS["avx512bf16"] and fmt != "bf16" else 1e-4
-        err = (y - ref).abs().max() / ref.abs().max()
-        assert err < tol, (fmt, isa, m, float(err))
+        if fmt in GGML:
+            check_ggml_product(y, x, ref_w, bias)
+        else:
+            ref = x.float() @ ref_w.T + bias
+            # the bf16 levels round dequantized weights to bf16 (relative 2^-9 per weight)
+            tol = 1e-2 if isa >= ISA_LEVELS["avx512bf16"] and fmt != "bf16" else 1e-4
+            err = (y - ref).abs().max() / ref.abs().max()
+            assert err < tol, (fmt, isa, m, float(err))
         yb = qlinear(x, w, bias)  # bf16 out: the fp32 result rounded once
         assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q6_k", "int8"])
-def test_float32_activations_match_the_reference_closely(fmt, isa):
+@pytest.mark.parametrize("fmt", list(GGML))
+@pytest.mark.parametrize("n", [1, 7, 37])
+def test_ggml_products_with_odd_row_counts_and_block_counts(fmt, n, isa):
+    k = 3 * 256 if fmt in _K_SCALES else 5 * 32  # an odd number of blocks
+    w, ref_w = weights(fmt, n, k, seed=n)
+    for m in (1, 2, 6):
+        x = torch.randn(m, k) * torch.logspace(-2, 1, k)  # blocks of very different scales
+        check_ggml_product(qlinear(x, w), x, ref_w, None)
+
+
+def test_ggml_blocks_with_extreme_values(isa):
+    """Q8_0 weights of -128 and +127, and activations with a zero block and an outlier."""
+    n, k = 5, 96
+    raw = np.random.default_rng(4).integers(-128, 128, size=(n, k // 32, 32)).astype(np.int8)
+    raw[:, :, :8] = -128
+    raw[:, :, 8:16] = 127
+    blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.full((n, k // 32), 0.01, np.float16)[..., None].view(np.uint8)
+    blocks[..., 2:] = raw.view(np.uint8)
+    blocks = blocks.reshape(n, -1)
+    w = set_quant(torch.from_numpy(blocks), QuantSpec(FORMATS["q8_0"], k))
+    ref_w = torch.from_numpy(dequantize(blocks, T.Q8_0).astype(np.float32))
+    x = torch.randn(3, k)
+    x[0, :32] = 0.0
+    x[1, 40] = 1e4
+    x[2] = -x[2].abs()  # all negative: every block's amax is -x
+    check_ggml_product(qlinear(x, w), x, ref_w, None)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k", "q4_k", "int8"])
+def test_float32_activations(fmt, isa):
     n, k = 24, 256
     w, ref_w = weights(fmt, n, k, seed=1)
     x = torch.randn(5, k)
     y = qlinear(x, w)
     assert y.dtype == torch.float32
-    torch.testing.assert_close(y, x @ ref_w.T, rtol=1e-4, atol=1e-4)
+    if fmt in GGML:
+        check_ggml_product(y, x, ref_w, None)
+        # bf16 and fp32 activations of the same values give the same bits
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(qlinear(xb, w, out_dtype=torch.float32), qlinear(xb.float(), w))
+    else:
+        torch.testing.assert_close(y, x @ ref_w.T, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_a_rows_result_does_not_depend_on_its_batch(fmt, isa):
-    n, k = 56, 256
+    n, k = 57, 256
     w, _ = weights(fmt, n, k, seed=2)
     x = torch.randn(64, k).to(torch.bfloat16)
     full = qlinear(x, w, out_dtype=torch.float32)

@@ -75,12 +75,40 @@ def test_bf16_request_is_bit_identical_alone_and_in_batches_of_2_to_64(checkpoin
         assert run(others[:n]) == alone, f"batch of {n + 1}"
 
 
+@pytest.fixture(scope="module")
+def embedded_bf16_llm():
+    """The embedded Gemma 3 270M Q4_K_M, bf16 activations, its blocks kept (the default)."""
+    return LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+
+
 @pytest.mark.slow
 @needs_kernels
-def test_embedded_model_runs_quantized_by_default():
-    llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+def test_embedded_model_runs_quantized_by_default(embedded_bf16_llm):
+    llm = embedded_bf16_llm
     formats = set(_quantized_weights(llm).values())
     assert {"q8_0", "q5_0", "q4_k", "q6_k"} <= formats  # as the Q4_K_M file stores them
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0.0),
                        use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text or len(out.token_ids) == 8
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_request_is_bit_identical_alone_and_in_batches(request, dtype):
+    """The ggml blocks' 8-bit-activation products (every format of the Q4_K_M file) keep a
+    request's tokens and logprobs independent of the batch it runs in."""
+    llm = request.getfixturevalue("embedded_llm" if dtype == "float32" else "embedded_bf16_llm")
+    gen = torch.Generator().manual_seed(1)
+    target = {"prompt_token_ids": [2, *torch.randint(100, 20000, (13,), generator=gen).tolist()]}
+    others = [{"prompt_token_ids": [2, *torch.randint(100, 20000, (int(n),), generator=gen).tolist()]}
+              for n in torch.randint(2, 24, (31,), generator=gen)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
+
+    def run(batch):
+        out = llm.generate([target, *batch], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    alone = run([])
+    for n in (1, 6, 31):
+        assert run(others[:n]) == alone, f"batch of {n + 1}"

@@ -50,7 +50,7 @@ _EXTENSION = LazyExtension(
     "pagedserve_cpu_kernels",
     ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
      "sampling.cpp", "qlinear.cpp"],
-    ["qlinear_impl.h"],
+    ["qlinear_impl.h", "qlinear_q8.h"],
     cflags=[],
     probe=lambda: torch.ops.pagedserve_cpu.cpu_isa(),
     describe=lambda isa: f"best ISA: {ISA_NAMES[isa]}",

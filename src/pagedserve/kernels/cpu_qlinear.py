@@ -3,10 +3,18 @@
 A quantized weight is a uint8 tensor `[N, row_bytes]` holding each output row's blocks exactly as
 the format lays them out (GGUF's ggml blocks, or our INT8 rows: an fp32 scale then K int8), with a
 `QuantSpec` attached as its `quant` attribute (`set_quant`); `kernels.cpu_gemm.bf16_linear` routes
-such weights here. The kernel dequantizes 16 rows of W at a time into a buffer in L1/L2 and
-multiplies every row of x by them (AMX, AVX512-BF16, AVX512F or AVX2 FMA: `kernels.cpu_isa`);
-each weight byte is read once per product, for any number of rows, and a row's result does not
-depend on the other rows of the batch.
+such weights here.
+
+- ggml block formats (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), at every ISA level: as llama.cpp does,
+  each row of x is quantized to 8-bit blocks of 32 (scale amax / 127, fp32) and multiplied with
+  the weight blocks as stored, by AVX2 integer dot products, one fp32 FMA per block
+  (csrc/qlinear_q8.h). So the result carries the activations' rounding (at most half a step of
+  their block per value), as llama.cpp's does, also for float32 x.
+- bf16 and INT8 weights: 16 rows of W at a time are dequantized into a buffer in L1/L2 and every
+  row of x is multiplied by them (AMX, AVX512-BF16, AVX512F or AVX2 FMA: `kernels.cpu_isa`).
+
+Either way each weight byte is read once per product (for a tile of rows of x), and a row's
+result does not depend on the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -96,7 +104,8 @@ def qlinear(
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
     isa: int | None = None,  # None: linear_isa()
 ) -> torch.Tensor:  # [..., N]
-    """`x @ dequant(weight).T + bias` on the compiled kernel, fp32 accumulation and one rounding.
+    """`x @ dequant(weight).T + bias` on the compiled kernel, fp32 accumulation and one rounding
+    (ggml formats: x quantized to 8-bit blocks first, see the module docstring).
 
     RuntimeError when the kernel is unavailable (see `quantized_available`)."""
     spec = quant_spec(weight)

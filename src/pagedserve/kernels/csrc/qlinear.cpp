@@ -4,16 +4,20 @@
 // Weight formats (W's rows as raw bytes, see `row_bytes`): bf16, and the ggml blocks Q8_0, Q4_0,
 // Q5_0, Q4_K, Q5_K, Q6_K (as in GGUF files), and our INT8 (per row: fp32 scale, then K int8).
 //
-// ISA levels, compiled side by side (qlinear_impl.h included once per level under
-// `#pragma GCC target`) and picked at run time from cpuid (capped by the caller, so each is
+// The ggml formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
+// dot products with the weight blocks as they are stored (AVX2 maddubs/madd, one fp32 FMA per
+// block), as llama.cpp computes them: qlinear_q8.h, compiled once, for AVX2.
+//
+// bf16 and INT8 weights: ISA levels, compiled side by side (qlinear_impl.h included once per level
+// under `#pragma GCC target`) and picked at run time from cpuid (capped by the caller, so each is
 // testable on one machine):
-//   4 AMX          W blocks dequantized to bf16, AMX tiles (K % 32 == 0; else level 3's code)
-//   3 AVX512-BF16  W blocks dequantized to bf16, vdpbf16ps dot products
-//   2 AVX512F      W blocks dequantized to fp32, fp32 FMA (16 lanes); x converted to fp32
+//   4 AMX          W rows dequantized to bf16, AMX tiles (K % 32 == 0; else level 3's code)
+//   3 AVX512-BF16  W rows dequantized to bf16, vdpbf16ps dot products
+//   2 AVX512F      W rows dequantized to fp32, fp32 FMA (16 lanes); x converted to fp32
 //   1 AVX2+FMA     the same with 8 lanes
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
-// NOTE in qlinear_impl.h). Registered as torch.ops.pagedserve_cpu.{qlinear, qrows, cpu_isa};
-// Python side: kernels/cpu_qlinear.py.
+// NOTEs in qlinear_impl.h and qlinear_q8.h). Registered as
+// torch.ops.pagedserve_cpu.{qlinear, qrows, cpu_isa}; Python side: kernels/cpu_qlinear.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -91,6 +95,7 @@ void parallel_blocks(int64_t N, const Fn& fn) {
 namespace isa_avx2 {
 #define PS_ISA 1
 #include "qlinear_impl.h"
+#include "qlinear_q8.h"
 #undef PS_ISA
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -203,6 +208,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   const Out out{y.data_ptr(), N, y.scalar_type() == at::kFloat, bias_ptr};
+  if (isa_avx2::q8_format(fmt)) {  // every level: 8-bit x, integer block products (qlinear_q8.h)
+    if (x_bf16) isa_avx2::run_q8(fmt, reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, wp, rb, N, out);
+    else isa_avx2::run_q8(fmt, x.data_ptr<float>(), M, K, wp, rb, N, out);
+    return y;
+  }
   if (isa >= kIsaAvx512Bf16 && !x_bf16) isa = kIsaAvx512;
   if (isa >= kIsaAvx512Bf16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());

@@ -2,9 +2,10 @@
 // file once per ISA, inside `namespace isa_<name>` and between `#pragma GCC push_options /
 // target(...)`, with PS_ISA set to that ISA's level). Nothing here may be used outside its ISA.
 //
-//   y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  fp32 accumulation.
+//   y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias),  fp32 accumulation,
 //
-// W is walked in blocks of 16 rows: each block is dequantized once (to bf16 on the AMX and
+// for bf16 and INT8 weights (the ggml formats go to qlinear_q8.h; their format loops here serve
+// embedding lookups, `rows_f32`). W is walked in blocks of 16 rows: each block is dequantized once (to bf16 on the AMX and
 // AVX512-BF16 levels, to fp32 on AVX512F and AVX2) into a thread's buffer -- bf16 weights on the
 // bf16 levels are read in place -- and multiplied by every row of x from there.
 //
@@ -261,65 +262,11 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
 
 #endif
 
-// The 32-value block formats (most of a Q4_K_M file's bytes), straight to the kernel's weight
-// type: the block's 32 int8 values (AVX2), times d in fp32 (as the format loops compute it),
-// stored as 32 WT. Returns false for the other formats.
-inline void emit32(__m256i q, float d, WT* dst) {
-#if PS_ISA >= 2  // kIsaAvx512
-  const __m512 vd = _mm512_set1_ps(d);
-  const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), vd);
-  const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), vd);
-#if PS_ISA >= 3  // kIsaAvx512Bf16
-  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-#else
-  _mm512_storeu_ps(dst, lo);
-  _mm512_storeu_ps(dst + 16, hi);
-#endif
-#else
-  const __m256 vd = _mm256_set1_ps(d);
-  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), vd));
-  _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), vd));
-  _mm256_storeu_ps(dst + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), vd));
-  _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), vd));
-#endif
-}
-
-inline bool dequant_fast(int64_t fmt, const uint8_t* row, int64_t K, WT* dst) {
-  const int64_t nb = K / 32;
-  switch (fmt) {
-    case kFmtQ8_0:
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * 34;
-        emit32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), half_to_float(load_u16(blk)), dst + b * 32);
-      }
-      return true;
-    case kFmtQ5_0:
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * 22;
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-        const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nibbles(blk + 6), hb), _mm256_set1_epi8(16));
-        emit32(v, half_to_float(load_u16(blk)), dst + b * 32);
-      }
-      return true;
-    case kFmtQ4_0:
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = row + b * 18;
-        emit32(_mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8)), half_to_float(load_u16(blk)), dst + b * 32);
-      }
-      return true;
-  }
-  return false;
-}
-
-// One row into the kernel's weight type. Every level dequantizes with the AVX2 build of the
-// format loops (the AVX-512 builds of the K-quant loops measured up to 3x slower), so all levels
-// see the same weight values. On the bf16 levels the row goes to fp32 in `tmp` (K floats), then
-// is rounded 32 values at a time (vcvtne2ps2bf16: round to nearest even, as bf16_round).
+// One row of bf16 or INT8 weights (the ggml formats are multiplied by qlinear_q8.h) into the
+// kernel's weight type, with the AVX2 build of the format loops. On the bf16 levels the row goes
+// to fp32 in `tmp` (K floats), then is rounded 32 values at a time (vcvtne2ps2bf16: round to
+// nearest even, as bf16_round).
 inline void dequant_to(int64_t fmt, const uint8_t* row, int64_t K, WT* dst, float* tmp) {
-  if (dequant_fast(fmt, row, K, dst)) return;
 #if PS_ISA >= 3  // kIsaAvx512Bf16
   ::isa_avx2::dequant_row<float>(fmt, row, K, tmp);
   int64_t k = 0;
