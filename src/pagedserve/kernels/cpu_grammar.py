@@ -21,75 +21,26 @@ use, never at import; a failure logs one warning.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import threading
-import time
-from pathlib import Path
-
 import torch
 
-from pagedserve.kernels.cpu_gemm import _disabled
+from pagedserve.kernels.extension import LazyExtension
 
-logger = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "grammar_mask.cpp"]
-_EXT_PREFIX = "pagedserve_grammar_kernels"
-
-# None = not tried yet, False = unavailable (already warned), True = loaded
-_loaded: bool | None = None
-_lock = threading.Lock()
-
-
-def _ext_name() -> str:
-    """Prefix + hash of the source and of its folder (two checkouts never share a build folder:
-    see `kernels.cpu_fp32._ext_name`)."""
-    digest = hashlib.sha1(str(_CSRC.resolve()).encode())
-    for path in _SOURCES:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return f"{_EXT_PREFIX}_{digest.hexdigest()[:12]}"
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    t0 = time.perf_counter()
-    cpp_extension.load(
-        name=_ext_name(),
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-    logger.info("CPU grammar-mask kernels ready in %.1f s (%s)", time.perf_counter() - t0,
-                isa_name())
+# probe codes: 1 = scalar code, 2 = AVX2 (grammar_isa() + 1: LazyExtension reads 0 as unusable)
+_EXTENSION = LazyExtension(
+    "pagedserve_grammar_kernels", ["grammar_mask.cpp"], [], cflags=[],
+    probe=lambda: int(torch.ops.pagedserve_grammar.grammar_isa()) + 1,
+    describe=lambda code: "avx2" if code == 2 else "scalar",
+)
 
 
 def available() -> bool:
     """Whether the kernels can run here (built on first call, thread-safe)."""
-    global _loaded
-    if _disabled():
-        return False
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                try:
-                    _build()
-                    _loaded = True
-                except Exception as e:
-                    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    logger.warning("CPU grammar-mask kernels unavailable: %s", reason)
-                    logger.debug("CPU grammar-mask kernels failure", exc_info=True)
-                    _loaded = False
-    return bool(_loaded)
+    return _EXTENSION.isa() != 0
 
 
 def isa_name() -> str:
     """"avx2" or "scalar": the code path the kernels take on this CPU (once built)."""
-    return "avx2" if int(torch.ops.pagedserve_grammar.grammar_isa()) == 1 else "scalar"
+    return "avx2" if _EXTENSION.isa() == 2 else "scalar"
 
 
 def _applies(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
