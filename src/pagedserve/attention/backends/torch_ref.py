@@ -129,20 +129,23 @@ def _attend_decode_rows(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:  # [G, Hq, D]
-    """Decode rows the compiled kernels did not take (no kernel for this dtype / CPU): SDPA for
-    each row alone over exactly its own context (within the window). NOTE: one row at a time, never
-    padded to the batch's longest context: SDPA's blocking depends on the key length, so padding
-    would make a row's bits depend on the rows beside it."""
-    gqa = flat_k.shape[1] != q.shape[1]
+    """Decode rows the compiled kernels did not take (no kernel for this dtype / CPU): each row
+    alone over exactly its own context (within the window), softmax(q K^T * scale) V in float32.
+    NOTE: one row at a time, never padded to the batch's longest context, so a row's bits do not
+    depend on the rows beside it. Plain products rather than SDPA: for one query its flash kernel
+    costs ~0.5 ms a call on CPU (blocking set up for long queries)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    hkv = flat_k.shape[1]
+    group_size = num_heads // hkv
     out = torch.empty_like(q)
     for i, ctx in enumerate(group.seq_lens.tolist()):
         first = max(0, ctx - sliding_window) if sliding_window else 0
         slots = group.kv_slots[i, first:ctx]  # [n]
-        k = flat_k.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-        v = flat_v.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q[i : i + 1].unsqueeze(2), k, v, scale=scale,
-                                           enable_gqa=gqa)  # [1, Hq, 1, D]
-        out[i] = o[0, :, 0]
+        k = flat_k.index_select(0, slots).float().permute(1, 2, 0)  # [Hkv, D, n]
+        v = flat_v.index_select(0, slots).float().transpose(0, 1)  # [Hkv, n, D]
+        qi = q[i].float().view(hkv, group_size, head_dim)  # [Hkv, g, D]
+        p = torch.softmax(torch.bmm(qi, k).mul_(scale), dim=-1)  # [Hkv, g, n]
+        out[i] = torch.bmm(p, v).view(num_heads, head_dim)  # [Hq, D], rounded to q's dtype
     return out
 
 

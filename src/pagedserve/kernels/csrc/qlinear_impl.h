@@ -162,42 +162,28 @@ inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-template <typename T>
-void dq_q4_k(const uint8_t* row, int64_t K, T* dst) {
+// Q4_K (kFive = false: 144-byte super-blocks) and Q5_K (kFive: 176 bytes, a fifth bit per value
+// in qh): 8 sub-blocks of 32 values, each d * scale * q - dmin * min.
+template <bool kFive, typename T>
+void dq_k_quant(const uint8_t* row, int64_t K, T* dst) {
+  constexpr int64_t kBytes = kFive ? 176 : 144;
   for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * 144;
+    const uint8_t* blk = row + b * kBytes;
     const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
     uint8_t sc[8], mn[8];
     k4_scales(blk + 4, sc, mn);
-    const uint8_t* qs = blk + 16;
+    const uint8_t* qh = blk + 16;  // Q5_K only
+    const uint8_t* qs = blk + (kFive ? 48 : 16);
     T* y = dst + b * 256;
     for (int j = 0; j < 4; ++j) {
       const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
       const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
-      for (int l = 0; l < 32; ++l) put(y, 64 * j + l, d1 * float(qs[32 * j + l] & 0xF) - m1);
-      for (int l = 0; l < 32; ++l) put(y, 64 * j + 32 + l, d2 * float(qs[32 * j + l] >> 4) - m2);
-    }
-  }
-}
-
-template <typename T>
-void dq_q5_k(const uint8_t* row, int64_t K, T* dst) {
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * 176;
-    const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
-    uint8_t sc[8], mn[8];
-    k4_scales(blk + 4, sc, mn);
-    const uint8_t* qh = blk + 16;
-    const uint8_t* qs = blk + 48;
-    T* y = dst + b * 256;
-    for (int j = 0; j < 4; ++j) {
-      const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
-      const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
-      const int s1 = 2 * j, s2 = 2 * j + 1;
-      for (int l = 0; l < 32; ++l)
-        put(y, 64 * j + l, d1 * float(int(qs[32 * j + l] & 0xF) | (((qh[l] >> s1) & 1) << 4)) - m1);
-      for (int l = 0; l < 32; ++l)
-        put(y, 64 * j + 32 + l, d2 * float(int(qs[32 * j + l] >> 4) | (((qh[l] >> s2) & 1) << 4)) - m2);
+      for (int l = 0; l < 32; ++l) {
+        const int hi1 = kFive ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
+        const int hi2 = kFive ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
+        put(y, 64 * j + l, d1 * float(int(qs[32 * j + l] & 0xF) | hi1) - m1);
+        put(y, 64 * j + 32 + l, d2 * float(int(qs[32 * j + l] >> 4) | hi2) - m2);
+      }
     }
   }
 }
@@ -251,8 +237,8 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
   switch (fmt) {
     case kFmtBf16: return dq_bf16(row, K, dst);
     case kFmtQ8_0: return dq_q8_0(row, K, dst);
-    case kFmtQ4_K: return dq_q4_k(row, K, dst);
-    case kFmtQ5_K: return dq_q5_k(row, K, dst);
+    case kFmtQ4_K: return dq_k_quant<false>(row, K, dst);
+    case kFmtQ5_K: return dq_k_quant<true>(row, K, dst);
     case kFmtQ6_K: return dq_q6_k(row, K, dst);
     case kFmtInt8: return dq_int8(row, K, dst);
     case kFmtQ5_0: return dq_q5_0(row, K, dst);
