@@ -55,6 +55,19 @@ def test_int8_greedy_tokens_match_hf_within_the_tie_rule(checkpoints, hf_models,
         assert_tie_rule(ours_as_pairs(out.outputs[0]), ref, f"{arch} {prompt}")
 
 
+def _assert_alone_equals_batched(llm, target, others, params, sizes) -> None:
+    """`target`'s tokens and logprobs alone equal them in a batch with the first n of `others`,
+    for each n in `sizes` (exactly: same bits)."""
+
+    def run(batch):
+        out = llm.generate([target, *batch], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    alone = run([])
+    for n in sizes:
+        assert run(others[:n]) == alone, f"batch of {n + 1}"
+
+
 @needs_kernels
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_bf16_request_is_bit_identical_alone_and_in_batches_of_2_to_64(checkpoints, quantization):
@@ -66,13 +79,7 @@ def test_bf16_request_is_bit_identical_alone_and_in_batches_of_2_to_64(checkpoin
               for n in torch.randint(2, 20, (63,), generator=gen)]
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, ignore_eos=True)
 
-    def run(batch):
-        out = llm.generate([target, *batch], params, use_tqdm=False)[0].outputs[0]
-        return list(out.token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
-
-    alone = run([])
-    for n in (1, 3, 15, 63):
-        assert run(others[:n]) == alone, f"batch of {n + 1}"
+    _assert_alone_equals_batched(llm, target, others, params, (1, 3, 15, 63))
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +112,4 @@ def test_gguf_request_is_bit_identical_alone_and_in_batches(request, dtype):
               for n in torch.randint(2, 24, (31,), generator=gen)]
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
 
-    def run(batch):
-        out = llm.generate([target, *batch], params, use_tqdm=False)[0].outputs[0]
-        return list(out.token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
-
-    alone = run([])
-    for n in (1, 6, 31):
-        assert run(others[:n]) == alone, f"batch of {n + 1}"
+    _assert_alone_equals_batched(llm, target, others, params, (1, 6, 31))
