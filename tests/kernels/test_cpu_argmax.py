@@ -16,7 +16,7 @@ from pagedserve.kernels.extension import kernels_disabled
 @pytest.fixture(scope="module")
 def kernel():
     if kernels_disabled() or not cpu_gemm.kernel_available():
-        pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
+        pytest.skip("CPU kernels unavailable here (no AVX2, no compiler, or disabled)")
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 32])

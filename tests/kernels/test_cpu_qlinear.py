@@ -232,9 +232,10 @@ def test_wrong_weight_bytes_and_unknown_isa_are_value_errors(monkeypatch):
         isa_cap()
 
 
-def test_capping_below_avx512bf16_turns_off_the_avx512bf16_kernels(monkeypatch):
-    if _cpu_level() < ISA_LEVELS["avx512bf16"]:
-        pytest.skip("this CPU lacks AVX512-BF16")
-    assert cpu_gemm.kernel_available()
+def test_capping_at_avx2_keeps_the_decode_kernels_and_turns_off_the_avx512_sampling(monkeypatch):
+    if _cpu_level() < ISA_LEVELS["avx512"]:
+        pytest.skip("this CPU lacks AVX-512")
+    assert cpu_gemm.kernel_available() and cpu_gemm.sampling_kernel_available()
     monkeypatch.setenv(ISA_ENV, "avx2")
-    assert not cpu_gemm.kernel_available() and cpu_gemm.linear_isa() == ISA_LEVELS["avx2"]
+    assert cpu_gemm.linear_isa() == ISA_LEVELS["avx2"]
+    assert cpu_gemm.kernel_available() and not cpu_gemm.sampling_kernel_available()

@@ -16,7 +16,7 @@ from pagedserve.kernels.extension import kernels_disabled
 @pytest.fixture(scope="module")
 def kernel():
     if kernels_disabled() or not cpu_gemm.kernel_available():
-        pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
+        pytest.skip("CPU kernels unavailable here (no AVX2, no compiler, or disabled)")
 
 
 def _inputs(t, hq, hkv, d, seed, theta=10000.0):

@@ -17,8 +17,8 @@ from pagedserve.kernels.extension import kernels_disabled
 
 @pytest.fixture(scope="module")
 def kernel():
-    if kernels_disabled() or not cpu_gemm.kernel_available():
-        pytest.skip("CPU kernels unavailable here (no AVX512_BF16, no compiler, or disabled)")
+    if kernels_disabled() or not cpu_gemm.sampling_kernel_available():
+        pytest.skip("sampling kernels unavailable here (no AVX-512, no compiler, or disabled)")
 
 
 def _kept_weights(row: list[float], t: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:

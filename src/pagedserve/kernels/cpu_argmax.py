@@ -5,15 +5,15 @@ logits to fp32 (16 MB at batch 16 over Gemma 3's 262,144 tokens) and reads them 
 for the argmax. `argmax_bf16(x)` scans the bf16 logits instead and returns what
 `x.float().argmax(dim=-1)` returns (the conversion is exact and keeps the order): the first
 maximum, a NaN counting as the maximum. It returns None when the kernel does not apply (not a bf16
-CPU matrix, a gradient needed, the kernels disabled, unavailable or capped below avx512bf16); the
-caller then computes logits.
+CPU matrix, a gradient needed, the kernels disabled or unavailable); the caller then computes
+logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
 
 
 def argmax_bf16(x: torch.Tensor) -> torch.Tensor | None:  # [M, N] bf16 -> [M] int64
@@ -25,4 +25,4 @@ def argmax_bf16(x: torch.Tensor) -> torch.Tensor | None:  # [M, N] bf16 -> [M] i
         return None
     if not kernel_available():
         return None
-    return torch.ops.pagedserve_cpu.argmax_bf16.default(x.contiguous())
+    return torch.ops.pagedserve_cpu.argmax_bf16.default(x.contiguous(), linear_isa())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
 
 
 def decode_attention(
@@ -35,4 +35,4 @@ def decode_attention(
         return None
     return torch.ops.pagedserve_cpu.decode_attention.default(
         query.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale),
-        int(sliding_window or 0))
+        int(sliding_window or 0), linear_isa())

@@ -11,8 +11,9 @@ The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached
 `$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
 no compiler, a build error, a CPU without AVX2 -- logs one warning and leaves every call on
 torch's path. Set `PAGEDSERVE_DISABLE_CPU_KERNELS=1` to never build or use it (read on every call).
-The AVX512-BF16 kernels (norms, attention, RoPE, sampling, the fused layer: `kernel_available()`)
-need that level; on AVX2-only CPUs (or capped there) those steps run in torch.
+The decode kernels (norms, attention, RoPE, argmax, the fused layer: `kernel_available()`) run at
+every level, each built for AVX2 and for AVX-512 on one 16-lane vector type (csrc/vec16.h), so both
+builds give the same bits; the sampling kernels need AVX-512 (`sampling_kernel_available()`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu_isa import ISA_AVX512BF16, ISA_NAMES, ISA_NONE, isa_cap
+from pagedserve.kernels.cpu_isa import ISA_AVX512, ISA_NAMES, ISA_NONE, isa_cap
 from pagedserve.kernels.extension import DISABLE_ENV, LazyExtension  # noqa: F401 -- DISABLE_ENV re-exported
 
 
@@ -50,8 +51,11 @@ _EXTENSION = LazyExtension(
     "pagedserve_cpu_kernels",
     ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
      "sampling.cpp", "qlinear.cpp"],
-    ["qlinear_impl.h", "qlinear_q8.h"],
-    cflags=[],
+    ["cpu_isa.h", "qlinear_impl.h", "qlinear_q8.h", "vec16.h", "vec16_build.h", "argmax_impl.h",
+     "rms_norm_impl.h", "paged_attention_impl.h", "rotary_impl.h"],
+    # NOTE: -ffp-contract=off: the compiler fuses no multiply and add the source does not, so the
+    # AVX2 and AVX-512 builds of the row kernels (csrc/vec16.h) perform the same IEEE operations.
+    cflags=["-ffp-contract=off"],
     probe=lambda: torch.ops.pagedserve_cpu.cpu_isa(),
     describe=lambda isa: f"best ISA: {ISA_NAMES[isa]}",
 )
@@ -71,12 +75,19 @@ def linear_isa() -> int:
 
 
 def kernel_available() -> bool:
-    """Whether the AVX512-BF16 kernels can run here (builds them on first call).
+    """Whether the bf16 decode kernels (norms, RoPE, attention, argmax, the fused decoder layer)
+    can run here, at `linear_isa()` (builds them on first call).
 
-    False when disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS`, capped below avx512bf16 by
-    `$PAGEDSERVE_CPU_ISA`, on CPUs without AVX512_BF16, or if the build failed (logged once).
+    False when disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS`, on CPUs without AVX2 + FMA, or if
+    the build failed (logged once).
     """
-    return linear_isa() >= ISA_AVX512BF16
+    return linear_isa() != ISA_NONE
+
+
+def sampling_kernel_available() -> bool:
+    """Whether the sampling / logprob kernels (csrc/sampling.cpp, AVX-512 only) can run here:
+    `kernel_available()` at the avx512 level or above."""
+    return linear_isa() >= ISA_AVX512
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
 
 
 def rms_norm(
@@ -29,6 +29,6 @@ def rms_norm(
         return None
     op = torch.ops.pagedserve_cpu.rms_norm.default
     if x.dim() == 2 and x.is_contiguous():  # the usual case: no reshapes
-        return op(x, weight_f32, eps, llama)
+        return op(x, weight_f32, eps, llama, linear_isa())
     h = x.shape[-1]
-    return op(x.reshape(-1, h).contiguous(), weight_f32, eps, llama).view(x.shape)
+    return op(x.reshape(-1, h).contiguous(), weight_f32, eps, llama, linear_isa()).view(x.shape)

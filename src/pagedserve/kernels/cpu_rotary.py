@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
 
 NORM_NONE, NORM_GEMMA, NORM_LLAMA = 0, 1, 2
 
@@ -41,5 +41,6 @@ def qk_norm_rope_(
         return False
     if not kernel_available():
         return False
-    torch.ops.pagedserve_cpu.qk_norm_rope_.default(q, k, cos, sin, q_weight, k_weight, float(eps), norm)
+    torch.ops.pagedserve_cpu.qk_norm_rope_.default(q, k, cos, sin, q_weight, k_weight, float(eps), norm,
+                                                  linear_isa())
     return True

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.kernels.cpu_gemm import sampling_kernel_available
 
 
 def sample_rows(
@@ -33,7 +33,7 @@ def sample_rows(
     """See the module docstring."""
     if logits.dim() != 2 or logits.dtype is not torch.float32 or not logits.is_cpu:
         return None
-    if logits.shape[1] == 0 or not kernel_available():
+    if logits.shape[1] == 0 or not sampling_kernel_available():
         return None
     f32 = dict(dtype=torch.float32)
     return torch.ops.pagedserve_cpu.sample_rows.default(
@@ -51,7 +51,7 @@ def logprob_rows(
     apply. NOTE: NaN logits count as absent."""
     if logits.dim() != 2 or logits.dtype is not torch.float32 or not logits.is_cpu:
         return None
-    if logits.shape[1] == 0 or not 0 <= k <= logits.shape[1] or not kernel_available():
+    if logits.shape[1] == 0 or not 0 <= k <= logits.shape[1] or not sampling_kernel_available():
         return None
     lp, rank, top_val, top_idx = torch.ops.pagedserve_cpu.logprob_rows.default(
         logits.contiguous(), torch.tensor(targets, dtype=torch.int64), k)

@@ -5,15 +5,15 @@
 //
 // Registered as torch.ops.pagedserve_cpu.argmax_bf16 (this file holds the library's one
 // TORCH_LIBRARY block; the other sources add TORCH_LIBRARY_FRAGMENTs); the Python wrapper is
-// pagedserve/kernels/cpu_argmax.py. No -m flags: the AVX-512 code carries target attributes and
-// runs only after `has_avx512bw()` (the wrapper calls it only at the avx512bf16 level and above).
+// pagedserve/kernels/cpu_argmax.py. The scan is argmax_impl.h, built for AVX2 and AVX-512
+// (vec16_build.h); `isa` (kernels.cpu_isa) picks one.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include "cpu_isa.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -24,15 +24,6 @@
 namespace {
 
 using bf16_t = uint16_t;
-
-bool has_avx512bw() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return ok;
-}
 
 // ----------------------------------------------------------------------------------------------
 // Argmax of bf16 rows (torch.argmax's rule: first maximum, NaN counts as the maximum).
@@ -56,45 +47,19 @@ inline bool arg_better(const ArgBest& a, const ArgBest& b) {
   return a.idx < b.idx;
 }
 
-// The argmax of row[begin, end) (indices into row).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) ArgBest scan_bf16(const bf16_t* row,
-                                                                         int64_t begin, int64_t end) {
-  ArgBest best;
-  if (begin >= end) return best;
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = end - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - i)) - 1u);
-    __m256i raw = _mm256_maskz_loadu_epi16(m, row + i);
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-    if (nan) {  // the first NaN of the range: nothing after it can win
-      best.idx = i + __builtin_ctz(nan);
-      best.nan = true;
-      return best;
-    }
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
-  }
-  const float mx = _mm512_reduce_max_ps(vmax);
-  const __m512 target = _mm512_set1_ps(mx);
-  // Second pass, from L1/L2: the first element equal to the maximum (-0 == +0, as torch compares).
-  for (int64_t i = begin; i < end; i += 16) {
-    const __mmask16 m = end - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - i)) - 1u);
-    __m256i raw = _mm256_maskz_loadu_epi16(m, row + i);
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, v, target, _CMP_EQ_OQ);
-    if (eq) {
-      best.idx = i + __builtin_ctz(eq);
-      best.val = mx;
-      return best;
-    }
-  }
-  return best;  // not reached: the maximum is one of the elements
-}
+}  // namespace
+
+#define PS_VEC_KERNEL "argmax_impl.h"
+#include "vec16_build.h"
+
+namespace {
+
+using ScanFn = ArgBest (*)(const bf16_t*, int64_t, int64_t);
 
 // Per-row results merged from chunks that finish on different threads.
 class RowArgmax {
  public:
-  explicit RowArgmax(int64_t rows) : best_(size_t(rows)) {}
+  RowArgmax(int64_t rows, ScanFn scan) : best_(size_t(rows)), scan_(scan) {}
 
   // Scans rows [first, end_row) of y (row stride ld) over columns [begin, end) and merges the
   // results into those rows'.
@@ -103,7 +68,7 @@ class RowArgmax {
     ArgBest local[32];
     for (int64_t r0 = first; r0 < end_row; r0 += 32) {
       const int64_t n = std::min<int64_t>(32, end_row - r0);
-      for (int64_t r = 0; r < n; ++r) local[r] = scan_bf16(y + (r0 + r) * ld, begin, end);
+      for (int64_t r = 0; r < n; ++r) local[r] = scan_(y + (r0 + r) * ld, begin, end);
       std::lock_guard<std::mutex> guard(mu_);
       for (int64_t r = 0; r < n; ++r)
         if (arg_better(local[r], best_[r0 + r])) best_[r0 + r] = local[r];
@@ -119,13 +84,14 @@ class RowArgmax {
 
  private:
   std::vector<ArgBest> best_;
+  ScanFn scan_;
   std::mutex mu_;
 };
 
 // argmax over the last dim of a bf16 [M, N] tensor: [M] int64 (rows split into pieces of 32K
 // elements, so that one long row still uses every thread).
-at::Tensor argmax_bf16(const at::Tensor& x) {
-  TORCH_CHECK(has_avx512bw(), "argmax_bf16: this CPU lacks AVX512F/BW/VL");
+at::Tensor argmax_bf16(const at::Tensor& x, int64_t isa) {
+  ps_isa::check_isa("argmax_bf16", isa);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.is_contiguous(),
               "argmax_bf16: x must be a contiguous [M, N] bfloat16 CPU tensor");
@@ -135,7 +101,7 @@ at::Tensor argmax_bf16(const at::Tensor& x) {
   constexpr int64_t kPiece = 32768;
   const int64_t pieces = (N + kPiece - 1) / kPiece;
   const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
-  RowArgmax best(M);
+  RowArgmax best(M, ps_isa::use_avx512(isa) ? vec_avx512::scan_bf16 : vec_avx2::scan_bf16);
   at::parallel_for(0, M * pieces, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t r = u / pieces, p = u % pieces;
@@ -148,7 +114,7 @@ at::Tensor argmax_bf16(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
-  m.def("argmax_bf16(Tensor x) -> Tensor");
+  m.def("argmax_bf16(Tensor x, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

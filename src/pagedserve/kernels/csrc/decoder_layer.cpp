@@ -42,32 +42,33 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b,
   return op.call(x, w, fmt, x.size(1), b, false, isa);
 }
 
-at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, bool llama) {
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, bool llama, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::rms_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)>();
-  return op.call(x, w, eps, llama);
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool, int64_t)>();
+  return op.call(x, w, eps, llama, isa);
 }
 
 void qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                   const at::Tensor& sin, const OptTensor& qw, const OptTensor& kw, double eps,
-                  int64_t mode) {
+                  int64_t mode, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::qk_norm_rope_", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&, const OptTensor&, const OptTensor&, double,
-                                   int64_t)>();
-  op.call(q, k, cos, sin, qw, kw, eps, mode);
+                                   int64_t, int64_t)>();
+  op.call(q, k, cos, sin, qw, kw, eps, mode, isa);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                      const at::Tensor& tables, const at::Tensor& lens, double scale,
-                     int64_t window) {
+                     int64_t window, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::decode_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, double, int64_t)>();
-  return op.call(q, kc, vc, tables, lens, scale, window);
+                                         const at::Tensor&, const at::Tensor&, double, int64_t,
+                                         int64_t)>();
+  return op.call(q, kc, vc, tables, lens, scale, window, isa);
 }
 
 enum Weight { kQ, kK, kV, kO, kGate, kUp, kDown, kNumWeights };
@@ -98,28 +99,28 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, H]");
   const int64_t T = x.size(0);
 
-  at::Tensor h = rmsnorm(x, *n[kInput], eps, llama);
+  at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
   at::Tensor q = project(h, w[kQ], b[kBq], fmts[kQ], isa).view({T, num_heads, head_dim});
   at::Tensor k = project(h, w[kK], b[kBk], fmts[kK], isa).view({T, num_kv_heads, head_dim});
   at::Tensor v = project(h, w[kV], b[kBv], fmts[kV], isa).view({T, num_kv_heads, head_dim});
-  qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0);
+  qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0, isa);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
   v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
-  at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa);
   at::Tensor o = project(a.view({T, num_heads * head_dim}), w[kO], b[kBo], fmts[kO], isa);
   at::Tensor r;
   if (gemma) {
-    r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false));
-    h = rmsnorm(r, *n[kPreFf], eps, false);
+    r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false, isa));
+    h = rmsnorm(r, *n[kPreFf], eps, false, isa);
   } else {
     r = at::add(x, o);
-    h = rmsnorm(r, *n[kPostAttn], eps, true);
+    h = rmsnorm(r, *n[kPostAttn], eps, true, isa);
   }
   at::Tensor g = project(h, w[kGate], std::nullopt, fmts[kGate], isa);
   g = act == 1 ? at::gelu(g, "tanh") : at::silu(g);
   at::Tensor m = project(at::mul(g, project(h, w[kUp], std::nullopt, fmts[kUp], isa)), w[kDown], std::nullopt, fmts[kDown], isa);
-  return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false) : m);
+  return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
 }
 
 }  // namespace

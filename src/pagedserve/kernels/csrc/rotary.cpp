@@ -1,5 +1,5 @@
 // Fused per-head q/k RMSNorm and rotary embedding (RoPE, "rotate half" layout) for bf16
-// activations on x86-64 CPUs with AVX512_BF16, in place on the q and k projections:
+// activations on x86-64 CPUs (AVX2 or AVX-512, rotary_impl.h), in place on the q and k projections:
 //
 //   h   = norm(h)                                   (optional; Gemma or Llama numerics)
 //   out = bf16( bf16(h * cos) + bf16(rotate_half(h) * sin) )
@@ -10,74 +10,24 @@
 // norm's sum of squares, accumulated in another order, moves r by an ulp (as csrc/rms_norm.cpp).
 // One call replaces ~16 small torch ops per layer (2 norms, 2 x (2 muls, chunk, neg, cat, add)).
 //
-// Registered as torch.ops.pagedserve_cpu.qk_norm_rope_ (a fragment of the library the GEMV file
-// defines); the Python wrapper is pagedserve/kernels/cpu_rotary.py. No -m flags (target
-// attributes); callers check kernels.cpu_gemm.kernel_available() first.
+// Registered as torch.ops.pagedserve_cpu.qk_norm_rope_ (a fragment of the library argmax.cpp
+// defines); the Python wrapper is pagedserve/kernels/cpu_rotary.py. `isa` picks the build.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include "cpu_isa.h"
 
-#include <cmath>
-#include <climits>
+#include <algorithm>
 #include <cstdint>
+
+#define PS_VEC_KERNEL "rotary_impl.h"
+#include "vec16_build.h"
 
 namespace {
 
 constexpr int kMaxDim = 512;  // head_dim limit (a multiple of 32: each half whole 16-lane vectors)
-
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_bf16(const uint16_t* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 round_bf16(__m512 v) {
-  __m256i h = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even, as c10::BFloat16
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_bf16(uint16_t* p,
-                                                                                     __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-// One head of D values at `h`, in place. norm: 0 none, 1 Gemma (w = 1 + weight, one rounding),
-// 2 Llama (round x * r, then times the bf16 weight, round). cos/sin: this token's [D] tables.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void head_norm_rope(
-    uint16_t* h, int64_t D, const float* w, float eps, int norm, const uint16_t* cos,
-    const uint16_t* sin) {
-  const int64_t nv = D / 16, half = D / 2;
-  alignas(64) float v[kMaxDim];
-  for (int64_t i = 0; i < nv; ++i) _mm512_store_ps(v + i * 16, load_bf16(h + i * 16));
-  if (norm) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nv; ++i) {
-      const __m512 x = _mm512_load_ps(v + i * 16);
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(x, x));
-    }
-    const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(D);
-    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
-    for (int64_t i = 0; i < nv; ++i) {
-      __m512 n = _mm512_mul_ps(_mm512_load_ps(v + i * 16), inv);
-      if (norm == 2) n = round_bf16(n);
-      _mm512_store_ps(v + i * 16, round_bf16(_mm512_mul_ps(n, _mm512_loadu_ps(w + i * 16))));
-    }
-  }
-  const __m512i sign = _mm512_set1_epi32(INT32_MIN);  // flips the sign bit (as torch's neg)
-  for (int64_t i = 0; i < nv; ++i) {
-    const int64_t j = i * 16;
-    const __m512 x = _mm512_load_ps(v + j);
-    // rotate_half: -x[j + D/2] in the first half, x[j - D/2] in the second
-    const __m512 r = j < half ? _mm512_castsi512_ps(_mm512_xor_si512(
-                                  _mm512_castps_si512(_mm512_load_ps(v + j + half)), sign))
-                              : _mm512_load_ps(v + j - half);
-    const __m512 a = round_bf16(_mm512_mul_ps(x, load_bf16(cos + j)));
-    const __m512 b = round_bf16(_mm512_mul_ps(r, load_bf16(sin + j)));
-    store_bf16(h + j, _mm512_add_ps(a, b));
-  }
-}
 
 void check_heads(const at::Tensor& t, const char* name, int64_t T) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 3 &&
@@ -93,7 +43,9 @@ void check_weight(const c10::optional<at::Tensor>& w, const char* name, int64_t 
 
 void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                    const at::Tensor& sin, const c10::optional<at::Tensor>& q_weight,
-                   const c10::optional<at::Tensor>& k_weight, double eps, int64_t norm) {
+                   const c10::optional<at::Tensor>& k_weight, double eps, int64_t norm,
+                   int64_t isa) {
+  ps_isa::check_isa("qk_norm_rope_", isa);
   const int64_t T = q.size(0), D = q.size(2), Hq = q.size(1), Hk = k.size(1);
   check_heads(q, "q", T);
   check_heads(k, "k", T);
@@ -122,12 +74,13 @@ void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& c
   const int n = static_cast<int>(norm);
   // NOTE: a decode batch is a few heads a token: one thread (no pool wake-up); prompts by tokens.
   const int64_t grain = std::max<int64_t>(1, 16384 / (heads * D));
+  const auto head_fn = ps_isa::use_avx512(isa) ? vec_avx512::head_norm_rope : vec_avx2::head_norm_rope;
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* c = cp + t * D;
       const uint16_t* s = sp + t * D;
-      for (int64_t h = 0; h < Hq; ++h) head_norm_rope(qp + (t * Hq + h) * D, D, qw, e, n, c, s);
-      for (int64_t h = 0; h < Hk; ++h) head_norm_rope(kp + (t * Hk + h) * D, D, kw, e, n, c, s);
+      for (int64_t h = 0; h < Hq; ++h) head_fn(qp + (t * Hq + h) * D, D, qw, e, n, c, s);
+      for (int64_t h = 0; h < Hk; ++h) head_fn(kp + (t * Hk + h) * D, D, kw, e, n, c, s);
     }
   });
 }
@@ -137,7 +90,7 @@ void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& c
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def(
       "qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor? q_weight, "
-      "Tensor? k_weight, float eps, int norm) -> ()");
+      "Tensor? k_weight, float eps, int norm, int isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("qk_norm_rope_", &qk_norm_rope_); }
