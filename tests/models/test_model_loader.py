@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from pagedserve.kernels import cpu_gemm
 from pagedserve.models import loader
 from pagedserve.models.loader import iter_safetensors, load_model, resolve_dtype
 from test_gemma3 import tiny_gemma3_text
@@ -130,6 +131,9 @@ def test_resolve_dtype(monkeypatch):
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", config, "cpu") == torch.bfloat16
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "kernel_available", lambda: True)  # AVX2: our bf16 kernels
+    assert resolve_dtype("auto", config, "cpu") == torch.bfloat16
+    monkeypatch.setattr(cpu_gemm, "kernel_available", lambda: False)  # no kernels: bf16 is emulated
     assert resolve_dtype("auto", config, "cpu") == torch.float32
     # On CUDA, auto means the checkpoint's dtype.
     assert resolve_dtype("auto", config, "cuda") == torch.float16
