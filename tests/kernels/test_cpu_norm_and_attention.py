@@ -84,6 +84,26 @@ def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800):
     return q, k, v, kc, vc, meta
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 3)])
+def test_decode_attention_is_bit_identical_alone_and_in_a_batch_at_any_thread_count(
+        kernel, hq, hkv, threads):
+    """Alone, a sequence's query heads are split across threads (fewer KV heads than threads);
+    in a batch they are not: neither changes a bit."""
+    q, _, _, kc, vc, meta = _random_decode_batch(hq, hkv, 64, 4, seed=hq + hkv, num_seqs=4)
+    group = meta.groups[0]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        batch = decode_attention(q, kc, vc, group.block_tables, group.seq_lens, 0.1)
+        for s in range(q.shape[0]):
+            alone = decode_attention(q[s:s + 1], kc, vc, group.block_tables[s:s + 1],
+                                     group.seq_lens[s:s + 1], 0.1)
+            assert torch.equal(alone[0], batch[s]), f"sequence {s}"
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [
     (4, 1, 256, 16, None),  # Gemma 3 270M
     (4, 1, 256, 16, 40),  # its sliding-window layers

@@ -7,8 +7,10 @@
 // Each row of x is quantized first (`quantize_x`) to blocks of 32: qx int8 in [-127, 127] and an
 // fp32 scale dx = amax / 127 (Q8_0-style, with an fp32 scale; also for the K-quants, whose
 // sub-blocks are 32 wide, or 16 wide for Q6_K with an int16 multiplier per half). Each weight block
-// of 32 is unpacked to int8 (`Q8_0`, `Q4_0`, ... below) and multiplied with _mm256_maddubs_epi16
-// on |qw| and sign(qx, qw), then _mm256_madd_epi16: exact int32 sums, one fp32 FMA per block.
+// of 32 is unpacked to 8 bits (`Q8_0`, `Q4_0`, ... below) and multiplied with _mm256_maddubs_epi16
+// -- on |qw| and sign(qx, qw) for signed values (Q8_0, Q6_K), on the stored unsigned values as
+// they are for the others (Q4_0 / Q5_0 then subtract offset * sum(qx), precomputed per block of x)
+// -- then _mm256_madd_epi16: exact int32 sums (the same either way), one fp32 FMA per block.
 //
 // NOTE: batch invariance. y[m, n] is one 8-lane fp32 accumulator that walks the blocks of K in
 // order with the same instructions (mins term of a super-block, then its blocks' FMAs with the
@@ -32,11 +34,14 @@ struct XQ {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* o;  // [M][K / 32][8]: offset * (sums of qx[4 l .. 4 l + 3]), for offset formats
   int64_t K;
 };
 
-// Row x (fp32, K values) to blocks of 32: q = round-to-nearest-even(x * 127 / amax).
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// Row x (fp32, K values) to blocks of 32: q = round-to-nearest-even(x * 127 / amax). With an
+// offset (formats storing q + offset unsigned), o gets offset times the block's sums of 4 q.
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* o,
+                         int offset) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + b * 32;
@@ -60,6 +65,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
     p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), p8);
     const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p8), _mm256_set1_epi16(1));
+    if (offset)  // the lanes of s32 group q as madd(maddubs(w, q)) groups products: 4 l .. 4 l + 3
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + b * 8), _mm256_mullo_epi32(s32, _mm256_set1_epi32(offset)));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
@@ -78,8 +85,8 @@ inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 // ---------------------------------------------------------------------------------------------
 
 struct Q8_0 {
-  static constexpr int kUnit = 32, kBytes = 34, kBlocks = 1;
-  static constexpr bool kMins = false, kMul16 = false;
+  static constexpr int kUnit = 32, kBytes = 34, kBlocks = 1, kOffset = 0;
+  static constexpr bool kMins = false, kMul16 = false, kUnsigned = false;
   struct Head {};
   static Head head(const uint8_t*) { return {}; }
   static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
@@ -88,20 +95,20 @@ struct Q8_0 {
   }
 };
 
-struct Q4_0 {
-  static constexpr int kUnit = 32, kBytes = 18, kBlocks = 1;
-  static constexpr bool kMins = false, kMul16 = false;
+struct Q4_0 {  // value = d * (q - 8): block() returns q, the kernel subtracts 8 * sum(qx)
+  static constexpr int kUnit = 32, kBytes = 18, kBlocks = 1, kOffset = 8;
+  static constexpr bool kMins = false, kMul16 = false, kUnsigned = true;
   struct Head {};
   static Head head(const uint8_t*) { return {}; }
   static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
     *dw = h2f(u);
-    return _mm256_sub_epi8(nibbles(u + 2), _mm256_set1_epi8(8));
+    return nibbles(u + 2);
   }
 };
 
-struct Q5_0 {
-  static constexpr int kUnit = 32, kBytes = 22, kBlocks = 1;
-  static constexpr bool kMins = false, kMul16 = false;
+struct Q5_0 {  // value = d * (q - 16): block() returns q, the kernel subtracts 16 * sum(qx)
+  static constexpr int kUnit = 32, kBytes = 22, kBlocks = 1, kOffset = 16;
+  static constexpr bool kMins = false, kMul16 = false, kUnsigned = true;
   struct Head {};
   static Head head(const uint8_t*) { return {}; }
   static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
@@ -109,7 +116,7 @@ struct Q5_0 {
     uint32_t qh;
     std::memcpy(&qh, u + 2, 4);
     const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles(u + 6), hb), _mm256_set1_epi8(16));
+    return _mm256_or_si256(nibbles(u + 6), hb);
   }
 };
 
@@ -139,8 +146,8 @@ inline __m256i k4_nibbles(const uint8_t* qs, int t) {
 }
 
 struct Q4_K {
-  static constexpr int kUnit = 256, kBytes = 144, kBlocks = 8;
-  static constexpr bool kMins = true, kMul16 = false;
+  static constexpr int kUnit = 256, kBytes = 144, kBlocks = 8, kOffset = 0;
+  static constexpr bool kMins = true, kMul16 = false, kUnsigned = true;
   using Head = KHead;
   static Head head(const uint8_t* u) { return k4_head(u); }
   static __m256i block(const Head& h, const uint8_t* u, int t, float* dw, __m256i*) {
@@ -150,8 +157,8 @@ struct Q4_K {
 };
 
 struct Q5_K {
-  static constexpr int kUnit = 256, kBytes = 176, kBlocks = 8;
-  static constexpr bool kMins = true, kMul16 = false;
+  static constexpr int kUnit = 256, kBytes = 176, kBlocks = 8, kOffset = 0;
+  static constexpr bool kMins = true, kMul16 = false, kUnsigned = true;
   using Head = KHead;
   static Head head(const uint8_t* u) { return k4_head(u); }
   static __m256i block(const Head& h, const uint8_t* u, int t, float* dw, __m256i*) {
@@ -167,8 +174,8 @@ struct Q5_K {
 // super-block: ql[64 h + 32 (j & 1) + l] (low nibble for j < 2, high otherwise) and bits
 // 2 j, 2 j + 1 of qh[32 h + l]; its scales are sc[2 t] (l < 16) and sc[2 t + 1].
 struct Q6_K {
-  static constexpr int kUnit = 256, kBytes = 210, kBlocks = 8;
-  static constexpr bool kMins = false, kMul16 = true;
+  static constexpr int kUnit = 256, kBytes = 210, kBlocks = 8, kOffset = 0;
+  static constexpr bool kMins = false, kMul16 = true, kUnsigned = false;
   struct Head {
     float d;
   };
@@ -227,7 +234,7 @@ __attribute__((always_inline)) inline void q8_tile(const XQ& x, int64_t m0, cons
         float d;
         qw[j] = F::block(h[j], wu[j], t, &d, &mul[j]);
         dw[j] = _mm256_set1_ps(d);
-        aw[j] = _mm256_sign_epi8(qw[j], qw[j]);  // |qw| (-128 stays 0x80 = 128 unsigned)
+        if constexpr (!F::kUnsigned) aw[j] = _mm256_sign_epi8(qw[j], qw[j]);  // |qw| (-128: 128 unsigned)
       }
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
@@ -235,9 +242,13 @@ __attribute__((always_inline)) inline void q8_tile(const XQ& x, int64_t m0, cons
         const __m256 dx = _mm256_broadcast_ss(x.d + (m0 + i) * nbx + b);
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) {
-          // |qw| * sign(qx, qw): pairs of u8 * s8 fit int16 (|qx| <= 127, |qw| <= 128)
-          const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, qw[j]));
-          const __m256i p32 = _mm256_madd_epi16(p16, F::kMul16 ? mul[j] : ones16);
+          // u8 * s8 pairs fit int16: |qw| * sign(qx, qw) (|qx| <= 127, |qw| <= 128), or unsigned
+          // qw <= 63 times qx as they are
+          const __m256i p16 = F::kUnsigned ? _mm256_maddubs_epi16(qw[j], xv)
+                                           : _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, qw[j]));
+          __m256i p32 = _mm256_madd_epi16(p16, F::kMul16 ? mul[j] : ones16);
+          if constexpr (F::kOffset != 0)  // sum((q - offset) qx) = sum(q qx) - offset sum(qx), exactly
+            p32 = _mm256_sub_epi32(p32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.o + ((m0 + i) * nbx + b) * 8)));
           acc[i * NB + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dw[j], dx), acc[i * NB + j]);
         }
       }
@@ -307,8 +318,10 @@ template <typename X>
 void run_q8(int64_t fmt, const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t N,
             const Out& out) {
   const int64_t nbx = K / 32;
+  const int offset = fmt == kFmtQ4_0 ? Q4_0::kOffset : fmt == kFmtQ5_0 ? Q5_0::kOffset : 0;
   std::vector<int8_t> q(size_t(M * K));
   std::vector<float> ds(size_t(2 * M * nbx));
+  std::vector<int32_t> os(offset ? size_t(M * nbx * 8) : 0);  // 8 int32 per block of 32
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t m = b; m < e; ++m) {
@@ -317,10 +330,11 @@ void run_q8(int64_t fmt, const X* x, int64_t M, int64_t K, const uint8_t* w, int
         if constexpr (sizeof(X) == 2) row[k] = bf16_to_float(xr[k]);
         else row[k] = xr[k];
       }
-      quantize_row(row.data(), K, q.data() + m * K, ds.data() + m * nbx, ds.data() + (M + m) * nbx);
+      quantize_row(row.data(), K, q.data() + m * K, ds.data() + m * nbx, ds.data() + (M + m) * nbx,
+                   offset ? os.data() + m * nbx * 8 : nullptr, offset);
     }
   });
-  const XQ xq{q.data(), ds.data(), ds.data() + M * nbx, K};
+  const XQ xq{q.data(), ds.data(), ds.data() + M * nbx, os.data(), K};
   switch (fmt) {
     case kFmtQ8_0: return q8_product<Q8_0>(xq, M, w, rb, N, out);
     case kFmtQ4_0: return q8_product<Q4_0>(xq, M, w, rb, N, out);
