@@ -82,3 +82,23 @@ def test_fused_decode_layer_is_skipped_in_float32_and_mixed_steps(kernel, monkey
     runner.step([(0, [1, 2, 3])])
     runner.step([(0, [4]), (1, [5, 6])])  # a decode row next to a prompt: not decode-only
     assert calls == []
+
+
+def test_fused_decode_layer_follows_norm_weights_changed_in_place(kernel, monkeypatch):
+    """The fused call keeps the norms' fp32 weights between steps: a weight changed in place
+    (as loading new weights does) must reach it, bit-identical to the modules again."""
+    name, config = list(configs())[-1]  # Gemma 3: sandwich norms and q/k norms
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    prompts = [[1, 2, 3], [4, 5]]
+    before = _run(model, prompts, steps=2)  # builds each layer's plan and its norm weights
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, llama.FusableDecoderLayer):
+                layer.pre_feedforward_layernorm.weight.add_(0.5)
+                layer.self_attn.k_norm.weight.mul_(-1.0)
+    fused = _run(model, prompts, steps=2)
+    assert not all(torch.equal(a, b) for a, b in zip(before, fused))
+    monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)
+    modules = _run(model, prompts, steps=2)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"{name}: decode step {step} differs after the norm change"

@@ -5,7 +5,8 @@
 attention and gated MLP with the same kernels and ATen ops, in the same order, as the modules do
 from Python -- so its result is bit-identical to theirs -- or returns None when it does not apply
 (tensors not bf16/CPU/contiguous, more rows than MAX_M_FUSED, head sizes the kernels do
-not handle, kernels disabled or unavailable), and the caller runs the modules. At batch 1 the
+not handle, kernels disabled or unavailable), and the caller runs the modules. `weight_formats`
+checks the weights, once per layer. At batch 1 the
 modules' Python (dispatch, wrapper checks, views: ~60 calls a layer) cost as much as the layer's
 small ops; one call removes it. Which layers may use it is decided in `models.llama`.
 """
@@ -14,15 +15,30 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, kernel_available, linear_isa
+from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, linear_isa
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
+def weight_formats(weights: list[torch.Tensor]) -> list[int] | None:
+    """The kernel's format code of each weight (0: bf16; else its `QuantSpec`), or None when one
+    cannot be taken (not a contiguous CPU tensor, neither bf16 nor quantized). NOTE: a loaded
+    model's weights keep their dtype and layout (loading copies in place), so callers compute this
+    once per layer (models.llama's fused plan)."""
+    formats = []
+    for w in weights:
+        spec = getattr(w, "quant", None)  # kernels.cpu_qlinear.QuantSpec
+        if not (w.is_cpu and w.is_contiguous() and (spec is not None or w.dtype is torch.bfloat16)):
+            return None
+        formats.append(spec.format.code if spec is not None else 0)
+    return formats
+
+
 def decoder_layer(
     x: torch.Tensor,  # [T, H] bf16, one decode token per sequence
     weights: list[torch.Tensor],  # q, k, v, o, gate, up, down: bf16 [N, K] or quantized
+    formats: list[int],  # their `weight_formats`
     biases: list[torch.Tensor | None],  # q, k, v, o
     norms: list[torch.Tensor | None],  # fp32 [H]/[D]: input, post-attn, pre-ff, post-ff, q, k
     norm_mode: int,  # NORM_GEMMA (sandwich norms) or NORM_LLAMA (of kernels.cpu_rotary)
@@ -44,21 +60,18 @@ def decoder_layer(
     """See the module docstring."""
     if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
         raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
-    if not kernel_available() or not 0 < x.shape[0] <= MAX_M_FUSED:
+    if not 0 < x.shape[0] <= MAX_M_FUSED:
+        return None
+    isa = linear_isa()
+    if not isa:  # disabled or unavailable
         return None
     if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return None
-    tensors = [x, cos, sin, k_cache, v_cache, *(b for b in biases if b is not None)]
-    if any(t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous() for t in tensors):
-        return None
-    formats = []
-    for w in weights:
-        spec = getattr(w, "quant", None)  # kernels.cpu_qlinear.QuantSpec
-        if not (w.is_cpu and w.is_contiguous() and (spec is not None or w.dtype is torch.bfloat16)):
+    for t in (x, cos, sin, k_cache, v_cache, *biases):
+        if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
             return None
-        formats.append(spec.format.code if spec is not None else 0)
     return torch.ops.pagedserve_cpu.decoder_layer.default(
         x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0), act,
-        formats, linear_isa(),
+        formats, isa,
     )

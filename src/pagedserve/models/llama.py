@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.kernels.cpu_decoder_layer import ACT_GELU_TANH, ACT_SILU, decoder_layer
+from pagedserve.kernels.cpu_decoder_layer import ACT_GELU_TANH, ACT_SILU, decoder_layer, weight_formats
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
@@ -149,7 +149,7 @@ class FusableDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        fused = fused_decode_layer(self, x, rope, kv_cache, meta, self.self_attn, self.mlp, self.layer_norms())
+        fused = fused_decode_layer(self, x, rope, kv_cache, meta)
         return self.unfused(x, rope, kv_cache, meta) if fused is None else fused
 
 
@@ -189,31 +189,42 @@ class LlamaDecoderLayer(FusableDecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _FusedPlan:
     """What one layer passes to the fused decode call, gathered once (about 40 module attribute
     lookups a layer otherwise, every step). `usable` is False for layers the kernel cannot run."""
 
     usable: bool
     weights: list  # q, k, v, o, gate, up, down Parameters
+    formats: list | None  # their kernel format codes (kernels.cpu_decoder_layer.weight_formats)
     biases: list  # q, k, v, o Parameters or None
     norms: tuple  # input, post-attn, pre-ff, post-ff, q, k norm modules or None
+    norm_weights: list  # the present norms' weight Parameters
+    mode: int  # the norms' numerics the layer needs: NORM_GEMMA (sandwich norms) or NORM_LLAMA
     consts: tuple  # num_heads, num_kv_heads, head_dim, scale, sliding_window, activation code
+    # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps) or None)
+    norm_cache: tuple | None = None
 
 
-def _fused_plan(layer: nn.Module, attn: LlamaAttention, mlp: LlamaMLP, norms: tuple) -> _FusedPlan:
+def _fused_plan(layer: FusableDecoderLayer) -> _FusedPlan:
     # NOTE: holds the Parameter objects themselves: loading weights copies into them in place and
     # `.to()` swaps their data, so the plan stays valid; a Parameter *replaced* by assignment
     # would not be seen (nothing in pagedserve does that to a decoder layer).
     plan = layer.__dict__.get("_fused_plan")
     if plan is None:
-        usable = not (mlp.fused_act is None or attn.o_proj.tp.is_parallel or mlp.down_proj.tp.is_parallel)
+        attn, mlp, norms = layer.self_attn, layer.mlp, layer.layer_norms()
+        all_norms = (*norms, attn.q_norm, attn.k_norm)
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                   mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        formats = weight_formats(weights)
+        usable = not (formats is None or mlp.fused_act is None or attn.o_proj.tp.is_parallel
+                      or mlp.down_proj.tp.is_parallel)
         plan = _FusedPlan(
-            usable,
-            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight],
+            usable, weights, formats,
             [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias],
-            (*norms, attn.q_norm, attn.k_norm),
+            all_norms,
+            [m.weight for m in all_norms if m is not None],
+            NORM_GEMMA if norms[2] is not None else NORM_LLAMA,
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
              attn.attn.sliding_window, mlp.fused_act),
         )
@@ -221,15 +232,27 @@ def _fused_plan(layer: nn.Module, attn: LlamaAttention, mlp: LlamaMLP, norms: tu
     return plan
 
 
+def _norm_args(plan: _FusedPlan) -> tuple[list, float] | None:
+    """The norms' fp32 weights (None where absent) and eps for the fused call, rebuilt only when
+    a norm weight changes; None when a norm is one the kernels do not take, or eps / numerics are
+    mixed."""
+    key = tuple((w.data_ptr(), w._version) for w in plan.norm_weights)
+    if plan.norm_cache is None or plan.norm_cache[0] != key:
+        args = [None if m is None else m.kernel_args(torch.bfloat16) for m in plan.norms]
+        present = [a for a, m in zip(args, plan.norms) if m is not None]
+        ok = all(a is not None for a in present) and len({a[1:] for a in present}) == 1
+        ok = ok and present[0][2] == plan.mode
+        value = ([None if a is None else a[0] for a in args], present[0][1]) if ok else None
+        plan.norm_cache = (key, value)
+    return plan.norm_cache[1]
+
+
 def fused_decode_layer(
-    layer: nn.Module,
+    layer: FusableDecoderLayer,
     x: torch.Tensor,  # [T, H]
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_cache: KVCache,
     meta: AttentionMetadata,
-    attn: LlamaAttention,
-    mlp: LlamaMLP,
-    norms: tuple,  # input, post-attention, pre-ff, post-ff norm modules (the last two: Gemma only)
 ) -> torch.Tensor | None:  # [T, H]
     """`layer` in one compiled call (`kernels.cpu_decoder_layer`, bit-identical to its modules)
     on a decode-only bf16 CPU step of the torch backend on one rank; None elsewhere.
@@ -240,19 +263,15 @@ def fused_decode_layer(
     if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
             and len(meta.groups) == 1 and meta.groups[0].covers_all):
         return None
-    plan = _fused_plan(layer, attn, mlp, norms)
+    plan = layer.__dict__.get("_fused_plan") or _fused_plan(layer)
     if not plan.usable:
         return None
-    args = [None if m is None else m.kernel_args(x.dtype) for m in plan.norms]
-    present = [a for a, m in zip(args, plan.norms) if m is not None]
-    if any(a is None for a in present) or len({a[1:] for a in present}) != 1:
-        return None  # a norm the kernels do not take, or mixed eps / numerics
-    _, eps, mode = present[0]
-    if mode != (NORM_GEMMA if norms[2] is not None else NORM_LLAMA):
+    norm_args = _norm_args(plan)
+    if norm_args is None:
         return None
     group = meta.groups[0]
     return decoder_layer(
-        x, plan.weights, plan.biases, [None if a is None else a[0] for a in args], mode, eps,
+        x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
         *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts,
     )
 
