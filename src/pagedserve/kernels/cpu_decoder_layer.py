@@ -4,11 +4,11 @@
 `decoder_layer(...)` runs the layer's norms, projections, q/k norm + RoPE, K/V write, paged decode
 attention and gated MLP with the same kernels and ATen ops, in the same order, as the modules do
 from Python -- so its result is bit-identical to theirs -- or returns None when it does not apply
-(tensors not bf16/CPU/contiguous, more rows than MAX_M_FUSED, head sizes the kernels do
-not handle, kernels disabled or unavailable), and the caller runs the modules. `weight_formats`
-checks the weights, once per layer. At batch 1 the
-modules' Python (dispatch, wrapper checks, views: ~60 calls a layer) cost as much as the layer's
-small ops; one call removes it. Which layers may use it is decided in `models.llama`.
+(tensors not bf16/CPU/contiguous, more rows than MAX_M_FUSED, head sizes the kernels do not
+handle, kernels disabled or unavailable), and the caller runs the modules; `weight_formats` checks
+the weights, once per layer. At batch 1 the modules' Python (dispatch, wrapper checks, views: ~60
+calls a layer) cost as much as the layer's small ops; one call removes it. Which layers may use it
+is decided in `models.llama`.
 """
 
 from __future__ import annotations
