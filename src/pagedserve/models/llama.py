@@ -263,7 +263,7 @@ def fused_decode_layer(
     if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
             and len(meta.groups) == 1 and meta.groups[0].covers_all):
         return None
-    plan = layer.__dict__.get("_fused_plan") or _fused_plan(layer)
+    plan = _fused_plan(layer)
     if not plan.usable:
         return None
     norm_args = _norm_args(plan)

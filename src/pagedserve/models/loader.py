@@ -75,8 +75,9 @@ def _checkpoint_dtype(config: Any) -> torch.dtype | None:
 def resolve_dtype(name: str, config: Any, device: torch.device | str) -> torch.dtype:
     """The model dtype for a `--dtype` style `name`: "float32", "bfloat16", "float16" (or their
     short forms) as given; "auto" = bfloat16 on a CPU where it is the fast path
-    (`cpu_prefers_bf16`: native BF16 instructions, or our bf16 kernels on AVX2), else float32, and the checkpoint's dtype (`config.dtype` / `torch_dtype`) on accelerators
-    (bfloat16 where the config names none and the GPU supports it, else float16)."""
+    (`cpu_prefers_bf16`: native BF16 instructions, or our bf16 kernels on AVX2), else float32,
+    and the checkpoint's dtype (`config.dtype` / `torch_dtype`) on accelerators (bfloat16
+    where the config names none and the GPU supports it, else float16)."""
     key = str(name).lower()
     if key in _DTYPE_NAMES:
         return _DTYPE_NAMES[key]

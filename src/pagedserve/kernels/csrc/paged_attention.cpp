@@ -24,13 +24,17 @@
 #include <cstdint>
 #include <vector>
 
-#define PS_VEC_KERNEL "paged_attention_impl.h"
-#include "vec16_build.h"
-
 namespace {
 
 constexpr int kMaxGroup = 16;   // query heads per KV head handled in one pass
 constexpr int kMaxDim = 512;    // head_dim limit (multiple of 16)
+
+}  // namespace
+
+#define PS_VEC_KERNEL "paged_attention_impl.h"
+#include "vec16_build.h"
+
+namespace {
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,

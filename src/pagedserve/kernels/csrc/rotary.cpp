@@ -22,12 +22,16 @@
 #include <algorithm>
 #include <cstdint>
 
+namespace {
+
+constexpr int kMaxDim = 512;  // head_dim limit (a multiple of 32: each half whole 16-lane vectors)
+
+}  // namespace
+
 #define PS_VEC_KERNEL "rotary_impl.h"
 #include "vec16_build.h"
 
 namespace {
-
-constexpr int kMaxDim = 512;  // head_dim limit (a multiple of 32: each half whole 16-lane vectors)
 
 void check_heads(const at::Tensor& t, const char* name, int64_t T) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 3 &&

@@ -1,13 +1,13 @@
 // The SIMD body of rotary.cpp on V16 (csrc/vec16.h), compiled once per ISA by vec16_build.h.
 // No include guard on purpose; nothing here may include headers.
 
-// One head of D values (D a multiple of 32, at most 512) at `h`, in place. norm: 0 none, 1 Gemma
+// One head of D values (D a multiple of 32, at most kMaxDim) at `h`, in place. norm: 0 none, 1 Gemma
 // (w = 1 + weight, one rounding), 2 Llama (round x * r, then times the bf16 weight, round).
 // cos/sin: this token's [D] tables.
 inline void head_norm_rope(uint16_t* h, int64_t D, const float* w, float eps, int norm,
                            const uint16_t* cos, const uint16_t* sin) {
   const int64_t nv = D / 16, half = D / 2;
-  alignas(64) float v[512];
+  alignas(64) float v[kMaxDim];
   for (int64_t i = 0; i < nv; ++i) v_store(v + i * 16, v_load_bf16(h + i * 16));
   if (norm) {
     V16 acc = v_zero();
