@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import SERVER_FLAGS, ServerProcess, sse_events
+from server_utils import MAX_MODEL_LEN, SERVER_FLAGS, ServerProcess, sse_events
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,6 +33,16 @@ def _stream_in_thread(url: str, max_tokens: int):
     return reader, lines, first_chunk
 
 
+def _health_once_draining(url: str, timeout: float = 30.0) -> httpx.Response:
+    """Poll /health right after the signal until it stops answering 200 (the drain began)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(url + "/health", timeout=30)
+        if health.status_code != 200 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.01)
+
+
 def test_sigterm_with_shutdown_timeout_refuses_new_requests_and_lets_streams_finish(
         tiny_llama, logs):
     server = ServerProcess.start(str(tiny_llama), *SERVER_FLAGS, "--shutdown-timeout", "120",
@@ -41,13 +51,14 @@ def test_sigterm_with_shutdown_timeout_refuses_new_requests_and_lets_streams_fin
         # --root-path: the prefix a proxy strips, advertised to OpenAPI clients.
         spec = httpx.get(server.url + "/openapi.json", timeout=10).json()
         assert {"url": "/api"} in spec["servers"]
-        reader, lines, first_chunk = _stream_in_thread(server.url, 300)
+        # The longest stream the tiny model allows (~2 s here): the probes below must land
+        # while it still runs, or the drained server has already exited.
+        reader, lines, first_chunk = _stream_in_thread(server.url, MAX_MODEL_LEN - 32)
         assert first_chunk.wait(60)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        health = _health_once_draining(server.url)
         refused = httpx.post(server.url + "/v1/completions",
                              json={"prompt": "Hello", "max_tokens": 2}, timeout=30)
-        health = httpx.get(server.url + "/health", timeout=30)
         reader.join(120)
         assert not reader.is_alive()
         code = server.proc.wait(60)
