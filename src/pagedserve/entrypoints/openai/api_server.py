@@ -238,8 +238,8 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
 
         @app.post("/debug/memory/trim")
         async def debug_memory_trim():
-            """`gc.collect()` + glibc `malloc_trim(0)` on the engine thread between steps (what
-            the loader does after loading): how much of RSS malloc was holding freed."""
+            """`gc.collect()` + glibc `malloc_trim(0)` on the engine thread between steps (the
+            loader does the trim after loading): how much of RSS malloc was holding freed."""
             state = await engine.call_in_engine_thread(lambda _llm: debug_mem.trim())
             return Response(json.dumps(state), media_type="application/json")
 

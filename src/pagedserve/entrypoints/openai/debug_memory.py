@@ -33,13 +33,13 @@ def memory_report(kv_tensors: Iterable, param_tensors: Iterable, objects: int = 
 
 
 def trim() -> dict[str, int]:
-    """POST /debug/memory/trim: `gc.collect()` + glibc `malloc_trim(0)` (what the loader does
-    after loading) and this process's RSS before and after: how much of it malloc was holding
+    """POST /debug/memory/trim: `gc.collect()` + glibc `malloc_trim(0)` (the loader does the
+    trim after loading) and this process's RSS before and after: how much of it malloc was holding
     freed. Call it on the engine thread, between steps."""
     from pagedserve.models.loader import release_freed_memory
 
     before = rss_now()
-    release_freed_memory()
+    release_freed_memory(collect_garbage=True)
     return {"rss_before": before, "rss_after": rss_now()}
 
 
