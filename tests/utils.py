@@ -126,8 +126,10 @@ class PagedRunner:
         self.lens: dict[int, int] = {}
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """Feed `(seq_id, new_tokens)` for each sequence as one flat batch; logits `[n_new, V]` each."""
+    def step(self, batch: list[tuple[int, list[int]]],
+             keep: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """Feed `(seq_id, new_tokens)` for each sequence as one flat batch; logits `[n_new, V]` each,
+        or, with `keep`, only those of the new tokens at `keep[i]` (`[len(keep[i]), V]`)."""
         ids, pos, tables, seq_lens, query_lens = [], [], [], [], []
         for seq_id, tokens in batch:
             start = self.lens.get(seq_id, 0)
@@ -153,6 +155,10 @@ class PagedRunner:
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(pos, device=self.device), self.kv_caches, meta)
         assert hidden.shape[0] == len(ids)
+        if keep is not None:
+            parts = hidden.split(query_lens)
+            hidden = torch.cat([part[rows] for part, rows in zip(parts, keep, strict=True)])
+            query_lens = [len(rows) for rows in keep]
         logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
         return list(logits.split(query_lens))
