@@ -14,7 +14,10 @@ output tokens, ignore_eos, greedy, distinct prompts; max(--min-prompts, C) reque
 flight. Checks that every engine produced exactly the requested output tokens, counts how many
 greedy tokens agree with the first peer (common prefix, per request), records output tokens/s,
 TTFT/TPOT p50 and idle/peak resident memory, and prints one table (CPU model, ISA path) plus each
-of our configs' ratio to the faster peer. `results.json` in --out keeps everything.
+of our configs' ratio to the faster peer. With `--rounds N` every engine runs N times per
+concurrency, interleaved (A B C, A B C, ...): the table gives medians and the ratio is the median of
+the rounds' ratios (each against the faster peer of its own round), which a shared VM's drift
+moves less than one run. `results.json` in --out keeps everything.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -55,7 +59,7 @@ class Server:
 
     def __init__(self, cmd: list[str], port: int, log: Path, env: dict | None = None):
         self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")
+        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         self.peak_rss = 0
@@ -120,7 +124,7 @@ def bench(url: str, concurrency: int, num_prompts: int, args, out: Path, extra: 
            "--num-prompts", str(num_prompts), "--input-len-mean", str(args.input_len_mean),
            "--output-len-fixed", str(args.output_len), "--max-concurrency", str(concurrency),
            "--result-json", str(out), *extra]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
     print(res.stdout)
     if res.returncode != 0:
         print(res.stderr[-3000:])
@@ -148,6 +152,52 @@ def agreement(a: dict, b: dict, tokenizer) -> tuple[int, int]:
     return same, total
 
 
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: dict,
+               args) -> dict:
+    """Start one engine alone, run the trace at concurrency `c` against it, stop it."""
+    port = free_port()
+    env = {}
+    if kind == "ours":
+        isa, _, quant = cfg.partition(":")
+        env = {"PAGEDSERVE_CPU_ISA": isa}
+        cmd = [PY, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+               "--dtype", "bfloat16", "--max-num-seqs", str(max(c, 1)),
+               "--quantization", quant or "gguf",
+               "--disable-access-log", "--log-stats-interval", "0",
+               "--uvicorn-log-level", "warning", *args.pagedserve_args.split()]
+        extra = ["--extra-body", json.dumps(args.request_body)] if args.request_body else []
+        if args.profile:
+            cmd.append("--enable-debug-endpoints")
+            extra.append("--profile")
+        name, path = f"pagedserve {cfg}", f"{isa} path, {quant or 'gguf'} weights"
+    else:
+        slot_ctx = 1024 + args.output_len + 64
+        cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
+               "--host", "127.0.0.1", "--port", str(port), "-np", str(c),
+               "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui",
+               *args.llama_args.split()]
+        extra = ["--extra-body", json.dumps({"cache_prompt": False, **args.request_body}),
+                 "--served-model-name", "gemma3"]
+        name, path = f"llama-server {cfg}", "llama.cpp native build"
+    tag = name.replace(" ", "-").replace(":", "-") + f"-c{c}-r{rnd}"
+    server = Server(cmd, port, args.out / f"{tag}.log", env)
+    try:
+        server.wait_ready()
+        time.sleep(1.0)
+        idle_rss = rss(server.proc.pid)
+        result = bench(server.url, c, num_prompts, args, args.out / f"{tag}.json", extra)
+    finally:
+        server.stop()
+    result.update(engine=name, kind=kind, path=path, concurrency=c, round=rnd,
+                  peak_rss_mib=server.peak_rss / 2**20, idle_rss_mib=idle_rss / 2**20,
+                  exact_lengths=exact_lengths(result))
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp", type=Path, default=Path("/tmp/llama.cpp"))
@@ -156,6 +206,9 @@ def main() -> int:
     p.add_argument("--input-len-mean", type=float, default=161.0)
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times per concurrency, interleaved; the "
+                        "table gives medians and each of our configs' median per-round ratio")
     p.add_argument("--ours", nargs="*", default=["amx:gguf", "avx512bf16:gguf", "avx2:gguf"],
                    help="our configs, ISA:QUANTIZATION (ISA as $PAGEDSERVE_CPU_ISA)")
     p.add_argument("--peers", nargs="*", default=["q4km", "bf16"], choices=["q4km", "bf16"])
@@ -182,72 +235,55 @@ def main() -> int:
     rows = []
     for c in args.concurrency:
         num_prompts = max(args.min_prompts, c)
-        for kind, cfg in engines:
-            port = free_port()
-            env = {}
-            if kind == "ours":
-                isa, _, quant = cfg.partition(":")
-                env = {"PAGEDSERVE_CPU_ISA": isa}
-                cmd = [PY, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
-                       "--dtype", "bfloat16", "--max-num-seqs", str(max(c, 1)),
-                       "--quantization", quant or "gguf",
-                       "--disable-access-log", "--log-stats-interval", "0",
-                       "--uvicorn-log-level", "warning", *args.pagedserve_args.split()]
-                extra = ["--extra-body", json.dumps(args.request_body)] if args.request_body else []
-                if args.profile:
-                    cmd.append("--enable-debug-endpoints")
-                    extra.append("--profile")
-                name, path = f"pagedserve {cfg}", f"{isa} path, {quant or 'gguf'} weights"
-            else:
-                slot_ctx = 1024 + args.output_len + 64
-                cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
-                       "--host", "127.0.0.1", "--port", str(port), "-np", str(c),
-                       "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui",
-                       *args.llama_args.split()]
-                extra = ["--extra-body", json.dumps({"cache_prompt": False, **args.request_body}),
-                         "--served-model-name", "gemma3"]
-                name, path = f"llama-server {cfg}", "llama.cpp native build"
-            tag = name.replace(" ", "-").replace(":", "-")
-            server = Server(cmd, port, args.out / f"{tag}-c{c}.log", env)
-            try:
-                server.wait_ready()
-                time.sleep(1.0)
-                idle_rss = rss(server.proc.pid)
-                result = bench(server.url, c, num_prompts, args, args.out / f"{tag}-c{c}.json", extra)
-            finally:
-                server.stop()
-            result.update(engine=name, kind=kind, path=path, concurrency=c,
-                          peak_rss_mib=server.peak_rss / 2**20, idle_rss_mib=idle_rss / 2**20,
-                          exact_lengths=exact_lengths(result))
-            rows.append(result)
-            print(f"{name} C={c}: {result['output_throughput']:.1f} tok/s, TTFT p50 "
-                  f"{result['ttft_p50_ms']:.0f} ms, idle/peak RSS {result['idle_rss_mib']:.0f}/"
-                  f"{result['peak_rss_mib']:.0f} MiB, exact lengths {result['exact_lengths']}", flush=True)
+        # NOTE: rounds interleave the engines (A B C, A B C, ...), so that each round's ratio
+        # compares runs minutes apart; a shared VM's speed drifts more than that between rounds.
+        for rnd in range(1, args.rounds + 1):
+            for kind, cfg in engines:
+                result = run_engine(kind, cfg, c, num_prompts, rnd, ggufs, args)
+                rows.append(result)
+                print(f"{result['engine']} C={c} round {rnd}: {result['output_throughput']:.1f} "
+                      f"tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, idle/peak RSS "
+                      f"{result['idle_rss_mib']:.0f}/{result['peak_rss_mib']:.0f} MiB, exact lengths "
+                      f"{result['exact_lengths']}", flush=True)
 
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(f"\nCPU: {cpu_model()}, {args.threads} threads; {args.output_len} output tokens, greedy, ignore_eos")
+    print(f"\nCPU: {cpu_model()}, {args.threads} threads; {args.output_len} output tokens, greedy, "
+          f"ignore_eos; {args.rounds} round(s): medians over rounds")
     print(f"{'engine':<30}{'C':>4}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}{'idle RSS':>10}"
           f"{'peak RSS':>10}{'exact':>7}{'agree':>8}")
     for c in args.concurrency:
         group = [r for r in rows if r["concurrency"] == c]
-        peers = [r for r in group if r["kind"] == "llama-server"]
-        ref = peers[0] if peers else None
-        for r in group:
+        names = list(dict.fromkeys(r["engine"] for r in group))
+        by_engine = {n: [r for r in group if r["engine"] == n] for n in names}
+        peer_names = [n for n in names if by_engine[n][0]["kind"] == "llama-server"]
+        ref = by_engine[peer_names[0]][0] if peer_names else None
+        for n in names:
+            runs = by_engine[n]
             agree = ""
-            if ref is not None and r is not ref:
-                same, total = agreement(r, ref, tokenizer)
-                r["agree_with"], r["agree_tokens"], r["compared_tokens"] = ref["engine"], same, total
+            if ref is not None and n != ref["engine"]:
+                same, total = agreement(runs[0], ref, tokenizer)
+                runs[0]["agree_with"], runs[0]["agree_tokens"] = ref["engine"], same
+                runs[0]["compared_tokens"] = total
                 agree = f"{same / max(total, 1):.0%}"
-            print(f"{r['engine']:<30}{c:>4}{r['output_throughput']:>11.1f}{r['ttft_p50_ms']:>8.0f}ms"
-                  f"{r['tpot_p50_ms']:>8.1f}ms{r['idle_rss_mib']:>7.0f}MiB{r['peak_rss_mib']:>7.0f}MiB"
-                  f"{'yes' if r['exact_lengths'] else 'NO':>7}{agree:>8}")
-        if peers:
-            best = max(peers, key=lambda r: r["output_throughput"])
-            for r in group:
-                if r["kind"] == "ours":
-                    print(f"  C={c}: {r['engine']} ({r['path']}) / {best['engine']} = "
-                          f"{r['output_throughput'] / best['output_throughput']:.2f}x output tok/s; "
-                          f"idle RSS {r['idle_rss_mib'] / best['idle_rss_mib']:.2f}x")
+            exact = all(r["exact_lengths"] for r in runs)
+            print(f"{n:<30}{c:>4}{median(runs, 'output_throughput'):>11.1f}"
+                  f"{median(runs, 'ttft_p50_ms'):>8.0f}ms{median(runs, 'tpot_p50_ms'):>8.1f}ms"
+                  f"{median(runs, 'idle_rss_mib'):>7.0f}MiB{median(runs, 'peak_rss_mib'):>7.0f}MiB"
+                  f"{'yes' if exact else 'NO':>7}{agree:>8}")
+        for n in names:
+            if by_engine[n][0]["kind"] != "ours" or not peer_names:
+                continue
+            ratios, rss_ratios = [], []
+            for rnd in range(1, args.rounds + 1):
+                ours = next(r for r in by_engine[n] if r["round"] == rnd)
+                peers = [r for p in peer_names for r in by_engine[p] if r["round"] == rnd]
+                best = max(peers, key=lambda r: r["output_throughput"])
+                ratios.append(ours["output_throughput"] / best["output_throughput"])
+                rss_ratios.append(ours["idle_rss_mib"] / best["idle_rss_mib"])
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            print(f"  C={c}: {n} ({by_engine[n][0]['path']}) / the faster llama-server of each "
+                  f"round = {statistics.median(ratios):.2f}x output tok/s (rounds: {each}); idle "
+                  f"RSS {statistics.median(rss_ratios):.2f}x")
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
     return 0
 
