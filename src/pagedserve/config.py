@@ -100,6 +100,14 @@ class EngineArgs:
         "auto", "auto: triton on CUDA when available, else torch", choices=ATTENTION_BACKENDS)
     skip_tokenizer_init: bool = option(
         False, "load no tokenizer: prompts must be token ids, outputs carry no text")
+    batch_invariant: bool = option(
+        False, "CPU products over GGUF blocks always on the 8-bit-activation kernel, so that a "
+        "request's tokens and logprobs never depend on the batch it runs in (bf16; float32 is "
+        "always batch-invariant); off: the fastest kernel per row count (a blocked bf16 GEMM "
+        "from ~12 rows on)")
+    cpu_threads: int | None = option(
+        None, "compute threads on CPU (default: torch's, one per core; vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND in spirit: see docs/benchmarks.md on threads)")
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
@@ -118,6 +126,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not (self.swap_space >= 0 and self.swap_space < float("inf")):

@@ -8,6 +8,8 @@ within the bound that quantizing x to blocks of 32 allows (half a step per value
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,9 @@ from pagedserve.kernels import cpu_gemm
 from pagedserve.kernels.cpu_isa import ISA_ENV, ISA_LEVELS, isa_cap
 from pagedserve.kernels.cpu_qlinear import (
     FORMATS,
+    GEMM_ROWS,
     QuantSpec,
+    gemm_rows,
     qembedding,
     qlinear,
     quantize_int8,
@@ -117,10 +121,18 @@ def check_ggml_product(y: torch.Tensor, x: torch.Tensor, ref_w: torch.Tensor, bi
     assert (err <= bound + 1e-5 * scale).all(), float((err - bound).max())
 
 
+def invariant(w: torch.Tensor) -> torch.Tensor:
+    """w marked batch-invariant: ggml formats on the 8-bit-activation kernel for every row count."""
+    return set_quant(w, dataclasses.replace(w.quant, batch_invariant=True)) if w.dtype == torch.uint8 else w
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_product_matches_dequantize_then_matmul(fmt, isa):
+    """The 8-bit-activation kernel (ggml formats, batch-invariant policy) and the bf16 / INT8
+    weights' kernel at row counts 1 to 40."""
     n, k = 40, 512
     w, ref_w = weights(fmt, n, k)
+    w = invariant(w)
     bias = torch.randn(n)
     for m in (1, 3, 17, 40):
         x = torch.randn(m, k).to(torch.bfloat16)
@@ -184,8 +196,10 @@ def test_float32_activations(fmt, isa):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_a_rows_result_does_not_depend_on_its_batch(fmt, isa):
+    """Under the batch-invariant policy (ggml formats: `QuantSpec.batch_invariant`; bf16 and INT8
+    weights always) a row's bits do not depend on the batch."""
     n, k = 57, 256
-    w, _ = weights(fmt, n, k, seed=2)
+    w = invariant(weights(fmt, n, k, seed=2)[0])
     x = torch.randn(64, k).to(torch.bfloat16)
     full = qlinear(x, w, out_dtype=torch.float32)
     for rows in ([0], [5], [63], [3, 4], [10, 11, 12, 13, 14], list(range(17, 50))):
@@ -239,3 +253,49 @@ def test_capping_at_avx2_keeps_the_decode_kernels_and_turns_off_the_avx512_sampl
     monkeypatch.setenv(ISA_ENV, "avx2")
     assert cpu_gemm.linear_isa() == ISA_LEVELS["avx2"]
     assert cpu_gemm.kernel_available() and not cpu_gemm.sampling_kernel_available()
+
+
+def _op(x: torch.Tensor, w: torch.Tensor, isa: int, rows: int) -> torch.Tensor:
+    """The kernel with an explicit `gemm_rows` (fp32 out)."""
+    spec = w.quant
+    return torch.ops.pagedserve_cpu.qlinear.default(x, w, spec.format.code, spec.in_features, None,
+                                                    True, isa, rows)
+
+
+def _bf16_round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("fmt", list(GGML))
+@pytest.mark.parametrize("m", [1, 5, 16, 64, 260])  # the shape classes: 1, 2-8, 16-64, 256+
+def test_blocked_gemm_matches_dequantize_then_matmul(fmt, m, isa):
+    """The blocked GEMM over ggml blocks (forced from row 1): the weights dequantized exactly, to
+    bf16 on the bf16 levels (fp32 below), then an fp32-accumulated product."""
+    n, k = 45, 512
+    w, ref_w = ggml_blocks(fmt, n, k, seed=3)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    y = _op(x, w, isa, 1)
+    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
+    want = x.double() @ wq.double().T
+    scale = x.double().abs() @ wq.double().abs().T
+    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k"])
+def test_the_kernel_is_chosen_by_row_count(fmt, isa):
+    """Below `gemm_rows(...)` rows a bf16 product over ggml blocks is the 8-bit-activation kernel's,
+    from there on the blocked GEMM's, bit for bit; float32 x and batch-invariant weights always
+    take the 8-bit-activation kernel."""
+    n, k = 40, 256
+    w, _ = ggml_blocks(fmt, n, k, seed=4)
+    threshold = gemm_rows(w.quant, torch.bfloat16, isa)
+    assert threshold == GEMM_ROWS.get(isa, 0)
+    assert gemm_rows(w.quant, torch.float32, isa) == 0
+    assert gemm_rows(dataclasses.replace(w.quant, batch_invariant=True), torch.bfloat16, isa) == 0
+    for m in sorted({1, 2, max(1, threshold - 1), threshold, threshold + 7, 64} - {0}):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = qlinear(x, w, out_dtype=torch.float32)
+        kernel = 1 if threshold and m >= threshold else 0
+        assert torch.equal(y, _op(x, w, isa, kernel)), (m, threshold)
+        if kernel:  # the two kernels round differently: the choice is visible
+            assert not torch.equal(y, _op(x, w, isa, 0))

@@ -84,8 +84,9 @@ def test_bf16_request_is_bit_identical_alone_and_in_batches_of_2_to_64(checkpoin
 
 @pytest.fixture(scope="module")
 def embedded_bf16_llm():
-    """The embedded Gemma 3 270M Q4_K_M, bf16 activations, its blocks kept (the default)."""
-    return LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    """The embedded Gemma 3 270M Q4_K_M, bf16 activations, its blocks kept (the default), in the
+    batch-invariant mode."""
+    return LLM(dtype="bfloat16", kv_cache_memory=64 << 20, batch_invariant=True)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, linear_isa
+from pagedserve.kernels.cpu_qlinear import gemm_rows
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 ACT_SILU, ACT_GELU_TANH = 0, 1
@@ -70,8 +71,10 @@ def decoder_layer(
     for t in (x, cos, sin, k_cache, v_cache, *biases):
         if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
             return None
+    # a model's quantized weights share one policy (layers.quantization.set_batch_invariant)
+    spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     return torch.ops.pagedserve_cpu.decoder_layer.default(
         x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0), act,
-        formats, isa,
+        formats, isa, gemm_rows(spec, torch.bfloat16, isa),
     )

@@ -152,7 +152,7 @@ def bf16_linear(
             # on the batch (a request's tokens do not change with the requests beside it).
             out_fp32 = out_dtype == torch.float32
             x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(m, k).contiguous()
-            y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, 0, k, bias, out_fp32, isa)
+            y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, 0, k, bias, out_fp32, isa, 0)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.cpu_gemm import linear_isa
-from pagedserve.kernels.cpu_isa import ISA_NONE
+from pagedserve.kernels.cpu_isa import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_NONE
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,33 @@ GGML_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", 
 @dataclass(frozen=True)
 class QuantSpec:
     """What a quantized weight tensor holds: `format` rows of `in_features` values; `dtype` is
-    the activation dtype of the model it serves (embedding lookups return it)."""
+    the activation dtype of the model it serves (embedding lookups return it).
+
+    `batch_invariant`: ggml-format products always run the 8-bit-activation kernel, so a row's
+    result never depends on its batch; otherwise bf16 products of `gemm_rows(isa)` rows or more
+    run the blocked GEMM (see `gemm_rows`)."""
 
     format: QuantFormat
     in_features: int
     dtype: torch.dtype = torch.bfloat16
+    batch_invariant: bool = False
+
+
+# Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
+# dequantized to bf16 / fp32 once, every row of x over them) instead of 8-bit activations on the
+# stored blocks, per ISA level: measured on Gemma 3 270M's shapes (docs/benchmarks.md, "Kernels
+# chosen by shape"). NOTE: the two kernels round differently (8-bit x vs bf16 weights), so with
+# a threshold a row's bits depend on its batch's size; `QuantSpec.batch_invariant` turns it off.
+GEMM_ROWS = {ISA_AVX2: 0, ISA_AVX512: 24, ISA_AVX512BF16: 12, ISA_AMX: 12}
+
+
+def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
+    """The kernel's `gemm_rows` argument for a product with x of `x_dtype` at ISA `isa`: 0 (never
+    the GEMM) for plain weights, batch-invariant specs and float32 x (NOTE: float32 stays
+    batch-invariant always: the engine's exactness guarantees are stated in float32)."""
+    if spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16:
+        return 0
+    return GEMM_ROWS.get(isa, 0)
 
 
 def set_quant(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -118,7 +140,8 @@ def qlinear(
                            "with AVX2, or the build failed)")
     out_fp32 = out_dtype == torch.float32 and x.dtype != torch.float32
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, fmt.code, k, bias, out_fp32, level)
+    y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, fmt.code, k, bias, out_fp32, level,
+                                                 gemm_rows(spec, x.dtype, level))
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])

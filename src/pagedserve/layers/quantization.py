@@ -6,6 +6,8 @@
 - `quantize_model_int8(model)`: weight-only INT8, one scale per output row, for every linear
   layer, LM head and embedding table of a loaded model.
 - `resolve_quantization(...)`: what `EngineArgs.quantization` means for a model source.
+- `set_batch_invariant(model)`: `EngineArgs.batch_invariant`, every quantized product on the one
+  kernel whose rows do not depend on their batch.
 
 A quantized weight replaces the module's `weight` Parameter (in every module sharing it: a tied
 LM head and embedding stay tied) by a uint8 Parameter carrying a `kernels.cpu_qlinear.QuantSpec`;
@@ -14,6 +16,7 @@ the layers' products (`kernels.cpu_gemm.bf16_linear`) and embedding lookups see 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -110,6 +113,18 @@ def quantize_model_int8(model: nn.Module) -> int:
             install_quantized(model, w, quantize_int8(w, w.dtype))
             count += 1
     return count
+
+
+def set_batch_invariant(model: nn.Module) -> int:
+    """Mark every quantized weight of `model` batch-invariant (`QuantSpec.batch_invariant`: its
+    products run the 8-bit-activation kernel for every row count); returns how many."""
+    seen: set[int] = set()
+    for p in model.parameters():
+        spec = getattr(p, "quant", None)
+        if spec is not None and id(p) not in seen:
+            seen.add(id(p))
+            p.quant = dataclasses.replace(spec, batch_invariant=True)
+    return len(seen)
 
 
 def resolve_quantization(requested: str | None, source_kind: str, device_type: str, world_size: int) -> str:

@@ -166,6 +166,7 @@ def load_model(
     seed: int = 0,
     tp: TPContext = SINGLE,
     quantization: str = "none",
+    batch_invariant: bool = False,
 ) -> nn.Module:
     """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
     e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
@@ -173,7 +174,9 @@ def load_model(
     tensor. `quantization` ("none" | "gguf" | "int8", see `layers.quantization`): "gguf" keeps
     the quantized tensors `weights` yields as blocks (they come that way from
     `ModelSource.iter_weights(keep_quantized=True)`), "int8" quantizes the linear layers and
-    embeddings after loading. Returns the model in eval mode without gradients."""
+    embeddings after loading; `batch_invariant` puts every quantized product on one kernel for
+    all row counts (`layers.quantization.set_batch_invariant`). Returns the model in eval mode
+    without gradients."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
@@ -189,6 +192,10 @@ def load_model(
         from pagedserve.layers.quantization import quantize_model_int8
 
         quantize_model_int8(model)
+    if batch_invariant:
+        from pagedserve.layers.quantization import set_batch_invariant
+
+        set_batch_invariant(model)
     release_freed_memory()
     return model.eval()
 

@@ -193,7 +193,8 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     loaded: `args.tensor_parallel_size` ranks on `args.distributed_executor_backend`."""
     world_size = args.tensor_parallel_size
     backend = executor_backend(world_size, args.distributed_executor_backend)
-    threads = None if device.type == "cuda" else max(1, torch.get_num_threads() // world_size)
+    cpu_threads = getattr(args, "cpu_threads", None) or torch.get_num_threads()
+    threads = None if device.type == "cuda" else max(1, cpu_threads // world_size)
     from pagedserve.layers.quantization import resolve_quantization
 
     quantization = resolve_quantization(getattr(args, "quantization", None), source.kind, device.type,
@@ -203,7 +204,8 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     config = WorkerConfig(source=source, load_format=args.load_format, dtype=dtype,
                           device_type=device.type, seed=args.seed, world_size=world_size,
                           num_threads=threads, attention_backend=args.attention_backend,
-                          enforce_eager=args.enforce_eager, quantization=quantization)
+                          enforce_eager=args.enforce_eager, quantization=quantization,
+                          batch_invariant=bool(getattr(args, "batch_invariant", False)))
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

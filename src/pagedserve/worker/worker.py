@@ -39,6 +39,7 @@ class WorkerConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs
     quantization: str = "none"  # "none" | "gguf" | "int8" (layers.quantization.resolve_quantization)
+    batch_invariant: bool = False  # quantized products on one kernel for every row count
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ class Worker:
             lazy=config.world_size > 1, keep_quantized=config.quantization == "gguf")
         self.model = load_model(source.config, weights=weights, dtype=config.dtype,
                                 device=self.device, seed=config.seed, tp=self.tp,
-                                quantization=config.quantization)
+                                quantization=config.quantization,
+                                batch_invariant=config.batch_invariant)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()

@@ -34,12 +34,12 @@ using OptTensor = std::optional<at::Tensor>;
 // x @ W^T (+ b) on the format-generic kernel (csrc/qlinear.cpp), as the modules' linear layers
 // call it (kernels/cpu_gemm.py): fmt is W's format code, isa the ISA level.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b, int64_t fmt,
-                   int64_t isa) {
+                   int64_t isa, int64_t gemm_rows) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::qlinear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                         const OptTensor&, bool, int64_t)>();
-  return op.call(x, w, fmt, x.size(1), b, false, isa);
+                                         const OptTensor&, bool, int64_t, int64_t)>();
+  return op.call(x, w, fmt, x.size(1), b, false, isa, gemm_rows);
 }
 
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, bool llama, int64_t isa) {
@@ -85,7 +85,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                          int64_t window, int64_t act, const std::vector<int64_t>& fmts,
-                         int64_t isa) {
+                         int64_t isa, int64_t gemm_rows) {
   TORCH_CHECK(fmts.size() == kNumWeights, "decoder_layer: 7 weight formats expected");
   TORCH_CHECK(w.size() == kNumWeights && b.size() == kNumBiases && n.size() == kNumNorms,
               "decoder_layer: 7 weights, 4 biases and 6 norm weights expected");
@@ -100,15 +100,15 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const int64_t T = x.size(0);
 
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
-  at::Tensor q = project(h, w[kQ], b[kBq], fmts[kQ], isa).view({T, num_heads, head_dim});
-  at::Tensor k = project(h, w[kK], b[kBk], fmts[kK], isa).view({T, num_kv_heads, head_dim});
-  at::Tensor v = project(h, w[kV], b[kBv], fmts[kV], isa).view({T, num_kv_heads, head_dim});
+  at::Tensor q = project(h, w[kQ], b[kBq], fmts[kQ], isa, gemm_rows).view({T, num_heads, head_dim});
+  at::Tensor k = project(h, w[kK], b[kBk], fmts[kK], isa, gemm_rows).view({T, num_kv_heads, head_dim});
+  at::Tensor v = project(h, w[kV], b[kBv], fmts[kV], isa, gemm_rows).view({T, num_kv_heads, head_dim});
   qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0, isa);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
   v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
   at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa);
-  at::Tensor o = project(a.view({T, num_heads * head_dim}), w[kO], b[kBo], fmts[kO], isa);
+  at::Tensor o = project(a.view({T, num_heads * head_dim}), w[kO], b[kBo], fmts[kO], isa, gemm_rows);
   at::Tensor r;
   if (gemma) {
     r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false, isa));
@@ -117,9 +117,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
     r = at::add(x, o);
     h = rmsnorm(r, *n[kPostAttn], eps, true, isa);
   }
-  at::Tensor g = project(h, w[kGate], std::nullopt, fmts[kGate], isa);
+  at::Tensor g = project(h, w[kGate], std::nullopt, fmts[kGate], isa, gemm_rows);
   g = act == 1 ? at::gelu(g, "tanh") : at::silu(g);
-  at::Tensor m = project(at::mul(g, project(h, w[kUp], std::nullopt, fmts[kUp], isa)), w[kDown], std::nullopt, fmts[kDown], isa);
+  at::Tensor m = project(at::mul(g, project(h, w[kUp], std::nullopt, fmts[kUp], isa, gemm_rows)), w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
   return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
 }
 
@@ -130,7 +130,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "decoder_layer(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, int norm_mode, "
       "float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, int window, int act, int[] formats, int isa) -> Tensor");
+      "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

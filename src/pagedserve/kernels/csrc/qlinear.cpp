@@ -143,7 +143,8 @@ const uint8_t* check_weight(const char* op, const at::Tensor& w, int64_t fmt, in
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
-                   const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t isa) {
+                   const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t isa,
+                   int64_t gemm_rows) {
   check_isa("qlinear", isa);
   int64_t rb;
   const uint8_t* wp = check_weight("qlinear", w, fmt, K, &rb);
@@ -164,7 +165,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
   if (M == 0 || N == 0) return y;
   const Out out{y.data_ptr(), N, y.scalar_type() == at::kFloat, bias_ptr};
-  if (isa_avx2::q8_format(fmt)) {  // every level: 8-bit x, integer block products (qlinear_q8.h)
+  // ggml formats below gemm_rows rows (or always, gemm_rows <= 0): 8-bit x, integer block
+  // products on the stored blocks (qlinear_q8.h), at every level. From gemm_rows rows on, the
+  // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.
+  if (isa_avx2::q8_format(fmt) && (gemm_rows <= 0 || M < gemm_rows)) {
     if (x_bf16) isa_avx2::run_q8(fmt, reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, wp, rb, N, out);
     else isa_avx2::run_q8(fmt, x.data_ptr<float>(), M, K, wp, rb, N, out);
     return y;
@@ -207,7 +211,7 @@ int64_t qrow_bytes(int64_t fmt, int64_t K) { return row_bytes(fmt, K); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("qlinear(Tensor x, Tensor w, int fmt, int K, Tensor? bias, bool out_fp32, int isa) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor w, int fmt, int K, Tensor? bias, bool out_fp32, int isa, int gemm_rows) -> Tensor");
   m.def("qrows(Tensor w, int fmt, int K, Tensor ids, int isa) -> Tensor");
   m.def("cpu_isa() -> int", &cpu_isa);
   m.def("qrow_bytes(int fmt, int K) -> int", &qrow_bytes);
