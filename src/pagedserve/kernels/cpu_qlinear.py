@@ -84,7 +84,7 @@ class QuantSpec:
 # stored blocks, per ISA level: measured on Gemma 3 270M's shapes (docs/benchmarks.md, "Kernels
 # chosen by shape"). NOTE: the two kernels round differently (8-bit x vs bf16 weights), so with
 # a threshold a row's bits depend on its batch's size; `QuantSpec.batch_invariant` turns it off.
-GEMM_ROWS = {ISA_AVX2: 0, ISA_AVX512: 24, ISA_AVX512BF16: 12, ISA_AMX: 12}
+GEMM_ROWS = {ISA_AVX2: 0, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
 
 
 def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:

@@ -248,12 +248,65 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
 
 #endif
 
-// One row of bf16 or INT8 weights (the ggml formats are multiplied by qlinear_q8.h) into the
-// kernel's weight type, with the AVX2 build of the format loops. On the bf16 levels the row goes
-// to fp32 in `tmp` (K floats), then is rounded 32 values at a time (vcvtne2ps2bf16: round to
-// nearest even, as bf16_round).
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+// One row of ggml blocks straight to bf16, 32 values at a time, with the block unpackers of the
+// 8-bit kernel (qlinear_q8.h's format structs, AVX2, inlined here): the same fp32 operations as
+// the format loops above (d * q; d * sc * q - dmin * mn; (d * sc) * q), then vcvtne2ps2bf16.
+template <class F>
+inline void dequant_blocks_bf16(const uint8_t* row, int64_t K, uint16_t* dst) {
+  for (int64_t u = 0; u < K / F::kUnit; ++u) {
+    const uint8_t* wu = row + u * F::kBytes;
+    const typename F::Head h = F::head(wu);
+    alignas(32) float mins[8];
+    if constexpr (F::kMins) _mm256_store_ps(mins, h.mins);
+    for (int t = 0; t < F::kBlocks; ++t) {
+      float d;
+      __m256i mul;
+      const __m256i q = F::block(h, wu, t, &d, &mul);
+      __m512i lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
+      __m512i hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
+      if constexpr (F::kOffset != 0) {
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(F::kOffset));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(F::kOffset));
+      }
+      __m512 dlo = _mm512_set1_ps(d), dhi = dlo;
+      if constexpr (F::kMul16) {  // Q6_K: an int8 scale per 16 values, times d first
+        const int8_t* sc = reinterpret_cast<const int8_t*>(wu + 192);
+        dlo = _mm512_set1_ps(d * float(sc[2 * t]));
+        dhi = _mm512_set1_ps(d * float(sc[2 * t + 1]));
+      }
+      __m512 flo = _mm512_mul_ps(dlo, _mm512_cvtepi32_ps(lo));
+      __m512 fhi = _mm512_mul_ps(dhi, _mm512_cvtepi32_ps(hi));
+      if constexpr (F::kMins) {
+        flo = _mm512_sub_ps(flo, _mm512_set1_ps(mins[t]));
+        fhi = _mm512_sub_ps(fhi, _mm512_set1_ps(mins[t]));
+      }
+      _mm512_storeu_si512(dst + u * F::kUnit + t * 32, (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+    }
+  }
+}
+
+// Whether dequant_blocks_bf16 takes fmt; if so, row to dst.
+inline bool dequant_ggml_bf16(int64_t fmt, const uint8_t* row, int64_t K, uint16_t* dst) {
+  switch (fmt) {
+    case kFmtQ8_0: dequant_blocks_bf16<::isa_avx2::Q8_0>(row, K, dst); return true;
+    case kFmtQ4_0: dequant_blocks_bf16<::isa_avx2::Q4_0>(row, K, dst); return true;
+    case kFmtQ5_0: dequant_blocks_bf16<::isa_avx2::Q5_0>(row, K, dst); return true;
+    case kFmtQ4_K: dequant_blocks_bf16<::isa_avx2::Q4_K>(row, K, dst); return true;
+    case kFmtQ5_K: dequant_blocks_bf16<::isa_avx2::Q5_K>(row, K, dst); return true;
+    case kFmtQ6_K: dequant_blocks_bf16<::isa_avx2::Q6_K>(row, K, dst); return true;
+  }
+  return false;
+}
+#endif
+
+// One row of weights into the kernel's weight type, with the AVX2 build of the format loops. On
+// the bf16 levels ggml blocks go straight to bf16 (dequant_ggml_bf16); other rows go to fp32 in
+// `tmp` (K floats), then are rounded 32 values at a time (vcvtne2ps2bf16: round to nearest even,
+// as bf16_round).
 inline void dequant_to(int64_t fmt, const uint8_t* row, int64_t K, WT* dst, float* tmp) {
 #if PS_ISA >= 3  // kIsaAvx512Bf16
+  if (dequant_ggml_bf16(fmt, row, K, dst)) return;
   ::isa_avx2::dequant_row<float>(fmt, row, K, tmp);
   int64_t k = 0;
   for (; k + 32 <= K; k += 32)
