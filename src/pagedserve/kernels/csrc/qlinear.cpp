@@ -59,12 +59,15 @@ int64_t row_bytes(int64_t fmt, int64_t K) {
   return -1;
 }
 
-// Where results go: y[m, n] = v + bias[n], rounded once to y's dtype (`put` in qlinear_impl.h).
+// Where results go: y[m, n] = v + bias[n], rounded once to y's dtype (`put_out` in
+// qlinear_impl.h), at y + m * ldy + (n - n0): n0 is the first column y holds (0 for the result
+// tensor; a staging buffer's first column, see `run` in qlinear_impl.h).
 struct Out {
   void* y;
   int64_t ldy;
   bool fp32;
   const float* bias;
+  int64_t n0 = 0;
 };
 
 // fn(n_begin, n_end) over [0, N) in chunks of whole 16-row blocks, handed out dynamically to

