@@ -114,3 +114,27 @@ def test_gguf_request_is_bit_identical_alone_and_in_batches(request, dtype):
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
 
     _assert_alone_equals_batched(llm, target, others, params, (1, 6, 31))
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_embedded_model_default_kernels_agree_with_the_batch_invariant_mode(embedded_bf16_llm):
+    """The default (fastest kernel per row count: the blocked GEMM from 8 rows on AVX512-BF16)
+    against the batch-invariant mode on a batch of 12 requests: the same greedy tokens within
+    vLLM's tie rule, and the GEMM really ran (the logprobs are not bit-identical)."""
+    from pagedserve.kernels.cpu_qlinear import GEMM_ROWS
+    from pagedserve.kernels.cpu_gemm import linear_isa
+
+    default = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    assert not any(getattr(p, "quant", None) is not None and p.quant.batch_invariant
+                   for p in default.engine.executor.model.parameters())
+    gen = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": [2, *torch.randint(100, 20000, (int(n),), generator=gen).tolist()]}
+               for n in torch.randint(4, 40, (12,), generator=gen)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
+    fast = default.generate(prompts, params, use_tqdm=False)
+    exact = embedded_bf16_llm.generate(prompts, params, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(fast, exact)):
+        assert_tie_rule(ours_as_pairs(a.outputs[0]), ours_as_pairs(b.outputs[0]), f"request {i}")
+    if GEMM_ROWS.get(linear_isa(), 0):
+        assert [ours_as_pairs(o.outputs[0]) for o in fast] != [ours_as_pairs(o.outputs[0]) for o in exact]
