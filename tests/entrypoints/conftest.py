@@ -120,3 +120,9 @@ def reasoning_client(reasoning_server):
 
     return openai.OpenAI(base_url=reasoning_server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=30)
+
+
+@pytest.fixture(scope="session")
+def http_chain(reasoning_server):
+    with httpx.Client(base_url=reasoning_server.url, timeout=30) as c:
+        yield c
