@@ -150,6 +150,7 @@ def test_stored_responses_can_be_read_back_and_continued(reasoning_client, reaso
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "model": "nope"}, "model"),
+    ({"input": "hi", "n": 2}, "n"),
     ({}, "input"),
 ])
 def test_bad_input_is_a_400_naming_the_field(http_chain, body, param):
@@ -179,3 +180,32 @@ def test_without_the_store_flag_store_is_ignored(chain_checkpoint):
     assert [i["type"] for i in body["output"]] == ["message"]
     assert body["output"][0]["content"][0]["text"] == "<think>I think so</think>Red car"
     assert llm.num_used_blocks() == 0
+
+
+def test_auto_tool_calls_are_parsed_from_the_text_after_the_reasoning():
+    # The chain model cannot write a hermes call (its tokens repeat): the builder is fed one.
+    from types import SimpleNamespace
+
+    from pagedserve.entrypoints.openai.reasoning import ReasoningPlan
+    from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses, chat_tools
+    from pagedserve.entrypoints.openai.tool_calls import plan_tools
+    from pagedserve.entrypoints.openai.tool_parsers import make_tool_parser
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.reasoning import ReasoningParser
+
+    tools, choice = chat_tools([TOOL], "auto")
+    plan = plan_tools(tools, choice, make_tool_parser("hermes"))
+    text = ('<think>use the tool</think>Let me look.<tool_call>{"name": "get_weather", '
+            '"arguments": {"city": "Rome"}}</tool_call>')
+    out = RequestOutput("r", None, [1, 2, 3], None, [CompletionOutput(
+        0, text, [9] * 5 + [8] + [4] * 7, None, None, "stop")], True)
+    serving = OpenAIServingResponses(SimpleNamespace(model_name="m"))
+    body = serving._build(ResponsesRequest(input="hi", tools=[TOOL]), "resp_x", out, plan,
+                          ReasoningPlan(ReasoningParser("deepseek_r1", 7, 8)))
+    reasoning, message, call = body.output
+    assert reasoning.content[0].text == "use the tool"
+    assert message.content[0].text == "Let me look."
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
+    assert body.usage.output_tokens_details.reasoning_tokens == 5
+    assert (body.usage.input_tokens, body.usage.output_tokens) == (3, 13)

@@ -172,6 +172,8 @@ class OpenAIServingResponses:
                       tool_choice=tool_choice, parallel_tool_calls=request.parallel_tool_calls,
                       response_format=response_format(request.text), user=request.user)
         chat_request = ChatCompletionRequest.model_validate({**extra, **fields})
+        if chat_request.n not in (None, 1) or chat_request.best_of not in (None, 1):
+            raise APIError("a response has one output: n and best_of must be 1", 400, "n")
         leftover = [k for k in (request.model_extra or {}) if k not in extra]
         if leftover:
             chat_request.__pydantic_extra__ = {k: request.model_extra[k] for k in leftover}
@@ -239,8 +241,9 @@ class OpenAIServingResponses:
 
     def _build(self, request: ResponsesRequest, response_id: str, out: RequestOutput,
                tools: ToolPlan | None, plan: ReasoningPlan | None,
-               ids: dict[str, str] | None = None) -> ResponseObject:
-        """The finished response; `ids`: the item ids a stream already announced."""
+               ids: dict[str, str] | None = None, **kw) -> ResponseObject:
+        """The finished response; `ids`: the item ids a stream already announced (`kw`: more
+        fields, e.g. its `created_at`)."""
         ids = ids or {}
         comp = out.outputs[0]
         reasoning, text = plan.split(comp.text) if plan else (None, comp.text)
@@ -264,7 +267,7 @@ class OpenAIServingResponses:
         return self._base(request, response_id, output=items, usage=usage,
                           status="incomplete" if incomplete else "completed",
                           incomplete_details=IncompleteDetails(reason="max_output_tokens")
-                          if incomplete else None)
+                          if incomplete else None, **kw)
 
     async def _stream(self, request: ResponsesRequest, response_id: str, stream, holdback: int,
                       tools: ToolPlan | None, plan: ReasoningPlan | None,
@@ -276,6 +279,7 @@ class OpenAIServingResponses:
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         start = self._base(request, response_id, status="in_progress").model_dump(mode="json")
+        created = {"created_at": start["created_at"]}
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
         state = ChoiceState(holdback)
@@ -357,7 +361,7 @@ class OpenAIServingResponses:
                     yield line
             if last is None or not last.finished:
                 raise EngineShutdownError("the response ended without a final output")
-            body = self._build(request, response_id, last, tools, plan, ids)
+            body = self._build(request, response_id, last, tools, plan, ids, **created)
             for item in body.output:
                 if not isinstance(item, FunctionCallItem):
                     continue
