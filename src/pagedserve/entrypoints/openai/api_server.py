@@ -56,8 +56,10 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagedserve.entrypoints.openai.serving_responses import (
+    OpenAIServingResponses,
+    add_responses_routes,
+)
 from pagedserve.entrypoints.openai.serving_engine import ServerSettings
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedserve.entrypoints.openai.vllm_routes import (
@@ -143,19 +145,8 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             return done(await respond(raw, chat.create(request)))
 
     # OpenAI's Responses API (serving_responses.py); kept only with the store enabled
-    responses = OpenAIServingResponses(chat, getattr(args, "enable_responses_api_store", False)
-                                       or os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE") == "1")
-
-    @app.post("/v1/responses")
-    async def create_response(raw: Request):
-        with load.track() as done:
-            request = await parse_body(raw, ResponsesRequest, pool)
-            return done(await respond(raw, responses.create(request)))
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
-        return Response(json.dumps(responses.retrieve(response_id)),
-                        media_type="application/json")
+    add_responses_routes(app, OpenAIServingResponses(chat, enable_store=getattr(
+        args, "enable_responses_api_store", False)), load, pool, parse_body, respond)
 
     add_vllm_routes(app, engine, settings, completions, chat, pool,
                     tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint",

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
 
 from pagedserve.engine.async_engine import (
     EngineDeadError,
@@ -138,7 +142,8 @@ class OpenAIServingResponses:
 
     def __init__(self, chat, enable_store: bool = False) -> None:
         self.chat = chat
-        self.enable_store = enable_store
+        self.enable_store = enable_store or os.environ.get(
+            "VLLM_ENABLE_RESPONSES_API_STORE") == "1"
         # id -> (response JSON, the conversation it answered, as chat messages)
         self.stored: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
 
@@ -380,6 +385,22 @@ class OpenAIServingResponses:
         except (EngineDeadError, EngineShutdownError, EngineStepError) as e:
             code = 500 if isinstance(e, EngineStepError) else 503
             yield event("error", code=str(code), message=str(e), param=None)
+
+
+def add_responses_routes(app, responses: OpenAIServingResponses, load, pool, parse_body,
+                         respond) -> None:
+    """POST /v1/responses and GET /v1/responses/{response_id} on `app` (the server's request
+    plumbing passed in: `parse_body`, `respond`, its load tracker and CPU pool)."""
+    @app.post("/v1/responses")
+    async def create_response(raw: Request):
+        with load.track() as done:
+            request = await parse_body(raw, ResponsesRequest, pool)
+            return done(await respond(raw, responses.create(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return Response(json.dumps(responses.retrieve(response_id)),
+                        media_type="application/json")
 
 
 def _assistant_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
