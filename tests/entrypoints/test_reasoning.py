@@ -116,3 +116,23 @@ def test_qwen3_with_thinking_off_and_no_parser_leave_the_text_in_content(chain_c
 
     plain = run_app(_engine(chain_checkpoint, None), ask)
     assert plain["content"] == CHAIN_TEXT and "reasoning" not in plain
+
+
+# Qwen3's way to switch thinking off: its template writes an empty think block into the prompt.
+QWEN3_LIKE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n"
+              "{% endfor %}{% if enable_thinking is defined and not enable_thinking %}"
+              "<think>\n\n</think>\n\n{% endif %}Assistant:")
+
+
+def test_a_template_that_closes_the_think_block_makes_everything_content(reasoning_client,
+                                                                         reasoning_server):
+    off = {"chat_template": QWEN3_LIKE, "chat_template_kwargs": {"enable_thinking": False}}
+    msg = chat(reasoning_client, reasoning_server, extra_body=off).choices[0].message
+    assert msg.content == CHAIN_TEXT and getattr(msg, "reasoning", None) is None
+    # ... and the grammar starts at once: no thinking is left unconstrained
+    constrained = chat(reasoning_client, reasoning_server, extra_body={
+        **off, "structured_outputs": {"choice": ["yes", "no"]}}).choices[0].message
+    assert constrained.content in ("yes", "no")
+    on = chat(reasoning_client, reasoning_server, extra_body={
+        "chat_template": QWEN3_LIKE, "chat_template_kwargs": {"enable_thinking": True}})
+    assert on.choices[0].message.reasoning == REASONING
