@@ -1,6 +1,7 @@
 """Pydantic models of OpenAI's Responses API (`/v1/responses`) as vLLM serves it: the request,
-the response object, its output items (reasoning, message, function call), usage, and the
-streaming events. Field names and shapes are OpenAI's (`openai.types.responses`)."""
+the response object (also what the stream's lifecycle events carry), its output items
+(reasoning, message, function call) and usage. Field names and shapes are OpenAI's
+(`openai.types.responses`); the stream events themselves are built in serving_responses.py."""
 
 from __future__ import annotations
 
@@ -133,11 +134,3 @@ class ResponseObject(BaseModel):
     truncation: str = "disabled"
     reasoning: dict[str, Any] | None = None
 
-
-class StreamEvent(BaseModel):
-    """One server-sent event: `type` plus the event's own fields (OpenAI's names)."""
-
-    model_config = {"extra": "allow"}
-
-    type: str
-    sequence_number: int
