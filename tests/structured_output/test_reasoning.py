@@ -34,6 +34,19 @@ def _llm(path, parser):
                reasoning_parser=parser)
 
 
+@pytest.fixture(scope="module")
+def llms(chain):
+    """parser -> an LLM on the chain model (made once per parser)."""
+    made: dict = {}
+
+    def get(parser):
+        if parser not in made:
+            made[parser] = _llm(chain, parser)
+        return made[parser]
+
+    return get
+
+
 def _run(llm, prompt, **kw):
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=0, **kw)
     [out] = llm.generate([prompt], params, use_tqdm=False)
@@ -42,8 +55,8 @@ def _run(llm, prompt, **kw):
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
-def test_the_grammar_applies_only_after_the_reasoning(chain, parser):
-    llm = _llm(chain, parser)
+def test_the_grammar_applies_only_after_the_reasoning(llms, parser):
+    llm = llms(parser)
     free = _run(llm, PROMPT)
     assert free.text == TEXT  # the chain model writes its text (no constraint)
     end = llm.get_tokenizer().convert_tokens_to_ids("</think>")
@@ -55,13 +68,13 @@ def test_the_grammar_applies_only_after_the_reasoning(chain, parser):
     assert constrained.finish_reason == "stop"
 
 
-def test_without_a_parser_the_grammar_applies_from_the_first_token(chain):
-    out = _run(_llm(chain, None), PROMPT, structured_outputs=CHOICE)
+def test_without_a_parser_the_grammar_applies_from_the_first_token(llms):
+    out = _run(llms(None), PROMPT, structured_outputs=CHOICE)
     assert out.text in ("yes", "no")
 
 
-def test_a_prompt_that_ended_the_reasoning_constrains_at_once(chain):
-    llm = _llm(chain, "deepseek_r1")
+def test_a_prompt_that_ended_the_reasoning_constrains_at_once(llms):
+    llm = llms("deepseek_r1")
     ended = "<s>User: <think>hm</think>hi\n\nAssistant:"
     assert _run(llm, ended).text == TEXT  # the model would think again...
     assert _run(llm, ended, structured_outputs=CHOICE).text in ("yes", "no")  # ...but may not
