@@ -88,7 +88,7 @@ def small_engine(tiny_llama):
                                 max_model_len=128))
 
 
-# --- reasoning and the Responses API (test_reasoning.py, test_responses.py) --------------------
+# --- reasoning and the Responses API (test_server_reasoning.py, test_responses.py) --------------------
 
 CHAIN_TEXT = "<think>I think so</think>Red car"  # what the chain model writes after "...Assistant:"
 

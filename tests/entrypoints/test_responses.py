@@ -107,6 +107,9 @@ def test_a_stream_sends_openais_events_in_order(reasoning_client, reasoning_serv
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [i.id for i in done] == [i.id for i in final.output]
     assert final.usage.output_tokens == 12
+    cut = list(create(reasoning_client, reasoning_server, stream=True, max_output_tokens=3))
+    assert cut[-1].type == "response.completed"  # as vLLM, also when incomplete
+    assert cut[-1].response.status == "incomplete" and cut[-1].response.usage.output_tokens == 3
 
 
 def test_the_stream_helper_and_streamed_tool_calls(reasoning_client, reasoning_server):
