@@ -215,3 +215,13 @@ def test_auto_tool_calls_are_parsed_from_the_text_after_the_reasoning():
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
     assert body.usage.output_tokens_details.reasoning_tokens == 5
     assert (body.usage.input_tokens, body.usage.output_tokens) == (3, 13)
+
+
+def test_text_format_json_schema_constrains_the_message_after_the_reasoning(reasoning_client,
+                                                                            reasoning_server):
+    resp = create(reasoning_client, reasoning_server, max_output_tokens=60, text={
+        "format": {"type": "json_schema", "name": "w", "schema": WEATHER}})
+    reasoning, message = resp.output
+    assert reasoning.content[0].text == REASONING
+    assert json.loads(resp.output_text)["city"] in ("Paris", "Rome")
+    assert resp.text.format.type == "json_schema"

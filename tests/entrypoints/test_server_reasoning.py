@@ -64,7 +64,7 @@ def test_tool_calls_are_read_from_the_text_after_the_reasoning(reasoning_client,
                                                                 reasoning_server):
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         resp = chat(reasoning_client, reasoning_server, tools=TOOLS, tool_choice=choice,
-                    parallel_tool_calls=False, max_tokens=120)
+                    parallel_tool_calls=False, max_tokens=80)
         msg = resp.choices[0].message
         assert msg.reasoning == REASONING and not msg.content
         (call,) = msg.tool_calls
