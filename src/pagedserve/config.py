@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -111,6 +112,10 @@ class EngineArgs:
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
+    reasoning_parser: str | None = option(
+        None, "the model's reasoning format: structured outputs apply only after its reasoning "
+        "ends, and the server returns the reasoning apart from the content (vLLM's "
+        "--reasoning-parser)", choices=REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         for f in fields(self):

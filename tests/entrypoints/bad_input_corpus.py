@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 C, H, T, D = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+R = "/v1/responses"
 OK = {"prompt": "The module", "max_tokens": 2}
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = {"messages": MSG, "max_tokens": 2}
@@ -104,6 +105,18 @@ CASES: list[tuple[str, str, object, int, str]] = [
     ("detokenize missing tokens", D, {}, 400, "tokens"),
     ("detokenize negative token", D, {"tokens": [1, -1]}, 400, "tokens"),
     ("detokenize tokens are strings", D, {"tokens": ["a"]}, 400, "tokens"),
+    # --- responses ---------------------------------------------------------------------------
+    ("responses missing input", R, {"max_output_tokens": 2}, 400, "input"),
+    ("responses input is a number", R, {"input": 5}, 400, "input"),
+    ("responses empty input list", R, {"input": []}, 400, "input"),
+    ("responses unknown item type", R, {"input": [{"type": "computer_call"}]}, 400, "items"),
+    ("responses image content", R, {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x"}]}]}, 400, "input_image"),
+    ("responses max_output_tokens 0", R, {"input": "hi", "max_output_tokens": 0}, 400,
+     "max_output_tokens"),
+    ("responses web search tool", R, {"input": "hi", "tools": [{"type": "web_search"}]}, 400,
+     "function tools"),
+    ("responses background", R, {"input": "hi", "background": True}, 400, "background"),
 ]
 
 

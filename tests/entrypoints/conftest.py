@@ -86,3 +86,43 @@ def small_engine(tiny_llama):
 
     return LLMEngine(EngineArgs(model=str(tiny_llama), dtype="float32", num_kv_blocks=64,
                                 max_model_len=128))
+
+
+# --- reasoning and the Responses API (test_server_reasoning.py, test_responses.py) --------------------
+
+CHAIN_TEXT = "<think>I think so</think>Red car"  # what the chain model writes after "...Assistant:"
+
+
+@pytest.fixture(scope="session")
+def chain_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama that writes CHAIN_TEXT after a prompt ending in "Assistant:" (the default
+    chat template's end), its tokenizer with the think tags (tests/chain_model.py)."""
+    import chain_model
+
+    return chain_model.make_chain_checkpoint(tmp_path_factory.mktemp("chain"), "Assistant:",
+                                             CHAIN_TEXT)
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(chain_checkpoint, logs):
+    """The real server on the chain model with --reasoning-parser deepseek_r1, the hermes tool
+    parser and --enable-responses-api-store."""
+    proc = ServerProcess.start(str(chain_checkpoint), *SERVER_FLAGS, "--reasoning-parser",
+                               "deepseek_r1", "--enable-responses-api-store", log_dir=logs)
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"the server exited with {code}:\n{proc.log_text()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def reasoning_client(reasoning_server):
+    import openai
+
+    return openai.OpenAI(base_url=reasoning_server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=30)
+
+
+@pytest.fixture(scope="session")
+def http_chain(reasoning_server):
+    with httpx.Client(base_url=reasoning_server.url, timeout=30) as c:
+        yield c

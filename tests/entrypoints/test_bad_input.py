@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_the_corpus_has_at_least_40_cases_covering_every_post_endpoint():
     assert len(CASES) >= 40
     assert {path for _, path, *_ in CASES} == {
-        "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+        "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/responses"}
 
 
 @pytest.mark.parametrize("name,path,body,status,mentions", CASES, ids=[c[0] for c in CASES])
@@ -90,6 +90,20 @@ _BODIES = st.one_of(
     st.tuples(st.just("/tokenize"), st.fixed_dictionaries({}, optional={
         "prompt": _PROMPT, "messages": st.lists(_MESSAGE, max_size=2),
         "add_special_tokens": _values})),
+    st.tuples(st.just("/v1/responses"), st.fixed_dictionaries({}, optional={
+        "input": st.one_of(st.text(max_size=20), _values, st.lists(st.one_of(
+            _MESSAGE, st.fixed_dictionaries({"type": st.sampled_from(
+                ["message", "function_call", "function_call_output", "reasoning", "x"])},
+                optional={"role": _values, "content": _values, "name": _values,
+                          "call_id": _values, "arguments": _values, "output": _values})),
+            max_size=3)),
+        "instructions": st.one_of(st.text(max_size=10), _values),
+        "max_output_tokens": st.one_of(st.integers(-2, 8), _values),
+        "tools": st.one_of(_values, st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"])},
+            optional={"name": _values, "parameters": _values}), max_size=2)),
+        "tool_choice": _values, "temperature": _values, "stream": st.booleans(),
+        "previous_response_id": _values, "text": _values})),
     st.tuples(st.just("/detokenize"), st.fixed_dictionaries({}, optional={
         "tokens": st.one_of(st.lists(st.integers(-3, 600), max_size=5), _values)})),
 )
@@ -102,6 +116,8 @@ def test_random_request_bodies_never_get_a_5xx_nor_kill_the_server(http, server,
     path, body = case
     if isinstance(body.get("max_tokens"), int):  # keep generations short: this is about input
         body["max_tokens"] = min(body["max_tokens"], 8)
+    if path == "/v1/responses" and not isinstance(body.get("max_output_tokens"), int):
+        body["max_output_tokens"] = 8
     r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code < 500, (path, body, r.text[:500])
     if r.status_code >= 400:

@@ -28,7 +28,8 @@ from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
-from pagedserve.structured_output.manager import GRAMMAR_KEY, StructuredOutputManager
+from pagedserve.reasoning import make_reasoning_parser
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.executor import make_executor
 from pagedserve.worker.kv_cache import (
     bytes_per_block,
@@ -100,9 +101,12 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({max_pos})"
             )
+        name = getattr(args, "reasoning_parser", None)  # structured outputs wait for its end
+        self.reasoner = make_reasoning_parser(name, self.tokenizer) if name else None
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
-            disable_any_whitespace=args.structured_outputs_disable_any_whitespace)
+            disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
+            reasoner=self.reasoner)
         self._seq_ids = itertools.count()
         self._build_cache(args)
         self._request_ids = itertools.count()
@@ -258,8 +262,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         if params.structured_outputs is not None:  # one grammar matcher per sequence
-            group.extra[GRAMMAR_KEY] = self.structured.new_matchers(
-                params.structured_outputs, [q.seq_id for q in group.seqs])
+            self.structured.attach(group, params.structured_outputs, prompt_token_ids)
         self.scheduler.add(group)
         self.groups[request_id] = group
         return group

@@ -5,6 +5,12 @@ The matchers live in the request's `SequenceGroup.extra["grammar"]` (sequence id
 they go when the group goes, and survive preemption unchanged: a preempted sequence keeps its
 tokens (recomputation re-runs them through the model, not through the matcher), so its matcher
 is already at the right state when it runs again.
+
+With a reasoning parser (`--reasoning-parser`), a sequence's grammar waits for the end of its
+reasoning, as vLLM's does: the ids of the sequences still reasoning are in
+`SequenceGroup.extra["reasoning"]`; their rows are not masked and their matchers do not advance
+until they generate the parser's end tag (which the matcher never sees). A prompt that already
+ended the reasoning (`ReasoningParser.is_reasoning_end`) starts the grammar at once.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pagedserve.structured_output.params import StructuredOutputsParams, xgramma
 logger = logging.getLogger(__name__)
 
 GRAMMAR_KEY = "grammar"  # SequenceGroup.extra key: {seq_id: xgrammar.GrammarMatcher}
+REASONING_KEY = "reasoning"  # SequenceGroup.extra key: {seq_id still reasoning}
 
 
 class StructuredOutputManager:
@@ -25,8 +32,9 @@ class StructuredOutputManager:
     constrained request (a 262k vocabulary takes a moment)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 disable_any_whitespace: bool = False) -> None:
+                 disable_any_whitespace: bool = False, reasoner=None) -> None:
         self.tokenizer = tokenizer
+        self.reasoner = reasoner  # reasoning.ReasoningParser, or None
         self.disable_any_whitespace = disable_any_whitespace
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -71,6 +79,14 @@ class StructuredOutputManager:
         compiled = self.compile(so)
         return {seq_id: xgr.GrammarMatcher(compiled) for seq_id in seq_ids}
 
+    def attach(self, group, so: StructuredOutputsParams, prompt_token_ids: list[int]) -> None:
+        """Give every sequence of a new request its matcher (and, with a reasoning parser and a
+        prompt that has not ended the reasoning, mark them as reasoning)."""
+        seq_ids = [q.seq_id for q in group.seqs]
+        group.extra[GRAMMAR_KEY] = self.new_matchers(so, seq_ids)
+        if self.reasoner is not None and not self.reasoner.is_reasoning_end(prompt_token_ids):
+            group.extra[REASONING_KEY] = set(seq_ids)
+
     def bitmask_for(self, sched) -> GrammarBitmask | None:
         """The token bitmask of every constrained sequence that samples this step (all of a
         forking group's sequences, from the row they share), or None when there is none."""
@@ -82,7 +98,9 @@ class StructuredOutputManager:
             if not matchers:
                 continue
             seqs = s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]
-            todo.extend((q.seq_id, matchers[q.seq_id]) for q in seqs)
+            reasoning = s.group.extra.get(REASONING_KEY) or ()
+            todo.extend((q.seq_id, matchers[q.seq_id]) for q in seqs
+                        if q.seq_id not in reasoning)
         if not todo:
             return None
         import xgrammar as xgr
@@ -96,10 +114,10 @@ class StructuredOutputManager:
         self._batch.batch_fill_next_token_bitmask([m for _, m in todo], bitmask)
         return GrammarBitmask(bitmask, {seq_id: i for i, (seq_id, _) in enumerate(todo)})
 
-    @staticmethod
-    def accept(group, seq, token: int) -> bool | None:
+    def accept(self, group, seq, token: int) -> bool | None:
         """Advance `seq`'s matcher with its new `token`. None when the request is unconstrained;
-        else True when the grammar has ended (the sequence must stop), False to go on.
+        else True when the grammar has ended (the sequence must stop), False to go on. While
+        `seq` reasons, its matcher stays put; the token that ends the reasoning starts it.
 
         NOTE: a token the matcher rejects can only come from a row the grammar left nothing
         allowed in; the sequence stops there (logged) rather than continue outside its grammar.
@@ -107,6 +125,11 @@ class StructuredOutputManager:
         matchers = group.extra.get(GRAMMAR_KEY)
         if not matchers:
             return None
+        reasoning = group.extra.get(REASONING_KEY)
+        if reasoning and seq.seq_id in reasoning:
+            if self.reasoner.ends_reasoning(token):
+                reasoning.discard(seq.seq_id)
+            return False
         matcher = matchers[seq.seq_id]
         if not matcher.accept_token(token):
             logger.warning("request %s: token %d is outside its grammar; stopping the sequence",
@@ -120,3 +143,6 @@ class StructuredOutputManager:
         matchers = group.extra.get(GRAMMAR_KEY)
         if matchers:
             matchers[child_id] = matchers[parent_id].fork()
+        reasoning = group.extra.get(REASONING_KEY)
+        if reasoning and parent_id in reasoning:
+            reasoning.add(child_id)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, args)` (FastAPI) and `run_server(args)`
 (uvicorn, with graceful shutdown on SIGINT/SIGTERM).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET
+/v1/responses/{id}), GET /v1/models, GET /health,
 GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
 `--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
 /debug/profile/start and /debug/profile/stop (per-section step timings), GET /debug/memory and
@@ -55,6 +56,10 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_responses import (
+    OpenAIServingResponses,
+    add_responses_routes,
+)
 from pagedserve.entrypoints.openai.serving_engine import ServerSettings
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedserve.entrypoints.openai.vllm_routes import (
@@ -138,6 +143,10 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         with load.track() as done:
             request = await parse_body(raw, ChatCompletionRequest, pool)
             return done(await respond(raw, chat.create(request)))
+
+    # OpenAI's Responses API (serving_responses.py); kept only with the store enabled
+    add_responses_routes(app, OpenAIServingResponses(chat, enable_store=getattr(
+        args, "enable_responses_api_store", False)), load, pool, parse_body, respond)
 
     add_vllm_routes(app, engine, settings, completions, chat, pool,
                     tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint",

@@ -18,6 +18,10 @@ SWITCHES = (
     ("--enable-prompt-tokens-details",
      "usage reports prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache)"),
     ("--enable-server-load-tracking", "count the completions / chat requests in progress; GET /load"),
+    ("--enable-responses-api-store",
+     "keep /v1/responses answers (store: true, OpenAI's default; the newest 1024) for GET "
+     "/v1/responses/{id} and previous_response_id (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1, "
+     "also read); without it store is ignored, as in vLLM"),
     ("--enable-tokenizer-info-endpoint",
      "serve GET /tokenizer_info (the tokenizer's configuration and chat template; remote "
      "tokenizers such as lm-evaluation-harness's use it)"),

@@ -210,6 +210,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra: with --reasoning-parser, false leaves the reasoning out of the answer
+    include_reasoning: bool = True
 
 
 class ChatLogProb(BaseModel):
@@ -260,11 +262,28 @@ class DeltaToolCall(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+def _drop_none_reasoning(data: dict[str, Any]) -> dict[str, Any]:
+    for key in REASONING_FIELDS:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
+# With --reasoning-parser: the reasoning text, under vLLM's name and its older one.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[Any] = Field(default_factory=list)
+    reasoning: str | None = None  # left out when None
+    reasoning_content: str | None = None  # left out when None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return _drop_none_reasoning(handler(self))
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -292,6 +311,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

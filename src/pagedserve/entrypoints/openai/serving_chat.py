@@ -30,6 +30,7 @@ from pagedserve.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagedserve.entrypoints.openai.reasoning import ReasoningPlan, plan_reasoning
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import DONE, ChoiceState, final_output, sse
 from pagedserve.entrypoints.openai.tool_calls import (
@@ -82,19 +83,19 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest):
         """The response (serialised, as a `Response`), or for `stream: true` an iterator of SSE
         lines. Rendering, tokenizing and building the response run on the CPU pool."""
-        prompt, params, tools = await self.run_cpu(self._prepare, request)
+        prompt, params, tools, reasoning = await self.run_cpu(self._prepare, request)
         request_id = random_id("chatcmpl")
         (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
         if request.stream:
             return self._stream(request, request_id, stream, params.n,
-                                params.output_text_buffer_length, prompt, tools)
+                                params.output_text_buffer_length, prompt, tools, reasoning)
         try:
             final = await final_output(stream)
         except BaseException as e:
             stream.close()
             raise self.engine_error(e, "messages") from e
         return await self.run_cpu(
-            lambda: json_response(self._response(request, request_id, final, tools)))
+            lambda: json_response(self._response(request, request_id, final, tools, reasoning)))
 
     async def create_batch(self, requests: list[ChatCompletionRequest]):
         """vLLM's /v1/chat/completions/batch: one engine request per conversation, answered
@@ -102,8 +103,8 @@ class OpenAIServingChat(OpenAIServing):
         requests come from `vllm_routes.batch_chat_requests` (no streaming, tools, n > 1)."""
         prepared = [await self.run_cpu(self._prepare, r) for r in requests]
         request_id = random_id("chatcmpl")
-        streams = await self.submit(request_id, [p for p, _, _ in prepared],
-                                    [sp for _, sp, _ in prepared], prompt_param="messages")
+        streams = await self.submit(request_id, [p[0] for p in prepared],
+                                    [p[1] for p in prepared], prompt_param="messages")
         try:
             finals = await asyncio.gather(*(final_output(s) for s in streams))
         except BaseException as e:
@@ -113,8 +114,8 @@ class OpenAIServingChat(OpenAIServing):
 
         def build():
             choices, completion_tokens = [], 0
-            for i, (request, out) in enumerate(zip(requests, finals)):
-                one = self._response(request, request_id, out, None)
+            for i, (request, out, p) in enumerate(zip(requests, finals, prepared)):
+                one = self._response(request, request_id, out, None, p[3])
                 for choice in one.choices:
                     choice.index = i
                 choices += one.choices
@@ -126,9 +127,10 @@ class OpenAIServingChat(OpenAIServing):
         return await self.run_cpu(build)
 
     def _prepare(self, request: ChatCompletionRequest
-                 ) -> tuple[Prompt, SamplingParams, ToolPlan | None]:
-        """Check the request, render and tokenize its conversation; its SamplingParams and its
-        tool plan (None without tools, or with tool_choice "none")."""
+                 ) -> tuple[Prompt, SamplingParams, ToolPlan | None, ReasoningPlan | None]:
+        """Check the request, render and tokenize its conversation; its SamplingParams, its
+        tool plan (None without tools, or with tool_choice "none") and its reasoning plan (None
+        without --reasoning-parser)."""
         self.check_model(request.model)
         self.check_fields(request)
         top = request.top_logprobs
@@ -159,7 +161,9 @@ class OpenAIServingChat(OpenAIServing):
                                  max_tokens_param=max_param)
         if tools is not None and not tools.makes_calls:  # "none": the template has seen them
             tools = None
-        return prompt, params, tools
+        reasoning = plan_reasoning(self.reasoner, request.chat_template_kwargs,
+                                   prompt.token_ids, request.include_reasoning)
+        return prompt, params, tools, reasoning
 
     def _tools(self, request: ChatCompletionRequest):
         """The request's tool plan (None without tools) and its structured-output constraint:
@@ -194,21 +198,30 @@ class OpenAIServingChat(OpenAIServing):
         return flatten_content(last.content, len(request.messages) - 1)
 
     def _response(self, request: ChatCompletionRequest, request_id: str,
-                  out: RequestOutput, tools: ToolPlan | None) -> ChatCompletionResponse:
+                  out: RequestOutput, tools: ToolPlan | None,
+                  reasoning_plan: ReasoningPlan | None = None) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         echoed = self._echoed(request)
         want_ids = bool(request.return_token_ids)
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
-            content, calls = parse_calls(tools, comp.text) if tools else (comp.text, [])
+            reasoning, text = (reasoning_plan.split(comp.text) if reasoning_plan
+                               else (None, comp.text))
+            if reasoning_plan and not reasoning_plan.include:
+                reasoning = None
+            # NOTE: tools (and the content) are read from the text after the reasoning.
+            content, calls = parse_calls(tools, text or "") if tools else (text, [])
             if calls and not (content or "").strip():
                 content = None
+            if content is None and echoed and not calls:
+                content = ""
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index,
                 message=ChatResponseMessage(role=self._role(request),
                                             content=None if content is None else echoed + content,
-                                            tool_calls=tool_calls_json(calls)),
+                                            tool_calls=tool_calls_json(calls),
+                                            reasoning=reasoning, reasoning_content=reasoning),
                 logprobs=self._logprobs(request, comp.token_ids, comp.logprobs)
                 if request.logprobs else None,
                 finish_reason=finish_reason(tools, calls, comp.finish_reason),
@@ -224,8 +237,8 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream, n: int,
-                      holdback: int, prompt: Prompt,
-                      tools: ToolPlan | None) -> AsyncIterator[str]:
+                      holdback: int, prompt: Prompt, tools: ToolPlan | None,
+                      reasoning_plan: ReasoningPlan | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         options = request.stream_options
         include_usage = bool(options and options.include_usage) or (
@@ -236,6 +249,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = len(prompt.token_ids)
         heavy = self.heavy_logprobs(request.top_logprobs if request.logprobs else None)
         tool_streams = [ToolStream(tools) for _ in range(n)] if tools else None
+        splitters = [reasoning_plan.stream() for _ in range(n)] if reasoning_plan else None
+        show_reasoning = reasoning_plan is not None and reasoning_plan.include
 
         def chunk(index: int, delta: DeltaMessage, completion_tokens: int = 0,
                   **kw) -> ChatCompletionStreamResponse:
@@ -268,7 +283,10 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         finished = comp.finish_reason is not None
                         text = state.next_text(comp.text, finished)
-                        calls, reason = [], comp.finish_reason
+                        calls, reason, thought = [], comp.finish_reason, ""
+                        if splitters:  # text -> reasoning, and the content after it
+                            thought, text = splitters[comp.index].feed(text, finished)
+                            thought = thought if show_reasoning else ""
                         if tool_streams:  # text -> content and tool-call deltas
                             tool_stream = tool_streams[comp.index]
                             text, calls = tool_stream.feed(text, finished)
@@ -279,13 +297,15 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs = await self.off_loop_if(
                                 heavy, self._logprobs, request, new,
                                 (comp.logprobs or [])[state.sent_tokens:])
-                        if (not text and not calls and not finished
+                        if (not text and not calls and not finished and not thought
                                 and not (logprobs and logprobs.content)):
                             continue  # NOTE: its tokens go with the next chunk sent
                         state.sent_tokens = len(comp.token_ids)
                         state.done = finished
                         yield await self.off_loop_if(heavy, sse, chunk(
                             comp.index, DeltaMessage(content=text or None,
+                                                     reasoning=thought or None,
+                                                     reasoning_content=thought or None,
                                                      tool_calls=calls or None),
                             len(comp.token_ids), logprobs=logprobs,
                             finish_reason=reason if finished else None,

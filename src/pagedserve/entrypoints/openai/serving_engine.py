@@ -91,6 +91,7 @@ class OpenAIServing:
         self.vocab_size = llm.vocab_size
         self.max_logprobs = llm.args.max_logprobs
         self.model_name = settings.model_name
+        self.reasoner = getattr(llm, "reasoner", None)  # --reasoning-parser (the engine's)
         self.chat_format = default_chat_format(self.tokenizer)
         if settings.chat_template:
             self.chat_format = ChatFormat("server", settings.chat_template,
