@@ -103,6 +103,9 @@ class EngineArgs:
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
+    require_kernels: bool = option(
+        False, "fail at start-up if the compiled CPU kernels cannot load, instead of warning and "
+        "running the much slower torch fallback")
 
     def __post_init__(self) -> None:
         for f in fields(self):
