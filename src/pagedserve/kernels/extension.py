@@ -145,11 +145,12 @@ class LazyExtension:
         name = self.build_name()
         folder = Path(cpp_extension._get_build_directory(name, False))
         done = folder / f"{name}.so"
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count()) or 1
         n = len(self.sources)
         stop = threading.Event()
         if not done.exists():
-            estimate = _SECONDS_PER_SOURCE_CORE * n / max(1, min(cores or 1, n))
+            estimate = _SECONDS_PER_SOURCE_CORE * n / max(1, min(cores, n))
             logger.info("building CPU kernels for this machine, once, ~%.0f s (%s: %d sources, %d "
                         "cores, into %s; a wheel install ships them prebuilt)",
                         estimate, self.prefix, n, cores, folder)
