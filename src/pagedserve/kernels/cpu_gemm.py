@@ -7,8 +7,9 @@ quantized weights, at the ISA level `linear_isa()` picks (AMX, AVX512-BF16, AVX5
 `$PAGEDSERVE_CPU_ISA` caps it). NOTE: one kernel for every row count keeps a row's result
 independent of its batch. Everything else (fp32 models, gradients, no kernels) goes to torch.
 
-The extension is compiled on first use (`torch.utils.cpp_extension.load`, cached under
-`$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`), never at import. Any failure --
+The extension comes prebuilt with an installed wheel, else is compiled on first use
+(`torch.utils.cpp_extension.load`, cached under `$TORCH_EXTENSIONS_DIR`, by default
+`~/.cache/torch_extensions`; see `kernels.extension`), never at import. Any failure --
 no compiler, a build error, a CPU without AVX2 -- logs one warning and leaves every call on
 torch's path. Set `PAGEDSERVE_DISABLE_CPU_KERNELS=1` to never build or use it (read on every call).
 The decode kernels (norms, attention, RoPE, argmax, the fused layer: `kernel_available()`) run at

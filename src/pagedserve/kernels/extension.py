@@ -151,9 +151,9 @@ class LazyExtension:
         stop = threading.Event()
         if not done.exists():
             estimate = _SECONDS_PER_SOURCE_CORE * n / max(1, min(cores, n))
+            hint = "" if self.torch_mismatch else "; a wheel install ships them prebuilt"
             logger.info("building CPU kernels for this machine, once, ~%.0f s (%s: %d sources, %d "
-                        "cores, into %s; a wheel install ships them prebuilt)",
-                        estimate, self.prefix, n, cores, folder)
+                        "cores, into %s%s)", estimate, self.prefix, n, cores, folder, hint)
             threading.Thread(target=self._report_progress, args=(folder, n, stop),
                              name=f"{self.prefix}-build-progress", daemon=True).start()
         # cpp_extension serialises concurrent builds (other processes too) with a lock file in the
