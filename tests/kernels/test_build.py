@@ -51,11 +51,12 @@ def test_every_header_a_source_includes_is_declared_and_shipped():
 
 def test_declarations_may_name_module_level_lists(tmp_path):
     (tmp_path / "mod.py").write_text(
-        'SRC = ["a.cpp", "b.cpp"]\n'
-        'E = LazyExtension("pfx", SRC, ["a.h"], cflags=["-x"], probe=None, describe=None)\n')
+        'SRC = ["a.cpp", "b.cpp"]\nCOMMON = ("c.h",)\nFLAGS = ["-x"]\n'
+        'E = LazyExtension("pfx", SRC + ["d.cpp"], [*COMMON, "a.h"], cflags=FLAGS, probe=None,\n'
+        '                  describe=None)\n')
     (d,) = build.declared_extensions(tmp_path)
     assert (d.module, d.prefix, d.sources, d.headers, d.cflags) == (
-        "pagedserve.kernels.mod", "pfx", ("a.cpp", "b.cpp"), ("a.h",), ("-x",))
+        "pagedserve.kernels.mod", "pfx", ("a.cpp", "b.cpp", "d.cpp"), ("c.h", "a.h"), ("-x",))
 
 
 def test_a_declaration_setup_py_cannot_read_is_an_error_naming_it(tmp_path):

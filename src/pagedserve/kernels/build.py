@@ -65,15 +65,29 @@ def _module_literals(tree: ast.Module) -> dict[str, ast.expr]:
     return out
 
 
-def _literal(node: ast.expr, names: dict[str, ast.expr], where: str):
-    if isinstance(node, ast.Name) and node.id in names:
-        node = names[node.id]
+def _literal(node: ast.expr, names: dict[str, ast.expr], where: str, depth: int = 0):
+    """The value of a literal, a module-level name bound to one, a list / tuple of such (with
+    `*name` items) or a `+` of lists; ValueError (naming `where`) for anything else."""
+    if depth < 8:
+        if isinstance(node, ast.Name) and node.id in names:
+            return _literal(names[node.id], names, where, depth + 1)
+        if isinstance(node, (ast.List, ast.Tuple)):
+            out: list = []
+            for item in node.elts:
+                if isinstance(item, ast.Starred):
+                    out += list(_literal(item.value, names, where, depth + 1))
+                else:
+                    out.append(_literal(item, names, where, depth + 1))
+            return out
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return list(_literal(node.left, names, where, depth + 1)) + \
+                list(_literal(node.right, names, where, depth + 1))
     try:
         return ast.literal_eval(node)
     except ValueError:
         raise ValueError(f"{where}: LazyExtension arguments must be literals (or module-level names "
-                         f"bound to literals) so that setup.py can read them: "
-                         f"{ast.unparse(node)!r}") from None
+                         f"bound to literals, lists of them, list + list) so that setup.py can "
+                         f"read them: {ast.unparse(node)!r}") from None
 
 
 def declared_extensions(kernels_dir: Path = KERNELS_DIR) -> list[ExtensionDecl]:
