@@ -68,6 +68,11 @@ class BuildKernels(build_ext):
 
     def run(self) -> None:
         self._entries: dict[str, dict] = {}
+        if self.extensions and importlib.util.find_spec("torch") is None:
+            raise SystemExit("pagedserve: compiling the CPU kernels needs torch in the build "
+                             "environment (pip wheel . installs it; with --no-build-isolation "
+                             "install torch first), or PAGEDSERVE_BUILD_KERNELS=0 for a "
+                             "pure-Python wheel")
         try:
             super().run()
         except Exception as e:  # noqa: BLE001
