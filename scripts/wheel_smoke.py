@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -84,9 +85,16 @@ def _first_token_s() -> tuple[float, float]:
     return elapsed, cpu
 
 
-def _health_s(port: int = 18766) -> tuple[float, float]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health_s() -> tuple[float, float]:
     """Seconds (wall, and CPU of the process) from launching `pagedserve serve` (the embedded
     model) to a 200 on /health."""
+    port = _free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen(["pagedserve", "serve", "--port", str(port), "--require-kernels"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
