@@ -116,6 +116,9 @@ class EngineArgs:
         None, "the model's reasoning format: structured outputs apply only after its reasoning "
         "ends, and the server returns the reasoning apart from the content (vLLM's "
         "--reasoning-parser)", choices=REASONING_PARSERS)
+    require_kernels: bool = option(
+        False, "fail at start-up if the compiled CPU kernels cannot load, instead of warning and "
+        "running the much slower torch fallback")
 
     def __post_init__(self) -> None:
         for f in fields(self):

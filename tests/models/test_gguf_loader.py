@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+import tiny
 from pagedserve.models import gguf_loader
 from pagedserve.models.embedded import embedded_model_path
 from pagedserve.models.gguf_loader import (
@@ -434,6 +435,7 @@ def test_embedded_tokenizer_cached_and_matches_transformers(embedded_gguf_path, 
     print(f"tokenizer: first load {first_s:.1f}s, cached load {second_s:.1f}s")
     saved = json.loads((gguf_cache_dir(embedded_gguf_path, cache) / "tokenizer" / "tokenizer_config.json").read_text())
     assert saved["tokenizer_class"] == "GemmaTokenizer"
+    assert len(saved["added_tokens_decoder"]) == len(second.added_tokens_decoder)  # start-up index
 
     # NOTE: plain `AutoTokenizer.from_pretrained(dir, gguf_file=...)` gives the same GemmaTokenizer but
     # first re-derives the config through transformers' legacy GGUF reader (~12 s); `tokenizer_type`
@@ -455,6 +457,8 @@ def test_embedded_tokenizer_cached_and_matches_transformers(embedded_gguf_path, 
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         assert getattr(second, attr) == getattr(ref, attr), attr
     assert len(second) == len(ref)
+    assert second.added_tokens_decoder == ref.added_tokens_decoder
+    assert second.all_special_tokens == ref.all_special_tokens
 
 
 @pytest.mark.slow
@@ -476,3 +480,37 @@ def test_embedded_model_path_is_verified_once(tmp_path, monkeypatch):
     assert embedded_model_path(cache_dir=tmp_path) == path
     assert path.stat().st_size == size
     assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_indexed_added_tokens_load_the_same_tokenizer_without_reparsing_its_json(tmp_path, monkeypatch):
+    """Start-up: with `added_tokens_decoder` in tokenizer_config.json, transformers no longer
+    reads the whole tokenizer.json in Python only for its added tokens."""
+    import builtins
+
+    from pagedserve.models.gguf_loader import index_added_tokens
+
+    tiny.tokenizer().save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("added_tokens_decoder", None)  # as transformers 5 saves it
+    config_path.write_text(json.dumps(config))
+    opened = []
+    real_open = builtins.open
+
+    def spy(file, *args, **kwargs):
+        opened.append(Path(str(file)).name)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    before = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    parsed_before = opened.count("tokenizer.json")
+    index_added_tokens(tmp_path)
+    assert "added_tokens_decoder" in json.loads(config_path.read_text())
+    index_added_tokens(tmp_path)  # idempotent
+    opened.clear()
+    after = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert parsed_before >= 1 and opened.count("tokenizer.json") == parsed_before - 1
+    assert type(after) is type(before) and after.added_tokens_decoder == before.added_tokens_decoder
+    assert after.all_special_tokens == before.all_special_tokens and len(after) == len(before)
+    for text in ["Hello world", "<s>a</s> <pad> b", ""]:
+        assert after(text)["input_ids"] == before(text)["input_ids"], text

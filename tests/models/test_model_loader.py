@@ -148,3 +148,26 @@ def test_cpu_has_native_bf16_reads_cpu_flags():
         torch.backends.cpu.get_cpu_capability() == "AVX512"
     )
     assert loader.cpu_has_native_bf16() == expected
+
+
+def test_building_a_model_skips_torch_random_init_and_restores_it(monkeypatch):
+    """Start-up: the constructors' random fills (overwritten by every load) are skipped, and
+    torch.nn.init is torch's own again afterwards, also after a failed build."""
+    calls = []
+    real = torch.nn.init.kaiming_uniform_
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", spy)
+    a = load_model(tiny_llama(), weights=None, dtype=torch.float32, seed=3)
+    assert calls == [] and torch.nn.init.kaiming_uniform_ is spy
+    b = load_model(tiny_llama(), weights=None, dtype=torch.float32, seed=3)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name  # every parameter written: uninitialised memory never shows
+    torch.nn.Linear(4, 4)
+    assert calls == [1]
+    with pytest.raises(ValueError):
+        load_model(tiny_llama(), weights=[("bogus", torch.zeros(1))], dtype=torch.float32)
+    assert torch.nn.init.kaiming_uniform_ is spy and torch.nn.init.normal_ is not loader._keep

@@ -73,6 +73,10 @@ class LLMEngine:
                  kv_manager_factory: Callable[[KVManagerConfig], KVCacheManager] | None = None,
                  ) -> None:
         self.args = args
+        if args.require_kernels:  # before anything slow: no silent torch fallback
+            from pagedserve.kernels.extension import require_kernels
+
+            require_kernels()
         self.kv_manager_factory = kv_manager_factory or KVCacheManager.from_config
         self.source = resolve_model(args.model, args.load_format)
         config = self.source.config

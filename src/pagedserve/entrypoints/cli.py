@@ -179,7 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    env = sub.add_parser("collect-env", help="versions, CPU and ISA flags, kernel build (prebuilt "
+                                             "or JIT), torch build and threads, for bug reports")
+    env.set_defaults(func=cmd_collect_env)
     return parser
+
+
+def cmd_collect_env(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.collect_env import main as collect_env
+
+    return collect_env(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # --require-kernels (kernels.build is loaded once it is raised)
+        build = sys.modules.get("pagedserve.kernels.build")
+        if build is None or not isinstance(e, build.KernelsUnavailableError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

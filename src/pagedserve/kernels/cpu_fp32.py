@@ -43,6 +43,8 @@ _EXTENSION = LazyExtension(
     cflags=["-ffp-contract=off"],
     probe=lambda: torch.ops.pagedserve_fp32.fp32_isa(),
     describe=lambda isa: "AVX-512" if isa == ISAS["avx512"] else "AVX2",
+    fallback_cost="float32 on torch's MKL / SDPA, no longer batch-invariant (a request's tokens "
+                  "and logprobs may change with its batch, chunking or preemption)",
 )
 
 

@@ -20,6 +20,7 @@ Nothing here unpickles anything: GGUF tensors are raw bytes read through a read-
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -302,10 +303,40 @@ def load_gguf_tokenizer(path: str | os.PathLike[str], cache_dir: str | os.PathLi
     if not (folder / "tokenizer_config.json").is_file():
         config = load_gguf_config(path, cache_dir)
         tokenizer = _convert_gguf_tokenizer(path, config)
-        _write_dir_atomically(folder, tokenizer.save_pretrained)
+
+        def save(tmp: Path) -> None:
+            tokenizer.save_pretrained(tmp)
+            index_added_tokens(tmp)
+
+        _write_dir_atomically(folder, save)
         # the same tokenizer a reload gives (tested), without reloading it
         return drop_construction_copies(tokenizer)
+    index_added_tokens(folder)  # a cache written before the index existed: once
     return drop_construction_copies(AutoTokenizer.from_pretrained(folder))
+
+
+def index_added_tokens(folder: Path) -> None:
+    """Copy the added tokens of a saved tokenizer's `tokenizer.json` into its
+    `tokenizer_config.json` (`added_tokens_decoder`, transformers' own field), unless there.
+
+    NOTE: start-up. Without that field transformers' `from_pretrained` parses the whole
+    tokenizer.json (33 MB for Gemma 3's 262k tokens) one extra time on every load only to read
+    the added tokens: ~1 CPU s of the embedded model's start (docs/benchmarks.md, "Start-up").
+    The loaded tokenizer is the same (tested). The file is replaced atomically."""
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config or not (folder / "tokenizer.json").is_file():
+        return
+    tokens = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    config["added_tokens_decoder"] = {
+        str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in tokens}
+    tmp = config_path.with_name(f".{config_path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, config_path)
+    except OSError as e:  # a read-only cache still loads, only slower
+        logger.debug("could not index the added tokens of %s: %s", folder, e)
+        tmp.unlink(missing_ok=True)
 
 
 def _convert_gguf_tokenizer(path: Path, config):

@@ -117,15 +117,37 @@ def iter_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[s
 
 @contextmanager
 def _build_context(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """Create tensors on `device` in `dtype` inside; restores the default dtype afterwards.
-    (The default dtype is process-wide while inside: build models from one thread at a time.)"""
+    """Create tensors on `device` in `dtype` inside, with torch's random parameter
+    initialisation (`torch.nn.init`'s random fills) skipped; restores both afterwards.
+    (The default dtype and `torch.nn.init` are process-wide while inside: build models from one
+    thread at a time.)
+
+    NOTE: every parameter is then written by the checkpoint (`load_named_weights` raises on any
+    it did not provide) or by `init_dummy_weights`, so the constructors' random fills were pure
+    start-up cost: ~5 s of the embedded model's start on 2 busy cores (nn.Linear's
+    kaiming_uniform_ over every matrix, the 262k x 640 embedding's normal_), for tensors the
+    GGUF's quantized blocks replace anyway (docs/benchmarks.md, "Start-up")."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
+    for name in _RANDOM_INITS:
+        setattr(torch.nn.init, name, _keep)
     try:
         with device:
             yield
     finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
         torch.set_default_dtype(previous)
+
+
+# torch.nn.init's random fills, skipped while a model is built (see _build_context)
+_RANDOM_INITS = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_", "trunc_normal_", "orthogonal_")
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 @torch.no_grad()
