@@ -9,6 +9,7 @@ once, here, with ValueError.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -22,6 +23,36 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+def parse_cpu_list(spec: str, limit: int | None = None) -> list[int]:
+    """CPU ids from `spec`: "auto" (the CPUs this process may run on, in order) or a list such as
+    "0-3,6" (vLLM's VLLM_CPU_OMP_THREADS_BIND syntax); the first `limit` of them when given.
+    ValueError naming `cpu_threads_bind` for anything else, or a CPU this process may not use."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if spec.strip().lower() == "auto":
+        cpus = allowed
+    else:
+        cpus = []
+        for part in spec.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            try:
+                first, last = int(lo), int(hi) if sep else int(lo)
+            except ValueError:
+                raise ValueError(f"cpu_threads_bind: {spec!r} is not 'auto' or a CPU list such as "
+                                 "'0-3,6'") from None
+            if first < 0 or last < first:
+                raise ValueError(f"cpu_threads_bind: bad CPU range {part.strip()!r} in {spec!r}")
+            cpus.extend(range(first, last + 1))
+        if len(set(cpus)) != len(cpus):
+            raise ValueError(f"cpu_threads_bind: {spec!r} names a CPU twice")
+        missing = sorted(set(cpus) - set(allowed)) if allowed else []
+        if missing:
+            raise ValueError(f"cpu_threads_bind: CPU {missing[0]} is not one this process may use "
+                             f"(allowed: {allowed})")
+    if not cpus:
+        raise ValueError(f"cpu_threads_bind: {spec!r} names no CPU")
+    return cpus[:limit] if limit else cpus
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -109,6 +140,10 @@ class EngineArgs:
     cpu_threads: int | None = option(
         None, "compute threads on CPU (default: torch's, one per core; vLLM's "
         "VLLM_CPU_OMP_THREADS_BIND in spirit: see docs/benchmarks.md on threads)")
+    cpu_threads_bind: str | None = option(
+        None, "pin the compute threads to CPUs: auto (one per CPU this process may use, in "
+        "order, up to --cpu-threads) or a list such as 0-3,6 (vLLM's VLLM_CPU_OMP_THREADS_BIND); "
+        "default: the OS places them")
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
@@ -136,6 +171,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
+        if self.cpu_threads_bind is not None:
+            parse_cpu_list(self.cpu_threads_bind)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not (self.swap_space >= 0 and self.swap_space < float("inf")):

@@ -51,7 +51,7 @@ _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 _EXTENSION = LazyExtension(
     "pagedserve_cpu_kernels",
     ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
-     "sampling.cpp", "qlinear.cpp"],
+     "sampling.cpp", "qlinear.cpp", "threads.cpp"],
     ["cpu_isa.h", "qlinear_impl.h", "qlinear_q8.h", "vec16.h", "vec16_build.h", "argmax_impl.h",
      "rms_norm_impl.h", "paged_attention_impl.h", "rotary_impl.h"],
     # NOTE: -ffp-contract=off: the compiler fuses no multiply and add the source does not, so the

@@ -47,3 +47,20 @@ def release_thread_pool() -> bool:
         released |= pause(_OMP_PAUSE_HARD) == 0
     logger.debug("released this thread's OpenMP pools: %s", released)
     return released
+
+
+def bind_compute_threads(cpus: list[int]) -> int:
+    """Pin the calling thread's OpenMP compute team, thread t to `cpus[t]` (the caller to the
+    first; torch's thread count becomes len(cpus)); returns how many threads were pinned (0 when
+    the compiled kernels are unavailable: nothing is changed then). NOTE: GNU OpenMP keeps a pool
+    per thread that starts parallel regions: call it on the thread that will run the model."""
+    from pagedserve.kernels.cpu_gemm import kernel_available
+
+    if not kernel_available():
+        logger.warning("cpu_threads_bind: the compiled kernels are unavailable; threads not pinned")
+        return 0
+    import torch
+
+    pinned = int(torch.ops.pagedserve_cpu.bind_threads(list(cpus)))
+    logger.info("compute threads pinned to CPUs %s (%d of %d)", cpus, pinned, len(cpus))
+    return pinned

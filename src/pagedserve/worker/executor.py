@@ -194,6 +194,12 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     world_size = args.tensor_parallel_size
     backend = executor_backend(world_size, args.distributed_executor_backend)
     cpu_threads = getattr(args, "cpu_threads", None) or torch.get_num_threads()
+    cpu_bind: tuple[int, ...] = ()
+    if device.type == "cpu" and getattr(args, "cpu_threads_bind", None):
+        from pagedserve.config import parse_cpu_list
+
+        cpu_bind = tuple(parse_cpu_list(args.cpu_threads_bind, limit=getattr(args, "cpu_threads", None)))
+        cpu_threads = len(cpu_bind)
     threads = None if device.type == "cuda" else max(1, cpu_threads // world_size)
     from pagedserve.layers.quantization import resolve_quantization
 
@@ -205,7 +211,8 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                           device_type=device.type, seed=args.seed, world_size=world_size,
                           num_threads=threads, attention_backend=args.attention_backend,
                           enforce_eager=args.enforce_eager, quantization=quantization,
-                          batch_invariant=bool(getattr(args, "batch_invariant", False)))
+                          batch_invariant=bool(getattr(args, "batch_invariant", False)),
+                          cpu_bind=cpu_bind)
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

@@ -3,6 +3,7 @@ by step messages. The multiprocessing and Ray executors each host one `Worker` p
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ class WorkerConfig:
     enforce_eager: bool = False  # no CUDA graphs
     quantization: str = "none"  # "none" | "gguf" | "int8" (layers.quantization.resolve_quantization)
     batch_invariant: bool = False  # quantized products on one kernel for every row count
+    # CPUs the compute threads are pinned to (EngineArgs.cpu_threads_bind), split evenly over the
+    # ranks; () leaves them to the OS
+    cpu_bind: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,9 @@ class Worker:
             self.device = torch.device("cpu")
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
+        share = len(config.cpu_bind) // config.world_size
+        self._cpu_bind = list(config.cpu_bind[rank * share:(rank + 1) * share])
+        self._bound_thread: int | None = None  # the thread whose OpenMP team is pinned
         self.tp = init_tp_group(rank, config.world_size, init_method, self.device)
         source = config.source
         weights = None if config.load_format == "dummy" else source.iter_weights(
@@ -170,6 +177,13 @@ class Worker:
 
     def execute_step(self, step: StepInput) -> list[SeqStepOutput]:
         """Run one step on this shard: one output per row on rank 0 ([] on the others)."""
+        if self._cpu_bind and self._bound_thread != threading.get_ident():
+            # NOTE: OpenMP teams are per thread: pin the team of the thread that steps (the
+            # server's engine thread is not the one that loaded the model)
+            from pagedserve.kernels.openmp import bind_compute_threads
+
+            bind_compute_threads(self._cpu_bind)
+            self._bound_thread = threading.get_ident()
         return self.runner.execute(step)
 
     def close(self) -> None:
