@@ -132,6 +132,9 @@ class PagedCausalLM(nn.Module):
                    head_dim: int, tp: TPContext) -> None:
         self.config = config
         self.tied = bool(getattr(config, "tie_word_embeddings", self.tied_by_default))
+        archs = list(getattr(config, "architectures", None) or [])
+        if archs and all(a.endswith("Model") and not a.endswith("LMHeadModel") for a in archs):
+            self.tied = True  # a bare base model (no LM head saved; pooling reads no logits)
         self.lm_head = ParallelLMHead(head_in, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = embedding.weight

@@ -22,6 +22,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # Bare base models (saved by `AutoModel`, e.g. embedding checkpoints): the same classes
+    # (their weights get the base model's prefix on loading); served by the pooling runner.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": MistralForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
+    "Gemma3TextModel": Gemma3ForCausalLM,
+    "OPTModel": OPTForCausalLM,
+    "GPT2Model": GPT2LMHeadModel,
 }
 
 # For configs built in code, which carry no `architectures`.
