@@ -331,10 +331,12 @@ def add_pooling_routes(app: FastAPI, engine, settings, pool) -> None:
         (("/score", "/v1/score"), ScoreRequest, serving.score),
         (("/rerank", "/v1/rerank", "/v2/rerank"), RerankRequest, serving.rerank),
     ]
-    for paths, model, handler in routes:
-        async def route(raw: Request, model=model, handler=handler):
+    def endpoint(model, handler):
+        async def route(raw: Request):
             request = await parse_body(raw, model, pool)
             return await respond(raw, handler(request))
+        return route
 
+    for paths, model, handler in routes:
         for path in paths:
-            app.add_api_route(path, route, methods=["POST"])
+            app.add_api_route(path, endpoint(model, handler), methods=["POST"])
