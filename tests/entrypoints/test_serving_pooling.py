@@ -163,3 +163,24 @@ def test_concurrent_embedding_requests_batch_and_equal_one_at_a_time(pooling_llm
     assert serve(pooling_llm, main) == ref
     assert pooling_llm.engine.num_used_blocks() == 0
     assert PoolingParams().task is None
+
+
+def test_serve_runner_pooling_over_real_http(tiny_llama, logs, pooling_llm):
+    import openai
+
+    from server_utils import ServerProcess
+
+    proc = ServerProcess.start(str(tiny_llama), "--runner", "pooling", "--dtype", "float32",
+                               "--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN),
+                               "--served-model-name", "emb", "--disable-access-log",
+                               log_dir=logs)
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=30)
+        out = client.embeddings.create(model="emb", input=["hello", "the cat sat"])
+        with pytest.raises(openai.BadRequestError, match="--runner generate"):
+            client.completions.create(model="emb", prompt="hi", max_tokens=2)
+    finally:
+        assert proc.stop() == 0, proc.log_text()[-3000:]
+    assert [d.embedding for d in out.data] == embeddings_of(pooling_llm, ["hello", "the cat sat"])
+    assert "pooling runner: pooling_type=LAST normalize=True" in proc.log_text()
