@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-# vLLM's pooling tasks we serve: one vector per prompt, or one per prompt token.
-POOLING_TASKS = ("embed", "token_embed")
+# vLLM's pooling tasks we serve: one vector per prompt, one per prompt token, class probabilities
+# (`*ForSequenceClassification` checkpoints).
+POOLING_TASKS = ("embed", "token_embed", "classify")
 RUNNERS = ("auto", "generate", "pooling")
 
 # sentence-transformers' Pooling config keys -> our pooling types (vLLM's parse_pooling_type).
@@ -35,8 +36,8 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 class PoolingParams:
     """A pooling request's options (vLLM's names).
 
-    `task`: "embed" (one vector per prompt; the default) or "token_embed" (one per prompt
-    token). `dimensions`: keep the first `dimensions` values (Matryoshka models only).
+    `task`: "embed" (one vector per prompt; the default), "token_embed" (one per prompt
+    token) or "classify" (a classifier's class probabilities; its default). `dimensions`: keep the first `dimensions` values (Matryoshka models only).
     `normalize` (vLLM's older name) or `use_activation`: L2-normalize (default: the model's
     pooler configuration).
     """
@@ -47,7 +48,7 @@ class PoolingParams:
     use_activation: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.task is not None and self.task not in POOLING_TASKS + ("classify", "score"):
+        if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool)
                                             or not isinstance(self.dimensions, int)
@@ -127,11 +128,14 @@ def sentence_transformers_pooling(model_dir: str | None) -> PoolerConfig | None:
 @dataclass(frozen=True)
 class PoolingSpec:
     """One pooling request as the model runner sees it: `pooling_type` (LAST, MEAN, CLS, or ALL:
-    every prompt token), then the first `dimensions` values kept, then L2 normalization."""
+    every prompt token), then the first `dimensions` values kept, then L2 normalization; or,
+    with `classify` set, the model's classifier head over the pooled state, then that activation
+    ("softmax", "sigmoid" or "none")."""
 
     pooling_type: str
     normalize: bool
     dimensions: int | None = None
+    classify: str | None = None
 
     @property
     def needs_whole_prompt(self) -> bool:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tiny
 from pagedserve import LLM, PoolingParams, SamplingParams
 from test_llm_engine import prompts_of_lengths
 
@@ -208,8 +209,8 @@ def test_bad_input_raises_value_errors_and_leaves_the_engine_serving(checkpoints
         llm.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="pooling_task required"):
         llm.encode("hello", use_tqdm=False)
-    with pytest.raises(ValueError, match="classifier head"):
-        llm.classify("hello")
+    with pytest.raises(ValueError, match="no classification head"):
+        llm.classify("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=0)
     assert llm.engine.num_used_blocks() == 0 and not llm.engine.has_unfinished_requests()
@@ -218,3 +219,35 @@ def test_bad_input_raises_value_errors_and_leaves_the_engine_serving(checkpoints
     generate = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=64)
     with pytest.raises(ValueError, match="runner='generate'.*--runner pooling"):
         generate.embed("hello", use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt", "gpt2"])
+def test_classify_equals_hf_sequence_classification(tmp_path, arch):
+    from transformers import AutoModelForSequenceClassification
+
+    path = tiny.make_classifier_checkpoint(tmp_path / arch, arch, num_labels=3)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    assert llm.engine.runner == "pooling"  # auto: the checkpoint has no LM head
+    prompts = prompts_of_lengths([7, 19], seed=4)
+    outs = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].softmax(-1)
+        assert out.outputs.num_classes == 3
+        assert (torch.tensor(out.outputs.probs) - ref).abs().max() <= ATOL
+    assert llm.engine.num_used_blocks() == 0
+
+
+def test_a_one_label_classifier_scores_the_pair_encoded_together(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    path = tiny.make_classifier_checkpoint(tmp_path / "ce", "llama", num_labels=1)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    outs = llm.score("the cat", ["sat on the mat", "a dog"], use_tqdm=False)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = tiny.tokenizer()
+    for doc, out in zip(["sat on the mat", "a dog"], outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([tok("the cat", text_pair=doc).input_ids])).logits[0, 0]
+        assert out.outputs.score == pytest.approx(float(ref.sigmoid()), abs=ATOL)

@@ -142,7 +142,7 @@ def test_pooling_routes_on_a_generate_server_answer_400_naming_the_runner(small_
         return [await http.post(path, json=body) for path, body in (
             ("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
             ("/score", {"text_1": "a", "text_2": "b"}),
-            ("/rerank", {"query": "a", "documents": ["b"]}))]
+            ("/rerank", {"query": "a", "documents": ["b"]}), ("/classify", {"input": "hi"}))]
 
     for r in run_app(small_engine, main):
         assert r.status_code == 400, r.text
@@ -184,3 +184,35 @@ def test_serve_runner_pooling_over_real_http(tiny_llama, logs, pooling_llm):
         assert proc.stop() == 0, proc.log_text()[-3000:]
     assert [d.embedding for d in out.data] == embeddings_of(pooling_llm, ["hello", "the cat sat"])
     assert "pooling runner: pooling_type=LAST normalize=True" in proc.log_text()
+
+
+def test_classify_and_cross_encoder_score_routes(tmp_path):
+    import tiny
+
+    classifier = LLM(str(tiny.make_classifier_checkpoint(tmp_path / "cls", "llama", 3)),
+                     dtype="float32", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+    ref = [o.outputs.probs for o in classifier.classify(["hello", "the cat"], use_tqdm=False)]
+    reranker = LLM(str(tiny.make_classifier_checkpoint(tmp_path / "ce", "llama", 1)),
+                   dtype="float32", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+    docs = ["sat on the mat", "a dog"]
+    scores = [o.outputs.score for o in reranker.score("the cat", docs, use_tqdm=False)]
+
+    async def classify(http):
+        return (await http.post("/classify", json={"input": ["hello", "the cat"]}),
+                await http.post("/score", json={"text_1": "a", "text_2": "b"}))
+
+    async def rerank(http):
+        return (await http.post("/v1/score", json={"text_1": "the cat", "text_2": docs}),
+                await http.post("/rerank", json={"query": "the cat", "documents": docs}))
+
+    classified, refused = run_app(classifier.engine, classify)
+    assert classified.status_code == 200, classified.text
+    data = classified.json()["data"]
+    assert [d["probs"] for d in data] == ref
+    assert data[0]["num_classes"] == 3 and data[0]["label"].startswith("LABEL_")
+    assert refused.status_code == 400 and "one label" in refused.json()["error"]["message"]
+    scored, reranked = run_app(reranker.engine, rerank)
+    assert [d["score"] for d in scored.json()["data"]] == scores
+    best = max(range(2), key=scores.__getitem__)
+    assert reranked.json()["results"][0]["index"] == best
+    assert reranker.engine.num_used_blocks() == classifier.engine.num_used_blocks() == 0

@@ -8,7 +8,9 @@ from typing import Any, Sequence as Seq
 import torch
 
 from pagedserve.engine.pooling import check_runner, hidden_size, pooling_spec
+from pagedserve.models.base import head_kind
 from pagedserve.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     ScoringOutput,
@@ -69,8 +71,10 @@ class PoolingMixin:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """Cosine similarity of the embeddings of each pair: `data_1` one text against every
-        text of `data_2`, or the two lists pairwise (equal lengths)."""
+        """A score for each pair: `data_1` one text against every text of `data_2`, or the two
+        lists pairwise (equal lengths). An embedding model scores the cosine similarity of the
+        two embeddings; a one-label classifier (a cross-encoder / reranker) the probability of
+        the pair encoded together (`tokenizer(text_1, text_pair=text_2)`)."""
         first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         if not first or not second:
@@ -80,6 +84,9 @@ class PoolingMixin:
         elif len(first) != len(second):
             raise ValueError(f"score: data_1 has {len(first)} elements and data_2 "
                              f"{len(second)}: give one data_1 or as many as data_2")
+        if head_kind(self.engine.model_config) == "classifier":
+            return self._cross_encode(first, second, pooling_params, truncate_prompt_tokens,
+                                      use_tqdm)
         embs = self._pool(first + second, pooling_params, "embed", truncate_prompt_tokens,
                           use_tqdm, "Scored pairs")
         n = len(first)
@@ -91,12 +98,35 @@ class PoolingMixin:
                                              a.prompt_token_ids + b.prompt_token_ids))
         return outs
 
-    def classify(self, prompts: PromptType | Seq[PromptType], **_: Any) -> list:
-        """Not available: the pooling runner serves decoder models as embedding models."""
-        raise ValueError(
-            "LLM.classify needs a sequence-classification model (a `score` / classifier head "
-            "over the pooled state, e.g. *ForSequenceClassification); pagedserve's pooling "
-            "runner serves decoder models as embedding models only: use LLM.embed or LLM.score")
+    def classify(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`) from a `*ForSequenceClassification`
+        checkpoint's head over the last token; ValueError naming the missing head otherwise."""
+        outs = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens,
+                          use_tqdm, "Classified prompts")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def _cross_encode(self, first, second, pooling_params, truncate, use_tqdm):
+        engine = self.engine
+        if int(engine.model_config.num_labels) != 1:
+            raise ValueError(f"score: a classifier scores pairs only with one label (a "
+                             f"cross-encoder); this one has {engine.model_config.num_labels}")
+        pairs = []
+        for i, (a, b) in enumerate(zip(first, second)):
+            if not (isinstance(a, str) and isinstance(b, str)):
+                raise ValueError(f"score: pair {i}: a cross-encoder scores text pairs (strings)")
+            if engine.tokenizer is None:
+                raise ValueError("score: cross-encoding needs a tokenizer")
+            pairs.append({"prompt_token_ids": list(engine.tokenizer(a, text_pair=b).input_ids)})
+        outs = self._pool(pairs, pooling_params, "classify", truncate, use_tqdm, "Scored pairs")
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])),
+                                     o.prompt_token_ids) for o in outs]
 
     # --- shared ---------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedserve.models.base import head_kind
 from pagedserve.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
 from pagedserve.pooling_params import PoolerConfig, PoolingParams, PoolingSpec
 from pagedserve.sampling_params import SamplingParams
@@ -22,14 +23,23 @@ POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def resolve_runner(option: str, config: Any) -> str:
-    """"generate" or "pooling": as asked, or for "auto" pooling when every architecture the
-    config names is a bare base model (`LlamaModel`, `Qwen3Model`, ...: saved by `AutoModel`,
-    no LM head), else generate."""
+    """"generate" or "pooling": as asked, or for "auto" pooling when the checkpoint has no LM
+    head (a bare base model saved by `AutoModel`: `LlamaModel`, `Qwen3Model`, ...; or a
+    `*ForSequenceClassification`), else generate."""
     if option != "auto":
         return option
-    archs = list(getattr(config, "architectures", None) or [])
-    return "pooling" if archs and all(a.endswith("Model") and not a.endswith("LMHeadModel")
-                                      for a in archs) else "generate"
+    return "generate" if head_kind(config) == "lm" else "pooling"
+
+
+def classifier_activation(config: Any) -> str:
+    """The activation of a classifier's logits, as vLLM (after transformers' losses): none for
+    regression, sigmoid for multi-label or a single label, else softmax."""
+    problem = getattr(config, "problem_type", None) or ""
+    if problem == "regression":
+        return "none"
+    if problem == "multi_label_classification" or int(config.num_labels) < 2:
+        return "sigmoid"
+    return "softmax"
 
 
 def hidden_size(config: Any) -> int:
@@ -65,12 +75,20 @@ def pooling_spec(params: PoolingParams, pooler: PoolerConfig, config: Any,
     """The request's pooling; ValueError (naming the parameter) when the model cannot serve it."""
     if not isinstance(params, PoolingParams):
         raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
-    task = params.task or "embed"
-    if task in ("classify", "score"):
-        raise ValueError(
-            f"task={task!r}: this model has no classification head (a `score` / classifier "
-            "layer over the pooled state); the pooling runner serves decoder models as embedding "
-            "models: use task 'embed' (cosine scores: LLM.score, /v1/score)")
+    classifier = head_kind(config) == "classifier"
+    task = params.task or ("classify" if classifier else "embed")
+    if task == "classify":
+        if not classifier:
+            raise ValueError(
+                "task='classify': this model has no classification head (the `score` layer of a "
+                "*ForSequenceClassification checkpoint); it is served as an embedding model: use "
+                "task 'embed' (cosine scores: LLM.score, /v1/score)")
+        if params.dimensions is not None:
+            raise ValueError("dimensions: only embeddings can be shortened, not class "
+                             "probabilities")
+        act = params.use_activation if params.use_activation is not None else params.normalize
+        return PoolingSpec("LAST", False, None,
+                           classifier_activation(config) if act is not False else "none")
     normalize = params.normalize if params.normalize is not None else params.use_activation
     if normalize is None:
         normalize = pooler.normalize

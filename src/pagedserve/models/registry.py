@@ -31,6 +31,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3TextModel": Gemma3ForCausalLM,
     "OPTModel": OPTForCausalLM,
     "GPT2Model": GPT2LMHeadModel,
+    # Sequence classifiers: the same classes with a `score` head (pooling runner, task classify).
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": MistralForCausalLM,
+    "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
+    "OPTForSequenceClassification": OPTForCausalLM,
+    "GPT2ForSequenceClassification": GPT2LMHeadModel,
 }
 
 # For configs built in code, which carry no `architectures`.

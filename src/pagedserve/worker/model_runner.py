@@ -261,7 +261,8 @@ class ModelRunner:
             hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
         pooled = {}
         if self.sample and any(s.pooling is not None for s in step.rows):
-            pooled = self.pooler.pool(step.rows, hidden, starts)
+            pooled = self.pooler.pool(step.rows, hidden, starts,
+                                      getattr(self.model, "classify", None))
         outputs = self._sample(step, hidden, logit_rows, row_owner, offset)
         if pooled:
             for idx, vec in pooled.items():

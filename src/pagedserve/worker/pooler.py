@@ -5,7 +5,8 @@ set. LAST reads the last prompt position of the chunk that reaches the end; MEAN
 (the token_embed task) read positions from every chunk, kept here per request until its last
 chunk, so a prompt split over steps (chunked prefill) pools exactly the states of an unsplit one.
 Then the first `dimensions` values are kept (Matryoshka) and the vector is L2-normalized when
-asked; the result is a float32 CPU tensor.
+asked, or (task classify) the model's classifier head and its activation give class
+probabilities; the result is a float32 CPU tensor.
 
 NOTE: a recomputed request (preempted, then prefilled again from position 0) starts over: a row
 starting at 0 drops what was kept for it.
@@ -35,10 +36,11 @@ class Pooler:
     def num_partial(self) -> int:
         return len(self._partial)
 
-    def pool(self, rows: list[StepRow], hidden: torch.Tensor,
-             starts: list[int]) -> dict[int, torch.Tensor]:
+    def pool(self, rows: list[StepRow], hidden: torch.Tensor, starts: list[int],
+             classifier=None) -> dict[int, torch.Tensor]:
         """`{row index: pooled tensor}` for the pooling rows that reach their prompt's end;
-        `hidden` [T, H] is the step's final hidden states, row i's at `starts[i]` onwards."""
+        `hidden` [T, H] is the step's final hidden states, row i's at `starts[i]` onwards;
+        `classifier` maps pooled states [S, H] to logits [S, labels] (rows with `classify`)."""
         out: dict[int, torch.Tensor] = {}
         for idx, row in enumerate(rows):
             spec = row.pooling
@@ -47,7 +49,7 @@ class Pooler:
             h = hidden[starts[idx] : starts[idx] + row.num_tokens]  # [n, H]
             if spec.pooling_type == "LAST":
                 if row.do_sample:
-                    out[idx] = self._finish(h[-1].float(), spec)
+                    out[idx] = self._finish(h[-1].float(), spec, classifier)
                 continue
             if row.start == 0:
                 self._partial[row.request_id] = []
@@ -65,11 +67,16 @@ class Pooler:
                 vec = states[0]
             else:  # ALL: one vector per prompt token
                 vec = states
-            out[idx] = self._finish(vec, spec)
+            out[idx] = self._finish(vec, spec, classifier)
         return out
 
     @staticmethod
-    def _finish(vec: torch.Tensor, spec) -> torch.Tensor:
+    def _finish(vec: torch.Tensor, spec, classifier) -> torch.Tensor:
+        if spec.classify is not None:
+            logits = classifier(vec[None])[0]  # [labels] float32
+            if spec.classify == "softmax":
+                return logits.softmax(dim=-1).cpu()
+            return (logits.sigmoid() if spec.classify == "sigmoid" else logits).cpu()
         if spec.dimensions is not None:
             vec = vec[..., : spec.dimensions]
         if spec.normalize:

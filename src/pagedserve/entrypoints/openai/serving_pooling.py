@@ -1,6 +1,7 @@
 """The pooling routes (vLLM's, for a server started with `--runner pooling`): POST /v1/embeddings
-(OpenAI's), /pooling, /score and /v1/score (cosine similarity of embeddings), /rerank,
-/v1/rerank and /v2/rerank (Jina / Cohere style). On a generate server they answer 400 naming the
+(OpenAI's), /pooling, /classify (a `*ForSequenceClassification` checkpoint), /score and /v1/score
+(cosine similarity of embeddings; a one-label classifier scores the pair encoded together),
+/rerank, /v1/rerank and /v2/rerank (Jina / Cohere style). On a generate server they answer 400 naming the
 runner; generation routes on a pooling server answer 400 the same way (the engine's check).
 
 Inputs: a string, a list of strings, a list of token ids, or a list of token-id lists. Outputs:
@@ -24,6 +25,7 @@ from pagedserve.entrypoints.openai.offload import json_response
 from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, random_id
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import final_output
+from pagedserve.models.base import head_kind
 from pagedserve.pooling_params import PoolingParams
 
 # --- requests ------------------------------------------------------------------------------------
@@ -48,6 +50,10 @@ class PoolingRequest(_PoolingFields):
     input: Any
     task: Literal["embed", "token_embed"] | None = None
     dimensions: int | None = None
+
+
+class ClassifyRequest(_PoolingFields):
+    input: Any
 
 
 class ScoreRequest(_PoolingFields):
@@ -102,6 +108,22 @@ class PoolingResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[PoolingData]
+    usage: PoolingUsage
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
     usage: PoolingUsage
 
 
@@ -259,12 +281,36 @@ class OpenAIServingPooling(OpenAIServing):
             data=[PoolingData(index=i, data=fmt(o.outputs.data)) for i, o in enumerate(outs)],
             usage=self._usage(outs))))
 
+    async def classify(self, request: ClassifyRequest):
+        self._check(request, "/classify")
+        params = self._params(request, "classify", None)
+        prompts = await self.run_cpu(self._prompts, request.input, "input",
+                                     request.add_special_tokens, request.truncate_prompt_tokens)
+        outs = await self._pool(prompts, params, "classify", "input")
+        labels = getattr(self.engine.engine.model_config, "id2label", None) or {}
+
+        def item(i, out):
+            probs = out.outputs.data.tolist()
+            best = max(range(len(probs)), key=probs.__getitem__)
+            return ClassificationData(index=i, label=labels.get(best, labels.get(str(best))),
+                                      probs=probs, num_classes=len(probs))
+
+        return json_response(ClassificationResponse(
+            id=random_id("classify"), model=self.model_name,
+            data=[item(i, o) for i, o in enumerate(outs)], usage=self._usage(outs)))
+
     async def _scores(self, request: _PoolingFields, first: Any, second: Any,
                       names: tuple[str, str]) -> tuple[list[float], list]:
-        """Cosine similarity of each (first, second) pair's embeddings; the embedding outputs."""
+        """Each (first, second) pair's score: the cosine similarity of their embeddings, or a
+        one-label classifier's probability of the pair encoded together; the engine outputs."""
         import torch
 
-        params = self._params(request, "embed", None)
+        config = self.engine.engine.model_config
+        cross = head_kind(config) == "classifier"
+        if cross and int(config.num_labels) != 1:
+            raise APIError("a classifier scores pairs only with one label (a cross-encoder); "
+                           f"this one has {config.num_labels}", 400)
+        params = self._params(request, "classify" if cross else "embed", None)
 
         def prepare():
             a = self._prompts(first, names[0], request.add_special_tokens,
@@ -279,6 +325,19 @@ class OpenAIServingPooling(OpenAIServing):
             return a, b
 
         a, b = await self.run_cpu(prepare)
+        if cross:
+            def pair(x: Prompt, y: Prompt) -> Prompt:
+                if x.text is None or y.text is None:
+                    raise APIError("a cross-encoder scores text pairs (strings)", 400, names[0])
+                ids = list(self.tokenizer(x.text, text_pair=y.text).input_ids)
+                if len(ids) > self.max_model_len:
+                    raise APIError(f"a pair is {len(ids)} tokens long, more than the model's "
+                                   f"context length ({self.max_model_len})", 400, names[1])
+                return Prompt(ids, None)
+
+            pairs = await self.run_cpu(lambda: [pair(x, y) for x, y in zip(a, b)])
+            outs = await self._pool(pairs, params, "score", names[0])
+            return [float(o.outputs.data[0]) for o in outs], outs
         outs = await self._pool(a + b, params, "score", names[0])
         n = len(a)
         scores = [float(torch.nn.functional.cosine_similarity(x.outputs.data, y.outputs.data,
@@ -328,6 +387,7 @@ def add_pooling_routes(app: FastAPI, engine, settings, pool) -> None:
     routes = [
         (("/v1/embeddings",), EmbeddingRequest, serving.embeddings),
         (("/pooling",), PoolingRequest, serving.pooling),
+        (("/classify",), ClassifyRequest, serving.classify),
         (("/score", "/v1/score"), ScoreRequest, serving.score),
         (("/rerank", "/v1/rerank", "/v2/rerank"), RerankRequest, serving.rerank),
     ]
