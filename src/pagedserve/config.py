@@ -105,8 +105,9 @@ class EngineArgs:
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
     runner: str = option(
-        "auto", "generate (text generation) or pooling (embeddings, scores: LLM.embed / "
-        "/v1/embeddings); auto: pooling for a checkpoint saved as a bare *Model, else generate",
+        "auto", "generate (text generation) or pooling (embeddings, classification, scores: "
+        "LLM.embed / /v1/embeddings); auto: pooling for a checkpoint without an LM head (a bare "
+        "*Model or a *ForSequenceClassification), else generate",
         choices=RUNNERS)
     pooler_config: str | None = option(
         None, "the pooling runner's pooler as JSON, e.g. '{\"pooling_type\": \"MEAN\", "

@@ -251,3 +251,19 @@ def test_a_one_label_classifier_scores_the_pair_encoded_together(tmp_path):
         with torch.no_grad():
             ref = hf(torch.tensor([tok("the cat", text_pair=doc).input_ids])).logits[0, 0]
         assert out.outputs.score == pytest.approx(float(ref.sigmoid()), abs=ATOL)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gpt2"])
+def test_a_bare_base_model_checkpoint_is_served_by_the_pooling_runner(checkpoints, tmp_path,
+                                                                       arch):
+    from transformers import AutoModel
+
+    base = AutoModel.from_pretrained(checkpoints(arch), dtype=torch.float32)
+    base.save_pretrained(tmp_path / "bare")  # e.g. Qwen3Model: no lm_head, no "model." prefix
+    tiny.tokenizer().save_pretrained(tmp_path / "bare")
+    llm = LLM(str(tmp_path / "bare"), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    assert llm.engine.runner == "pooling"  # auto
+    prompt = prompts_of_lengths([12])[0]
+    [out] = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)
+    ref = F.normalize(hf_hidden(checkpoints(arch), prompt)[-1], dim=-1)
+    assert (torch.tensor(out.outputs.embedding) - ref).abs().max() <= ATOL

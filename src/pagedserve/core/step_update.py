@@ -3,10 +3,11 @@ Python, no torch.
 
 For every scheduled sequence, in order: its computed tokens advance, its newly full blocks are
 offered to the prefix cache, a forking group's other sequences fork the parent once the shared
-prompt is computed, a pooling request finishes with its pooled result, sampled tokens are appended and checked against the token-level stops (EOS,
-stop token ids after `min_tokens`, `max_tokens`, `max_model_len`), beam candidates are collected
-and, once every live beam has its candidates, the beam step forks, extends and prunes. Finished
-sequences free their blocks; finished groups leave `running`.
+prompt is computed, a pooling request finishes with its pooled result (prefill only), sampled
+tokens are appended and checked against the token-level stops (EOS, stop token ids after
+`min_tokens`, `max_tokens`, `max_model_len`), beam candidates are collected and, once every live
+beam has its candidates, the beam step forks, extends and prunes. Finished sequences free their
+blocks; finished groups leave `running`.
 
 The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
 token logprob entries, incremental detokenization and stop strings.
