@@ -24,6 +24,7 @@ _LAZY = {
     "PoolingRequestOutput": "pagedserve.outputs",
     "EmbeddingRequestOutput": "pagedserve.outputs",
     "ScoringRequestOutput": "pagedserve.outputs",
+    "ClassificationRequestOutput": "pagedserve.outputs",
     "BeamSearchOutput": "pagedserve.core.beam_search",
 }
 
