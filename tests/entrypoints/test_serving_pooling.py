@@ -89,6 +89,9 @@ def test_pooling_score_and_rerank_routes(pooling_llm):
         assert got == pytest.approx(cos, abs=1e-6)
         assert r.json()["data"][0]["object"] == "score"
     assert pairs.json()["data"][1]["score"] == pytest.approx(1.0, abs=1e-6)
+    # The one query is embedded once: usage counts it once (as vLLM).
+    doc_tokens = sum(len(pooling_llm.get_tokenizer()(d).input_ids) for d in docs)
+    assert scores[0].json()["usage"]["prompt_tokens"] == ntok + doc_tokens
     order = sorted(range(3), key=lambda i: cos[i], reverse=True)[:2]
     for r in reranks:
         assert r.status_code == 200, r.text

@@ -79,19 +79,19 @@ class PoolingMixin:
         second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         if not first or not second:
             raise ValueError("score: data_1 and data_2 must not be empty")
-        if len(first) == 1:
-            first = first * len(second)
-        elif len(first) != len(second):
+        if len(first) != len(second) and len(first) != 1:
             raise ValueError(f"score: data_1 has {len(first)} elements and data_2 "
                              f"{len(second)}: give one data_1 or as many as data_2")
         if head_kind(self.engine.model_config) == "classifier":
-            return self._cross_encode(first, second, pooling_params, truncate_prompt_tokens,
-                                      use_tqdm)
+            return self._cross_encode(first * (len(second) // len(first)), second,
+                                      pooling_params, truncate_prompt_tokens, use_tqdm)
+        # NOTE: a single data_1 is embedded once (as vLLM: usage counts it once).
         embs = self._pool(first + second, pooling_params, "embed", truncate_prompt_tokens,
                           use_tqdm, "Scored pairs")
         n = len(first)
+        lefts = embs[:n] * (len(second) // n)
         outs = []
-        for a, b in zip(embs[:n], embs[n:]):
+        for a, b in zip(lefts, embs[n:]):
             score = torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0)
             outs.append(ScoringRequestOutput(f"{a.request_id}_{b.request_id}",
                                              ScoringOutput(float(score)),

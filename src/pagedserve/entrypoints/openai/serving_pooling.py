@@ -317,9 +317,7 @@ class OpenAIServingPooling(OpenAIServing):
                               request.truncate_prompt_tokens)
             b = self._prompts(second, names[1], request.add_special_tokens,
                               request.truncate_prompt_tokens)
-            if len(a) == 1:
-                a = a * len(b)
-            elif len(a) != len(b):
+            if len(a) != len(b) and len(a) != 1:
                 raise APIError(f"{names[0]} has {len(a)} elements and {names[1]} {len(b)}: "
                                f"give one {names[0]} or as many as {names[1]}", 400, names[0])
             return a, b
@@ -335,14 +333,16 @@ class OpenAIServingPooling(OpenAIServing):
                                    f"context length ({self.max_model_len})", 400, names[1])
                 return Prompt(ids, None)
 
-            pairs = await self.run_cpu(lambda: [pair(x, y) for x, y in zip(a, b)])
+            pairs = await self.run_cpu(
+                lambda: [pair(x, y) for x, y in zip(a * (len(b) // len(a)), b)])
             outs = await self._pool(pairs, params, "score", names[0])
             return [float(o.outputs.data[0]) for o in outs], outs
+        # NOTE: a single first text is embedded once (as vLLM: usage counts it once).
         outs = await self._pool(a + b, params, "score", names[0])
         n = len(a)
         scores = [float(torch.nn.functional.cosine_similarity(x.outputs.data, y.outputs.data,
                                                               dim=0))
-                  for x, y in zip(outs[:n], outs[n:])]
+                  for x, y in zip(outs[:n] * (len(b) // n), outs[n:])]
         return scores, outs
 
     async def score(self, request: ScoreRequest):
