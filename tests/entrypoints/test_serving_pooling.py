@@ -202,13 +202,15 @@ def test_classify_and_cross_encoder_score_routes(tmp_path):
 
     async def classify(http):
         return (await http.post("/classify", json={"input": ["hello", "the cat"]}),
-                await http.post("/score", json={"text_1": "a", "text_2": "b"}))
+                await http.post("/score", json={"text_1": "a", "text_2": "b"}),
+                await http.post("/pooling", json={"input": "hello"}))  # default task: classify
 
     async def rerank(http):
         return (await http.post("/v1/score", json={"text_1": "the cat", "text_2": docs}),
                 await http.post("/rerank", json={"query": "the cat", "documents": docs}))
 
-    classified, refused = run_app(classifier.engine, classify)
+    classified, refused, pooled = run_app(classifier.engine, classify)
+    assert pooled.json()["data"][0]["data"] == ref[0]
     assert classified.status_code == 200, classified.text
     data = classified.json()["data"]
     assert [d["probs"] for d in data] == ref

@@ -48,7 +48,7 @@ class EmbeddingRequest(_PoolingFields):
 
 class PoolingRequest(_PoolingFields):
     input: Any
-    task: Literal["embed", "token_embed"] | None = None
+    task: Literal["embed", "token_embed", "classify"] | None = None
     dimensions: int | None = None
 
 
@@ -242,7 +242,8 @@ class OpenAIServingPooling(OpenAIServing):
                 s.close()
             raise self.engine_error(e, param) from e
 
-    def _params(self, request: _PoolingFields, task: str, dimensions: int | None) -> PoolingParams:
+    def _params(self, request: _PoolingFields, task: str | None,
+                dimensions: int | None) -> PoolingParams:
         try:
             return PoolingParams(task=task, dimensions=dimensions, normalize=request.normalize,
                                  use_activation=request.use_activation)
@@ -271,7 +272,7 @@ class OpenAIServingPooling(OpenAIServing):
         self._check(request, "/pooling")
         if request.dimensions is not None:
             raise APIError("dimensions is currently not supported", 400, "dimensions")
-        params = self._params(request, request.task or "embed", None)
+        params = self._params(request, request.task, None)  # None: the model's default task
         prompts = await self.run_cpu(self._prompts, request.input, "input",
                                      request.add_special_tokens, request.truncate_prompt_tokens)
         outs = await self._pool(prompts, params, "pool", "input")
