@@ -221,3 +221,24 @@ def test_classify_and_cross_encoder_score_routes(tmp_path):
     best = max(range(2), key=scores.__getitem__)
     assert reranked.json()["results"][0]["index"] == best
     assert reranker.engine.num_used_blocks() == classifier.engine.num_used_blocks() == 0
+
+
+def test_chat_embeddings_render_the_conversation_without_a_generation_prompt(pooling_llm):
+    from pagedserve.entrypoints.openai.chat_template import default_chat_format, render_chat
+
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    tok = pooling_llm.get_tokenizer()
+    text = render_chat(tok, messages, default_chat_format(tok), add_generation_prompt=False)
+    ids = tok(text, add_special_tokens=False).input_ids
+    ref = embeddings_of(pooling_llm, {"prompt_token_ids": ids})[0]
+
+    async def main(http):
+        return (await http.post("/v1/embeddings", json={"messages": messages}),
+                await http.post("/pooling", json={"messages": messages}),
+                await http.post("/v1/embeddings", json={"messages": messages, "input": "x"}))
+
+    emb, pooled, both = serve(pooling_llm, main)
+    assert emb.status_code == 200, emb.text
+    assert emb.json()["data"][0]["embedding"] == ref == pooled.json()["data"][0]["data"]
+    assert emb.json()["usage"]["prompt_tokens"] == len(ids)
+    assert both.status_code == 400 and "either input or messages" in both.json()["error"]["message"]

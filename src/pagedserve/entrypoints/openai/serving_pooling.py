@@ -4,7 +4,9 @@
 /rerank, /v1/rerank and /v2/rerank (Jina / Cohere style). On a generate server they answer 400 naming the
 runner; generation routes on a pooling server answer 400 the same way (the engine's check).
 
-Inputs: a string, a list of strings, a list of token ids, or a list of token-id lists. Outputs:
+Inputs: a string, a list of strings, a list of token ids, or a list of token-id lists; or (for
+/v1/embeddings and /pooling) one conversation in `messages`, rendered with the chat template
+(vLLM's chat embeddings: no generation prompt, no extra special tokens by default). Outputs:
 `encoding_format` "float" (lists) or "base64" (little-endian float32 bytes, as the official
 `openai` client decodes them). `dimensions` (embeddings) only for Matryoshka models (the
 model's config has `is_matryoshka` or `matryoshka_dimensions`), as vLLM.
@@ -22,7 +24,8 @@ from pydantic import BaseModel, Field
 
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.offload import json_response
-from pagedserve.entrypoints.openai.protocol import OpenAIBaseModel, random_id
+from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
+from pagedserve.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, random_id
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import final_output
 from pagedserve.models.base import head_kind
@@ -41,13 +44,23 @@ class _PoolingFields(OpenAIBaseModel):
     user: str | None = None
 
 
-class EmbeddingRequest(_PoolingFields):
-    input: Any
+class _ChatInput(_PoolingFields):
+    """`input`, or one conversation in `messages` (vLLM's chat form of the pooling requests)."""
+
+    input: Any = None
+    messages: list[ChatMessage] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: True for input, False for messages
+
+
+class EmbeddingRequest(_ChatInput):
     dimensions: int | None = None
 
 
-class PoolingRequest(_PoolingFields):
-    input: Any
+class PoolingRequest(_ChatInput):
     task: Literal["embed", "token_embed", "classify"] | None = None
     dimensions: int | None = None
 
@@ -255,11 +268,30 @@ class OpenAIServingPooling(OpenAIServing):
         n = sum(len(o.prompt_token_ids) for o in outs)
         return PoolingUsage(prompt_tokens=n, total_tokens=n)
 
+    def _chat_or_input(self, request: _ChatInput) -> list[Prompt]:
+        """The prompts of `input`, or the one rendered conversation of `messages`."""
+        if (request.input is None) == (request.messages is None):
+            raise APIError("give either input or messages", 400, "input")
+        if request.messages is None:
+            special = True if request.add_special_tokens is None else request.add_special_tokens
+            return self._prompts(request.input, "input", special, request.truncate_prompt_tokens)
+        try:
+            dicts = [{**m.model_dump(exclude_none=True), "content": flatten_content(m.content, i)}
+                     for i, m in enumerate(request.messages)]
+            text = render_chat(self.tokenizer, dicts, self.chat_format,
+                               chat_template=request.chat_template,
+                               add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               template_kwargs=request.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), 400, "messages") from e
+        ids = self.tokenize(text, bool(request.add_special_tokens))
+        return self._prompts([ids], "messages", False, request.truncate_prompt_tokens)
+
     async def embeddings(self, request: EmbeddingRequest):
         self._check(request, "/v1/embeddings")
         params = self._params(request, "embed", request.dimensions)
-        prompts = await self.run_cpu(self._prompts, request.input, "input",
-                                     request.add_special_tokens, request.truncate_prompt_tokens)
+        prompts = await self.run_cpu(self._chat_or_input, request)
         outs = await self._pool(prompts, params, "embd", "input")
         fmt = encode_base64 if request.encoding_format == "base64" else (lambda d: d.tolist())
         return await self.run_cpu(lambda: json_response(EmbeddingResponse(
@@ -273,8 +305,7 @@ class OpenAIServingPooling(OpenAIServing):
         if request.dimensions is not None:
             raise APIError("dimensions is currently not supported", 400, "dimensions")
         params = self._params(request, request.task, None)  # None: the model's default task
-        prompts = await self.run_cpu(self._prompts, request.input, "input",
-                                     request.add_special_tokens, request.truncate_prompt_tokens)
+        prompts = await self.run_cpu(self._chat_or_input, request)
         outs = await self._pool(prompts, params, "pool", "input")
         fmt = encode_base64 if request.encoding_format == "base64" else (lambda d: d.tolist())
         return await self.run_cpu(lambda: json_response(PoolingResponse(
