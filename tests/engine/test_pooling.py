@@ -216,6 +216,9 @@ def test_bad_input_raises_value_errors_and_leaves_the_engine_serving(checkpoints
     assert llm.engine.num_used_blocks() == 0 and not llm.engine.has_unfinished_requests()
     [out] = llm.embed({"prompt_token_ids": [5] * 64}, use_tqdm=False)  # exactly max_model_len
     assert out.finished
+    small = pooling_llm(path, max_model_len=64, num_kv_blocks=2, block_size=16)
+    with pytest.raises(ValueError, match="needs 3 KV blocks; the cache has 2"):
+        small.embed({"prompt_token_ids": [5] * 40}, use_tqdm=False)
     generate = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=64)
     with pytest.raises(ValueError, match="runner='generate'.*--runner pooling"):
         generate.embed("hello", use_tqdm=False)

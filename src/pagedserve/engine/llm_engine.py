@@ -16,7 +16,7 @@ from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis,
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.step_input import StepInput
-from pagedserve.engine.pooling import (POOLING_SAMPLING, check_runner, hidden_size,
+from pagedserve.engine.pooling import (check_pooling_fits, check_runner, hidden_size,
                                        pooling_output, pooling_spec, resolve_runner)
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
@@ -370,13 +370,7 @@ class LLMEngine:
 
     def _validate_pooling(self, prompt_len: int) -> SamplingParams:
         """A pooling request's check (its prompt's blocks fit the cache); its SamplingParams."""
-        blocks = cdiv(prompt_len, self.kv_manager.block_size)
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens needs {blocks} KV blocks; the cache has "
-                f"{self.num_kv_blocks} (raise kv_cache_memory or shorten the prompt)")
-        self.kv_manager.check_request(1, False, prompt_len, prompt_len)
-        return POOLING_SAMPLING
+        return check_pooling_fits(prompt_len, self.kv_manager, self.num_kv_blocks)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown."""

@@ -110,6 +110,18 @@ def pooling_spec(params: PoolingParams, pooler: PoolerConfig, config: Any,
     return PoolingSpec(kind, bool(normalize), dims)
 
 
+def check_pooling_fits(prompt_len: int, kv_manager: Any, num_kv_blocks: int) -> SamplingParams:
+    """ValueError unless a pooling request's prompt fits the KV cache (its blocks, and the KV
+    manager's own check); the SamplingParams the scheduler sees for it."""
+    blocks = -(-prompt_len // kv_manager.block_size)
+    if blocks > num_kv_blocks:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens needs {blocks} KV blocks; the cache has "
+            f"{num_kv_blocks} (raise kv_cache_memory or shorten the prompt)")
+    kv_manager.check_request(1, False, prompt_len, prompt_len)
+    return POOLING_SAMPLING
+
+
 def pooling_output(group: SequenceGroup, finished: bool) -> PoolingRequestOutput:
     """A pooling group's output (its data None unless its prompt was computed)."""
     return PoolingRequestOutput(
