@@ -30,6 +30,7 @@ _ST_MODES = {
 }
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_ST_KNOWN = (_ST_POOLING, _ST_NORMALIZE, "sentence_transformers.models.Transformer")
 
 
 @dataclass
@@ -103,7 +104,8 @@ class PoolerConfig:
 def sentence_transformers_pooling(model_dir: str | None) -> PoolerConfig | None:
     """The pooling of a sentence-transformers folder (`modules.json`), as vLLM reads it: the
     Pooling module's mode (mean, CLS or last token; others keep LAST), normalized when a
-    Normalize module follows. None without `modules.json`."""
+    Normalize module follows. None without `modules.json`; ValueError for other modules (a
+    Dense projection, ...), which we do not apply."""
     if model_dir is None:
         return None
     path = os.path.join(model_dir, "modules.json")
@@ -111,6 +113,12 @@ def sentence_transformers_pooling(model_dir: str | None) -> PoolerConfig | None:
         return None
     with open(path) as f:
         modules: list[dict[str, Any]] = json.load(f)
+    for m in modules:
+        if m.get("type") not in _ST_KNOWN:
+            raise ValueError(
+                f"the model's sentence-transformers module {m.get('name')!r} ({m.get('type')}) "
+                "is not supported (only Transformer, Pooling and Normalize): its embeddings "
+                "would differ from sentence-transformers'")
     normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
     pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
     if pooling is None:

@@ -84,6 +84,16 @@ def test_sentence_transformers_files_choose_the_pooling(checkpoints, tmp_path, m
     assert (torch.tensor(out.outputs.embedding) - ref).abs().max() <= ATOL
 
 
+def test_an_unsupported_sentence_transformers_module_is_refused(checkpoints, tmp_path):
+    path = with_st_files(checkpoints("llama"), tmp_path / "st", "mean", True)
+    modules = json.loads((path / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense",
+                       "type": "sentence_transformers.models.Dense"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense"):
+        pooling_llm(path)
+
+
 def test_pooler_config_option_overrides_the_model_files(checkpoints, tmp_path):
     path = with_st_files(checkpoints("llama"), tmp_path / "st", "mean", True)
     llm = pooling_llm(path, pooler_config='{"pooling_type": "LAST", "normalize": false}')
