@@ -98,3 +98,22 @@ def load_hf(path: Path):
 
 def tokenizer():
     return _tokenizer()
+
+
+def make_classifier_checkpoint(path: Path, arch: str, num_labels: int, seed: int = 0) -> Path:
+    """Save a tiny random `*ForSequenceClassification` of `arch` with `num_labels` labels (and the
+    test tokenizer) to `path`; return `path`."""
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = config_for(arch, num_labels=num_labels)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+            else:
+                p.normal_(1.0 if "norm" in name or "ln" in name else 0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer().save_pretrained(path)
+    return path

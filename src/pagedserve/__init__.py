@@ -20,6 +20,11 @@ _LAZY = {
     "CompletionOutput": "pagedserve.outputs",
     "Logprob": "pagedserve.outputs",
     "BeamSearchParams": "pagedserve.core.beam_search",
+    "PoolingParams": "pagedserve.pooling_params",
+    "PoolingRequestOutput": "pagedserve.outputs",
+    "EmbeddingRequestOutput": "pagedserve.outputs",
+    "ScoringRequestOutput": "pagedserve.outputs",
+    "ClassificationRequestOutput": "pagedserve.outputs",
     "BeamSearchOutput": "pagedserve.core.beam_search",
 }
 

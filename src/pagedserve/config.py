@@ -14,6 +14,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from pagedserve.core.scheduler import PREEMPTION_MODES, SchedulerConfig
+from pagedserve.pooling_params import RUNNERS, PoolerConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -154,6 +155,15 @@ class EngineArgs:
     require_kernels: bool = option(
         False, "fail at start-up if the compiled CPU kernels cannot load, instead of warning and "
         "running the much slower torch fallback")
+    runner: str = option(
+        "auto", "generate (text generation) or pooling (embeddings, classification, scores: "
+        "LLM.embed / /v1/embeddings); auto: pooling for a checkpoint without an LM head (a bare "
+        "*Model or a *ForSequenceClassification), else generate",
+        choices=RUNNERS)
+    pooler_config: str | None = option(
+        None, "the pooling runner's pooler as JSON, e.g. '{\"pooling_type\": \"MEAN\", "
+        "\"normalize\": true}' (pooling_type LAST | MEAN | CLS; default: the model's "
+        "sentence-transformers files, else LAST, normalized)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -190,6 +200,8 @@ class EngineArgs:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if self.pooler_config is not None:
+            PoolerConfig.resolve(self.pooler_config, None)  # ValueError when malformed
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

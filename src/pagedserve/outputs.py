@@ -60,3 +60,100 @@ class RequestOutput:
     new_text: list[str] = field(default_factory=list)
     # Prompt tokens served from the prefix cache (vLLM's num_cached_tokens).
     num_cached_tokens: int | None = None
+
+
+# --- pooling (vLLM's shapes) ------------------------------------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: `data` is a float32 CPU tensor ([H], or [T, H] for the
+    token_embed task; None if the request was aborted)."""
+
+    data: object
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (`LLM.encode`, the server's pooling routes)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        if data is None or data.dim() != 1:
+            raise ValueError("an embedding is one vector per prompt (task 'embed')")
+        return cls(out.request_id, EmbeddingOutput(data.tolist()), out.prompt_token_ids,
+                   out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """One similarity score."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one (text_1, text_2) pair; `prompt_token_ids` are both texts'."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's class probabilities (after its activation)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result for one prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)

@@ -119,6 +119,10 @@ class SequenceGroup:
     extra: dict[str, Any] = field(default_factory=dict)
     # Prompt tokens found in the prefix cache when first admitted (None: not admitted yet).
     num_cached_tokens: int | None = None
+    # A pooling request (`pooling_params.PoolingSpec`): prefill only, it finishes when its prompt
+    # is computed, with the runner's result in `pooled` (opaque here).
+    pooling: Any = None
+    pooled: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

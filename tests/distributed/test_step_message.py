@@ -138,3 +138,19 @@ def test_structured_outputs_through_the_message_path_equal_the_direct_path(check
     assert summary(outs) == summary(ref)
     assert all(re.fullmatch(regex, c.text) for c in outs[0].outputs)
     assert outs[1].outputs[0].text == "x y"
+
+
+def test_pooling_requests_through_the_message_path_equal_the_direct_path(checkpoints):
+    # Mean pooling over prompts split across steps: every chunk's row carries the request's
+    # pooling (sent once per request), so workers skip the logits of the same rows.
+    path = str(checkpoints("llama"))
+    ps = prompts([9, 30, 17, 4], seed=2)
+    opts = dict(runner="pooling", pooler_config='{"pooling_type": "MEAN"}',
+                max_num_batched_tokens=8)
+    direct = make(path, loopback=False, **opts).encode(ps, pooling_task="embed", use_tqdm=False)
+    llm = make(path, loopback=True, **opts)
+    looped = llm.encode(ps, pooling_task="embed", use_tqdm=False)
+    assert all(a.outputs.data.equal(b.outputs.data) for a, b in zip(direct, looped))
+    # forgotten with their requests (the last one's end travels with the next step)
+    decoder = llm.engine.executor.decoder
+    assert set(decoder.pooling) == set(decoder.requests) and len(decoder.pooling) <= 1

@@ -39,3 +39,12 @@ def test_unsupported_architecture_lists_supported_ones():
     message = str(err.value)
     assert "BertForMaskedLM" in message
     assert all(name in message for name in EXPECTED)
+
+
+def test_pooling_checkpoints_load_into_the_generation_classes():
+    # Bare base models and sequence classifiers (the pooling runner's) map onto our classes.
+    from pagedserve.models.registry import POOLING_ALIASES
+
+    for name, target in POOLING_ALIASES.items():
+        config = transformers.LlamaConfig(architectures=[name])
+        assert get_model_class(config) is MODEL_REGISTRY[target]

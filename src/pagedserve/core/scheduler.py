@@ -345,13 +345,16 @@ class Scheduler:
     def _prefix_hits(self, group: SequenceGroup) -> list[tuple[Sequence, list[int]]]:
         """Cached leading blocks for each sequence of a group about to be admitted.
 
-        NOTE: a request asking for prompt logprobs computes its whole prompt (no cached
-        positions are skipped); a forking group looks up its parent only.
+        NOTE: a request asking for prompt logprobs, or pooling more than the last token, computes
+        its whole prompt (no cached positions are skipped); a forking group looks up its parent
+        only.
         """
         if not self.kv.enable_prefix_caching or (
             group.sampling_params.prompt_logprobs is not None and not group.prompt_logprobs_done
         ):
             return []
+        if group.pooling is not None and group.pooling.needs_whole_prompt:
+            return []  # mean / CLS / per-token pooling read every prompt position's state
         seqs = group.unfinished_seqs()
         if group.fork_pending:
             seqs = seqs[:1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import PromptThenOutput
 
@@ -58,6 +59,9 @@ class StepRow:
     beam_width: int = 0
     # The chosen tokens' logprobs are needed (asked for, or to rank best_of).
     need_logprob: bool = False
+    # A pooling request (every chunk of its prompt): its hidden states are pooled, nothing is
+    # sampled; the pooled result comes back with the chunk that reaches the end (`do_sample`).
+    pooling: PoolingSpec | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +96,7 @@ class StepInput:
             group, seq = s.group, s.seq
             samples: list[SampleSpec] = []
             beam_width = group.beam.params.beam_width if group.beam is not None else 0
-            if s.do_sample and not beam_width:
+            if s.do_sample and not beam_width and group.pooling is None:
                 seqs = group.seqs[: s.num_samples] if s.num_samples > 1 else [seq]
                 samples = [SampleSpec(q.seq_id, q.index, q.token_ids, q.num_prompt_tokens)
                            for q in seqs]
@@ -101,6 +105,6 @@ class StepInput:
                 num_prompt_tokens=seq.num_prompt_tokens, start=s.start, end=s.end,
                 block_table=s.block_table, params=group.sampling_params, do_sample=s.do_sample,
                 prompt_logprobs=s.wants_prompt_logprobs, samples=samples, beam_width=beam_width,
-                need_logprob=group.needs_logprobs))
+                need_logprob=group.needs_logprobs, pooling=group.pooling))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                    sched.finished_request_ids, sched.freed_seq_ids)

@@ -30,3 +30,6 @@ class SeqStepOutput:
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
     # Beam search: the row's best 2 * beam_width (token, raw logprob), best first.
     beam_candidates: list[tuple[int, float]] | None = None
+    # Pooling: the request's pooled hidden states once its prompt is computed (a float32 CPU
+    # tensor from the runner). NOTE: opaque here: the scheduler hands it to the group unread.
+    pooled: object | None = None

@@ -3,10 +3,11 @@ Python, no torch.
 
 For every scheduled sequence, in order: its computed tokens advance, its newly full blocks are
 offered to the prefix cache, a forking group's other sequences fork the parent once the shared
-prompt is computed, sampled tokens are appended and checked against the token-level stops (EOS,
-stop token ids after `min_tokens`, `max_tokens`, `max_model_len`), beam candidates are collected
-and, once every live beam has its candidates, the beam step forks, extends and prunes. Finished
-sequences free their blocks; finished groups leave `running`.
+prompt is computed, a pooling request finishes with its pooled result (prefill only), sampled
+tokens are appended and checked against the token-level stops (EOS, stop token ids after
+`min_tokens`, `max_tokens`, `max_model_len`), beam candidates are collected and, once every live
+beam has its candidates, the beam step forks, extends and prunes. Finished sequences free their
+blocks; finished groups leave `running`.
 
 The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
 token logprob entries, incremental detokenization and stop strings.
@@ -65,7 +66,11 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
                 group.prompt_logprobs_done = True
         # The shared prompt is computed: the other sequences fork the parent's blocks.
         forked = scheduler.fork_if_ready(group)
-        if r.samples:
+        if r.pooled is not None:  # a pooling request ends with its prompt: nothing is decoded
+            group.pooled = r.pooled
+            scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+            touched[group.request_id] = group
+        elif r.samples:
             seqs = forked if len(r.samples) > 1 else [seq]
             for q, sample in zip(seqs, r.samples):
                 _append_token(scheduler, group, q, sample, observer)

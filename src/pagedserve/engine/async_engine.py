@@ -452,7 +452,7 @@ class AsyncLLMEngine:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            num_tokens = sum(len(c.token_ids) for c in _completions(out))
             if num_tokens > tracked.num_tokens:
                 if tracked.last_token_time is None:
                     ttft.append(now - tracked.arrival_time)
@@ -494,7 +494,9 @@ class AsyncLLMEngine:
 
     @staticmethod
     def _finished_record(out: RequestOutput, tracked: _Tracked, now: float):
-        reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+        reasons = [c.finish_reason for c in _completions(out) if c.finish_reason]
+        if out.finished and not isinstance(out.outputs, list):
+            reasons = ["stop"]  # a pooling request that finished (vLLM records "stop")
         m = out.metrics
         return FinishedRequestStats(
             request_id=out.request_id,
@@ -536,12 +538,17 @@ class AsyncLLMEngine:
             stream._fail(exc)
 
 
+def _completions(out) -> list:
+    """A RequestOutput's completions; none for a pooling request's output."""
+    return out.outputs if isinstance(out.outputs, list) else []
+
+
 def _request_timings(out: RequestOutput, tracked: _Tracked, now: float) -> dict:
     """A finished request's n, max_tokens, preemptions and its inference / prefill / decode
     times (vLLM's per-request metrics)."""
     params, m = tracked.params, out.metrics
     record: dict = {"num_preemptions": out.num_preemptions}
-    if params is not None:
+    if isinstance(params, SamplingParams):
         record["n"] = max(params.n, params.best_of or 0)
         record["max_tokens"] = params.max_tokens
     if m is not None and m.first_scheduled_time is not None:

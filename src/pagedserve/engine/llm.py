@@ -9,14 +9,16 @@ from tqdm import tqdm
 from pagedserve.config import EngineArgs
 from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_pooling import PoolingMixin
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 
 
-class LLM:
-    """Generate text for a batch of prompts with continuous batching over a paged KV cache.
+class LLM(PoolingMixin):
+    """Generate text for a batch of prompts with continuous batching over a paged KV cache
+    (or, with `runner="pooling"`, pool them: `embed`, `encode`, `score`; engine/llm_pooling.py).
 
     >>> llm = LLM()                                   # the embedded Gemma 3 270M
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))

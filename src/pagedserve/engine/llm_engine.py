@@ -16,6 +16,8 @@ from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis,
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.step_input import StepInput
+from pagedserve.engine.pooling import (check_pooling_fits, check_runner, hidden_size,
+                                       pooling_output, pooling_spec, resolve_runner)
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
     TokenizerInfo,
@@ -26,6 +28,7 @@ from pagedserve.models.loader import release_freed_memory, resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.pooling_params import PoolerConfig, PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
 from pagedserve.reasoning import make_reasoning_parser
@@ -111,6 +114,14 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             disable_any_whitespace=args.structured_outputs_disable_any_whitespace,
             reasoner=self.reasoner)
+        # "generate" or "pooling" (embeddings: prefill-only requests, see engine/pooling.py)
+        self.runner = resolve_runner(args.runner, config)
+        self.pooler_config = None
+        if self.runner == "pooling":
+            self.pooler_config = PoolerConfig.resolve(args.pooler_config, self._model_dir())
+            logger.info("pooling runner: pooling_type=%s normalize=%s (from %s)",
+                        self.pooler_config.pooling_type, self.pooler_config.normalize,
+                        self.pooler_config.source)
         self._seq_ids = itertools.count()
         self._build_cache(args)
         self._request_ids = itertools.count()
@@ -212,14 +223,20 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | None,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> SequenceGroup:
-        """Validate and queue one request. Raises ValueError (naming the problem) and leaves the
-        engine untouched when the request cannot be served."""
+        """Validate and queue one request: a generation request (`SamplingParams`) or, with
+        `runner="pooling"`, a pooling one (`PoolingParams`). Raises ValueError (naming the
+        problem) and leaves the engine untouched when the request cannot be served."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        check_runner(self.runner, params)
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling = pooling_spec(params, self.pooler_config, self.model_config,
+                                   self.source.name, hidden_size(self.model_config))
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt: either a prompt or prompt_token_ids is required")
@@ -227,7 +244,10 @@ class LLMEngine:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = self._validate_prompt(prompt_token_ids)
-        params = self._validate_params(params, len(prompt_token_ids))
+        if pooling is not None:
+            params = self._validate_pooling(len(prompt_token_ids))
+        else:
+            params = self._validate_params(params, len(prompt_token_ids))
         beam = None
         if params.use_beam_search:  # one group whose live sequences are the beams
             beam = BeamState(BeamSearchParams(
@@ -246,7 +266,7 @@ class LLMEngine:
             if beam:  # beams fork every step: their text is decoded once, at the end
                 group.seqs.append(seq)
                 continue
-            if self.tokenizer is None:
+            if self.tokenizer is None or pooling is not None:
                 seq.detokenizer = _NoDetokenizer()
                 group.seqs.append(seq)
                 continue
@@ -260,6 +280,7 @@ class LLMEngine:
             group.seqs.append(seq)
         group.fork_pending = len(group.seqs) > 1
         group.beam = beam
+        group.pooling = pooling
         final_len = min(self.max_model_len, len(prompt_token_ids) + params.max_tokens)
         for seq in group.seqs:
             self.kv_manager.on_admit(seq.seq_id, len(prompt_token_ids), final_len)
@@ -316,6 +337,7 @@ class LLMEngine:
     def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        check_runner(self.runner, params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (the engine runs with "
                              "skip_tokenizer_init); use stop_token_ids")
@@ -352,6 +374,10 @@ class LLMEngine:
             width, params.use_beam_search, prompt_len,
             min(self.max_model_len, prompt_len + params.max_tokens))
         return params
+
+    def _validate_pooling(self, prompt_len: int) -> SamplingParams:
+        """A pooling request's check (its prompt's blocks fit the cache); its SamplingParams."""
+        return check_pooling_fits(prompt_len, self.kv_manager, self.num_kv_blocks)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. Returns False if it is unknown."""
@@ -502,6 +528,8 @@ class LLMEngine:
         )
 
     def _make_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
+        if group.pooling is not None:
+            return pooling_output(group, finished)
         if group.beam is not None:
             return self._make_beam_output(group, finished)
         params = group.sampling_params

@@ -65,6 +65,18 @@ class CausalLM(Protocol):
         ...
 
 
+def head_kind(config: Any) -> str:
+    """What the checkpoint has on top of its decoder stack: "lm" (an LM head: `*ForCausalLM`,
+    `*LMHeadModel`, ...), "classifier" (`*ForSequenceClassification`: a `score` layer) or "none"
+    (a bare base model saved by `AutoModel`: `LlamaModel`, `Qwen3Model`, ...)."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and all(a.endswith("ForSequenceClassification") for a in archs):
+        return "classifier"
+    if archs and all(a.endswith("Model") and not a.endswith("LMHeadModel") for a in archs):
+        return "none"
+    return "lm"
+
+
 def check_kv_caches(kv_caches: list, num_layers: int) -> None:
     """ValueError unless there is one (k_cache, v_cache) pair per layer."""
     if len(kv_caches) != num_layers:
@@ -132,6 +144,12 @@ class PagedCausalLM(nn.Module):
                    head_dim: int, tp: TPContext) -> None:
         self.config = config
         self.tied = bool(getattr(config, "tie_word_embeddings", self.tied_by_default))
+        kind = head_kind(config)
+        if kind != "lm":
+            self.tied = True  # no LM head saved (the pooling runner reads no logits)
+        # A sequence classifier's head over the last token's state (`*ForSequenceClassification`)
+        self.score = nn.Linear(head_in, int(config.num_labels), bias=False) if kind == "classifier" \
+            else None
         self.lm_head = ParallelLMHead(head_in, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = embedding.weight
@@ -164,9 +182,16 @@ class PagedCausalLM(nn.Module):
             return None
         return self.lm_head.greedy(hidden)
 
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, num_labels] fp32
+        """The classifier head's logits (`*ForSequenceClassification` checkpoints only)."""
+        if self.score is None:
+            raise ValueError("the model has no classification head")
+        return self.score(hidden.to(self.score.weight.dtype)).float()
+
     def _rename(self, name: str) -> str | None:
         """A checkpoint tensor name -> our parameter name, or None to skip it."""
-        return checkpoint_rename(name, prefix=self.checkpoint_prefix, tied=self.tied)
+        return checkpoint_rename(name, prefix=self.checkpoint_prefix, tied=self.tied,
+                                 own=("lm_head.", "score."))
 
     def _transposed(self) -> Callable[[str], bool] | None:
         """Which parameters the checkpoint stores transposed (GPT-2's Conv1D), or None."""

@@ -24,6 +24,25 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
+# Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
+# models (saved by `AutoModel`, e.g. embedding checkpoints; their weights get the base model's
+# prefix on loading) and sequence classifiers (a `score` head; models/base.py `head_kind`).
+POOLING_ALIASES: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",
+    "OPTModel": "OPTForCausalLM",
+    "GPT2Model": "GPT2LMHeadModel",
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "OPTForSequenceClassification": "OPTForCausalLM",
+    "GPT2ForSequenceClassification": "GPT2LMHeadModel",
+}
+
 # For configs built in code, which carry no `architectures`.
 _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -49,6 +68,7 @@ def get_model_class(config: Any) -> type[nn.Module]:
     if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
         archs = [_BY_MODEL_TYPE[config.model_type]]
     for arch in archs:
+        arch = POOLING_ALIASES.get(arch, arch)
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
     raise ValueError(

@@ -17,6 +17,7 @@ from pagedserve.kernels import cpu_grammar
 from pagedserve.kernels.cpu_gemm import kernel_available
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
+from pagedserve.worker.pooler import Pooler
 from pagedserve.worker.sampler import (
     SampleRequest,
     logprob_stats,
@@ -146,6 +147,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.eos_ids = list(stop_token_ids_for_min_tokens)
         self.generators: dict[str, dict[int, torch.Generator]] = {}
+        self.pooler = Pooler()  # pooling requests' partial states (runner="pooling")
         self.attention_backend = resolve_backend(attention_backend, self.device)
         self.on_cuda = self.device.type == "cuda"
         # Pinned host buffers for what comes back each step (CUDA only), grown on demand.
@@ -213,6 +215,7 @@ class ModelRunner:
         """Run one step; return one entry per row, in order."""
         for request_id in step.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.pooler.drop(step.finished_request_ids)
         # NOTE: this order matters; see SchedulerOutput.
         if step.blocks_to_swap_out:
             self.kv_cache.swap_out(step.blocks_to_swap_out)
@@ -227,11 +230,15 @@ class ModelRunner:
         positions: list[int] = []
         logit_rows: list[int] = []
         row_owner: list[tuple[int, str]] = []  # (scheduled index, "sample" | "prompt")
+        starts: list[int] = []  # each row's first position in the flat batch
         offset = 0
         for idx, s in enumerate(step.rows):
             input_ids.extend(s.token_ids[s.start : s.end])
             positions.extend(range(s.start, s.end))
-            if s.prompt_logprobs:
+            starts.append(offset)
+            if s.pooling is not None:
+                pass  # pooled from the hidden states (worker/pooler.py): no logits
+            elif s.prompt_logprobs:
                 logit_rows.extend(range(offset, offset + s.num_tokens))
                 row_owner.extend([(idx, "prompt")] * s.num_tokens)
             elif s.do_sample:
@@ -252,6 +259,19 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
             hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
+        pooled = {}
+        if self.sample and any(s.pooling is not None for s in step.rows):
+            pooled = self.pooler.pool(step.rows, hidden, starts,
+                                      getattr(self.model, "classify", None))
+        outputs = self._sample(step, hidden, logit_rows, row_owner, offset)
+        if pooled:
+            for idx, vec in pooled.items():
+                outputs[idx].pooled = vec
+        return outputs
+
+    def _sample(self, step: StepInput, hidden: torch.Tensor, logit_rows: list[int],
+                row_owner: list[tuple[int, str]], offset: int) -> list[SeqStepOutput]:
+        """Logits for `logit_rows` of `hidden` and the step's samples (rank 0; [] elsewhere)."""
         if logit_rows == list(range(offset)):  # decode-only: every row, in order
             hidden_rows = hidden  # [R, H]
         else:

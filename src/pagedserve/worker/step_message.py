@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.step_input import SampleSpec, StepInput, StepRow
+from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
 
 DO_SAMPLE = 1
@@ -33,6 +34,8 @@ class StepMessage:
 
     # (request id, sampling parameters, beam width or 0)
     new_requests: list[tuple[str, SamplingParams, int]] = field(default_factory=list)
+    # The pooling of the new requests that pool (runner="pooling"), by request id
+    new_pooling: dict[str, PoolingSpec] = field(default_factory=dict)
     # (seq id, request id, prompt length, sample index)
     new_seqs: list[tuple[int, str, int, int]] = field(default_factory=list)
     tokens: list[Delta] = field(default_factory=list)
@@ -85,6 +88,8 @@ class StepEncoder:
             if held is None:
                 held = self._seqs_of[row.request_id] = set()
                 msg.new_requests.append((row.request_id, row.params, row.beam_width))
+                if row.pooling is not None:
+                    msg.new_pooling[row.request_id] = row.pooling
             self._sync_tokens(row.seq_id, row.token_ids, row.num_prompt_tokens, 0, row.request_id,
                               held, msg)
             for spec in row.samples:
@@ -156,6 +161,7 @@ class StepDecoder:
 
     def reset(self) -> None:
         self.requests: dict[str, tuple[SamplingParams, int]] = {}
+        self.pooling: dict[str, PoolingSpec] = {}
         self.seqs: dict[int, _MirrorSeq] = {}
         self.tables: dict[int, list[int]] = {}
         self._seqs_of: dict[str, set[int]] = {}
@@ -164,6 +170,7 @@ class StepDecoder:
         """Apply `msg` to the mirror; return the step as the runner reads it."""
         for request_id in msg.finished_requests:
             self.requests.pop(request_id, None)
+            self.pooling.pop(request_id, None)
             for seq_id in self._seqs_of.pop(request_id, ()):
                 self._drop(seq_id)
         for seq_id in msg.freed_seqs:
@@ -174,6 +181,7 @@ class StepDecoder:
         for request_id, params, beam_width in msg.new_requests:
             self.requests[request_id] = (params, beam_width)
             self._seqs_of[request_id] = set()
+        self.pooling.update(msg.new_pooling)
         for seq_id, request_id, num_prompt_tokens, index in msg.new_seqs:
             self.seqs[seq_id] = _MirrorSeq(request_id, num_prompt_tokens, index)
             self._seqs_of[request_id].add(seq_id)
@@ -195,7 +203,8 @@ class StepDecoder:
                 block_table=self.tables[seq_id], params=params,
                 do_sample=bool(flags & DO_SAMPLE), prompt_logprobs=bool(flags & PROMPT_LOGPROBS),
                 samples=samples, beam_width=beam_width,
-                need_logprob=bool(flags & NEED_LOGPROB)))
+                need_logprob=bool(flags & NEED_LOGPROB),
+                pooling=self.pooling.get(seq.request_id)))
         return StepInput(rows, msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy,
                          msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask)
 

@@ -3,6 +3,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET
 /v1/responses/{id}), GET /v1/models, GET /health,
+the pooling routes of `serving_pooling` (POST /v1/embeddings, /pooling, /score, /rerank, ...),
 GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
 `--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
 /debug/profile/start and /debug/profile/stop (per-section step timings), GET /debug/memory and
@@ -61,6 +62,7 @@ from pagedserve.entrypoints.openai.serving_responses import (
     add_responses_routes,
 )
 from pagedserve.entrypoints.openai.serving_engine import ServerSettings
+from pagedserve.entrypoints.openai.serving_pooling import add_pooling_routes
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedserve.entrypoints.openai.vllm_routes import (
     LoadTracker,
@@ -151,6 +153,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     add_vllm_routes(app, engine, settings, completions, chat, pool,
                     tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint",
                                                     False))
+    add_pooling_routes(app, engine, settings, pool)  # embeddings, pooling, score, rerank
 
     @app.get("/v1/models")
     async def list_models():
