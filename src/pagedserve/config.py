@@ -103,6 +103,10 @@ class EngineArgs:
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
+    generation_config: str = option(
+        "auto", "default sampling parameters: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), "
+        "vllm (none: the neutral defaults), or a folder holding a generation_config.json")
 
     def __post_init__(self) -> None:
         for f in fields(self):

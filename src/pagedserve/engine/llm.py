@@ -9,14 +9,18 @@ from tqdm import tqdm
 from pagedserve.config import EngineArgs
 from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.llm_extras import LLMExtras
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 
 
-class LLM:
+class LLM(LLMExtras):
     """Generate text for a batch of prompts with continuous batching over a paged KV cache.
+
+    Also vLLM's `chat`, `get_default_sampling_params`, `reset_prefix_cache`, `get_metrics`,
+    `sleep` / `wake_up` and `collective_rpc` (engine/llm_extras.py).
 
     >>> llm = LLM()                                   # the embedded Gemma 3 270M
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
@@ -28,12 +32,14 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._finished_counts: dict[str, int] = {}  # get_metrics: requests by finish reason
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         """An `LLM` over an engine built from `args` (e.g. `EngineArgs.from_namespace`)."""
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(args)
+        llm._finished_counts = {}
         return llm
 
     def get_tokenizer(self):
@@ -53,8 +59,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation defaults, as vLLM
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -120,6 +126,8 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+                        self._finished_counts[reason] = self._finished_counts.get(reason, 0) + 1
                         bar.update(1)
         except BaseException:
             for request_id in order:

@@ -155,6 +155,18 @@ class Worker:
                                   enforce_eager=self.enforce_eager, sample=self.rank == 0)
         self.decoder.reset()
 
+    def free_cache(self) -> None:
+        """Drop the KV cache and its runner (`init_cache` builds them again)."""
+        self.runner = self.kv_cache = None
+        self.decoder.reset()
+
+    def rpc(self, method, args: tuple, kwargs: dict):
+        """`collective_rpc` on this rank: `self.<method>(*args, **kwargs)` for a name, else
+        `method(self, *args, **kwargs)`."""
+        if isinstance(method, str):
+            return getattr(self, method)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+
     def profile_memory(self, prof: ProfileConfig) -> MemoryProfile:
         """Free the KV cache, then profile the largest step (CUDA only)."""
         self.runner = self.kv_cache = None
