@@ -60,6 +60,7 @@ from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingToke
 from pagedserve.entrypoints.openai.vllm_routes import (
     LoadTracker,
     RequestIdMiddleware,
+    add_cors,
     add_vllm_routes,
 )
 
@@ -93,7 +94,8 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
 def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     """The FastAPI app serving `engine` (started by the app's lifespan, stopped at its end)."""
     settings = settings_from_args(args, engine)
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics(settings.model_name,
+                            prefix=getattr(args, "metrics_prefix", "pagedserve") + ":")
     metrics.set_cache_config(_cache_config(engine.engine))
     engine.add_listener(metrics)
     pool = CPUPool()
@@ -115,7 +117,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     app.state.settings = settings
     _add_error_handlers(app)
     if settings.api_key:
-        open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+        open_paths = {"/health", "/ping"} | (set() if settings.protect_metrics else {"/metrics"})
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
                            open_paths=frozenset(open_paths))
     if getattr(args, "enable_request_id_headers", False):
@@ -124,6 +126,9 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     # anything else.
     app.add_middleware(RequestSizeLimitMiddleware,
                        max_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+    # NOTE: outermost: preflights are answered before authentication, and every answer (401 and
+    # 413 too) carries the CORS headers a browser needs to read it.
+    add_cors(app, args)
 
     load = LoadTracker(app, getattr(args, "enable_server_load_tracking", False))
 
@@ -157,6 +162,11 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         if not engine.accepting:
             return APIError("the server is not accepting requests", 503).response()
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
 
     @app.get("/version")
     async def version():
@@ -425,7 +435,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
-        return APIError(detail, exc.status_code, headers=getattr(exc, "headers", None)).response()
+        return APIError(detail, exc.status_code, headers=getattr(exc, "headers", None),
+                        kind=status_phrase(exc.status_code)).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception):
