@@ -75,9 +75,10 @@ class LLMExtras:
         if tools is not None:
             template_kwargs["tools"] = tools
         prompts = [
-            self._render_conversation(conv, i, chat_template, chat_template_content_format,
-                                      add_generation_prompt, continue_final_message,
-                                      template_kwargs)
+            self._render_conversation(conv, f"messages[{i}]" if len(conversations) > 1
+                                      else "messages", chat_template,
+                                      chat_template_content_format, add_generation_prompt,
+                                      continue_final_message, template_kwargs)
             for i, conv in enumerate(conversations)
         ]
         if sampling_params is None:
@@ -103,14 +104,13 @@ class LLMExtras:
             raise ValueError("chat needs a tokenizer (the engine runs with skip_tokenizer_init)")
         return tokenizer
 
-    def _render_conversation(self, conversation, index: int, chat_template, content_format,
+    def _render_conversation(self, conversation, where: str, chat_template, content_format,
                              add_generation_prompt, continue_final_message,
                              template_kwargs) -> dict[str, Any]:
         """`{"prompt", "prompt_token_ids"}` of one conversation, as the server renders it."""
         from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
 
         tokenizer = self._chat_tokenizer()
-        where = f"messages[{index}]" if index else "messages"
         if not isinstance(conversation, (list, tuple)) or not conversation:
             raise ValueError(f"{where} must be a non-empty list of messages")
         dicts = []

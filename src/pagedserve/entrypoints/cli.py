@@ -1,4 +1,5 @@
-"""The `pagedserve` command: `generate`, `serve` and the `bench` benchmarks."""
+"""The `pagedserve` command: `generate`, `serve`, the `bench` benchmarks, and the `chat` /
+`complete` clients of a running server (entrypoints/client_cli.py)."""
 
 from __future__ import annotations
 
@@ -179,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from pagedserve.entrypoints import client_cli
+
+    for kind, text in (("chat", "chat with a running server (vLLM's `vllm chat`)"),
+                       ("complete", "complete prompts on a running server (`vllm complete`)")):
+        client = sub.add_parser(kind, help=text, description=text)
+        client_cli.add_client_args(client, kind)
+        client.set_defaults(func=client_cli.run)
     return parser
 
 
