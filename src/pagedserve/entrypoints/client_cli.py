@@ -11,6 +11,7 @@ takes `--max-tokens`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `chat` or `complete`; an unreachable server is a one-line error (exit 1)."""
     import openai
 
+    for name in ("openai", "httpx"):  # no per-request INFO lines around the answers
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return cmd_chat(args) if args.command == "chat" else cmd_complete(args)
     except openai.APIError as e:
