@@ -106,6 +106,9 @@ def test_generation_config_gives_the_defaults_and_explicit_params_win(checkpoint
     assert diff_sampling_params(source, "auto") == {}  # its config sets no sampling field
     with pytest.raises(ValueError, match="generation_config"):
         diff_sampling_params(source, str(tmp_path / "nowhere"))
+    bad = _with_generation_config(checkpoints, tmp_path / "bad", top_p=1.5)
+    with pytest.raises(ValueError, match="generation_config.*top_p"):
+        diff_sampling_params(source, str(bad))
 
 
 def test_a_gguf_model_has_no_generation_defaults(tmp_path):
@@ -166,6 +169,8 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_tokens(llm):
         llm.generate(prompt, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="level"):
         llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])  # the weights never left: still asleep
+    assert llm.is_sleeping()
     llm.wake_up()
     assert not llm.is_sleeping()
     assert _ids(llm.generate(prompt, GREEDY, use_tqdm=False)) == ref

@@ -57,6 +57,13 @@ def diff_sampling_params(source, generation_config: str = "auto") -> dict[str, A
     values = {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
     if "max_new_tokens" in values:  # HF's max_new_tokens is vLLM's max_tokens
         values["max_tokens"] = values.pop("max_new_tokens")
+    from pagedserve.sampling_params import SamplingParams
+
+    try:  # NOTE: checked once here, so that a bad config fails at load, not every request
+        SamplingParams(**values)
+    except ValueError as e:
+        raise ValueError(f"generation_config: the model's defaults {values} are invalid: {e}"
+                         ) from e
     return values
 
 

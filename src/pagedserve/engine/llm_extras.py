@@ -191,11 +191,12 @@ class LLMExtras:
         gc.collect()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Allocate the KV cache again (empty: the prefix cache starts afresh)."""
+        """Allocate the KV cache again (empty: the prefix cache starts afresh). `tags`, as
+        vLLM's: what to wake up; without "kv_cache" nothing changes (the weights never left)."""
         if tags is not None and not set(tags) <= {"kv_cache", "weights"}:
             raise ValueError(f"tags must name 'kv_cache' and/or 'weights', got {tags!r}")
         engine = self.engine
-        if not engine.sleeping:
+        if not engine.sleeping or (tags is not None and "kv_cache" not in tags):
             return
         engine.reconfigure_cache()
         engine.sleeping = False
