@@ -3,6 +3,7 @@ by step messages. The multiprocessing and Ray executors each host one `Worker` p
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -156,9 +157,13 @@ class Worker:
         self.decoder.reset()
 
     def free_cache(self) -> None:
-        """Drop the KV cache and its runner (`init_cache` builds them again)."""
+        """Drop the KV cache and its runner (`init_cache` builds them again); on CUDA the
+        allocator's cached blocks go back to the device too."""
         self.runner = self.kv_cache = None
         self.decoder.reset()
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def rpc(self, method, args: tuple, kwargs: dict):
         """`collective_rpc` on this rank: `self.<method>(*args, **kwargs)` for a name, else

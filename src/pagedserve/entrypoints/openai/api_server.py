@@ -2,7 +2,7 @@
 (uvicorn, with graceful shutdown on SIGINT/SIGTERM).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
+GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
 `--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
 /debug/profile/start and /debug/profile/stop (per-section step timings), GET /debug/memory and
 POST /debug/memory/trim (RSS by mapping, malloc's arenas, object counts), POST
