@@ -185,7 +185,7 @@ class LLMExtras:
         try:
             engine.executor.free_cache()
         except NotImplementedError as e:
-            raise ValueError(f"sleep needs the in-process executor: {e}") from e
+            raise ValueError(f"sleep needs the uni or mp executor: {e}") from e
         engine.kv_cache = None
         engine.sleeping = True
         gc.collect()
@@ -209,13 +209,13 @@ class LLMExtras:
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run `method` on every worker (a `Worker` method's name, or a function called as
-        `method(worker, *args, **kwargs)`); one result per rank. In-process executor only."""
+        `method(worker, *args, **kwargs)`); one result per rank. The uni and mp executors."""
         if timeout is not None:
-            raise ValueError("timeout is not supported by the in-process executor")
+            raise ValueError("timeout is not supported")
         try:
             return self.engine.executor.collective_rpc(method, tuple(args), dict(kwargs or {}))
         except NotImplementedError as e:
-            raise ValueError(f"collective_rpc needs the in-process executor: {e}") from e
+            raise ValueError(f"collective_rpc needs the uni or mp executor: {e}") from e
 
 
 def _conversations(messages) -> list:
