@@ -51,7 +51,8 @@ def test_chat_equals_generate_on_the_rendered_template(llm):
                       use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
     assert one.prompt.endswith("Assistant: It is")
     # "openai": the content reaches the template as a list of text parts.
-    parts = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+    parts = ("{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}"
+             "{% endfor %}")
     (listed,) = llm.chat(second, GREEDY, use_tqdm=False, chat_template=parts,
                          chat_template_content_format="openai")
     assert listed.prompt == "<a\nb>"

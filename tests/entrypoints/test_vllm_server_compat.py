@@ -198,7 +198,8 @@ def test_complete_and_chat_clients_talk_to_a_running_server(vllm_style, offline)
     assert out == (f"Using model: tiny\nPlease enter a message for the chat model:\n"
                    f"> {a1}\n> {a2}\n> ")
     quick = _cli("chat", "--url", url, "--api-key", KEY, "-q", "Hello")
-    assert quick == f"Using model: tiny\n{offline.chat(first[1:], use_tqdm=False)[0].outputs[0].text}\n"
+    alone = offline.chat(first[1:], use_tqdm=False)[0].outputs[0].text
+    assert quick == f"Using model: tiny\n{alone}\n"
 
 
 def test_the_clients_report_an_unreachable_server_in_one_line():

@@ -113,7 +113,7 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # The model's generation defaults (engine/generation_config.py): request fields win.
         self.default_sampling_params = diff_sampling_params(self.source, args.generation_config)
-        self.sleeping = False  # engine/sleep.py: the KV cache is freed, no request is accepted
+        self.sleeping = False  # LLM.sleep (engine/llm_extras.py): KV cache freed, no request taken
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
             "in cache), max_model_len=%d",
