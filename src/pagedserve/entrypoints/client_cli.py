@@ -102,7 +102,12 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run `chat` or `complete`; an unreachable server is a one-line error (exit 1)."""
-    import openai
+    try:
+        import openai
+    except ImportError:
+        print("error: pagedserve chat / complete need the openai package: pip install openai",
+              file=sys.stderr)
+        return 1
 
     for name in ("openai", "httpx"):  # no per-request INFO lines around the answers
         logging.getLogger(name).setLevel(logging.WARNING)
