@@ -117,6 +117,22 @@ def test_generation_config_gives_the_defaults_and_explicit_params_win(checkpoint
         diff_sampling_params(source, str(bad))
 
 
+def test_override_generation_config_sets_fields_over_the_config(checkpoints, tmp_path):
+    folder = _with_generation_config(checkpoints, tmp_path, temperature=0.7, top_k=20)
+    source = ModelSource("m", "hf", folder, None)
+    over = {"temperature": 0.5, "max_new_tokens": 3, "do_sample": True}
+    assert diff_sampling_params(source, "auto", over) == {"temperature": 0.5, "top_k": 20,
+                                                          "max_tokens": 3}
+    assert diff_sampling_params(source, "vllm", over) == {"temperature": 0.5, "max_tokens": 3}
+    # The flag's JSON text and a dict from Python are the same option.
+    from pagedserve.config import EngineArgs
+
+    assert EngineArgs(override_generation_config='{"top_p": 0.5}').override_generation_config \
+        == {"top_p": 0.5}
+    with pytest.raises(ValueError, match="override_generation_config"):
+        EngineArgs(override_generation_config="[1]")
+
+
 def test_a_gguf_model_has_no_generation_defaults(tmp_path):
     # As vLLM: a GGUF file's header carries no generation config (the embedded model).
     assert diff_sampling_params(ModelSource("x.gguf", "gguf", tmp_path, None), "auto") == {}

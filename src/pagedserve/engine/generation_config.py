@@ -5,7 +5,10 @@
 - ``"auto"`` (default): the model's own ``generation_config.json`` (an HF folder; a folder
   without one: the generation fields of its ``config.json``; a GGUF file: none);
 - ``"vllm"``: none, the neutral defaults of `SamplingParams`;
-- a folder: the ``generation_config.json`` found there.
+- a folder: the ``generation_config.json`` found there;
+
+and `override_generation_config` (``--override-generation-config '{"temperature": 0.5}'``)
+sets fields over whichever it is (over "vllm" too).
 
 Of that config only the fields that differ from transformers' defaults count
 (`GenerationConfig.to_diff_dict`, as vLLM's `ModelConfig.get_diff_sampling_param`), and of those
@@ -35,15 +38,18 @@ SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p
                    "max_new_tokens")
 
 
-def diff_sampling_params(source, generation_config: str = "auto") -> dict[str, Any]:
+def diff_sampling_params(source, generation_config: str = "auto",
+                         override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The default sampling parameters `generation_config` gives for the model `source`
-    (a `ModelSource`): vLLM names (``max_tokens``), only those the config sets."""
+    (a `ModelSource`), with the fields of `override` set over them (vLLM's
+    `--override-generation-config`, also over "vllm"): vLLM names (``max_tokens``), only those
+    set."""
     if generation_config == "vllm":
-        return {}
-    if generation_config == "auto":
-        if getattr(source, "kind", None) != "hf":  # GGUF: its header carries none
-            return {}
-        config = _read(Path(source.path), fallback=getattr(source, "config", None))
+        config = {}
+    elif generation_config == "auto":
+        config = None
+        if getattr(source, "kind", None) == "hf":  # GGUF: its header carries none
+            config = _read(Path(source.path), fallback=getattr(source, "config", None))
     else:
         folder = Path(generation_config).expanduser()
         if not folder.is_dir():
@@ -52,8 +58,7 @@ def diff_sampling_params(source, generation_config: str = "auto") -> dict[str, A
         config = _read(folder, fallback=None)
         if config is None:
             raise ValueError(f"generation_config: no generation_config.json in {folder}")
-    if not config:
-        return {}
+    config = {**(config or {}), **(override or {})}
     values = {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
     if "max_new_tokens" in values:  # HF's max_new_tokens is vLLM's max_tokens
         values["max_tokens"] = values.pop("max_new_tokens")

@@ -112,7 +112,8 @@ class LLMEngine:
         self._step_ids_stamp = -1  # stats["steps"] when they were recorded
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # The model's generation defaults (engine/generation_config.py): request fields win.
-        self.default_sampling_params = diff_sampling_params(self.source, args.generation_config)
+        self.default_sampling_params = diff_sampling_params(
+            self.source, args.generation_config, args.override_generation_config)
         self.sleeping = False  # LLM.sleep (engine/llm_extras.py): KV cache freed, no request taken
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
