@@ -193,9 +193,12 @@ def test_sleep_frees_the_kv_cache_and_wake_up_serves_the_same_tokens(llm):
         llm.sleep(level=2)
     llm.wake_up(tags=["weights"])  # the weights never left: still asleep
     assert llm.is_sleeping()
+    queries = {m.name: m.value for m in llm.get_metrics()}["vllm:prefix_cache_queries"]
     llm.wake_up()
     assert not llm.is_sleeping()
     assert _ids(llm.generate(prompt, GREEDY, use_tqdm=False)) == ref
+    # The counters carry on over the rebuilt block manager.
+    assert {m.name: m.value for m in llm.get_metrics()}["vllm:prefix_cache_queries"] > queries
     assert llm.engine.num_used_blocks() == 0
     # Not with requests in flight.
     llm.engine.add_request("busy", None, GREEDY, prompt_token_ids=[3, 4, 5])

@@ -154,12 +154,13 @@ class LLMExtras:
         engine = self.engine
         labels = {"model_name": engine.source.name}
         kv, sched = engine.kv_manager, engine.scheduler
+        counts = self._cache_counts()
         out: list[Metric] = [
             Counter("vllm:prompt_tokens", dict(labels), engine.stats["prompt_tokens"]),
             Counter("vllm:generation_tokens", dict(labels), engine.stats["generation_tokens"]),
-            Counter("vllm:num_preemptions", dict(labels), sched.num_preemptions),
-            Counter("vllm:prefix_cache_queries", dict(labels), kv.prefix_queries),
-            Counter("vllm:prefix_cache_hits", dict(labels), kv.prefix_hits),
+            Counter("vllm:num_preemptions", dict(labels), counts[0]),
+            Counter("vllm:prefix_cache_queries", dict(labels), counts[1]),
+            Counter("vllm:prefix_cache_hits", dict(labels), counts[2]),
             Gauge("vllm:num_requests_running", dict(labels), float(len(sched.running))),
             Gauge("vllm:num_requests_waiting", dict(labels), float(len(sched.waiting))),
             Gauge("vllm:kv_cache_usage_perc", dict(labels), float(kv.usage())),
@@ -168,6 +169,14 @@ class LLMExtras:
             out.append(Counter("vllm:request_success", {**labels, "finished_reason": reason},
                                count))
         return out
+
+    def _cache_counts(self) -> tuple[int, int, int]:
+        """Preemptions, prefix-cache queries and hits so far, across the scheduler and block
+        manager that `wake_up` rebuilds (their own counts start again at 0)."""
+        base = getattr(self, "_counts_before_rebuild", (0, 0, 0))
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return (base[0] + sched.num_preemptions, base[1] + kv.prefix_queries,
+                base[2] + kv.prefix_hits)
 
     # --- sleep / wake_up ---------------------------------------------------------------------
 
@@ -198,7 +207,9 @@ class LLMExtras:
         engine = self.engine
         if not engine.sleeping or (tags is not None and "kv_cache" not in tags):
             return
+        counts = self._cache_counts()
         engine.reconfigure_cache()
+        self._counts_before_rebuild = counts
         engine.sleeping = False
 
     def is_sleeping(self) -> bool:
