@@ -9,6 +9,7 @@ once, here, with ValueError.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -70,6 +71,18 @@ def _flag_type(annotation: Any) -> type:
     if name not in types:
         raise TypeError(f"EngineArgs field of type {annotation!r}: no CLI flag type for it")
     return types[name]
+
+
+def _json_object(name: str, value: Any) -> dict[str, Any]:
+    """A dict, or a string holding a JSON object, as a dict; ValueError naming `name` else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} must be a JSON object, got {value!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
+    return value
 
 
 @dataclass
@@ -164,6 +177,13 @@ class EngineArgs:
         None, "the pooling runner's pooler as JSON, e.g. '{\"pooling_type\": \"MEAN\", "
         "\"normalize\": true}' (pooling_type LAST | MEAN | CLS; default: the model's "
         "sentence-transformers files, else LAST, normalized)")
+    generation_config: str = option(
+        "auto", "default sampling parameters: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), "
+        "vllm (none: the neutral defaults), or a folder holding a generation_config.json")
+    override_generation_config: str | None = option(
+        None, "generation fields set over --generation-config, a JSON object (vLLM's), e.g. "
+        "'{\"temperature\": 0.5, \"max_new_tokens\": 128}' (from Python also a dict)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -202,6 +222,9 @@ class EngineArgs:
                              f"got {self.gpu_memory_utilization!r}")
         if self.pooler_config is not None:
             PoolerConfig.resolve(self.pooler_config, None)  # ValueError when malformed
+        if self.override_generation_config is not None:
+            self.override_generation_config = _json_object(
+                "override_generation_config", self.override_generation_config)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

@@ -80,8 +80,9 @@ class SamplingParams:
         seed: per-request RNG seed, or ``None`` for the engine's generator.
         stop: strings that end generation; the output excludes them unless
             ``include_stop_str_in_output``.
-        stop_token_ids: token ids that end generation (kept in the output token ids; in the
-            text unless they are special tokens and ``skip_special_tokens``).
+        stop_token_ids: token ids that end generation (kept in the output token ids; the
+            text leaves the stopping token out, as it does EOS, unless
+            ``include_stop_str_in_output``).
         ignore_eos: keep generating after EOS.
         max_tokens: maximum number of generated tokens per sequence; ``None`` means up to
             the model's context length (resolved by the engine).

@@ -2,6 +2,7 @@
 tokens (float32, tie rule) for a Llama-family, a Gemma 3 and an OPT model, also under preemption;
 a worker that dies fails the engine at once, never hangs."""
 
+import operator
 import os
 import random
 import signal
@@ -91,6 +92,22 @@ def test_two_worker_processes_under_swap_and_recompute_preemption(tp2, checkpoin
 
 
 @pytest.mark.timeout(60)
+def test_sleep_wake_up_and_collective_rpc_reach_every_worker_process(tp2):
+    # NOTE: before the tests below, which kill workers of the module's engines.
+    llm = tp2("llama")
+    prompts = prompts_of_lengths([5, 12], seed=4)
+    refs = completions(llm, prompts, greedy(8))
+    infos = llm.collective_rpc("info")
+    assert len(infos) == 2 and infos[0].num_params == infos[1].num_params
+    llm.sleep()
+    # A picklable callable goes to the workers as `method(worker)`: their caches are gone.
+    assert llm.collective_rpc(operator.attrgetter("kv_cache")) == [None, None]
+    llm.wake_up()
+    assert [o.token_ids for o in completions(llm, prompts, greedy(8))] == [
+        r.token_ids for r in refs]
+    assert llm.engine.num_used_blocks() == 0
+
+
 def test_a_killed_idle_worker_is_noticed_at_once_and_the_next_step_fails(tp2):
     llm = tp2("llama")
     executor = llm.engine.executor
@@ -131,3 +148,4 @@ def test_a_worker_killed_during_a_step_fails_that_step_instead_of_hanging(tp2):
         llm.generate(prompts_of_lengths([5, 8]), greedy(8), use_tqdm=False)
     assert time.monotonic() - start < 10 and len(steps) == 3
     llm.engine.shutdown()
+

@@ -44,7 +44,7 @@ def test_every_route_but_health_needs_the_api_key(guarded, method, path, body):
                     {"Authorization": KEY}):
         resp = httpx.request(method, guarded.url + path, json=body, headers=headers)
         assert resp.status_code == 401, (headers, resp.text)
-        assert resp.json()["error"]["type"] == "authentication_error"
+        assert resp.json()["error"]["type"] == "Unauthorized"  # the HTTP phrase, as vLLM names it
         assert resp.headers["www-authenticate"] == "Bearer"
     resp = httpx.request(method, guarded.url + path, json=body,
                          headers={"Authorization": f"Bearer {KEY}"})

@@ -89,7 +89,7 @@ def test_a_failing_model_step_fails_only_its_requests_with_500_and_the_engine_ke
         failed, streamed, chat_ok, ok, health, metrics = asyncio.run(main())
     assert failed.status_code == 500, failed.text
     error = failed.json()["error"]
-    assert error["type"] == "server_error" and "simulated kernel fault" in error["message"]
+    assert error["type"] == "InternalServerError" and "simulated kernel fault" in error["message"]
     assert streamed.status_code == 200  # the stream had started: its error is an SSE event
     assert '"code":500' in streamed.text and "simulated kernel fault" in streamed.text
     assert streamed.text.rstrip().endswith("data: [DONE]")

@@ -64,7 +64,7 @@ def test_invalid_request_gets_openai_error_naming_the_param(http, name, path, bo
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param, error
     assert error["code"] == status and error["message"]
-    assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    assert error["type"] == ("BadRequestError" if status == 400 else "NotFoundError")  # vLLM's
 
 
 def test_bad_json_is_a_400_in_openai_shape_not_fastapis_422(http):

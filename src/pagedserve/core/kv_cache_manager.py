@@ -267,6 +267,15 @@ class KVCacheManager:
         if key is not None and self._cached.get(key[0]) == block:
             del self._cached[key[0]]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (their contents stay until reused, never matched again).
+        Only while no block is in use: False (and nothing changed) otherwise."""
+        if self.pool.num_used:
+            return False
+        self._cached.clear()
+        self._block_key.clear()
+        return True
+
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 

@@ -10,15 +10,19 @@ from pagedserve.config import EngineArgs
 from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.llm_pooling import PoolingMixin
+from pagedserve.engine.llm_extras import LLMExtras
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 
 
-class LLM(PoolingMixin):
+class LLM(PoolingMixin, LLMExtras):
     """Generate text for a batch of prompts with continuous batching over a paged KV cache
     (or, with `runner="pooling"`, pool them: `embed`, `encode`, `score`; engine/llm_pooling.py).
+
+    Also vLLM's `chat`, `get_default_sampling_params`, `reset_prefix_cache`, `get_metrics`,
+    `sleep` / `wake_up` and `collective_rpc` (engine/llm_extras.py).
 
     >>> llm = LLM()                                   # the embedded Gemma 3 270M
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
@@ -30,12 +34,14 @@ class LLM(PoolingMixin):
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._finished_counts: dict[str, int] = {}  # get_metrics: requests by finish reason
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         """An `LLM` over an engine built from `args` (e.g. `EngineArgs.from_namespace`)."""
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(args)
+        llm._finished_counts = {}
         return llm
 
     def get_tokenizer(self):
@@ -55,8 +61,8 @@ class LLM(PoolingMixin):
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation defaults, as vLLM
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -122,6 +128,8 @@ class LLM(PoolingMixin):
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+                        self._finished_counts[reason] = self._finished_counts.get(reason, 0) + 1
                         bar.update(1)
         except BaseException:
             for request_id in order:

@@ -24,6 +24,7 @@ from pagedserve.engine.detokenizer import (
     decode_token,
     find_stop,
 )
+from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
@@ -129,6 +130,10 @@ class LLMEngine:
         self._step_request_ids: list[str] = []  # see step_request_ids()
         self._step_ids_stamp = -1  # stats["steps"] when they were recorded
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # The model's generation defaults (engine/generation_config.py): request fields win.
+        self.default_sampling_params = diff_sampling_params(
+            self.source, args.generation_config, args.override_generation_config)
+        self.sleeping = False  # LLM.sleep (engine/llm_extras.py): KV cache freed, no request taken
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
             "in cache), max_model_len=%d",
@@ -230,6 +235,8 @@ class LLMEngine:
         """Validate and queue one request: a generation request (`SamplingParams`) or, with
         `runner="pooling"`, a pooling one (`PoolingParams`). Raises ValueError (naming the
         problem) and leaves the engine untouched when the request cannot be served."""
+        if self.sleeping:
+            raise ValueError("the engine is asleep (its KV cache is freed): call wake_up() first")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         check_runner(self.runner, params)
@@ -455,7 +462,12 @@ class LLMEngine:
                 self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
             )
         detok: IncrementalDetokenizer = seq.detokenizer
+        text_before = detok.text
         new_text = detok.append([token])
+        if not params.include_stop_str_in_output and self._stops_on(params, seq, token):
+            # NOTE: as vLLM, the EOS / stop token that ends a sequence keeps its id in the
+            # output but not its text (with skip_special_tokens=False it would show up).
+            seq.final_text = text_before
         # NOTE: the matcher accepts every token; a grammar that has ended stops the sequence
         # (before min_tokens, as vLLM: the grammar wins).
         if self.structured.accept(group, seq, token):
@@ -469,6 +481,13 @@ class LLMEngine:
                 seq.stop_reason = matched
                 return True
         return False
+
+    def _stops_on(self, params: SamplingParams, seq: Sequence, token: int) -> bool:
+        """Whether `token` ends `seq` as an EOS or stop token id (core/step_update's rule)."""
+        if seq.num_output_tokens < params.min_tokens:
+            return False
+        return ((not params.ignore_eos and token in self.eos_token_ids)
+                or bool(params.stop_token_ids) and token in params.stop_token_ids)
 
     def _logprob_dict(self, token: int, lp: float, rank: int, top) -> dict[int, Logprob]:
         # NOTE: the chosen (or prompt) token first, then the top-k by rank, as vLLM orders them

@@ -1,4 +1,5 @@
-"""The `pagedserve` command: `generate`, `serve` and the `bench` benchmarks."""
+"""The `pagedserve` command: `generate`, `serve`, the `bench` benchmarks, and the `chat` /
+`complete` clients of a running server (entrypoints/client_cli.py)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("collect-env", help="versions, CPU and ISA flags, kernel build (prebuilt "
                                              "or JIT), torch build and threads, for bug reports")
     env.set_defaults(func=cmd_collect_env)
+    from pagedserve.entrypoints import client_cli
+
+    for kind, text in (("chat", "chat with a running server (vLLM's `vllm chat`)"),
+                       ("complete", "complete prompts on a running server (`vllm complete`)")):
+        client = sub.add_parser(kind, help=text, description=text)
+        client_cli.add_client_args(client, kind)
+        client.set_defaults(func=client_cli.run)
     return parser
 
 

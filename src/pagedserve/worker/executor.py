@@ -100,6 +100,15 @@ class Executor(ABC):
         """Run one step; one entry per row, in order. Raises
         `WorkerDiedError` (never hangs) once a worker is gone."""
 
+    def free_cache(self) -> None:
+        """Free every worker's KV cache (`init_cache` allocates it again); `LLM.sleep`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot free its workers' KV caches")
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call `method` on every worker, one result per rank: a `Worker` method's name, or a
+        function called as `method(worker, *args, **kwargs)` (vLLM's `collective_rpc`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run collective_rpc")
+
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a worker has died."""
         if self._error is not None:
@@ -166,6 +175,13 @@ class UniExecutor(Executor):
 
     def execute(self, step: StepInput) -> list[SeqStepOutput]:
         return self.worker.execute_step(step)
+
+    def free_cache(self) -> None:
+        self.kv_cache = None
+        self.worker.free_cache()
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [self.worker.rpc(method, args, kwargs or {})]
 
 
 def executor_backend(tensor_parallel_size: int, backend: str | None) -> str:

@@ -39,7 +39,8 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 def run_worker_process(config: WorkerConfig, rank: int, init_method: str, conn: Connection) -> None:
     """Entry point of a worker process: build rank `rank`'s `Worker`, answer its model info, then
-    serve the driver's calls ("init_cache", "execute") until "shutdown" or until the driver goes.
+    serve the driver's calls ("init_cache", "execute", "free_cache", "rpc", ...) until "shutdown"
+    or until the driver goes.
 
     NOTE: SIGINT is ignored: Ctrl-C reaches the whole process group, and the driver stops the
     workers itself (a worker interrupted inside an all-reduce would leave its peers waiting).
@@ -49,7 +50,9 @@ def run_worker_process(config: WorkerConfig, rank: int, init_method: str, conn: 
     try:
         worker = Worker(config, rank, init_method, device_index=rank)
         calls = {"init_cache": worker.init_cache, "execute": worker.execute,
-                 "profile_memory": worker.profile_memory}
+                 "profile_memory": worker.profile_memory,
+                 "free_cache": lambda _: worker.free_cache(),
+                 "rpc": lambda call: worker.rpc(*call)}
         _answer(conn, "ok", worker.info())
         while True:
             method, arg = pickle.loads(conn.recv_bytes())
@@ -145,6 +148,14 @@ class MultiprocExecutor(Executor):
 
     def profile_memory(self, prof):
         return self._call("profile_memory", prof)
+
+    def free_cache(self) -> None:
+        self._call("free_cache", None)
+        self.encoder.reset()
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        # NOTE: `method` crosses a pipe: a name, or a function importable by the workers.
+        return self._call("rpc", (method, args, kwargs or {}))
 
     def execute(self, step: StepInput) -> list[SeqStepOutput]:
         self.check_health()

@@ -3,6 +3,7 @@ by step messages. The multiprocessing and Ray executors each host one `Worker` p
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -163,6 +164,22 @@ class Worker:
                                   attention_backend=self.attention_backend,
                                   enforce_eager=self.enforce_eager, sample=self.rank == 0)
         self.decoder.reset()
+
+    def free_cache(self) -> None:
+        """Drop the KV cache and its runner (`init_cache` builds them again); on CUDA the
+        allocator's cached blocks go back to the device too."""
+        self.runner = self.kv_cache = None
+        self.decoder.reset()
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def rpc(self, method, args: tuple, kwargs: dict):
+        """`collective_rpc` on this rank: `self.<method>(*args, **kwargs)` for a name, else
+        `method(self, *args, **kwargs)`."""
+        if isinstance(method, str):
+            return getattr(self, method)(*args, **kwargs)
+        return method(self, *args, **kwargs)
 
     def profile_memory(self, prof: ProfileConfig) -> MemoryProfile:
         """Free the KV cache, then profile the largest step (CUDA only)."""

@@ -4,7 +4,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET
 /v1/responses/{id}), GET /v1/models, GET /health,
 the pooling routes of `serving_pooling` (POST /v1/embeddings, /pooling, /score, /rerank, ...),
-GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
+GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
 `--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
 /debug/profile/start and /debug/profile/stop (per-section step timings), GET /debug/memory and
 POST /debug/memory/trim (RSS by mapping, malloc's arenas, object counts), POST
@@ -67,6 +67,7 @@ from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingToke
 from pagedserve.entrypoints.openai.vllm_routes import (
     LoadTracker,
     RequestIdMiddleware,
+    add_cors,
     add_vllm_routes,
 )
 
@@ -100,7 +101,8 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
 def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     """The FastAPI app serving `engine` (started by the app's lifespan, stopped at its end)."""
     settings = settings_from_args(args, engine)
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics(settings.model_name,
+                            prefix=getattr(args, "metrics_prefix", "pagedserve") + ":")
     metrics.set_cache_config(_cache_config(engine.engine))
     engine.add_listener(metrics)
     pool = CPUPool()
@@ -122,7 +124,7 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     app.state.settings = settings
     _add_error_handlers(app)
     if settings.api_key:
-        open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+        open_paths = {"/health", "/ping"} | (set() if settings.protect_metrics else {"/metrics"})
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
                            open_paths=frozenset(open_paths))
     if getattr(args, "enable_request_id_headers", False):
@@ -131,6 +133,9 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     # anything else.
     app.add_middleware(RequestSizeLimitMiddleware,
                        max_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+    # NOTE: outermost: preflights are answered before authentication, and every answer (401 and
+    # 413 too) carries the CORS headers a browser needs to read it.
+    add_cors(app, args)
 
     load = LoadTracker(app, getattr(args, "enable_server_load_tracking", False))
 
@@ -169,6 +174,11 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         if not engine.accepting:
             return APIError("the server is not accepting requests", 503).response()
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
 
     @app.get("/version")
     async def version():
@@ -437,7 +447,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
-        return APIError(detail, exc.status_code, headers=getattr(exc, "headers", None)).response()
+        return APIError(detail, exc.status_code, headers=getattr(exc, "headers", None),
+                        kind=status_phrase(exc.status_code)).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception):

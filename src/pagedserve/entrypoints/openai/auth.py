@@ -26,7 +26,10 @@ class APIKeyMiddleware:
         return same and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        # NOTE: the open paths are matched without --root-path (uvicorn puts it in front of
+        # every path); OPTIONS (CORS preflights) needs no key, as in vLLM.
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or route_path(scope) in self.open_paths):
             await self.app(scope, receive, send)
             return
         header = b""
@@ -40,3 +43,11 @@ class APIKeyMiddleware:
         error = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
                          headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
+
+
+def route_path(scope) -> str:
+    """The request's path without the `root_path` prefix (as the router matches it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path

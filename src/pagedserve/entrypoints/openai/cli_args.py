@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 
 
 # vLLM's on/off server flags: (flag, what it switches on).
@@ -37,10 +38,32 @@ def add_openai_server_args(p: argparse.ArgumentParser) -> None:
                    help="the path prefix the server is mounted under behind a proxy")
     for flag, help_text in SWITCHES:
         p.add_argument(flag, action="store_true", help=help_text)
+    # CORS (FastAPI's CORSMiddleware), with vLLM's flags: JSON lists, everything allowed by
+    # default.
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        p.add_argument(flag, type=json_list, default=["*"],
+                       help=f"CORS: allowed {what}, a JSON list (default: [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) in cross-origin requests")
+    p.add_argument("--metrics-prefix", choices=("pagedserve", "vllm"), default="pagedserve",
+                   help="name the Prometheus metrics pagedserve:... (default) or vllm:..., so that "
+                        "dashboards built for vLLM read them unchanged")
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
                         "finish for up to this many seconds before aborting the rest "
                         "(default: end them at once)")
+
+
+def json_list(value: str) -> list[str]:
+    """A `--allowed-*` value: a JSON list of strings (vLLM's format, e.g. '["https://a.b"]')."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}") from e
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
 
 
 def load_chat_template(value: str | None) -> str | None:

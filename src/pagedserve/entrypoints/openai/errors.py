@@ -9,17 +9,14 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
-# OpenAI's error types by status.
+# vLLM's error type names (its ErrorResponse: `create_error_response` in vLLM's serving code)
+# by status; any other status gets its HTTP phrase ("Unauthorized", "Service Unavailable", ...),
+# as vLLM's handler of HTTP exceptions (unknown routes: "Not Found") names them.
 _TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
 }
 
 
@@ -33,6 +30,7 @@ class APIError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
         code: int | str | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -40,9 +38,10 @@ class APIError(Exception):
         self.param = param
         self.headers = headers
         self.code = code if code is not None else status
+        self.kind = kind  # the error's `type` (default: by status, see _TYPES)
 
     def body(self) -> ErrorResponse:
-        return error_body(self.message, self.status, self.param, self.code)
+        return error_body(self.message, self.status, self.param, self.code, self.kind)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status,
@@ -50,8 +49,8 @@ class APIError(Exception):
 
 
 def error_body(message: str, status: int, param: str | None = None,
-               code: int | str | None = None) -> ErrorResponse:
-    kind = _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+               code: int | str | None = None, kind: str | None = None) -> ErrorResponse:
+    kind = kind or _TYPES.get(status) or status_phrase(status)
     return ErrorResponse(error=ErrorInfo(
         message=message, type=kind, param=param, code=status if code is None else code,
     ))

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server, with vLLM's names under the `pagedserve:` prefix.
 
-A dashboard built for vLLM maps one-to-one by replacing `vllm:` with `pagedserve:`. Every metric
+A dashboard built for vLLM maps one-to-one by replacing `vllm:` with `pagedserve:`, or unchanged
+with `pagedserve serve --metrics-prefix vllm` (every name below under `vllm:`). Every metric
 carries vLLM's `model_name` label. Each app owns its own `CollectorRegistry` (never the global
 one), so several apps in one process do not clash.
 
@@ -55,6 +56,8 @@ from prometheus_client import (
 from pagedserve.engine.stats import FinishedRequestStats, StepStats
 
 PREFIX = "pagedserve:"
+# --metrics-prefix: ours, or vLLM's own (the same names, so vLLM's dashboards read them as is)
+PREFIXES = ("pagedserve:", "vllm:")
 FINISH_REASONS = ("stop", "length", "abort")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -70,18 +73,22 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 prefix: str = PREFIX) -> None:
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
+        self.prefix = p = prefix
         self.registry = registry if registry is not None else CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Gauge(p + name, doc, labels, registry=r).labels(model_name)
 
         def counter(name, doc):
-            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Counter(p + name, doc, labels, registry=r).labels(model_name)
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+            return Histogram(p + name, doc, labels, buckets=buckets,
                              registry=r).labels(model_name)
 
         self.num_running = gauge("num_requests_running", "Requests being computed (running).")
@@ -91,7 +98,7 @@ class ServerMetrics:
         self.cpu_usage = gauge("cpu_cache_usage_perc",
                                "Fraction of CPU swap-pool blocks in use (0-1).")
         self.preemptions = counter("num_preemptions", "Preemptions (requests evicted).")
-        by_mode = Counter(PREFIX + "num_preemptions_by_mode",
+        by_mode = Counter(p + "num_preemptions_by_mode",
                           "Preemptions by recovery mode (recompute, swap).",
                           labels + ["mode"], registry=r)
         self.preemptions_by_mode = {m: by_mode.labels(model_name, m)
@@ -103,7 +110,7 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.steps = counter("engine_steps", "Engine iterations (one batch each).")
-        success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+        success = Counter(p + "request_success", "Requests finished, by finish reason.",
                           labels + ["finished_reason"], registry=r)
         self.finished = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         self._success = success
@@ -126,7 +133,7 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens (prompt + generated) per engine step.",
                                           _ITERATION_BUCKETS)
-        by_reason = Gauge(PREFIX + "num_requests_waiting_by_reason",
+        by_reason = Gauge(p + "num_requests_waiting_by_reason",
                           "Requests waiting, by reason (capacity, deferred).",
                           labels + ["reason"], registry=r)
         self.waiting_by_reason = {reason: by_reason.labels(model_name, reason)
@@ -150,7 +157,7 @@ class ServerMetrics:
     def set_cache_config(self, info: dict[str, object]) -> None:
         """`cache_config_info`: the KV cache's configuration as labels (value 1), as vLLM's."""
         labels = {k: str(v) for k, v in info.items()}
-        Gauge(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
+        Gauge(self.prefix + "cache_config_info", "Information of the KV cache configuration.",
               list(labels), registry=self.registry).labels(**labels).set(1)
 
     def on_step(self, stats: StepStats) -> None:

@@ -92,6 +92,13 @@ class OpenAIServing:
         self.max_logprobs = llm.args.max_logprobs
         self.model_name = settings.model_name
         self.reasoner = getattr(llm, "reasoner", None)  # --reasoning-parser (the engine's)
+        # The model's generation defaults (--generation-config): a request field that is absent
+        # takes its default, one the request sets wins (engine/generation_config.py).
+        self.default_sampling = dict(getattr(llm, "default_sampling_params", None) or {})
+        if self.default_sampling:
+            logger.info("%s: default sampling parameters from the generation config "
+                        "(--generation-config %s): %s", type(self).__name__,
+                        llm.args.generation_config, self.default_sampling)
         self.chat_format = default_chat_format(self.tokenizer)
         if settings.chat_template:
             self.chat_format = ChatFormat("server", settings.chat_template,
@@ -191,18 +198,21 @@ class OpenAIServing:
         for name, value in ((logprobs_param, logprobs), ("prompt_logprobs",
                                                           request.prompt_logprobs)):
             self.check_logprobs(name, value)
+        # NOTE: beam search keeps the neutral defaults (its beams are scored, not sampled).
+        d = {} if request.use_beam_search else self.default_sampling
         try:
             return SamplingParams(
                 n=n,
                 best_of=request.best_of,
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=_default(request.repetition_penalty, 1.0),
+                repetition_penalty=_default(request.repetition_penalty,
+                                            d.get("repetition_penalty", 1.0)),
                 temperature=_default(request.temperature,
-                                     0.0 if request.use_beam_search else 1.0),
-                top_p=_default(request.top_p, 1.0),
-                top_k=_default(request.top_k, 0),
-                min_p=_default(request.min_p, 0.0),
+                                     0.0 if request.use_beam_search else d.get("temperature", 1.0)),
+                top_p=_default(request.top_p, d.get("top_p", 1.0)),
+                top_k=_default(request.top_k, d.get("top_k", 0)),
+                min_p=_default(request.min_p, d.get("min_p", 0.0)),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=list(request.stop_token_ids or []) + list(
@@ -277,7 +287,10 @@ class OpenAIServing:
                     400, prompt_param,
                 )
             params = params.clone()
-            params.max_tokens = limit - prompt_len
+            # The generation config's max_new_tokens, within what the context leaves (vLLM's
+            # get_max_tokens).
+            params.max_tokens = min(limit - prompt_len,
+                                    self.default_sampling.get("max_tokens") or limit)
         elif prompt_len + params.max_tokens > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

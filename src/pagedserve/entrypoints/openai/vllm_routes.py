@@ -2,7 +2,7 @@
 --enable-tokenizer-info-endpoint), POST /invocations (SageMaker-style: a completions or chat
 body), POST /v1/chat/completions/batch (a chat body whose `messages` is a list of conversations:
 one choice per conversation, in order; no streaming, tools, n > 1 or beam search), GET /load (--enable-server-load-tracking), and the X-Request-Id header
-(--enable-request-id-headers)."""
+(--enable-request-id-headers); CORS (`add_cors`)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,20 @@ class LoadTracker:
             self._add(-1)
 
 
+def add_cors(app: FastAPI, args) -> None:
+    """FastAPI's CORSMiddleware with vLLM's flags (--allowed-origins, --allowed-methods,
+    --allowed-headers: every one by default; --allow-credentials: off)."""
+    from fastapi.middleware.cors import CORSMiddleware
+
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", None) or ["*"],
+        allow_methods=getattr(args, "allowed_methods", None) or ["*"],
+        allow_headers=getattr(args, "allowed_headers", None) or ["*"],
+        allow_credentials=bool(getattr(args, "allow_credentials", False)),
+    )
+
+
 class RequestIdMiddleware:
     """Pure ASGI: every response carries `X-Request-Id`: the request's own, else a new one."""
 
@@ -95,6 +109,8 @@ def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
     tokens as their text), its class, special tokens and chat template."""
     info: dict[str, Any] = {}
     for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items():
+        if key in ("vocab_file", "merges_file", "tokenizer_file"):  # paths (vLLM drops them)
+            continue
         value = getattr(value, "content", value)  # AddedToken -> its text
         try:
             json.dumps(value)
