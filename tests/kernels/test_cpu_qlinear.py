@@ -255,11 +255,12 @@ def test_capping_at_avx2_keeps_the_decode_kernels_and_turns_off_the_avx512_sampl
     assert cpu_gemm.kernel_available() and not cpu_gemm.sampling_kernel_available()
 
 
-def _op(x: torch.Tensor, w: torch.Tensor, isa: int, rows: int) -> torch.Tensor:
-    """The kernel with an explicit `gemm_rows` (fp32 out)."""
+def _op(x: torch.Tensor, w: torch.Tensor, isa: int, rows: int, bias: torch.Tensor | None = None,
+        fp32: bool = True) -> torch.Tensor:
+    """The kernel with an explicit `gemm_rows` (fp32 out unless `fp32=False`)."""
     spec = w.quant
-    return torch.ops.pagedserve_cpu.qlinear.default(x, w, spec.format.code, spec.in_features, None,
-                                                    True, isa, rows)
+    return torch.ops.pagedserve_cpu.qlinear.default(x, w, spec.format.code, spec.in_features, bias,
+                                                    fp32, isa, rows)
 
 
 def _bf16_round(t: torch.Tensor) -> torch.Tensor:
@@ -279,6 +280,11 @@ def test_blocked_gemm_matches_dequantize_then_matmul(fmt, m, isa):
     want = x.double() @ wq.double().T
     scale = x.double().abs() @ wq.double().abs().T
     assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+    bias = torch.randn(n)
+    yb = _op(x, w, isa, 1, bias)
+    assert torch.equal(yb, y + bias)  # the bias added once, after the sum
+    y16 = _op(x, w, isa, 1, bias, fp32=False)  # bf16 out: the fp32 result rounded once
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, yb.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k"])
