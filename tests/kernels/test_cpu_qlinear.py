@@ -305,3 +305,21 @@ def test_the_kernel_is_chosen_by_row_count(fmt, isa):
         assert torch.equal(y, _op(x, w, isa, kernel)), (m, threshold)
         if kernel:  # the two kernels round differently: the choice is visible
             assert not torch.equal(y, _op(x, w, isa, 0))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 64])
+def test_fused_products_equal_the_products_one_by_one(m, isa):
+    """qlinear_fused (q / k / v, gate / up of the fused decoder layer: one parallel region, x
+    quantized once per format offset) gives each weight's qlinear result bit for bit, for mixed
+    formats, both kernels and with biases."""
+    k = 512
+    ws = [ggml_blocks("q5_0", 48, k, seed=5)[0], ggml_blocks("q8_0", 16, k, seed=6)[0],
+          ggml_blocks("q4_k", 40, k, seed=7)[0], weights("bf16", 24, k, seed=8)[0]]
+    biases = [torch.randn(48), None, torch.randn(40), None]
+    x = torch.randn(m, k).to(torch.bfloat16)
+    rows = gemm_rows(ws[0].quant, torch.bfloat16, isa)
+    fmts = [w.quant.format.code if w.dtype == torch.uint8 else 0 for w in ws]
+    fused = torch.ops.pagedserve_cpu.qlinear_fused.default(x, ws, fmts, k, biases, isa, rows)
+    for w, b, y in zip(ws, biases, fused):
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, qlinear(x, w, b)), (m, w.dtype)

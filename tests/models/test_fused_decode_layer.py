@@ -102,3 +102,43 @@ def test_fused_decode_layer_follows_norm_weights_changed_in_place(kernel, monkey
     modules = _run(model, prompts, steps=2)
     for step, (a, b) in enumerate(zip(fused, modules)):
         assert torch.equal(a, b), f"{name}: decode step {step} differs after the norm change"
+
+
+@pytest.mark.parametrize("batch", [3, 9])  # 9 >= GEMM_ROWS on AVX512-BF16: the blocked GEMM too
+def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kernel, batch, monkeypatch):
+    """The fused layer's q / k / v and gate / up products run as one call each (qlinear_fused):
+    with Q8_0 / Q5_0 weights as a GGUF file stores them, the logits still equal the modules'."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    from pagedserve.kernels.cpu_qlinear import FORMATS
+    from pagedserve.layers.quantization import QuantizedTensor, install_quantized_tensor
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for j, mod in enumerate([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                 mlp.gate_proj, mlp.up_proj, mlp.down_proj]):
+            fmt, qtype = (("q8_0", T.Q8_0), ("q5_0", T.Q5_0))[(i + j) % 2]
+            w = mod.weight.float().numpy()
+            blocks = torch.from_numpy(np.ascontiguousarray(quantize(w, qtype)))
+            install_quantized_tensor(model, mod.weight, QuantizedTensor(blocks, FORMATS[fmt], w.shape, int(qtype)))
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in range(3, 3 + batch)]
+    calls = []
+    real = cpu_decoder_layer.decoder_layer
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "decoder_layer", counting)
+    fused = _run(model, prompts, steps=4)
+    assert calls and all(calls), "the fused layer did not run on decode steps"
+    monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)
+    modules = _run(model, prompts, steps=4)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"decode step {step} differs"

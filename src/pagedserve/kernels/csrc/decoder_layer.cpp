@@ -42,6 +42,19 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b,
   return op.call(x, w, fmt, x.size(1), b, false, isa, gemm_rows);
 }
 
+// x @ W_i^T (+ b_i) for several weights of one x in one parallel region (qlinear_fused): each
+// result bit-identical to `project`'s.
+std::vector<at::Tensor> project_fused(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                                      const std::vector<OptTensor>& bs, const std::vector<int64_t>& fmts,
+                                      int64_t isa, int64_t gemm_rows) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedserve_cpu::qlinear_fused", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const std::vector<at::Tensor>&,
+                                                      const std::vector<int64_t>&, int64_t,
+                                                      const std::vector<OptTensor>&, int64_t, int64_t)>();
+  return op.call(x, ws, fmts, x.size(1), bs, isa, gemm_rows);
+}
+
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps, bool llama, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::rms_norm", "")
@@ -100,9 +113,12 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const int64_t T = x.size(0);
 
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
-  at::Tensor q = project(h, w[kQ], b[kBq], fmts[kQ], isa, gemm_rows).view({T, num_heads, head_dim});
-  at::Tensor k = project(h, w[kK], b[kBk], fmts[kK], isa, gemm_rows).view({T, num_kv_heads, head_dim});
-  at::Tensor v = project(h, w[kV], b[kBv], fmts[kV], isa, gemm_rows).view({T, num_kv_heads, head_dim});
+  // q, k, v share h: one parallel region, h quantized once
+  const std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
+                                                    {fmts[kQ], fmts[kK], fmts[kV]}, isa, gemm_rows);
+  at::Tensor q = qkv[0].view({T, num_heads, head_dim});
+  at::Tensor k = qkv[1].view({T, num_kv_heads, head_dim});
+  at::Tensor v = qkv[2].view({T, num_kv_heads, head_dim});
   qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0, isa);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
@@ -117,9 +133,11 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
     r = at::add(x, o);
     h = rmsnorm(r, *n[kPostAttn], eps, true, isa);
   }
-  at::Tensor g = project(h, w[kGate], std::nullopt, fmts[kGate], isa, gemm_rows);
-  g = act == 1 ? at::gelu(g, "tanh") : at::silu(g);
-  at::Tensor m = project(at::mul(g, project(h, w[kUp], std::nullopt, fmts[kUp], isa, gemm_rows)), w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
+  // gate and up share h: one parallel region
+  const std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
+                                                   {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
+  const at::Tensor g = act == 1 ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
+  at::Tensor m = project(at::mul(g, gu[1]), w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
   return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
 }
 

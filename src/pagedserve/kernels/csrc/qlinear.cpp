@@ -33,6 +33,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -69,27 +72,6 @@ struct Out {
   const float* bias;
   int64_t n0 = 0;
 };
-
-// fn(n_begin, n_end) over [0, N) in chunks of whole 16-row blocks, handed out dynamically to
-// torch's threads (a preempted thread delays one chunk, not a fixed share). Which thread computes
-// a block never changes its result.
-template <typename Fn>
-void parallel_blocks(int64_t N, const Fn& fn) {
-  const int64_t blocks = (N + 15) / 16;
-  const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunk = std::max<int64_t>({1, 4, blocks / (max_threads * 8)});  // >= 64 rows
-  const int64_t chunks = (blocks + chunk - 1) / chunk;
-  const int64_t threads = std::min(max_threads, chunks);
-  if (threads <= 1) {
-    if (N > 0) fn(0, N);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
-      fn(c * chunk * 16, std::min(N, (c + 1) * chunk * 16));
-  });
-}
 
 }  // namespace
 
@@ -145,49 +127,152 @@ const uint8_t* check_weight(const char* op, const at::Tensor& w, int64_t fmt, in
   return reinterpret_cast<const uint8_t*>(w.data_ptr());
 }
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
-                   const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t isa,
-                   int64_t gemm_rows) {
-  check_isa("qlinear", isa);
-  int64_t rb;
-  const uint8_t* wp = check_weight("qlinear", w, fmt, K, &rb);
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
-              "qlinear: x must be a contiguous [M, K] CPU tensor with K = ", K);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "qlinear: x must be bfloat16 or float32");
-  const int64_t M = x.size(0), N = w.size(0);
-  const float* bias_ptr = nullptr;
+// What the products of one call share: x in the forms their kernels read, made once.
+struct SharedX {
+  std::map<int, std::unique_ptr<isa_avx2::QuantizedX>> q8;  // by the formats' offset
+  at::Tensor f32;                                           // fp32 x (AVX2 / AVX512F GEMM)
+  isa_amx::RunPrep amx;                                     // x packed into AMX tiles
+  bool amx_ready = false;
+};
+
+// One product set up to run over any range of its output columns (`range(nb, ne)`, whole 16-row
+// blocks): its kernel chosen, its result allocated.
+struct Product {
+  at::Tensor y;
   at::Tensor bias_f32;
+  Out out{};
+  int64_t N = 0;
+  std::function<void(int64_t, int64_t)> range;
+};
+
+std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const at::Tensor& w,
+                                      int64_t fmt, int64_t K, const c10::optional<at::Tensor>& bias,
+                                      bool out_fp32, int64_t isa, int64_t gemm_rows, SharedX& sx) {
+  int64_t rb;
+  const uint8_t* wp = check_weight(op, w, fmt, K, &rb);
+  const int64_t M = x.size(0), N = w.size(0);
+  auto p = std::make_unique<Product>();
+  p->N = N;
+  const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N,
-                "qlinear: bias must be a CPU tensor of shape [N]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-    bias_ptr = bias_f32.data_ptr<float>();
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, op,
+                ": bias must be a CPU tensor of shape [N]");
+    p->bias_f32 = bias->to(at::kFloat).contiguous();
+    bias_ptr = p->bias_f32.data_ptr<float>();
   }
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
-  if (M == 0 || N == 0) return y;
-  const Out out{y.data_ptr(), N, y.scalar_type() == at::kFloat, bias_ptr};
+  p->y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  p->out = Out{p->y.data_ptr(), N, p->y.scalar_type() == at::kFloat, bias_ptr};
+  const Out* out = &p->out;
+  if (M == 0 || N == 0) {
+    p->range = [](int64_t, int64_t) {};
+    return p;
+  }
   // ggml formats below gemm_rows rows (or always, gemm_rows <= 0): 8-bit x, integer block
   // products on the stored blocks (qlinear_q8.h), at every level. From gemm_rows rows on, the
   // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.
   if (isa_avx2::q8_format(fmt) && (gemm_rows <= 0 || M < gemm_rows)) {
-    if (x_bf16) isa_avx2::run_q8(fmt, reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, wp, rb, N, out);
-    else isa_avx2::run_q8(fmt, x.data_ptr<float>(), M, K, wp, rb, N, out);
-    return y;
+    const int offset = isa_avx2::q8_offset(fmt);
+    auto& xq = sx.q8[offset];
+    if (!xq) {
+      xq = std::make_unique<isa_avx2::QuantizedX>();
+      if (x_bf16) isa_avx2::quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, offset, *xq);
+      else isa_avx2::quantize_x(x.data_ptr<float>(), M, K, offset, *xq);
+    }
+    const isa_avx2::XQ* q = &xq->xq;
+    p->range = [=](int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, *out, nb, ne); };
+    return p;
   }
   if (isa >= kIsaAvx512Bf16 && !x_bf16) isa = kIsaAvx512;
   if (isa >= kIsaAvx512Bf16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    if (isa == kIsaAmx) isa_amx::run(fmt, xp, M, K, wp, rb, N, out);
-    else isa_avx512bf16::run(fmt, xp, M, K, wp, rb, N, out);
-    return y;
+    if (isa == kIsaAmx) {
+      if (!sx.amx_ready) isa_amx::run_prepare(xp, M, K, sx.amx);
+      sx.amx_ready = true;
+      const isa_amx::RunPrep* prep = &sx.amx;
+      p->range = [=](int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, *out, *prep, nb, ne); };
+    } else {
+      p->range = [=](int64_t nb, int64_t ne) {
+        isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx512bf16::RunPrep{}, nb, ne);
+      };
+    }
+    return p;
   }
-  const at::Tensor xf = x_bf16 ? x.to(at::kFloat) : x;
-  const float* xp = xf.data_ptr<float>();
-  if (isa == kIsaAvx512) isa_avx512::run(fmt, xp, M, K, wp, rb, N, out);
-  else isa_avx2::run(fmt, xp, M, K, wp, rb, N, out);
-  return y;
+  if (!sx.f32.defined()) sx.f32 = x_bf16 ? x.to(at::kFloat) : x;
+  const float* xp = sx.f32.data_ptr<float>();
+  if (isa == kIsaAvx512)
+    p->range = [=](int64_t nb, int64_t ne) { isa_avx512::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx512::RunPrep{}, nb, ne); };
+  else
+    p->range = [=](int64_t nb, int64_t ne) { isa_avx2::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx2::RunPrep{}, nb, ne); };
+  return p;
+}
+
+// Every product's columns in chunks of whole 16-row blocks, in ONE parallel region of torch's
+// threads (chunks handed out dynamically: a preempted thread delays one chunk, not a fixed
+// share). Which thread computes a block, and which chunk holds it, never changes its result.
+void run_products(const std::vector<Product*>& ps) {
+  int64_t blocks = 0;
+  for (const Product* p : ps) blocks += (p->N + 15) / 16;
+  const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>({1, 4, blocks / (max_threads * 8)});  // >= 64 rows
+  struct Chunk {
+    const Product* p;
+    int64_t nb, ne;
+  };
+  std::vector<Chunk> chunks;
+  for (const Product* p : ps)
+    for (int64_t b = 0; b * 16 < p->N; b += chunk) chunks.push_back({p, b * 16, std::min(p->N, (b + chunk) * 16)});
+  const int64_t threads = std::min<int64_t>(max_threads, int64_t(chunks.size()));
+  if (threads <= 1) {
+    for (const Chunk& c : chunks) c.p->range(c.nb, c.ne);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (size_t c = next.fetch_add(1); c < chunks.size(); c = next.fetch_add(1))
+      chunks[c].p->range(chunks[c].nb, chunks[c].ne);
+  });
+}
+
+void check_x(const char* op, const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == K, op,
+              ": x must be a contiguous [M, K] CPU tensor with K = ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+              ": x must be bfloat16 or float32");
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                   const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t isa,
+                   int64_t gemm_rows) {
+  check_isa("qlinear", isa);
+  check_x("qlinear", x, K);
+  SharedX sx;
+  auto p = make_product("qlinear", x, w, fmt, K, bias, out_fp32, isa, gemm_rows, sx);
+  run_products({p.get()});
+  return p->y;
+}
+
+// Several products of one x (q / k / v, gate / up) in one parallel region, x quantized or
+// converted once: each result equals qlinear's for that weight, bit for bit.
+std::vector<at::Tensor> qlinear_fused(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                                      const std::vector<int64_t>& fmts, int64_t K,
+                                      const std::vector<c10::optional<at::Tensor>>& biases,
+                                      int64_t isa, int64_t gemm_rows) {
+  check_isa("qlinear_fused", isa);
+  check_x("qlinear_fused", x, K);
+  TORCH_CHECK(ws.size() == fmts.size() && ws.size() == biases.size() && !ws.empty(),
+              "qlinear_fused: one format and one bias (or None) per weight");
+  SharedX sx;
+  std::vector<std::unique_ptr<Product>> owned;
+  std::vector<Product*> ps;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    owned.push_back(make_product("qlinear_fused", x, ws[i], fmts[i], K, biases[i], false, isa, gemm_rows, sx));
+    ps.push_back(owned.back().get());
+  }
+  run_products(ps);
+  std::vector<at::Tensor> ys;
+  for (auto& p : owned) ys.push_back(p->y);
+  return ys;
 }
 
 // Rows `ids` of W, dequantized: fp32 [T, K].
@@ -215,6 +300,7 @@ int64_t qrow_bytes(int64_t fmt, int64_t K) { return row_bytes(fmt, K); }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("qlinear(Tensor x, Tensor w, int fmt, int K, Tensor? bias, bool out_fp32, int isa, int gemm_rows) -> Tensor");
+  m.def("qlinear_fused(Tensor x, Tensor[] ws, int[] fmts, int K, Tensor?[] biases, int isa, int gemm_rows) -> Tensor[]");
   m.def("qrows(Tensor w, int fmt, int K, Tensor ids, int isa) -> Tensor");
   m.def("cpu_isa() -> int", &cpu_isa);
   m.def("qrow_bytes(int fmt, int K) -> int", &qrow_bytes);
@@ -222,5 +308,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("qlinear_fused", &qlinear_fused);
   m.impl("qrows", &qrows);
 }

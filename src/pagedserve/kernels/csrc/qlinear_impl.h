@@ -549,72 +549,87 @@ inline void amx_block(const uint16_t* xpk, int64_t M, int64_t K, const WT* w, in
 }
 #endif
 
-// The whole product. x: [M, K] bf16 (bf16 levels) or fp32; w: rows of row_bytes bytes.
-inline void run(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint8_t* w,
-                int64_t row_bytes, int64_t N, const Out& out) {
-#if PS_ISA >= 4  // kIsaAmx
-  const bool amx = K % 32 == 0;
+// The per-call state of a product (AMX: x packed into tiles once; nothing on other levels).
+struct RunPrep {
   std::vector<uint16_t> packed;
-  uint16_t* xpk = nullptr;
-  if (amx) {
-    packed.resize(size_t(((M + 15) / 16) * (K / 32) * 512 + 32));
-    xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
+  const uint16_t* xpk = nullptr;
+};
+
+inline void run_prepare(const XT* x, int64_t M, int64_t K, RunPrep& prep) {
+#if PS_ISA >= 4  // kIsaAmx
+  if (K % 32 == 0) {
+    prep.packed.resize(size_t(((M + 15) / 16) * (K / 32) * 512 + 32));
+    uint16_t* xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(prep.packed.data()) + 63) & ~uintptr_t(63));
     amx_pack_x(x, M, K, xpk);
+    prep.xpk = xpk;
   }
+#else
+  (void)x, (void)M, (void)K, (void)prep;
+#endif
+}
+
+// Output columns [nb, ne) (whole 16-row blocks of W) of the product. x: [M, K] bf16 (bf16
+// levels) or fp32; w: rows of row_bytes bytes; prep from run_prepare.
+inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint8_t* w,
+                      int64_t row_bytes, int64_t N, const Out& out, const RunPrep& prep,
+                      int64_t nb, int64_t ne) {
+#if PS_ISA >= 4  // kIsaAmx
+  const bool amx = prep.xpk != nullptr;
+  const uint16_t* xpk = prep.xpk;
+#else
+  (void)prep;
 #endif
   // bf16 weights on the bf16 levels are used in place (no buffer)
   const bool in_place = fmt == kFmtBf16 && sizeof(WT) == 2;
-  parallel_blocks(N, [&](int64_t nb, int64_t ne) {
-    // NOTE: two buffers: block i + 1 is dequantized before block i is multiplied, so the
-    // products read stores that have long left the store buffer (AMX tile loads of just-written
-    // lines stall). A partial block's missing rows are zeros (the A tile reads 16 rows).
-    std::vector<WT> buf(in_place ? 0 : size_t(2 * 16 * K + 64));
-    std::vector<float> tmp(sizeof(WT) == 2 && !in_place ? size_t(K) : 0);
-    WT* wb[2] = {nullptr, nullptr};
-    if (!in_place) {
-      wb[0] = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-      wb[1] = wb[0] + 16 * K;
+  // NOTE: two buffers: block i + 1 is dequantized before block i is multiplied, so the
+  // products read stores that have long left the store buffer (AMX tile loads of just-written
+  // lines stall). A partial block's missing rows are zeros (the A tile reads 16 rows).
+  std::vector<WT> buf(in_place ? 0 : size_t(2 * 16 * K + 64));
+  std::vector<float> tmp(sizeof(WT) == 2 && !in_place ? size_t(K) : 0);
+  WT* wb[2] = {nullptr, nullptr};
+  if (!in_place) {
+    wb[0] = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    wb[1] = wb[0] + 16 * K;
+  }
+  auto fill = [&](int64_t n0, WT* dst) {
+    const int64_t nr = std::min<int64_t>(16, N - n0);
+    for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * K, tmp.data());
+    if (nr < 16) std::memset(dst + nr * K, 0, size_t((16 - nr) * K) * sizeof(WT));
+  };
+#if PS_ISA >= 4  // kIsaAmx
+  if (amx) amx_config();
+#endif
+  Stage st(out, M, nb);
+  if (!in_place && nb < ne) fill(nb, wb[0]);
+  for (int64_t n0 = nb, i = 0; n0 < ne; n0 += 16, ++i) {
+    if (n0 - st.out.n0 == Stage::kCols) st.flush_and_move(n0);
+    const int64_t nr = std::min<int64_t>(16, N - n0);
+    const WT* blk;
+    if (in_place) {
+      blk = reinterpret_cast<const WT*>(w + n0 * row_bytes);
+    } else {
+      if (n0 + 16 < ne) fill(n0 + 16, wb[(i + 1) & 1]);
+      blk = wb[i & 1];
     }
-    auto fill = [&](int64_t n0, WT* dst) {
-      const int64_t nr = std::min<int64_t>(16, N - n0);
-      for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * K, tmp.data());
-      if (nr < 16) std::memset(dst + nr * K, 0, size_t((16 - nr) * K) * sizeof(WT));
-    };
 #if PS_ISA >= 4  // kIsaAmx
-    if (amx) amx_config();
-#endif
-    Stage st(out, M, nb);
-    if (!in_place && nb < ne) fill(nb, wb[0]);
-    for (int64_t n0 = nb, i = 0; n0 < ne; n0 += 16, ++i) {
-      if (n0 - st.out.n0 == Stage::kCols) st.flush_and_move(n0);
-      const int64_t nr = std::min<int64_t>(16, N - n0);
-      const WT* blk;
-      if (in_place) {
-        blk = reinterpret_cast<const WT*>(w + n0 * row_bytes);
-      } else {
-        if (n0 + 16 < ne) fill(n0 + 16, wb[(i + 1) & 1]);
-        blk = wb[i & 1];
+    if (amx) {
+      std::vector<WT> pad;
+      if (nr < 16 && in_place) {  // a partial block of bf16 weights read in place: pad a copy
+        pad.assign(size_t(16 * K + 64), 0);
+        WT* p = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(pad.data()) + 63) & ~uintptr_t(63));
+        std::memcpy(p, blk, size_t(nr * K) * sizeof(WT));
+        blk = p;
       }
-#if PS_ISA >= 4  // kIsaAmx
-      if (amx) {
-        std::vector<WT> pad;
-        if (nr < 16 && in_place) {  // a partial block of bf16 weights read in place: pad a copy
-          pad.assign(size_t(16 * K + 64), 0);
-          WT* p = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(pad.data()) + 63) & ~uintptr_t(63));
-          std::memcpy(p, blk, size_t(nr * K) * sizeof(WT));
-          blk = p;
-        }
-        amx_block(xpk, M, K, blk, K, nr, st.out, n0);
-        continue;
-      }
-#endif
-      dot_block(x, M, K, blk, K, nr, st.out, n0);
+      amx_block(xpk, M, K, blk, K, nr, st.out, n0);
+      continue;
     }
-    if (nb < ne) st.flush_and_move(ne);
-#if PS_ISA >= 4  // kIsaAmx
-    if (amx) _tile_release();
 #endif
-  });
+    dot_block(x, M, K, blk, K, nr, st.out, n0);
+  }
+  if (nb < ne) st.flush_and_move(ne);
+#if PS_ISA >= 4  // kIsaAmx
+  if (amx) _tile_release();
+#endif
 }
 
 // Rows `ids` of W dequantized to fp32 (embedding lookups).

@@ -287,30 +287,29 @@ inline void q8_range(const XQ& x, int64_t m0, int64_t m1, const uint8_t* w, int6
   }
 }
 
+// Output columns [nb, ne) (whole 16-row blocks of W) of the product with quantized x.
 template <class F>
-void q8_product(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, int64_t N, const Out& out) {
+void q8_product_range(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, const Out& out, int64_t nb,
+                      int64_t ne) {
   // NOTE: one weight row at a time for a single row of x (decode at batch 1): there the product
   // is bound by reading W from memory, and one sequential stream per thread read faster than four
   // interleaved ones (Gemma 3 270M Q4_K_M on a 2-core Zen 3, single stream: 24 vs 34 ms a token;
   // its 178 MB LM head alone 11 vs 17 ms). The tile shape changes no result (see the
   // batch-invariance NOTE above).
   if (M == 1) {
-    parallel_blocks(N, [&](int64_t nb, int64_t ne) { q8_rows<F, 1, 1>(x, 0, w, rb, nb, ne, out); });
+    q8_rows<F, 1, 1>(x, 0, w, rb, nb, ne, out);
     return;
   }
-  // Columns in 16-row blocks across threads; within a thread's chunk, rows of x in slabs of 64
-  // (weights of a 16-column block are reread from L1 for each group of 4 rows).
-  // Results staged per Stage::kCols columns (see Stage in qlinear_impl.h).
-  parallel_blocks(N, [&](int64_t nb, int64_t ne) {
-    Stage st(out, M, nb);
-    for (int64_t s0 = nb; s0 < ne; s0 += Stage::kCols) {
-      const int64_t s1 = std::min(ne, s0 + Stage::kCols);
-      for (int64_t m0 = 0; m0 < M; m0 += 64)
-        for (int64_t n0 = s0; n0 < s1; n0 += 16)
-          q8_range<F>(x, m0, std::min<int64_t>(M, m0 + 64), w, rb, n0, std::min<int64_t>(s1, n0 + 16), st.out);
-      st.flush_and_move(s1);
-    }
-  });
+  // Rows of x in slabs of 64 (weights of a 16-column block are reread from L1 for each group of
+  // 4 rows); results staged per Stage::kCols columns (see Stage in qlinear_impl.h).
+  Stage st(out, M, nb);
+  for (int64_t s0 = nb; s0 < ne; s0 += Stage::kCols) {
+    const int64_t s1 = std::min(ne, s0 + Stage::kCols);
+    for (int64_t m0 = 0; m0 < M; m0 += 64)
+      for (int64_t n0 = s0; n0 < s1; n0 += 16)
+        q8_range<F>(x, m0, std::min<int64_t>(M, m0 + 64), w, rb, n0, std::min<int64_t>(s1, n0 + 16), st.out);
+    st.flush_and_move(s1);
+  }
 }
 
 // Whether fmt is a ggml block format (the ones this file multiplies).
@@ -319,15 +318,26 @@ inline bool q8_format(int64_t fmt) {
          fmt == kFmtQ6_K;
 }
 
-// The whole product for a ggml format: x [M, K] (bf16 as uint16, or fp32) quantized, then blocks.
+// The offset a format stores its values with (Q4_0: q + 8, Q5_0: q + 16), which the quantized x
+// carries sums for; 0 for the others.
+inline int q8_offset(int64_t fmt) {
+  return fmt == kFmtQ4_0 ? Q4_0::kOffset : fmt == kFmtQ5_0 ? Q5_0::kOffset : 0;
+}
+
+// x [M, K] quantized to 8-bit blocks of 32 for formats of `offset` (the buffers it points into).
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> ds;
+  std::vector<int32_t> os;  // 8 int32 per block of 32, for offset formats
+  XQ xq;
+};
+
 template <typename X>
-void run_q8(int64_t fmt, const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t N,
-            const Out& out) {
+void quantize_x(const X* x, int64_t M, int64_t K, int offset, QuantizedX& out) {
   const int64_t nbx = K / 32;
-  const int offset = fmt == kFmtQ4_0 ? Q4_0::kOffset : fmt == kFmtQ5_0 ? Q5_0::kOffset : 0;
-  std::vector<int8_t> q(size_t(M * K));
-  std::vector<float> ds(size_t(2 * M * nbx));
-  std::vector<int32_t> os(offset ? size_t(M * nbx * 8) : 0);  // 8 int32 per block of 32
+  out.q.resize(size_t(M * K));
+  out.ds.resize(size_t(2 * M * nbx));
+  out.os.resize(offset ? size_t(M * nbx * 8) : 0);
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t m = b; m < e; ++m) {
@@ -336,17 +346,22 @@ void run_q8(int64_t fmt, const X* x, int64_t M, int64_t K, const uint8_t* w, int
         if constexpr (sizeof(X) == 2) row[k] = bf16_to_float(xr[k]);
         else row[k] = xr[k];
       }
-      quantize_row(row.data(), K, q.data() + m * K, ds.data() + m * nbx, ds.data() + (M + m) * nbx,
-                   offset ? os.data() + m * nbx * 8 : nullptr, offset);
+      quantize_row(row.data(), K, out.q.data() + m * K, out.ds.data() + m * nbx,
+                   out.ds.data() + (M + m) * nbx, offset ? out.os.data() + m * nbx * 8 : nullptr, offset);
     }
   });
-  const XQ xq{q.data(), ds.data(), ds.data() + M * nbx, os.data(), K};
+  out.xq = XQ{out.q.data(), out.ds.data(), out.ds.data() + M * nbx, out.os.data(), K};
+}
+
+// Output columns [nb, ne) of the product of x quantized for fmt's offset with ggml format fmt.
+inline void q8_range_fmt(int64_t fmt, const XQ& xq, int64_t M, const uint8_t* w, int64_t rb,
+                         const Out& out, int64_t nb, int64_t ne) {
   switch (fmt) {
-    case kFmtQ8_0: return q8_product<Q8_0>(xq, M, w, rb, N, out);
-    case kFmtQ4_0: return q8_product<Q4_0>(xq, M, w, rb, N, out);
-    case kFmtQ5_0: return q8_product<Q5_0>(xq, M, w, rb, N, out);
-    case kFmtQ4_K: return q8_product<Q4_K>(xq, M, w, rb, N, out);
-    case kFmtQ5_K: return q8_product<Q5_K>(xq, M, w, rb, N, out);
-    case kFmtQ6_K: return q8_product<Q6_K>(xq, M, w, rb, N, out);
+    case kFmtQ8_0: return q8_product_range<Q8_0>(xq, M, w, rb, out, nb, ne);
+    case kFmtQ4_0: return q8_product_range<Q4_0>(xq, M, w, rb, out, nb, ne);
+    case kFmtQ5_0: return q8_product_range<Q5_0>(xq, M, w, rb, out, nb, ne);
+    case kFmtQ4_K: return q8_product_range<Q4_K>(xq, M, w, rb, out, nb, ne);
+    case kFmtQ5_K: return q8_product_range<Q5_K>(xq, M, w, rb, out, nb, ne);
+    case kFmtQ6_K: return q8_product_range<Q6_K>(xq, M, w, rb, out, nb, ne);
   }
 }
