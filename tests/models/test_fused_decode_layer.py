@@ -36,6 +36,20 @@ def kernel():
         pytest.skip("CPU kernels unavailable here (no AVX2, no compiler, or disabled)")
 
 
+def _count_fused_calls(monkeypatch) -> list[bool]:
+    """Record, per call of the fused layer, whether it ran (not None)."""
+    calls = []
+    real = cpu_decoder_layer.decoder_layer
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama, "decoder_layer", counting)
+    return calls
+
+
 def _run(model, prompts, steps):
     """Prefill every prompt, then `steps` decode-only steps of all of them (greedy)."""
     runner = PagedRunner(model, seed=3)
@@ -53,15 +67,7 @@ def test_fused_decode_layer_equals_the_modules_bit_for_bit(kernel, name, config,
     torch.manual_seed(0)
     model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (7, 3, 11)]
-    calls = []
-    real = cpu_decoder_layer.decoder_layer
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(llama, "decoder_layer", counting)
+    calls = _count_fused_calls(monkeypatch)
     fused = _run(model, prompts, steps=8)
     assert calls and all(calls), "the fused layer did not run on decode steps"
     assert len(calls) == 8 * config.num_hidden_layers  # decode steps only, never prefill
@@ -127,15 +133,7 @@ def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kern
             blocks = torch.from_numpy(np.ascontiguousarray(quantize(w, qtype)))
             install_quantized_tensor(model, mod.weight, QuantizedTensor(blocks, FORMATS[fmt], w.shape, int(qtype)))
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in range(3, 3 + batch)]
-    calls = []
-    real = cpu_decoder_layer.decoder_layer
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(llama, "decoder_layer", counting)
+    calls = _count_fused_calls(monkeypatch)
     fused = _run(model, prompts, steps=4)
     assert calls and all(calls), "the fused layer did not run on decode steps"
     monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)
