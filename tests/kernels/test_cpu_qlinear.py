@@ -129,12 +129,12 @@ def invariant(w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FMTS)
 def test_product_matches_dequantize_then_matmul(fmt, isa):
     """The 8-bit-activation kernel (ggml formats, batch-invariant policy) and the bf16 / INT8
-    weights' kernel at row counts 1 to 40."""
+    weights' kernel at row counts 1 to 260."""
     n, k = 40, 512
     w, ref_w = weights(fmt, n, k)
     w = invariant(w)
     bias = torch.randn(n)
-    for m in (1, 3, 17, 40):
+    for m in (1, 3, 17, 40, 260):  # the shape classes: 1, 2-8, 16-64, 256+
         x = torch.randn(m, k).to(torch.bfloat16)
         y = qlinear(x, w, bias, out_dtype=torch.float32)
         if fmt in GGML:
