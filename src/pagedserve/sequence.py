@@ -74,6 +74,9 @@ class Sequence(PromptThenOutput):
         self.detokenizer: Any = None
         # Beam search: this beam's best (token, logprob) continuations, until the step selects.
         self.beam_candidates: list[tuple[int, float]] | None = None
+        # NOTE: a parked sequence (of a group whose sequences take turns, core/scheduler.py)
+        # holds no blocks and has num_computed_tokens 0 until its turn comes.
+        self.parked = False
 
     @property
     def num_tokens(self) -> int:
@@ -92,11 +95,14 @@ class Sequence(PromptThenOutput):
         self.cumulative_logprob += logprob
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceGroup:
     """One request: its sequences (n > 1 runs them side by side), sampling parameters and timings.
 
-    NOTE: a group is scheduled, preempted and resumed as a whole (all-or-nothing).
+    NOTE: a group is scheduled, preempted and resumed as a whole (all-or-nothing), except that a
+    group alone in the cache that cannot hold all its sequences runs them in turns (parked
+    sequences, see core/scheduler.py). Groups compare by identity (`eq=False`): queue membership
+    must never compare fields.
     """
 
     request_id: str
@@ -119,6 +125,8 @@ class SequenceGroup:
     extra: dict[str, Any] = field(default_factory=dict)
     # Prompt tokens found in the prefix cache when first admitted (None: not admitted yet).
     num_cached_tokens: int | None = None
+    # Scheduling priority (scheduling_policy="priority"): lower values are served first.
+    priority: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -138,6 +146,10 @@ class SequenceGroup:
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
+
+    def parked_seqs(self) -> list[Sequence]:
+        """Unfinished sequences waiting their turn (holding no blocks), in order."""
+        return [s for s in self.seqs if s.parked and not s.is_finished]
 
     @property
     def is_finished(self) -> bool:

@@ -17,6 +17,11 @@ def salt_root(salt: str | None) -> int:
     return 0 if salt is None else hash(("cache_salt", salt))
 
 
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """The prefix-cache hash of a full block: chained over its parent's hash and its tokens."""
+    return hash((parent, tokens))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -76,10 +81,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed, on_reuse=self._forget)
         self.tables: dict[int, BlockTable] = {}
         # Automatic prefix caching: chained hash of a full block -> the block holding it, and
-        # per cached block its hash and tokens (checked on every hit: never trust a hash alone).
+        # per cached block its hash, its parent's hash and its tokens (both checked on every
+        # hit: never trust a hash alone).
         self.enable_prefix_caching = enable_prefix_caching
         self._cached: dict[int, int] = {}
-        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
@@ -214,7 +220,9 @@ class KVCacheManager:
 
         NOTE: at least the last token is always left to compute (its logits are needed), so a
         prompt that is entirely cached gets its last block recomputed into a fresh block; a
-        cached block is never written.
+        cached block is never written. A hit must match the block's tokens AND its parent's hash
+        (the previous block of the chain, or the salt's root): two chains whose hashes collide
+        never share KV.
         """
         if not self.enable_prefix_caching:
             return []
@@ -223,11 +231,15 @@ class KVCacheManager:
         parent = salt_root(salt)
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash((parent, tokens))
-            block = self._cached.get(parent)
-            if block is None or self._block_key[block][1] != tokens:
+            h = block_hash(parent, tokens)
+            block = self._cached.get(h)
+            if block is None:
+                break
+            _, cached_parent, cached_tokens = self._block_key[block]
+            if cached_parent != parent or cached_tokens != tokens:
                 break
             hits.append(block)
+            parent = h
         return hits
 
     def num_free_among(self, blocks: list[int]) -> int:
@@ -245,6 +257,22 @@ class KVCacheManager:
         self.tables[seq_id] = table
         return table.num_tokens
 
+    def share_blocks(self, seq_id: int, blocks: list[int], salt: str | None = None) -> None:
+        """Start `seq_id`'s table with these full, computed blocks that other tables hold or the
+        prefix cache keeps (shared: reference counts go up). Their hashes are kept as far as the
+        prefix cache knows the chain (under `salt`); `cache_full_blocks` computes the rest."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        for block in blocks:
+            self.pool.acquire(block)
+        hashes: list[int] = []
+        for block in blocks:
+            key = self._block_key.get(block)
+            if key is None or key[1] != (hashes[-1] if hashes else salt_root(salt)):
+                break
+            hashes.append(key[0])
+        self.tables[seq_id] = BlockTable(list(blocks), len(blocks) * self.block_size, hashes)
+
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int,
                           salt: str | None = None) -> None:
         """Register the sequence's newly full and computed blocks in the prefix cache (each
@@ -255,12 +283,13 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(table.hashes), min(num_computed, table.num_tokens) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash((table.hashes[-1] if table.hashes else salt_root(salt), tokens))
+            parent = table.hashes[-1] if table.hashes else salt_root(salt)
+            h = block_hash(parent, tokens)
             table.hashes.append(h)
             block = table.blocks[i]
             if h not in self._cached and block not in self._block_key:
                 self._cached[h] = block
-                self._block_key[block] = (h, tokens)
+                self._block_key[block] = (h, parent, tokens)
 
     def _forget(self, block: int) -> None:
         key = self._block_key.pop(block, None)

@@ -80,8 +80,8 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
             touched[group.request_id] = group
     for group in sched.length_capped:
         touched[group.request_id] = group
-    for group in scheduler.remove_finished():
-        touched[group.request_id] = group
+    # NOTE: only the groups this step touched can have finished: nothing else is scanned.
+    scheduler.remove_finished(list(touched.values()))
     update.groups = list(touched.values())
     return update
 

@@ -325,13 +325,6 @@ class LLMEngine:
             raise ValueError(
                 f"{name}={width} is more than max_num_seqs ({self.args.max_num_seqs}): the "
                 "request could never be scheduled (raise max_num_seqs)")
-        # The prompt's blocks are shared by the group's sequences; each needs one block more.
-        blocks = cdiv(prompt_len, self.kv_manager.block_size) + width
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens with n={width} needs {blocks} KV blocks; the "
-                f"cache has {self.num_kv_blocks} (raise kv_cache_memory or shorten the prompt)"
-            )
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary")
@@ -341,6 +334,16 @@ class LLMEngine:
         if params.max_tokens is None:
             params = params.clone()
             params.max_tokens = self.max_model_len - prompt_len
+        # NOTE: the one limit of the KV pool: one sequence alone must fit it. Its last sampled
+        # token is never computed; sequences that cannot all fit at once take turns.
+        final = min(self.max_model_len, prompt_len + params.max_tokens)
+        blocks = cdiv(final - 1, self.kv_manager.block_size)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"max_tokens: a sequence of {prompt_len} prompt tokens and up to "
+                f"{final - prompt_len} output tokens (max_tokens) needs {blocks} KV blocks alone; "
+                f"the cache has {self.num_kv_blocks} (lower max_tokens, shorten the prompt or "
+                "raise kv_cache_memory / num_kv_blocks)")
         self.kv_manager.check_request(
             width, params.use_beam_search, prompt_len,
             min(self.max_model_len, prompt_len + params.max_tokens))
