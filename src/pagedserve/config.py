@@ -12,7 +12,7 @@ import argparse
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
-from pagedserve.core.scheduler import PREEMPTION_MODES, SchedulerConfig
+from pagedserve.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -103,6 +103,10 @@ class EngineArgs:
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs: requests are served in arrival order; priority: by each request's "
+        "priority (lower first; ties by arrival), and the lowest priority is preempted first",
+        choices=SCHEDULING_POLICIES)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -151,7 +155,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=chunked,
             preemption_mode=self.preemption_mode, swap_seconds_per_block=swap_seconds_per_block,
-            recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids)
+            recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids,
+            scheduling_policy=self.scheduling_policy)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,

@@ -127,6 +127,8 @@ class SequenceGroup:
     num_cached_tokens: int | None = None
     # Scheduling priority (scheduling_policy="priority"): lower values are served first.
     priority: int = 0
+    # Set by `Scheduler.add`: the order requests were queued in (ties of the queue keys).
+    queue_no: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -68,20 +68,25 @@ class Scheduler:
                  new_seq_id: Callable[[], int] | None = None) -> None:
         self.config = config
         self.kv = kv
-        key = self._priority_key if config.scheduling_policy == "priority" else _arrival_key
-        self.waiting = GroupQueue(key)
-        self.running = GroupQueue(key)
-        self.swapped = GroupQueue(key)
+        # NOTE: under fcfs the waiting queue keeps the order requests were queued in (a group
+        # requeued for recomputation goes back to its place, ahead of every later one); the
+        # running and swapped queues are in arrival order. Under priority all three are in
+        # (priority, arrival) order.
+        if config.scheduling_policy == "priority":
+            self.waiting = GroupQueue(_priority_key)
+            self.running = GroupQueue(_priority_key)
+            self.swapped = GroupQueue(_priority_key)
+        else:
+            self.waiting = GroupQueue(_queued_key)
+            self.running = GroupQueue(_arrival_key)
+            self.swapped = GroupQueue(_arrival_key)
+        self._num_queued = 0
         self._finished_ids: list[str] = []
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_turns = 0
         self.new_seq_id = new_seq_id or _counter(1 << 40)
-
-    @staticmethod
-    def _priority_key(group: SequenceGroup) -> tuple:
-        return (group.priority, group.arrival_time)
 
     # --- queue management --------------------------------------------------------------------
 
@@ -95,6 +100,8 @@ class Scheduler:
             raise ValueError(f"priority={group.priority}: priorities need "
                              "--scheduling-policy priority (scheduling_policy='priority'); the "
                              "engine schedules fcfs")
+        self._num_queued += 1
+        group.queue_no = self._num_queued
         self.waiting.add(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -560,3 +567,11 @@ def _counter(start: int) -> Callable[[], int]:
 
 def _arrival_key(group: SequenceGroup) -> tuple:
     return (group.arrival_time,)
+
+
+def _queued_key(group: SequenceGroup) -> tuple:
+    return (group.queue_no,)
+
+
+def _priority_key(group: SequenceGroup) -> tuple:
+    return (group.priority, group.arrival_time, group.queue_no)

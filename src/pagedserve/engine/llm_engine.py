@@ -207,11 +207,14 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Validate and queue one request. Raises ValueError (naming the problem) and leaves the
-        engine untouched when the request cannot be served."""
+        engine untouched when the request cannot be served. `priority` (lower first) needs
+        `scheduling_policy="priority"`."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        self.check_priority(priority)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt: either a prompt or prompt_token_ids is required")
@@ -231,6 +234,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=prompt,
+            priority=priority,
         )
         for index in range(1 if beam else params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids, index)
@@ -263,6 +267,16 @@ class LLMEngine:
         self.scheduler.add(group)
         self.groups[request_id] = group
         return group
+
+    def check_priority(self, priority) -> None:
+        """Raise ValueError unless `priority` is an integer the scheduling policy accepts (any
+        under "priority", only 0 under "fcfs", as vLLM)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority}: request priorities need --scheduling-policy priority "
+                "(scheduling_policy='priority'); this engine schedules fcfs")
 
     def _validate_prompt(self, ids) -> list[int]:
         try:
@@ -456,7 +470,7 @@ class LLMEngine:
 
     def add_beam_request(
         self, request_id: str, prompt: str | None, params: BeamSearchParams,
-        prompt_token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None, priority: int = 0,
     ) -> SequenceGroup:
         """Queue a beam search: one group whose live sequences are the beams (the same as
         `add_request` with `SamplingParams(use_beam_search=True, n=beam_width, ...)`)."""
@@ -465,7 +479,8 @@ class LLMEngine:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
                                   ignore_eos=params.ignore_eos, n=params.beam_width,
                                   use_beam_search=True, length_penalty=params.length_penalty)
-        return self.add_request(request_id, prompt, sampling, prompt_token_ids)
+        return self.add_request(request_id, prompt, sampling, prompt_token_ids,
+                                priority=priority)
 
     def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         hyps = group.extra.get("beam_final") if finished else None
