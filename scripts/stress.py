@@ -82,6 +82,8 @@ def main() -> int:
                 counts[f"shape {shape}"] += 1
             if stats.turns:
                 counts["workloads running a group in turns"] += 1
+            if stats.undone_victims:
+                counts["workloads preempting a group scheduled earlier in the step"] += 1
             if time.monotonic() - last > 30 or args.seed:
                 last = time.monotonic()
                 print(f"[{last - t0:6.0f}s] up to seed {seed}: {counts['passed']} passed, "

@@ -373,6 +373,7 @@ class RunStats:
     seconds: float = 0.0
     config_rejected: bool = False
     turns: int = 0  # sequences parked for their siblings (groups running in turns)
+    undone_victims: int = 0  # victims preempted after being scheduled in the same step
 
 
 class Harness:
@@ -555,6 +556,7 @@ class Harness:
         stats.finished, stats.aborted = len(finished), len(aborted)
         stats.preemptions = dict(engine.scheduler.preemptions_by_mode)
         stats.turns = engine.scheduler.num_turns
+        stats.undone_victims = engine.scheduler.num_undone_victims
         self._check_end(engine)
         for rid, got in finished.items():
             want = expected[reqs[rid].key()]

@@ -154,13 +154,13 @@ class StepPlan:
     def record_for(self, group: SequenceGroup) -> GroupRecord:
         return self._records.setdefault(group.request_id, GroupRecord())
 
-    def unschedule(self, group: SequenceGroup, out: SchedulerOutput, kv: KVCacheManager) -> None:
+    def unschedule(self, group: SequenceGroup, out: SchedulerOutput, kv: KVCacheManager) -> bool:
         """Undo the group's part of this step: its scheduled rows, its copy-on-write copies, its
         token budget, and its block tables as they were before the step (blocks gained are
-        released)."""
+        released). Returns whether the group had been scheduled in this step."""
         record = self._records.pop(group.request_id, None)
         if record is None:
-            return
+            return False
         self.budget += record.tokens
         dropped = {id(e) for e in record.entries}
         out.scheduled = [s for s in out.scheduled if id(s) not in dropped]
@@ -168,3 +168,4 @@ class StepPlan:
         out.blocks_to_copy = [p for p in out.blocks_to_copy if p not in copies]
         for seq_id, snapshot in reversed(record.snapshots):
             kv.restore(seq_id, snapshot)
+        return True

@@ -86,6 +86,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_turns = 0
+        self.num_undone_victims = 0  # victims taken back out of the step that scheduled them
         self.new_seq_id = new_seq_id or _counter(1 << 40)
 
     # --- queue management --------------------------------------------------------------------
@@ -364,7 +365,7 @@ class Scheduler:
                 plan = [p for p in plan if p[0] is not seq]
                 continue
             self.running.pop()
-            step.unschedule(victim, out, self.kv)
+            self.num_undone_victims += step.unschedule(victim, out, self.kv)
             self._preempt(victim, out)
             if victim is group:
                 return
