@@ -53,6 +53,9 @@ class Sequence(PromptThenOutput):
     NOTE: `token_ids` is prompt + output in one list (appended in place every step); the tokens
     still to be computed are `token_ids[num_computed_tokens:]`. After preemption by recomputation
     `num_computed_tokens` drops to 0 and the whole list is prefilled again.
+
+    NOTE (step cost): `prompt_token_ids` is one list built once (do not mutate it), and
+    `is_finished` a plain attribute kept by the `status` setter: both are read every step.
     """
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:
@@ -60,8 +63,10 @@ class Sequence(PromptThenOutput):
         # Its place among its request's samples (0 .. n-1): which random stream it draws from.
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
+        self._prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.is_finished = False
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         # The request's cache_salt: roots its prefix-cache hashes (core/kv_cache_manager.py).
@@ -87,8 +92,17 @@ class Sequence(PromptThenOutput):
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: SequenceStatus) -> None:
+        self._status = value
+        self.is_finished = value.is_finished
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._prompt_token_ids
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
@@ -147,15 +161,24 @@ class SequenceGroup:
         return self.sampling_params.n if self.beam is not None else len(self.unfinished_seqs())
 
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without a comprehension
+            return [] if seqs[0].is_finished else [seqs[0]]
+        return [s for s in seqs if not s.is_finished]
 
     def parked_seqs(self) -> list[Sequence]:
-        """Unfinished sequences waiting their turn (holding no blocks), in order."""
+        """Unfinished sequences waiting their turn (holding no blocks), in order (a group of
+        one sequence never has any)."""
+        if len(self.seqs) == 1:
+            return []
         return [s for s in self.seqs if s.parked and not s.is_finished]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if not s.is_finished:
+                return False
+        return True
 
     @property
     def needs_logprobs(self) -> bool:

@@ -164,29 +164,41 @@ class KVCacheManager:
         table.num_tokens = max(table.num_tokens, num_tokens)
         return copies
 
-    def snapshot(self, seq_id: int) -> BlockTable | None:
-        """A copy of `seq_id`'s table (None if it has none), to `restore` if a step is undone."""
+    def snapshot(self, seq_id: int) -> tuple[int, int, int, int] | None:
+        """What `restore` needs to undo this step's `allocate_slots` of `seq_id` (None if it has
+        no table): its block count, slot count, last block and hash count (O(1), no copy)."""
         table = self.tables.get(seq_id)
         if table is None:
             return None
-        return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes))
+        blocks = table.blocks
+        return (len(blocks), table.num_tokens, blocks[-1] if blocks else -1, len(table.hashes))
 
-    def restore(self, seq_id: int, snapshot: BlockTable | None) -> None:
-        """Put `seq_id`'s table back as `snapshot` took it, with reference counts to match: the
-        blocks gained since (new blocks, copy-on-write targets) are released, the blocks it held
-        then are held again.
+    def restore(self, seq_id: int, snapshot: tuple[int, int, int, int] | None) -> None:
+        """Put `seq_id`'s table back as `snapshot` found it, with reference counts to match: the
+        blocks gained since (new blocks, a copy-on-write target) are released, the last block it
+        held then is held again.
 
         NOTE: only for undoing this step's `allocate_slots` of a group before the step runs;
         the snapshot's blocks must not have been handed to another sequence in between.
         """
-        current = self.tables.pop(seq_id, None)
-        if snapshot is not None:
-            for block in snapshot.blocks:
-                self.pool.acquire(block)
-            self.tables[seq_id] = snapshot
-        if current is not None:
-            for block in reversed(current.blocks):
-                self.pool.decref(block)
+        if snapshot is None:
+            table = self.tables.pop(seq_id, None)
+            if table is not None:
+                for block in reversed(table.blocks):
+                    self.pool.decref(block)
+            return
+        count, num_tokens, last, num_hashes = snapshot
+        table = self.tables[seq_id]
+        blocks = table.blocks
+        if count and blocks[count - 1] != last:  # copy-on-write replaced the last block
+            self.pool.acquire(last)
+            self.pool.decref(blocks[count - 1])
+            blocks[count - 1] = last
+        for block in reversed(blocks[count:]):
+            self.pool.decref(block)
+        del blocks[count:]
+        table.num_tokens = num_tokens
+        del table.hashes[num_hashes:]
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give `child_id` the parent's blocks (shared: reference counts go up)."""

@@ -448,8 +448,12 @@ class Scheduler:
         )
         return self.kv.num_distinct_blocks(seq_ids, cpu=True) + grow
 
-    def _is_decoding(self, group: SequenceGroup) -> bool:
-        return all(s.num_tokens - s.num_computed_tokens == 1 for s in group.unfinished_seqs())
+    @staticmethod
+    def _is_decoding(group: SequenceGroup) -> bool:
+        for s in group.seqs:
+            if not s.is_finished and len(s.token_ids) - s.num_computed_tokens != 1:
+                return False
+        return True
 
     def _set_running(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs():
@@ -490,18 +494,24 @@ class Scheduler:
         return plan or None
 
     def _fits(self, plan: Plan) -> bool:
-        need = sum(self.kv.num_new_blocks(seq.seq_id, end) for seq, _, end in plan)
-        return need <= self.kv.num_free_blocks
+        kv = self.kv
+        need = 0
+        for seq, _, end in plan:
+            need += kv.num_new_blocks(seq.seq_id, end)
+        return need <= kv.num_free_blocks
 
     def _commit(self, plan: Plan, group: SequenceGroup, step: StepPlan,
                 out: SchedulerOutput) -> None:
         record = step.record_for(group)
+        kv = self.kv
         for seq, start, end in plan:
-            record.snapshots.append((seq.seq_id, self.kv.snapshot(seq.seq_id)))
-            copies = self.kv.allocate_slots(seq.seq_id, end)
-            out.blocks_to_copy.extend(copies)
-            record.copies.extend(copies)
-            entry = ScheduledSequence.make(group, seq, start, end, self.kv.block_table(seq.seq_id))
+            seq_id = seq.seq_id
+            record.snapshots.append((seq_id, kv.snapshot(seq_id)))
+            copies = kv.allocate_slots(seq_id, end)
+            if copies:
+                out.blocks_to_copy.extend(copies)
+                record.copies.extend(copies)
+            entry = ScheduledSequence.make(group, seq, start, end, kv.tables[seq_id].blocks)
             out.scheduled.append(entry)
             record.entries.append(entry)
             record.tokens += end - start

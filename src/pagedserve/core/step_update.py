@@ -53,18 +53,21 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     update = StepUpdate()
     touched: dict[str, SequenceGroup] = {}
     beams: dict[str, SequenceGroup] = {}
+    caching = scheduler.kv.enable_prefix_caching
     for s, r in zip(sched.scheduled, results):
         group, seq = s.group, s.seq
         seq.num_computed_tokens = s.end
-        scheduler.cache_computed_blocks(seq)
-        update.num_prompt_tokens += max(0, min(s.end, seq.num_prompt_tokens) - s.start)
+        if caching:
+            scheduler.cache_computed_blocks(seq)
+        if s.start < seq.num_prompt_tokens:
+            update.num_prompt_tokens += min(s.end, seq.num_prompt_tokens) - s.start
         if r.prompt_logprobs is not None:
             if observer is not None:
                 observer.on_prompt_logprobs(s, r)
             if s.end >= seq.num_prompt_tokens:
                 group.prompt_logprobs_done = True
         # The shared prompt is computed: the other sequences fork the parent's blocks.
-        forked = scheduler.fork_if_ready(group)
+        forked = scheduler.fork_if_ready(group) if group.fork_pending else []
         if r.samples:
             seqs = forked if len(r.samples) > 1 else [seq]
             for q, sample in zip(seqs, r.samples):

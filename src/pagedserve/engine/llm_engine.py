@@ -526,7 +526,7 @@ class LLMEngine:
                 CompletionOutput(
                     index=i,
                     text=seq.final_text if seq.final_text is not None else seq.detokenizer.text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=seq.token_ids[seq.num_prompt_tokens:],  # (a copy)
                     cumulative_logprob=seq.cumulative_logprob if want_lp else None,
                     logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                     finish_reason=seq.status.finish_reason,
