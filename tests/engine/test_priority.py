@@ -26,7 +26,7 @@ def test_generate_serves_lower_priority_values_first_with_unchanged_outputs(chec
     fcfs = _llm(path).generate(prompts, params, use_tqdm=False)
     llm = _llm(path, scheduling_policy="priority")
     outs = llm.generate(prompts, params, use_tqdm=False, priority=[3, 0, 2, -1])
-    assert_same_outputs([o.outputs[0] for o in outs], [o.outputs[0] for o in fcfs])
+    assert_same_outputs(outs, fcfs)
     # One sequence at a time (max_num_seqs=1): the order they ran in is the order they finished.
     order = sorted(range(4), key=lambda i: outs[i].metrics.finished_time)
     assert order == [3, 1, 2, 0]
