@@ -485,8 +485,7 @@ class LLMEngine:
     def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         hyps = group.extra.get("beam_final") if finished else None
         if hyps is None and finished:
-            # Ended without a last beam step (aborted, or capped by "length" because it could
-            # not grow even alone in the cache): the beams it had are its hypotheses.
+            # Ended without a last beam step (aborted): the beams it had are its hypotheses.
             hyps = final_hypotheses(group.beam, [(q.cumulative_logprob, q.output_token_ids)
                                                  for q in group.seqs])
         if hyps is None:
