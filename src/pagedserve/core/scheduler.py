@@ -362,6 +362,7 @@ class Scheduler:
                     out.length_capped.append(group)
                     return
                 self._park(group, seq)
+                step.turns_waiting = True  # the blocks it freed are its siblings' turn
                 plan = [p for p in plan if p[0] is not seq]
                 continue
             self.running.pop()
