@@ -150,7 +150,9 @@ class KVCacheManager:
         before this step's writes. The caller checks `num_new_blocks` against `num_free_blocks`
         first; running out here is a bug, not a user error.
         """
-        table = self.tables.setdefault(seq_id, BlockTable())
+        table = self.tables.get(seq_id)
+        if table is None:  # (not setdefault: that would build a table on every call)
+            table = self.tables[seq_id] = BlockTable()
         copies: list[tuple[int, int]] = []
         if self._last_block_needs_copy(table, num_tokens):
             old = table.blocks[-1]

@@ -348,6 +348,9 @@ class LLMEngine:
         if params.max_tokens is None:
             params = params.clone()
             params.max_tokens = self.max_model_len - prompt_len
+        self.kv_manager.check_request(
+            width, params.use_beam_search, prompt_len,
+            min(self.max_model_len, prompt_len + params.max_tokens))
         # NOTE: the one limit of the KV pool: one sequence alone must fit it. Its last sampled
         # token is never computed; sequences that cannot all fit at once take turns.
         final = min(self.max_model_len, prompt_len + params.max_tokens)
@@ -358,9 +361,6 @@ class LLMEngine:
                 f"{final - prompt_len} output tokens (max_tokens) needs {blocks} KV blocks alone; "
                 f"the cache has {self.num_kv_blocks} (lower max_tokens, shorten the prompt or "
                 "raise kv_cache_memory / num_kv_blocks)")
-        self.kv_manager.check_request(
-            width, params.use_beam_search, prompt_len,
-            min(self.max_model_len, prompt_len + params.max_tokens))
         return params
 
     def abort_request(self, request_id: str) -> bool:
