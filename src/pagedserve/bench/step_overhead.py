@@ -116,10 +116,13 @@ def build_engine(model: str, max_seqs: int, prompt_len: int, steps: int, seed: i
     from pagedserve.engine.llm_engine import LLMEngine
 
     block_size = 16
-    per_seq = -(-(prompt_len + steps + 8) // block_size)
+    # Every prompt prefilled in one step, then `steps` + 2 decode steps: no sequence ever
+    # waits for a block or finishes while measured.
+    per_seq = -(-(prompt_len + steps + 16) // block_size) + 1
     args = EngineArgs(model=model, load_format="dummy", dtype="float32", device="cpu",
                       block_size=block_size, num_kv_blocks=max_seqs * per_seq + 8,
-                      max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_seqs),
+                      max_num_seqs=max_seqs,
+                      max_num_batched_tokens=max(2048, max_seqs * prompt_len),
                       enable_prefix_caching=False, preemption_mode="recompute",
                       max_model_len=prompt_len + steps + 64)
     engine = LLMEngine(args)
@@ -134,7 +137,7 @@ def measure(engine, num_seqs: int, prompt_len: int, steps: int, seed: int,
     from pagedserve.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(temperature=1.0, max_tokens=steps + prompt_len + 8, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [1] + [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len - 1)]
         engine.add_request(f"r{num_seqs}-{i}", None, params, prompt_token_ids=prompt)
