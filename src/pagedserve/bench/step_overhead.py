@@ -9,7 +9,9 @@ vocabulary trained on the bench corpus) with dummy weights, which never run.
 For each N it prints ms per step and us per sequence of: schedule, step input (the rest of
 `LLMEngine.step` around the phases: building the step input, bookkeeping), the fake model,
 update (the step update: appending tokens, stops, incremental detokenization) and outputs
-(building the `RequestOutput`s), and their total. `--profile` adds a cProfile of the measured
+(building the `RequestOutput`s), each timed by wrappers over `steps` steps, and the total: the
+whole `LLMEngine.step` timed over `steps` more steps without the wrappers (whose own cost, a
+few calls per sequence, the phases include). `--profile` adds a cProfile of the measured
 steps at the largest N (top functions by own time).
 
 The file also runs as a script against another checkout (to profile a version without this
@@ -118,13 +120,13 @@ def build_engine(model: str, max_seqs: int, prompt_len: int, steps: int, seed: i
     block_size = 16
     # Every prompt prefilled in one step, then `steps` + 2 decode steps: no sequence ever
     # waits for a block or finishes while measured.
-    per_seq = -(-(prompt_len + steps + 16) // block_size) + 1
+    per_seq = -(-(prompt_len + 2 * steps + 16) // block_size) + 1
     args = EngineArgs(model=model, load_format="dummy", dtype="float32", device="cpu",
                       block_size=block_size, num_kv_blocks=max_seqs * per_seq + 8,
                       max_num_seqs=max_seqs,
                       max_num_batched_tokens=max(2048, max_seqs * prompt_len),
                       enable_prefix_caching=False, preemption_mode="recompute",
-                      max_model_len=prompt_len + steps + 64)
+                      max_model_len=prompt_len + 2 * steps + 64)
     engine = LLMEngine(args)
     engine.executor = FakeExecutor(engine.executor, engine.vocab_size, seed)
     return engine
@@ -137,7 +139,7 @@ def measure(engine, num_seqs: int, prompt_len: int, steps: int, seed: int,
     from pagedserve.sampling_params import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(temperature=1.0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, max_tokens=2 * steps + 16, ignore_eos=True)
     for i in range(num_seqs):
         prompt = [1] + [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len - 1)]
         engine.add_request(f"r{num_seqs}-{i}", None, params, prompt_token_ids=prompt)
@@ -174,6 +176,14 @@ def measure(engine, num_seqs: int, prompt_len: int, steps: int, seed: int,
         profiler.disable()
     for (obj, name), fn in real.items():
         setattr(obj, name, fn)
+    # The whole step again without the phase timers (their own cost, a few calls per
+    # sequence, left out): the "total" reported.
+    totals = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - t0)
+    totals.sort()
     if len(sched.running) != num_seqs:
         raise RuntimeError(f"{len(sched.running)} running sequences, expected {num_seqs}")
     for rid in list(engine.groups):
@@ -181,6 +191,7 @@ def measure(engine, num_seqs: int, prompt_len: int, steps: int, seed: int,
     engine.step()  # the runner drops the aborted requests
     samples.sort(key=lambda r: r["total"])
     per_step = dict(samples[0] if stat == "min" else samples[len(samples) // 2])
+    per_step["total"] = totals[0] if stat == "min" else totals[len(totals) // 2]
     if profiler is not None:
         import io
         import pstats

@@ -93,10 +93,12 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
                   sample: SampleResult, observer: StepObserver | None) -> None:
     params = group.sampling_params
     token = sample.token_id
-    seq.append_token(token, sample.logprob or 0.0)
+    seq.token_ids.append(token)  # (Sequence.append_token, inlined: once per token)
+    seq.cumulative_logprob += sample.logprob or 0.0
     if group.first_token_time is None:
         group.first_token_time = time.monotonic()
-    n_out = seq.num_output_tokens
+    num_tokens = len(seq.token_ids)
+    n_out = num_tokens - seq.num_prompt_tokens
     status = None
     if n_out >= params.min_tokens:
         if not params.ignore_eos and token in scheduler.config.eos_token_ids:
@@ -107,8 +109,7 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
             group, seq, sample, status is None and n_out >= params.min_tokens):
         status = SequenceStatus.FINISHED_STOPPED
     max_tokens = params.max_tokens if params.max_tokens is not None else float("inf")
-    if status is None and (n_out >= max_tokens
-                           or seq.num_tokens >= scheduler.config.max_model_len):
+    if status is None and (n_out >= max_tokens or num_tokens >= scheduler.config.max_model_len):
         status = SequenceStatus.FINISHED_LENGTH
     if status is not None:
         scheduler.finish_seq(seq, status)

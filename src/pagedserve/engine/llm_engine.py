@@ -439,7 +439,7 @@ class LLMEngine:
                 self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
             )
         detok: IncrementalDetokenizer = seq.detokenizer
-        new_text = detok.append([token])
+        new_text = detok.append(token if type(token) is int else [token])
         # NOTE: the matcher accepts every token; a grammar that has ended stops the sequence
         # (before min_tokens, as vLLM: the grammar wins).
         if self.structured.accept(group, seq, token):
