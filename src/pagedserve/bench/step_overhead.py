@@ -72,7 +72,7 @@ def tiny_llama_folder(path: Path) -> Path:
 
 class FakeExecutor:
     """Stands in for the model: every sampled row gets a random token of the vocabulary, with
-    a fixed logprob, at once."""
+    a fixed logprob (and `logprobs` random top tokens when the request asks), at once."""
 
     def __init__(self, real, vocab: int, seed: int) -> None:
         self.real = real
@@ -85,7 +85,10 @@ class FakeExecutor:
         rand = self.rng.randint
         out = []
         for row in step.rows:
-            samples = [SampleResult(rand(self.low, self.high), -1.0, 1, None)
+            k = row.params.logprobs
+            samples = [SampleResult(rand(self.low, self.high), -1.0, 1,
+                                    None if k is None else [(rand(self.low, self.high), -1.5)
+                                                            for _ in range(k)])
                        for _ in row.samples] if row.do_sample else []
             out.append(SeqStepOutput(row.seq_id, samples))
         return out
