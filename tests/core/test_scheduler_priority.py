@@ -86,3 +86,24 @@ def test_fcfs_refuses_a_non_zero_priority_naming_the_option():
     sched.add(prioritized("b", 4, 0, 0.0))  # priority 0 is fine
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_a_higher_priority_request_is_admitted_while_a_lower_group_takes_turns():
+    # "wide": 4 sequences that cannot all hold their blocks in 6 (one at a time they fit): they
+    # take turns, and new requests of its priority or lower wait for the turns to end; one of
+    # a higher priority does not.
+    sched = make("priority", num_blocks=6, block_size=4)
+    wide = group("wide", 4, n=4, arrival=0.0, max_tokens=12)
+    wide.priority = 5
+    sched.add(wide)
+    while not wide.parked_seqs():
+        run_step(sched)
+    sched.add(prioritized("new", 2, 0, 1.0))
+    admitted_during_turns = False
+    while sched.has_unfinished():
+        turns = bool(wide.parked_seqs()) and wide in sched.running
+        run_step(sched)
+        if turns and any(g.request_id == "new" for g in sched.running):
+            admitted_during_turns = True
+    assert admitted_during_turns
+    assert sched.kv.num_free_blocks == 6

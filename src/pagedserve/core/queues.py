@@ -28,6 +28,10 @@ class GroupQueue:
         bisect.insort(self._items, group, key=self._key)
         self._ids[group.request_id] = group
 
+    def key(self, group: SequenceGroup) -> tuple:
+        """The group's place in this queue's order."""
+        return self._key(group)
+
     def get(self, request_id: str) -> SequenceGroup | None:
         return self._ids.get(request_id)
 

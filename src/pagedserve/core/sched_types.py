@@ -148,8 +148,13 @@ class StepPlan:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self._records: dict[str, GroupRecord] = {}
-        # Set when a running group has sequences waiting their turn: no new request is admitted.
-        self.turns_waiting = False
+        # The queue key of the first running group with sequences waiting their turn (None:
+        # none): no new request is admitted behind it (under fcfs, none at all).
+        self.turns_key: tuple | None = None
+
+    def note_turns(self, key: tuple) -> None:
+        if self.turns_key is None or key < self.turns_key:
+            self.turns_key = key
 
     def record_for(self, group: SequenceGroup) -> GroupRecord:
         return self._records.setdefault(group.request_id, GroupRecord())

@@ -262,10 +262,14 @@ class Scheduler(Turns):
             slots += group.max_width_left
             self._commit(plan, group, step, out)
 
-        while (self.waiting and not self.swapped and not out.preempted and step.budget > 0
-               and not step.turns_waiting):
+        while self.waiting and not self.swapped and not out.preempted and step.budget > 0:
             group = self.waiting[0]
             if slots + group.max_width_left > self.config.max_num_seqs:
+                break
+            # NOTE: a request whose sequences take turns gets the blocks they free, before any
+            # new request (under "priority", before any new request of its priority or lower).
+            if step.turns_key is not None and (self.config.scheduling_policy != "priority"
+                                               or self.waiting.key(group) >= step.turns_key):
                 break
             hits = self._prefix_hits(group)
             for seq, blocks in hits:  # tentatively: the cached tokens need no computing
@@ -345,7 +349,7 @@ class Scheduler(Turns):
                 self._unpark_one(group, due[0])
                 plan = self._plan(group, step.budget)
         if parked:
-            step.turns_waiting = True
+            step.note_turns(self.running.key(group))
         if plan is None:
             return
         while not self._fits(plan):
@@ -363,7 +367,7 @@ class Scheduler(Turns):
                     out.length_capped.append(group)
                     return
                 self._park(group, seq)
-                step.turns_waiting = True  # the blocks it freed are its siblings' turn
+                step.note_turns(self.running.key(group))  # what it freed is its siblings' turn
                 plan = [p for p in plan if p[0] is not seq]
                 continue
             self.running.pop()
