@@ -4,7 +4,9 @@
     python scripts/stress.py --seed 1234             # one seed (a repro), with its workload shown
     python scripts/stress.py --minutes 5 --tp        # the same on tensor_parallel_size=2 ("mp")
 
-Every seed draws a workload (requests, arrivals, aborts) and a cache configuration, runs it step
+Every seed draws a workload (requests, arrivals, aborts, priorities) and a cache configuration
+(issue 25's shapes among them: pools that hold one sequence of a wide request but not all of
+them, priority scheduling, a prefilling group ahead of a decoding sharing group), runs it step
 by step on a tiny random float32 Llama and compares every request's output exactly with its run
 on a roomy cache (see the harness; the exactness rests on the engine's batch-invariant float32
 CPU kernels, kernels/cpu_fp32.py). Prints progress, and every failing seed with a one-line repro;
@@ -76,6 +78,12 @@ def main() -> int:
             for mode, n in stats.preemptions.items():
                 if n:
                     counts[f"workloads preempting by {mode}"] += 1
+            for shape in workload.shapes:
+                counts[f"shape {shape}"] += 1
+            if stats.turns:
+                counts["workloads running a group in turns"] += 1
+            if stats.undone_victims:
+                counts["workloads preempting a group scheduled earlier in the step"] += 1
             if time.monotonic() - last > 30 or args.seed:
                 last = time.monotonic()
                 print(f"[{last - t0:6.0f}s] up to seed {seed}: {counts['passed']} passed, "

@@ -14,7 +14,7 @@ import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
-from pagedserve.core.scheduler import PREEMPTION_MODES, SchedulerConfig
+from pagedserve.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -184,6 +184,10 @@ class EngineArgs:
     override_generation_config: str | None = option(
         None, "generation fields set over --generation-config, a JSON object (vLLM's), e.g. "
         "'{\"temperature\": 0.5, \"max_new_tokens\": 128}' (from Python also a dict)")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs: requests are served in arrival order; priority: by each request's "
+        "priority (lower first; ties by arrival), and the lowest priority is preempted first",
+        choices=SCHEDULING_POLICIES)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -241,7 +245,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=chunked,
             preemption_mode=self.preemption_mode, swap_seconds_per_block=swap_seconds_per_block,
-            recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids)
+            recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids,
+            scheduling_policy=self.scheduling_policy)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,

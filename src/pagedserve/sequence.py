@@ -53,6 +53,9 @@ class Sequence(PromptThenOutput):
     NOTE: `token_ids` is prompt + output in one list (appended in place every step); the tokens
     still to be computed are `token_ids[num_computed_tokens:]`. After preemption by recomputation
     `num_computed_tokens` drops to 0 and the whole list is prefilled again.
+
+    NOTE (step cost): `prompt_token_ids` is one list built once (do not mutate it), and
+    `is_finished` a plain attribute kept by the `status` setter: both are read every step.
     """
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:
@@ -60,8 +63,10 @@ class Sequence(PromptThenOutput):
         # Its place among its request's samples (0 .. n-1): which random stream it draws from.
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
+        self._prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.is_finished = False
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         # The request's cache_salt: roots its prefix-cache hashes (core/kv_cache_manager.py).
@@ -74,6 +79,9 @@ class Sequence(PromptThenOutput):
         self.detokenizer: Any = None
         # Beam search: this beam's best (token, logprob) continuations, until the step selects.
         self.beam_candidates: list[tuple[int, float]] | None = None
+        # NOTE: a parked sequence (of a group whose sequences take turns, core/scheduler.py)
+        # holds no blocks and has num_computed_tokens 0 until its turn comes.
+        self.parked = False
 
     @property
     def num_tokens(self) -> int:
@@ -84,19 +92,31 @@ class Sequence(PromptThenOutput):
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, value: SequenceStatus) -> None:
+        self._status = value
+        self.is_finished = value.is_finished
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._prompt_token_ids
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceGroup:
     """One request: its sequences (n > 1 runs them side by side), sampling parameters and timings.
 
-    NOTE: a group is scheduled, preempted and resumed as a whole (all-or-nothing).
+    NOTE: a group is scheduled, preempted and resumed as a whole (all-or-nothing), except that a
+    group alone in the cache that cannot hold all its sequences runs them in turns (parked
+    sequences, see core/scheduler.py). Groups compare by identity (`eq=False`): queue membership
+    must never compare fields.
     """
 
     request_id: str
@@ -123,6 +143,10 @@ class SequenceGroup:
     # is computed, with the runner's result in `pooled` (opaque here).
     pooling: Any = None
     pooled: Any = None
+    # Scheduling priority (scheduling_policy="priority"): lower values are served first.
+    priority: int = 0
+    # Set by `Scheduler.add`: the order requests were queued in (ties of the queue keys).
+    queue_no: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -141,11 +165,24 @@ class SequenceGroup:
         return self.sampling_params.n if self.beam is not None else len(self.unfinished_seqs())
 
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without a comprehension
+            return [] if seqs[0].is_finished else [seqs[0]]
+        return [s for s in seqs if not s.is_finished]
+
+    def parked_seqs(self) -> list[Sequence]:
+        """Unfinished sequences waiting their turn (holding no blocks), in order (a group of
+        one sequence never has any)."""
+        if len(self.seqs) == 1:
+            return []
+        return [s for s in self.seqs if s.parked and not s.is_finished]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:
+            if not s.is_finished:
+                return False
+        return True
 
     @property
     def needs_logprobs(self) -> bool:

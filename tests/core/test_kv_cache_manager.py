@@ -109,10 +109,10 @@ def test_prefix_cache_reuses_full_blocks_checks_tokens_and_forgets_evicted_block
     assert kv.match_prefix([1, 2, 9, 9, 9]) == first_two[:1]
     # A hash that matches with other tokens is not trusted.
     block = first_two[1]
-    h, _ = kv._block_key[block]
-    kv._block_key[block] = (h, (7, 7))
+    h, parent, _ = kv._block_key[block]
+    kv._block_key[block] = (h, parent, (7, 7))
     assert kv.match_prefix(tokens) == first_two[:1]
-    kv._block_key[block] = (h, (3, 4))
+    kv._block_key[block] = (h, parent, (3, 4))
     kv.free(0)
     assert kv.num_free_blocks == 4 and kv.match_prefix(tokens) == first_two  # kept while free
     kv.use_prefix(1, first_two)
@@ -137,3 +137,21 @@ def test_cache_salt_isolates_prefix_hits_between_salts():
     plain = kv.block_table(1)[:2]
     assert kv.match_prefix(tokens) == plain and not set(plain) & set(salted)
     assert kv.match_prefix(tokens, "alice") == salted
+
+
+def test_a_hash_collision_never_hands_a_request_another_chains_blocks(monkeypatch):
+    # A hash that ignores the parent makes every chain's block of the same tokens collide: two
+    # tenants (cache_salt) with the same prompt, and a block following other tokens.
+    import pagedserve.core.kv_cache_manager as kvm
+
+    monkeypatch.setattr(kvm, "block_hash", lambda parent, tokens: hash(tokens))
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots(0, 5)
+    kv.cache_full_blocks(0, [1, 2, 3, 4, 5], 5, salt="tenant-a")
+    assert len(kv.match_prefix([1, 2, 3, 4, 5], salt="tenant-a")) == 2
+    assert kv.match_prefix([1, 2, 3, 4, 5], salt="tenant-b") == []
+    assert kv.match_prefix([1, 2, 3, 4, 5]) == []
+    kv.allocate_slots(1, 5)
+    kv.cache_full_blocks(1, [9, 9, 3, 4, 5], 5)  # block (3, 4) after (9, 9): its hash collides
+    assert kv.match_prefix([1, 2, 3, 4, 5], salt="tenant-a") == kv.block_table(0)[:2]
+    assert kv.match_prefix([9, 9, 3, 4, 5]) == kv.block_table(1)[:1]

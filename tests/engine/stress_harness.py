@@ -20,7 +20,18 @@ max_num_seqs, shuffled free list). `Harness.run(seed)` drives `LLMEngine` step b
 - nothing lost or leaked: every admitted request ends in exactly one finished output or was
   aborted, nothing is reported after it finished or was aborted, both pools are empty at the end;
 - admission: a request is rejected (ValueError) only when it cannot fit (wider than
-  max_num_seqs, or more KV than the pool holds), and one wider than max_num_seqs is rejected.
+  max_num_seqs, or one of its sequences alone needs more KV than the pool holds), and one that
+  cannot fit is rejected (naming max_num_seqs / max_tokens);
+- the oracle compares output lengths and finish reasons first (a request cut short by the pool
+  reports "length" with fewer tokens than the oracle: the truncation of issue 25).
+
+Workload shapes beyond the random ones (issue 25), drawn from a second random stream so that the
+first stream's workloads stay as they were: "turns" (a pool between what one sequence of the
+widest request needs alone and what all its sequences need together: the group runs them in
+turns), "priority" (scheduling_policy="priority" with random request priorities), and
+"prefill-ahead" (a high-priority long prompt arriving while a sharing group decodes, prefilled in
+small chunks on a tight pool: a prefilling group ahead of a decoding sharing group in queue order,
+which preempts it after its decode rows and copy-on-write copies were scheduled).
 
 Used by tests/engine/test_stress.py (a fixed set of seeds) and scripts/stress.py (for minutes).
 """
@@ -42,7 +53,7 @@ MAX_MODEL_LEN = 96
 ORACLE_CONFIG = dict(block_size=16, num_kv_blocks=512, max_num_batched_tokens=4096,
                      enable_chunked_prefill=False, enable_prefix_caching=False,
                      preemption_mode="recompute", num_cpu_blocks=0, max_num_seqs=256,
-                     shuffle_free_blocks_seed=None)
+                     shuffle_free_blocks_seed=None, scheduling_policy="fcfs")
 STOP_STRINGS = ["e", "a", "th", "in", " ", "s ", "\n", "er", "qz"]
 
 
@@ -96,6 +107,7 @@ class Request:
     params: SamplingParams | BeamSearchParams
     arrive: int  # the step before which it is added
     abort_at: int | None = None  # the step before which it is aborted (None: never)
+    priority: int = 0  # passed only under scheduling_policy="priority"
 
     @property
     def width(self) -> int:
@@ -117,6 +129,12 @@ class Request:
         full table and a block more. A request within this must be admitted."""
         return self.width * (cdiv(len(self.prompt) + self.max_tokens, block_size) + 1)
 
+    def blocks_alone(self, block_size: int) -> int:
+        """KV blocks one of its sequences needs alone (its last sampled token is never computed):
+        the engine admits it exactly when this fits the pool."""
+        final = min(MAX_MODEL_LEN, len(self.prompt) + self.max_tokens)
+        return cdiv(final - 1, block_size)
+
     def blocks_tight(self, block_size: int) -> int:
         """The fewest KV blocks that run it alone (and that the engine's admission rule, one
         block per sequence beyond the prompt's, accepts): the prompt's full blocks shared, each
@@ -132,6 +150,7 @@ class Workload:
     seed: int
     config: dict
     requests: list[Request]
+    shapes: tuple[str, ...] = ()  # of issue 25: "turns", "priority", "prefill-ahead"
 
     def describe(self) -> str:
         kinds = []
@@ -148,7 +167,9 @@ class Workload:
                 f" chunked={int(c['enable_chunked_prefill'])}"
                 f" prefix={int(c['enable_prefix_caching'])}"
                 f" {c['preemption_mode']} cpu={c['num_cpu_blocks']} seqs={c['max_num_seqs']}"
-                f" reqs=[{' '.join(kinds)}]")
+                f" {c.get('scheduling_policy', 'fcfs')}"
+                + (f" shapes={','.join(self.shapes)}" if self.shapes else "")
+                + f" reqs=[{' '.join(kinds)}]")
 
 
 def _params(rng: random.Random, pressure: bool) -> SamplingParams | BeamSearchParams:
@@ -232,8 +253,63 @@ def make_workload(seed: int) -> Workload:
     config = dict(block_size=bs, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget,
                   enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.6,
                   preemption_mode=mode, num_cpu_blocks=cpu, max_num_seqs=max_num_seqs,
-                  shuffle_free_blocks_seed=rng.choice([None, rng.randrange(1000)]))
-    return Workload(seed, config, requests)
+                  shuffle_free_blocks_seed=rng.choice([None, rng.randrange(1000)]),
+                  scheduling_policy="fcfs")
+    shapes = _issue25_shapes(random.Random(seed * 1_000_003 + 25), seed, pressure, config,
+                             requests)
+    return Workload(seed, config, requests, shapes)
+
+
+def _issue25_shapes(rng: random.Random, seed: int, pressure: bool, config: dict,
+                    requests: list[Request]) -> tuple[str, ...]:
+    """Turn the workload into one of issue 25's shapes (module docstring), in place; returns the
+    shapes applied. Draws from its own stream `rng`."""
+    shapes = []
+    bs = config["block_size"]
+    if rng.random() < 0.3:
+        shapes.append("priority")
+        config["scheduling_policy"] = "priority"
+        for r in requests:
+            r.priority = rng.choice([0, 0, 1, -1, 2])
+    roll = rng.random()
+    if roll < 0.15:
+        # A sharing group decodes; a long prompt of higher priority arrives and is prefilled in
+        # chunks of a few tokens ahead of it, on a pool that holds little more than both.
+        shapes.append("prefill-ahead")
+        if "priority" not in shapes:
+            shapes.insert(0, "priority")
+            config["scheduling_policy"] = "priority"
+        width = rng.randint(2, 4)
+        share = SamplingParams(n=width, temperature=1.0, seed=rng.randrange(2**31),
+                               max_tokens=rng.randint(10, 20), ignore_eos=True,
+                               logprobs=rng.choice([None, 1]))
+        if rng.random() < 0.4:
+            share = BeamSearchParams(beam_width=width, max_tokens=rng.randint(8, 14),
+                                     ignore_eos=True)
+        base = [1] + [rng.randrange(3, 500) for _ in range(rng.randint(2, 2 * bs + 1))]
+        long = [1] + [rng.randrange(3, 500) for _ in range(rng.randint(30, 60))]
+        long_params = SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 8),
+                                     ignore_eos=True, logprobs=rng.choice([None, 2]))
+        arrive = max((r.arrive for r in requests), default=0) + rng.randint(1, 3)
+        requests += [
+            Request(f"s{seed}-share", base, share, 0, priority=rng.choice([0, 1])),
+            Request(f"s{seed}-ahead", long, long_params, arrive + rng.randint(1, 4),
+                    priority=-2),
+        ]
+        widest = max(r.width for r in requests)
+        config.update(enable_chunked_prefill=True,
+                      max_num_batched_tokens=widest + rng.choice([1, 2, 4, 6]),
+                      max_num_seqs=max(config["max_num_seqs"], widest + 1))
+        tight = max(r.blocks_tight(bs) for r in requests)
+        config["num_kv_blocks"] = tight + rng.randint(0, 2)
+    elif pressure and roll < 0.55:
+        # A pool that holds one sequence of the widest request alone, not all of them at once.
+        alone = max(r.blocks_alone(bs) for r in requests)
+        tight = max(r.blocks_tight(bs) for r in requests)
+        if alone < tight:
+            shapes.append("turns")
+            config["num_kv_blocks"] = rng.randint(alone, tight - 1)
+    return tuple(shapes)
 
 
 # --- outputs ---------------------------------------------------------------------------------
@@ -268,6 +344,11 @@ def first_difference(got: dict, want: dict) -> str:
         return f"prompt_logprobs[{i}]: {g[i]} vs oracle {w[i]}"
     if len(got["outputs"]) != len(want["outputs"]):
         return f"{len(got['outputs'])} outputs, oracle {len(want['outputs'])}"
+    for a, b in zip(got["outputs"], want["outputs"]):  # lengths and finish reasons first
+        if len(a["token_ids"]) != len(b["token_ids"]) or a["finish_reason"] != b["finish_reason"]:
+            return (f"output {a['index']}: {len(a['token_ids'])} tokens, finish_reason "
+                    f"{a['finish_reason']!r}; oracle {len(b['token_ids'])} tokens, "
+                    f"{b['finish_reason']!r}")
     for a, b in zip(got["outputs"], want["outputs"]):
         for k in ("token_ids", "cumulative_logprob", "finish_reason", "stop_reason", "text",
                   "logprobs"):
@@ -291,6 +372,8 @@ class RunStats:
     preemptions: dict = field(default_factory=dict)
     seconds: float = 0.0
     config_rejected: bool = False
+    turns: int = 0  # sequences parked for their siblings (groups running in turns)
+    undone_victims: int = 0  # victims preempted after being scheduled in the same step
 
 
 class Harness:
@@ -306,11 +389,13 @@ class Harness:
         self._swapped: set[str] = set()  # requests seen swapped out, this workload
         self._recomputed: set[str] = set()  # requests seen waiting after a preemption
 
-    def _add(self, req: Request, rid: str) -> None:
+    def _add(self, req: Request, rid: str, priority: int = 0) -> None:
         if isinstance(req.params, BeamSearchParams):
-            self.engine.add_beam_request(rid, None, req.params, prompt_token_ids=req.prompt)
+            self.engine.add_beam_request(rid, None, req.params, prompt_token_ids=req.prompt,
+                                         priority=priority)
         else:
-            self.engine.add_request(rid, None, req.params, prompt_token_ids=req.prompt)
+            self.engine.add_request(rid, None, req.params, prompt_token_ids=req.prompt,
+                                    priority=priority)
 
     def oracle(self, requests: list[Request]) -> dict[tuple, dict]:
         """Each request's summary on the roomy configuration (computed once per request key)."""
@@ -470,6 +555,8 @@ class Harness:
                 raise StressFailure("hang", self._hang_report(step, idle, bound, in_flight, reqs))
         stats.finished, stats.aborted = len(finished), len(aborted)
         stats.preemptions = dict(engine.scheduler.preemptions_by_mode)
+        stats.turns = engine.scheduler.num_turns
+        stats.undone_victims = engine.scheduler.num_undone_victims
         self._check_end(engine)
         for rid, got in finished.items():
             want = expected[reqs[rid].key()]
@@ -480,11 +567,12 @@ class Harness:
     def _admit(self, r: Request, config: dict, in_flight: set, stats: RunStats) -> None:
         bs = config["block_size"]
         too_wide = r.width > config["max_num_seqs"]
+        too_long = r.blocks_alone(bs) > config["num_kv_blocks"]
         # (a group wider than the token budget cannot decode in one step: it may be refused)
-        fits = (not too_wide and r.width <= config["max_num_batched_tokens"]
-                and r.blocks_needed(bs) <= config["num_kv_blocks"])
+        fits = (not too_wide and not too_long and r.width <= config["max_num_batched_tokens"])
+        priority = r.priority if config.get("scheduling_policy") == "priority" else 0
         try:
-            self._add(r, r.rid)
+            self._add(r, r.rid, priority)
         except ValueError as e:
             if fits:
                 raise StressFailure("admission", f"{r.rid} (width {r.width}, prompt "
@@ -500,6 +588,11 @@ class Harness:
             raise StressFailure("admission", f"{r.rid}: width {r.width} > max_num_seqs="
                                              f"{config['max_num_seqs']} was accepted (it can never "
                                              "be scheduled; failure 4)")
+        if too_long:
+            raise StressFailure("admission", f"{r.rid}: one sequence alone needs "
+                                             f"{r.blocks_alone(bs)} blocks > the pool's "
+                                             f"{config['num_kv_blocks']}, but it was accepted "
+                                             "(it would be cut short)")
         in_flight.add(r.rid)
 
     @staticmethod

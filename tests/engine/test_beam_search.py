@@ -122,22 +122,24 @@ def test_invalid_beam_params_raise_value_errors():
         BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.5)
 
 
-def test_beam_search_capped_by_a_cache_too_small_to_grow_returns_its_beams(checkpoints):
-    # 3 blocks of 4 slots: a 7-token prompt and 2 beams fit at admission, but the beams soon
-    # cannot grow even alone; the request finishes with "length" and keeps its beams.
-    llm = LLM(str(checkpoints("llama")), dtype="float32", block_size=4, num_kv_blocks=4,
-              preemption_mode="recompute")
+def test_beam_search_on_a_cache_holding_one_beam_returns_the_roomy_beams_or_is_refused(
+        checkpoints):
+    # 4 blocks of 4 slots: a 7-token prompt and 2 beams of 9 tokens fit only one beam at a time
+    # (15 slots each): the beams take turns and come out as on a roomy cache (they used to be
+    # cut short with "length"). 30 tokens cannot fit even one beam: refused, naming max_tokens.
+    path = str(checkpoints("llama"))
+    prompt = prompts_of_lengths([7])[0]
+    params = BeamSearchParams(beam_width=2, max_tokens=9, ignore_eos=True)
+    roomy = LLM(path, dtype="float32", block_size=4, num_kv_blocks=64)
+    ref = roomy.beam_search([{"prompt_token_ids": prompt}], params)[0]
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=4, preemption_mode="recompute")
     engine = llm.engine
-    engine.add_beam_request("b", None, BeamSearchParams(beam_width=2, max_tokens=30,
-                                                        ignore_eos=True),
-                            prompt_token_ids=prompts_of_lengths([7])[0])
-    final = None
-    for _ in range(200):
-        for out in engine.step():
-            if out.finished:
-                final = out
-        if not engine.has_unfinished_requests():
-            break
-    assert final is not None and len(final.outputs) == 2
-    assert all(o.finish_reason == "length" and 0 < len(o.token_ids) < 30 for o in final.outputs)
-    assert engine.num_used_blocks() == 0
+    with pytest.raises(ValueError, match="max_tokens.*needs 9 KV blocks alone.*has 4"):
+        engine.add_beam_request("big", None, BeamSearchParams(beam_width=2, max_tokens=30,
+                                                              ignore_eos=True),
+                                prompt_token_ids=prompt)
+    out = llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
+    assert [(s.output_token_ids, s.cum_logprob) for s in out.sequences] == \
+        [(s.output_token_ids, s.cum_logprob) for s in ref.sequences]
+    assert all(len(s.output_token_ids) == 9 for s in out.sequences)
+    assert engine.scheduler.num_turns > 0 and engine.num_used_blocks() == 0

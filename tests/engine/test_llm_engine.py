@@ -126,11 +126,13 @@ def test_too_long_prompt_is_rejected_alone_and_the_rest_goes_on(checkpoints):
     assert [o.request_id for o in outs] == ["ok"] and len(outs[0].outputs[0].token_ids) == 4
 
 
-def test_request_that_cannot_grow_in_an_empty_cache_finishes_with_length(checkpoints):
+def test_request_that_could_not_grow_in_an_empty_cache_is_refused_naming_max_tokens(checkpoints):
+    # It used to be admitted and cut short with finish_reason "length" (issue 25).
     llm = LLM(str(checkpoints("llama")), dtype="float32", block_size=4, num_kv_blocks=3)
-    out = run(llm, [[1, 2, 3, 4, 5, 6, 7]], greedy(50))[0]
-    assert out.finish_reason == "length"
-    assert len(out.token_ids) == 12 - 7 + 1
+    with pytest.raises(ValueError, match="max_tokens.*needs 14 KV blocks alone.*has 3"):
+        run(llm, [[1, 2, 3, 4, 5, 6, 7]], greedy(50))
+    out = run(llm, [[1, 2, 3, 4, 5, 6, 7]], greedy(12 - 7 + 1))[0]  # the most 12 slots hold
+    assert out.finish_reason == "length" and len(out.token_ids) == 12 - 7 + 1
     assert llm.engine.num_used_blocks() == 0
 
 

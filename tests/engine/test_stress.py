@@ -1,5 +1,7 @@
 """The differential stress harness (tests/engine/stress_harness.py) on a fixed set of seeds:
-random workloads under random cache configurations give exactly the outputs of a roomy cache,
+random workloads under random cache configurations (issue 25's shapes among them: groups running
+their sequences in turns, priority scheduling, a prefilling group ahead of a decoding sharing
+group) give exactly the outputs of a roomy cache,
 finish, keep the block tables consistent and leave both pools empty. A failure names its seeds and
 a one-line repro (`python scripts/stress.py --seed N`); `scripts/stress.py --minutes N` runs more.
 """
@@ -68,6 +70,7 @@ def test_fixed_seeds_cover_every_feature_and_configuration():
             seen.add("wider-than-max_num_seqs")
         if c["shuffle_free_blocks_seed"] is not None:
             seen.add("shuffled")
+        seen |= {f"shape-{shape}" for shape in w.shapes}
         for r in w.requests:
             p = r.params
             if isinstance(p, SamplingParams):
@@ -87,7 +90,8 @@ def test_fixed_seeds_cover_every_feature_and_configuration():
         "mode-recompute", "mode-swap", "mode-auto", "chunked-True", "chunked-False",
         "prefix-True", "prefix-False", "budget<=4", "small-cpu-pool", "wider-than-max_num_seqs",
         "shuffled", "beam", "add_beam_request", "n>1", "best_of", "logprobs", "prompt_logprobs",
-        "stop", "stop_token_ids", "min_tokens", "seed", "ignore_eos", "abort", "late-arrival"}
+        "stop", "stop_token_ids", "min_tokens", "seed", "ignore_eos", "abort", "late-arrival",
+        "shape-turns", "shape-priority", "shape-prefill-ahead"}
     assert want - seen == set()
 
 
@@ -107,4 +111,22 @@ def test_harness_reports_a_copy_on_write_that_never_happened(harness, monkeypatc
     harness.run(workload)  # passes as it is
     monkeypatch.setattr(type(engine.kv_cache), "copy_blocks", lambda self, pairs: None)
     with pytest.raises(StressFailure, match="mismatch"):
+        harness.run(workload)
+
+
+def test_harness_reports_a_request_cut_short_by_the_pool(harness, monkeypatch):
+    # Issue 25: 4 samples of 24 tokens on a pool that holds one of them alone, not all four.
+    # With the old rule (a group alone that cannot grow finishes with "length") the harness
+    # must see shorter outputs.
+    from pagedserve.core.scheduler import Scheduler
+
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    workload = Workload(0, dict(block_size=4, num_kv_blocks=9, max_num_batched_tokens=64,
+                                enable_chunked_prefill=True, enable_prefix_caching=False,
+                                preemption_mode="recompute", num_cpu_blocks=0, max_num_seqs=8,
+                                shuffle_free_blocks_seed=None, scheduling_policy="fcfs"),
+                        [Request("cut", [1, 5, 9, 13, 17, 21], params, 0)])
+    assert harness.run(workload).turns > 0  # passes as it is
+    monkeypatch.setattr(Scheduler, "_turn_victim", lambda self, group, plan: None)
+    with pytest.raises(StressFailure, match="tokens, finish_reason 'length'; oracle 24 tokens"):
         harness.run(workload)

@@ -17,6 +17,11 @@ def salt_root(salt: str | None) -> int:
     return 0 if salt is None else hash(("cache_salt", salt))
 
 
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """The prefix-cache hash of a full block: chained over its parent's hash and its tokens."""
+    return hash((parent, tokens))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -76,10 +81,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed, on_reuse=self._forget)
         self.tables: dict[int, BlockTable] = {}
         # Automatic prefix caching: chained hash of a full block -> the block holding it, and
-        # per cached block its hash and tokens (checked on every hit: never trust a hash alone).
+        # per cached block its hash, its parent's hash and its tokens (both checked on every
+        # hit: never trust a hash alone).
         self.enable_prefix_caching = enable_prefix_caching
         self._cached: dict[int, int] = {}
-        self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
@@ -144,7 +150,9 @@ class KVCacheManager:
         before this step's writes. The caller checks `num_new_blocks` against `num_free_blocks`
         first; running out here is a bug, not a user error.
         """
-        table = self.tables.setdefault(seq_id, BlockTable())
+        table = self.tables.get(seq_id)
+        if table is None:  # (not setdefault: that would build a table on every call)
+            table = self.tables[seq_id] = BlockTable()
         copies: list[tuple[int, int]] = []
         if self._last_block_needs_copy(table, num_tokens):
             old = table.blocks[-1]
@@ -158,29 +166,41 @@ class KVCacheManager:
         table.num_tokens = max(table.num_tokens, num_tokens)
         return copies
 
-    def snapshot(self, seq_id: int) -> BlockTable | None:
-        """A copy of `seq_id`'s table (None if it has none), to `restore` if a step is undone."""
+    def snapshot(self, seq_id: int) -> tuple[int, int, int, int] | None:
+        """What `restore` needs to undo this step's `allocate_slots` of `seq_id` (None if it has
+        no table): its block count, slot count, last block and hash count (O(1), no copy)."""
         table = self.tables.get(seq_id)
         if table is None:
             return None
-        return BlockTable(list(table.blocks), table.num_tokens, list(table.hashes))
+        blocks = table.blocks
+        return (len(blocks), table.num_tokens, blocks[-1] if blocks else -1, len(table.hashes))
 
-    def restore(self, seq_id: int, snapshot: BlockTable | None) -> None:
-        """Put `seq_id`'s table back as `snapshot` took it, with reference counts to match: the
-        blocks gained since (new blocks, copy-on-write targets) are released, the blocks it held
-        then are held again.
+    def restore(self, seq_id: int, snapshot: tuple[int, int, int, int] | None) -> None:
+        """Put `seq_id`'s table back as `snapshot` found it, with reference counts to match: the
+        blocks gained since (new blocks, a copy-on-write target) are released, the last block it
+        held then is held again.
 
         NOTE: only for undoing this step's `allocate_slots` of a group before the step runs;
         the snapshot's blocks must not have been handed to another sequence in between.
         """
-        current = self.tables.pop(seq_id, None)
-        if snapshot is not None:
-            for block in snapshot.blocks:
-                self.pool.acquire(block)
-            self.tables[seq_id] = snapshot
-        if current is not None:
-            for block in reversed(current.blocks):
-                self.pool.decref(block)
+        if snapshot is None:
+            table = self.tables.pop(seq_id, None)
+            if table is not None:
+                for block in reversed(table.blocks):
+                    self.pool.decref(block)
+            return
+        count, num_tokens, last, num_hashes = snapshot
+        table = self.tables[seq_id]
+        blocks = table.blocks
+        if count and blocks[count - 1] != last:  # copy-on-write replaced the last block
+            self.pool.acquire(last)
+            self.pool.decref(blocks[count - 1])
+            blocks[count - 1] = last
+        for block in reversed(blocks[count:]):
+            self.pool.decref(block)
+        del blocks[count:]
+        table.num_tokens = num_tokens
+        del table.hashes[num_hashes:]
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give `child_id` the parent's blocks (shared: reference counts go up)."""
@@ -214,7 +234,9 @@ class KVCacheManager:
 
         NOTE: at least the last token is always left to compute (its logits are needed), so a
         prompt that is entirely cached gets its last block recomputed into a fresh block; a
-        cached block is never written.
+        cached block is never written. A hit must match the block's tokens AND its parent's hash
+        (the previous block of the chain, or the salt's root): two chains whose hashes collide
+        never share KV.
         """
         if not self.enable_prefix_caching:
             return []
@@ -223,11 +245,15 @@ class KVCacheManager:
         parent = salt_root(salt)
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash((parent, tokens))
-            block = self._cached.get(parent)
-            if block is None or self._block_key[block][1] != tokens:
+            h = block_hash(parent, tokens)
+            block = self._cached.get(h)
+            if block is None:
+                break
+            _, cached_parent, cached_tokens = self._block_key[block]
+            if cached_parent != parent or cached_tokens != tokens:
                 break
             hits.append(block)
+            parent = h
         return hits
 
     def num_free_among(self, blocks: list[int]) -> int:
@@ -245,6 +271,22 @@ class KVCacheManager:
         self.tables[seq_id] = table
         return table.num_tokens
 
+    def share_blocks(self, seq_id: int, blocks: list[int], salt: str | None = None) -> None:
+        """Start `seq_id`'s table with these full, computed blocks that other tables hold or the
+        prefix cache keeps (shared: reference counts go up). Their hashes are kept as far as the
+        prefix cache knows the chain (under `salt`); `cache_full_blocks` computes the rest."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        for block in blocks:
+            self.pool.acquire(block)
+        hashes: list[int] = []
+        for block in blocks:
+            key = self._block_key.get(block)
+            if key is None or key[1] != (hashes[-1] if hashes else salt_root(salt)):
+                break
+            hashes.append(key[0])
+        self.tables[seq_id] = BlockTable(list(blocks), len(blocks) * self.block_size, hashes)
+
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int,
                           salt: str | None = None) -> None:
         """Register the sequence's newly full and computed blocks in the prefix cache (each
@@ -255,12 +297,13 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(table.hashes), min(num_computed, table.num_tokens) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash((table.hashes[-1] if table.hashes else salt_root(salt), tokens))
+            parent = table.hashes[-1] if table.hashes else salt_root(salt)
+            h = block_hash(parent, tokens)
             table.hashes.append(h)
             block = table.blocks[i]
             if h not in self._cached and block not in self._block_key:
                 self._cached[h] = block
-                self._block_key[block] = (h, tokens)
+                self._block_key[block] = (h, parent, tokens)
 
     def _forget(self, block: int) -> None:
         key = self._block_key.pop(block, None)

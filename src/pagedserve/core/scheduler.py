@@ -1,170 +1,93 @@
-"""Iteration-level FCFS scheduler with all-or-nothing preemption. Pure Python, no torch.
+"""Iteration-level scheduler (FCFS or by priority) with all-or-nothing preemption. Pure Python,
+no torch.
 
 Every step `schedule()` picks the tokens to compute: decode tokens, then prompt (or
-recomputation) chunks of the running requests in arrival order, allocating blocks as they fill;
-then swapped requests coming back; then, when nothing was preempted and nothing is swapped out,
-new requests from the waiting queue in arrival order, as long as their tokens fit the step's
-budget and their blocks fit the free pool. When a running request needs a block and none is free,
-the most recently arrived running request is preempted whole (all its sequences): its blocks are
-swapped to the CPU pool (`preemption_mode` "swap", or "auto" when cheaper) or freed, and it goes
-back to the front of the waiting queue to be recomputed.
+recomputation) chunks of the running requests in queue order, allocating blocks as they fill;
+then swapped requests coming back; then, when nothing was preempted, nothing is swapped out and no
+running request has sequences waiting their turn, new requests from the waiting queue in order,
+as long as their tokens fit the step's budget and their blocks fit the free pool. Queue order is
+arrival (`scheduling_policy="fcfs"`) or (priority, arrival) ("priority": lower values first).
+When a running request needs a block and none is free, the last request in queue order (the most
+recently arrived; under "priority" the lowest priority) is preempted whole (all its sequences):
+its blocks are swapped to the CPU pool (`preemption_mode` "swap", or "auto" when cheaper) or
+freed, and it goes back to the waiting queue to be recomputed.
+
+Turns (see README "Preemption"): a request alone in the cache whose sequences cannot all hold
+their blocks at once gives up all-or-nothing residency: its last sequences give their blocks back
+("parked": they are recomputed later, exactly, from their tokens) so that the first ones grow;
+a parked sequence comes back, its prompt's full blocks shared with a resident sibling (or found
+in the prefix cache), when the blocks for its tokens are free with one to spare per resident
+sibling, or at once when no sibling of it needs to compute.
 
 After the model ran, `update_from_output` applies the step: computed tokens, prefix-cache
 registration, forks, appended tokens, token-level stops (EOS, stop token ids, lengths), beam
 steps, finishes and frees. The engine plugs text-level work (detokenizing, stop strings, logprob
 formatting) in through a `StepObserver`.
 
-Progress guarantee (see README "Preemption"): the oldest running request is never a victim
-unless it is alone, and a request alone in the cache that still cannot grow finishes with
-"length"; a group may compute any subset of its sequences in a step (being resident stays
-all-or-nothing), so a group being recomputed always fits the token budget; a swapped group that
-could not come back even into an empty cache is recomputed instead. Requests that can never be
-admitted are rejected by the engine (`LLMEngine.add_request`) before they are queued.
+Progress guarantee: the first running request in queue order is never a victim unless it is
+alone, and a request alone runs its sequences in turns, the first of which always fits (the
+engine admits a request only if one of its sequences alone fits the whole pool); a group may
+compute any subset of its sequences in a step, so a group being recomputed always fits the token
+budget; a swapped group that could not come back even into an empty cache is recomputed instead.
+Requests that can never be admitted are rejected by the engine (`LLMEngine.add_request`) before
+they are queued.
+
+NOTE (step cost): every queue is a `GroupQueue` (O(1) membership by request id); a step touches
+each running group a constant number of times, and the step update only the scheduled ones.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
-from pagedserve.core.kv_cache_manager import BlockTable, KVCacheManager, cdiv
+from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.queues import GroupQueue
+from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    Plan,
+    ScheduledSequence,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepPlan,
+)
 from pagedserve.core.step_update import StepObserver, StepUpdate, apply_step
+from pagedserve.core.turns import Turns
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
+class Scheduler(Turns):
+    """Continuous-batching scheduler over a `KVCacheManager`; see the module docstring.
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one step, and how preempted requests are recovered. The defaults are the
-    engine's (`EngineArgs`) for a model of 2048 positions.
-
-    `preemption_mode="auto"` swaps a group when the estimated swap time (out and back in:
-    `2 * blocks * swap_seconds_per_block`) is below the estimated recompute time
-    (`tokens * recompute_seconds_per_token`); the engine derives both figures from the model and
-    the device. Every mode falls back to recomputation when the CPU pool is full.
-    """
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"
-    swap_seconds_per_block: float = 0.0
-    recompute_seconds_per_token: float = 0.0
-    # Token ids that end a sequence (unless its request sets ignore_eos).
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) without chunked prefill, or a long prompt could never be "
-                "scheduled"
-            )
-
-
-@dataclass
-class ScheduledSequence:
-    """The tokens of one sequence to compute this step: `seq.token_ids[start:end]`.
-
-    NOTE: `do_sample` and `wants_prompt_logprobs` are fixed when the step is scheduled; the
-    sequence itself changes once the step's token is appended.
-    """
-
-    group: SequenceGroup
-    seq: Sequence
-    start: int
-    end: int
-    block_table: list[int]
-    # True when this step reaches the sequence's last token, so the next one is sampled.
-    do_sample: bool = False
-    wants_prompt_logprobs: bool = False
-    # Tokens to draw from this row: all sequences' first tokens when the group forks after it.
-    num_samples: int = 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @classmethod
-    def make(cls, group: SequenceGroup, seq: Sequence, start: int, end: int, table: list[int]):
-        wants = (
-            group.sampling_params.prompt_logprobs is not None
-            and not group.prompt_logprobs_done
-            and seq is group.seqs[0]
-            and start < seq.num_prompt_tokens
-        )
-        do_sample = end == seq.num_tokens
-        forking = group.fork_pending and do_sample and group.beam is None
-        forks = len(group.unfinished_seqs()) if forking else 1
-        return cls(group, seq, start, end, table, do_sample, wants, forks)
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes, handed to the model runner."""
-
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    # NOTE: the worker applies these in this order, before the forward pass: swap out (device ->
-    # cpu), swap in (cpu -> device), then copy-on-write copies. This is correct by construction:
-    # a victim is taken out of the step with every allocation made for it undone (so no pending
-    # copy-on-write ever targets a block being swapped out, and its blocks all hold computed
-    # K/V); a block freed by a swap-out may be handed to another sequence in the same step, and
-    # its contents are saved first; copy sources may be blocks swapped in this step.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    # Requests that ended since the last step: the runner drops their per-request state.
-    finished_request_ids: list[str] = field(default_factory=list)
-    # Sequences that left their (unfinished) request since the last step: pruned beams.
-    freed_seq_ids: list[int] = field(default_factory=list)
-    # Groups that could not grow even alone in the cache: finished with "length" this step.
-    length_capped: list[SequenceGroup] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-# (sequence, first token, end) of each sequence a group computes this step.
-Plan = list[tuple[Sequence, int, int]]
-
-
-class Scheduler:
-    """FCFS continuous-batching scheduler over a `KVCacheManager`; see the module docstring.
-
-    Queues: `waiting` (new, and preempted-by-recomputation at the front), `running` (sorted by
-    arrival), `swapped` (preempted by swapping, sorted by arrival). `new_seq_id` hands out ids
-    for the sequences beam search forks.
+    Queues, each in queue order (arrival, or (priority, arrival)): `waiting` (new, and preempted
+    by recomputation), `running`, `swapped` (preempted by swapping). `new_seq_id` hands out ids
+    for the sequences beam search forks. `num_turns` counts sequences parked to let their
+    siblings grow (see the module docstring).
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  new_seq_id: Callable[[], int] | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []
-        self.swapped: list[SequenceGroup] = []
+        # NOTE: under fcfs the waiting queue keeps the order requests were queued in (a group
+        # requeued for recomputation goes back to its place, ahead of every later one); the
+        # running and swapped queues are in arrival order. Under priority all three are in
+        # (priority, arrival) order.
+        if config.scheduling_policy == "priority":
+            self.waiting = GroupQueue(_priority_key)
+            self.running = GroupQueue(_priority_key)
+            self.swapped = GroupQueue(_priority_key)
+        else:
+            self.waiting = GroupQueue(_queued_key)
+            self.running = GroupQueue(_arrival_key)
+            self.swapped = GroupQueue(_arrival_key)
+        self._num_queued = 0
         self._finished_ids: list[str] = []
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.num_turns = 0
+        self.num_undone_victims = 0  # victims taken back out of the step that scheduled them
         self.new_seq_id = new_seq_id or _counter(1 << 40)
 
     # --- queue management --------------------------------------------------------------------
@@ -175,19 +98,25 @@ class Scheduler:
             raise ValueError(
                 f"n/best_of/beam width {group.max_width} is more than max_num_seqs "
                 f"({self.config.max_num_seqs}): the request could never be scheduled")
-        self.waiting.append(group)
+        if group.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={group.priority}: priorities need "
+                             "--scheduling-policy priority (scheduling_policy='priority'); the "
+                             "engine schedules fcfs")
+        self._num_queued += 1
+        group.queue_no = self._num_queued
+        self.waiting.add(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is, free its blocks, mark its sequences aborted."""
         for queue in (self.running, self.waiting, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    for seq in group.seqs:
-                        if not seq.is_finished:
-                            seq.status = SequenceStatus.FINISHED_ABORTED
-                    self._release(group)
-                    return group
+            group = queue.get(request_id)
+            if group is not None:
+                queue.remove(group)
+                for seq in group.seqs:
+                    if not seq.is_finished:
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                self._release(group)
+                return group
         return None
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -195,11 +124,13 @@ class Scheduler:
         seq.status = status
         self.kv.free(seq.seq_id)
 
-    def remove_finished(self) -> list[SequenceGroup]:
-        """Drop groups whose sequences all finished from `running`; return them."""
-        done = [g for g in self.running if g.is_finished]
+    def remove_finished(self, candidates=None) -> list[SequenceGroup]:
+        """Drop groups whose sequences all finished from `running`; return them. `candidates`:
+        the only groups that may have finished (the step's), else every running group."""
+        pool = self.running if candidates is None else candidates
+        done = [g for g in pool if g.is_finished and g in self.running]
         if done:
-            self.running = [g for g in self.running if not g.is_finished]
+            self.running.remove_many(done)
             for group in done:
                 self._release(group)
         return done
@@ -229,10 +160,14 @@ class Scheduler:
                     raise RuntimeError(f"request {group.request_id} is in two queues")
                 seen.add(group.request_id)
                 live = group.unfinished_seqs()
+                if place == "" and any(q.parked for q in live):
+                    raise RuntimeError(f"waiting request {group.request_id} has parked sequences")
                 for seq in group.seqs:
                     held = (seq.seq_id in self.kv.tables, seq.seq_id in self.kv.cpu_tables)
-                    # A forking group's other sequences hold nothing until the fork.
-                    holds = not (seq.is_finished or (group.fork_pending and seq is not live[0]))
+                    # A forking group's other sequences hold nothing until the fork; a parked
+                    # sequence holds nothing until its turn.
+                    holds = not (seq.is_finished or seq.parked
+                                 or (group.fork_pending and seq is not live[0]))
                     expected = (holds and place == "device", holds and place == "cpu")
                     if held != expected:
                         raise RuntimeError(
@@ -255,13 +190,17 @@ class Scheduler:
                                   seq.cache_salt)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give `child` the parent's blocks (shared, copy-on-write) and computed tokens."""
+        """Give `child` the parent's blocks (shared, copy-on-write) and computed tokens (a parked
+        parent's child is parked too)."""
+        child.status = parent.status
+        if parent.parked:
+            child.parked, child.num_computed_tokens = True, 0
+            return
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.status = parent.status
 
     def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Remove a pruned beam from its group and free its blocks."""
+        """Remove a pruned beam from its group and free its blocks (a parked one holds none)."""
         self.kv.free(seq.seq_id)
         group.seqs.remove(seq)
         self._freed_seq_ids.append(seq.seq_id)
@@ -286,40 +225,51 @@ class Scheduler:
 
         Order: decode tokens of running requests first (so that a long prompt never stalls every
         stream), then prompt chunks of running requests, then swapped requests coming back, then
-        new requests (only when nothing is swapped out and nothing was preempted this step).
+        new requests (only when nothing is swapped out, nothing was preempted this step and no
+        running request has sequences waiting their turn).
         """
         out = SchedulerOutput(finished_request_ids=self._finished_ids,
                               freed_seq_ids=self._freed_seq_ids)
         self._finished_ids, self._freed_seq_ids = [], []
-        step = _Step(self.config.max_num_batched_tokens)
+        step = StepPlan(self.config.max_num_batched_tokens)
 
-        decoding = [g for g in self.running if self._is_decoding(g)]
-        prefilling = [g for g in self.running if not self._is_decoding(g)]
+        decoding, prefilling = [], []
+        for g in self.running:
+            (decoding if self._is_decoding(g) else prefilling).append(g)
         for group in decoding + prefilling:
-            if group in self.running and step.budget > 0:
+            if step.budget <= 0:
+                break
+            if group in self.running:
                 self._schedule_running(group, step, out)
 
+        slots = self.num_running_seqs  # kept up to date below, not recounted per request
         while self.swapped and not out.preempted and step.budget > 0:
             group = self.swapped[0]
-            seq_ids = [s.seq_id for s in group.unfinished_seqs()]
+            seq_ids = [s.seq_id for s in group.unfinished_seqs() if not s.parked]
             plan = self._plan(group, step.budget)
             need = self._blocks_to_swap_in(group, plan) if plan else 0
             if plan is not None and need > self.kv.num_blocks:
                 # It could not come back even into an empty cache: recompute it instead.
-                self.swapped.pop(0)
+                self.swapped.popleft()
                 self._requeue_for_recompute(group)
                 continue
             if (plan is None or need > self.kv.num_free_blocks
-                    or self.num_running_seqs + group.max_width_left > self.config.max_num_seqs):
+                    or slots + group.max_width_left > self.config.max_num_seqs):
                 break
-            self.swapped.pop(0)
+            self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq_ids))
             self._set_running(group)
+            slots += group.max_width_left
             self._commit(plan, group, step, out)
 
         while self.waiting and not self.swapped and not out.preempted and step.budget > 0:
             group = self.waiting[0]
-            if self.num_running_seqs + group.max_width_left > self.config.max_num_seqs:
+            if slots + group.max_width_left > self.config.max_num_seqs:
+                break
+            # NOTE: a request whose sequences take turns gets the blocks they free, before any
+            # new request (under "priority", before any new request of its priority or lower).
+            if step.turns_key is not None and (self.config.scheduling_policy != "priority"
+                                               or self.waiting.key(group) >= step.turns_key):
                 break
             hits = self._prefix_hits(group)
             for seq, blocks in hits:  # tentatively: the cached tokens need no computing
@@ -339,6 +289,7 @@ class Scheduler:
                 self.kv.prefix_queries += sum(self._lookup_len(group, seq) for seq, _, _ in plan)
             self.waiting.popleft()
             self._set_running(group)
+            slots += group.max_width_left
             self._commit(plan, group, step, out)
         return out
 
@@ -386,25 +337,44 @@ class Scheduler:
                 need += self.kv.num_free_among(cached)
         return need
 
-    def _schedule_running(self, group: SequenceGroup, step: "_Step", out: SchedulerOutput) -> None:
+    def _schedule_running(self, group: SequenceGroup, step: StepPlan,
+                          out: SchedulerOutput) -> None:
+        parked = group.parked_seqs()
+        if parked:
+            self._unpark(group, parked)
         plan = self._plan(group, step.budget)
+        if plan is None and parked:
+            # No resident sibling computes (beams holding their candidates, or none left): the
+            # first parked sequence that needs to compute comes back now, making room for
+            # itself below if need be.
+            due = [q for q in parked if q.parked and q.beam_candidates is None]
+            if due:
+                self._unpark_one(group, due[0])
+                plan = self._plan(group, step.budget)
+        if parked:
+            step.note_turns(self.running.key(group))
         if plan is None:
             return
         while not self._fits(plan):
             victim = self.running[-1]
             if victim is group and len(self.running) == 1:
-                # Alone in the cache: compute the sequences that still fit, else it can never grow.
-                plan = self._fitting_prefix(plan)
-                if plan:
-                    break
-                self.running.pop()
-                for seq in group.unfinished_seqs():
-                    self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-                self._release(group)
-                out.length_capped.append(group)
-                return
+                # Alone in the cache: the group's sequences take turns.
+                seq = self._turn_victim(group, plan)
+                if seq is None:
+                    # One sequence alone cannot grow: unreachable for a request the engine
+                    # admitted (one sequence always fits the pool); kept as a last resort.
+                    self.running.pop()
+                    for q in group.unfinished_seqs():
+                        self.finish_seq(q, SequenceStatus.FINISHED_LENGTH)
+                    self._release(group)
+                    out.length_capped.append(group)
+                    return
+                self._park(group, seq)
+                step.note_turns(self.running.key(group))  # what it freed is its siblings' turn
+                plan = [p for p in plan if p[0] is not seq]
+                continue
             self.running.pop()
-            step.unschedule(victim, out, self.kv)
+            self.num_undone_victims += step.unschedule(victim, out, self.kv)
             self._preempt(victim, out)
             if victim is group:
                 return
@@ -421,14 +391,18 @@ class Scheduler:
         )
         return self.kv.num_distinct_blocks(seq_ids, cpu=True) + grow
 
-    def _is_decoding(self, group: SequenceGroup) -> bool:
-        return all(s.num_tokens - s.num_computed_tokens == 1 for s in group.unfinished_seqs())
+    @staticmethod
+    def _is_decoding(group: SequenceGroup) -> bool:
+        for s in group.seqs:
+            if not s.is_finished and len(s.token_ids) - s.num_computed_tokens != 1:
+                return False
+        return True
 
     def _set_running(self, group: SequenceGroup) -> None:
         for seq in group.unfinished_seqs():
             seq.status = SequenceStatus.RUNNING
-        # NOTE: `running` stays sorted by arrival: the victim of a preemption is its last entry.
-        bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+        # NOTE: `running` stays in queue order: the victim of a preemption is its last entry.
+        self.running.add(group)
 
     def _plan(self, group: SequenceGroup, budget: int) -> Plan | None:
         """(seq, start, end) for the group's sequences that can compute within `budget`, or None
@@ -447,6 +421,8 @@ class Scheduler:
         for seq in seqs:
             if budget <= 0:
                 break
+            if seq.parked:  # its turn has not come (see _unpark)
+                continue
             start = seq.num_computed_tokens
             # A group that will fork computes the parent's prompt alone, then the others share it.
             stop = seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
@@ -461,29 +437,24 @@ class Scheduler:
         return plan or None
 
     def _fits(self, plan: Plan) -> bool:
-        need = sum(self.kv.num_new_blocks(seq.seq_id, end) for seq, _, end in plan)
-        return need <= self.kv.num_free_blocks
+        kv = self.kv
+        need = 0
+        for seq, _, end in plan:
+            need += kv.num_new_blocks(seq.seq_id, end)
+        return need <= kv.num_free_blocks
 
-    def _fitting_prefix(self, plan: Plan) -> Plan:
-        """The longest leading part of `plan` (whole sequences) whose new blocks are free."""
-        free = self.kv.num_free_blocks
-        kept: Plan = []
-        for seq, start, end in plan:
-            free -= self.kv.num_new_blocks(seq.seq_id, end)
-            if free < 0:
-                break
-            kept.append((seq, start, end))
-        return kept
-
-    def _commit(self, plan: Plan, group: SequenceGroup, step: "_Step",
+    def _commit(self, plan: Plan, group: SequenceGroup, step: StepPlan,
                 out: SchedulerOutput) -> None:
         record = step.record_for(group)
+        kv = self.kv
         for seq, start, end in plan:
-            record.snapshots.append((seq.seq_id, self.kv.snapshot(seq.seq_id)))
-            copies = self.kv.allocate_slots(seq.seq_id, end)
-            out.blocks_to_copy.extend(copies)
-            record.copies.extend(copies)
-            entry = ScheduledSequence.make(group, seq, start, end, self.kv.block_table(seq.seq_id))
+            seq_id = seq.seq_id
+            record.snapshots.append((seq_id, kv.snapshot(seq_id)))
+            copies = kv.allocate_slots(seq_id, end)
+            if copies:
+                out.blocks_to_copy.extend(copies)
+                record.copies.extend(copies)
+            entry = ScheduledSequence.make(group, seq, start, end, kv.tables[seq_id].blocks)
             out.scheduled.append(entry)
             record.entries.append(entry)
             record.tokens += end - start
@@ -503,26 +474,28 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.kv.swap_out(seq_ids))
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
+            self.swapped.add(group)
             self.preemptions_by_mode["swap"] += 1
             return
         self._requeue_for_recompute(group)
         self.preemptions_by_mode["recompute"] += 1
 
     def _requeue_for_recompute(self, group: SequenceGroup) -> None:
-        """Drop a group's blocks (device and CPU) and put it at the front of the waiting queue;
-        it prefills its prompt once again, forks, and each sequence recomputes its output."""
+        """Drop a group's blocks (device and CPU) and put it back in the waiting queue (by its
+        arrival: ahead of every newer request); it prefills its prompt once again, forks, and
+        each sequence recomputes its output."""
         for seq in group.unfinished_seqs():
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
+            seq.parked = False
         # NOTE: prompt logprobs of a prompt cut short are computed again from its start.
         if not group.prompt_logprobs_done and group.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         # Recompute the shared prompt once again, then fork: the group needs no more blocks
         # than it held before.
         group.fork_pending = len(group.unfinished_seqs()) > 1
-        self.waiting.appendleft(group)
+        self.waiting.add(group)
 
     def _should_swap(self, group: SequenceGroup, seq_ids: list[int]) -> bool:
         mode = self.config.preemption_mode
@@ -546,38 +519,13 @@ def _counter(start: int) -> Callable[[], int]:
     return next_id
 
 
-@dataclass
-class _GroupRecord:
-    """Everything a group's `_commit` changed in the step being scheduled."""
-
-    tokens: int = 0
-    snapshots: list[tuple[int, BlockTable | None]] = field(default_factory=list)
-    entries: list[ScheduledSequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
+def _arrival_key(group: SequenceGroup) -> tuple:
+    return (group.arrival_time,)
 
 
-class _Step:
-    """Book-keeping of the step being scheduled, so that a victim that was already scheduled
-    this step can be taken out again with every change made for it undone."""
+def _queued_key(group: SequenceGroup) -> tuple:
+    return (group.queue_no,)
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self._records: dict[str, _GroupRecord] = {}
 
-    def record_for(self, group: SequenceGroup) -> _GroupRecord:
-        return self._records.setdefault(group.request_id, _GroupRecord())
-
-    def unschedule(self, group: SequenceGroup, out: SchedulerOutput, kv: KVCacheManager) -> None:
-        """Undo the group's part of this step: its scheduled rows, its copy-on-write copies, its
-        token budget, and its block tables as they were before the step (blocks gained are
-        released)."""
-        record = self._records.pop(group.request_id, None)
-        if record is None:
-            return
-        self.budget += record.tokens
-        dropped = {id(e) for e in record.entries}
-        out.scheduled = [s for s in out.scheduled if id(s) not in dropped]
-        copies = set(record.copies)
-        out.blocks_to_copy = [p for p in out.blocks_to_copy if p not in copies]
-        for seq_id, snapshot in reversed(record.snapshots):
-            kv.restore(seq_id, snapshot)
+def _priority_key(group: SequenceGroup) -> tuple:
+    return (group.priority, group.arrival_time, group.queue_no)

@@ -54,18 +54,21 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     update = StepUpdate()
     touched: dict[str, SequenceGroup] = {}
     beams: dict[str, SequenceGroup] = {}
+    caching = scheduler.kv.enable_prefix_caching
     for s, r in zip(sched.scheduled, results):
         group, seq = s.group, s.seq
         seq.num_computed_tokens = s.end
-        scheduler.cache_computed_blocks(seq)
-        update.num_prompt_tokens += max(0, min(s.end, seq.num_prompt_tokens) - s.start)
+        if caching:
+            scheduler.cache_computed_blocks(seq)
+        if s.start < seq.num_prompt_tokens:
+            update.num_prompt_tokens += min(s.end, seq.num_prompt_tokens) - s.start
         if r.prompt_logprobs is not None:
             if observer is not None:
                 observer.on_prompt_logprobs(s, r)
             if s.end >= seq.num_prompt_tokens:
                 group.prompt_logprobs_done = True
         # The shared prompt is computed: the other sequences fork the parent's blocks.
-        forked = scheduler.fork_if_ready(group)
+        forked = scheduler.fork_if_ready(group) if group.fork_pending else []
         if r.pooled is not None:  # a pooling request ends with its prompt: nothing is decoded
             group.pooled = r.pooled
             scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
@@ -85,8 +88,8 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
             touched[group.request_id] = group
     for group in sched.length_capped:
         touched[group.request_id] = group
-    for group in scheduler.remove_finished():
-        touched[group.request_id] = group
+    # NOTE: only the groups this step touched can have finished: nothing else is scanned.
+    scheduler.remove_finished(list(touched.values()))
     update.groups = list(touched.values())
     return update
 
@@ -95,10 +98,12 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
                   sample: SampleResult, observer: StepObserver | None) -> None:
     params = group.sampling_params
     token = sample.token_id
-    seq.append_token(token, sample.logprob or 0.0)
+    seq.token_ids.append(token)  # (Sequence.append_token, inlined: once per token)
+    seq.cumulative_logprob += sample.logprob or 0.0
     if group.first_token_time is None:
         group.first_token_time = time.monotonic()
-    n_out = seq.num_output_tokens
+    num_tokens = len(seq.token_ids)
+    n_out = num_tokens - seq.num_prompt_tokens
     status = None
     if n_out >= params.min_tokens:
         if not params.ignore_eos and token in scheduler.config.eos_token_ids:
@@ -109,8 +114,7 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
             group, seq, sample, status is None and n_out >= params.min_tokens):
         status = SequenceStatus.FINISHED_STOPPED
     max_tokens = params.max_tokens if params.max_tokens is not None else float("inf")
-    if status is None and (n_out >= max_tokens
-                           or seq.num_tokens >= scheduler.config.max_model_len):
+    if status is None and (n_out >= max_tokens or num_tokens >= scheduler.config.max_model_len):
         status = SequenceStatus.FINISHED_LENGTH
     if status is not None:
         scheduler.finish_seq(seq, status)

@@ -66,6 +66,7 @@ class _Add:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -237,6 +238,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it.
 
@@ -261,7 +263,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._inbox.put(_Add(
             stream, prompt, None if prompt_token_ids is None else list(prompt_token_ids), params,
-            time.monotonic() if arrival_time is None else arrival_time,
+            time.monotonic() if arrival_time is None else arrival_time, priority,
         ))
         try:
             await stream.wait_accepted()
@@ -277,11 +279,13 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes (see `add_request` for errors).
         Leaving the loop early or cancelling the task aborts the request."""
         stream = await self.add_request(
-            request_id or self.new_request_id(), prompt, params, prompt_token_ids
+            request_id or self.new_request_id(), prompt, params, prompt_token_ids,
+            priority=priority,
         )
         try:
             async for out in stream:
@@ -410,6 +414,7 @@ class AsyncLLMEngine:
                 self.engine.add_request(
                     stream.request_id, cmd.prompt, cmd.params,
                     prompt_token_ids=cmd.prompt_token_ids, arrival_time=cmd.arrival_time,
+                    priority=cmd.priority,
                 )
             except Exception as exc:
                 if not isinstance(exc, ValueError):

@@ -152,9 +152,12 @@ class IncrementalDetokenizer:
 
     def append(self, new_token_ids: Iterable[int] | int) -> str:
         """Add newly generated token ids; return the text they complete (maybe "")."""
-        if isinstance(new_token_ids, numbers.Integral):
-            new_token_ids = [new_token_ids]
-        ids = [int(i) for i in new_token_ids]
+        if type(new_token_ids) is int:  # the engine's one token a step: no ABC check, no copy
+            ids = [new_token_ids]
+        else:
+            if isinstance(new_token_ids, numbers.Integral):
+                new_token_ids = [new_token_ids]
+            ids = [int(i) for i in new_token_ids]
         if not ids:
             return ""
         self._output_token_ids.extend(ids)

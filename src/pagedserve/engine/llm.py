@@ -52,11 +52,13 @@ class LLM(PoolingMixin, LLMExtras):
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; return their outputs in input order.
 
         A prompt is a string, `{"prompt": str}` or `{"prompt_token_ids": [int, ...]}`. Every
         request is validated before any work starts: a bad one raises ValueError naming it.
+        `priority`: one per prompt (lower first), with `scheduling_policy="priority"` (vLLM's).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -72,6 +74,13 @@ class LLM(PoolingMixin, LLMExtras):
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
                 )
         engine = self.engine
+        if priority is None:
+            priority = [0] * len(prompts)
+        priority = list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
+        for p in priority:
+            engine.check_priority(p)
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
         # Validate all before adding any, so that a bad prompt leaves the engine untouched.
         for i, (text, ids) in enumerate(parsed):
@@ -83,7 +92,8 @@ class LLM(PoolingMixin, LLMExtras):
         for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
             request_id = engine.new_request_id()
             order[request_id] = i
-            engine.add_request(request_id, text, params, prompt_token_ids=ids)
+            engine.add_request(request_id, text, params, prompt_token_ids=ids,
+                               priority=priority[i])
         return self._run(order, "Processed prompts", use_tqdm)
 
     def beam_search(

@@ -231,14 +231,17 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Validate and queue one request: a generation request (`SamplingParams`) or, with
         `runner="pooling"`, a pooling one (`PoolingParams`). Raises ValueError (naming the
-        problem) and leaves the engine untouched when the request cannot be served."""
+        problem) and leaves the engine untouched when the request cannot be served. `priority`
+        (lower first) needs `scheduling_policy="priority"`."""
         if self.sleeping:
             raise ValueError("the engine is asleep (its KV cache is freed): call wake_up() first")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        self.check_priority(priority)
         check_runner(self.runner, params)
         pooling = None
         if isinstance(params, PoolingParams):
@@ -266,6 +269,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=prompt,
+            priority=priority,
         )
         for index in range(1 if beam else params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids, index)
@@ -298,6 +302,16 @@ class LLMEngine:
         self.scheduler.add(group)
         self.groups[request_id] = group
         return group
+
+    def check_priority(self, priority) -> None:
+        """Raise ValueError unless `priority` is an integer the scheduling policy accepts (any
+        under "priority", only 0 under "fcfs", as vLLM)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority}: request priorities need --scheduling-policy priority "
+                "(scheduling_policy='priority'); this engine schedules fcfs")
 
     def _validate_prompt(self, ids) -> list[int]:
         try:
@@ -361,13 +375,6 @@ class LLMEngine:
             raise ValueError(
                 f"{name}={width} is more than max_num_seqs ({self.args.max_num_seqs}): the "
                 "request could never be scheduled (raise max_num_seqs)")
-        # The prompt's blocks are shared by the group's sequences; each needs one block more.
-        blocks = cdiv(prompt_len, self.kv_manager.block_size) + width
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens with n={width} needs {blocks} KV blocks; the "
-                f"cache has {self.num_kv_blocks} (raise kv_cache_memory or shorten the prompt)"
-            )
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary")
@@ -380,6 +387,16 @@ class LLMEngine:
         self.kv_manager.check_request(
             width, params.use_beam_search, prompt_len,
             min(self.max_model_len, prompt_len + params.max_tokens))
+        # NOTE: the one limit of the KV pool: one sequence alone must fit it. Its last sampled
+        # token is never computed; sequences that cannot all fit at once take turns.
+        final = min(self.max_model_len, prompt_len + params.max_tokens)
+        blocks = cdiv(final - 1, self.kv_manager.block_size)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"max_tokens: a sequence of {prompt_len} prompt tokens and up to "
+                f"{final - prompt_len} output tokens (max_tokens) needs {blocks} KV blocks alone; "
+                f"the cache has {self.num_kv_blocks} (lower max_tokens, shorten the prompt or "
+                "raise kv_cache_memory / num_kv_blocks)")
         return params
 
     def _validate_pooling(self, prompt_len: int) -> SamplingParams:
@@ -463,7 +480,7 @@ class LLMEngine:
             )
         detok: IncrementalDetokenizer = seq.detokenizer
         text_before = detok.text
-        new_text = detok.append([token])
+        new_text = detok.append(token if type(token) is int else [token])
         if not params.include_stop_str_in_output and self._stops_on(params, seq, token):
             # NOTE: as vLLM, the EOS / stop token that ends a sequence keeps its id in the
             # output but not its text (with skip_special_tokens=False it would show up).
@@ -505,7 +522,7 @@ class LLMEngine:
 
     def add_beam_request(
         self, request_id: str, prompt: str | None, params: BeamSearchParams,
-        prompt_token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None, priority: int = 0,
     ) -> SequenceGroup:
         """Queue a beam search: one group whose live sequences are the beams (the same as
         `add_request` with `SamplingParams(use_beam_search=True, n=beam_width, ...)`)."""
@@ -514,13 +531,13 @@ class LLMEngine:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
                                   ignore_eos=params.ignore_eos, n=params.beam_width,
                                   use_beam_search=True, length_penalty=params.length_penalty)
-        return self.add_request(request_id, prompt, sampling, prompt_token_ids)
+        return self.add_request(request_id, prompt, sampling, prompt_token_ids,
+                                priority=priority)
 
     def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         hyps = group.extra.get("beam_final") if finished else None
         if hyps is None and finished:
-            # Ended without a last beam step (aborted, or capped by "length" because it could
-            # not grow even alone in the cache): the beams it had are its hypotheses.
+            # Ended without a last beam step (aborted): the beams it had are its hypotheses.
             hyps = final_hypotheses(group.beam, [(q.cumulative_logprob, q.output_token_ids)
                                                  for q in group.seqs])
         if hyps is None:
@@ -562,7 +579,7 @@ class LLMEngine:
                 CompletionOutput(
                     index=i,
                     text=seq.final_text if seq.final_text is not None else seq.detokenizer.text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=seq.token_ids[seq.num_prompt_tokens:],  # (a copy)
                     cumulative_logprob=seq.cumulative_logprob if want_lp else None,
                     logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                     finish_reason=seq.status.finish_reason,

@@ -42,14 +42,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency")
+BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency", "step-overhead")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run `pagedserve.bench.<kind>.main(args)` (imported only when asked for)."""
     if args.bench_kind not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {args.bench_kind!r}")
-    return importlib.import_module(f"pagedserve.bench.{args.bench_kind}").main(args)
+    module = args.bench_kind.replace("-", "_")
+    return importlib.import_module(f"pagedserve.bench.{module}").main(args)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -175,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_latency_args(lat)
     EngineArgs.add_cli_args(lat)
     lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True)
+
+    from pagedserve.bench.step_overhead import add_bench_step_overhead_args
+
+    step = bench_sub.add_parser("step-overhead", help="what one engine step costs outside the "
+                                                      "model, per phase, at 64..4096 sequences")
+    add_bench_step_overhead_args(step)
+    step.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(serve)

@@ -107,6 +107,8 @@ class SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    # vLLM's request priority (lower first): needs --scheduling-policy priority unless 0
+    priority: int = 0
     # Structured outputs (read by entrypoints/openai/structured.py, which checks them)
     response_format: Any = None
     structured_outputs: Any = None

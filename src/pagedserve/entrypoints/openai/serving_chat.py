@@ -85,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
         lines. Rendering, tokenizing and building the response run on the CPU pool."""
         prompt, params, tools, reasoning = await self.run_cpu(self._prepare, request)
         request_id = random_id("chatcmpl")
-        (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages")
+        (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages",
+                                      priority=request.priority)
         if request.stream:
             return self._stream(request, request_id, stream, params.n,
                                 params.output_text_buffer_length, prompt, tools, reasoning)
@@ -104,7 +105,8 @@ class OpenAIServingChat(OpenAIServing):
         prepared = [await self.run_cpu(self._prepare, r) for r in requests]
         request_id = random_id("chatcmpl")
         streams = await self.submit(request_id, [p[0] for p in prepared],
-                                    [p[1] for p in prepared], prompt_param="messages")
+                                    [p[1] for p in prepared], prompt_param="messages",
+                                    priority=requests[0].priority if requests else 0)
         try:
             finals = await asyncio.gather(*(final_output(s) for s in streams))
         except BaseException as e:

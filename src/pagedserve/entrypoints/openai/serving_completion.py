@@ -52,7 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
         errors). Tokenizing and building the response run on the CPU pool."""
         prompts, per_prompt = await self.run_cpu(self._prepare, request)
         request_id = random_id("cmpl")
-        streams = await self.submit(request_id, prompts, per_prompt, prompt_param="prompt")
+        streams = await self.submit(request_id, prompts, per_prompt, prompt_param="prompt",
+                                    priority=request.priority)
         if request.stream:
             return self._stream(request, request_id, prompts, streams, per_prompt[0].n,
                                 per_prompt[0].output_text_buffer_length)

@@ -313,13 +313,15 @@ class OpenAIServing:
     # --- submitting ---------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompts: list[Prompt],
-                     params: list[SamplingParams], *, prompt_param: str) -> list[RequestStream]:
+                     params: list[SamplingParams], *, prompt_param: str,
+                     priority: int = 0) -> list[RequestStream]:
         """Add one engine request per prompt, concurrently; return their streams once all were
-        accepted, or abort them all and raise an APIError."""
+        accepted, or abort them all and raise an APIError (400 naming `priority` for a priority
+        the engine's --scheduling-policy refuses)."""
         calls = [
             self.engine.add_request(
                 f"{request_id}-{i}" if len(prompts) > 1 else request_id,
-                p.text, sp, prompt_token_ids=p.token_ids,
+                p.text, sp, prompt_token_ids=p.token_ids, priority=priority,
             )
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
