@@ -12,23 +12,23 @@ from typing import Any, Callable
 import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
-from pagedserve.core.beam_search import BeamSearchParams, BeamState, Hypothesis, final_hypotheses
+from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.step_input import StepInput
 from pagedserve.engine.pooling import (check_pooling_fits, check_runner, hidden_size,
-                                       pooling_output, pooling_spec, resolve_runner)
+                                       pooling_spec, resolve_runner)
 from pagedserve.engine.detokenizer import (
     IncrementalDetokenizer,
     TokenizerInfo,
-    decode_token,
     find_stop,
 )
 from pagedserve.engine.generation_config import diff_sampling_params
+from pagedserve.engine.output_builder import OutputBuilder
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
 from pagedserve.models.source import resolve_model
 from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
-from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.outputs import RequestOutput
 from pagedserve.pooling_params import PoolerConfig, PoolingParams
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup
@@ -61,7 +61,7 @@ class _NoDetokenizer:
         return ""
 
 
-class LLMEngine:
+class LLMEngine(OutputBuilder):
     """One model, its KV cache, a scheduler and a model runner, driven step by step.
 
     `add_request` validates and queues a request (ValueError names the bad parameter, and the
@@ -506,18 +506,6 @@ class LLMEngine:
         return ((not params.ignore_eos and token in self.eos_token_ids)
                 or bool(params.stop_token_ids) and token in params.stop_token_ids)
 
-    def _logprob_dict(self, token: int, lp: float, rank: int, top) -> dict[int, Logprob]:
-        # NOTE: the chosen (or prompt) token first, then the top-k by rank, as vLLM orders them
-        # (its server's top_logprobs follow this order).
-        entry = {token: Logprob(lp, rank, self._decode_token(token))}
-        for i, (tid, tlp) in enumerate(top):
-            if tid != token:
-                entry[tid] = Logprob(tlp, i + 1, self._decode_token(tid))
-        return entry
-
-    def _decode_token(self, token: int) -> str | None:
-        return None if self.tokenizer is None else decode_token(self.tokenizer, token)
-
     # --- beam search -------------------------------------------------------------------------
 
     def add_beam_request(
@@ -533,73 +521,6 @@ class LLMEngine:
                                   use_beam_search=True, length_penalty=params.length_penalty)
         return self.add_request(request_id, prompt, sampling, prompt_token_ids,
                                 priority=priority)
-
-    def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
-        hyps = group.extra.get("beam_final") if finished else None
-        if hyps is None and finished:
-            # Ended without a last beam step (aborted): the beams it had are its hypotheses.
-            hyps = final_hypotheses(group.beam, [(q.cumulative_logprob, q.output_token_ids)
-                                                 for q in group.seqs])
-        if hyps is None:
-            hyps = [Hypothesis(q.output_token_ids, q.cumulative_logprob, q.cumulative_logprob,
-                               q.status.finish_reason) for q in group.unfinished_seqs()]
-        outs = [
-            CompletionOutput(
-                index=i,
-                text=("" if self.tokenizer is None
-                      else self.tokenizer.decode(h.token_ids, skip_special_tokens=True)),
-                token_ids=list(h.token_ids),
-                cumulative_logprob=h.cum_logprob,
-                logprobs=None,
-                finish_reason=h.finish_reason,
-            )
-            for i, h in enumerate(hyps)
-        ]
-        return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids, prompt_logprobs=None, outputs=outs,
-            finished=finished, num_preemptions=group.num_preemptions,
-            metrics=RequestMetrics(group.arrival_time, group.first_scheduled_time,
-                                   group.first_token_time, group.finished_time),
-        )
-
-    def _make_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
-        if group.pooling is not None:
-            return pooling_output(group, finished)
-        if group.beam is not None:
-            return self._make_beam_output(group, finished)
-        params = group.sampling_params
-        seqs = group.seqs
-        if len(seqs) > params.n:  # best_of: the n with the highest cumulative logprob
-            seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[: params.n]
-        want_lp = group.needs_logprobs
-        outs = []
-        for i, seq in enumerate(seqs):
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=seq.final_text if seq.final_text is not None else seq.detokenizer.text,
-                    token_ids=seq.token_ids[seq.num_prompt_tokens:],  # (a copy)
-                    cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=group.prompt_logprobs,
-            outputs=outs,
-            finished=finished,
-            metrics=RequestMetrics(
-                group.arrival_time, group.first_scheduled_time, group.first_token_time,
-                group.finished_time,
-            ),
-            num_preemptions=group.num_preemptions,
-            num_cached_tokens=group.num_cached_tokens,
-        )
 
     # --- introspection -----------------------------------------------------------------------
 
