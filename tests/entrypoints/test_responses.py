@@ -24,24 +24,36 @@ TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a 
         "parameters": WEATHER}
 
 
+def expected_usage(chain_checkpoint) -> tuple[int, int]:
+    """(output tokens, reasoning tokens) the chain model's answer takes: its text and EOS, and the
+    tokens before `</think>`. NOTE: counted with the checkpoint's own tokenizer, which the tests
+    train (its merges, hence these counts, may differ from one machine to another)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chain_checkpoint)
+    count = lambda text: len(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    return count(f"<think>{REASONING}</think>{CONTENT}") + 1, count(f"<think>{REASONING}")
+
+
 def create(client, server, **kw):
     kw.setdefault("input", "hi")
     return client.responses.create(model=server.model, temperature=0, **kw)
 
 
-def test_text_input_gets_a_reasoning_item_a_message_and_usage(reasoning_client,
-                                                              reasoning_server, http_chain):
+def test_text_input_gets_a_reasoning_item_a_message_and_usage(reasoning_client, reasoning_server,
+                                                              http_chain, chain_checkpoint):
     resp = create(reasoning_client, reasoning_server)
     assert resp.object == "response" and resp.status == "completed"
     reasoning, message = resp.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
     assert message.type == "message" and message.role == "assistant"
     assert message.content[0].type == "output_text" and resp.output_text == CONTENT
-    # usage: the same prompt as the chat request; 12 output tokens, 6 of them reasoning
+    # usage: the same prompt as the chat request; the answer's tokens, those before </think>
     tokens = http_chain.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert resp.usage.input_tokens == tokens.json()["count"]
-    assert (resp.usage.output_tokens, resp.usage.output_tokens_details.reasoning_tokens) == (12, 6)
-    assert resp.usage.total_tokens == resp.usage.input_tokens + 12
+    out, reasoning_tokens = expected_usage(chain_checkpoint)
+    assert (resp.usage.output_tokens, resp.usage.output_tokens_details.reasoning_tokens) == (out, reasoning_tokens)
+    assert resp.usage.total_tokens == resp.usage.input_tokens + out
 
 
 def test_message_list_input_and_instructions_render_like_chat(reasoning_client,
@@ -91,7 +103,7 @@ ORDER = ["response.created", "response.in_progress",
          "response.content_part.done", "response.output_item.done", "response.completed"]
 
 
-def test_a_stream_sends_openais_events_in_order(reasoning_client, reasoning_server):
+def test_a_stream_sends_openais_events_in_order(reasoning_client, reasoning_server, chain_checkpoint):
     events = list(create(reasoning_client, reasoning_server, stream=True))
     # (a busy server may send several tokens in one delta: runs of deltas count once)
     kinds = [e.type for e in events]
@@ -106,7 +118,7 @@ def test_a_stream_sends_openais_events_in_order(reasoning_client, reasoning_serv
     assert (thought, text) == (REASONING, CONTENT)
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [i.id for i in done] == [i.id for i in final.output]
-    assert final.usage.output_tokens == 12
+    assert final.usage.output_tokens == expected_usage(chain_checkpoint)[0]
     cut = list(create(reasoning_client, reasoning_server, stream=True, max_output_tokens=3))
     assert cut[-1].type == "response.completed"  # as vLLM, also when incomplete
     assert cut[-1].response.status == "incomplete" and cut[-1].response.usage.output_tokens == 3
