@@ -138,7 +138,11 @@ class LLM(PoolingMixin, LLMExtras):
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
-                        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+                        outs = out.outputs
+                        if isinstance(outs, list):
+                            reason = outs[0].finish_reason if outs else "abort"
+                        else:  # a pooling request's one result: it ends with its prompt
+                            reason = "stop"
                         self._finished_counts[reason] = self._finished_counts.get(reason, 0) + 1
                         bar.update(1)
         except BaseException:
