@@ -123,7 +123,9 @@ def check(out: Path, max_startup_s: float | None) -> None:
 
     here = Path(pagedserve.__file__).resolve()
     checkout = Path(__file__).resolve().parents[1]
-    assert checkout not in here.parents, f"pagedserve imported from the checkout: {here}"
+    # NOTE: the wheel's venv may sit inside the checkout (.ci/run's .ci-wheel-venv): what must not
+    # be imported is the checkout's source tree
+    assert checkout / "src" not in here.parents, f"pagedserve imported from the checkout: {here}"
     assert "site-packages" in here.parts, f"pagedserve not from an installed wheel: {here}"
     for ext in all_extensions():
         assert ext.isa(), f"{ext.prefix} unavailable: {ext.failure}"
