@@ -162,3 +162,19 @@ class PagedRunner:
         logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
         return list(logits.split(query_lens))
+
+
+def run_requests(path, requests, max_steps: int = 20000, **options):
+    """An `LLM` on `path` (float32; `options` are engine options, block_size 16 unless given) fed
+    `requests` -- (request id, prompt ids, SamplingParams or BeamSearchParams) -- and driven to
+    the end: (their final outputs in order, the engine)."""
+    from pagedserve import LLM, BeamSearchParams
+
+    llm = LLM(path, dtype="float32", block_size=options.pop("block_size", 16), **options)
+    for rid, prompt, params in requests:
+        if isinstance(params, BeamSearchParams):
+            llm.engine.add_beam_request(rid, None, params, prompt_token_ids=prompt)
+        else:
+            llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    final = drive(llm.engine, max_steps)
+    return [final[rid] for rid, _, _ in requests], llm.engine

@@ -83,13 +83,9 @@ class PoolerConfig:
         base = sentence_transformers_pooling(model_dir) or cls()
         if not option:
             return base
-        if isinstance(option, str):
-            try:
-                option = json.loads(option)
-            except ValueError as e:
-                raise ValueError(f"pooler_config must be a JSON object, got {option!r}") from e
-        if not isinstance(option, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {option!r}")
+        from pagedserve.config import _json_object  # (config imports this module)
+
+        option = _json_object("pooler_config", option)
         known = {"pooling_type", "seq_pooling_type", "normalize", "use_activation"}
         unknown = sorted(set(option) - known)
         if unknown:

@@ -6,20 +6,12 @@ import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
 from test_llm_engine import prompts_of_lengths
-from utils import assert_same_outputs, drive
+from utils import assert_same_outputs, drive, run_requests
 
 ROOMY = dict(kv_cache_memory=1 << 24)
 
 
-def _run(path, requests, max_steps=20000, **options):
-    llm = LLM(path, dtype="float32", block_size=options.pop("block_size", 16), **options)
-    for rid, prompt, params in requests:
-        if isinstance(params, BeamSearchParams):
-            llm.engine.add_beam_request(rid, None, params, prompt_token_ids=prompt)
-        else:
-            llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
-    final = drive(llm.engine, max_steps)
-    return [final[rid] for rid, _, _ in requests], llm.engine
+_run = run_requests
 
 
 @pytest.mark.parametrize("mode,n,blocks,cpu", [("swap", 8, 30, 8), ("recompute", 5, 50, 0)])

@@ -5,7 +5,7 @@ import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
 from test_llm_engine import greedy, prompts_of_lengths, run
-from utils import assert_same_outputs, drive, ours_as_pairs
+from utils import assert_same_outputs, drive, ours_as_pairs, run_requests
 
 PROMPTS = prompts_of_lengths([6, 11, 3, 14, 9, 5, 12, 8, 17, 4], seed=3)
 
@@ -104,17 +104,8 @@ def test_swapped_groups_come_back_before_newer_requests_are_admitted(reference):
 
 def _roomy_and_tight(path, requests, max_steps, **tight):
     """Run the same requests on a roomy cache and on `tight` settings; returns both outputs."""
-    outs = []
-    for options in (dict(kv_cache_memory=1 << 24), tight):
-        llm = LLM(path, dtype="float32", block_size=options.pop("block_size", 16), **options)
-        for rid, prompt, params in requests:
-            if isinstance(params, BeamSearchParams):
-                llm.engine.add_beam_request(rid, None, params, prompt_token_ids=prompt)
-            else:
-                llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
-        final = drive(llm.engine, max_steps)
-        outs.append(([final[rid] for rid, _, _ in requests], llm.engine))
-    return outs
+    return [run_requests(path, requests, max_steps, **options)
+            for options in (dict(kv_cache_memory=1 << 24), tight)]
 
 
 def test_multi_sequence_group_preempted_by_recomputation_finishes_with_the_same_samples(checkpoints):
