@@ -287,6 +287,34 @@ def test_blocked_gemm_matches_dequantize_then_matmul(fmt, m, isa):
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, yb.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+def test_blocked_gemm_over_many_column_groups_and_long_rows(fmt, isa):
+    """Columns in several groups of blocks and output stages (N = 300: a partial last block), rows
+    of 2048 values (4 KiB of bf16: the padded buffer stride), rows of x in several slabs."""
+    n, k, m = 300, 2048, 150
+    w, ref_w = ggml_blocks(fmt, n, k, seed=9)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    bias = torch.randn(n)
+    y = _op(x, w, isa, 1, bias)
+    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
+    want = x.double() @ wq.double().T + bias.double()
+    scale = x.double().abs() @ wq.double().abs().T + bias.double().abs()
+    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("fmt", ["q5_0", "q4_k"])
+def test_a_rows_gemm_result_does_not_depend_on_its_batch(fmt, isa):
+    """Among batches that take the blocked GEMM, a row's result is the same bits whatever the
+    batch around it and wherever the row sits in it."""
+    n, k = 70, 512
+    w, _ = ggml_blocks(fmt, n, k, seed=10)
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(100, k, generator=g).to(torch.bfloat16)
+    alone = _op(rows[:16], w, isa, 1)
+    mixed = _op(torch.cat([rows[40:73], rows[:16], rows[80:100]]), w, isa, 1)
+    assert torch.equal(mixed[33:49], alone)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k"])
 def test_the_kernel_is_chosen_by_row_count(fmt, isa):
     """Below `gemm_rows(...)` rows a bf16 product over ggml blocks is the 8-bit-activation kernel's,

@@ -1,4 +1,5 @@
-"""Paged decode attention on CPU (csrc/paged_attention.cpp, part of the extension of kernels.cpu_gemm).
+"""Attention kernels on CPU (part of the extension of kernels.cpu_gemm): paged decode attention
+(csrc/paged_attention.cpp) and a prompt chunk's attention over its context (csrc/prefill_attention.cpp).
 
 `decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)` attends
 one query token per sequence over its blocks, reading the cache in place (no gathered copy, no
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
+from pagedserve.kernels.cpu_isa import ISA_LEVELS
 
 
 def decode_attention(
@@ -36,3 +38,35 @@ def decode_attention(
     return torch.ops.pagedserve_cpu.decode_attention.default(
         query.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale),
         int(sliding_window or 0), linear_isa())
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [n, Hq, D] the chunk's queries (rows may be strided, heads contiguous)
+    key: torch.Tensor,  # [ctx, Hkv, D] the whole context's keys, the chunk's last
+    value: torch.Tensor,  # [ctx, Hkv, D]
+    out: torch.Tensor,  # [n, Hq, D] written
+    scale: float,
+    sliding_window: int | None = None,
+) -> bool:
+    """Causal attention of a prompt chunk (the last n positions of a context of ctx) over its
+    context, written into `out`: True, or False when the kernel does not apply -- not bf16 CPU
+    tensors, a CPU without AVX512-BF16 (or capped below it), a head size that is not a multiple
+    of 32 (or above 512), the kernel disabled or unavailable -- and the caller runs SDPA.
+
+    Scores and softmax in fp32, the weights rounded to bf16 for the product with V (as a bf16
+    flash kernel does), one rounding of the output."""
+    if not (query.dtype is key.dtype is value.dtype is out.dtype is torch.bfloat16) or not query.is_cpu:
+        return False
+    d = query.shape[2]
+    if d % 32 or d > 512 or query.shape[1] % key.shape[1] or query.shape[0] == 0:
+        return False
+    if not kernel_available() or linear_isa() < ISA_LEVELS["avx512bf16"]:
+        return False
+    heads_ok = all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value, out))
+    if not heads_ok or key.stride(0) != value.stride(0):
+        key, value = key.contiguous(), value.contiguous()
+        if not (query.stride(2) == 1 and query.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d):
+            return False
+    torch.ops.pagedserve_cpu.prefill_attention.default(query, key, value, out, float(scale),
+                                                       int(sliding_window or 0))
+    return True

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels.cpu_attention import decode_attention
+from pagedserve.kernels.cpu_attention import decode_attention, prefill_attention
 from pagedserve.kernels.cpu_fp32 import invariant_attention
 
 
@@ -90,24 +90,30 @@ def _attend_prompts(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Each member of a prompt group attends over its own context; returns `out` (allocated on
-    the first call) with the members' rows written. A chunk whose context is just itself (nothing
-    cached before it) and fits the window attends causally over its new K/V; any other reads its
-    context from the cache through its slots, with an explicit causal (and window) mask."""
+    the first call) with the members' rows written. bf16 on AVX512-BF16 CPUs: `prefill_attention`
+    (kernels/cpu_attention.py). Else SDPA: a chunk whose context is just itself and fits the
+    window causally over its new K/V, any other with an explicit causal (and window) mask."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
     gqa = key.shape[1] != num_heads
     for g, (start, n, ctx) in enumerate(group.spans):
-        q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if ctx == n and (not sliding_window or n <= sliding_window):
-            # NOTE: K/V rounded to the cache's dtype, as reading them back from it would.
+        # NOTE: a chunk with nothing cached before it reads its own K/V, rounded to the cache's
+        # dtype as reading them back from it would; any other reads its context through its slots.
+        if ctx == n:
             k = key[start : start + n].to(flat_k.dtype)  # [n, Hkv, D]
             v = value[start : start + n].to(flat_v.dtype)
-            mask, causal = None, True
         else:
             slots = group.kv_slots[g, :ctx]  # [ctx]
-            k = flat_k.index_select(0, slots)  # [ctx, Hkv, D]
-            v = flat_v.index_select(0, slots)
+            k, v = flat_k.index_select(0, slots), flat_v.index_select(0, slots)  # [ctx, Hkv, D]
+        # bf16 on AVX512-BF16: our kernel (causal and windowed by position, no mask tensor)
+        if prefill_attention(query[start : start + n], k, v, out[start : start + n], scale,
+                             sliding_window):
+            continue
+        q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if ctx == n and (not sliding_window or n <= sliding_window):
+            mask, causal = None, True
+        else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)  # [n, 1]
             k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # [1, ctx]
             mask, causal = k_pos <= q_pos, False  # [n, ctx]

@@ -133,6 +133,8 @@ struct SharedX {
   at::Tensor f32;                                           // fp32 x (AVX2 / AVX512F GEMM)
   isa_amx::RunPrep amx;                                     // x packed into AMX tiles
   bool amx_ready = false;
+  isa_avx512bf16::RunPrep pairs;                            // x packed for bcast_block
+  bool pairs_ready = false;
 };
 
 // One product set up to run over any range of its output columns (`range(nb, ne)`, whole 16-row
@@ -187,11 +189,18 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   if (isa >= kIsaAvx512Bf16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     if (isa == kIsaAmx) {
-      if (!sx.amx_ready) isa_amx::run_prepare(xp, M, K, sx.amx);
+      if (!sx.amx_ready) isa_amx::run_prepare(xp, M, K, sx.amx, true);
       sx.amx_ready = true;
       const isa_amx::RunPrep* prep = &sx.amx;
       p->range = [=](int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, *out, *prep, nb, ne); };
-    } else {
+    } else if (isa_avx2::q8_format(fmt)) {  // the GEMM over ggml blocks: bcast_block
+      if (!sx.pairs_ready) isa_avx512bf16::run_prepare(xp, M, K, sx.pairs, true);
+      sx.pairs_ready = true;
+      const isa_avx512bf16::RunPrep* prep = &sx.pairs;
+      p->range = [=](int64_t nb, int64_t ne) {
+        isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, *out, *prep, nb, ne);
+      };
+    } else {  // bf16 / INT8 weights: dot_block, batch-invariant at every M
       p->range = [=](int64_t nb, int64_t ne) {
         isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx512bf16::RunPrep{}, nb, ne);
       };

@@ -489,6 +489,10 @@ inline void dot_block(const XT* x, int64_t M, int64_t K, const WT* w, int64_t ld
   }
 }
 
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+#include "qlinear_bcast.h"
+#endif
+
 #if PS_ISA >= 4  // kIsaAmx
 // AMX: C (16 rows of W x 16 rows of x) += A (16 rows of W x 32 k, bf16) . B (x packed: 16 k-pairs
 // x 16 rows x 2). Two C tiles share each A tile load.
@@ -500,23 +504,6 @@ inline void amx_config() {
     cfg[48 + t] = 16;      // rows
   }
   _tile_loadconfig(cfg);
-}
-
-// xpk: [ceil(M / 16)][K / 32][16][16][2] bf16, zero-padded rows.
-inline void amx_pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xpk) {
-  const int64_t KC = K / 32, MBk = (M + 15) / 16;
-  std::memset(xpk, 0, size_t(MBk * KC * 512) * 2);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mb = m / 16, mi = m % 16;
-    for (int64_t kc = 0; kc < KC; ++kc) {
-      uint16_t* t = xpk + (mb * KC + kc) * 512;
-      const uint16_t* xr = x + m * K + kc * 32;
-      for (int p = 0; p < 16; ++p) {
-        t[p * 32 + mi * 2] = xr[2 * p];
-        t[p * 32 + mi * 2 + 1] = xr[2 * p + 1];
-      }
-    }
-  }
 }
 
 inline void amx_block(const uint16_t* xpk, int64_t M, int64_t K, const WT* w, int64_t ldw,
@@ -549,22 +536,24 @@ inline void amx_block(const uint16_t* xpk, int64_t M, int64_t K, const WT* w, in
 }
 #endif
 
-// The per-call state of a product (AMX: x packed into tiles once; nothing on other levels).
+// The per-call state of a product: x packed as bf16 pairs (pack_x_pairs) for AMX tiles, or on
+// the AVX512-BF16 level for `bcast_block` when asked (`pack`: the ggml formats' GEMM); nothing
+// on other levels.
 struct RunPrep {
   std::vector<uint16_t> packed;
   const uint16_t* xpk = nullptr;
 };
 
-inline void run_prepare(const XT* x, int64_t M, int64_t K, RunPrep& prep) {
-#if PS_ISA >= 4  // kIsaAmx
-  if (K % 32 == 0) {
+inline void run_prepare(const XT* x, int64_t M, int64_t K, RunPrep& prep, bool pack) {
+#if PS_ISA >= 3  // kIsaAvx512Bf16
+  if (K % 32 == 0 && (pack || PS_ISA >= 4)) {
     prep.packed.resize(size_t(((M + 15) / 16) * (K / 32) * 512 + 32));
     uint16_t* xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(prep.packed.data()) + 63) & ~uintptr_t(63));
-    amx_pack_x(x, M, K, xpk);
+    pack_x_pairs(x, M, K, xpk);
     prep.xpk = xpk;
   }
 #else
-  (void)x, (void)M, (void)K, (void)prep;
+  (void)x, (void)M, (void)K, (void)prep, (void)pack;
 #endif
 }
 
@@ -573,6 +562,9 @@ inline void run_prepare(const XT* x, int64_t M, int64_t K, RunPrep& prep) {
 inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint8_t* w,
                       int64_t row_bytes, int64_t N, const Out& out, const RunPrep& prep,
                       int64_t nb, int64_t ne) {
+#if PS_ISA == 3  // kIsaAvx512Bf16: x packed for the ggml formats' GEMM
+  if (prep.xpk) return bcast_range(fmt, prep.xpk, M, K, w, row_bytes, N, out, nb, ne);
+#endif
 #if PS_ISA >= 4  // kIsaAmx
   const bool amx = prep.xpk != nullptr;
   const uint16_t* xpk = prep.xpk;
@@ -584,17 +576,21 @@ inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint
   // NOTE: two buffers: block i + 1 is dequantized before block i is multiplied, so the
   // products read stores that have long left the store buffer (AMX tile loads of just-written
   // lines stall). A partial block's missing rows are zeros (the A tile reads 16 rows).
-  std::vector<WT> buf(in_place ? 0 : size_t(2 * 16 * K + 64));
+  // NOTE: the buffer's rows are 64 bytes longer than K values: at K = 2048 bf16 (4 KiB) rows
+  // of 16 columns read side by side (bcast_block reads one pair of each per step) otherwise
+  // share one L1 set and evict each other (half the speed).
+  const int64_t ldw = in_place ? K : K + 64 / int64_t(sizeof(WT));
+  std::vector<WT> buf(in_place ? 0 : size_t(2 * 16 * ldw + 64));
   std::vector<float> tmp(sizeof(WT) == 2 && !in_place ? size_t(K) : 0);
   WT* wb[2] = {nullptr, nullptr};
   if (!in_place) {
     wb[0] = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    wb[1] = wb[0] + 16 * K;
+    wb[1] = wb[0] + 16 * ldw;
   }
   auto fill = [&](int64_t n0, WT* dst) {
     const int64_t nr = std::min<int64_t>(16, N - n0);
-    for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * K, tmp.data());
-    if (nr < 16) std::memset(dst + nr * K, 0, size_t((16 - nr) * K) * sizeof(WT));
+    for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * ldw, tmp.data());
+    if (nr < 16) std::memset(dst + nr * ldw, 0, size_t((16 - nr) * ldw) * sizeof(WT));
   };
 #if PS_ISA >= 4  // kIsaAmx
   if (amx) amx_config();
@@ -620,11 +616,11 @@ inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint
         std::memcpy(p, blk, size_t(nr * K) * sizeof(WT));
         blk = p;
       }
-      amx_block(xpk, M, K, blk, K, nr, st.out, n0);
+      amx_block(xpk, M, K, blk, ldw, nr, st.out, n0);
       continue;
     }
 #endif
-    dot_block(x, M, K, blk, K, nr, st.out, n0);
+    dot_block(x, M, K, blk, ldw, nr, st.out, n0);
   }
   if (nb < ne) st.flush_and_move(ne);
 #if PS_ISA >= 4  // kIsaAmx

@@ -1,0 +1,253 @@
+// Attention of a prompt chunk over its context on AVX512-BF16 CPUs (bf16 q, k, v):
+//
+//   out[i, h] = sum_j softmax_j(scale * q[i, h] . k[j, g]) v[j, g],   g = h / (Hq / Hkv),
+//   j in [max(0, p_i - window + 1), p_i],  p_i = ctx - n + i  (the chunk is the context's tail)
+//
+// For each query head and block of 16 query rows (rows in the 16 vector lanes): the scores of
+// every key the block can see, by vdpbf16ps over q packed as bf16 pairs with each key's pairs
+// broadcast (no horizontal sums); an exact softmax per lane over them (max, exp, sum: vertical
+// operations, the scores of a block stay in a thread's buffer); then the weights, rounded to bf16
+// and packed as pairs, times V packed once per call as pairs of keys ([ctx / 2][D][2] per KV
+// head), 4 rows x 64 dimensions of accumulators at a time. Causal: a block reads keys up to its
+// last row (at most 15 masked keys computed per row); a sliding window skips whole key ranges.
+// What torch's SDPA did here ran at ~37 GFLOP/s per core at 160 tokens and ~15 at 512 (2-core
+// Zen 4, docs/benchmarks.md).
+//
+// Registered as torch.ops.pagedserve_cpu.prefill_attention; the Python wrapper is
+// kernels/cpu_attention.py (it falls back to SDPA below AVX512-BF16).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace {
+
+// exp(x), 16 lanes, for x <= 0 (scores minus their maximum): Cephes' expf polynomial on the
+// reduced argument, then * 2^n (vscalefps). Relative error ~1e-7, far below the bf16 rounding of
+// the weights that follows.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Shape {
+  int64_t n, ctx, Hq, Hkv, D;
+  int64_t sq, sk, so;  // row strides (elements) of q, k / v, out
+  float scale;
+  int64_t window;  // 0: none
+};
+
+// v [ctx, Hkv, D] -> vp [Hkv][ceil(ctx / 2)][D][2]: the pairs of keys 2p, 2p + 1 side by side
+// for each dimension (a missing last key: zeros).
+void pack_v(const uint16_t* v, const Shape& s, uint16_t* vp) {
+  const int64_t P = (s.ctx + 1) / 2;
+  at::parallel_for(0, s.Hkv * P, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t g = t / P, p = t % P;
+      const uint16_t* v0 = v + (2 * p) * s.sk + g * s.D;
+      const bool has1 = 2 * p + 1 < s.ctx;
+      uint16_t* dst = vp + (g * P + p) * s.D * 2;
+      for (int64_t d = 0; d < s.D; d += 16) {  // 16 dimensions: 32 bf16 interleaved
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d));
+        const __m256i c = has1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + s.sk + d))
+                               : _mm256_setzero_si256();
+        // 16-bit interleave of a and c: widen to 32 bits, then c << 16 | a
+        const __m512i a32 = _mm512_cvtepu16_epi32(a), c32 = _mm512_cvtepu16_epi32(c);
+        _mm512_storeu_si512(dst + d * 2, _mm512_or_si512(a32, _mm512_slli_epi32(c32, 16)));
+      }
+    }
+  });
+}
+
+// Rows i0 .. i0 + 15 (r real) of query head h times pairs [p0, p1) of the weights pp
+// ([pairs][16 lanes] of bf16 pairs) and V (vg: this KV head's packed pairs): out rows.
+template <int NC>
+inline void pv_tile(const uint32_t* pp, const uint16_t* vg, int64_t D, int64_t p0, int64_t p1,
+                    int64_t lane0, int64_t d0, __m512* acc /* [4][NC] */) {
+#pragma GCC unroll 16
+  for (int t = 0; t < 4 * NC; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* vrow = vg + p * D * 2 + d0 * 2;
+    __m512bh vv[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vrow + c * 32);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[p * 16 + lane0 + i]));
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc[i * NC + c] = _mm512_dpbf16_ps(acc[i * NC + c], vv[c], w);
+    }
+  }
+}
+
+// One (query head, block of 16 rows) task. st: scores [keys][16], pp: [pairs][16] scratch.
+void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint16_t* out,
+                  const Shape& s, int64_t h, int64_t i0, float* st, uint32_t* pp,
+                  const uint16_t* zeros) {
+  const int64_t r = std::min<int64_t>(16, s.n - i0), g = h / (s.Hq / s.Hkv);
+  const int64_t q0 = s.ctx - s.n;                 // position of query row 0
+  const int64_t hi = q0 + i0 + r;                  // keys [lo, hi) seen by some row of the block
+  int64_t lo = s.window ? std::max<int64_t>(0, q0 + i0 - s.window + 1) : 0;
+  lo &= ~int64_t(1);                               // pairs start at even keys
+  const int64_t P2 = s.D / 2;
+  // q rows packed as pairs: qp[p][lane]
+  alignas(64) uint32_t qp[256 * 16];
+  for (int64_t p = 0; p < P2; ++p)
+    for (int64_t i = 0; i < 16; ++i) {
+      uint32_t val = 0;
+      if (i < r) std::memcpy(&val, q + (i0 + i) * s.sq + h * s.D + 2 * p, 4);
+      qp[p * 16 + i] = val;
+    }
+  // Scores, 16 keys at a time.
+  const int64_t nkeys = hi - lo;
+  for (int64_t j0 = lo; j0 < hi; j0 += 16) {
+    const uint32_t* kr[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t key = j0 + j;
+      kr[j] = reinterpret_cast<const uint32_t*>(key < hi ? k + key * s.sk + g * s.D : zeros);
+    }
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P2; ++p) {
+      const __m512bh qv = (__m512bh)_mm512_load_si512(qp + p * 16);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(int(kr[j][p])));
+    }
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(st + (j0 - lo + j) * 16, acc[j]);
+  }
+  // Softmax per lane over the keys it sees: row i sees key j iff j <= q0 + i0 + i and, with a
+  // window, q0 + i0 + i - j < window. Lanes past r see every key (their results are dropped).
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 pad = (__mmask16)~((1u << r) - 1);
+  auto visible = [&](int64_t j) -> __mmask16 {
+    const int64_t d = j - q0 - i0;  // row i sees j iff i >= d (and i < d + window)
+    __mmask16 m = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(int(std::max<int64_t>(-1, std::min<int64_t>(16, d)))));
+    if (s.window) m &= _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(int(std::max<int64_t>(-1, std::min<int64_t>(17, d + s.window)))));
+    return m | pad;
+  };
+  const __m512 sc = _mm512_set1_ps(s.scale);
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < nkeys; ++j)
+    mx = _mm512_mask_max_ps(mx, visible(lo + j), mx, _mm512_mul_ps(_mm512_load_ps(st + j * 16), sc));
+  __m512 sum = _mm512_setzero_ps();
+  const int64_t npairs = (nkeys + 1) / 2;
+  for (int64_t t = 0; t < npairs; ++t) {
+    __m512 e[2];
+    for (int u = 0; u < 2; ++u) {
+      const int64_t j = 2 * t + u;
+      if (j < nkeys) {
+        const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(st + j * 16), sc), mx);
+        e[u] = _mm512_maskz_mov_ps(visible(lo + j), exp16(x));
+      } else {
+        e[u] = _mm512_setzero_ps();
+      }
+      sum = _mm512_add_ps(sum, e[u]);
+    }
+    // bf16 pairs (key 2t, key 2t + 1) per lane: rounded as vcvtneps2bf16
+    const __m512i a32 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e[0]));
+    const __m512i b32 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e[1]));
+    _mm512_store_si512(pp + t * 16, _mm512_or_si512(a32, _mm512_slli_epi32(b32, 16)));
+  }
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+  // Weighted sum of values: 4 rows x up to 4 chunks of 16 dimensions at a time.
+  const int64_t P = (s.ctx + 1) / 2;
+  const uint16_t* vg = vp + g * P * s.D * 2;
+  const uint32_t* ppl = pp - (lo / 2) * 16;  // indexed by absolute pair
+  const int64_t chunks = s.D / 16;
+  for (int64_t ig = 0; ig < r; ig += 4) {
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+      const int nc = int(std::min<int64_t>(4, chunks - c0));
+      __m512 acc[16];
+      switch (nc) {
+        case 4: pv_tile<4>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
+        case 3: pv_tile<3>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
+        case 2: pv_tile<2>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
+        default: pv_tile<1>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
+      }
+      for (int64_t i = 0; i < 4 && ig + i < r; ++i) {
+        uint16_t* orow = out + (i0 + ig + i) * s.so + h * s.D + c0 * 16;
+        const __m512 w = _mm512_set1_ps(inv[ig + i]);
+        for (int c = 0; c < nc; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i * nc + c], w)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+namespace {
+
+void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& out, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention: bfloat16 tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
+              "prefill_attention: q, out [n, Hq, D]; k, v [ctx, Hkv, D]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == q.size(2), "prefill_attention: k / v shapes");
+  for (const at::Tensor* t : {&q, &k, &v, &out})
+    TORCH_CHECK(t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "prefill_attention: CPU tensors with contiguous heads");
+  Shape s{q.size(0), k.size(0), q.size(1), k.size(1), q.size(2),
+          q.stride(0), k.stride(0), out.stride(0), float(scale), window};
+  TORCH_CHECK(v.stride(0) == s.sk, "prefill_attention: k and v with the same row stride");
+  TORCH_CHECK(s.D % 32 == 0 && s.D <= 512, "prefill_attention: head_dim a multiple of 32, <= 512");
+  TORCH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, "prefill_attention: Hq a multiple of Hkv");
+  TORCH_CHECK(s.n <= s.ctx && window >= 0, "prefill_attention: n <= ctx, window >= 0");
+  if (s.n == 0) return;
+  const int64_t P = (s.ctx + 1) / 2;
+  std::vector<uint16_t> vp(size_t(s.Hkv * P * s.D * 2));
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  pack_v(reinterpret_cast<const uint16_t*>(v.data_ptr()), s, vp.data());
+  const int64_t blocks = (s.n + 15) / 16;
+  const std::vector<uint16_t> zeros(size_t(s.D), 0);
+  at::parallel_for(0, s.Hq * blocks, 1, [&](int64_t b, int64_t e) {
+    const int64_t keys = std::min<int64_t>(s.ctx, s.window ? s.window + 16 : s.ctx) + 32;
+    std::vector<float> st_buf(size_t(keys * 16 + 16));
+    std::vector<uint32_t> pp_buf(size_t((keys / 2 + 2) * 16 + 16));
+    float* st = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(st_buf.data()) + 63) & ~uintptr_t(63));
+    uint32_t* pp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pp_buf.data()) + 63) & ~uintptr_t(63));
+    for (int64_t t = b; t < e; ++t)
+      attend_block(qp, kp, vp.data(), op, s, t % s.Hq, (t / s.Hq) * 16, st, pp, zeros.data());
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
