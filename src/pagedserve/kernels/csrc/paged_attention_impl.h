@@ -1,6 +1,40 @@
 // The SIMD body of paged_attention.cpp on V16 (csrc/vec16.h), compiled once per ISA by
 // vec16_build.h. No include guard on purpose; nothing here may include headers.
 
+// Chunks of 16 dimensions accumulated in registers at once by pass 2 (4 x 4 V16: 16 AVX-512
+// registers; two 8-lane registers each on AVX2, so fewer there).
+constexpr int64_t kChunks = PS_VEC == 512 ? 4 : 2;
+constexpr int64_t kPrefetch = 8;  // keys ahead
+
+// Where pass 2 reads values: one sequence's blocks, one KV head.
+struct Pv {
+  const uint16_t* v_cache;
+  const int64_t* table;
+  int64_t start, seq_len, block_size, row, head_off, L;
+};
+
+// out[g, chunks i0 .. i0 + NC) = inv_sum[g] * sum_t w[g, t] v[t] for GN query heads (weights w
+// at sc + g * L).
+template <int GN, int NC>
+inline void pv_tile(const Pv& p, const float* sc, int64_t i0, const float* inv_sum, uint16_t* out,
+                    int64_t out_stride) {
+  V16 acc[GN][NC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = v_zero();
+  for (int64_t t = p.start; t < p.seq_len; ++t) {
+    const int64_t slot = p.table[t / p.block_size] * p.block_size + t % p.block_size;
+    const uint16_t* v = p.v_cache + slot * p.row + p.head_off + i0 * 16;
+    V16 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = v_load_bf16(v + c * 16);
+    for (int g = 0; g < GN; ++g) {
+      const V16 w = v_set1(sc[g * p.L + (t - p.start)]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = v_fmadd(w, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) v_store_bf16(out + g * out_stride + c * 16, v_mul(acc[g][c], v_set1(inv_sum[g])));
+}
+
 // The G query heads of one KV head of one sequence over keys [start, seq_len): out [G, D].
 inline void attend_one(const uint16_t* q,        // [G, D] the query heads of this KV head
                        const uint16_t* k_cache,  // [N, B, Hkv, D]
@@ -23,6 +57,19 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
   for (int64_t t = start; t < seq_len; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     const uint16_t* k = k_cache + slot * row + kv_head * D;
+    // NOTE: prefetch: the keys of a sequence sit in blocks scattered over the cache, and read
+    // from memory as they came this loop ran at ~5 GB/s (2.6 ms for 64 sequences of 210 tokens on
+    // a Zen 4 core, against 1.0 ms from cache). The key kPrefetch ahead and this key's values
+    // (pass 2 reads them from L2 then) are requested now.
+    if (t + kPrefetch < seq_len) {
+      const int64_t ahead = t + kPrefetch;
+      const uint16_t* kn = k_cache + (table[ahead / block_size] * block_size + ahead % block_size) * row + kv_head * D;
+      for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kn) + b, _MM_HINT_T0);
+    }
+    {
+      const char* vt = reinterpret_cast<const char*>(v_cache + slot * row + kv_head * D);
+      for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(vt + b, _MM_HINT_T1);
+    }
     V16 acc[kMaxGroup];
     for (int64_t g = 0; g < G; ++g) acc[g] = v_zero();
     for (int64_t i = 0; i < nv; ++i) {
@@ -35,32 +82,48 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
       maxs[g] = std::max(maxs[g], sc);
     }
   }
-  // Softmax weights.
+  // Softmax weights, 16 at a time.
   float inv_sum[kMaxGroup];
+  alignas(64) static const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * L;
-    float sum = 0.f;
-    for (int64_t j = 0; j < L; ++j) {
-      sg[j] = std::exp(sg[j] - maxs[g]);
-      sum += sg[j];
+    const V16 mx = v_set1(maxs[g]);
+    V16 sum = v_zero();
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) {
+      const V16 e = v_exp_neg(v_sub(v_load(sg + j), mx));
+      v_store(sg + j, e);
+      sum = v_add(sum, e);
     }
-    inv_sum[g] = 1.0f / sum;
+    if (j < L) {  // the tail: lanes past L are zeros
+      const V16 e = v_mul(v_exp_neg(v_sub(v_load_n(sg + j, L - j), mx)), v_load_n(ones, L - j));
+      v_store_n(sg + j, e, L - j);
+      sum = v_add(sum, e);
+    }
+    inv_sum[g] = 1.0f / v_sum(sum);
   }
-  // Pass 2: weighted sum of values, accumulated in fp32.
-  alignas(64) float acc[kMaxGroup * kMaxDim];
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = start; t < seq_len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const uint16_t* v = v_cache + slot * row + kv_head * D;
-    for (int64_t i = 0; i < nv; ++i) {
-      const V16 vv = v_load_bf16(v + i * 16);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * D + i * 16;
-        v_store(a, v_fmadd(v_set1(scores[g * L + (t - start)]), vv, v_load(a)));
+  // Pass 2: weighted sum of values, accumulated in fp32 in registers: up to 4 query heads x
+  // kChunks chunks of 16 dimensions over all keys, then the next. NOTE: each lane still adds
+  // its keys in order from zero, one FMA each: the tiling changes no bit.
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    for (int64_t i0 = 0; i0 < nv; i0 += kChunks) {
+      const int64_t nc = std::min<int64_t>(kChunks, nv - i0);
+      const Pv pv{v_cache, table, start, seq_len, block_size, row, kv_head * D, L};
+      const float* sc = scores + g0 * L;
+      uint16_t* o = out + g0 * out_stride + i0 * 16;
+      if (nc == kChunks) {
+        switch (gn) {
+          case 4: pv_tile<4, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          case 3: pv_tile<3, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          case 2: pv_tile<2, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          default: pv_tile<1, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+        }
+      } else {
+        for (int64_t g = 0; g < gn; ++g)
+          for (int64_t c = 0; c < nc; ++c)
+            pv_tile<1, 1>(pv, sc + g * L, i0 + c, inv_sum + g0 + g, o + g * out_stride + c * 16, out_stride);
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < nv; ++i)
-      v_store_bf16(out + g * out_stride + i * 16, v_mul(v_load(acc + g * D + i * 16), v_set1(inv_sum[g])));
 }

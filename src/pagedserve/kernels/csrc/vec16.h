@@ -46,6 +46,12 @@ inline V16 v_round_bf16(V16 a) {  // fp32 -> bf16 (nearest even) -> fp32
 // Bit i set where lane i is NaN / equal to b (ordered compare: -0 == +0).
 inline unsigned v_nan_mask(V16 a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
 inline unsigned v_eq_mask(V16 a, V16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
+inline V16 v_round(V16 a) {  // to the nearest integer, ties to even
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline V16 v_pow2i(V16 n) {  // 2^n for integer-valued n in [-126, 127]
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+}
 
 #elif PS_VEC == 256
 
@@ -123,6 +129,15 @@ inline unsigned v_eq_mask(V16 a, V16 b) {
          unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ))) << 8;
 }
 
+inline V16 v_round(V16 a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline __m256 pow2i8(__m256 n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline V16 v_pow2i(V16 n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
+
 #else
 #error "define PS_VEC as 512 or 256 before including vec16.h"
 #endif
@@ -144,4 +159,27 @@ inline void v_store_bf16_n(uint16_t* p, V16 a, int64_t n) {
   alignas(64) uint16_t buf[16];
   v_store_bf16(buf, a);
   std::memcpy(p, buf, size_t(n) * sizeof(uint16_t));
+}
+
+// exp(x) for x <= 0 (softmax: scores minus their maximum), on the operations above (the same bits
+// at both widths): Cephes' expf polynomial on x - n ln 2, n = round(x / ln 2), times 2^n; x below
+// -87 is taken as -87 (exp ~ 1.6e-38, far below any weight that matters). Relative error ~1e-7.
+inline V16 v_exp_neg(V16 x) {
+  x = v_max(x, v_set1(-87.0f));
+  const V16 n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
+  V16 f = v_fmadd(n, v_set1(-0.693359375f), x);
+  f = v_fmadd(n, v_set1(2.12194440e-4f), f);
+  V16 p = v_set1(1.9875691500e-4f);
+  p = v_fmadd(p, f, v_set1(1.3981999507e-3f));
+  p = v_fmadd(p, f, v_set1(8.3334519073e-3f));
+  p = v_fmadd(p, f, v_set1(4.1665795894e-2f));
+  p = v_fmadd(p, f, v_set1(1.6666665459e-1f));
+  p = v_fmadd(p, f, v_set1(5.0000001201e-1f));
+  p = v_fmadd(p, v_mul(f, f), v_add(f, v_set1(1.0f)));
+  return v_mul(p, v_pow2i(n));
+}
+inline void v_store_n(float* p, V16 a, int64_t n) {
+  alignas(64) float buf[16];
+  v_store(buf, a);
+  std::memcpy(p, buf, size_t(n) * sizeof(float));
 }
