@@ -62,3 +62,14 @@ def test_profile_needs_the_model_in_process():
 
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         StepProfiler().attach(Remote())
+
+
+def test_the_ceiling_report_of_a_model_without_plain_linear_weights_says_not_measured():
+    """`bench throughput --profile` on the embedded GGUF model (every weight quantized) ends with
+    a line, not a ValueError."""
+    import torch
+
+    from pagedserve.engine.profiler import ceiling_report
+
+    assert "not measured" in ceiling_report(torch.nn.Sequential(torch.nn.ReLU()), 8, 0.01)
+    assert "GFLOP/s" in ceiling_report(torch.nn.Linear(16, 16), 8, 0.01)
