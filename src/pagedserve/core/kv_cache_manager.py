@@ -114,9 +114,12 @@ class KVCacheManager:
         """Blocks a sequence must gain to hold `num_tokens` slots in all (copy-on-write of a shared
         partial last block counts as one)."""
         table = self.tables.get(seq_id)
-        have = len(table.blocks) if table else 0
-        need = max(0, cdiv(num_tokens, self.block_size) - have)
-        if table and self._last_block_needs_copy(table, num_tokens):
+        if table is None:
+            return -(-num_tokens // self.block_size)
+        need = -(-num_tokens // self.block_size) - len(table.blocks)
+        if need < 0:
+            need = 0
+        if num_tokens > table.num_tokens and self._last_block_needs_copy(table, num_tokens):
             need += 1
         return need
 
@@ -153,17 +156,20 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         if table is None:  # (not setdefault: that would build a table on every call)
             table = self.tables[seq_id] = BlockTable()
+        if num_tokens <= table.num_tokens:  # the slots are reserved already
+            return []
         copies: list[tuple[int, int]] = []
+        blocks = table.blocks
         if self._last_block_needs_copy(table, num_tokens):
-            old = table.blocks[-1]
+            old = blocks[-1]
             new = self.pool.allocate()
             self.pool.decref(old)
-            table.blocks[-1] = new
+            blocks[-1] = new
             copies.append((old, new))
-        need = cdiv(num_tokens, self.block_size) - len(table.blocks)
+        need = -(-num_tokens // self.block_size) - len(blocks)
         for _ in range(need):
-            table.blocks.append(self.pool.allocate())
-        table.num_tokens = max(table.num_tokens, num_tokens)
+            blocks.append(self.pool.allocate())
+        table.num_tokens = num_tokens
         return copies
 
     def snapshot(self, seq_id: int) -> tuple[int, int, int, int] | None:
