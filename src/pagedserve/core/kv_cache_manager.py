@@ -116,10 +116,13 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         if table is None:
             return -(-num_tokens // self.block_size)
-        need = -(-num_tokens // self.block_size) - len(table.blocks)
+        bs = self.block_size
+        have = table.num_tokens
+        need = -(-num_tokens // bs) - len(table.blocks)
         if need < 0:
             need = 0
-        if num_tokens > table.num_tokens and self._last_block_needs_copy(table, num_tokens):
+        # (_last_block_needs_copy, inlined: once per scheduled sequence)
+        if num_tokens > have and have % bs and self.pool.ref_counts[table.blocks[-1]] > 1:
             need += 1
         return need
 

@@ -247,7 +247,8 @@ class Scheduler(Turns):
                 continue
             self._schedule_running(group, step, out)
 
-        slots = self.num_running_seqs  # kept up to date below, not recounted per request
+        # Kept up to date below, not recounted per request (nor counted when nothing waits).
+        slots = self.num_running_seqs if self.swapped or self.waiting else 0
         while self.swapped and not out.preempted and step.budget > 0:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs() if not s.parked]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -69,6 +69,12 @@ class TokenizerInfo:
     plain_decode: bool
     added_tokens: frozenset[str]
     special_tokens: frozenset[str]
+    # The text of one token string decoded alone (plain decoding), shared by the requests'
+    # detokenizers: the decoding window of a step usually starts with one token. NOTE: a cache
+    # of a pure function (a decoder maps a token list to one text), at most one entry per
+    # token of the vocabulary.
+    single_decodes: dict[str, str] = field(default_factory=dict, compare=False, hash=False,
+                                           repr=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> TokenizerInfo:
@@ -190,7 +196,13 @@ class IncrementalDetokenizer:
 
     def _step(self, final: bool) -> str:
         tokens, read = self._tokens, self._read
-        prefix_text = self._decode(tokens[:read])
+        if read == 1 and self._info.plain_decode:  # (the common window: one token, then new)
+            memo = self._info.single_decodes
+            prefix_text = memo.get(tokens[0])
+            if prefix_text is None:
+                prefix_text = memo[tokens[0]] = self._decode(tokens[:1])
+        else:
+            prefix_text = self._decode(tokens[:read])
         full_text = self._decode(tokens)
         # NOTE: slice by length, not by matching prefix_text: decoders are not always
         # prefix-stable (ByteFallback turns a whole byte group into U+FFFD once it turns
