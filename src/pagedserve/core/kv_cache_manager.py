@@ -163,13 +163,15 @@ class KVCacheManager:
             return []
         copies: list[tuple[int, int]] = []
         blocks = table.blocks
-        if self._last_block_needs_copy(table, num_tokens):
+        bs = self.block_size
+        # (_last_block_needs_copy, inlined: num_tokens > table.num_tokens holds here)
+        if table.num_tokens % bs and self.pool.ref_counts[blocks[-1]] > 1:
             old = blocks[-1]
             new = self.pool.allocate()
             self.pool.decref(old)
             blocks[-1] = new
             copies.append((old, new))
-        need = -(-num_tokens // self.block_size) - len(blocks)
+        need = -(-num_tokens // bs) - len(blocks)
         for _ in range(need):
             blocks.append(self.pool.allocate())
         table.num_tokens = num_tokens

@@ -135,6 +135,8 @@ class IncrementalDetokenizer:
         # calls (what its convert_ids_to_tokens / convert_tokens_to_string run), without the
         # Python wrappers: one token a step pays for them twice (measured: 2.5 us -> 0.9 us).
         self._id_to_token, self._decode_plain = _fast_backend(tokenizer) or (None, None)
+        if not info.plain_decode:  # (HF slow decoding of added tokens: see _decode)
+            self._decode_plain = None
 
         self._output_token_ids: list[int] = []
         self._text = ""
@@ -203,7 +205,8 @@ class IncrementalDetokenizer:
                 prefix_text = memo[tokens[0]] = self._decode(tokens[:1])
         else:
             prefix_text = self._decode(tokens[:read])
-        full_text = self._decode(tokens)
+        plain = self._decode_plain
+        full_text = plain(tokens) if plain is not None and tokens else self._decode(tokens)
         # NOTE: slice by length, not by matching prefix_text: decoders are not always
         # prefix-stable (ByteFallback turns a whole byte group into U+FFFD once it turns
         # invalid, e.g. "A" + <0xE4> decodes to "\ufffd\ufffd"). Slicing by length never

@@ -25,7 +25,17 @@ class OutputBuilder:
         return entry
 
     def _decode_token(self, token: int) -> str | None:
-        return None if self.tokenizer is None else decode_token(self.tokenizer, token)
+        # NOTE (step cost): every logprob entry shows its token's text: decoded once per token id
+        # (a pure function of the tokenizer; the cache holds at most the vocabulary).
+        if self.tokenizer is None:
+            return None
+        cache = self.__dict__.get("_token_texts")
+        if cache is None:
+            cache = self._token_texts = {}
+        text = cache.get(token)
+        if text is None:
+            text = cache[token] = decode_token(self.tokenizer, token)
+        return text
 
     def _make_beam_output(self, group: SequenceGroup, finished: bool) -> RequestOutput:
         hyps = group.extra.get("beam_final") if finished else None
