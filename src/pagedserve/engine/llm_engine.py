@@ -23,6 +23,7 @@ from pagedserve.engine.detokenizer import (
     TokenizerInfo,
     find_stop,
 )
+from pagedserve.engine.gc_pause import gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
@@ -430,7 +431,15 @@ class LLMEngine(OutputBuilder):
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns an output for every request that produced tokens or finished."""
+        """One iteration. Returns an output for every request that produced tokens or finished.
+
+        NOTE (step cost): the cyclic garbage collector is paused during the step and runs after
+        it, over what the step left alive (engine/gc_pause.py).
+        """
+        with gc_paused():
+            return self._run_step()
+
+    def _run_step(self) -> list[RequestOutput]:
         self._step_sched = None
         sched = self.scheduler.schedule()
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
