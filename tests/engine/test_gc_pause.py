@@ -48,7 +48,7 @@ def test_what_the_body_allocated_is_collected_after_it(gc_enabled):
         del cycle
         keep = [[] for _ in range(gc.get_threshold()[0] + 10)]  # past the youngest threshold
         assert freed == []  # no collection inside
-    assert freed == [True]  # the collection its allocations started ran at the end
+    assert freed == [True]  # the collection its allocations started ran as it ended
     assert gc.get_count()[0] < gc.get_threshold()[0]
     del keep
 

@@ -7,11 +7,9 @@ promoted, and every few steps a full collection walks the whole heap (the model'
 libraries' objects too: 300 thousand and more): tens of milliseconds in one step. Reference
 counting frees them anyway once the step drops them; only cycles need the collector.
 
-So the collector is paused while the step runs and, once it has ended, the collection that its
-allocations would have started runs then, over what the step left alive: the same generations
-Python's own policy picks (the oldest whose count passed its threshold), except that a full
-collection is not held back by Python's extra rule for the oldest generation (it may run a
-little more often than it would, never less).
+So the collector is paused while the step runs. Once it has ended, the collection that its
+allocations would have started runs at the next allocation (at the latest as the step returns),
+by Python's own policy, over what the step left alive: its short-lived objects are gone by then.
 
 NOTE: `gc` is process-wide. A collector that was disabled (by the application, or by another
 thread's step) is left as it was; one that was enabled is enabled again after the step, even if
@@ -38,11 +36,3 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-        counts, thresholds = gc.get_count(), gc.get_threshold()
-        if thresholds[0] and counts[0] > thresholds[0]:
-            generation = 0
-            for g in (2, 1):
-                if thresholds[g] and counts[g] > thresholds[g]:
-                    generation = g
-                    break
-            gc.collect(generation)
