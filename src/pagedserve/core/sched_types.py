@@ -158,6 +158,10 @@ class StepPlan:
         # The queue key of the first running group with sequences waiting their turn (None:
         # none): no new request is admitted behind it (under fcfs, none at all).
         self.turns_key: tuple | None = None
+        # The rows and copy-on-write pairs of unscheduled groups (by identity: each is its own
+        # object while the step holds it), taken out of the step's lists once, in `finish`.
+        self._dropped: set[int] = set()
+        self._dropped_copies: set[int] = set()
 
     def note_turns(self, key: tuple) -> None:
         if self.turns_key is None or key < self.turns_key:
@@ -177,10 +181,19 @@ class StepPlan:
         if record is None:
             return False
         self.budget += record.tokens
-        dropped = {id(e) for e in record.entries}
-        out.scheduled = [s for s in out.scheduled if id(s) not in dropped]
-        copies = set(record.copies)
-        out.blocks_to_copy = [p for p in out.blocks_to_copy if p not in copies]
+        # NOTE (step cost): the rows are taken out of `out` in `finish`, in one pass however many
+        # groups are unscheduled (a pass per victim made a step of many victims quadratic).
+        self._dropped.update(id(e) for e in record.entries)
+        self._dropped_copies.update(id(p) for p in record.copies)
         for seq_id, snapshot in reversed(record.snapshots):
             kv.restore(seq_id, snapshot)
         return True
+
+    def finish(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The step's output without the rows and copies of the groups unscheduled in it."""
+        if self._dropped:
+            out.scheduled = [s for s in out.scheduled if id(s) not in self._dropped]
+        if self._dropped_copies:
+            out.blocks_to_copy = [p for p in out.blocks_to_copy
+                                  if id(p) not in self._dropped_copies]
+        return out

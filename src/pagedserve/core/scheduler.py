@@ -297,7 +297,7 @@ class Scheduler(Turns):
             self._set_running(group)
             slots += group.max_width_left
             self._commit(plan, group, step, out)
-        return out
+        return step.finish(out)
 
     def _prefix_hits(self, group: SequenceGroup) -> list[tuple[Sequence, list[int]]]:
         """Cached leading blocks for each sequence of a group about to be admitted.
