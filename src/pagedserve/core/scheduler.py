@@ -33,7 +33,8 @@ Requests that can never be admitted are rejected by the engine (`LLMEngine.add_r
 they are queued.
 
 NOTE (step cost): every queue is a `GroupQueue` (O(1) membership by request id); a step touches
-each running group a constant number of times, and the step update only the scheduled ones.
+each running group a constant number of times, and the step update only the scheduled ones; the
+rows of victims unscheduled in a step leave its output in one pass (`StepPlan.finish`).
 """
 
 from __future__ import annotations
