@@ -40,14 +40,17 @@ def _calls_per_sequence_step(engine, num_seqs: int, steps: int = 4, **params) ->
     return pstats.Stats(profiler).total_calls / (num_seqs * steps)
 
 
-@pytest.mark.parametrize("params", [{}, {"logprobs": 2}], ids=["plain", "logprobs"])
-def test_python_calls_per_sequence_do_not_grow_with_the_batch(engine, params):
+@pytest.mark.parametrize(("params", "most"), [({}, 90), ({"logprobs": 2}, 120)],
+                         ids=["plain", "logprobs"])
+def test_python_calls_per_sequence_do_not_grow_with_the_batch(engine, params, most):
     # Regression (issue 25): `group in self.running` scanned a list with the dataclass __eq__
     # (1M calls in 32 steps at 256 sequences), so a step's cost per sequence grew with the batch.
     small = _calls_per_sequence_step(engine, 32, **params)
     large = _calls_per_sequence_step(engine, 512, **params)
     assert large <= 1.1 * small, (small, large)
-    assert small < 200  # the whole step: schedule, step input, update, detokenize, outputs
+    # The whole step: schedule, step input, update, detokenize, outputs (115 and 161 calls
+    # before the step-cost work of issue 25, 74 and 95 after; the fake model's own included).
+    assert small < most, small
 
 
 def test_bench_prints_ms_per_step_and_us_per_sequence_of_every_phase(engine, tmp_path, capsys):

@@ -286,3 +286,41 @@ def test_swapped_group_that_cannot_come_back_even_into_an_empty_cache_is_recompu
         assert steps < 50
     assert all(q.status is SequenceStatus.FINISHED_LENGTH for q in g.seqs)
     assert sched.kv.num_free_blocks == 4 and sched.kv.num_free_cpu_blocks == 16
+
+
+def _ids_examined_in_a_step_of_many_victims(num_decoding: int) -> tuple[int, int]:
+    """A prefilling request first in queue order takes the blocks of about half of
+    `num_decoding` decoding requests that were already scheduled in the same step; returns the
+    `id()` calls of that step's `schedule()` (rows looked up by identity) and its victims."""
+    import cProfile
+    import pstats
+
+    n = num_decoding
+    # d* are queued first (admitted first); "a" arrived before them (first in running order).
+    sched = make(num_blocks=n + 2, block_size=4, max_num_batched_tokens=3 * n + 4,
+                 max_model_len=4 * n, max_num_seqs=n + 1, preemption_mode="recompute")
+    for i in range(n):
+        sched.add(group(f"d{i}", 3, arrival=1.0 + i, max_tokens=2))
+    sched.add(group("a", 2 * n + 8, arrival=0.0, max_tokens=2))
+    run_step(sched)  # every d* prefilled, "a" its first 4 tokens
+    profiler = cProfile.Profile()
+    profiler.enable()
+    out = sched.schedule()
+    profiler.disable()
+    sched.update_from_output(out, fake_results(out))
+    sched.check_invariants()
+    assert {s.group.request_id for s in out.scheduled} >= {"a"}
+    assert all(g.request_id not in {s.group.request_id for s in out.scheduled}
+               for g in out.preempted)
+    calls = sum(stat[1] for func, stat in pstats.Stats(profiler).stats.items()
+                if func[2] == "<built-in method builtins.id>")
+    return calls, len(out.preempted)
+
+
+def test_a_step_with_many_victims_costs_linear_work():
+    # Regression (issue 25): each victim already scheduled in the step filtered the step's rows
+    # (a pass over all of them per victim: quadratic in a step of many victims).
+    small, small_victims = _ids_examined_in_a_step_of_many_victims(64)
+    large, large_victims = _ids_examined_in_a_step_of_many_victims(256)
+    assert small_victims >= 20 and large_victims >= 4 * small_victims - 8
+    assert large <= 5 * small, (small, large)

@@ -72,25 +72,36 @@ def tiny_llama_folder(path: Path) -> Path:
 
 class FakeExecutor:
     """Stands in for the model: every sampled row gets a random token of the vocabulary, with
-    a fixed logprob (and `logprobs` random top tokens when the request asks), at once."""
+    a fixed logprob (and `logprobs` random top tokens when the request asks), at once. The
+    tokens come from a pool drawn once (a few list reads a row: the model costs next to
+    nothing)."""
+
+    POOL = 1 << 16
 
     def __init__(self, real, vocab: int, seed: int) -> None:
         self.real = real
-        self.rng = random.Random(seed)
-        self.low, self.high = 3, vocab - 1
+        rng = random.Random(seed)
+        self.pool = [rng.randint(3, vocab - 1) for _ in range(self.POOL)]
+        self.next = 0
 
     def execute(self, step):
         from pagedserve.core.step_output import SampleResult, SeqStepOutput
 
-        rand = self.rng.randint
+        pool, mask, i = self.pool, self.POOL - 1, self.next
         out = []
         for row in step.rows:
-            k = row.params.logprobs
-            samples = [SampleResult(rand(self.low, self.high), -1.0, 1,
-                                    None if k is None else [(rand(self.low, self.high), -1.5)
-                                                            for _ in range(k)])
-                       for _ in row.samples] if row.do_sample else []
+            samples = []
+            if row.do_sample:
+                k = row.params.logprobs
+                for _ in row.samples:
+                    top = None
+                    if k is not None:
+                        top = [(pool[(i + j) & mask], -1.5) for j in range(1, k + 1)]
+                        i += k
+                    samples.append(SampleResult(pool[i & mask], -1.0, 1, top))
+                    i += 1
             out.append(SeqStepOutput(row.seq_id, samples))
+        self.next = i & mask
         return out
 
     def __getattr__(self, name):

@@ -114,9 +114,15 @@ class KVCacheManager:
         """Blocks a sequence must gain to hold `num_tokens` slots in all (copy-on-write of a shared
         partial last block counts as one)."""
         table = self.tables.get(seq_id)
-        have = len(table.blocks) if table else 0
-        need = max(0, cdiv(num_tokens, self.block_size) - have)
-        if table and self._last_block_needs_copy(table, num_tokens):
+        if table is None:
+            return -(-num_tokens // self.block_size)
+        bs = self.block_size
+        have = table.num_tokens
+        need = -(-num_tokens // bs) - len(table.blocks)
+        if need < 0:
+            need = 0
+        # (_last_block_needs_copy, inlined: once per scheduled sequence)
+        if num_tokens > have and have % bs and self.pool.ref_counts[table.blocks[-1]] > 1:
             need += 1
         return need
 
@@ -153,17 +159,22 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         if table is None:  # (not setdefault: that would build a table on every call)
             table = self.tables[seq_id] = BlockTable()
+        if num_tokens <= table.num_tokens:  # the slots are reserved already
+            return []
         copies: list[tuple[int, int]] = []
-        if self._last_block_needs_copy(table, num_tokens):
-            old = table.blocks[-1]
+        blocks = table.blocks
+        bs = self.block_size
+        # (_last_block_needs_copy, inlined: num_tokens > table.num_tokens holds here)
+        if table.num_tokens % bs and self.pool.ref_counts[blocks[-1]] > 1:
+            old = blocks[-1]
             new = self.pool.allocate()
             self.pool.decref(old)
-            table.blocks[-1] = new
+            blocks[-1] = new
             copies.append((old, new))
-        need = cdiv(num_tokens, self.block_size) - len(table.blocks)
+        need = -(-num_tokens // bs) - len(blocks)
         for _ in range(need):
-            table.blocks.append(self.pool.allocate())
-        table.num_tokens = max(table.num_tokens, num_tokens)
+            blocks.append(self.pool.allocate())
+        table.num_tokens = num_tokens
         return copies
 
     def snapshot(self, seq_id: int) -> tuple[int, int, int, int] | None:

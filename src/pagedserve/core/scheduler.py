@@ -33,7 +33,8 @@ Requests that can never be admitted are rejected by the engine (`LLMEngine.add_r
 they are queued.
 
 NOTE (step cost): every queue is a `GroupQueue` (O(1) membership by request id); a step touches
-each running group a constant number of times, and the step update only the scheduled ones.
+each running group a constant number of times, and the step update only the scheduled ones; the
+rows of victims unscheduled in a step leave its output in one pass (`StepPlan.finish`).
 """
 
 from __future__ import annotations
@@ -234,15 +235,21 @@ class Scheduler(Turns):
         step = StepPlan(self.config.max_num_batched_tokens)
 
         decoding, prefilling = [], []
+        is_decoding = self._is_decoding
         for g in self.running:
-            (decoding if self._is_decoding(g) else prefilling).append(g)
-        for group in decoding + prefilling:
+            (decoding if is_decoding(g) else prefilling).append(g)
+        decoding.extend(prefilling)
+        running = self.running
+        for group in decoding:
             if step.budget <= 0:
                 break
-            if group in self.running:
-                self._schedule_running(group, step, out)
+            # Only a preemption or a length cap takes a group out of `running` in this loop.
+            if (out.preempted or out.length_capped) and group not in running:
+                continue
+            self._schedule_running(group, step, out)
 
-        slots = self.num_running_seqs  # kept up to date below, not recounted per request
+        # Kept up to date below, not recounted per request (nor counted when nothing waits).
+        slots = self.num_running_seqs if self.swapped or self.waiting else 0
         while self.swapped and not out.preempted and step.budget > 0:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs() if not s.parked]
@@ -291,7 +298,7 @@ class Scheduler(Turns):
             self._set_running(group)
             slots += group.max_width_left
             self._commit(plan, group, step, out)
-        return out
+        return step.finish(out)
 
     def _prefix_hits(self, group: SequenceGroup) -> list[tuple[Sequence, list[int]]]:
         """Cached leading blocks for each sequence of a group about to be admitted.
@@ -393,7 +400,11 @@ class Scheduler(Turns):
 
     @staticmethod
     def _is_decoding(group: SequenceGroup) -> bool:
-        for s in group.seqs:
+        seqs = group.seqs
+        if len(seqs) == 1:  # the common case, without a loop
+            s = seqs[0]
+            return s.is_finished or len(s.token_ids) - s.num_computed_tokens == 1
+        for s in seqs:
             if not s.is_finished and len(s.token_ids) - s.num_computed_tokens != 1:
                 return False
         return True
@@ -438,6 +449,9 @@ class Scheduler(Turns):
 
     def _fits(self, plan: Plan) -> bool:
         kv = self.kv
+        if len(plan) == 1:  # the common case, without a loop
+            seq, _, end = plan[0]
+            return kv.num_new_blocks(seq.seq_id, end) <= kv.num_free_blocks
         need = 0
         for seq, _, end in plan:
             need += kv.num_new_blocks(seq.seq_id, end)
@@ -447,6 +461,10 @@ class Scheduler(Turns):
                 out: SchedulerOutput) -> None:
         record = step.record_for(group)
         kv = self.kv
+        tables = kv.tables
+        scheduled = out.scheduled
+        make = ScheduledSequence.make
+        tokens = 0
         for seq, start, end in plan:
             seq_id = seq.seq_id
             record.snapshots.append((seq_id, kv.snapshot(seq_id)))
@@ -454,11 +472,12 @@ class Scheduler(Turns):
             if copies:
                 out.blocks_to_copy.extend(copies)
                 record.copies.extend(copies)
-            entry = ScheduledSequence.make(group, seq, start, end, kv.tables[seq_id].blocks)
-            out.scheduled.append(entry)
+            entry = make(group, seq, start, end, tables[seq_id].blocks)
+            scheduled.append(entry)
             record.entries.append(entry)
-            record.tokens += end - start
-            step.budget -= end - start
+            tokens += end - start
+        record.tokens += tokens
+        step.budget -= tokens
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Evict a whole group: swap its blocks to the CPU pool when the mode says so and the

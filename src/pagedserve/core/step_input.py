@@ -92,19 +92,25 @@ class StepInput:
     @classmethod
     def from_schedule(cls, sched: "SchedulerOutput") -> "StepInput":
         rows = []
+        append = rows.append
+        # NOTE (step cost): one row per scheduled sequence every step: positional arguments (in
+        # StepRow's field order), and a sequence's one sample spec without a slice.
         for s in sched.scheduled:
             group, seq = s.group, s.seq
+            beam = group.beam
+            beam_width = beam.params.beam_width if beam is not None else 0
             samples: list[SampleSpec] = []
-            beam_width = group.beam.params.beam_width if group.beam is not None else 0
             if s.do_sample and not beam_width and group.pooling is None:
-                seqs = group.seqs[: s.num_samples] if s.num_samples > 1 else [seq]
-                samples = [SampleSpec(q.seq_id, q.index, q.token_ids, q.num_prompt_tokens)
-                           for q in seqs]
-            rows.append(StepRow(
-                request_id=group.request_id, seq_id=seq.seq_id, token_ids=seq.token_ids,
-                num_prompt_tokens=seq.num_prompt_tokens, start=s.start, end=s.end,
-                block_table=s.block_table, params=group.sampling_params, do_sample=s.do_sample,
-                prompt_logprobs=s.wants_prompt_logprobs, samples=samples, beam_width=beam_width,
-                need_logprob=group.needs_logprobs, pooling=group.pooling))
+                if s.num_samples > 1:
+                    samples = [SampleSpec(q.seq_id, q.index, q.token_ids, q.num_prompt_tokens)
+                               for q in group.seqs[: s.num_samples]]
+                else:
+                    samples = [SampleSpec(seq.seq_id, seq.index, seq.token_ids,
+                                          seq.num_prompt_tokens)]
+            append(StepRow(
+                group.request_id, seq.seq_id, seq.token_ids, seq.num_prompt_tokens, s.start,
+                s.end, s.block_table, group.sampling_params, s.do_sample,
+                s.wants_prompt_logprobs, samples, beam_width, group.needs_logprobs,
+                group.pooling))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                    sched.finished_request_ids, sched.freed_seq_ids)

@@ -55,42 +55,51 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     touched: dict[str, SequenceGroup] = {}
     beams: dict[str, SequenceGroup] = {}
     caching = scheduler.kv.enable_prefix_caching
+    # NOTE (step cost): counted in locals, and a row's one sampled token (the common case)
+    # appended without building a list of sequences.
+    num_prompt = num_generated = 0
     for s, r in zip(sched.scheduled, results):
         group, seq = s.group, s.seq
         seq.num_computed_tokens = s.end
         if caching:
             scheduler.cache_computed_blocks(seq)
         if s.start < seq.num_prompt_tokens:
-            update.num_prompt_tokens += min(s.end, seq.num_prompt_tokens) - s.start
+            num_prompt += min(s.end, seq.num_prompt_tokens) - s.start
         if r.prompt_logprobs is not None:
             if observer is not None:
                 observer.on_prompt_logprobs(s, r)
             if s.end >= seq.num_prompt_tokens:
                 group.prompt_logprobs_done = True
         # The shared prompt is computed: the other sequences fork the parent's blocks.
-        forked = scheduler.fork_if_ready(group) if group.fork_pending else []
+        forked = scheduler.fork_if_ready(group) if group.fork_pending else ()
+        samples = r.samples
         if r.pooled is not None:  # a pooling request ends with its prompt: nothing is decoded
             group.pooled = r.pooled
             scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
             touched[group.request_id] = group
-        elif r.samples:
-            seqs = forked if len(r.samples) > 1 else [seq]
-            for q, sample in zip(seqs, r.samples):
-                _append_token(scheduler, group, q, sample, observer)
-                update.num_generated_tokens += 1
+        elif samples:
+            if len(samples) == 1:
+                _append_token(scheduler, group, seq, samples[0], observer)
+                num_generated += 1
+            else:
+                for q, sample in zip(forked, samples):
+                    _append_token(scheduler, group, q, sample, observer)
+                    num_generated += 1
             touched[group.request_id] = group
         elif r.beam_candidates is not None:
             seq.beam_candidates = r.beam_candidates
             beams[group.request_id] = group
     for group in beams.values():
         if all(q.beam_candidates is not None for q in group.unfinished_seqs()):
-            update.num_generated_tokens += _beam_step(scheduler, group)
+            num_generated += _beam_step(scheduler, group)
             touched[group.request_id] = group
     for group in sched.length_capped:
         touched[group.request_id] = group
-    # NOTE: only the groups this step touched can have finished: nothing else is scanned.
-    scheduler.remove_finished(list(touched.values()))
+    update.num_prompt_tokens = num_prompt
+    update.num_generated_tokens = num_generated
     update.groups = list(touched.values())
+    # NOTE: only the groups this step touched can have finished: nothing else is scanned.
+    scheduler.remove_finished(update.groups)
     return update
 
 
@@ -98,24 +107,28 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
                   sample: SampleResult, observer: StepObserver | None) -> None:
     params = group.sampling_params
     token = sample.token_id
-    seq.token_ids.append(token)  # (Sequence.append_token, inlined: once per token)
+    token_ids = seq.token_ids
+    token_ids.append(token)  # (Sequence.append_token, inlined: once per token)
     seq.cumulative_logprob += sample.logprob or 0.0
     if group.first_token_time is None:
         group.first_token_time = time.monotonic()
-    num_tokens = len(seq.token_ids)
+    num_tokens = len(token_ids)
     n_out = num_tokens - seq.num_prompt_tokens
     status = None
-    if n_out >= params.min_tokens:
+    past_min = n_out >= params.min_tokens
+    if past_min:
         if not params.ignore_eos and token in scheduler.config.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
         elif params.stop_token_ids and token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-    if observer is not None and observer.on_token(
-            group, seq, sample, status is None and n_out >= params.min_tokens):
+    if observer is not None and observer.on_token(group, seq, sample,
+                                                   status is None and past_min):
         status = SequenceStatus.FINISHED_STOPPED
-    max_tokens = params.max_tokens if params.max_tokens is not None else float("inf")
-    if status is None and (n_out >= max_tokens or num_tokens >= scheduler.config.max_model_len):
-        status = SequenceStatus.FINISHED_LENGTH
+    if status is None:
+        max_tokens = params.max_tokens
+        if ((max_tokens is not None and n_out >= max_tokens)
+                or num_tokens >= scheduler.config.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
     if status is not None:
         scheduler.finish_seq(seq, status)
 

@@ -23,6 +23,7 @@ from pagedserve.engine.detokenizer import (
     TokenizerInfo,
     find_stop,
 )
+from pagedserve.engine.gc_pause import gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
@@ -127,7 +128,7 @@ class LLMEngine(OutputBuilder):
         self._build_cache(args)
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
-        self._step_request_ids: list[str] = []  # see step_request_ids()
+        self._step_sched: SchedulerOutput | None = None  # see step_request_ids()
         self._step_ids_stamp = -1  # stats["steps"] when they were recorded
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # The model's generation defaults (engine/generation_config.py): request fields win.
@@ -430,14 +431,20 @@ class LLMEngine(OutputBuilder):
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration. Returns an output for every request that produced tokens or finished."""
-        self._step_request_ids = []
+        """One iteration. Returns an output for every request that produced tokens or finished.
+
+        NOTE (step cost): the cyclic garbage collector is paused during the step and runs after
+        it, over what the step left alive (engine/gc_pause.py).
+        """
+        with gc_paused():
+            return self._run_step()
+
+    def _run_step(self) -> list[RequestOutput]:
+        self._step_sched = None
         sched = self.scheduler.schedule()
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
-        # requests it touched (see step_request_ids).
-        self._step_request_ids = list(dict.fromkeys(
-            [s.group.request_id for s in sched.scheduled]
-            + [g.request_id for g in sched.preempted]))
+        # requests it touched (see step_request_ids; their ids are listed only when asked).
+        self._step_sched = sched
         self._step_ids_stamp = self.stats["steps"]  # a step that completes moves past it
         now = time.monotonic()
         step = StepInput.from_schedule(sched)
@@ -448,6 +455,7 @@ class LLMEngine(OutputBuilder):
                 s.group.first_scheduled_time = now
         update = self.scheduler.update_from_output(sched, results, self)
         self.stats["steps"] += 1
+        self._step_sched = None  # the step completed: nothing to pin on its requests
         self.stats["prompt_tokens"] += update.num_prompt_tokens
         self.stats["generation_tokens"] += update.num_generated_tokens
         outputs = []
@@ -479,15 +487,14 @@ class LLMEngine(OutputBuilder):
                 self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
             )
         detok: IncrementalDetokenizer = seq.detokenizer
-        text_before = detok.text
-        new_text = detok.append(token if type(token) is int else [token])
         if not params.include_stop_str_in_output and self._stops_on(params, seq, token):
             # NOTE: as vLLM, the EOS / stop token that ends a sequence keeps its id in the
             # output but not its text (with skip_special_tokens=False it would show up).
-            seq.final_text = text_before
+            seq.final_text = detok.text  # the text before this token
+        new_text = detok.append(token if type(token) is int else [token])
         # NOTE: the matcher accepts every token; a grammar that has ended stops the sequence
-        # (before min_tokens, as vLLM: the grammar wins).
-        if self.structured.accept(group, seq, token):
+        # (before min_tokens, as vLLM: the grammar wins). (An empty `extra`: no grammar.)
+        if group.extra and self.structured.accept(group, seq, token):
             return True
         if check_stop and params.stop and new_text:
             cut, matched = find_stop(
@@ -501,7 +508,7 @@ class LLMEngine(OutputBuilder):
 
     def _stops_on(self, params: SamplingParams, seq: Sequence, token: int) -> bool:
         """Whether `token` ends `seq` as an EOS or stop token id (core/step_update's rule)."""
-        if seq.num_output_tokens < params.min_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
             return False
         return ((not params.ignore_eos and token in self.eos_token_ids)
                 or bool(params.stop_token_ids) and token in params.stop_token_ids)
@@ -536,9 +543,11 @@ class LLMEngine(OutputBuilder):
         preempted, in order; empty once a step completed after them, or if the step raised
         before scheduling. After a step raises, these are the requests whose state may be
         half-updated: abort them (`abort_request`) before stepping again."""
-        if self._step_ids_stamp != self.stats["steps"]:
+        sched = self._step_sched
+        if self._step_ids_stamp != self.stats["steps"] or sched is None:
             return []
-        return list(self._step_request_ids)
+        return list(dict.fromkeys([s.group.request_id for s in sched.scheduled]
+                                  + [g.request_id for g in sched.preempted]))
 
     def last_schedule_info(self) -> dict[str, Any]:
         return {
