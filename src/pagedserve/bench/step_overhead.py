@@ -72,16 +72,22 @@ def tiny_llama_folder(path: Path) -> Path:
 
 class FakeExecutor:
     """Stands in for the model: every sampled row gets a random token of the vocabulary, with
-    a fixed logprob (and `logprobs` random top tokens when the request asks), at once."""
+    a fixed logprob (and `logprobs` random top tokens when the request asks), at once. The step
+    travels the executors' step protocol first, as the in-process executor's does (a
+    `StepEncoder` delta decoded into the worker's persistent batch): its cost is in "model (fake)"."""
 
     def __init__(self, real, vocab: int, seed: int) -> None:
+        from pagedserve.worker.step_message import StepDecoder, StepEncoder
+
         self.real = real
         self.rng = random.Random(seed)
         self.low, self.high = 3, vocab - 1
+        self.encoder, self.decoder = StepEncoder(), StepDecoder()
 
     def execute(self, step):
         from pagedserve.core.step_output import SampleResult, SeqStepOutput
 
+        step = self.decoder.decode(self.encoder.encode(step))
         rand = self.rng.randint
         out = []
         for row in step.rows:
