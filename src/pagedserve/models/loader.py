@@ -59,7 +59,9 @@ def resolve_dtype(name: str, config: Any, device: torch.device | str,
     if key != "auto":
         raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(_DTYPE_NAMES)}")
     platform = platform or platform_for(device)
-    return platform.auto_dtype(_checkpoint_dtype(config))
+    # NOTE: the checkpoint's dtype is read only where the platform asks (reading
+    # `config.torch_dtype` warns under transformers 5)
+    return platform.auto_dtype(lambda: _checkpoint_dtype(config))
 
 
 def iter_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

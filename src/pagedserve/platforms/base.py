@@ -114,9 +114,10 @@ class Platform:
                 module.ops = self.ops
         return model
 
-    def auto_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """The model dtype for `dtype="auto"` given the checkpoint's (None: it names none)."""
-        return checkpoint_dtype or torch.float32
+    def auto_dtype(self, checkpoint_dtype) -> torch.dtype:
+        """The model dtype for `dtype="auto"`; `checkpoint_dtype()` reads the checkpoint's (None:
+        it names none)."""
+        return checkpoint_dtype() or torch.float32
 
     def supports_quantization(self) -> bool:
         """Whether quantized weights (GGUF blocks, INT8) run here."""

@@ -29,8 +29,9 @@ class CudaPlatform(Platform):
     def auto_dtype(self, checkpoint_dtype):
         """The checkpoint's dtype; bfloat16 where it names none and the GPU supports it, else
         float16."""
-        if checkpoint_dtype is not None:
-            return checkpoint_dtype
+        dtype = checkpoint_dtype()
+        if dtype is not None:
+            return dtype
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def default_attention_backend(self) -> str:

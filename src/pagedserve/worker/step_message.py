@@ -100,8 +100,9 @@ class StepEncoder:
             self._sync_tokens(row.seq_id, row.token_ids, row.num_prompt_tokens, 0, row.request_id,
                               held, msg)
             for spec in row.samples:
-                self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens, spec.index,
-                                  row.request_id, held, msg)
+                if spec.seq_id != row.seq_id:  # (the row's own sequence: just synced)
+                    self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens,
+                                      spec.index, row.request_id, held, msg)
             self._sync_table(row.seq_id, row.block_table, msg)
             flags = ((DO_SAMPLE if row.do_sample else 0)
                      | (PROMPT_LOGPROBS if row.prompt_logprobs else 0)
