@@ -46,3 +46,53 @@ def test_models_import_no_engine():
 def test_configuration_and_core_import_no_torch(part):
     paths = _modules("core") if part == "core" else [SRC / part]
     assert _offenders(paths, "torch") == []
+
+
+# --- the platform seam (issue 28): device-specific choices live in platforms/ -----------------
+
+# Kernel modules the model path may import outside platforms/, and why: none of them chooses a
+# compute kernel for a layer.
+_HOST_SIDE_KERNELS = {
+    "layers/quantization.py": {"pagedserve.kernels.cpu_qlinear"},  # the weight formats, packing
+    "worker/sampler.py": {"pagedserve.kernels"},  # cpu_sampling / cpu_grammar: the host sampler
+    "worker/worker.py": {"pagedserve.kernels.openmp"},  # pinning the stepping thread's team
+}
+
+
+def test_models_import_no_kernel_module():
+    # Models stay plain torch: they reach kernels only through the ops their platform bound.
+    assert _offenders(_modules("models"), "pagedserve.kernels") == []
+
+
+def test_attention_backends_import_no_config():
+    # The engine's options read the backends' names from attention.backends, not the reverse.
+    assert _offenders(_modules("attention"), "pagedserve.config") == []
+
+
+def test_the_attention_backend_registry_imports_no_torch():
+    # config.py imports it (BACKEND_CHOICES) and must stay torch-free.
+    assert _offenders([SRC / "attention" / "backends" / "__init__.py"], "torch") == []
+
+
+def test_only_platforms_choose_kernels():
+    """Outside platforms/ (and kernels/ itself) the model path -- layers, models, attention,
+    worker -- imports no kernel module, host-side uses named above aside."""
+    offenders = []
+    for part in ("models", "layers", "attention", "worker"):
+        for path in _modules(part):
+            allowed = _HOST_SIDE_KERNELS.get(str(path.relative_to(SRC)), set())
+            offenders += [o for o in _offenders([path], "pagedserve.kernels")
+                          if o.split(": ")[1] not in allowed]
+    assert offenders == []
+
+
+def test_no_device_type_checks_in_models_layers_or_attention_layers():
+    """The device checks that chose kernels are gone from models/ and layers/: the platform
+    decides (quantization's weight placement check aside)."""
+    found = []
+    for path in _modules("models") + _modules("layers"):
+        text = path.read_text()
+        for needle in (".device.type", "torch.cuda", ".is_cuda", "meta.backend =="):
+            if needle in text and path.name != "quantization.py":
+                found.append(f"{path.relative_to(SRC)}: {needle}")
+    assert found == []

@@ -14,6 +14,7 @@ import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from pagedserve.attention.backends import BACKEND_CHOICES
 from pagedserve.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
 
@@ -21,7 +22,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-free) registry
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3

@@ -19,12 +19,8 @@ pytest.importorskip("triton")
 import tiny
 from utils import PagedRunner
 
-from pagedserve.attention.backends import (
-    get_backend,
-    resolve_backend,
-    torch_ref,
-    triton_attn,
-)
+from pagedserve.attention.backends import torch_ref, triton_attn
+from pagedserve.platforms import platform_for
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.loader import load_model
 
@@ -196,12 +192,15 @@ def test_metadata_for_triton_skips_groups_and_backend_selection():
     with pytest.raises(ValueError, match="groups"):  # the torch backend cannot run triton's metadata
         torch_ref.paged_attention(q, kv, kv, cache, cache.clone(), tri_meta, 1.0)
 
-    assert get_backend("torch", "cpu") is torch_ref
-    assert get_backend("triton", "cpu") is triton_attn
-    assert resolve_backend("auto", "cpu") == "torch"
-    assert resolve_backend("auto", DEVICE) == ("triton" if DEVICE == "cuda" else "torch")
+    cpu = platform_for("cpu")
+    assert isinstance(cpu.attention_backend("torch"), torch_ref.TorchAttentionBackend)
+    assert isinstance(cpu.attention_backend("triton"), triton_attn.TritonAttentionBackend)
+    assert cpu.resolve_attention_backend("auto") == "torch"
+    assert platform_for(DEVICE).resolve_attention_backend("auto") == (
+        "triton" if DEVICE == "cuda" else "torch")
+    assert platform_for("cuda").resolve_attention_backend("auto") == "triton"  # triton imports here
     with pytest.raises(ValueError):
-        resolve_backend("flash", "cpu")
+        cpu.attention_backend("flash")
 
 
 @torch.inference_mode()

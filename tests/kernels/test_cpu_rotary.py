@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_gemm, cpu_rotary
-from pagedserve.layers import rotary
+from pagedserve.platforms import cpu as platforms_cpu
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, norm_and_rotate
 from pagedserve.kernels.extension import kernels_disabled
@@ -63,7 +63,7 @@ def test_norm_and_rotate_runs_the_kernel_in_place_on_cpu_bf16(kernel, monkeypatc
     q, k, cos, sin = _inputs(3, 4, 2, 64, seed=1)
     calls = []
     real = cpu_rotary.qk_norm_rope_
-    monkeypatch.setattr(rotary, "qk_norm_rope_", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(platforms_cpu, "qk_norm_rope_", lambda *a: calls.append(a) or real(*a))
     with torch.inference_mode():
         q2, k2 = norm_and_rotate(q, k, cos, sin)
     assert calls and q2 is q and k2 is k  # rotated in place, no copies

@@ -1,4 +1,4 @@
-"""The fused decode layer (kernels.cpu_decoder_layer, chosen in models.llama.fused_decode_layer)
+"""The fused decode layer (kernels.cpu_decoder_layer, chosen in platforms.cpu_decode)
 gives exactly the modules' logits on bf16 CPU decode steps, for every model that may use it."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from utils import PagedRunner
 from pagedserve.kernels import cpu_decoder_layer, cpu_gemm
 from pagedserve.models import llama
 from pagedserve.models.loader import load_model
+from pagedserve.platforms import cpu_decode
 from pagedserve.kernels.extension import kernels_disabled
 
 VOCAB = 256
@@ -46,7 +47,7 @@ def _count_fused_calls(monkeypatch) -> list[bool]:
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(llama, "decoder_layer", counting)
+    monkeypatch.setattr(cpu_decode, "decoder_layer", counting)
     return calls
 
 
@@ -71,7 +72,7 @@ def test_fused_decode_layer_equals_the_modules_bit_for_bit(kernel, name, config,
     fused = _run(model, prompts, steps=8)
     assert calls and all(calls), "the fused layer did not run on decode steps"
     assert len(calls) == 8 * config.num_hidden_layers  # decode steps only, never prefill
-    monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)  # every family's layers call it
+    monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)  # every family's layers call it
     modules = _run(model, prompts, steps=8)
     for step, (a, b) in enumerate(zip(fused, modules)):
         assert torch.equal(a, b), f"{name}: decode step {step} differs"
@@ -80,7 +81,7 @@ def test_fused_decode_layer_equals_the_modules_bit_for_bit(kernel, name, config,
 def test_fused_decode_layer_is_skipped_in_float32_and_mixed_steps(kernel, monkeypatch):
     _, config = next(configs())
     calls = []
-    monkeypatch.setattr(llama, "decoder_layer", lambda *a: calls.append(1))
+    monkeypatch.setattr(cpu_decode, "decoder_layer", lambda *a: calls.append(1))
     model = load_model(config, weights=None, dtype=torch.float32, seed=0)
     _run(model, [[1, 2, 3]], steps=2)  # fp32: never
     model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
@@ -104,7 +105,7 @@ def test_fused_decode_layer_follows_norm_weights_changed_in_place(kernel, monkey
                 layer.self_attn.k_norm.weight.mul_(-1.0)
     fused = _run(model, prompts, steps=2)
     assert not all(torch.equal(a, b) for a, b in zip(before, fused))
-    monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)
+    monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)
     modules = _run(model, prompts, steps=2)
     for step, (a, b) in enumerate(zip(fused, modules)):
         assert torch.equal(a, b), f"{name}: decode step {step} differs after the norm change"
@@ -136,7 +137,7 @@ def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kern
     calls = _count_fused_calls(monkeypatch)
     fused = _run(model, prompts, steps=4)
     assert calls and all(calls), "the fused layer did not run on decode steps"
-    monkeypatch.setattr(llama, "fused_decode_layer", lambda *a: None)
+    monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)
     modules = _run(model, prompts, steps=4)
     for step, (a, b) in enumerate(zip(fused, modules)):
         assert torch.equal(a, b), f"decode step {step} differs"

@@ -10,6 +10,7 @@ import transformers
 from pagedserve.kernels import cpu_gemm
 from pagedserve.models import loader
 from pagedserve.models.loader import iter_safetensors, load_model, resolve_dtype
+from pagedserve.platforms import cpu as platforms_cpu
 from test_gemma3 import tiny_gemma3_text
 from test_gpt2 import tiny_gpt2
 from test_llama import VOCAB, tiny_llama
@@ -128,9 +129,9 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("float16", config, "cpu") == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float8", config, "cpu")
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(platforms_cpu, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", config, "cpu") == torch.bfloat16
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(platforms_cpu, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(cpu_gemm, "kernel_available", lambda: True)  # AVX2: our bf16 kernels
     assert resolve_dtype("auto", config, "cpu") == torch.bfloat16
     monkeypatch.setattr(cpu_gemm, "kernel_available", lambda: False)  # no kernels: bf16 is emulated
@@ -147,7 +148,7 @@ def test_cpu_has_native_bf16_reads_cpu_flags():
     expected = ("avx512_bf16" in flags.split() or "amx_bf16" in flags.split()) and (
         torch.backends.cpu.get_cpu_capability() == "AVX512"
     )
-    assert loader.cpu_has_native_bf16() == expected
+    assert platforms_cpu.cpu_has_native_bf16() == expected
 
 
 def test_building_a_model_skips_torch_random_init_and_restores_it(monkeypatch):

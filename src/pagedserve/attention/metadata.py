@@ -79,6 +79,9 @@ class AttentionMetadata:
     max_query_len: int = 0  # host copy of max(query lens)
     backend: str = "torch"  # "torch" | "triton": the attention backend the layers dispatch to
     num_splits: int | None = None  # triton split-K parts; None = its heuristic (fix it for CUDA graphs)
+    # The `attention.backends.AttentionBackend` that built it (`build_metadata`) and runs it;
+    # None when built here directly (`attention.backends.base.backend_of` then makes one).
+    impl: object | None = None
 
     @classmethod
     def build(
@@ -96,7 +99,7 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Build the metadata from host lists (one entry per sequence, in flat-batch order).
 
-        `backend` ("torch" | "triton", already resolved: see `attention.backends.get_backend`)
+        `backend` ("torch" | "triton", already resolved: see `platforms.Platform.attention_backend`)
         picks what `PagedAttention` calls. `build_groups` (default: only for "torch") builds the
         per-group tensors the torch backend needs; the triton kernels read
         `block_tables` / `seq_lens` / `query_start_loc` directly, so they skip that host work.

@@ -74,19 +74,25 @@ class FakeExecutor:
     """Stands in for the model: every sampled row gets a random token of the vocabulary, with
     a fixed logprob (and `logprobs` random top tokens when the request asks), at once. The
     tokens come from a pool drawn once (a few list reads a row: the model costs next to
-    nothing)."""
+    nothing). The step travels the executors' step protocol first, as the in-process
+    executor's does (a `StepEncoder` delta decoded into the worker's persistent batch): its cost
+    is in "model (fake)"."""
 
     POOL = 1 << 16
 
     def __init__(self, real, vocab: int, seed: int) -> None:
+        from pagedserve.worker.step_message import StepDecoder, StepEncoder
+
         self.real = real
         rng = random.Random(seed)
         self.pool = [rng.randint(3, vocab - 1) for _ in range(self.POOL)]
         self.next = 0
+        self.encoder, self.decoder = StepEncoder(), StepDecoder()
 
     def execute(self, step):
         from pagedserve.core.step_output import SampleResult, SeqStepOutput
 
+        step = self.decoder.decode(self.encoder.encode(step))
         pool, mask, i = self.pool, self.POOL - 1, self.next
         out = []
         for row in step.rows:

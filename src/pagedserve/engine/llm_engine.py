@@ -27,6 +27,7 @@ from pagedserve.engine.gc_pause import gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
+from pagedserve.platforms import platform_for
 from pagedserve.models.source import resolve_model
 from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import RequestOutput
@@ -89,7 +90,8 @@ class LLMEngine(OutputBuilder):
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         )
-        self.dtype = resolve_dtype(args.dtype, config, self.device)
+        self.platform = platform_for(self.device)  # the driver's view of the workers' device
+        self.dtype = resolve_dtype(args.dtype, config, self.device, self.platform)
         # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
         self.executor = make_executor(args, self.source, self.dtype, self.device)
         self.model = self.executor.model  # None when the model lives in worker processes
@@ -152,7 +154,7 @@ class LLMEngine(OutputBuilder):
         default budget."""
         if args.num_kv_blocks:
             return args.num_kv_blocks
-        if args.kv_cache_memory or self.device.type != "cuda":
+        if args.kv_cache_memory or not self.platform.can_profile_memory:
             return num_blocks_for_budget(spec, args.block_size, self.dtype,
                                          args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         self.kv_cache = None  # the old cache (reconfigure_cache) must not count as used
@@ -174,7 +176,7 @@ class LLMEngine(OutputBuilder):
         """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
         spec = self.executor.kv_cache_spec  # one worker's: the KV heads it holds
         block_bytes = bytes_per_block(spec, args.block_size, self.dtype)
-        swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.device)
+        swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.platform)
         self.scheduler_config = args.scheduler_config(self.max_model_len, swap_s, recompute_s,
                                                       eos_token_ids=tuple(self.eos_token_ids))
         batched = self.scheduler_config.max_num_batched_tokens

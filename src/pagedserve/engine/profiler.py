@@ -11,7 +11,7 @@ layer. Each step is cut into:
 - `prepare inputs`: building the flat batch and the attention metadata (runner, before the
   forward) and picking the rows to sample;
 - `attention`: the paged attention op of every layer (K/V write included); on CPU bf16
-  decode-only steps the whole layer runs as one compiled call (`models.llama.fused_decode_layer`)
+  decode-only steps the whole layer runs as one compiled call (`platforms.cpu_decode.fused_decode_layer`)
   that no hook can split, and attention is then part of `forward (rest)`;
 - `forward (rest)`: the rest of the forward pass (projections, MLPs, norms, RoPE, embeddings);
 - `lm head`: the logits of the sampled rows (LM head matmul, softcapping), or on plain-greedy

@@ -1,4 +1,9 @@
-"""Activation functions by their HF config names (`hidden_act`, `activation_function`)."""
+"""Activation functions by their HF config names (`hidden_act`, `activation_function`).
+
+`get_activation(name)` gives an `Activation` layer: torch's function, except float32 silu and
+tanh-GELU, which go to the platform's ops first (`LayerOps.activation`: on the CPU platform the
+batch-invariant kernel of `kernels.cpu_fp32`, one vector formula for every element).
+"""
 
 from __future__ import annotations
 
@@ -6,46 +11,54 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from pagedserve.kernels.cpu_fp32 import invariant_activation
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """`F.silu`; float32 on CPU through the batch-invariant kernel (`kernels.cpu_fp32`)."""
-    if x.dtype is torch.float32:
-        y = invariant_activation(x, "silu")
-        if y is not None:
-            return y
-    return F.silu(x)
+from pagedserve.platforms import OpsUser
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """`F.gelu(x, approximate="tanh")`; float32 on CPU through the batch-invariant kernel."""
-    if x.dtype is torch.float32:
-        y = invariant_activation(x, "gelu_tanh")
-        if y is not None:
-            return y
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-_GELU_TANH = gelu_tanh
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": silu,
-    "swish": silu,
-    "relu": F.relu,
-    "gelu": F.gelu,
+# name -> (torch function, the ops' kernel name or None)
+_TABLE: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str | None]] = {
+    "silu": (F.silu, "silu"),
+    "swish": (F.silu, "silu"),
+    "relu": (F.relu, None),
+    "gelu": (F.gelu, None),
     # All tanh approximations of GELU: same function, differing only in float rounding.
-    "gelu_new": _GELU_TANH,
-    "gelu_fast": _GELU_TANH,
-    "gelu_pytorch_tanh": _GELU_TANH,
-    "gelu_python_tanh": _GELU_TANH,
+    "gelu_new": (_gelu_tanh, "gelu_tanh"),
+    "gelu_fast": (_gelu_tanh, "gelu_tanh"),
+    "gelu_pytorch_tanh": (_gelu_tanh, "gelu_tanh"),
+    "gelu_python_tanh": (_gelu_tanh, "gelu_tanh"),
 }
 
+ACTIVATIONS = tuple(_TABLE)
+"""The activation names we know."""
 
-def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation function called `name` in HF configs; ValueError if we do not know it."""
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}") from None
+
+class Activation(OpsUser, nn.Module):
+    """One activation function (see the module docstring); no parameters."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        try:
+            self.fn, self.kernel = _TABLE[name]
+        except KeyError:
+            raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_TABLE)}") from None
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype is torch.float32:
+            y = self.ops.activation(x, self.kernel)
+            if y is not None:
+                return y
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def get_activation(name: str) -> Activation:
+    """The activation called `name` in HF configs; ValueError if we do not know it."""
+    return Activation(name)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.backends import backend_module
-from pagedserve.attention.backends.torch_ref import paged_attention
+from pagedserve.attention.backends.base import backend_of
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -14,7 +13,8 @@ class PagedAttention(nn.Module):
     """Causal attention of one layer over its paged KV cache (optionally sliding-window).
 
     Takes projected (and already rotated) q/k/v per head, writes k/v into the layer's cache and
-    attends each query over its sequence's cached context.
+    attends each query over its sequence's cached context, on the attention backend that built
+    the step's metadata (`meta.impl`, chosen by the platform).
     """
 
     def __init__(
@@ -46,9 +46,8 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [N + 1, B, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq * D]
-        k_cache, v_cache = kv_cache
-        attend = paged_attention if meta.backend == "torch" else backend_module(meta.backend).paged_attention
-        out = attend(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
+        impl = meta.impl or backend_of(meta)
+        out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

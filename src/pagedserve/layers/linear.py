@@ -1,9 +1,9 @@
 """Megatron-style tensor-parallel layers. With one rank each computes what its torch
-counterpart (`nn.Linear` / `nn.Embedding`) does; products go through `linear` below: float32 on
-CPU runs the batch-invariant kernel of `kernels.cpu_fp32` (a row's bits do not depend on the
-batch); everything else `kernels.cpu_gemm.bf16_linear`, which is `F.linear` except for BF16
-activations on x86 CPUs, where our compiled kernel runs them (any batch size; bf16 or quantized
-weights: `layers.quantization`).
+counterpart (`nn.Linear` / `nn.Embedding`) does; products go through the layer's `ops.linear`,
+the platform's choice (`platforms`; bound by `Platform.bind`): on the CPU platform float32 runs
+the batch-invariant kernel of `kernels.cpu_fp32` (a row's bits do not depend on the batch) and
+BF16 activations our compiled kernel (any batch size; bf16 or quantized weights:
+`layers.quantization`); on CUDA it is `F.linear`.
 
 - `ColumnParallelLinear`: each rank holds a slice of the output features (no communication);
   fused outputs (q|k|v) are sliced per part.
@@ -27,23 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.kernels.cpu_argmax import argmax_bf16
-from pagedserve.kernels.cpu_fp32 import invariant_linear
-from pagedserve.kernels.cpu_gemm import bf16_linear  # F.linear, or our BF16 / quantized kernel
-from pagedserve.kernels.cpu_gemm import kernel_available
-from pagedserve.kernels.cpu_qlinear import qembedding
+from pagedserve.platforms import DEFAULT_OPS, OpsUser
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: float32 CPU products on the batch-invariant kernel (None from
-    it: not float32 CPU, or the kernels unavailable), the rest through `bf16_linear`.
-    NOTE: every fp32 product of the model must come through here (LM head included), or a row's
-    logits would again depend on the batch it is in."""
-    if x.dtype is torch.float32:
-        y = invariant_linear(x, weight, bias)
-        if y is not None:
-            return y
-    return bf16_linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           ops=DEFAULT_OPS) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` on the platform's `ops` (default: `platforms.DEFAULT_OPS`).
+    NOTE: every product of the model must come through a layer's ops (LM head included), or a
+    float32 row's logits would again depend on the batch it is in."""
+    return ops.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -72,7 +64,7 @@ def set_shard(param: nn.Parameter | None, spec: ShardSpec) -> None:
         param.shard = spec
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(OpsUser, nn.Linear):
     """`y = x W^T + b` with this rank's slice of the output features.
 
     `output_sizes` lists the parts of a fused output (e.g. q, k, v); each is cut into `count`
@@ -107,10 +99,10 @@ class ColumnParallelLinear(nn.Linear):
             set_shard(self.bias, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / N]
-        return linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(OpsUser, nn.Linear):
     """`y = x W^T + b` where this rank holds a slice of the input features: the partial products
     are summed over the ranks, then the bias is added (once)."""
 
@@ -125,12 +117,12 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
         if not self.tp.is_parallel:
-            return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))  # [T, out], summed over ranks
+            return self.ops.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(self.ops.linear(x, self.weight))  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(OpsUser, nn.Embedding):
     """Token embeddings, this rank holding rows `[start, stop)` of the vocabulary (padded to
     `ceil(vocab / ranks)` rows)."""
 
@@ -145,7 +137,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, E]
         if getattr(self.weight, "quant", None) is not None:  # quantized rows (one rank)
-            return qembedding(input_ids, self.weight)
+            return self.ops.quantized_embedding(input_ids, self.weight)
         if not self.tp.is_parallel:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_stop)  # [T]
@@ -154,7 +146,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(OpsUser, nn.Linear):
     """Logits over the vocabulary (no bias), this rank computing its vocabulary slice; the slices
     are gathered on rank 0. Tie it to a `VocabParallelEmbedding` of the same `tp` by sharing the
     weight.
@@ -172,24 +164,20 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, E] -> [S, V] (rank 0)
         if not self.tp.is_parallel:
-            return linear(x, self.weight)
+            return self.ops.linear(x, self.weight)
         if x.shape[0] == 0:  # every rank has the same rows: all skip the collective together
             return x.new_zeros(0, self.vocab_size if self.tp.rank == 0 else 0)
-        logits = self.tp.gather_to_first(linear(x, self.weight))  # [S, rows * N] on rank 0
+        logits = self.tp.gather_to_first(self.ops.linear(x, self.weight))  # [S, rows * N] on rank 0
         if logits is None:
             return x.new_empty(x.shape[0], 0)  # [S, 0]
         return logits[:, : self.vocab_size]
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:  # [S, E] -> [S] int64
         """`forward(x).float().argmax(dim=-1)` (the first maximum; a NaN counts as the maximum)
-        without fp32 logits, on the CPU kernels of `kernels.cpu_argmax`; None where they do not
-        apply (not bf16 on CPU, tensor parallel, kernels unavailable): the caller computes logits.
-        NOTE: the logits come from the same product as `forward` for every batch size, so a
-        row's greedy token does not depend on its batch.
+        without fp32 logits where the platform's ops can (`LayerOps.greedy`: the CPU's bf16
+        argmax scan); None where they do not (tensor parallel, not bf16 on CPU, kernels
+        unavailable): the caller computes logits.
         """
-        w = self.weight
-        quantized = getattr(w, "quant", None) is not None
-        if (self.tp.is_parallel or x.dim() != 2 or x.dtype is not torch.bfloat16
-                or not (quantized or w.dtype is torch.bfloat16) or not x.is_cpu or not kernel_available()):
+        if self.tp.is_parallel:
             return None
-        return argmax_bf16(linear(x, w))
+        return self.ops.greedy(x, self.weight)

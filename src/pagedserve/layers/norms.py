@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu_norm import rms_norm as fused_rms_norm
-from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
+from pagedserve.platforms import OpsUser
 
 LayerNorm = nn.LayerNorm  # GPT-2 / OPT use torch's LayerNorm as is.
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(OpsUser, nn.Module):
     """Llama-style RMSNorm: `weight * (x / rms(x))`, normalized in float32 and cast back to the input
-    dtype before the (model-dtype) weight multiplies it, as `LlamaRMSNorm` does."""
+    dtype before the (model-dtype) weight multiplies it, as `LlamaRMSNorm` does (bf16: fused on
+    the platform's ops where they take it, `LayerOps.rms_norm`)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
-            y = fused_rms_norm(x, _weight_f32(self, lambda w: w.float()), self.eps, llama=True)
+            y = self.ops.rms_norm(x, _weight_f32(self, lambda w: w.float()), self.eps, "llama")
             if y is not None:
                 return y
         dtype = x.dtype
@@ -30,18 +30,19 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, int] | None:
-        """(fp32 weight, eps, numerics code) for the fused CPU kernels (`kernels.cpu_rotary`) on
-        `dtype` activations, or None where the eager formula is not the kernel's (not bf16)."""
+    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, str] | None:
+        """(fp32 weight, eps, numerics "llama") for fused kernels (q/k norm + RoPE, the fused
+        decode layer) on `dtype` activations, or None where the eager formula is not the
+        kernels' (not bf16)."""
         if dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
             return None
-        return _weight_f32(self, lambda w: w.float()), self.eps, NORM_LLAMA
+        return _weight_f32(self, lambda w: w.float()), self.eps, "llama"
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(OpsUser, nn.Module):
     """Gemma RMSNorm: the stored weight is an offset, `x / rms(x) * (1 + weight)`, all in float32,
     then cast to the input dtype."""
 
@@ -53,19 +54,19 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         w1 = _weight_f32(self, lambda w: 1.0 + w.float())  # [H] fp32
         if x.dtype == torch.bfloat16:
-            y = fused_rms_norm(x, w1, self.eps, llama=False)
+            y = self.ops.rms_norm(x, w1, self.eps, "gemma")
             if y is not None:
                 return y
         x32 = x.float()
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * w1).to(x.dtype)
 
-    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, int] | None:
-        """(fp32 1 + weight, eps, numerics code) for the fused CPU kernels (`kernels.cpu_rotary`)
-        on `dtype` activations, or None (not bf16)."""
+    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, str] | None:
+        """(fp32 1 + weight, eps, numerics "gemma") for fused kernels on `dtype` activations,
+        or None (not bf16)."""
         if dtype != torch.bfloat16:
             return None
-        return _weight_f32(self, lambda w: 1.0 + w.float()), self.eps, NORM_GEMMA
+        return _weight_f32(self, lambda w: 1.0 + w.float()), self.eps, "gemma"
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -22,7 +22,9 @@ import logging
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu_qlinear import (
+from pagedserve.kernels.cpu_qlinear import (  # the weight formats (FORMATS: by name)
+    FORMATS,
+    GGML_FORMATS,
     QuantFormat,
     QuantSpec,
     quantize_int8,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu_rotary import NORM_NONE, qk_norm_rope_
+from pagedserve.platforms import DEFAULT_OPS
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -135,22 +135,24 @@ def norm_and_rotate(
     sin: torch.Tensor,  # [T, D]
     q_norm: nn.Module | None = None,
     k_norm: nn.Module | None = None,
+    ops=DEFAULT_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head `q_norm`/`k_norm` (both or neither; RMSNorm or GemmaRMSNorm), then RoPE.
 
-    On bf16 CPU activations one fused kernel does it all, in place on `query` and `key` (they
-    must be fresh projection outputs nothing else reads); elsewhere the eager modules and
-    `apply_rotary`, with the same result (see `kernels.cpu_rotary`).
+    Where the platform's `ops` take it (the CPU's, on bf16 CPU activations) one fused kernel does
+    it all, in place on `query` and `key` (they must be fresh projection outputs nothing else
+    reads); elsewhere the eager modules and `apply_rotary`, with the same result (see
+    `kernels.cpu_rotary`).
     """
     if q_norm is None:
-        fused = qk_norm_rope_(query, key, cos, sin, None, None, 0.0, NORM_NONE)
+        fused = ops.qk_norm_rope_(query, key, cos, sin, None, None, 0.0, None)
     else:
         q_args, k_args = q_norm.kernel_args(query.dtype), k_norm.kernel_args(key.dtype)
         fused = (
             q_args is not None
             and k_args is not None
             and q_args[1:] == k_args[1:]
-            and qk_norm_rope_(query, key, cos, sin, q_args[0], k_args[0], q_args[1], q_args[2])
+            and ops.qk_norm_rope_(query, key, cos, sin, q_args[0], k_args[0], q_args[1], q_args[2])
         )
     if fused:
         return query, key

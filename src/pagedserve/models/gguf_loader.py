@@ -489,8 +489,7 @@ def _read_quantized(blob: np.memmap, info: GGUFTensorInfo):
     None if it is not a 2-D tensor in a format the kernel reads."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from pagedserve.kernels.cpu_qlinear import FORMATS, GGML_FORMATS
-    from pagedserve.layers.quantization import QuantizedTensor
+    from pagedserve.layers.quantization import FORMATS, GGML_FORMATS, QuantizedTensor
 
     qtype = GGMLQuantizationType(info.ggml_type)
     name = GGML_FORMATS.get(qtype.name)

@@ -7,7 +7,6 @@ with `use_sliding_window`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,8 +14,6 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.kernels.cpu_decoder_layer import ACT_GELU_TANH, ACT_SILU, decoder_layer, weight_formats
-from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.layers.linear import (
@@ -27,6 +24,7 @@ from pagedserve.layers.linear import (
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
 from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
+from pagedserve.platforms import OpsUser
 
 
 
@@ -52,7 +50,7 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(OpsUser, nn.Module):
     """Self-attention with separate q/k/v/o projections, optional per-head q/k norm before RoPE,
     grouped KV heads, paged KV cache.
 
@@ -100,15 +98,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm)  # fused in place on CPU
+        q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm, self.ops)  # fused in place on CPU
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
-
-
-_FUSED_ACTS = {
-    "silu": ACT_SILU, "swish": ACT_SILU,
-    "gelu_pytorch_tanh": ACT_GELU_TANH, "gelu_new": ACT_GELU_TANH, "gelu_fast": ACT_GELU_TANH,
-    "gelu_python_tanh": ACT_GELU_TANH,
-}
 
 
 class LlamaMLP(nn.Module):
@@ -121,17 +112,17 @@ class LlamaMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp=tp)
         self.act_fn = get_activation(act)
-        # the activation's code for the fused decode layer (None: not one it implements)
-        self.fused_act = None if bias else _FUSED_ACTS.get(act)
+        self.act_name, self.mlp_bias = act, bias  # for a fused decode layer (`LayerOps`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class FusableDecoderLayer(nn.Module):
+class FusableDecoderLayer(OpsUser, nn.Module):
     """A decoder layer of attention (`self_attn`) and a gated MLP (`mlp`) with RMS norms, which
-    one-token decode steps may run through the fused CPU kernel (`fused_decode_layer`); the
-    subclass names its norms and writes the unfused math."""
+    the platform may run in one call (`self.ops.decoder_layer`: the CPU platform's fused decode
+    kernel, `platforms.cpu_decode`, on one-token bf16 decode steps); the subclass names its norms
+    and writes the unfused math."""
 
     def layer_norms(self) -> tuple:
         """(input, post-attention, pre-feedforward, post-feedforward) norms; None where absent."""
@@ -149,7 +140,7 @@ class FusableDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        fused = fused_decode_layer(self, x, rope, kv_cache, meta)
+        fused = self.ops.decoder_layer(self, x, rope, kv_cache, meta)
         return self.unfused(x, rope, kv_cache, meta) if fused is None else fused
 
 
@@ -187,93 +178,6 @@ class LlamaDecoderLayer(FusableDecoderLayer):
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-@dataclass
-class _FusedPlan:
-    """What one layer passes to the fused decode call, gathered once (about 40 module attribute
-    lookups a layer otherwise, every step). `usable` is False for layers the kernel cannot run."""
-
-    usable: bool
-    weights: list  # q, k, v, o, gate, up, down Parameters
-    formats: list | None  # their kernel format codes (kernels.cpu_decoder_layer.weight_formats)
-    biases: list  # q, k, v, o Parameters or None
-    norms: tuple  # input, post-attn, pre-ff, post-ff, q, k norm modules or None
-    norm_weights: list  # the present norms' weight Parameters
-    mode: int  # the norms' numerics the layer needs: NORM_GEMMA (sandwich norms) or NORM_LLAMA
-    consts: tuple  # num_heads, num_kv_heads, head_dim, scale, sliding_window, activation code
-    # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps) or None)
-    norm_cache: tuple | None = None
-
-
-def _fused_plan(layer: FusableDecoderLayer) -> _FusedPlan:
-    # NOTE: holds the Parameter objects themselves: loading weights copies into them in place and
-    # `.to()` swaps their data, so the plan stays valid; a Parameter *replaced* by assignment
-    # would not be seen (nothing in pagedserve does that to a decoder layer).
-    plan = layer.__dict__.get("_fused_plan")
-    if plan is None:
-        attn, mlp, norms = layer.self_attn, layer.mlp, layer.layer_norms()
-        all_norms = (*norms, attn.q_norm, attn.k_norm)
-        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                   mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-        formats = weight_formats(weights)
-        usable = not (formats is None or mlp.fused_act is None or attn.o_proj.tp.is_parallel
-                      or mlp.down_proj.tp.is_parallel)
-        plan = _FusedPlan(
-            usable, weights, formats,
-            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias],
-            all_norms,
-            [m.weight for m in all_norms if m is not None],
-            NORM_GEMMA if norms[2] is not None else NORM_LLAMA,
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
-             attn.attn.sliding_window, mlp.fused_act),
-        )
-        layer.__dict__["_fused_plan"] = plan
-    return plan
-
-
-def _norm_args(plan: _FusedPlan) -> tuple[list, float] | None:
-    """The norms' fp32 weights (None where absent) and eps for the fused call, rebuilt only when
-    a norm weight changes; None when a norm is one the kernels do not take, or eps / numerics are
-    mixed."""
-    key = tuple((w.data_ptr(), w._version) for w in plan.norm_weights)
-    if plan.norm_cache is None or plan.norm_cache[0] != key:
-        args = [None if m is None else m.kernel_args(torch.bfloat16) for m in plan.norms]
-        present = [a for a, m in zip(args, plan.norms) if m is not None]
-        ok = all(a is not None for a in present) and len({a[1:] for a in present}) == 1
-        ok = ok and present[0][2] == plan.mode
-        value = ([None if a is None else a[0] for a in args], present[0][1]) if ok else None
-        plan.norm_cache = (key, value)
-    return plan.norm_cache[1]
-
-
-def fused_decode_layer(
-    layer: FusableDecoderLayer,
-    x: torch.Tensor,  # [T, H]
-    rope: tuple[torch.Tensor, torch.Tensor],
-    kv_cache: KVCache,
-    meta: AttentionMetadata,
-) -> torch.Tensor | None:  # [T, H]
-    """`layer` in one compiled call (`kernels.cpu_decoder_layer`, bit-identical to its modules)
-    on a decode-only bf16 CPU step of the torch backend on one rank; None elsewhere.
-
-    NOTE: the fused call bypasses the submodules' forward hooks (the profiler's attention hook
-    among them): decode attention then counts as "forward (rest)".
-    """
-    if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
-            and len(meta.groups) == 1 and meta.groups[0].covers_all):
-        return None
-    plan = _fused_plan(layer)
-    if not plan.usable:
-        return None
-    norm_args = _norm_args(plan)
-    if norm_args is None:
-        return None
-    group = meta.groups[0]
-    return decoder_layer(
-        x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
-        *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts,
-    )
 
 
 class LlamaModel(DecoderStack):

@@ -18,6 +18,7 @@ from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
 from pagedserve.layers.weights import copy_into, expected_shape
 from pagedserve.models.registry import get_model_class
+from pagedserve.platforms import Platform, platform_for
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -29,33 +30,6 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when this x86 CPU has BF16 instructions (AVX512-BF16 or AMX-BF16), per /proc/cpuinfo."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
-        return False  # ATen's CPU kernels do not run an AVX-512 path here; bf16 would be emulated.
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def cpu_prefers_bf16() -> bool:
-    """Whether bf16 activations are the fast path on this CPU: it has native BF16 instructions,
-    or our compiled bf16 kernels run here (any x86-64 CPU with AVX2 + FMA; builds them on first
-    call). NOTE: on AVX2-only CPUs torch's own bf16 ops are emulated; our kernels make bf16 decode
-    ~1.8x faster than float32 there (Gemma 3 270M Q4_K_M, docs/benchmarks.md)."""
-    if cpu_has_native_bf16():
-        return True
-    from pagedserve.kernels.cpu_gemm import kernel_available
-
-    return kernel_available()
 
 
 def _checkpoint_dtype(config: Any) -> torch.dtype | None:
@@ -72,26 +46,22 @@ def _checkpoint_dtype(config: Any) -> torch.dtype | None:
     return None
 
 
-def resolve_dtype(name: str, config: Any, device: torch.device | str) -> torch.dtype:
+def resolve_dtype(name: str, config: Any, device: torch.device | str,
+                  platform: Platform | None = None) -> torch.dtype:
     """The model dtype for a `--dtype` style `name`: "float32", "bfloat16", "float16" (or their
-    short forms) as given; "auto" = bfloat16 on a CPU where it is the fast path
-    (`cpu_prefers_bf16`: native BF16 instructions, or our bf16 kernels on AVX2), else float32,
-    and the checkpoint's dtype (`config.dtype` / `torch_dtype`) on accelerators (bfloat16
-    where the config names none and the GPU supports it, else float16)."""
+    short forms) as given; "auto" is the platform's choice (`Platform.auto_dtype`; `platform`
+    None: `platform_for(device)`): on a CPU bfloat16 where it is the fast path (native BF16
+    instructions, or our bf16 kernels on AVX2), else float32; on CUDA the checkpoint's dtype
+    (`config.dtype` / `torch_dtype`), else bfloat16 where the GPU supports it, else float16."""
     key = str(name).lower()
     if key in _DTYPE_NAMES:
         return _DTYPE_NAMES[key]
     if key != "auto":
         raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(_DTYPE_NAMES)}")
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return torch.bfloat16 if cpu_prefers_bf16() else torch.float32
-    ckpt = _checkpoint_dtype(config)
-    if ckpt is not None:
-        return ckpt
-    if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
-    return torch.bfloat16
+    platform = platform or platform_for(device)
+    # NOTE: the checkpoint's dtype is read only where the platform asks (reading
+    # `config.torch_dtype` warns under transformers 5)
+    return platform.auto_dtype(lambda: _checkpoint_dtype(config))
 
 
 def iter_safetensors(folder: str | Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -189,6 +159,7 @@ def load_model(
     tp: TPContext = SINGLE,
     quantization: str = "none",
     batch_invariant: bool = False,
+    platform: Platform | None = None,
 ) -> nn.Module:
     """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
     e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
@@ -197,8 +168,9 @@ def load_model(
     the quantized tensors `weights` yields as blocks (they come that way from
     `ModelSource.iter_weights(keep_quantized=True)`), "int8" quantizes the linear layers and
     embeddings after loading; `batch_invariant` puts every quantized product on one kernel for
-    all row counts (`layers.quantization.set_batch_invariant`). Returns the model in eval mode
-    without gradients."""
+    all row counts (`layers.quantization.set_batch_invariant`). The layers run `platform`'s ops
+    (`Platform.bind`; None: `platform_for(device)`). Returns the model in eval mode without
+    gradients."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
@@ -218,6 +190,7 @@ def load_model(
         from pagedserve.layers.quantization import set_batch_invariant
 
         set_batch_invariant(model)
+    (platform or platform_for(device)).bind(model)
     release_freed_memory()
     return model.eval()
 

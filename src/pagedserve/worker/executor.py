@@ -1,10 +1,13 @@
 """Executors: how the engine's one scheduler drives the model workers.
 
 The engine calls `executor.execute(StepInput) -> list[SeqStepOutput]` every step, whatever the
-backend (`EngineArgs.distributed_executor_backend`); every backend runs the same `Worker`:
+backend (`EngineArgs.distributed_executor_backend`); every backend runs the same `Worker`, and
+every one speaks the same step protocol: the driver's `StepEncoder` turns the step into a
+`StepMessage` delta, the worker's `StepDecoder` applies it to its persistent per-request batch
+(`worker.step_message`):
 
-- "uni" (`UniExecutor`): one `Worker` in this process, called directly: no serialization, no
-  process (tensor_parallel_size = 1).
+- "uni" (`UniExecutor`): one `Worker` in this process, handed the message directly: no
+  serialization, no process (tensor_parallel_size = 1).
 - "mp" (`worker.mp_executor.MultiprocExecutor`): one spawned process per tensor-parallel rank on
   this machine; each step travels as a `StepMessage` delta.
 - "ray" (`worker.ray_executor.RayExecutor`): one Ray actor per rank, across machines.
@@ -26,6 +29,7 @@ from pagedserve.models.base import KVCacheSpec
 from pagedserve.models.source import ModelSource
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.model_runner import MemoryProfile, ModelRunner
+from pagedserve.worker.step_message import StepEncoder
 from pagedserve.worker.worker import CacheConfig, ProfileConfig, Worker, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -151,10 +155,15 @@ def _notify(callback: Callable[[BaseException], None], error: BaseException) -> 
 
 
 class UniExecutor(Executor):
-    """One `Worker` (rank 0 of 1) in this process; `execute` hands it the step directly."""
+    """One `Worker` (rank 0 of 1) in this process; `execute` encodes the step as the other
+    executors do (`StepEncoder`) and hands the message to the worker, unpickled.
+
+    NOTE: the encoder and the worker's decoder are reset together (`init_cache`, `free_cache`),
+    as the multi-process executors' are."""
 
     def __init__(self, config: WorkerConfig, device: torch.device) -> None:
         super().__init__()
+        self.encoder = StepEncoder()
         self.worker = Worker(config, device_index=device.index or 0)
         self.model = self.worker.model
         info = self.worker.info()
@@ -166,7 +175,8 @@ class UniExecutor(Executor):
 
     def init_cache(self, cache: CacheConfig) -> None:
         self.kv_cache = None
-        self.worker.init_cache(cache)
+        self.encoder.reset()
+        self.worker.init_cache(cache)  # resets the worker's decoder
         self.kv_cache = self.worker.kv_cache
 
     def profile_memory(self, prof: ProfileConfig) -> list[MemoryProfile]:
@@ -174,10 +184,11 @@ class UniExecutor(Executor):
         return [self.worker.profile_memory(prof)]
 
     def execute(self, step: StepInput) -> list[SeqStepOutput]:
-        return self.worker.execute_step(step)
+        return self.worker.execute(self.encoder.encode(step)).outputs
 
     def free_cache(self) -> None:
         self.kv_cache = None
+        self.encoder.reset()
         self.worker.free_cache()
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:

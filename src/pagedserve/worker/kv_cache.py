@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.models.base import KVCacheSpec
+from pagedserve.platforms import Platform, platform_for
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -49,15 +50,7 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> flo
     return num_blocks * block_size / max_model_len
 
 
-# Rough device figures for preemption_mode="auto" (see `preemption_costs`).
-_DEVICE_FIGURES = {
-    # copy bandwidth between the pools (B/s), fixed cost per block moved (s), compute (FLOP/s)
-    "cpu": (10e9, 2e-6, 1e11),
-    "cuda": (20e9, 10e-6, 2e14),
-}
-
-
-def preemption_costs(num_params: int, block_bytes: int, device: torch.device):
+def preemption_costs(num_params: int, block_bytes: int, device: torch.device | Platform):
     """(seconds to move one block one way, seconds to recompute one token) for `auto` preemption,
     for a worker holding `num_params` parameters and blocks of `block_bytes` (its shard: the
     workers of a tensor-parallel model move and compute their parts side by side).
@@ -67,7 +60,8 @@ def preemption_costs(num_params: int, block_bytes: int, device: torch.device):
     CPU recomputation is far dearer than a host memory copy, so `auto` swaps; over PCIe the two
     come close at small block sizes, as in the paper's ablation.
     """
-    bandwidth, per_block, flops = _DEVICE_FIGURES["cuda" if device.type == "cuda" else "cpu"]
+    platform = device if isinstance(device, Platform) else platform_for(device)
+    bandwidth, per_block, flops = platform.device_figures  # rough figures of the device
     return block_bytes / bandwidth + per_block, 2.0 * num_params / flops
 
 
@@ -86,6 +80,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         num_cpu_blocks: int = 0,
+        platform: Platform | None = None,
     ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
@@ -103,9 +98,10 @@ class KVCache:
         for k, v in self.layers:
             k[num_blocks].zero_()
             v[num_blocks].zero_()
-        # The CPU swap pool: the same block shape, in host memory (pinned when the device is CUDA).
+        # The CPU swap pool: the same block shape, in host memory (pinned where the platform
+        # says: CUDA).
         self.num_cpu_blocks = num_cpu_blocks
-        pin = torch.device(device).type == "cuda"
+        pin = (platform or platform_for(device)).pin_memory
         cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),

@@ -3,18 +3,16 @@ batch, runs the model and samples. It knows nothing of queues or preemption."""
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from pagedserve.attention.backends import resolve_backend
+from pagedserve.attention.backends.base import AttentionBackend, AttentionBatch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
-from pagedserve.kernels import cpu_grammar
-from pagedserve.kernels.cpu_gemm import kernel_available
+from pagedserve.platforms import Platform, platform_for
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.pooler import Pooler
@@ -69,7 +67,7 @@ def profile_seq_lens(max_num_batched_tokens: int, max_num_seqs: int, max_model_l
     return [base + (1 if i < extra else 0) for i in range(n)]
 
 
-def profile_forward(model, kv_cache: KVCache, *, device: torch.device, backend: str,
+def profile_forward(model, kv_cache: KVCache, *, device: torch.device, backend: AttentionBackend,
                     max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
     """Run the largest step the scheduler can form: a prefill of `max_num_batched_tokens`
     tokens, then logits for `max_num_seqs` rows, in float32 as the sampler takes them. Every block
@@ -77,9 +75,9 @@ def profile_forward(model, kv_cache: KVCache, *, device: torch.device, backend: 
     Returns the number of tokens run."""
     lens = profile_seq_lens(max_num_batched_tokens, max_num_seqs, max_model_len)
     bs = kv_cache.block_size
-    meta = AttentionMetadata.build(block_tables=[[0] * -(-n // bs) for n in lens], seq_lens=lens,
-                                   query_lens=lens, block_size=bs, null_block=kv_cache.null_block,
-                                   device=device, backend=backend)
+    meta = backend.build_metadata(AttentionBatch(
+        block_tables=[[0] * -(-n // bs) for n in lens], seq_lens=lens, query_lens=lens,
+        block_size=bs, null_block=kv_cache.null_block, device=device))
     total = sum(lens)
     ids = torch.zeros(total, dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(n, dtype=torch.long) for n in lens]).to(device)
@@ -91,32 +89,6 @@ def profile_forward(model, kv_cache: KVCache, *, device: torch.device, backend: 
     return total
 
 
-@torch.inference_mode()
-def profile_peak_memory(model, spec, *, dtype: torch.dtype, device: torch.device, block_size: int,
-                        backend: str, max_num_batched_tokens: int, max_num_seqs: int,
-                        max_model_len: int) -> MemoryProfile:
-    """Profile the peak GPU memory of the largest step (see `profile_forward`) on `device`."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    scratch = KVCache(spec, 1, block_size, dtype, device)
-    profile_forward(model, scratch, device=device, backend=backend,
-                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                    max_model_len=max_model_len)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    free, total = torch.cuda.mem_get_info(device)
-    # Memory outside torch's allocator (CUDA context, cuBLAS/NCCL buffers, other processes).
-    outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    del scratch
-    gc.collect()
-    torch.cuda.empty_cache()
-    logger.info("memory profile on %s: peak %.2f GiB in torch + %.2f GiB outside it, of %.2f GiB",
-                device, peak / 2**30, outside / 2**30, total / 2**30)
-    return MemoryProfile(total=int(total), peak=int(peak + outside))
-
-
 class ModelRunner:
     """Runs steps of a model over a paged KV cache.
 
@@ -126,6 +98,10 @@ class ModelRunner:
 
     Under tensor parallelism every rank runs one, on its shard; only rank 0's samples
     (`sample=True`): the others run the same forward (and logits gather) and return [].
+
+    The device's choices come from `platform` (None: `platform_for(device)`): the attention
+    backend (`attention_backend` resolved once into an `AttentionBackend`, which builds each
+    step's metadata), whether decode steps replay CUDA graphs, pinned buffers.
     """
 
     def __init__(
@@ -140,6 +116,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
+        platform: Platform | None = None,
     ) -> None:
         self.model = model
         self.sample = sample
@@ -148,24 +125,17 @@ class ModelRunner:
         self.eos_ids = list(stop_token_ids_for_min_tokens)
         self.generators: dict[str, dict[int, torch.Generator]] = {}
         self.pooler = Pooler()  # pooling requests' partial states (runner="pooling")
-        self.attention_backend = resolve_backend(attention_backend, self.device)
-        self.on_cuda = self.device.type == "cuda"
-        # Pinned host buffers for what comes back each step (CUDA only), grown on demand.
+        self.platform = platform or platform_for(self.device)
+        self.attention = self.platform.attention_backend(attention_backend)
+        self.attention_backend = self.attention.name  # "torch" | "triton"
+        # Off the host (CUDA), tokens and logits come back through pinned buffers, grown on demand.
+        self.on_cuda = not self.platform.is_host
         self._host_logits: torch.Tensor | None = None
         self._host_tokens: torch.Tensor | None = None
-        # NOTE: build (or load) the compiled CPU kernels now rather than in the first request's
-        # step: a fresh machine compiles them once (about a minute), and the host-side sampler
-        # uses them whatever the device or dtype (warns once and falls back where unavailable).
-        kernel_available()
-        if sample:
-            cpu_grammar.available()  # the structured-output mask kernels (their own extension)
+        self.platform.warm_up_host_kernels(sample)
         self.graphs = None
-        if cuda_graphs and self.on_cuda:
-            if self.attention_backend == "torch":
-                logger.info("CUDA graphs off: the torch attention backend builds per-step "
-                            "host-side groups (use attention_backend='triton')")
-            else:
-                self.capture_graphs(max_num_seqs, max_model_len)
+        if cuda_graphs and self.platform.use_cuda_graphs(False, self.attention):
+            self.capture_graphs(max_num_seqs, max_model_len)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture=None) -> None:
         """Capture the decode graphs (after the KV cache is allocated); see `worker.cuda_graphs`.
@@ -186,11 +156,12 @@ class ModelRunner:
                 v[self.kv_cache.null_block].zero_()
         self.graphs = graphs
 
-    def _build_meta(self, *, block_tables, seq_lens, query_lens, device) -> AttentionMetadata:
-        return AttentionMetadata.build(block_tables=block_tables, seq_lens=seq_lens,
-                                       query_lens=query_lens, block_size=self.kv_cache.block_size,
-                                       null_block=self.kv_cache.null_block, device=device,
-                                       backend=self.attention_backend)
+    def _build_meta(self, *, block_tables, seq_lens, query_lens, device,
+                    num_splits: int | None = None) -> AttentionMetadata:
+        return self.attention.build_metadata(AttentionBatch(
+            block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens,
+            block_size=self.kv_cache.block_size, null_block=self.kv_cache.null_block,
+            device=device, num_splits=num_splits))
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.

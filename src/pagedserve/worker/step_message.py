@@ -7,9 +7,16 @@ travel once per request), the tokens each sequence gained (one per decode step),
 its block table that changed (a new block every `block_size` tokens, a copy-on-write target, a
 whole new table after swap-in or recomputation), the freed sequences and finished requests, and
 the step's swap / copy block lists. Each worker's `StepDecoder` applies it to its mirror (plain
-lists per sequence and request) and rebuilds the same `StepInput` the driver encoded.
+lists per sequence and request) and gives the same `StepInput` the driver encoded. Every executor
+speaks it, the in-process one too (`worker.executor.UniExecutor`).
+
+The mirror is the worker's persistent input batch: one `StepRow` per sequence, kept from step to
+step with its token list and block table (both updated in place by the deltas) and its sample
+specs; a step only moves each scheduled row's span and flags, nothing is rebuilt.
 
 NOTE: both mirrors must see every message, in order; `reset()` both when the KV cache is rebuilt.
+NOTE: a decoded step's rows are the mirror's own objects: the runner reads them during the step
+only (the next message changes them in place).
 """
 
 from __future__ import annotations
@@ -93,8 +100,9 @@ class StepEncoder:
             self._sync_tokens(row.seq_id, row.token_ids, row.num_prompt_tokens, 0, row.request_id,
                               held, msg)
             for spec in row.samples:
-                self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens, spec.index,
-                                  row.request_id, held, msg)
+                if spec.seq_id != row.seq_id:  # (the row's own sequence: just synced)
+                    self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens,
+                                      spec.index, row.request_id, held, msg)
             self._sync_table(row.seq_id, row.block_table, msg)
             flags = ((DO_SAMPLE if row.do_sample else 0)
                      | (PROMPT_LOGPROBS if row.prompt_logprobs else 0)
@@ -165,6 +173,9 @@ class StepDecoder:
         self.seqs: dict[int, _MirrorSeq] = {}
         self.tables: dict[int, list[int]] = {}
         self._seqs_of: dict[str, set[int]] = {}
+        # The persistent batch: seq id -> its StepRow, and the seq ids its samples were made for
+        self.rows: dict[int, StepRow] = {}
+        self._sampled: dict[int, list[int]] = {}
 
     def decode(self, msg: StepMessage) -> StepInput:
         """Apply `msg` to the mirror; return the step as the runner reads it."""
@@ -191,26 +202,39 @@ class StepDecoder:
             _apply(self.tables.setdefault(seq_id, []), keep, appended)
         rows = []
         for seq_id, start, end, flags, sampled in msg.rows:
-            seq = self.seqs[seq_id]
-            params, beam_width = self.requests[seq.request_id]
-            samples = []
-            for q in sampled:
-                other = self.seqs[q]
-                samples.append(SampleSpec(q, other.index, other.token_ids, other.num_prompt_tokens))
-            rows.append(StepRow(
-                request_id=seq.request_id, seq_id=seq_id, token_ids=seq.token_ids,
-                num_prompt_tokens=seq.num_prompt_tokens, start=start, end=end,
-                block_table=self.tables[seq_id], params=params,
-                do_sample=bool(flags & DO_SAMPLE), prompt_logprobs=bool(flags & PROMPT_LOGPROBS),
-                samples=samples, beam_width=beam_width,
-                need_logprob=bool(flags & NEED_LOGPROB),
-                pooling=self.pooling.get(seq.request_id)))
+            row = self.rows.get(seq_id)
+            if row is None:
+                row = self.rows[seq_id] = self._new_row(seq_id)
+            row.start, row.end = start, end
+            row.do_sample = bool(flags & DO_SAMPLE)
+            row.prompt_logprobs = bool(flags & PROMPT_LOGPROBS)
+            row.need_logprob = bool(flags & NEED_LOGPROB)
+            if self._sampled.get(seq_id) != sampled:
+                self._sampled[seq_id] = sampled
+                specs = []
+                for q in sampled:
+                    other = self.seqs[q]
+                    specs.append(SampleSpec(q, other.index, other.token_ids, other.num_prompt_tokens))
+                row.samples = specs
+            rows.append(row)
         return StepInput(rows, msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy,
                          msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask)
+
+    def _new_row(self, seq_id: int) -> StepRow:
+        """The sequence's row of the persistent batch: its mirror token list and block table."""
+        seq = self.seqs[seq_id]
+        params, beam_width = self.requests[seq.request_id]
+        return StepRow(
+            request_id=seq.request_id, seq_id=seq_id, token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens, start=0, end=0,
+            block_table=self.tables[seq_id], params=params, beam_width=beam_width,
+            pooling=self.pooling.get(seq.request_id))
 
     def _drop(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.tables.pop(seq_id, None)
+        self.rows.pop(seq_id, None)
+        self._sampled.pop(seq_id, None)
 
 
 def _apply(target: list[int], keep: int, appended: list[int]) -> None:

@@ -3,24 +3,19 @@ by step messages. The multiprocessing and Ray executors each host one `Worker` p
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from pagedserve.attention.backends import resolve_backend
 from pagedserve.distributed.process_group import destroy_tp_group, init_tp_group
 from pagedserve.models.base import KVCacheSpec
 from pagedserve.models.loader import load_model
 from pagedserve.models.source import ModelSource
+from pagedserve.platforms import Platform, platform_for
 from pagedserve.worker.kv_cache import KVCache
-from pagedserve.worker.model_runner import (
-    MemoryProfile,
-    ModelRunner,
-    profile_peak_memory,
-)
+from pagedserve.worker.model_runner import MemoryProfile, ModelRunner
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.worker.step_message import StepDecoder, StepMessage
@@ -96,25 +91,23 @@ def _num_values(p: torch.Tensor) -> int:
     return p.shape[0] * spec.in_features if spec is not None else p.numel()
 
 
-def make_runner(model, kv_cache: KVCache, cache: CacheConfig, device: torch.device, *,
+def make_runner(model, kv_cache: KVCache, cache: CacheConfig, platform: Platform, *,
                 attention_backend: str, enforce_eager: bool, sample: bool = True) -> ModelRunner:
-    """The runner of one worker over its freshly allocated KV cache (CUDA graphs captured here,
-    on CUDA unless `enforce_eager`)."""
-    return ModelRunner(model, kv_cache, device=device,
+    """The runner of one worker over its freshly allocated KV cache (CUDA graphs captured here
+    where the platform has them, unless `enforce_eager`)."""
+    return ModelRunner(model, kv_cache, device=platform.device,
                        stop_token_ids_for_min_tokens=list(cache.stop_token_ids), sample=sample,
-                       attention_backend=attention_backend,
-                       cuda_graphs=device.type == "cuda" and not enforce_eager,
-                       max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len)
+                       attention_backend=attention_backend, cuda_graphs=not enforce_eager,
+                       max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len,
+                       platform=platform)
 
 
-def profile_memory(model, dtype: torch.dtype, device: torch.device, attention_backend: str,
+def profile_memory(model, dtype: torch.dtype, platform: Platform, attention_backend: str,
                    prof: ProfileConfig) -> MemoryProfile:
-    """Peak GPU memory of the largest step on this worker (CUDA only)."""
-    if device.type != "cuda":
-        raise ValueError("GPU memory profiling needs a CUDA device")
-    return profile_peak_memory(
-        model, model.kv_cache_spec, dtype=dtype, device=device, block_size=prof.block_size,
-        backend=resolve_backend(attention_backend, device),
+    """Peak memory of the largest step on this worker (a platform that profiles: CUDA)."""
+    return platform.profile_peak_memory(
+        model, model.kv_cache_spec, dtype=dtype, block_size=prof.block_size,
+        backend=platform.attention_backend(attention_backend),
         max_num_batched_tokens=prof.max_num_batched_tokens, max_num_seqs=prof.max_num_seqs,
         max_model_len=prof.max_model_len)
 
@@ -127,13 +120,10 @@ class Worker:
                  device_index: int = 0):
         self.rank = rank
         self.dtype = config.dtype
-        if config.device_type == "cuda":
-            self.device = torch.device("cuda", device_index)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            if config.num_threads:
-                torch.set_num_threads(config.num_threads)
+        # NOTE: the one place a worker looks at its device type: everything device-specific
+        # below asks this platform.
+        self.platform = platform_for(config.device_type)
+        self.device = self.platform.worker_device(device_index, config.num_threads)
         share = len(config.cpu_bind) // config.world_size
         self._cpu_bind = list(config.cpu_bind[rank * share:(rank + 1) * share])
         self._bound_thread: int | None = None  # the thread whose OpenMP team is pinned
@@ -144,7 +134,7 @@ class Worker:
         self.model = load_model(source.config, weights=weights, dtype=config.dtype,
                                 device=self.device, seed=config.seed, tp=self.tp,
                                 quantization=config.quantization,
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant, platform=self.platform)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()
@@ -159,8 +149,8 @@ class Worker:
         self.runner = self.kv_cache = None  # free the old tensors before allocating new ones
         self.kv_cache = KVCache(self.model.kv_cache_spec, cache.num_blocks, cache.block_size,
                                 self.dtype, self.device,
-                                num_cpu_blocks=cache.num_cpu_blocks)
-        self.runner = make_runner(self.model, self.kv_cache, cache, self.device,
+                                num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform)
+        self.runner = make_runner(self.model, self.kv_cache, cache, self.platform,
                                   attention_backend=self.attention_backend,
                                   enforce_eager=self.enforce_eager, sample=self.rank == 0)
         self.decoder.reset()
@@ -170,9 +160,7 @@ class Worker:
         allocator's cached blocks go back to the device too."""
         self.runner = self.kv_cache = None
         self.decoder.reset()
-        if self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
+        self.platform.empty_cache()
 
     def rpc(self, method, args: tuple, kwargs: dict):
         """`collective_rpc` on this rank: `self.<method>(*args, **kwargs)` for a name, else
@@ -184,7 +172,7 @@ class Worker:
     def profile_memory(self, prof: ProfileConfig) -> MemoryProfile:
         """Free the KV cache, then profile the largest step (CUDA only)."""
         self.runner = self.kv_cache = None
-        return profile_memory(self.model, self.dtype, self.device, self.attention_backend, prof)
+        return profile_memory(self.model, self.dtype, self.platform, self.attention_backend, prof)
 
     def execute(self, msg: StepMessage) -> StepReply:
         """Run one step, sent as a delta message, on this shard; rank 0 returns the outputs."""

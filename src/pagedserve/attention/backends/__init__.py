@@ -1,25 +1,26 @@
-"""Attention backends: `torch` (the reference, any device) and `triton` (CUDA kernels).
+"""Attention backends as classes: `torch` (the reference, any device) and `triton` (CUDA kernels).
 
-A backend is a module with the same functions:
-- `write_kv(key, value, k_cache, v_cache, slot_mapping)`
-- `paged_attention(query, key, value, k_cache, v_cache, meta, scale, sliding_window=None)`
-- `copy_blocks(kv_caches, src, dst)`
+A backend is an `AttentionBackend` (`attention.backends.base`):
+- `build_metadata(batch)`: the step's `AttentionMetadata` from an `AttentionBatch` of host lists;
+- `forward(query, key, value, kv_cache, meta, scale, sliding_window)`: write the new K/V, attend;
+- `write_kv(...)`, `copy_blocks(...)`.
 
-The model runner resolves the backend once (`resolve_backend`) and builds each step's
-`AttentionMetadata` with `backend=<name>`; `PagedAttention` dispatches on `meta.backend`.
-Triton is imported only when the triton backend is used: it is not a runtime requirement.
+Which backend runs where is the platform's choice (`platforms.Platform.attention_backend`: "auto"
+is triton on CUDA when it imports, else torch); the metadata remembers the backend that built it
+(`meta.impl`), and `layers.attention.PagedAttention` calls `meta.impl.forward` -- no string
+dispatch in the layers. This module imports neither torch nor triton (the engine's options read
+`BACKEND_CHOICES` from here): triton is imported only when the triton backend is made.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
-import torch
+BACKEND_NAMES = ("torch", "triton")
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # `EngineArgs.attention_backend`
 
-from pagedserve.config import ATTENTION_BACKENDS as BACKEND_CHOICES
-_MODULES = {"torch": "pagedserve.attention.backends.torch_ref",
-            "triton": "pagedserve.attention.backends.triton_attn"}
+_CLASSES = {"torch": ("pagedserve.attention.backends.torch_ref", "TorchAttentionBackend"),
+            "triton": ("pagedserve.attention.backends.triton_attn", "TritonAttentionBackend")}
 
 
 def triton_available() -> bool:
@@ -31,26 +32,17 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
-    """The concrete backend name for `name` ("auto" | "torch" | "triton") on `device`: "auto" is
-    triton on CUDA when triton imports, else torch."""
-    if name not in BACKEND_CHOICES:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_CHOICES}")
-    if name == "auto":
-        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
-    if name == "triton" and not triton_available():
-        raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
-    return name
+def backend_class(name: str) -> type:
+    """The `AttentionBackend` class of a concrete backend name ("torch" | "triton")."""
+    entry = _CLASSES.get(name)
+    if entry is None:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
+    module, cls = entry
+    return getattr(importlib.import_module(module), cls)
 
 
-def get_backend(name: str, device: torch.device | str = "cpu") -> ModuleType:
-    """The backend module for `name` ("auto" | "torch" | "triton") on `device`."""
-    return importlib.import_module(_MODULES[resolve_backend(name, device)])
+def make_backend(name: str, ops=None):
+    """A backend instance of a concrete name; `ops` (a `platforms.LayerOps`) gives the torch
+    backend its platform's kernels (None: the default layers' ops)."""
+    return backend_class(name)(ops=ops)
 
-
-def backend_module(resolved: str) -> ModuleType:
-    """The module of an already resolved backend name (`meta.backend`); no device check."""
-    module = _MODULES.get(resolved)
-    if module is None:
-        raise ValueError(f"unknown attention backend {resolved!r}; expected 'torch' or 'triton'")
-    return importlib.import_module(module)

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention.backends.base import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels.cpu_attention import decode_attention, prefill_attention
-from pagedserve.kernels.cpu_fp32 import invariant_attention
+from pagedserve.platforms import DEFAULT_OPS
 
 
 def write_kv(
@@ -38,20 +38,25 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    ops=None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
     through the block tables (causal, optionally within a sliding window of keys).
 
-    When the compiled kernels are available (not disabled by `PAGEDSERVE_DISABLE_CPU_KERNELS=1`):
-    float32 CPU queries and caches go to the batch-invariant kernel (`kernels.cpu_fp32`), every
-    token -- decode row or prompt chunk token -- attended alone over its own context, so its bits
-    do not depend on chunking or on the rest of the step; decode rows of bf16 CPU caches go to
-    `kernels.cpu_attention`. Everything else is plain torch (gather + SDPA)."""
+    `ops` (the platform's `LayerOps`; None: `platforms.DEFAULT_OPS`) may take the step on a
+    kernel: the CPU platform's, when the compiled kernels are available (not disabled by
+    `PAGEDSERVE_DISABLE_CPU_KERNELS=1`), sends float32 CPU queries and caches to the
+    batch-invariant kernel (`kernels.cpu_fp32`), every token -- decode row or prompt chunk token
+    -- attended alone over its own context, so its bits do not depend on chunking or on the rest
+    of the step, and decode rows of bf16 CPU caches to `kernels.cpu_attention`. Everything else
+    is plain torch (gather + SDPA)."""
+    if ops is None:
+        ops = DEFAULT_OPS
     if meta.num_tokens and not meta.groups:
         raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     if meta.num_tokens:
-        o = invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale, sliding_window)
         if o is not None:  # [T, Hq, D]
             return o
@@ -65,10 +70,10 @@ def paged_attention(
             # Prompt chunks one by one, unpadded: no padding to the longest, and a causal kernel
             # skips the masked half (docs/benchmarks.md, "Measurements behind design choices").
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
-                                  sliding_window)
+                                  sliding_window, ops)
             continue
         q = query if group.covers_all else query.index_select(0, group.out_tokens)  # [G, Hq, D]
-        o = decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
+        o = ops.decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
                              sliding_window)
         if o is None:
             o = _attend_decode_rows(q, flat_k, flat_v, group, scale, sliding_window)  # [G, Hq, D]
@@ -88,11 +93,13 @@ def _attend_prompts(
     group,  # AttentionGroup with spans
     scale: float,
     sliding_window: int | None,
+    ops,  # the platform's LayerOps
 ) -> torch.Tensor:
     """Each member of a prompt group attends over its own context; returns `out` (allocated on
-    the first call) with the members' rows written. bf16 on AVX512-BF16 CPUs: `prefill_attention`
-    (kernels/cpu_attention.py). Else SDPA: a chunk whose context is just itself and fits the
-    window causally over its new K/V, any other with an explicit causal (and window) mask."""
+    the first call) with the members' rows written. On a kernel where the platform has one
+    (`ops.prefill_attention`: bf16 on AVX512-BF16 CPUs, kernels/cpu_attention.py); else SDPA: a
+    chunk whose context is just itself and fits the window causally over its new K/V, any other
+    with an explicit causal (and window) mask."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
@@ -107,8 +114,8 @@ def _attend_prompts(
             slots = group.kv_slots[g, :ctx]  # [ctx]
             k, v = flat_k.index_select(0, slots), flat_v.index_select(0, slots)  # [ctx, Hkv, D]
         # bf16 on AVX512-BF16: our kernel (causal and windowed by position, no mask tensor)
-        if prefill_attention(query[start : start + n], k, v, out[start : start + n], scale,
-                             sliding_window):
+        if ops.prefill_attention(query[start : start + n], k, v, out[start : start + n], scale,
+                                 sliding_window):
             continue
         q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if ctx == n and (not sliding_window or n <= sliding_window):
@@ -171,3 +178,20 @@ def copy_blocks(
     for k, v in kv_caches:
         k.index_copy_(0, dst, k.index_select(0, src))
         v.index_copy_(0, dst, v.index_select(0, src))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The torch backend (any device): metadata with host-side groups, `paged_attention` with
+    the platform's kernels (`ops`) where they apply."""
+
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None):
+        return paged_attention(query, key, value, kv_cache[0], kv_cache[1], meta, scale,
+                               sliding_window, ops=self.ops)
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def copy_blocks(self, kv_caches, src, dst) -> None:
+        copy_blocks(kv_caches, src, dst)

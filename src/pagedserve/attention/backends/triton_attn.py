@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.attention.backends.base import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -416,6 +417,24 @@ def copy_blocks(
         _copy_blocks_kernel[(src.numel(), triton.cdiv(block_numel, chunk))](
             k_cache, v_cache, src, dst, block_numel, BLOCK=chunk,
         )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton backend (CUDA; CPU tensors under TRITON_INTERPRET=1): metadata without
+    host-side groups (every tensor of it can be captured in a CUDA graph), the kernels above."""
+
+    name = "triton"
+    supports_graphs = True
+
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None):
+        return paged_attention(query, key, value, kv_cache[0], kv_cache[1], meta, scale,
+                               sliding_window)
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def copy_blocks(self, kv_caches, src, dst) -> None:
+        copy_blocks(kv_caches, src, dst)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""The CPU platform: our compiled kernels (`pagedserve.kernels`) where they apply, torch elsewhere.
+
+`CpuOps` is the only place the layers' CPU kernels are chosen: the batch-invariant float32
+kernels (`kernels.cpu_fp32`: products, activations, attention of every token alone), the bf16 /
+quantized products (`kernels.cpu_gemm.bf16_linear`, `kernels.cpu_qlinear`), the bf16 argmax,
+RMSNorm, q/k norm + RoPE, decode attention and the fused decode layer
+(`platforms.cpu_decode`). Each kernel call returns None where it does not apply (kernels
+disabled by `PAGEDSERVE_DISABLE_CPU_KERNELS=1` or unavailable, another dtype, a tensor not on the
+CPU), and the caller then runs the eager torch formula -- so these ops are also the safe default
+of layers built outside any platform (`platforms.OpsUser`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels.cpu_argmax import argmax_bf16
+from pagedserve.kernels.cpu_attention import decode_attention, prefill_attention
+from pagedserve.kernels.cpu_fp32 import invariant_activation, invariant_attention, invariant_linear
+from pagedserve.kernels.cpu_norm import rms_norm
+from pagedserve.kernels.cpu_qlinear import qembedding, quantized_available
+from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA, NORM_NONE, qk_norm_rope_
+from pagedserve.platforms import cpu_decode
+from pagedserve.platforms.base import LayerOps, Platform
+
+# The layers' numerics names -> the kernels' codes (csrc: cpu_rotary.h)
+NORM_CODES = {None: NORM_NONE, "llama": NORM_LLAMA, "gemma": NORM_GEMMA}
+
+
+class CpuOps(LayerOps):
+    """`LayerOps` on the compiled CPU kernels (see the module docstring)."""
+
+    name = "cpu"
+
+    def linear(self, x, weight, bias=None):
+        """float32 products on the batch-invariant kernel (None from it: not float32 CPU, or the
+        kernels unavailable), the rest through `bf16_linear` (F.linear except for bf16 / quantized
+        weights on x86 CPUs)."""
+        if x.dtype is torch.float32:
+            y = invariant_linear(x, weight, bias)
+            if y is not None:
+                return y
+        return cpu_gemm.bf16_linear(x, weight, bias)
+
+    def quantized_embedding(self, input_ids, weight):
+        return qembedding(input_ids, weight)
+
+    def greedy(self, x, weight):
+        """The bf16 argmax scan of the LM head's output (`kernels.cpu_argmax`), for bf16 (or
+        quantized) weights and bf16 CPU activations; None elsewhere. NOTE: the logits come from
+        the same product as `linear`, so a row's greedy token does not depend on its batch."""
+        quantized = getattr(weight, "quant", None) is not None
+        if (x.dim() != 2 or x.dtype is not torch.bfloat16
+                or not (quantized or weight.dtype is torch.bfloat16) or not x.is_cpu
+                or not cpu_gemm.kernel_available()):
+            return None
+        return argmax_bf16(self.linear(x, weight))
+
+    def rms_norm(self, x, weight_f32, eps, numerics):
+        return rms_norm(x, weight_f32, eps, llama=numerics == "llama")
+
+    def qk_norm_rope_(self, query, key, cos, sin, q_weight, k_weight, eps, numerics):
+        return qk_norm_rope_(query, key, cos, sin, q_weight, k_weight, eps, NORM_CODES[numerics])
+
+    def activation(self, x, name):
+        return invariant_activation(x, name)
+
+    def decoder_layer(self, layer, x, rope, kv_cache, meta):
+        return cpu_decode.fused_decode_layer(layer, x, rope, kv_cache, meta)
+
+    def decode_attention(self, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                         sliding_window):
+        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                sliding_window)
+
+    def invariant_attention(self, query, k_cache, v_cache, block_tables, seq_lens,
+                            query_start_loc, scale, sliding_window):
+        return invariant_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                   query_start_loc, scale, sliding_window)
+
+    def prefill_attention(self, query, key, value, out, scale, sliding_window):
+        return prefill_attention(query, key, value, out, scale, sliding_window)
+
+
+CPU_OPS = CpuOps()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has native BF16 dot products (AVX512-BF16 or AMX-BF16), so that torch's
+    bf16 matmuls are fast rather than emulated. Reads /proc/cpuinfo (Linux); False elsewhere."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def cpu_prefers_bf16() -> bool:
+    """Whether bf16 activations are the fast path on this CPU: it has native BF16 instructions,
+    or our compiled bf16 kernels run here (any x86-64 CPU with AVX2 + FMA; builds them on first
+    call). NOTE: on AVX2-only CPUs torch's own bf16 ops are emulated; our kernels make bf16 decode
+    ~1.8x faster than float32 there (Gemma 3 270M Q4_K_M, docs/benchmarks.md)."""
+    return cpu_has_native_bf16() or cpu_gemm.kernel_available()
+
+
+class CpuPlatform(Platform):
+    """The CPU: compiled kernels in the layers (`CpuOps`), the torch attention backend with the
+    CPU decode / float32 kernels, no graphs, no memory profiling (the KV cache is sized from
+    `kv_cache_memory`)."""
+
+    device_type = "cpu"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        super().__init__(device)
+        self.ops = CPU_OPS
+
+    def auto_dtype(self, checkpoint_dtype):
+        """bfloat16 where it is the fast path (`cpu_prefers_bf16`), else float32 (the
+        checkpoint's dtype does not matter on a CPU)."""
+        return torch.bfloat16 if cpu_prefers_bf16() else torch.float32
+
+    def supports_quantization(self) -> bool:
+        return quantized_available()
+
+    def worker_device(self, index: int = 0, num_threads: int | None = None) -> torch.device:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        return self.device

@@ -1,0 +1,105 @@
+"""The CPU platform's fused decode fast path: a whole decoder layer as one compiled call
+(`kernels.cpu_decoder_layer`, bit-identical to the layer's modules) on decode-only bf16 steps of
+the torch attention backend on one rank. Models reach it through `layer.ops.decoder_layer`
+(`models.llama.FusableDecoderLayer`); they import no kernel module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.cpu_decoder_layer import ACT_GELU_TANH, ACT_SILU, decoder_layer, weight_formats
+from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
+
+# HF activation names -> the fused layer's activation codes
+FUSED_ACTS = {
+    "silu": ACT_SILU, "swish": ACT_SILU,
+    "gelu_pytorch_tanh": ACT_GELU_TANH, "gelu_new": ACT_GELU_TANH, "gelu_fast": ACT_GELU_TANH,
+    "gelu_python_tanh": ACT_GELU_TANH,
+}
+_MODES = {"llama": NORM_LLAMA, "gemma": NORM_GEMMA}
+
+
+@dataclass
+class _FusedPlan:
+    """What one layer passes to the fused decode call, gathered once (about 40 module attribute
+    lookups a layer otherwise, every step). `usable` is False for layers the kernel cannot run."""
+
+    usable: bool
+    weights: list  # q, k, v, o, gate, up, down Parameters
+    formats: list | None  # their kernel format codes (kernels.cpu_decoder_layer.weight_formats)
+    biases: list  # q, k, v, o Parameters or None
+    norms: tuple  # input, post-attn, pre-ff, post-ff, q, k norm modules or None
+    norm_weights: list  # the present norms' weight Parameters
+    mode: int  # the norms' numerics the layer needs: NORM_GEMMA (sandwich norms) or NORM_LLAMA
+    consts: tuple  # num_heads, num_kv_heads, head_dim, scale, sliding_window, activation code
+    # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps) or None)
+    norm_cache: tuple | None = None
+
+
+def _fused_plan(layer) -> _FusedPlan:
+    # NOTE: holds the Parameter objects themselves: loading weights copies into them in place and
+    # `.to()` swaps their data, so the plan stays valid; a Parameter *replaced* by assignment
+    # would not be seen (nothing in pagedserve does that to a decoder layer).
+    plan = layer.__dict__.get("_fused_plan")
+    if plan is None:
+        attn, mlp, norms = layer.self_attn, layer.mlp, layer.layer_norms()
+        all_norms = (*norms, attn.q_norm, attn.k_norm)
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                   mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        formats = weight_formats(weights)
+        act = None if mlp.mlp_bias else FUSED_ACTS.get(mlp.act_name)
+        usable = not (formats is None or act is None or attn.o_proj.tp.is_parallel
+                      or mlp.down_proj.tp.is_parallel)
+        plan = _FusedPlan(
+            usable, weights, formats,
+            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias],
+            all_norms,
+            [m.weight for m in all_norms if m is not None],
+            NORM_GEMMA if norms[2] is not None else NORM_LLAMA,
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
+             attn.attn.sliding_window, act),
+        )
+        layer.__dict__["_fused_plan"] = plan
+    return plan
+
+
+def _norm_args(plan: _FusedPlan) -> tuple[list, float] | None:
+    """The norms' fp32 weights (None where absent) and eps for the fused call, rebuilt only when
+    a norm weight changes; None when a norm is one the kernels do not take, or eps / numerics are
+    mixed."""
+    key = tuple((w.data_ptr(), w._version) for w in plan.norm_weights)
+    if plan.norm_cache is None or plan.norm_cache[0] != key:
+        args = [None if m is None else m.kernel_args(torch.bfloat16) for m in plan.norms]
+        present = [a for a, m in zip(args, plan.norms) if m is not None]
+        ok = all(a is not None for a in present) and len({a[1:] for a in present}) == 1
+        ok = ok and _MODES.get(present[0][2]) == plan.mode
+        value = ([None if a is None else a[0] for a in args], present[0][1]) if ok else None
+        plan.norm_cache = (key, value)
+    return plan.norm_cache[1]
+
+
+def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache,
+                       meta) -> torch.Tensor | None:  # [T, H]
+    """`layer` (a `models.llama.FusableDecoderLayer`) in one compiled call on a decode-only bf16
+    CPU step of the torch backend on one rank; None elsewhere.
+
+    NOTE: the fused call bypasses the submodules' forward hooks (the profiler's attention hook
+    among them): decode attention then counts as "forward (rest)".
+    """
+    if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
+            and len(meta.groups) == 1 and meta.groups[0].covers_all):
+        return None
+    plan = _fused_plan(layer)
+    if not plan.usable:
+        return None
+    norm_args = _norm_args(plan)
+    if norm_args is None:
+        return None
+    group = meta.groups[0]
+    return decoder_layer(
+        x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
+        *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts,
+    )

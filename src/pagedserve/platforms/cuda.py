@@ -1,0 +1,91 @@
+"""The CUDA platform: plain torch layers (cuBLAS), the Triton attention backend when triton
+imports, CUDA graphs for decode steps, GPU memory profiling, pinned host buffers."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from pagedserve.platforms.base import TORCH_OPS, Platform
+
+logger = logging.getLogger(__name__)
+
+
+class CudaPlatform(Platform):
+    """One CUDA device (see the module docstring)."""
+
+    device_type = "cuda"
+    device_figures = (20e9, 10e-6, 2e14)
+    is_host = False
+    pin_memory = True
+    can_profile_memory = True
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        super().__init__(device)
+        self.ops = TORCH_OPS
+
+    def auto_dtype(self, checkpoint_dtype):
+        """The checkpoint's dtype; bfloat16 where it names none and the GPU supports it, else
+        float16."""
+        dtype = checkpoint_dtype()
+        if dtype is not None:
+            return dtype
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def default_attention_backend(self) -> str:
+        from pagedserve.attention.backends import triton_available
+
+        return "triton" if triton_available() else "torch"
+
+    def worker_device(self, index: int = 0, num_threads: int | None = None) -> torch.device:
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        self.device = device
+        return device
+
+    def use_cuda_graphs(self, enforce_eager: bool, backend) -> bool:
+        if enforce_eager:
+            return False
+        if not backend.supports_graphs:
+            logger.info("CUDA graphs off: the %s attention backend builds per-step host-side "
+                        "groups (use attention_backend='triton')", backend.name)
+            return False
+        return True
+
+    def empty_cache(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, model, spec, *, dtype: torch.dtype, block_size: int, backend,
+                            max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+        """Profile the peak GPU memory of the largest step (`worker.model_runner.profile_forward`)
+        on this device: torch's peak allocation plus the memory outside its allocator."""
+        from pagedserve.worker.kv_cache import KVCache
+        from pagedserve.worker.model_runner import MemoryProfile, profile_forward
+
+        device = self.device
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        scratch = KVCache(spec, 1, block_size, dtype, device, platform=self)
+        profile_forward(model, scratch, device=device, backend=backend,
+                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        # Memory outside torch's allocator (CUDA context, cuBLAS/NCCL buffers, other processes).
+        outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
+        del scratch
+        gc.collect()
+        torch.cuda.empty_cache()
+        logger.info("memory profile on %s: peak %.2f GiB in torch + %.2f GiB outside it, of %.2f GiB",
+                    device, peak / 2**30, outside / 2**30, total / 2**30)
+        return MemoryProfile(total=int(total), peak=int(peak + outside))
