@@ -62,6 +62,8 @@ class StepRow:
     # A pooling request (every chunk of its prompt): its hidden states are pooled, nothing is
     # sampled; the pooled result comes back with the chunk that reaches the end (`do_sample`).
     pooling: PoolingSpec | None = None
+    # The request's adapter (`lora.request.LoRARequest`, multi-LoRA serving), None: the base model.
+    lora_request: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +107,7 @@ class StepInput:
                 num_prompt_tokens=seq.num_prompt_tokens, start=s.start, end=s.end,
                 block_table=s.block_table, params=group.sampling_params, do_sample=s.do_sample,
                 prompt_logprobs=s.wants_prompt_logprobs, samples=samples, beam_width=beam_width,
-                need_logprob=group.needs_logprobs, pooling=group.pooling))
+                need_logprob=group.needs_logprobs, pooling=group.pooling,
+                lora_request=group.lora_request))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                    sched.finished_request_ids, sched.freed_seq_ids)
