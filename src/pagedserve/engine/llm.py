@@ -164,7 +164,7 @@ class LLM(PoolingMixin, LLMExtras):
 
     def _lora_list(self, lora_request, n: int) -> list:
         """One adapter (or None) per prompt, each checked (ValueError before any is queued)."""
-        if lora_request is None or isinstance(lora_request, LoRARequest):
+        if not isinstance(lora_request, (list, tuple)):  # one for all (checked below)
             loras = [lora_request] * n
         else:
             loras = list(lora_request)
