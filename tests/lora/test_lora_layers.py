@@ -1,63 +1,100 @@
-"""The batched LoRA products (lora/layers.py): a gathered step over several slots gives every
-token its own adapter's x A^T B^T (base tokens untouched), bit for bit what the token gets in a
-batch of its adapter alone."""
+"""The batched LoRA products (lora/layers.py): one gathered shrink and one expand give every
+token its own adapter's x A^T B^T and base tokens nothing, bit for bit what the token gets alone,
+in any slot, with a slot table of any size."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.lora.layers import LoRAStacks, StepMapping
 
-DIMS = {"q_proj": (32, 48)}
+DIMS = {"q_proj": (64, 96)}
 KEY = (0, "q_proj")
+CPU = torch.device("cpu")
 
 
-def stacks_with(ranks, seed=0):
+def adapter(r, seed):
     g = torch.Generator().manual_seed(seed)
-    stacks = LoRAStacks(len(ranks), 8, DIMS, torch.float32, torch.device("cpu"))
-    weights = {}
-    for slot, r in enumerate(ranks):
-        a, b = torch.randn(r, 32, generator=g), torch.randn(48, r, generator=g)
-        stacks.put(slot, KEY, a, b)
-        weights[slot] = (a, b)
-    return stacks, weights
+    return torch.randn(r, 64, generator=g) * 0.2, torch.randn(96, r, generator=g)
 
 
-def test_mapping_orders_adapter_tokens_by_slot():
-    m = StepMapping.build([1, -1, 0, 1], [2, 3, 1, 2], torch.device("cpu"))
-    assert m.single is None and m.perm.tolist() == [5, 0, 1, 6, 7]
-    assert m.segments == [(0, 0, 1), (1, 1, 4)]
-    assert StepMapping.build([-1, -1], [2, 1], torch.device("cpu")) is None
-    assert StepMapping.build([2, 2], [2, 1], torch.device("cpu")).single == 2
+def stacks_of(num_slots, placed, dtype=torch.float32):
+    """A table of `num_slots` slots with adapter (rank, seed) placed[slot] in each slot."""
+    stacks = LoRAStacks(num_slots, 16, DIMS, dtype, CPU)
+    for slot, (r, seed) in placed.items():
+        a, b = adapter(r, seed)
+        stacks.put(slot, KEY, a.to(dtype), b.to(dtype))
+    return stacks
+
+
+def run(stacks, rows, tokens, x, base):
+    stacks.set_mapping(StepMapping.build(rows, tokens, stacks.num_slots, x.dtype, CPU))
+    return stacks.apply(KEY, x, base.clone())
+
+
+def test_the_mapping_is_a_one_hot_mask_per_token():
+    m = StepMapping.build([1, -1, 0], [2, 1, 1], 3, torch.float32, CPU)
+    assert m.mask.squeeze(-1).tolist() == [[0, 1, 0], [0, 1, 0], [0, 0, 0], [1, 0, 0]]
+    assert m.slots == {0, 1}
+    assert StepMapping.build([-1, -1], [2, 1], 3, torch.float32, CPU) is None
 
 
 def test_each_token_gets_its_own_adapter_and_base_tokens_none():
-    stacks, weights = stacks_with([4, 8, 2])
+    placed = {0: (8, 1), 1: (16, 2), 2: (4, 3)}
+    stacks = stacks_of(3, placed)
     rows, tokens = [2, -1, 0, 1, 2], [3, 2, 1, 4, 2]
-    x = torch.randn(sum(tokens), 32)
-    base = torch.randn(sum(tokens), 48)
-    stacks.mapping = StepMapping.build(rows, tokens, torch.device("cpu"))
-    y = stacks.apply(KEY, x, base.clone())
+    x, base = torch.randn(12, 64), torch.randn(12, 96)
+    y = run(stacks, rows, tokens, x, base)
     start = 0
     for slot, n in zip(rows, tokens):
         want = base[start:start + n]
         if slot >= 0:
-            a, b = weights[slot]
+            a, b = adapter(*placed[slot])
             want = want + x[start:start + n] @ a.T @ b.T
-        torch.testing.assert_close(y[start:start + n], want)
-        if slot < 0:
-            assert torch.equal(y[start:start + n], base[start:start + n])
+            torch.testing.assert_close(y[start:start + n], want)
+        else:
+            assert torch.equal(y[start:start + n], want)
         start += n
-    # the first row's tokens alone in a batch of their adapter: the same bits
-    stacks.mapping = StepMapping.build([2], [3], torch.device("cpu"))
-    alone = stacks.apply(KEY, x[:3], base[:3].clone())
-    assert torch.equal(alone, y[:3])
 
 
-def test_a_slot_that_does_not_adapt_a_projection_leaves_it():
-    stacks, _ = stacks_with([4, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_bits_do_not_depend_on_its_batch_slot_or_table_size(dtype):
+    x, base = torch.randn(9, 64).to(dtype), torch.randn(9, 96).to(dtype)
+    alone = run(stacks_of(1, {0: (8, 1)}, dtype), [0], [3], x[:3], base[:3])
+    for num_slots in (2, 4):
+        for slot in range(num_slots):
+            placed = {s: (16, 10 + s) for s in range(num_slots)}
+            placed[slot] = (8, 1)
+            others = [s for s in range(num_slots) if s != slot] + [-1]
+            y = run(stacks_of(num_slots, placed, dtype), [slot, others[0], others[-1]],
+                    [3, 4, 2], x, base)
+            assert torch.equal(y[:3], alone), (num_slots, slot)
+
+
+def test_a_cleared_slot_adapts_nothing():
+    stacks = stacks_of(2, {0: (4, 1), 1: (4, 2)})
     stacks.clear(1)
-    x, base = torch.randn(3, 32), torch.randn(3, 48)
-    stacks.mapping = StepMapping.build([1, 0], [2, 1], torch.device("cpu"))
-    y = stacks.apply(KEY, x, base.clone())
+    x, base = torch.randn(3, 64), torch.randn(3, 96)
+    y = run(stacks, [1, 0], [2, 1], x, base)
     assert torch.equal(y[:2], base[:2]) and not torch.equal(y[2], base[2])
+    assert run(stacks, [1], [3], x, base).equal(base)  # no slot of the step adapts it
+
+
+def test_projections_of_one_input_share_the_shrink_with_the_same_bits():
+    dims = {"q_proj": (64, 96), "k_proj": (64, 32)}
+    stacks = LoRAStacks(2, 16, dims, torch.float32, CPU)
+    g = torch.Generator().manual_seed(5)
+    for slot in (0, 1):
+        for module, (d_in, d_out) in dims.items():
+            stacks.put(slot, (0, module), torch.randn(8, d_in, generator=g),
+                       torch.randn(d_out, 8, generator=g))
+    x, yq, yk = torch.randn(5, 64), torch.randn(5, 96), torch.randn(5, 32)
+    stacks.set_mapping(StepMapping.build([0, 1], [2, 3], 2, torch.float32, CPU))
+    q = stacks.apply((0, "q_proj"), x, yq.clone())
+    k = stacks.apply((0, "k_proj"), x, yk.clone())  # the shrink of q reused
+    stacks.set_mapping(StepMapping.build([0, 1], [2, 3], 2, torch.float32, CPU))
+    assert torch.equal(stacks.apply((0, "k_proj"), x, yk.clone()), k)  # computed afresh
+    a, b = stacks.a[(0, "qkv")][32:40], stacks.b[(0, "k_proj")][:, :8]  # k's slot-0 block
+    torch.testing.assert_close(k[:2], yk[:2] + x[:2] @ a.T @ b.T, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(q, yq)

@@ -86,18 +86,19 @@ class LoRASlots:
         `lora_request`, None: the base model); True when any row carries an adapter."""
         needed = {r.lora_request.lora_int_id for r in rows if r.lora_request is not None}
         if not needed:
-            self.stacks.mapping = None
+            self.stacks.set_mapping(None)
             return False
         slots = [-1 if r.lora_request is None else self._slot(r.lora_request, needed)
                  for r in rows]
-        self.stacks.mapping = StepMapping.build(slots, [r.end - r.start for r in rows],
-                                                self.device)
+        self.stacks.set_mapping(StepMapping.build(slots, [r.end - r.start for r in rows],
+                                                  self.config.max_loras, self.dtype, self.device))
         return self.stacks.mapping is not None
 
     def finish(self) -> None:
         """After the step's forward: no adapter until the next `prepare`."""
-        self.stacks.mapping = None
+        self.stacks.set_mapping(None)
 
+    @torch.inference_mode()  # the stacks are inference tensors (made during a step)
     def remove(self, lora_id: int) -> bool:
         """Drop an adapter from the slot table and the CPU cache (an unloaded adapter)."""
         slot = self.slot_of.pop(lora_id, None)
