@@ -1,6 +1,6 @@
 """`pagedserve bench throughput --lora N`: the same trace with N random adapters (ranks 8 and 16,
 built on the fly in PEFT's format, every projection adapted) spread round-robin over the
-requests, against the base model alone on the same engine."""
+requests, against the base model alone on the same engine (alternated runs, best of each)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
     return path
 
 
-def compare(llm, trace, num_adapters: int, **sampling) -> str:
-    """Throughput of `trace` on the base model, then with `num_adapters` adapters round-robin
-    over its requests (the base run first and last: the machine may be noisy); the report."""
+def compare(llm, trace, num_adapters: int, rounds: int = 2, **sampling) -> str:
+    """Throughput of `trace` on the base model and with `num_adapters` adapters round-robin over
+    its requests, alternated for `rounds` rounds (the machine may be noisy: the best run of each
+    is compared); the report."""
     from pagedserve.lora.request import LoRARequest
 
     engine = llm.engine
+    runs: dict[str, list] = {"base": [], f"{num_adapters} LoRAs": []}
     with tempfile.TemporaryDirectory() as root:
         loras = [LoRARequest(f"bench{i}", i + 1, str(write_random_adapter(
             Path(root) / f"a{i}", engine.model_config, 8 if i % 2 == 0 else 16, seed=i)))
@@ -48,16 +50,17 @@ def compare(llm, trace, num_adapters: int, **sampling) -> str:
         # warm-up: every adapter read once (the CPU cache keeps max_cpu_loras of them)
         llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids}] * num_adapters,
                      lora_request=loras, use_tqdm=False)
-        base1 = run_pagedserve(llm, trace, **sampling)
-        with_lora = run_pagedserve(llm, trace, lora_requests=per_request, **sampling)
-        base2 = run_pagedserve(llm, trace, **sampling)
-    base_tps = max(base1.output_tokens_per_s, base2.output_tokens_per_s)
-    with_lora.name = f"{num_adapters} LoRAs"
-    base1.name, base2.name = "base", "base again"
+        for _ in range(rounds):
+            for name, chosen in zip(runs, (None, per_request)):
+                result = run_pagedserve(llm, trace, lora_requests=chosen, **sampling)
+                result.name = name
+                runs[name].append(result)
+    lines = [r.line() for pair in zip(*runs.values()) for r in pair]
+    best = {name: max(r.output_tokens_per_s for r in rs) for name, rs in runs.items()}
+    base, lora = best.values()
+    lines.append(f"best of {rounds}: base {base:.1f} output tok/s, {num_adapters} LoRAs "
+                 f"{lora:.1f}: ratio {lora / base:.2f}x")
     stats = getattr(getattr(engine.executor, "worker", None), "lora", None)
-    lines = [base1.line(), with_lora.line(), base2.line(),
-             f"ratio {num_adapters} LoRAs / base (the faster base run) output tok/s: "
-             f"{with_lora.output_tokens_per_s / base_tps:.2f}x"]
     if stats is not None:
         lines.append(f"adapter slots: {stats.stats}")
     return "\n".join(lines)
