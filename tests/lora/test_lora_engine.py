@@ -206,3 +206,17 @@ def test_adapters_are_added_and_removed_while_requests_run(llm, lora_base, lora_
     final = drive(engine, 100)
     assert [output_key(final[k]) for k in ("a", "b")] == keys(ref)
     assert engine.list_loras() == {r16.lora_int_id}
+
+
+def test_structured_outputs_hold_per_request_with_adapters(llm, lora_requests):
+    from pagedserve.structured_output import StructuredOutputsParams
+
+    choices = ["yes", "no", "maybe not"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(choice=choices))
+              for s in range(4)]
+    loras = [lora_requests["r8"], None, lora_requests["r16"], lora_requests["r4"]]
+    outs = llm.generate(["a"] * 4, params, lora_request=loras, use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outs)
+    alone = llm.generate(["a"], params[2], lora_request=loras[2], use_tqdm=False)
+    assert output_key(alone[0]) == output_key(outs[2])
