@@ -37,14 +37,18 @@ def test_the_mapping_is_a_one_hot_mask_per_token():
     m = StepMapping.build([1, -1, 0], [2, 1, 1], 3, torch.float32, CPU)
     assert m.mask.squeeze(-1).tolist() == [[0, 1, 0], [0, 1, 0], [0, 0, 0], [1, 0, 0]]
     assert m.slots == {0, 1}
+    big = StepMapping.build([1, -1, 0], [40, 10, 30], 3, torch.float32, CPU)  # segmented
+    assert big.mask is None and big.segments == ((0, 0, 30), (1, 30, 40))
+    assert big.perm.tolist() == list(range(50, 80)) + list(range(40))
     assert StepMapping.build([-1, -1], [2, 1], 3, torch.float32, CPU) is None
 
 
-def test_each_token_gets_its_own_adapter_and_base_tokens_none():
+@pytest.mark.parametrize("scale", [1, 8], ids=["dense", "segmented"])
+def test_each_token_gets_its_own_adapter_and_base_tokens_none(scale):
     placed = {0: (8, 1), 1: (16, 2), 2: (4, 3)}
     stacks = stacks_of(3, placed)
-    rows, tokens = [2, -1, 0, 1, 2], [3, 2, 1, 4, 2]
-    x, base = torch.randn(12, 64), torch.randn(12, 96)
+    rows, tokens = [2, -1, 0, 1, 2], [3 * scale, 2 * scale, scale, 4 * scale, 2 * scale]
+    x, base = torch.randn(12 * scale, 64), torch.randn(12 * scale, 96)
     y = run(stacks, rows, tokens, x, base)
     start = 0
     for slot, n in zip(rows, tokens):
@@ -59,17 +63,19 @@ def test_each_token_gets_its_own_adapter_and_base_tokens_none():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tokens_bits_do_not_depend_on_its_batch_slot_or_table_size(dtype):
-    x, base = torch.randn(9, 64).to(dtype), torch.randn(9, 96).to(dtype)
-    alone = run(stacks_of(1, {0: (8, 1)}, dtype), [0], [3], x[:3], base[:3])
+def test_a_tokens_bits_do_not_depend_on_its_batch_slot_table_size_or_path(dtype):
+    x, base = torch.randn(90, 64).to(dtype), torch.randn(90, 96).to(dtype)
+    alone = run(stacks_of(1, {0: (8, 1)}, dtype), [0], [3], x[:3], base[:3])  # dense
     for num_slots in (2, 4):
         for slot in range(num_slots):
             placed = {s: (16, 10 + s) for s in range(num_slots)}
             placed[slot] = (8, 1)
             others = [s for s in range(num_slots) if s != slot] + [-1]
-            y = run(stacks_of(num_slots, placed, dtype), [slot, others[0], others[-1]],
-                    [3, 4, 2], x, base)
-            assert torch.equal(y[:3], alone), (num_slots, slot)
+            stacks = stacks_of(num_slots, placed, dtype)
+            for other_tokens in (4, 80):  # a dense step, a segmented one
+                y = run(stacks, [slot, others[0], others[-1]], [3, other_tokens, 2],
+                        x[:5 + other_tokens], base[:5 + other_tokens])
+                assert torch.equal(y[:3], alone), (num_slots, slot, other_tokens)
 
 
 def test_a_cleared_slot_adapts_nothing():
@@ -95,6 +101,6 @@ def test_projections_of_one_input_share_the_shrink_with_the_same_bits():
     k = stacks.apply((0, "k_proj"), x, yk.clone())  # the shrink of q reused
     stacks.set_mapping(StepMapping.build([0, 1], [2, 3], 2, torch.float32, CPU))
     assert torch.equal(stacks.apply((0, "k_proj"), x, yk.clone()), k)  # computed afresh
-    a, b = stacks.a[(0, "qkv")][32:40], stacks.b[(0, "k_proj")][:, :8]  # k's slot-0 block
+    a, b = stacks.a[(0, "qkv")][0, 16:24], stacks.b[(0, "k_proj")][:, 0, :8]  # k's slot-0 block
     torch.testing.assert_close(k[:2], yk[:2] + x[:2] @ a.T @ b.T, rtol=1e-4, atol=1e-4)
     assert not torch.equal(q, yq)

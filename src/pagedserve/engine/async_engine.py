@@ -282,12 +282,13 @@ class AsyncLLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes (see `add_request` for errors).
         Leaving the loop early or cancelling the task aborts the request."""
         stream = await self.add_request(
             request_id or self.new_request_id(), prompt, params, prompt_token_ids,
-            priority=priority,
+            priority=priority, lora_request=lora_request,
         )
         try:
             async for out in stream:

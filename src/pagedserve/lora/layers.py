@@ -1,23 +1,25 @@
-"""LoRA on top of the base projections, batched over adapters (Punica's BGMV idea).
+"""LoRA on top of the base projections, batched over adapters (Punica's BGMV / SGMV ideas).
 
 Every adapted projection (q/k/v/o, gate/up/down of each decoder layer) gets a forward hook that
 adds the adapters' low-rank products to the base product, whatever the base weight's format
 (bf16, float32, int8 or GGUF blocks: the base product is untouched, weights are never merged).
-The slot table keeps each projection's adapters stacked: A as [slots * r_max, in] (slot s in
-rows s * r_max ..) and B as [out, slots * r_max] (slot s in those columns), zero beyond each
-adapter's rank.
+The slot table keeps each projection's adapters stacked (`LoRAStacks`: A [slots, r_max, in],
+B [out, slots, r_max], zero beyond each adapter's rank).
 
-Per step, `StepMapping` holds each token's slot as a one-hot mask [T, slots, 1] (all zero for a
-base token). A hook then runs one gathered shrink, `h = x A_all^T` [T, slots * r_max] (one for
-q/k/v together and one for gate/up, which read the same input), masks each token's row to its
-own slot's block, and one expand, `y += h B_all^T`: every token gets its own adapter's
-x A^T B^T, base tokens exactly zero (per layer 4 shrinks and 7 expands, whatever the number of
-adapters in the batch).
+Per step, `StepMapping` says which slot each token is in (base tokens: none). Small steps
+(decode) take the dense path (Punica's BGMV): one shrink of every token against every slot's A
+(one for q/k/v together and one for gate/up, which read the same input), each token's row masked
+to its own slot's block, one expand against every slot's B: `y += mask(x A_all^T) B_all^T`,
+two products per projection whatever the number of adapters, base tokens adding exact zeros.
+Steps of `SEGMENT_MIN_TOKENS` or more (prompts), where the dense path's work over every slot
+would show, take the segmented path (SGMV): the adapter tokens gathered once in slot order, one
+shrink and one expand per slot's segment, added back with one index_add.
 
 NOTE: every product goes through `layers.linear.linear`, whose per-row results do not depend on
-the batch; the other slots' blocks of a token's row are exact zeros, so a token's result does not
-depend on its slot, on the other adapters, nor on the table's size either (checked in
-tests/lora/test_lora_layers.py for the kernels this machine runs).
+the batch; both paths reduce over slot blocks of r_max columns whose unused entries are exact
+zeros, so a token's result depends neither on its slot, the other adapters, the table's size,
+nor the path its step took (checked in tests/lora/test_lora_layers.py for the kernels this
+machine runs, and end to end in tests/lora/test_lora_engine.py).
 """
 
 from __future__ import annotations
@@ -30,13 +32,25 @@ from pagedserve.layers.linear import linear
 from pagedserve.lora.adapter import TARGET_MODULES
 
 
+# Steps of at least this many tokens take the segmented path (see the module docstring).
+SEGMENT_MIN_TOKENS = 64
+
+
 @dataclass
 class StepMapping:
-    """This step's tokens by adapter slot: `mask` [T, slots, 1] (one-hot, in the model dtype;
-    zero rows for base tokens) and `slots` (the slots in use)."""
+    """This step's tokens by adapter slot, for one of two paths:
 
-    mask: torch.Tensor
+    - `mask` [T, slots, 1] (one-hot in the model dtype, zero rows for base tokens): the dense
+      path of small steps (decode);
+    - `perm` (the flat-batch indices of the adapter tokens, ordered by slot) and `segments`
+      ((slot, start, length) runs of `perm`): the segmented path of large steps (prompts).
+
+    `slots`: the slots the step uses."""
+
     slots: frozenset[int]
+    mask: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    segments: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def build(cls, row_slots: list[int], row_tokens: list[int], num_slots: int,
@@ -46,10 +60,24 @@ class StepMapping:
         used = frozenset(s for s in row_slots if s >= 0)
         if not used:
             return None
-        per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
-                                            torch.tensor(row_tokens, dtype=torch.long))  # [T]
-        mask = per_token.unsqueeze(1) == torch.arange(num_slots).unsqueeze(0)  # [T, slots]
-        return cls(mask.to(dtype).unsqueeze(-1).to(device), used)
+        if sum(row_tokens) < SEGMENT_MIN_TOKENS:
+            per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
+                                                torch.tensor(row_tokens, dtype=torch.long))
+            mask = per_token.unsqueeze(1) == torch.arange(num_slots).unsqueeze(0)  # [T, slots]
+            return cls(used, mask=mask.to(dtype).unsqueeze(-1).to(device))
+        by_slot: dict[int, list[int]] = {}
+        offset = 0
+        for slot, n in zip(row_slots, row_tokens):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).extend(range(offset, offset + n))
+            offset += n
+        perm: list[int] = []
+        segments = []
+        for slot in sorted(by_slot):
+            segments.append((slot, len(perm), len(by_slot[slot])))
+            perm.extend(by_slot[slot])
+        return cls(used, perm=torch.tensor(perm, dtype=torch.long, device=device),
+                   segments=tuple(segments))
 
 
 # The projections that read the same input share one shrink: (group, member index).
@@ -62,18 +90,20 @@ class LoRAStacks:
     """The slot table's tensors, per layer and input group (q/k/v, o, gate/up, down: the
     projections of one input share their A stack and its shrink) and per projection (B), created
     when a loaded adapter first targets them; and the step's `mapping` (None: no adapter this
-    step, the hooks and the fused decode layer do nothing different)."""
+    step, the hooks and the fused decode layer do nothing different).
+
+    Layout, slot-major, zero beyond each adapter's rank: A [slots, members * r_max, in] (member
+    m's A in rows m * r_max ..), B [out, slots, r_max]."""
 
     def __init__(self, num_slots: int, max_rank: int, dims: dict[str, tuple[int, int]],
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_slots, self.max_rank, self.dims = num_slots, max_rank, dims
-        self.width = num_slots * max_rank  # one projection's columns of a shrink
         self.dtype, self.device = dtype, device
-        self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, group): [members * width, in]
-        self.b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module): [out, width]
+        self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, group)
+        self.b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module)
         self.present: dict[tuple[int, str], set[int]] = {}  # slots adapting the projection
         self.mapping: StepMapping | None = None
-        # the last shrink: ((layer, group), its input, h [T, members, slots, r_max])
+        # the last shrink: ((layer, group), its input, its result)
         self._shrunk: tuple | None = None
 
     def set_mapping(self, mapping: StepMapping | None) -> None:
@@ -84,44 +114,50 @@ class LoRAStacks:
         layer, module = key
         d_in, d_out = self.dims[module]
         group, member = GROUPS[module]
-        gkey = (layer, group)
+        gkey, rmax = (layer, group), self.max_rank
         if gkey not in self.a:
-            self.a[gkey] = torch.zeros(GROUP_SIZES[group] * self.width, d_in, dtype=self.dtype,
-                                       device=self.device)
+            self.a[gkey] = torch.zeros(self.num_slots, GROUP_SIZES[group] * rmax, d_in,
+                                       dtype=self.dtype, device=self.device)
         if key not in self.b:
-            self.b[key] = torch.zeros(d_out, self.width, dtype=self.dtype, device=self.device)
+            self.b[key] = torch.zeros(d_out, self.num_slots, rmax, dtype=self.dtype,
+                                      device=self.device)
             self.present[key] = set()
-        lo, r = slot * self.max_rank, a.shape[0]
-        rows = self.a[gkey][member * self.width + lo:]
-        rows[: self.max_rank].zero_()
+        r = a.shape[0]
+        rows = self.a[gkey][slot, member * rmax:(member + 1) * rmax]
+        rows.zero_()
         rows[:r].copy_(a)
-        self.b[key][:, lo:lo + self.max_rank].zero_()
-        self.b[key][:, lo:lo + r].copy_(b)
+        self.b[key][:, slot].zero_()
+        self.b[key][:, slot, :r].copy_(b)
         self.present[key].add(slot)
         self._shrunk = None
 
     def clear(self, slot: int) -> None:
         """Forget what `slot` held (its projections no longer adapted; their blocks zeroed)."""
-        lo, hi = slot * self.max_rank, (slot + 1) * self.max_rank
+        rmax = self.max_rank
         for (layer, module), slots in self.present.items():
             if slot in slots:
                 slots.discard(slot)
                 group, member = GROUPS[module]
-                off = member * self.width
-                self.a[(layer, group)][off + lo:off + hi].zero_()
-                self.b[(layer, module)][:, lo:hi].zero_()
+                self.a[(layer, group)][slot, member * rmax:(member + 1) * rmax].zero_()
+                self.b[(layer, module)][:, slot].zero_()
         self._shrunk = None
 
-    def _shrink(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
-        """x A_group^T masked to each token's slot: [T, members, slots, r_max] (computed once for
-        the projections that share `x`)."""
+    def _shrink(self, layer: int, group: str, x: torch.Tensor):
+        """x A^T for the projections that share `x`, computed once: dense, [T, slots, members,
+        r_max] masked to each token's slot; segmented, one [n, members * r_max] per segment."""
         gkey = (layer, group)
         last = self._shrunk
         if last is not None and last[0] == gkey and last[1] is x:
             return last[2]
-        t = x.shape[0]
-        h = linear(x, self.a[gkey]).view(t, GROUP_SIZES[group], self.num_slots, self.max_rank)
-        h.mul_(self.mapping.mask.unsqueeze(1))  # each token's own slot only (base tokens: 0)
+        m, a = self.mapping, self.a[gkey]
+        if m.mask is not None:
+            t = x.shape[0]
+            h = linear(x, a.view(-1, a.shape[-1])).view(t, self.num_slots, GROUP_SIZES[group],
+                                                         self.max_rank)
+            h.mul_(m.mask.unsqueeze(-1))  # each token's own slot only (base tokens: 0)
+        else:
+            xs = x.index_select(0, m.perm)  # [Ta, in], by slot
+            h = [linear(xs[start:start + n], a[slot]) for slot, start, n in m.segments]
         self._shrunk = (gkey, x, h)  # NOTE: holds x, so its identity cannot be reused
         return h
 
@@ -133,8 +169,20 @@ class LoRAStacks:
             return y
         layer, module = key
         group, member = GROUPS[module]
-        h = self._shrink(layer, group, x)[:, member].reshape(x.shape[0], self.width)
-        return y.add_(linear(h, self.b[key]))  # expand
+        h, b, rmax = self._shrink(layer, group, x), self.b[key], self.max_rank
+        if m.mask is not None:  # one expand over every slot
+            hm = h[:, :, member].reshape(x.shape[0], -1)  # [T, slots * r_max]
+            return y.add_(linear(hm, b.view(b.shape[0], -1)))
+        cols = slice(member * rmax, (member + 1) * rmax)
+        parts, index = [], []
+        for (slot, start, n), hs in zip(m.segments, h):
+            if slot in present:
+                parts.append(linear(hs[:, cols], b[:, slot]))  # [n, out]
+                index.append(m.perm[start:start + n])
+        if parts:
+            y.index_add_(0, torch.cat(index) if len(index) > 1 else index[0],
+                         torch.cat(parts) if len(parts) > 1 else parts[0])
+        return y
 
 
 def _projections(layer) -> dict[str, torch.nn.Module]:
