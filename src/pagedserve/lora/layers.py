@@ -93,7 +93,7 @@ class LoRAStacks:
     step, the hooks and the fused decode layer do nothing different).
 
     Layout, slot-major, zero beyond each adapter's rank: A [slots, members * r_max, in] (member
-    m's A in rows m * r_max ..), B [out, slots, r_max]."""
+    m's A in rows m * r_max ..), B [out, slots, r_max] (and per slot, `b_slot`)."""
 
     def __init__(self, num_slots: int, max_rank: int, dims: dict[str, tuple[int, int]],
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -101,6 +101,8 @@ class LoRAStacks:
         self.dtype, self.device = dtype, device
         self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, group)
         self.b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module)
+        # the same B per slot, [slots, out, r_max]: the segmented path's contiguous operands
+        self.b_slot: dict[tuple[int, str], torch.Tensor] = {}
         self.present: dict[tuple[int, str], set[int]] = {}  # slots adapting the projection
         self.mapping: StepMapping | None = None
         # the last shrink: ((layer, group), its input, its result)
@@ -121,6 +123,8 @@ class LoRAStacks:
         if key not in self.b:
             self.b[key] = torch.zeros(d_out, self.num_slots, rmax, dtype=self.dtype,
                                       device=self.device)
+            self.b_slot[key] = torch.zeros(self.num_slots, d_out, rmax, dtype=self.dtype,
+                                           device=self.device)
             self.present[key] = set()
         r = a.shape[0]
         rows = self.a[gkey][slot, member * rmax:(member + 1) * rmax]
@@ -128,6 +132,7 @@ class LoRAStacks:
         rows[:r].copy_(a)
         self.b[key][:, slot].zero_()
         self.b[key][:, slot, :r].copy_(b)
+        self.b_slot[key][slot].copy_(self.b[key][:, slot])
         self.present[key].add(slot)
         self._shrunk = None
 
@@ -140,6 +145,7 @@ class LoRAStacks:
                 group, member = GROUPS[module]
                 self.a[(layer, group)][slot, member * rmax:(member + 1) * rmax].zero_()
                 self.b[(layer, module)][:, slot].zero_()
+                self.b_slot[(layer, module)][slot].zero_()
         self._shrunk = None
 
     def _shrink(self, layer: int, group: str, x: torch.Tensor):
@@ -177,7 +183,7 @@ class LoRAStacks:
         parts, index = [], []
         for (slot, start, n), hs in zip(m.segments, h):
             if slot in present:
-                parts.append(linear(hs[:, cols], b[:, slot]))  # [n, out]
+                parts.append(linear(hs[:, cols], self.b_slot[key][slot]))  # [n, out]
                 index.append(m.perm[start:start + n])
         if parts:
             y.index_add_(0, torch.cat(index) if len(index) > 1 else index[0],
