@@ -117,3 +117,31 @@ def make_classifier_checkpoint(path: Path, arch: str, num_labels: int, seed: int
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)
     return path
+
+
+def make_lora_adapter(path: Path, base: Path, rank: int, seed: int = 0, *,
+                      targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj"), alpha: float | None = None,
+                      use_rslora: bool = False, b_std: float = 0.1) -> Path:
+    """Save a PEFT LoRA adapter of `rank` over the tiny checkpoint at `base` to `path`
+    (safetensors): A as PEFT initializes it, B random (PEFT starts it at zero, which would
+    change nothing), both from `seed`; returns `path`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                     target_modules=list(targets), lora_dropout=0.0, use_rslora=use_rslora)
+    model = get_peft_model(load_hf(base), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, b_std)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_with_adapter(base: Path, adapter: Path):
+    """The tiny HF model at `base` with the PEFT adapter at `adapter` (float32, eval)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(base), adapter).eval()

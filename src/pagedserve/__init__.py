@@ -26,6 +26,7 @@ _LAZY = {
     "ScoringRequestOutput": "pagedserve.outputs",
     "ClassificationRequestOutput": "pagedserve.outputs",
     "BeamSearchOutput": "pagedserve.core.beam_search",
+    "LoRARequest": "pagedserve.lora.request",
 }
 
 __all__ = list(_LAZY)
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.structured_output.params import StructuredOutputsParams

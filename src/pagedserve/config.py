@@ -189,6 +189,25 @@ class EngineArgs:
         "fcfs", "fcfs: requests are served in arrival order; priority: by each request's "
         "priority (lower first; ties by arrival), and the lowest priority is preempted first",
         choices=SCHEDULING_POLICIES)
+    # multi-LoRA serving (vLLM's names; src/pagedserve/lora/)
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT folders) over the base model: requests name one with "
+        "lora_request (the server: --lora-modules, the adapter's name as `model`)")
+    max_loras: int = option(1, "most distinct LoRA adapters in one batch (slots on the compute "
+                               "device)")
+    max_lora_rank: int = option(16, "largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded in CPU memory, least recently used dropped first "
+        "(default: max_loras)")
+
+    def lora_config(self):
+        """The adapters' limits (`lora.request.LoRAConfig`), or None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        from pagedserve.lora.request import LoRAConfig
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank,
+                          self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -230,6 +249,11 @@ class EngineArgs:
         if self.override_generation_config is not None:
             self.override_generation_config = _json_object(
                 "override_generation_config", self.override_generation_config)
+        if self.enable_lora:
+            self.lora_config()  # ValueError naming max_loras / max_lora_rank / max_cpu_loras
+            if self.tensor_parallel_size != 1:
+                raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size=1 "
+                                 f"only, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")
@@ -247,7 +271,8 @@ class EngineArgs:
             max_model_len=max_model_len, enable_chunked_prefill=chunked,
             preemption_mode=self.preemption_mode, swap_seconds_per_block=swap_seconds_per_block,
             recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids,
-            scheduling_policy=self.scheduling_policy)
+            scheduling_policy=self.scheduling_policy,
+            max_loras=self.max_loras if self.enable_lora else 0)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,

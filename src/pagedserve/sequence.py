@@ -137,6 +137,8 @@ class SequenceGroup:
     # Beam search state (`core.beam_search.BeamState`) when the request is a beam search.
     beam: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The request's adapter (`lora.request.LoRARequest`; multi-LoRA serving), None: the base model.
+    lora_request: Any = None
     # Prompt tokens found in the prefix cache when first admitted (None: not admitted yet).
     num_cached_tokens: int | None = None
     # A pooling request (`pooling_params.PoolingSpec`): prefill only, it finishes when its prompt

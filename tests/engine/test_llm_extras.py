@@ -76,7 +76,8 @@ def test_chat_adds_the_default_gemma_formats_end_of_turn_stop(llm, monkeypatch):
     monkeypatch.setattr(llm, "_chat_format_cache", ChatFormat("test", PLAIN_TEMPLATE, [7]),
                         raising=False)
     seen = []
-    monkeypatch.setattr(llm, "generate", lambda prompts, params, use_tqdm: seen.append(params))
+    monkeypatch.setattr(llm, "generate",
+                        lambda prompts, params, use_tqdm, **kw: seen.append(params))
     llm.chat(CONVERSATION, SamplingParams(stop_token_ids=[9]), use_tqdm=False)
     assert seen[0].stop_token_ids == [9, 7]
 

@@ -33,9 +33,9 @@ class ThroughputResult:
 
 
 def run_pagedserve(llm, trace: list[TraceRequest], temperature: float = 0.0, top_p: float = 1.0,
-                   top_k: int = 0, seed: int = 0) -> ThroughputResult:
+                   top_k: int = 0, seed: int = 0, lora_requests=None) -> ThroughputResult:
     """Every request at once through the engine (continuous batching, ignore_eos); greedy, or
-    sampled with request i seeded `seed + i`."""
+    sampled with request i seeded `seed + i`; `lora_requests`: one adapter (or None) each."""
     from pagedserve.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in trace]
@@ -45,7 +45,7 @@ def run_pagedserve(llm, trace: list[TraceRequest], temperature: float = 0.0, top
                              max_tokens=r.output_len, ignore_eos=True)
               for i, r in enumerate(trace)]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     return ThroughputResult("pagedserve", elapsed, len(trace), produced)
@@ -96,7 +96,13 @@ def main(args) -> int:
     from pagedserve.config import EngineArgs
     from pagedserve.engine.llm import LLM
 
-    llm = LLM.from_engine_args(EngineArgs.from_namespace(args))
+    lora = getattr(args, "lora", 0) or 0
+    overrides = {}
+    if lora:  # --lora N: an engine that serves N adapters at once (bench/lora.py)
+        overrides = dict(enable_lora=True, max_loras=max(args.max_loras, lora),
+                         max_lora_rank=max(args.max_lora_rank, 16),
+                         max_cpu_loras=max(args.max_cpu_loras or 0, lora))
+    llm = LLM.from_engine_args(EngineArgs.from_namespace(args, **overrides))
     engine = llm.engine
     trace = sharegpt_like_trace(
         engine.tokenizer, args.num_prompts, input_len_mean=args.input_len_mean,
@@ -112,6 +118,13 @@ def main(args) -> int:
           f"output tokens={n_out} (mean {n_out / len(trace):.1f}) batch={args.max_num_seqs}")
     # A short warm-up so that both sides are measured warm.
     llm.generate([{"prompt_token_ids": trace[0].prompt_token_ids}], use_tqdm=False)
+    if lora:
+        from pagedserve.bench.lora import compare as compare_lora
+
+        print(compare_lora(llm, trace, lora, seed=args.seed, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k))
+        engine.shutdown()
+        return 0
     if getattr(args, "structured", None) == "json":
         from pagedserve.bench.structured import compare
 

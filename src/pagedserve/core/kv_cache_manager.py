@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pagedserve.core.block_pool import BlockPool
 
 
-def salt_root(salt: str | None) -> int:
-    """The parent hash of a chain's first block: 0 unsalted, else derived from the salt."""
+def salt_root(salt: str | tuple | None) -> int:
+    """The parent hash of a chain's first block: 0 unsalted, else derived from the salt (a
+    request's cache_salt, or (cache_salt, LoRA adapter id) for a request with an adapter:
+    requests of different adapters never share KV)."""
     return 0 if salt is None else hash(("cache_salt", salt))
 
 

@@ -39,6 +39,8 @@ class SchedulerConfig:
     # Token ids that end a sequence (unless its request sets ignore_eos).
     eos_token_ids: tuple[int, ...] = ()
     scheduling_policy: str = "fcfs"
+    # Distinct LoRA adapters running at once (enable_lora: max_loras); 0: no adapters, no limit.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -261,7 +261,8 @@ class Scheduler(Turns):
                 self._requeue_for_recompute(group)
                 continue
             if (plan is None or need > self.kv.num_free_blocks
-                    or slots + group.max_width_left > self.config.max_num_seqs):
+                    or slots + group.max_width_left > self.config.max_num_seqs
+                    or self._lora_blocked(group)):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq_ids))
@@ -271,7 +272,7 @@ class Scheduler(Turns):
 
         while self.waiting and not self.swapped and not out.preempted and step.budget > 0:
             group = self.waiting[0]
-            if slots + group.max_width_left > self.config.max_num_seqs:
+            if slots + group.max_width_left > self.config.max_num_seqs or self._lora_blocked(group):
                 break
             # NOTE: a request whose sequences take turns gets the blocks they free, before any
             # new request (under "priority", before any new request of its priority or lower).
@@ -299,6 +300,15 @@ class Scheduler(Turns):
             slots += group.max_width_left
             self._commit(plan, group, step, out)
         return step.finish(out)
+
+    def _lora_blocked(self, group: SequenceGroup) -> bool:
+        """Whether `group`'s adapter would be one more than `max_loras` distinct adapters among
+        the running requests (the workers' slot table holds that many: it waits its turn)."""
+        lora = group.lora_request
+        if lora is None or not self.config.max_loras:
+            return False
+        running = {g.lora_request.lora_int_id for g in self.running if g.lora_request is not None}
+        return lora.lora_int_id not in running and len(running) >= self.config.max_loras
 
     def _prefix_hits(self, group: SequenceGroup) -> list[tuple[Sequence, list[int]]]:
         """Cached leading blocks for each sequence of a group about to be admitted.

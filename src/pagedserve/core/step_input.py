@@ -62,6 +62,8 @@ class StepRow:
     # A pooling request (every chunk of its prompt): its hidden states are pooled, nothing is
     # sampled; the pooled result comes back with the chunk that reaches the end (`do_sample`).
     pooling: PoolingSpec | None = None
+    # The request's adapter (`lora.request.LoRARequest`, multi-LoRA serving), None: the base model.
+    lora_request: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +113,6 @@ class StepInput:
                 group.request_id, seq.seq_id, seq.token_ids, seq.num_prompt_tokens, s.start,
                 s.end, s.block_table, group.sampling_params, s.do_sample,
                 s.wants_prompt_logprobs, samples, beam_width, group.needs_logprobs,
-                group.pooling))
+                group.pooling, group.lora_request))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                    sched.finished_request_ids, sched.freed_seq_ids)

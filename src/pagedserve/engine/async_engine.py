@@ -67,6 +67,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    lora_request: object | None = None  # lora.request.LoRARequest
 
 
 @dataclass
@@ -239,6 +240,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it.
 
@@ -263,7 +265,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._inbox.put(_Add(
             stream, prompt, None if prompt_token_ids is None else list(prompt_token_ids), params,
-            time.monotonic() if arrival_time is None else arrival_time, priority,
+            time.monotonic() if arrival_time is None else arrival_time, priority, lora_request,
         ))
         try:
             await stream.wait_accepted()
@@ -280,12 +282,13 @@ class AsyncLLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes (see `add_request` for errors).
         Leaving the loop early or cancelling the task aborts the request."""
         stream = await self.add_request(
             request_id or self.new_request_id(), prompt, params, prompt_token_ids,
-            priority=priority,
+            priority=priority, lora_request=lora_request,
         )
         try:
             async for out in stream:
@@ -414,7 +417,7 @@ class AsyncLLMEngine:
                 self.engine.add_request(
                     stream.request_id, cmd.prompt, cmd.params,
                     prompt_token_ids=cmd.prompt_token_ids, arrival_time=cmd.arrival_time,
-                    priority=cmd.priority,
+                    priority=cmd.priority, lora_request=cmd.lora_request,
                 )
             except Exception as exc:
                 if not isinstance(exc, ValueError):

@@ -11,6 +11,7 @@ from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.llm_pooling import PoolingMixin
 from pagedserve.engine.llm_extras import LLMExtras
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -53,12 +54,15 @@ class LLM(PoolingMixin, LLMExtras):
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; return their outputs in input order.
 
         A prompt is a string, `{"prompt": str}` or `{"prompt_token_ids": [int, ...]}`. Every
         request is validated before any work starts: a bad one raises ValueError naming it.
         `priority`: one per prompt (lower first), with `scheduling_policy="priority"` (vLLM's).
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base model),
+        with `enable_lora=True` (vLLM's).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -88,12 +92,13 @@ class LLM(PoolingMixin, LLMExtras):
                 parsed[i] = (text, engine.tokenize(text))
         for (_, ids), params in zip(parsed, params_list):
             engine._validate_params(params, len(engine._validate_prompt(ids)))
+        loras = self._lora_list(lora_request, len(prompts))
         order: dict[str, int] = {}
         for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
             request_id = engine.new_request_id()
             order[request_id] = i
             engine.add_request(request_id, text, params, prompt_token_ids=ids,
-                               priority=priority[i])
+                               priority=priority[i], lora_request=loras[i])
         return self._run(order, "Processed prompts", use_tqdm)
 
     def beam_search(
@@ -101,9 +106,11 @@ class LLM(PoolingMixin, LLMExtras):
         prompts: PromptType | Seq[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (vLLM's API): the `beam_width` best sequences, best
-        first, with their cumulative logprobs. Runs inside the engine, one group per prompt."""
+        first, with their cumulative logprobs. Runs inside the engine, one group per prompt
+        (`lora_request` as in `generate`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         engine = self.engine
@@ -111,11 +118,13 @@ class LLM(PoolingMixin, LLMExtras):
         parsed = [(t, ids if ids is not None else engine.tokenize(t)) for t, ids in parsed]
         for _, ids in parsed:
             engine._validate_prompt(ids)
+        loras = self._lora_list(lora_request, len(parsed))
         order = {}
         for i, (text, ids) in enumerate(parsed):
             request_id = engine.new_request_id()
             order[request_id] = i
-            engine.add_beam_request(request_id, text, params, prompt_token_ids=ids)
+            engine.add_beam_request(request_id, text, params, prompt_token_ids=ids,
+                                    lora_request=loras[i])
         return [
             BeamSearchOutput([
                 BeamSearchSequence(
@@ -152,6 +161,16 @@ class LLM(PoolingMixin, LLMExtras):
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+    def _lora_list(self, lora_request, n: int) -> list:
+        """One adapter (or None) per prompt, each checked (ValueError before any is queued)."""
+        if not isinstance(lora_request, (list, tuple)):  # one for all (checked below)
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+        return [self.engine.lora.check(r) for r in loras]
 
     @staticmethod
     def _parse_prompt(p: PromptType, index: int) -> tuple[str | None, list[int] | None]:

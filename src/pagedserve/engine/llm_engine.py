@@ -26,6 +26,7 @@ from pagedserve.engine.detokenizer import (
 from pagedserve.engine.gc_pause import gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
+from pagedserve.lora.engine import LoRAChecker, LoRAEngineMixin, cache_key
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
 from pagedserve.platforms import platform_for
 from pagedserve.models.source import resolve_model
@@ -63,7 +64,7 @@ class _NoDetokenizer:
         return ""
 
 
-class LLMEngine(OutputBuilder):
+class LLMEngine(OutputBuilder, LoRAEngineMixin):
     """One model, its KV cache, a scheduler and a model runner, driven step by step.
 
     `add_request` validates and queues a request (ValueError names the bad parameter, and the
@@ -126,6 +127,7 @@ class LLMEngine(OutputBuilder):
             logger.info("pooling runner: pooling_type=%s normalize=%s (from %s)",
                         self.pooler_config.pooling_type, self.pooler_config.normalize,
                         self.pooler_config.source)
+        self.lora = LoRAChecker(args.lora_config(), self.model_config)  # enable_lora (lora/)
         self._seq_ids = itertools.count()
         self._build_cache(args)
         self._request_ids = itertools.count()
@@ -235,17 +237,20 @@ class LLMEngine(OutputBuilder):
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request=None,
     ) -> SequenceGroup:
         """Validate and queue one request: a generation request (`SamplingParams`) or, with
         `runner="pooling"`, a pooling one (`PoolingParams`). Raises ValueError (naming the
         problem) and leaves the engine untouched when the request cannot be served. `priority`
-        (lower first) needs `scheduling_policy="priority"`."""
+        (lower first) needs `scheduling_policy="priority"`; `lora_request` (a
+        `LoRARequest`) runs it with that adapter (`enable_lora`)."""
         if self.sleeping:
             raise ValueError("the engine is asleep (its KV cache is freed): call wake_up() first")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self.check_priority(priority)
         check_runner(self.runner, params)
+        lora_request = self.lora.check(lora_request)
         pooling = None
         if isinstance(params, PoolingParams):
             pooling = pooling_spec(params, self.pooler_config, self.model_config,
@@ -273,10 +278,11 @@ class LLMEngine(OutputBuilder):
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=prompt,
             priority=priority,
+            lora_request=lora_request,
         )
         for index in range(1 if beam else params.best_of or params.n):
             seq = Sequence(next(self._seq_ids), prompt_token_ids, index)
-            seq.cache_salt = params.cache_salt
+            seq.cache_salt = cache_key(params.cache_salt, lora_request)
             if beam:  # beams fork every step: their text is decoded once, at the end
                 group.seqs.append(seq)
                 continue
@@ -519,7 +525,7 @@ class LLMEngine(OutputBuilder):
 
     def add_beam_request(
         self, request_id: str, prompt: str | None, params: BeamSearchParams,
-        prompt_token_ids: list[int] | None = None, priority: int = 0,
+        prompt_token_ids: list[int] | None = None, priority: int = 0, lora_request=None,
     ) -> SequenceGroup:
         """Queue a beam search: one group whose live sequences are the beams (the same as
         `add_request` with `SamplingParams(use_beam_search=True, n=beam_width, ...)`)."""
@@ -529,7 +535,7 @@ class LLMEngine(OutputBuilder):
                                   ignore_eos=params.ignore_eos, n=params.beam_width,
                                   use_beam_search=True, length_penalty=params.length_penalty)
         return self.add_request(request_id, prompt, sampling, prompt_token_ids,
-                                priority=priority)
+                                priority=priority, lora_request=lora_request)
 
     # --- introspection -----------------------------------------------------------------------
 

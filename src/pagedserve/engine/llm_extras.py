@@ -63,8 +63,6 @@ class LLMExtras:
         """Generate a reply for one conversation (a list of `{"role", "content", ...}` messages)
         or for each of a list of conversations, with vLLM's signature. Every conversation is
         rendered and checked before any is run; a bad one raises ValueError naming it."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: this engine serves text-only models")
         if chat_template_content_format not in CONTENT_FORMATS:
@@ -88,7 +86,8 @@ class LLMExtras:
             sampling_params = _with_stop_tokens(sampling_params, stops)
         else:
             sampling_params = [_with_stop_tokens(p, stops) for p in sampling_params]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _chat_format(self):
         fmt = getattr(self, "_chat_format_cache", None)

@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--structured", choices=["json"], default=None,
                     help="compare the per-step time of JSON-schema constrained requests with "
                          "unconstrained ones (side by side, full decode batches)")
+    tp.add_argument("--lora", type=int, default=0, metavar="N",
+                    help="the trace with N random LoRA adapters (ranks 8/16) spread over its "
+                         "requests, against the base model alone")
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=cmd_bench, max_num_seqs=16)
 

@@ -92,6 +92,9 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
             and len(meta.groups) == 1 and meta.groups[0].covers_all):
         return None
+    lora = layer.__dict__.get("lora_stacks")  # lora.layers.LoRAStacks (engine's enable_lora)
+    if lora is not None and lora.mapping is not None:
+        return None  # a step with adapters: the unfused modules, whose hooks add the products
     plan = _fused_plan(layer)
     if not plan.usable:
         return None

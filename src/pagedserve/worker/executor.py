@@ -239,7 +239,7 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                           num_threads=threads, attention_backend=args.attention_backend,
                           enforce_eager=args.enforce_eager, quantization=quantization,
                           batch_invariant=bool(getattr(args, "batch_invariant", False)),
-                          cpu_bind=cpu_bind)
+                          cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)())
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

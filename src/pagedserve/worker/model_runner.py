@@ -117,8 +117,10 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         platform: Platform | None = None,
+        lora=None,
     ) -> None:
         self.model = model
+        self.lora = lora  # lora.slots.LoRASlots (enable_lora), else None
         self.sample = sample
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -219,17 +221,23 @@ class ModelRunner:
 
         block_tables = [s.block_table for s in step.rows]
         seq_lens = [s.end for s in step.rows]
-        if (self.graphs is not None and offset == len(step.rows)
-                and self.graphs.can_run(offset)):
-            # Decode-only (one token per sequence): replay the bucket's CUDA graph.
-            hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)  # [n, H]
-        else:
-            meta = self._build_meta(block_tables=block_tables, seq_lens=seq_lens,
-                                    query_lens=[s.num_tokens for s in step.rows],
-                                    device=self.device)
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-            hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
+        # adapters of this step's rows in slots, the token -> slot mapping set (lora/slots.py)
+        adapters = self.lora is not None and self.lora.prepare(step.rows)
+        try:
+            if (self.graphs is not None and offset == len(step.rows) and not adapters
+                    and self.graphs.can_run(offset)):
+                # Decode-only (one token per sequence): replay the bucket's CUDA graph.
+                hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)  # [n, H]
+            else:
+                meta = self._build_meta(block_tables=block_tables, seq_lens=seq_lens,
+                                        query_lens=[s.num_tokens for s in step.rows],
+                                        device=self.device)
+                ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+                pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+                hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
+        finally:
+            if adapters:
+                self.lora.finish()
         pooled = {}
         if self.sample and any(s.pooling is not None for s in step.rows):
             pooled = self.pooler.pool(step.rows, hidden, starts,

@@ -43,6 +43,8 @@ class StepMessage:
     new_requests: list[tuple[str, SamplingParams, int]] = field(default_factory=list)
     # The pooling of the new requests that pool (runner="pooling"), by request id
     new_pooling: dict[str, PoolingSpec] = field(default_factory=dict)
+    # The adapter (`lora.request.LoRARequest`) of the new requests that have one, by request id
+    new_loras: dict[str, object] = field(default_factory=dict)
     # (seq id, request id, prompt length, sample index)
     new_seqs: list[tuple[int, str, int, int]] = field(default_factory=list)
     tokens: list[Delta] = field(default_factory=list)
@@ -97,6 +99,8 @@ class StepEncoder:
                 msg.new_requests.append((row.request_id, row.params, row.beam_width))
                 if row.pooling is not None:
                     msg.new_pooling[row.request_id] = row.pooling
+                if row.lora_request is not None:
+                    msg.new_loras[row.request_id] = row.lora_request
             self._sync_tokens(row.seq_id, row.token_ids, row.num_prompt_tokens, 0, row.request_id,
                               held, msg)
             for spec in row.samples:
@@ -170,6 +174,7 @@ class StepDecoder:
     def reset(self) -> None:
         self.requests: dict[str, tuple[SamplingParams, int]] = {}
         self.pooling: dict[str, PoolingSpec] = {}
+        self.loras: dict[str, object] = {}
         self.seqs: dict[int, _MirrorSeq] = {}
         self.tables: dict[int, list[int]] = {}
         self._seqs_of: dict[str, set[int]] = {}
@@ -182,6 +187,7 @@ class StepDecoder:
         for request_id in msg.finished_requests:
             self.requests.pop(request_id, None)
             self.pooling.pop(request_id, None)
+            self.loras.pop(request_id, None)
             for seq_id in self._seqs_of.pop(request_id, ()):
                 self._drop(seq_id)
         for seq_id in msg.freed_seqs:
@@ -193,6 +199,7 @@ class StepDecoder:
             self.requests[request_id] = (params, beam_width)
             self._seqs_of[request_id] = set()
         self.pooling.update(msg.new_pooling)
+        self.loras.update(msg.new_loras)
         for seq_id, request_id, num_prompt_tokens, index in msg.new_seqs:
             self.seqs[seq_id] = _MirrorSeq(request_id, num_prompt_tokens, index)
             self._seqs_of[request_id].add(seq_id)
@@ -228,7 +235,7 @@ class StepDecoder:
             request_id=seq.request_id, seq_id=seq_id, token_ids=seq.token_ids,
             num_prompt_tokens=seq.num_prompt_tokens, start=0, end=0,
             block_table=self.tables[seq_id], params=params, beam_width=beam_width,
-            pooling=self.pooling.get(seq.request_id))
+            pooling=self.pooling.get(seq.request_id), lora_request=self.loras.get(seq.request_id))
 
     def _drop(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)

@@ -40,6 +40,8 @@ class WorkerConfig:
     # CPUs the compute threads are pinned to (EngineArgs.cpu_threads_bind), split evenly over the
     # ranks; () leaves them to the OS
     cpu_bind: tuple[int, ...] = ()
+    # multi-LoRA serving (EngineArgs.enable_lora): the slot table's limits; None: no adapters
+    lora: object | None = None  # lora.request.LoRAConfig
 
 
 @dataclass(frozen=True)
@@ -92,14 +94,15 @@ def _num_values(p: torch.Tensor) -> int:
 
 
 def make_runner(model, kv_cache: KVCache, cache: CacheConfig, platform: Platform, *,
-                attention_backend: str, enforce_eager: bool, sample: bool = True) -> ModelRunner:
+                attention_backend: str, enforce_eager: bool, sample: bool = True,
+                lora=None) -> ModelRunner:
     """The runner of one worker over its freshly allocated KV cache (CUDA graphs captured here
     where the platform has them, unless `enforce_eager`)."""
     return ModelRunner(model, kv_cache, device=platform.device,
                        stop_token_ids_for_min_tokens=list(cache.stop_token_ids), sample=sample,
                        attention_backend=attention_backend, cuda_graphs=not enforce_eager,
                        max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len,
-                       platform=platform)
+                       platform=platform, lora=lora)
 
 
 def profile_memory(model, dtype: torch.dtype, platform: Platform, attention_backend: str,
@@ -135,6 +138,11 @@ class Worker:
                                 device=self.device, seed=config.seed, tp=self.tp,
                                 quantization=config.quantization,
                                 batch_invariant=config.batch_invariant, platform=self.platform)
+        self.lora = None  # lora.slots.LoRASlots: this rank's adapters (hooks on its model)
+        if config.lora is not None:
+            from pagedserve.lora.slots import LoRASlots
+
+            self.lora = LoRASlots(self.model, config.lora, config.dtype, self.device)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()
@@ -152,7 +160,8 @@ class Worker:
                                 num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform)
         self.runner = make_runner(self.model, self.kv_cache, cache, self.platform,
                                   attention_backend=self.attention_backend,
-                                  enforce_eager=self.enforce_eager, sample=self.rank == 0)
+                                  enforce_eager=self.enforce_eager, sample=self.rank == 0,
+                                  lora=self.lora)
         self.decoder.reset()
 
     def free_cache(self) -> None:

@@ -101,6 +101,9 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
 def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     """The FastAPI app serving `engine` (started by the app's lifespan, stopped at its end)."""
     settings = settings_from_args(args, engine)
+    from pagedserve.lora.serving import add_lora_routes, served_loras
+
+    settings.loras = served_loras(engine, args, settings.served_model_names)  # --enable-lora
     metrics = ServerMetrics(settings.model_name,
                             prefix=getattr(args, "metrics_prefix", "pagedserve") + ":")
     metrics.set_cache_config(_cache_config(engine.engine))
@@ -160,11 +163,18 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
                                                     False))
     add_pooling_routes(app, engine, settings, pool)  # embeddings, pooling, score, rerank
 
+    if settings.loras is not None and getattr(args, "allow_runtime_lora_updating", False):
+        add_lora_routes(app, settings.loras, parse_body, APIError)
+
     @app.get("/v1/models")
     async def list_models():
         llm = engine.engine
         cards = [ModelCard(id=name, root=llm.source.name, max_model_len=llm.max_model_len)
                  for name in settings.served_model_names]
+        if settings.loras is not None:  # each adapter, its parent the base model (vLLM's)
+            cards += [ModelCard(id=name, root=lora.lora_path, parent=settings.model_name,
+                                max_model_len=llm.max_model_len)
+                      for name, lora in settings.loras.by_name.items()]
         return json_response(ModelList(data=cards))
 
     @app.get("/health")

@@ -53,6 +53,9 @@ def add_openai_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
                         "finish for up to this many seconds before aborting the rest "
                         "(default: end them at once)")
+    from pagedserve.lora.serving import add_lora_server_args
+
+    add_lora_server_args(p)  # --lora-modules, --allow-runtime-lora-updating
 
 
 def json_list(value: str) -> list[str]:

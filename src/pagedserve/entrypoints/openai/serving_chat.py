@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt, params, tools, reasoning = await self.run_cpu(self._prepare, request)
         request_id = random_id("chatcmpl")
         (stream,) = await self.submit(request_id, [prompt], [params], prompt_param="messages",
-                                      priority=request.priority)
+                                      priority=request.priority, model=request.model)
         if request.stream:
             return self._stream(request, request_id, stream, params.n,
                                 params.output_text_buffer_length, prompt, tools, reasoning)
@@ -106,7 +106,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.submit(request_id, [p[0] for p in prepared],
                                     [p[1] for p in prepared], prompt_param="messages",
-                                    priority=requests[0].priority if requests else 0)
+                                    priority=requests[0].priority if requests else 0,
+                                    model=requests[0].model if requests else None)
         try:
             finals = await asyncio.gather(*(final_output(s) for s in streams))
         except BaseException as e:

@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, per_prompt = await self.run_cpu(self._prepare, request)
         request_id = random_id("cmpl")
         streams = await self.submit(request_id, prompts, per_prompt, prompt_param="prompt",
-                                    priority=request.priority)
+                                    priority=request.priority, model=request.model)
         if request.stream:
             return self._stream(request, request_id, prompts, streams, per_prompt[0].n,
                                 per_prompt[0].output_text_buffer_length)

@@ -53,6 +53,8 @@ class ServerSettings:
     chat_template: str | None = None  # --chat-template (its source): replaces the default
     # tool_choice "auto": the parser of tool calls in the model's text (None: "auto" is a 400)
     tool_call_parser: str | None = None
+    # The LoRA adapters served by name (`lora.serving.ServedLoRAs`, --enable-lora), or None
+    loras: object | None = None
 
     @property
     def model_name(self) -> str:
@@ -123,10 +125,17 @@ class OpenAIServing:
 
     # --- request checks -----------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        # NOTE: a missing or empty model means the served one (as vLLM does).
-        if model and model not in self.settings.served_model_names:
+    def check_model(self, model: str | None, allow_lora: bool = True) -> None:
+        # NOTE: a missing or empty model means the served one (as vLLM does); a LoRA adapter's
+        # name (--lora-modules) the base model with that adapter.
+        if model and model not in self.settings.served_model_names and not (
+                allow_lora and self.lora_for(model) is not None):
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def lora_for(self, model: str | None):
+        """The `LoRARequest` a request's `model` names, or None (the base model)."""
+        loras = self.settings.loras
+        return loras.get(model) if loras is not None else None
 
     def check_fields(self, request: SamplingFields) -> None:
         """400 for a known field whose feature the engine lacks; warn about unknown ones."""
@@ -314,14 +323,16 @@ class OpenAIServing:
 
     async def submit(self, request_id: str, prompts: list[Prompt],
                      params: list[SamplingParams], *, prompt_param: str,
-                     priority: int = 0) -> list[RequestStream]:
+                     priority: int = 0, model: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt, concurrently; return their streams once all were
         accepted, or abort them all and raise an APIError (400 naming `priority` for a priority
-        the engine's --scheduling-policy refuses)."""
+        the engine's --scheduling-policy refuses). `model`: the request's, for its adapter."""
+        lora = self.lora_for(model)
         calls = [
             self.engine.add_request(
                 f"{request_id}-{i}" if len(prompts) > 1 else request_id,
                 p.text, sp, prompt_token_ids=p.token_ids, priority=priority,
+                lora_request=lora,
             )
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]

@@ -196,7 +196,7 @@ class OpenAIServingPooling(OpenAIServing):
         if runner != "pooling":
             raise APIError(f"{route} needs the pooling runner: this server runs "
                            f"--runner {runner} (start it with --runner pooling)", 400)
-        self.check_model(request.model)
+        self.check_model(request.model, allow_lora=False)
 
     def _prompts(self, value: Any, param: str, add_special_tokens: bool,
                  truncate: int | None) -> list[Prompt]:

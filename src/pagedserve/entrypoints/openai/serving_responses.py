@@ -199,7 +199,7 @@ class OpenAIServingResponses:
         response_id = item_id("resp")
         try:
             (stream,) = await self.chat.submit(response_id, [prompt], [params],
-                                               prompt_param="input")
+                                               prompt_param="input", model=request.model)
         except APIError as e:
             e.param = _PARAMS.get(e.param, e.param)
             raise
