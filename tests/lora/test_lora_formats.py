@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pagedserve.models.llama as llama
+import pagedserve.platforms.cpu_decode as llama  # where the fused decode call lives
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.lora.adapter import target_dims
 from utils import assert_tie_rule, ours_as_pairs
