@@ -62,10 +62,20 @@ class StepRow:
     # A pooling request (every chunk of its prompt): its hidden states are pooled, nothing is
     # sampled; the pooled result comes back with the chunk that reaches the end (`do_sample`).
     pooling: PoolingSpec | None = None
+    # Speculative decoding: draft tokens after the sequence's last token, verified this step;
+    # `end` counts them (the row computes `token_ids[start:end - d] + spec_token_ids`).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    def input_ids(self) -> list[int]:
+        """The tokens this row computes (its draft tokens last)."""
+        spec = self.spec_token_ids
+        if spec:
+            return self.token_ids[self.start : self.end - len(spec)] + spec
+        return self.token_ids[self.start : self.end]
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,6 +115,7 @@ class StepInput:
                 num_prompt_tokens=seq.num_prompt_tokens, start=s.start, end=s.end,
                 block_table=s.block_table, params=group.sampling_params, do_sample=s.do_sample,
                 prompt_logprobs=s.wants_prompt_logprobs, samples=samples, beam_width=beam_width,
-                need_logprob=group.needs_logprobs, pooling=group.pooling))
+                need_logprob=group.needs_logprobs, pooling=group.pooling,
+                spec_token_ids=s.spec_token_ids))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                    sched.finished_request_ids, sched.freed_seq_ids)

@@ -49,6 +49,8 @@ class StepMessage:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: the step's GrammarBitmask (keyed by sequence id), or None.
     grammar_bitmask: object | None = None
+    # Speculative decoding: the draft tokens of the rows that verify some, by sequence id.
+    spec_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StepEncoder:
@@ -101,6 +103,8 @@ class StepEncoder:
                      | (NEED_LOGPROB if row.need_logprob else 0))
             msg.rows.append((row.seq_id, row.start, row.end, flags,
                              [spec.seq_id for spec in row.samples]))
+            if row.spec_token_ids:
+                msg.spec_tokens[row.seq_id] = row.spec_token_ids
         return msg
 
     def _forget(self, seq_id: int) -> None:
@@ -204,7 +208,8 @@ class StepDecoder:
                 do_sample=bool(flags & DO_SAMPLE), prompt_logprobs=bool(flags & PROMPT_LOGPROBS),
                 samples=samples, beam_width=beam_width,
                 need_logprob=bool(flags & NEED_LOGPROB),
-                pooling=self.pooling.get(seq.request_id)))
+                pooling=self.pooling.get(seq.request_id),
+                spec_token_ids=msg.spec_tokens.get(seq_id, [])))
         return StepInput(rows, msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy,
                          msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask)
 
