@@ -11,10 +11,15 @@ so that:
   differs gives the next token (the argmax), and when all drafts are accepted the last position
   gives a bonus token. Tokens and logprobs are then exactly those of decoding one token per
   step (the logits of each position are, on the batch-invariant float32 kernels);
-- random rows accept draft j with probability min(1, p(t) / q(t)) (p: the target's processed
-  distribution at position j, q: the draft's; q is a point mass for the n-gram proposer, so the
-  test is u < p(t)); on rejection the next token is drawn from the normalized residual
-  max(0, p - q) (p without t for a point mass); all accepted: the bonus token from p.
+- random rows with point-mass drafts (the n-gram proposer's) draw position j's token exactly as a
+  decode step would (one uniform of the sequence's stream, the sampler's rule) and accept the
+  draft when it is that token: accepted with probability p(t), and a rejection emits a draw from
+  p without t, which is rejection sampling with q a point mass, and leaves seeded outputs (and the
+  random stream) exactly those of decoding without speculation;
+- random rows with a draft distribution q (a draft model) accept draft j with probability
+  min(1, p(t) / q(t)) (p: the target's processed distribution at position j); on rejection the
+  next token is drawn from the normalized residual max(0, p - q); all accepted: the bonus token
+  from p.
 
 Logprobs are the raw log-softmax values of each position's logits, as for any sampled token.
 """
@@ -63,12 +68,25 @@ def verify_row(logits: torch.Tensor, row: StepRow, generator, stop_ids: list[int
     reqs = position_requests(row, generator)
     drafts = row.spec_token_ids
     params = row.params
+    stops = [stop_ids] * len(reqs)
     if params.temperature < 1e-5:
-        results = sample(logits, reqs, [stop_ids] * len(reqs))
+        results = sample(logits, reqs, stops)
         return results[: accept_greedy([r.token_id for r in results], drafts)]
+    if draft_probs is None:
+        # Point-mass drafts: draw position j's token as a plain decode step would (one uniform
+        # of the row's stream), accept the draft if it is that token. P(accept) = p(t), and a
+        # rejection emits a draw from p without t: rejection sampling's output distribution,
+        # and the very tokens (and random stream) of decoding without speculation.
+        results = []
+        for j in range(len(drafts) + 1):
+            res = sample(logits[j : j + 1], reqs[j : j + 1], stops[:1])[0]
+            results.append(res)
+            if j == len(drafts) or res.token_id != drafts[j]:
+                break
+        return results
     processed = logits
     if any(_has_processors(params, len(r.output_token_ids)) for r in reqs):
-        processed = _apply_processors(logits.clone(), reqs, [stop_ids] * len(reqs))
+        processed = _apply_processors(logits.clone(), reqs, stops)
     chosen: list[int] = []
     for j in range(len(drafts) + 1):
         p = target_probs(processed[j], params)  # [V]
@@ -77,16 +95,11 @@ def verify_row(logits: torch.Tensor, row: StepRow, generator, stop_ids: list[int
             chosen.append(draw(p, u))
             break
         t = drafts[j]
-        q_t = 1.0 if draft_probs is None else float(draft_probs[j, t])
-        p_t = float(p[t])
-        if q_t > 0 and u * q_t < p_t:  # accepted with probability min(1, p(t) / q(t))
+        q_t = float(draft_probs[j, t])
+        if q_t > 0 and u * q_t < float(p[t]):  # accepted with probability min(1, p(t) / q(t))
             chosen.append(t)
             continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[t] = 0.0
-        else:
-            residual = (p - draft_probs[j].to(p.dtype)).clamp_(min=0.0)
+        residual = (p - draft_probs[j].to(p.dtype)).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # rounding: nothing left, p itself
             residual = p
         chosen.append(draw(residual, _uniform(generator)))
