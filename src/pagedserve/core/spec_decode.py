@@ -153,8 +153,8 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens
         self.num_steps_off = 0  # steps the batch rule turned speculation off
-        self.draft_seconds = 0.0  # time spent proposing (the n-gram lookups; the draft model's
-        # forward passes are timed by the worker and added by the engine)
+        self.draft_seconds = 0.0  # time spent proposing (the n-gram lookups)
+        self.step_seconds = 0.0  # engine steps' time, for the draft time share
         # per sequence: (drafts, accepted) so far, for the acceptance rule
         self._seq_stats: dict[int, list[int]] = {}
 
@@ -215,6 +215,12 @@ class SpecDecoder:
         for seq_id in seq_ids:
             self._seq_stats.pop(seq_id, None)
 
+    def totals(self) -> tuple:
+        """Cumulative counters (drafts, draft tokens, accepted tokens, accepted per position,
+        proposal seconds, step seconds) for metrics listeners."""
+        return (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                tuple(self.accepted_per_pos), self.draft_seconds, self.step_seconds)
+
     def summary(self) -> dict[str, float]:
         """Acceptance rate and mean accepted length (1 + accepted drafts per draft), vLLM's."""
         drafts = self.num_drafts
@@ -225,6 +231,9 @@ class SpecDecoder:
             "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
                                 if self.num_draft_tokens else 0.0),
             "mean_acceptance_length": (1 + self.num_accepted_tokens / drafts) if drafts else 0.0,
+            "draft_time_share": (self.draft_seconds / self.step_seconds
+                                 if self.step_seconds else 0.0),
+            "steps_off": self.num_steps_off,
         }
 
 

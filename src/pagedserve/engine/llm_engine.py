@@ -439,8 +439,10 @@ class LLMEngine(OutputBuilder):
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns an output for every request that produced tokens or finished."""
         self._step_request_ids = []
+        started = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler)  # draft tokens for the decoding sequences
+            self.spec.draft_seconds += time.perf_counter() - started
         sched = self.scheduler.schedule()
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
         # requests it touched (see step_request_ids).
@@ -459,8 +461,9 @@ class LLMEngine(OutputBuilder):
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += update.num_prompt_tokens
         self.stats["generation_tokens"] += update.num_generated_tokens
-        if update.spec_rows:
+        if self.spec is not None:
             record_spec_rows(self.spec, update.spec_rows)
+            self.spec.step_seconds += time.perf_counter() - started
         outputs = []
         for group in update.groups:
             finished = group.is_finished
