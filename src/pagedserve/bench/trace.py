@@ -78,3 +78,44 @@ def sharegpt_like_trace(
         start = rng.randrange(0, len(corpus) - n_in)
         trace.append(TraceRequest(bos + corpus[start : start + n_in - len(bos)], n_out))
     return trace
+
+
+COPY_INSTRUCTIONS = (
+    "Repeat the following text exactly, word for word, and write nothing else.",
+    "Copy this passage verbatim:",
+    "Quote the text below back to me exactly as written.",
+)
+
+
+def copy_trace(
+    tokenizer,
+    num_prompts: int,
+    *,
+    input_len_mean: float = 96.0,
+    seed: int = 0,
+    max_input_len: int = 512,
+    chat: bool = True,
+) -> list[TraceRequest]:
+    """A copy-heavy trace (editing, quoting, RAG answers): each prompt asks the model to repeat a
+    passage cut from the corpus (lengths lognormal, sigma 0.5, the given mean, in tokens), in the
+    model's chat format when it has one; each output is as long as the passage plus 8 tokens, so
+    an answer that quotes its prompt fills most of it."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    corpus = tokenizer(corpus_text(), add_special_tokens=False).input_ids
+    lens = lognormal_lengths(rng, num_prompts, input_len_mean, 0.5, 8, max_input_len)
+    trace = []
+    for n in lens:
+        start = rng.randrange(0, len(corpus) - n)
+        passage = tokenizer.decode(corpus[start : start + n])
+        text = f"{rng.choice(COPY_INSTRUCTIONS)}\n\n{passage}"
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text + "\n\n").input_ids
+        trace.append(TraceRequest(list(ids), n + 8))
+    return trace

@@ -197,11 +197,12 @@ class ModelRunner:
                 v[self.kv_cache.null_block].zero_()
         self.graphs = graphs
 
-    def _build_meta(self, *, block_tables, seq_lens, query_lens, device) -> AttentionMetadata:
+    def _build_meta(self, *, block_tables, seq_lens, query_lens, device,
+                    decode_rows=None) -> AttentionMetadata:
         return AttentionMetadata.build(block_tables=block_tables, seq_lens=seq_lens,
                                        query_lens=query_lens, block_size=self.kv_cache.block_size,
                                        null_block=self.kv_cache.null_block, device=device,
-                                       backend=self.attention_backend)
+                                       backend=self.attention_backend, decode_rows=decode_rows)
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.
@@ -268,9 +269,13 @@ class ModelRunner:
             # Decode-only (one token per sequence): replay the bucket's CUDA graph.
             hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)  # [n, H]
         else:
+            # Speculative rows (1 + drafts) are decode rows: attended token by token by the
+            # decode path (causal within the row), as one-token rows are.
+            decode_rows = ([s.num_tokens == 1 or bool(s.spec_token_ids) for s in step.rows]
+                           if any(s.spec_token_ids for s in step.rows) else None)
             meta = self._build_meta(block_tables=block_tables, seq_lens=seq_lens,
                                     query_lens=[s.num_tokens for s in step.rows],
-                                    device=self.device)
+                                    device=self.device, decode_rows=decode_rows)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
             hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
