@@ -154,3 +154,16 @@ def test_drafts_never_take_a_sequence_past_max_tokens():
     assert out.scheduled[0].spec_token_ids == [3, 4]
     assert g.seqs[0].output_token_ids == [2, 3, 4, 9] and g.is_finished
     assert sched.kv.pool.num_used == 0
+
+
+def test_a_forking_parent_never_carries_drafts():
+    # Its next token is every sequence's first (found by the stress harness: the siblings were
+    # left with nothing to compute).
+    sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=7)
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=1))
+    g = group("a", [1, 2, 3, 1, 2, 3, 1, 2], n=2, temperature=1.0)
+    sched.add(g)
+    step(sched, spec, lambda s: [])  # 7 of the 8 prompt tokens: the last one is due next
+    out = step(sched, spec, lambda s: [5] * s.num_samples)
+    assert [(s.num_tokens, s.spec_token_ids, s.num_samples) for s in out.scheduled] == [(1, [], 2)]
+    assert [q.output_token_ids for q in g.seqs] == [[5], [5]]

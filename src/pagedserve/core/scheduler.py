@@ -436,7 +436,7 @@ class Scheduler(Turns):
             want = stop - start
             if want <= 0:  # a beam waiting for its siblings' candidates: nothing to compute
                 continue
-            if want == 1 and seq.spec_token_ids:
+            if want == 1 and seq.spec_token_ids and not group.fork_pending:
                 # A decode row with draft tokens (speculative decoding): 1 + d tokens, as many
                 # drafts as the budget allows.
                 take = min(1 + len(seq.spec_token_ids), budget)

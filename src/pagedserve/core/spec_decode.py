@@ -163,7 +163,9 @@ class SpecDecoder:
         cfg = self.config
         decoding = []
         for group in scheduler.running:
-            if group.beam is not None or group.pooling is not None:
+            if group.beam is not None or group.pooling is not None or group.fork_pending:
+                for seq in group.seqs:  # (a forking parent's next token is its children's too)
+                    seq.spec_token_ids = []
                 continue
             for seq in group.seqs:
                 if not seq.is_finished and not seq.parked and (
