@@ -167,3 +167,16 @@ def test_a_forking_parent_never_carries_drafts():
     out = step(sched, spec, lambda s: [5] * s.num_samples)
     assert [(s.num_tokens, s.spec_token_ids, s.num_samples) for s in out.scheduled] == [(1, [], 2)]
     assert [q.output_token_ids for q in g.seqs] == [[5], [5]]
+
+
+def test_a_prompts_last_token_never_carries_drafts():
+    # Its row may want prompt logprobs (found by the stress harness: the drafts were taken for
+    # prompt positions).
+    sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=7)
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=1))
+    g = group("a", [1, 2, 3, 1, 2, 3, 1, 2], prompt_logprobs=1)
+    g.prompt_logprobs = [None]
+    sched.add(g)
+    step(sched, spec, lambda s: [])
+    out = step(sched, spec, lambda s: [5])
+    assert [(s.num_tokens, s.spec_token_ids) for s in out.scheduled] == [(1, [])]

@@ -436,9 +436,11 @@ class Scheduler(Turns):
             want = stop - start
             if want <= 0:  # a beam waiting for its siblings' candidates: nothing to compute
                 continue
-            if want == 1 and seq.spec_token_ids and not group.fork_pending:
+            if (want == 1 and seq.spec_token_ids and not group.fork_pending
+                    and start >= seq.num_prompt_tokens):
                 # A decode row with draft tokens (speculative decoding): 1 + d tokens, as many
-                # drafts as the budget allows.
+                # drafts as the budget allows. NOTE: never on a prompt's last token (its row may
+                # want prompt logprobs), nor on a forking parent's (its siblings' first token).
                 take = min(1 + len(seq.spec_token_ids), budget)
             else:
                 take = min(want, budget) if chunked else want

@@ -5,7 +5,7 @@ the step update's rollback of rejected tokens. Pure Python, no torch.
 How a speculative step goes:
 
 1. Before `Scheduler.schedule`, `SpecDecoder.propose` gives every running decoding sequence (one
-   token left to compute) up to k draft tokens (`Sequence.spec_token_ids`): the tokens that
+   output token left to compute: never a prompt's last token) up to k draft tokens (`Sequence.spec_token_ids`): the tokens that
    followed the latest earlier occurrence of the sequence's last n tokens (n from
    `prompt_lookup_max` down to `prompt_lookup_min`). Proposals are capped so that accepting all
    of them plus the bonus token never passes `max_tokens` or `max_model_len`.
@@ -168,7 +168,7 @@ class SpecDecoder:
                     seq.spec_token_ids = []
                 continue
             for seq in group.seqs:
-                if not seq.is_finished and not seq.parked and (
+                if not seq.is_finished and not seq.parked and seq.num_output_tokens and (
                         seq.num_tokens - seq.num_computed_tokens == 1):
                     decoding.append((group, seq))
                 else:
