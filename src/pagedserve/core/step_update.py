@@ -6,8 +6,9 @@ offered to the prefix cache, a forking group's other sequences fork the parent o
 prompt is computed, a pooling request finishes with its pooled result (prefill only), sampled
 tokens are appended and checked against the token-level stops (EOS, stop token ids after
 `min_tokens`, `max_tokens`, `max_model_len`; a speculative row appends its accepted drafts and
-the next token, one by one, until a stop, and gives back its rejected drafts' slots), beam candidates are collected and, once every live
-beam has its candidates, the beam step forks, extends and prunes. Finished sequences free their
+the next token, one by one, until a stop, and gives back its rejected drafts' slots), beam
+candidates are collected and, once every live beam has its candidates, the beam step forks,
+extends and prunes. Finished sequences free their
 blocks; finished groups leave `running`.
 
 The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
