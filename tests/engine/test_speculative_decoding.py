@@ -110,3 +110,22 @@ def test_beam_search_with_speculative_config_is_refused(llm):
         llm.engine.add_request("b", None, SamplingParams(n=2, use_beam_search=True,
                                                          temperature=0.0, max_tokens=4),
                                prompt_token_ids=[5, 6, 7])
+
+
+def test_the_embedded_model_gives_the_same_greedy_tokens_and_logprobs_with_speculation(
+        embedded_llm):
+    # float32 (the session fixture), a prompt whose answer quotes it: drafts are accepted.
+    engine = embedded_llm.engine
+    prompt = ("<start_of_turn>user\nHere is a passage:\n\nThe quick brown fox jumps over the lazy "
+              "dog. The dog sleeps.\n\nWrite the passage above again, exactly as it is."
+              "<end_of_turn>\n<start_of_turn>model\n")
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
+    try:
+        engine.spec = None
+        want = output_key(embedded_llm.generate([prompt], params, use_tqdm=False)[0])
+        engine.spec = SpecDecoder(SpeculativeConfig.parse(SPEC))
+        got = output_key(embedded_llm.generate([prompt], params, use_tqdm=False)[0])
+        assert engine.spec.num_accepted_tokens > 0
+    finally:
+        engine.spec = None
+    assert got == want
