@@ -3,6 +3,7 @@
     python scripts/stress.py --minutes 30            # random seeds from --seed-start (default 0)
     python scripts/stress.py --seed 1234             # one seed (a repro), with its workload shown
     python scripts/stress.py --minutes 5 --tp        # the same on tensor_parallel_size=2 ("mp")
+    python scripts/stress.py --minutes 5 --spec      # speculating (n-gram) against the oracle
 
 Every seed draws a workload (requests, arrivals, aborts, priorities) and a cache configuration
 (issue 25's shapes among them: pools that hold one sequence of a wide request but not all of
@@ -31,6 +32,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed of a timed run")
     ap.add_argument("--tp", action="store_true", help="tensor_parallel_size=2 (mp workers)")
+    ap.add_argument("--spec", action="store_true",
+                    help="speculate (n-gram; a configuration per seed) against the "
+                         "non-speculative oracle")
     ap.add_argument("--model", type=Path, default=None,
                     help="checkpoint folder to reuse (default: a fresh tiny Llama in a temp dir)")
     ap.add_argument("--verbose", action="store_true", help="print every seed's workload")
@@ -46,7 +50,7 @@ def main() -> int:
     model = args.model or Path(tempfile.mkdtemp(prefix="pagedserve-stress-")) / "llama"
     started = time.monotonic()
     engine = sh.make_engine(sh.tiny_llama(model), tp=2 if args.tp else 1)
-    harness = sh.Harness(engine)
+    harness = sh.Harness(engine, spec=sh.spec_config_for if args.spec else None)
     print(f"engine ready in {time.monotonic() - started:.1f}s (tp={2 if args.tp else 1})",
           flush=True)
 
@@ -68,7 +72,7 @@ def main() -> int:
                 counts["failed"] += 1
                 failed.append((seed, e.cause))
                 print(f"FAIL seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
-                      f"    repro: {sh.repro(seed, args.tp)}", flush=True)
+                      f"    repro: {sh.repro(seed, args.tp, args.spec)}", flush=True)
                 continue
             counts["passed"] += 1
             counts["steps"] += stats.steps

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedserve.attention.backends import BACKEND_CHOICES
 from pagedserve.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
+from pagedserve.core.spec_decode import SpeculativeConfig
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -185,6 +186,11 @@ class EngineArgs:
     override_generation_config: str | None = option(
         None, "generation fields set over --generation-config, a JSON object (vLLM's), e.g. "
         "'{\"temperature\": 0.5, \"max_new_tokens\": 128}' (from Python also a dict)")
+    speculative_config: str | None = option(
+        None, "speculative decoding as JSON (vLLM's names), e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
+        "(from Python also a dict); greedy outputs are unchanged, sampled ones keep their "
+        "distribution (see README, Speculative decoding)")
     scheduling_policy: str = option(
         "fcfs", "fcfs: requests are served in arrival order; priority: by each request's "
         "priority (lower first; ties by arrival), and the lowest priority is preempted first",
@@ -249,6 +255,8 @@ class EngineArgs:
         if self.override_generation_config is not None:
             self.override_generation_config = _json_object(
                 "override_generation_config", self.override_generation_config)
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)  # ValueError when malformed
         if self.enable_lora:
             self.lora_config()  # ValueError naming max_loras / max_lora_rank / max_cpu_loras
             if self.tensor_parallel_size != 1:

@@ -82,6 +82,9 @@ class Sequence(PromptThenOutput):
         # NOTE: a parked sequence (of a group whose sequences take turns, core/scheduler.py)
         # holds no blocks and has num_computed_tokens 0 until its turn comes.
         self.parked = False
+        # Speculative decoding: draft tokens proposed to follow `token_ids` (core/spec_decode.py);
+        # valid only for the current tokens (the step update clears them).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

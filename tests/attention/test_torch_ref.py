@@ -146,3 +146,47 @@ def test_a_decode_row_is_bit_identical_alone_and_beside_longer_rows(monkeypatch,
     batch = attend([0, 1, 2])
     for i in range(3):
         assert torch.equal(attend([i])[0], batch[i]), i
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("shapes", [[(6, 4), (9, 1), (0, 3)], [(6, 4), (9, 1), (2, 3)]],
+                         ids=["mixed", "decode-only"])
+def test_a_decode_row_of_several_tokens_is_attended_token_by_token(monkeypatch, kernels, window,
+                                                                   shapes):
+    """Speculative rows: a decode row of q tokens (`decode_rows`) is q decode entries, causal
+    within the row, each bit-identical to the same token as a one-token decode row."""
+    if kernels == "torch":
+        monkeypatch.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
+    torch.manual_seed(0)
+    bs, hq, hkv, d, nblocks = 4, 4, 2, 16, 16
+    dtype = torch.bfloat16
+    k_cache = torch.randn(nblocks + 1, bs, hkv, d).to(dtype)
+    v_cache = torch.randn(nblocks + 1, bs, hkv, d).to(dtype)
+    k_cache[nblocks] = 0
+    v_cache[nblocks] = 0
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    decode_rows = [c > 0 for c, _ in shapes]
+    lens = [c + n for c, n in shapes]
+    qlens = [n for _, n in shapes]
+    total = sum(qlens)
+    q = torch.randn(total, hq, d).to(dtype)
+    k_new, v_new = torch.randn(total, hkv, d).to(dtype), torch.randn(total, hkv, d).to(dtype)
+    meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=qlens,
+                                   block_size=bs, null_block=nblocks, decode_rows=decode_rows)
+    decode = [g for g in meta.groups if not g.is_prompt][0]
+    assert decode.covers_all == all(decode_rows)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = paged_attention(q, k_new, v_new, kc, vc, meta, scale=0.25, sliding_window=window)
+    # Each token of the decode rows as a one-token decode row over the cache as written.
+    start = 0
+    for i, (c, n) in enumerate(shapes):
+        if decode_rows[i]:
+            for t in range(n):
+                one = AttentionMetadata.build(block_tables=[tables[i]], seq_lens=[c + t + 1],
+                                              query_lens=[1], block_size=bs, null_block=nblocks)
+                ref = paged_attention(q[start + t:start + t + 1], k_new[start + t:start + t + 1],
+                                      v_new[start + t:start + t + 1], kc.clone(), vc.clone(),
+                                      one, scale=0.25, sliding_window=window)
+                assert torch.equal(out[start + t], ref[0]), (i, t)
+        start += n

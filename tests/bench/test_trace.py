@@ -24,3 +24,16 @@ def test_trace_is_seeded_and_has_the_requested_mean_lengths():
 def test_fixed_output_length():
     trace = sharegpt_like_trace(tiny.tokenizer(), 5, output_len_fixed=7)
     assert {r.output_len for r in trace} == {7}
+
+
+def test_the_copy_trace_quotes_a_passage_the_answer_is_asked_to_repeat():
+    from pagedserve.bench.trace import copy_trace
+
+    tok = tiny.tokenizer()
+    a = copy_trace(tok, 20, input_len_mean=40, seed=1)
+    assert a == copy_trace(tok, 20, input_len_mean=40, seed=1)
+    for r in a:
+        text = tok.decode(r.prompt_token_ids)
+        assert "exactly as it is" in text
+        # the output is the passage's length plus a few tokens; the prompt holds the passage
+        assert len(r.prompt_token_ids) > r.output_len - 8

@@ -154,3 +154,17 @@ def test_pooling_requests_through_the_message_path_equal_the_direct_path(checkpo
     # forgotten with their requests (the last one's end travels with the next step)
     decoder = llm.engine.executor.decoder
     assert set(decoder.pooling) == set(decoder.requests) and len(decoder.pooling) <= 1
+
+
+def test_speculative_rows_carry_their_drafts_through_the_message_path(checkpoints):
+    # Repeating prompts: the n-gram proposer finds drafts; the decoded rows (drafts included)
+    # are asserted equal to the driver's by LoopbackExecutor.
+    path = str(checkpoints("llama"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    ps = [{"prompt_token_ids": [5, 6, 7, 8] * 5}, {"prompt_token_ids": [9, 10, 11] * 6}]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    ref = make(path, False).generate(ps, params, use_tqdm=False)
+    llm = make(path, True, speculative_config=spec)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert llm.engine.spec.num_drafts > 0
+    assert summary(outs) == summary(ref)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.spec_decode import SpecDecoder, SpeculativeConfig
 from pagedserve import BeamSearchParams, SamplingParams
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
@@ -376,11 +377,43 @@ class RunStats:
     undone_victims: int = 0  # victims preempted after being scheduled in the same step
 
 
-class Harness:
-    """Runs workloads on one engine (its cache rebuilt per workload); caches oracle outputs."""
+# Speculative configurations (`Harness(engine, spec=...)`, `scripts/stress.py --spec`): drafts
+# of 1 to 5 tokens from n-grams of 1 to 3 tokens; the oracle stays non-speculative.
+SPEC_CONFIGS = [
+    dict(method="ngram", num_speculative_tokens=k, prompt_lookup_max=mx, prompt_lookup_min=mn)
+    for k, mx, mn in ((1, 1, 1), (3, 2, 1), (5, 3, 1), (4, 3, 2))
+]
 
-    def __init__(self, engine: LLMEngine) -> None:
+
+def spec_config_for(seed: int) -> dict:
+    """The speculative configuration a seed runs under in speculative mode."""
+    return SPEC_CONFIGS[seed % len(SPEC_CONFIGS)]
+
+
+def speculative_workload(workload: Workload) -> Workload:
+    """`workload` for a speculating engine: beam searches (refused with speculation) become
+    greedy requests of the same length; prompts end with their first tokens again, at the
+    same length (so the n-gram proposer finds drafts from the first step on). Everything else is kept."""
+    requests = []
+    for r in workload.requests:
+        params = r.params
+        if isinstance(params, BeamSearchParams) or params.use_beam_search:
+            params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                                    ignore_eos=params.ignore_eos)
+        m = min(len(r.prompt) // 2, 6)  # the same length: the pool sizes still hold
+        prompt = r.prompt[: len(r.prompt) - m] + r.prompt[:m] if m else r.prompt
+        requests.append(Request(r.rid, prompt, params, r.arrive, r.abort_at, r.priority))
+    return Workload(workload.seed, workload.config, requests, workload.shapes)
+
+
+class Harness:
+    """Runs workloads on one engine (its cache rebuilt per workload); caches oracle outputs.
+    With `spec` (a speculative_config, or a function of the seed giving one) the workload runs
+    speculating and the oracle does not: outputs must still be exactly equal."""
+
+    def __init__(self, engine: LLMEngine, spec=None) -> None:
         self.engine = engine
+        self.spec = spec
         self.oracle_cache: dict[tuple, dict] = {}
         self._ids = 0
         self._stuck: list[tuple] = []  # of a hang: (request, preemptions, queue)
@@ -402,6 +435,7 @@ class Harness:
         todo = {r.key(): r for r in requests if r.key() not in self.oracle_cache}
         if todo:
             engine = self.engine
+            engine.spec = None  # the oracle never speculates
             reconfigure(engine, ORACLE_CONFIG)
             ids = {}
             for key, r in todo.items():
@@ -420,10 +454,14 @@ class Harness:
     def run(self, workload: Workload) -> RunStats:
         """Run `workload` under its configuration; raise StressFailure on the first problem."""
         t0 = time.monotonic()
+        spec = self.spec(workload.seed) if callable(self.spec) else self.spec
+        if spec is not None:
+            workload = speculative_workload(workload)
         expected = self.oracle(workload.requests)
         engine = self.engine
         config = workload.config
         stats = RunStats()
+        engine.spec = None if spec is None else SpecDecoder(SpeculativeConfig.parse(spec))
         try:
             reconfigure(engine, config)
         except ValueError as e:
@@ -661,5 +699,6 @@ class Harness:
                                         f"{sorted(kv.cpu_tables)}")
 
 
-def repro(seed: int, tp: bool = False) -> str:
-    return f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
+def repro(seed: int, tp: bool = False, spec: bool = False) -> str:
+    return (f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
+            + (" --spec" if spec else ""))

@@ -12,6 +12,7 @@ import torch
 from pagedserve import SamplingParams
 from stress_harness import (
     Harness,
+    spec_config_for,
     Request,
     StressFailure,
     Workload,
@@ -46,6 +47,30 @@ def test_random_workloads_match_the_roomy_oracle_finish_and_leak_nothing(harness
             failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
                             f"    repro: {repro(seed)}")
     assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+
+
+SPEC_SEEDS = 40
+
+
+@pytest.mark.parametrize("first", range(0, SPEC_SEEDS, CHUNK),
+                         ids=lambda s: f"spec-seeds{s}-{s + CHUNK - 1}")
+def test_random_workloads_with_ngram_speculation_match_the_non_speculative_oracle(harness, first):
+    # The same harness, speculating (issue 28): a configuration per seed (stress_harness.
+    # SPEC_CONFIGS), the oracle without speculation; outputs exactly equal.
+    spec_harness = Harness(harness.engine, spec=spec_config_for)
+    spec_harness.oracle_cache = harness.oracle_cache
+    failures, accepted = [], 0
+    for seed in range(first, first + CHUNK):
+        workload = make_workload(seed)
+        try:
+            spec_harness.run(workload)
+            accepted += spec_harness.engine.spec.num_accepted_tokens
+        except StressFailure as e:
+            failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
+                            f"    repro: {repro(seed, spec=True)}")
+    harness.engine.spec = None
+    assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+    assert accepted > 0  # drafts were proposed and accepted
 
 
 def test_workloads_are_a_function_of_the_seed():

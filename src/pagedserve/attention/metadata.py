@@ -20,7 +20,8 @@ BACKENDS = ("torch", "triton")
 
 @dataclass
 class AttentionGroup:
-    """The decode rows of a step (one query token each), or its prompt chunks.
+    """The decode rows of a step (one query token per entry: a decode row of several tokens is
+    one entry per token), or its prompt chunks.
 
     The decode group is attended as one batch (the compiled kernel, or SDPA over gathered K/V);
     the prompt group chunk by chunk through its host-side `spans`.
@@ -96,6 +97,7 @@ class AttentionMetadata:
         backend: str = "torch",
         build_groups: bool | None = None,
         num_splits: int | None = None,
+        decode_rows: list[bool] | None = None,
     ) -> AttentionMetadata:
         """Build the metadata from host lists (one entry per sequence, in flat-batch order).
 
@@ -110,6 +112,12 @@ class AttentionMetadata:
         NOTE: `null_block` is a block the pool never hands out and nobody writes (the worker keeps it
         zero). Padding of block tables and of gathered context points at it, so that masked-out
         keys read zeros, never stale or NaN contents of freed blocks (0 * NaN would poison softmax).
+
+        `decode_rows` marks the decode rows (default: the rows of one token). A decode row of q > 1
+        tokens (speculative decoding: the last token and its drafts) joins the decode group as q
+        entries, token t attending over its own context (`seq_len - q + 1 + t` positions: causal
+        within the row), so the compiled decode kernels (and the fused decoder layer, when every
+        row is a decode row) take it as they take q one-token rows.
         """
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
@@ -118,9 +126,11 @@ class AttentionMetadata:
         num_seqs = len(seq_lens)
         if not (len(block_tables) == len(query_lens) == num_seqs):
             raise ValueError("block_tables, seq_lens and query_lens must have one entry per sequence")
-        if num_seqs and min(query_lens) == max(query_lens) == 1:
+        if num_seqs and (all(decode_rows) if decode_rows is not None
+                         else min(query_lens) == max(query_lens) == 1):
             return cls._build_decode(block_tables, seq_lens, block_size, null_block, device,
-                                     backend, build_groups, num_splits)
+                                     backend, build_groups, num_splits,
+                                     None if decode_rows is None else query_lens)
         max_blocks = max((len(t) for t in block_tables), default=0) or 1
         bt = torch.full((num_seqs, max_blocks), null_block, dtype=torch.int64)
         for i, table in enumerate(block_tables):
@@ -140,17 +150,18 @@ class AttentionMetadata:
         )
 
         groups = []
-        is_decode = ql == 1
+        if decode_rows is None:
+            decode_rows = [n == 1 for n in query_lens]
         if build_groups:
-            decode, prompt = torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()
-            if decode.numel():
-                groups.append(_group(decode, bt, sl, block_size, null_block, device,
-                                     out_tokens=qsl[:-1][decode].to(device)))
-            if prompt.numel():
-                starts = qsl.tolist()
-                groups.append(_group(prompt, bt, sl, block_size, null_block, device,
-                                     spans=[(starts[i], n, seq_lens[i])
-                                            for i, n in enumerate(query_lens) if n != 1]))
+            starts = qsl.tolist()
+            if any(decode_rows):
+                groups.append(_decode_group(decode_rows, starts, query_lens, seq_lens, bt,
+                                            block_size, null_block, device))
+            prompt = [i for i, d in enumerate(decode_rows) if not d]
+            if prompt:
+                groups.append(_group(torch.tensor(prompt), bt, sl, block_size, null_block, device,
+                                     spans=[(starts[i], query_lens[i], seq_lens[i])
+                                            for i in prompt]))
         return cls(
             slot_mapping=slot_mapping.to(device),
             block_tables=bt.to(device),
@@ -168,36 +179,55 @@ class AttentionMetadata:
 
     @classmethod
     def _build_decode(cls, block_tables, seq_lens, block_size, null_block, device, backend,
-                      build_groups, num_splits) -> AttentionMetadata:
-        """`build` for a decode-only step (one query token per sequence, the usual step): the same
-        tensors from host lists in a few ops (each torch op costs microseconds of Python and a GIL
-        round trip, next to a server's HTTP thread)."""
+                      build_groups, num_splits, query_lens=None) -> AttentionMetadata:
+        """`build` for a decode-only step (one query token per sequence, the usual step; or decode
+        rows of several tokens, `query_lens`, see `build`): the same tensors from host lists in a
+        few ops (each torch op costs microseconds of Python and a GIL round trip, next to a
+        server's HTTP thread)."""
         n = len(seq_lens)
         max_blocks = max(len(t) for t in block_tables) or 1
+        multi = query_lens is not None and max(query_lens) > 1
         padded, slots = [], []
-        for table, length in zip(block_tables, seq_lens):
+        entry_rows, entry_lens = [], []  # multi: the decode group's entries, one per token
+        for i, (table, length) in enumerate(zip(block_tables, seq_lens)):
             row = table + [null_block] * (max_blocks - len(table))
             padded.append(row)
             # the new token is position length - 1 (in padding: the null block, as below)
             if not 0 < length <= max_blocks * block_size:
                 raise ValueError(f"seq_len {length} is not within its block table ({len(table)} "
                                  f"blocks of {block_size})")
-            blk = row[(length - 1) // block_size]
-            slots.append(blk * block_size + (length - 1) % block_size)
+            if not multi:
+                blk = row[(length - 1) // block_size]
+                slots.append(blk * block_size + (length - 1) % block_size)
+                continue
+            q = query_lens[i]
+            for pos in range(length - q, length):
+                slots.append(row[pos // block_size] * block_size + pos % block_size)
+                entry_rows.append(i)
+                entry_lens.append(pos + 1)
         bt = torch.tensor(padded, dtype=torch.int64, device=device)  # [S, max_blocks]
         sl = torch.tensor(seq_lens, dtype=torch.int64, device=device)  # [S]
-        rows = torch.arange(n + 1, dtype=torch.int64, device=device)  # [S + 1]: query_start_loc
+        num_tokens = len(slots)
+        if multi:
+            qsl = torch.zeros(n + 1, dtype=torch.int64)
+            torch.cumsum(torch.tensor(query_lens, dtype=torch.int64), 0, out=qsl[1:])
+            qsl = qsl.to(device)
+        else:
+            qsl = torch.arange(n + 1, dtype=torch.int64, device=device)  # [S + 1]
         max_len = max(seq_lens)
         groups = []
         if build_groups:
-            ar = rows[:n]
-            groups.append(AttentionGroup(seq_lens=sl, block_tables=bt, block_size=block_size,
+            ar = torch.arange(num_tokens, dtype=torch.int64, device=device)
+            g_bt = bt[torch.tensor(entry_rows, device=device)] if multi else bt  # [T, max_blocks]
+            g_sl = torch.tensor(entry_lens, dtype=torch.int64, device=device) if multi else sl
+            groups.append(AttentionGroup(seq_lens=g_sl, block_tables=g_bt, block_size=block_size,
                                          null_block=null_block, max_len=max_len, out_tokens=ar,
                                          covers_all=True))
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=bt, seq_lens=sl, query_start_loc=rows, block_size=block_size,
-            num_tokens=n, groups=groups, max_seq_len=max_len, max_query_len=1, backend=backend,
+            block_tables=bt, seq_lens=sl, query_start_loc=qsl, block_size=block_size,
+            num_tokens=num_tokens, groups=groups, max_seq_len=max_len,
+            max_query_len=max(query_lens) if multi else 1, backend=backend,
             num_splits=num_splits,
         )
 
@@ -210,3 +240,23 @@ def _group(members: torch.Tensor, bt: torch.Tensor, sl: torch.Tensor, block_size
     return AttentionGroup(seq_lens=g_sl.to(device), block_tables=bt[members].to(device),
                           block_size=block_size, null_block=null_block, max_len=int(g_sl.max()),
                           out_tokens=out_tokens, spans=spans)
+
+
+def _decode_group(decode_rows: list[bool], starts: list[int], query_lens: list[int],
+                  seq_lens: list[int], bt: torch.Tensor, block_size: int, null_block: int,
+                  device) -> AttentionGroup:
+    """The decode group of a mixed step: one entry per token of every decode row (a row of q
+    tokens: token t over its first `seq_len - q + 1 + t` positions, see `AttentionMetadata.build`)."""
+    rows, lens, out = [], [], []
+    for i, is_decode in enumerate(decode_rows):
+        if not is_decode:
+            continue
+        q, length = query_lens[i], seq_lens[i]
+        for t in range(q):
+            rows.append(i)
+            lens.append(length - q + 1 + t)
+            out.append(starts[i] + t)
+    return AttentionGroup(seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+                          block_tables=bt[torch.tensor(rows)].to(device), block_size=block_size,
+                          null_block=null_block, max_len=max(lens),
+                          out_tokens=torch.tensor(out, dtype=torch.int64, device=device))

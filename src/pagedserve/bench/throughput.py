@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.profiler import StepProfiler, ceiling_report
-from pagedserve.bench.trace import TraceRequest, sharegpt_like_trace
+from pagedserve.bench.trace import TraceRequest, copy_trace, sharegpt_like_trace
 
 
 @dataclass
@@ -104,12 +104,16 @@ def main(args) -> int:
                          max_cpu_loras=max(args.max_cpu_loras or 0, lora))
     llm = LLM.from_engine_args(EngineArgs.from_namespace(args, **overrides))
     engine = llm.engine
-    trace = sharegpt_like_trace(
-        engine.tokenizer, args.num_prompts, input_len_mean=args.input_len_mean,
-        output_len_mean=args.output_len_mean, output_len_fixed=args.output_len_fixed,
-        seed=args.seed, max_input_len=min(1024, engine.max_model_len // 2),
-        max_output_len=min(1024, engine.max_model_len // 2),
-    )
+    if getattr(args, "trace", "sharegpt") == "copy":  # answers that quote their prompts
+        trace = copy_trace(engine.tokenizer, args.num_prompts, input_len_mean=args.input_len_mean,
+                           seed=args.seed, max_input_len=min(512, engine.max_model_len // 3))
+    else:
+        trace = sharegpt_like_trace(
+            engine.tokenizer, args.num_prompts, input_len_mean=args.input_len_mean,
+            output_len_mean=args.output_len_mean, output_len_fixed=args.output_len_fixed,
+            seed=args.seed, max_input_len=min(1024, engine.max_model_len // 2),
+            max_output_len=min(1024, engine.max_model_len // 2),
+        )
     n_in = sum(len(r.prompt_token_ids) for r in trace)
     n_out = sum(r.output_len for r in trace)
     print(f"model={engine.source.name} dtype={engine.dtype} threads={torch.get_num_threads()} "
@@ -141,6 +145,12 @@ def main(args) -> int:
               f"(seeded per request)")
     ours = run_pagedserve(llm, trace, seed=args.seed, **sampling)
     print(ours.line())
+    if engine.spec is not None:
+        spec = engine.spec.summary()
+        print("speculative decoding: {num_drafts} drafts, {num_draft_tokens} draft tokens, "
+              "{num_accepted_tokens} accepted (acceptance rate {acceptance_rate:.2f}, mean "
+              "acceptance length {mean_acceptance_length:.2f}), draft time share "
+              "{draft_time_share:.3f}, {steps_off} steps off by the batch rule".format(**spec))
     if profiler is not None:
         profiler.detach()
         print(profiler.report(ours.elapsed_s))

@@ -78,3 +78,48 @@ def sharegpt_like_trace(
         start = rng.randrange(0, len(corpus) - n_in)
         trace.append(TraceRequest(bos + corpus[start : start + n_in - len(bos)], n_out))
     return trace
+
+
+COPY_INSTRUCTIONS = (
+    ("Here is a passage:\n\n", "\n\nWrite the passage above again, exactly as it is."),
+    ("Here is a text:\n\n", "\n\nWrite the text above again, exactly as it is."),
+)
+
+
+def copy_trace(
+    tokenizer,
+    num_prompts: int,
+    *,
+    input_len_mean: float = 96.0,
+    seed: int = 0,
+    max_input_len: int = 512,
+    chat: bool = True,
+) -> list[TraceRequest]:
+    """A copy-heavy trace (editing, quoting, RAG answers): each prompt gives a passage cut from the
+    corpus and asks the model to write it again (lengths lognormal, sigma 0.5, the given mean, in tokens), in the
+    model's chat format when it has one; each output is as long as the passage plus 8 tokens, so
+    an answer that quotes its prompt fills most of it."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    corpus = tokenizer(corpus_text(), add_special_tokens=False).input_ids
+    lens = lognormal_lengths(rng, num_prompts, input_len_mean, 0.5, 8, max_input_len)
+    trace = []
+    for n in lens:
+        start = rng.randrange(0, len(corpus) - n)
+        passage = tokenizer.decode(corpus[start : start + n])
+        before, after = rng.choice(COPY_INSTRUCTIONS)
+        text = before + passage + after
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
+                ids = ids["input_ids"]
+        elif chat and "<start_of_turn>" in tokenizer.get_vocab():  # Gemma's turns (the server's
+            # default rendering for a Gemma tokenizer without a template, as the embedded one)
+            ids = tokenizer(f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+                            ).input_ids
+        else:
+            ids = tokenizer(text + "\n\n").input_ids
+        trace.append(TraceRequest(list(ids), n + 8))
+    return trace

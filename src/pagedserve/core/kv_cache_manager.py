@@ -215,6 +215,25 @@ class KVCacheManager:
         table.num_tokens = num_tokens
         del table.hashes[num_hashes:]
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink `seq_id`'s reserved slots to `num_tokens` (speculative decoding: the lookahead
+        slots of rejected draft tokens): blocks wholly past them are released; hashes of blocks
+        past them are dropped (none are: only computed blocks are hashed). No-op for a sequence
+        without a table or with no more slots than that.
+
+        NOTE: the slots kept may hold the rejected drafts' K/V past `num_tokens`: they are
+        written again before anything reads them (a sequence reads only its computed slots)."""
+        table = self.tables.get(seq_id)
+        if table is None or table.num_tokens <= num_tokens:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        blocks = table.blocks
+        for block in reversed(blocks[keep:]):
+            self.pool.decref(block)
+        del blocks[keep:]
+        table.num_tokens = num_tokens
+        del table.hashes[num_tokens // self.block_size:]
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give `child_id` the parent's blocks (shared: reference counts go up)."""
         if child_id in self.tables:

@@ -79,6 +79,9 @@ class ScheduledSequence:
     wants_prompt_logprobs: bool = False
     # Tokens to draw from this row: all sequences' first tokens when the group forks after it.
     num_samples: int = 1
+    # Speculative decoding: the draft tokens this row verifies, after the sequence's last token
+    # (`end` counts them: `end - len(spec_token_ids) == seq.num_tokens`); see core/spec_decode.py.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -92,9 +95,13 @@ class ScheduledSequence:
             and not group.prompt_logprobs_done
             and seq is group.seqs[0]
         )
-        do_sample = end == len(seq.token_ids)
+        num_tokens = seq.num_tokens
+        do_sample = end >= num_tokens
         forking = do_sample and group.fork_pending and group.beam is None
         forks = len(group.unfinished_seqs()) if forking else 1
+        if end > num_tokens:  # lookahead slots: the draft tokens (speculative decoding)
+            return cls(group, seq, start, end, table, do_sample, wants, forks,
+                       seq.spec_token_ids[: end - num_tokens])
         return cls(group, seq, start, end, table, do_sample, wants, forks)
 
 

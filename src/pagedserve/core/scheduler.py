@@ -52,6 +52,7 @@ from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
     SchedulerOutput,
     StepPlan,
 )
+from pagedserve.core.spec_decode import drop_lookahead
 from pagedserve.core.step_update import StepObserver, StepUpdate, apply_step
 from pagedserve.core.turns import Turns
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -373,6 +374,10 @@ class Scheduler(Turns):
         if plan is None:
             return
         while not self._fits(plan):
+            if any(end > seq.num_tokens for seq, _, end in plan):
+                # Draft tokens' lookahead slots never cost anybody their blocks: drop them first.
+                plan = drop_lookahead(plan)
+                continue
             victim = self.running[-1]
             if victim is group and len(self.running) == 1:
                 # Alone in the cache: the group's sequences take turns.
@@ -410,6 +415,8 @@ class Scheduler(Turns):
 
     @staticmethod
     def _is_decoding(group: SequenceGroup) -> bool:
+        """Every unfinished sequence has one real token left to compute (its row may still carry
+        draft tokens after it: 1 .. k + 1 tokens, see `_plan`)."""
         seqs = group.seqs
         if len(seqs) == 1:  # the common case, without a loop
             s = seqs[0]
@@ -450,7 +457,14 @@ class Scheduler(Turns):
             want = stop - start
             if want <= 0:  # a beam waiting for its siblings' candidates: nothing to compute
                 continue
-            take = min(want, budget) if chunked else want
+            if (want == 1 and seq.spec_token_ids and not group.fork_pending
+                    and start >= seq.num_prompt_tokens):
+                # A decode row with draft tokens (speculative decoding): 1 + d tokens, as many
+                # drafts as the budget allows. NOTE: never on a prompt's last token (its row may
+                # want prompt logprobs), nor on a forking parent's (its siblings' first token).
+                take = min(1 + len(seq.spec_token_ids), budget)
+            else:
+                take = min(want, budget) if chunked else want
             if take > budget:  # without chunking a sequence computes whole: a later step
                 continue
             plan.append((seq, start, start + take))

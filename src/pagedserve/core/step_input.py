@@ -62,12 +62,22 @@ class StepRow:
     # A pooling request (every chunk of its prompt): its hidden states are pooled, nothing is
     # sampled; the pooled result comes back with the chunk that reaches the end (`do_sample`).
     pooling: PoolingSpec | None = None
+    # Speculative decoding: draft tokens after the sequence's last token, verified this step;
+    # `end` counts them (the row computes `token_ids[start:end - d] + spec_token_ids`).
+    spec_token_ids: list[int] = field(default_factory=list)
     # The request's adapter (`lora.request.LoRARequest`, multi-LoRA serving), None: the base model.
     lora_request: object | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    def input_ids(self) -> list[int]:
+        """The tokens this row computes (its draft tokens last)."""
+        spec = self.spec_token_ids
+        if spec:
+            return self.token_ids[self.start : self.end - len(spec)] + spec
+        return self.token_ids[self.start : self.end]
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,6 +123,6 @@ class StepInput:
                 group.request_id, seq.seq_id, seq.token_ids, seq.num_prompt_tokens, s.start,
                 s.end, s.block_table, group.sampling_params, s.do_sample,
                 s.wants_prompt_logprobs, samples, beam_width, group.needs_logprobs,
-                group.pooling, group.lora_request))
+                group.pooling, s.spec_token_ids, group.lora_request))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
                    sched.finished_request_ids, sched.freed_seq_ids)

@@ -5,8 +5,10 @@ For every scheduled sequence, in order: its computed tokens advance, its newly f
 offered to the prefix cache, a forking group's other sequences fork the parent once the shared
 prompt is computed, a pooling request finishes with its pooled result (prefill only), sampled
 tokens are appended and checked against the token-level stops (EOS, stop token ids after
-`min_tokens`, `max_tokens`, `max_model_len`), beam candidates are collected and, once every live
-beam has its candidates, the beam step forks, extends and prunes. Finished sequences free their
+`min_tokens`, `max_tokens`, `max_model_len`; a speculative row appends its accepted drafts and
+the next token, one by one, until a stop, and gives back its rejected drafts' slots), beam
+candidates are collected and, once every live beam has its candidates, the beam step forks,
+extends and prunes. Finished sequences free their
 blocks; finished groups leave `running`.
 
 The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pagedserve.core.beam_search import Extension, final_hypotheses, select
+from pagedserve.core.spec_decode import rewind
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -46,6 +49,8 @@ class StepUpdate:
     groups: list[SequenceGroup] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    # Speculative decoding: (seq id, draft tokens verified, accepted) of each speculative row.
+    spec_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[SeqStepOutput],
@@ -60,7 +65,12 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     num_prompt = num_generated = 0
     for s, r in zip(sched.scheduled, results):
         group, seq = s.group, s.seq
-        seq.num_computed_tokens = s.end
+        if s.spec_token_ids:  # drafts verified: computed up to the accepted ones, rest given back
+            update.spec_rows.append((seq.seq_id, len(s.spec_token_ids), rewind(scheduler, s, r)))
+        else:
+            seq.num_computed_tokens = s.end
+        if seq.spec_token_ids:
+            seq.spec_token_ids = []
         if caching:
             scheduler.cache_computed_blocks(seq)
         if s.start < seq.num_prompt_tokens:
@@ -78,7 +88,13 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
             scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
             touched[group.request_id] = group
         elif samples:
-            if len(samples) == 1:
+            if s.spec_token_ids:  # the accepted drafts and the next token, until a stop
+                for sample in samples:
+                    _append_token(scheduler, group, seq, sample, observer)
+                    num_generated += 1
+                    if seq.is_finished:
+                        break
+            elif len(samples) == 1:
                 _append_token(scheduler, group, seq, samples[0], observer)
                 num_generated += 1
             else:

@@ -15,6 +15,7 @@ from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.core.spec_decode import make_spec_decoder, record_spec_rows
 from pagedserve.core.step_input import StepInput
 from pagedserve.engine.pooling import (check_pooling_fits, check_runner, hidden_size,
                                        pooling_spec, resolve_runner)
@@ -129,6 +130,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
                         self.pooler_config.source)
         self.lora = LoRAChecker(args.lora_config(), self.model_config)  # enable_lora (lora/)
         self._seq_ids = itertools.count()
+        self.spec = make_spec_decoder(args, self.runner)  # speculative decoding, or None
         self._build_cache(args)
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -384,6 +386,9 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             raise ValueError(
                 f"{name}={width} is more than max_num_seqs ({self.args.max_num_seqs}): the "
                 "request could never be scheduled (raise max_num_seqs)")
+        if params.use_beam_search and self.spec is not None:
+            raise ValueError("use_beam_search: beam search cannot run with speculative decoding "
+                             "(speculative_config is set on this engine)")
         bad = [t for t in (params.logit_bias or {}) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary")
@@ -424,6 +429,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         """Tell the KV manager that a request ended (finished or aborted)."""
         for seq in group.seqs:
             self.kv_manager.on_finish(seq.seq_id)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id for seq in group.seqs)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -449,6 +456,10 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
 
     def _run_step(self) -> list[RequestOutput]:
         self._step_sched = None
+        started = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler)  # draft tokens for the decoding sequences
+            self.spec.draft_seconds += time.perf_counter() - started
         sched = self.scheduler.schedule()
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
         # requests it touched (see step_request_ids; their ids are listed only when asked).
@@ -466,6 +477,9 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self._step_sched = None  # the step completed: nothing to pin on its requests
         self.stats["prompt_tokens"] += update.num_prompt_tokens
         self.stats["generation_tokens"] += update.num_generated_tokens
+        if self.spec is not None:
+            record_spec_rows(self.spec, update.spec_rows)
+            self.spec.step_seconds += time.perf_counter() - started
         outputs = []
         for group in update.groups:
             finished = group.is_finished

@@ -167,6 +167,16 @@ class LLMExtras:
         for reason, count in sorted(self._finished_counts.items()):
             out.append(Counter("vllm:request_success", {**labels, "finished_reason": reason},
                                count))
+        if engine.spec is not None:  # speculative decoding (vLLM's names)
+            spec = engine.spec
+            out += [Counter("vllm:spec_decode_num_drafts", dict(labels), spec.num_drafts),
+                    Counter("vllm:spec_decode_num_draft_tokens", dict(labels),
+                            spec.num_draft_tokens),
+                    Counter("vllm:spec_decode_num_accepted_tokens", dict(labels),
+                            spec.num_accepted_tokens)]
+            out += [Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                            {**labels, "position": str(pos)}, count)
+                    for pos, count in enumerate(spec.accepted_per_pos)]
         return out
 
     def _cache_counts(self) -> tuple[int, int, int]:

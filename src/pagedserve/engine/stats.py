@@ -40,6 +40,9 @@ class StepStats:
     time_to_first_token: list[float] = field(default_factory=list)
     # Per request that produced a later token this step: time since its previous token.
     inter_token_latency: list[float] = field(default_factory=list)
+    # Speculative decoding's cumulative counters (`core.spec_decode.SpecDecoder.totals`), or
+    # None when the engine does not speculate.
+    spec_totals: tuple | None = None
 
 
 @dataclass

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0: greedy (default); else random sampling, seeded per request")
     tp.add_argument("--top-p", type=float, default=1.0)
     tp.add_argument("--top-k", type=int, default=0)
+    tp.add_argument("--trace", choices=["sharegpt", "copy"], default="sharegpt",
+                    help="sharegpt: the ShareGPT-like trace; copy: prompts asking to repeat a "
+                         "passage (answers that quote their prompts: speculative decoding's case)")
     tp.add_argument("--structured", choices=["json"], default=None,
                     help="compare the per-step time of JSON-schema constrained requests with "
                          "unconstrained ones (side by side, full decode batches)")

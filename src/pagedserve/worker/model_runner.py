@@ -16,6 +16,7 @@ from pagedserve.platforms import Platform, platform_for
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.pooler import Pooler
+from pagedserve.worker.spec_verify import accept_greedy, verify_row
 from pagedserve.worker.sampler import (
     SampleRequest,
     logprob_stats,
@@ -40,12 +41,22 @@ def plain_greedy_rows(step: StepInput, row_owner: list[tuple[int, str]]) -> list
     owners = []
     for idx, kind in row_owner:
         row = step.rows[idx]
-        if kind != "sample" or row.beam_width or len(row.samples) != 1:
+        if kind == "prompt" or row.beam_width or len(row.samples) != 1:
             return None
         if not is_plain_greedy(row.params, row.num_output_tokens, row.need_logprob):
             return None
         owners.append(idx)
     return owners
+
+
+def accept_plain_greedy(step: StepInput, outputs: list[SeqStepOutput]) -> list[SeqStepOutput]:
+    """Plain-greedy outputs (one argmax per logits row) with every speculative row cut to what
+    it emits: its accepted drafts and the token after them (worker/spec_verify.py)."""
+    for row, out in zip(step.rows, outputs):
+        if row.spec_token_ids and out.samples:
+            del out.samples[accept_greedy([r.token_id for r in out.samples],
+                                          row.spec_token_ids):]
+    return outputs
 
 
 @dataclass(frozen=True)
@@ -159,11 +170,11 @@ class ModelRunner:
         self.graphs = graphs
 
     def _build_meta(self, *, block_tables, seq_lens, query_lens, device,
-                    num_splits: int | None = None) -> AttentionMetadata:
+                    num_splits: int | None = None, decode_rows=None) -> AttentionMetadata:
         return self.attention.build_metadata(AttentionBatch(
             block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens,
             block_size=self.kv_cache.block_size, null_block=self.kv_cache.null_block,
-            device=device, num_splits=num_splits))
+            device=device, num_splits=num_splits, decode_rows=decode_rows))
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.
@@ -206,7 +217,7 @@ class ModelRunner:
         starts: list[int] = []  # each row's first position in the flat batch
         offset = 0
         for idx, s in enumerate(step.rows):
-            input_ids.extend(s.token_ids[s.start : s.end])
+            input_ids.extend(s.input_ids() if s.spec_token_ids else s.token_ids[s.start : s.end])
             positions.extend(range(s.start, s.end))
             starts.append(offset)
             if s.pooling is not None:
@@ -214,6 +225,10 @@ class ModelRunner:
             elif s.prompt_logprobs:
                 logit_rows.extend(range(offset, offset + s.num_tokens))
                 row_owner.extend([(idx, "prompt")] * s.num_tokens)
+            elif s.spec_token_ids:  # speculative: the last real token's and every draft's
+                n = len(s.spec_token_ids) + 1
+                logit_rows.extend(range(offset + s.num_tokens - n, offset + s.num_tokens))
+                row_owner.extend([(idx, "spec")] * n)
             elif s.do_sample:
                 logit_rows.append(offset + s.num_tokens - 1)
                 row_owner.append((idx, "sample"))
@@ -229,9 +244,13 @@ class ModelRunner:
                 # Decode-only (one token per sequence): replay the bucket's CUDA graph.
                 hidden = self.graphs.run(input_ids, positions, block_tables, seq_lens)  # [n, H]
             else:
+                # Speculative rows (1 + drafts) are decode rows: attended token by token by the
+                # decode path (causal within the row), as one-token rows are.
+                decode_rows = ([s.num_tokens == 1 or bool(s.spec_token_ids) for s in step.rows]
+                               if any(s.spec_token_ids for s in step.rows) else None)
                 meta = self._build_meta(block_tables=block_tables, seq_lens=seq_lens,
                                         query_lens=[s.num_tokens for s in step.rows],
-                                        device=self.device)
+                                        device=self.device, decode_rows=decode_rows)
                 ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
                 pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
                 hidden = self.model(ids, pos, self.kv_cache.layers, meta)  # [T, H]
@@ -264,19 +283,21 @@ class ModelRunner:
             # branch (a model that gathers logits returns None on every rank).
             tokens = self.model.greedy_tokens(hidden_rows)  # [R] int64, or None
             if tokens is not None:
-                return self._greedy_outputs(step, greedy, tokens) if self.sample else []
+                return (accept_plain_greedy(step, self._greedy_outputs(step, greedy, tokens))
+                        if self.sample else [])
         logits = self.model.compute_logits(hidden_rows)  # [R, V]
         if not self.sample:
             return []
         if self.on_cuda:
             if greedy is not None:
-                return self._greedy_on_device(step, greedy, logits)
+                return accept_plain_greedy(step, self._greedy_on_device(step, greedy, logits))
             logits = self._to_host(logits)  # [R, V] float32, pinned
         else:
             logits = logits.float().cpu()  # [R, V]
 
         outputs = [SeqStepOutput(s.seq_id, []) for s in step.rows]
         sample_rows, sample_idx = [], []
+        spec_jobs: list[tuple[int, int, int]] = []  # (row index, first logits row, positions)
         r = 0
         while r < len(row_owner):
             idx, kind = row_owner[r]
@@ -285,6 +306,11 @@ class ModelRunner:
                 sample_rows.append(r)
                 sample_idx.append(idx)
                 r += 1
+                continue
+            if kind == "spec":  # verified below (worker/spec_verify.py)
+                n = len(s.spec_token_ids) + 1
+                spec_jobs.append((idx, r, n))
+                r += n
                 continue
             # Prompt logprobs for this chunk: row p predicts token p + 1 (prompt tokens only).
             n = s.num_tokens
@@ -334,6 +360,11 @@ class ModelRunner:
             results = sample(picked, reqs, stop_ids) if rows else []
             for idx, res in zip(owners, results):
                 outputs[idx].samples.append(res)
+        for idx, first, n in spec_jobs:
+            s = step.rows[idx]
+            gen = self._generator(s.request_id, s.params.seed, s.samples[0].index)
+            stop = ([] if s.params.ignore_eos else self.eos_ids) + list(s.params.stop_token_ids or [])
+            outputs[idx].samples = verify_row(logits[first : first + n], s, gen, stop)
         return outputs
 
     # --- CUDA: what comes back to the host --------------------------------------------------

@@ -58,6 +58,8 @@ class StepMessage:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: the step's GrammarBitmask (keyed by sequence id), or None.
     grammar_bitmask: object | None = None
+    # Speculative decoding: the draft tokens of the rows that verify some, by sequence id.
+    spec_tokens: dict[int, list[int]] = field(default_factory=dict)
 
 
 class StepEncoder:
@@ -113,6 +115,8 @@ class StepEncoder:
                      | (NEED_LOGPROB if row.need_logprob else 0))
             msg.rows.append((row.seq_id, row.start, row.end, flags,
                              [spec.seq_id for spec in row.samples]))
+            if row.spec_token_ids:
+                msg.spec_tokens[row.seq_id] = row.spec_token_ids
         return msg
 
     def _forget(self, seq_id: int) -> None:
@@ -216,6 +220,7 @@ class StepDecoder:
             row.do_sample = bool(flags & DO_SAMPLE)
             row.prompt_logprobs = bool(flags & PROMPT_LOGPROBS)
             row.need_logprob = bool(flags & NEED_LOGPROB)
+            row.spec_token_ids = msg.spec_tokens.get(seq_id, [])
             if self._sampled.get(seq_id) != sampled:
                 self._sampled[seq_id] = sampled
                 specs = []

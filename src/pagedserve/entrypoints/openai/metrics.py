@@ -34,6 +34,18 @@ one), so several apps in one process do not clash.
 | pagedserve:request_decode_time_seconds       | vllm:request_decode_time_seconds         |
 | pagedserve:request_num_preemptions           | vllm:request_num_preemptions (v0)        |
 | pagedserve:engine_steps_total                | (ours: engine iterations)                |
+| pagedserve:spec_decode_num_drafts_total      | vllm:spec_decode_num_drafts_total        |
+| pagedserve:spec_decode_num_draft_tokens_total | vllm:spec_decode_num_draft_tokens_total |
+| pagedserve:spec_decode_num_accepted_tokens_total | vllm:spec_decode_num_accepted_tokens_total |
+| pagedserve:spec_decode_num_accepted_tokens_per_pos_total{position} | vllm:spec_decode_num_accepted_tokens_per_pos_total |
+| pagedserve:spec_decode_acceptance_rate       | (ours: accepted / draft tokens so far)   |
+| pagedserve:spec_decode_mean_acceptance_length | (ours: 1 + accepted per draft so far)   |
+| pagedserve:spec_decode_draft_time_share      | (ours: proposing's share of step time)   |
+
+The speculative decoding counters stay at 0 on an engine without `--speculative-config`; vLLM's
+acceptance rate is `rate(spec_decode_num_accepted_tokens_total) /
+rate(spec_decode_num_draft_tokens_total)`, its mean acceptance length
+`1 + rate(..._accepted_tokens_total) / rate(..._num_drafts_total)`.
 
 `num_requests_waiting_by_reason` has vLLM's two reasons: `capacity` (every waiting request here)
 and `deferred` (always 0: nothing here waits on a grammar compile or a remote KV transfer).
@@ -150,6 +162,10 @@ class ServerMetrics:
                                       _REQUEST_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Request time from first token to finish.", _REQUEST_BUCKETS)
+        self.spec = _SpecMetrics(counter, gauge, Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by position in the draft.", labels + ["position"], registry=r),
+            model_name)
         self.request_preemptions = histogram("request_num_preemptions",
                                              "Preemptions of each finished request.",
                                              (0, 1, 2, 5, 10, 20))
@@ -179,6 +195,8 @@ class ServerMetrics:
             self.iteration_tokens.observe(stats.prompt_tokens + stats.generation_tokens)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
+        if stats.spec_totals is not None:
+            self.spec.update(stats.spec_totals)
         for value in stats.time_to_first_token:
             self.ttft.observe(value)
         for value in stats.inter_token_latency:
@@ -208,3 +226,40 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class _SpecMetrics:
+    """Speculative decoding's counters (vLLM's names) and our rate gauges, fed the engine's
+    cumulative totals (`StepStats.spec_totals`): each update adds what grew since the last."""
+
+    def __init__(self, counter, gauge, per_pos: Counter, model_name: str) -> None:
+        self.drafts = counter("spec_decode_num_drafts", "Drafts verified (one per row).")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.acceptance_rate = gauge("spec_decode_acceptance_rate",
+                                     "Accepted draft tokens / draft tokens, so far.")
+        self.mean_length = gauge("spec_decode_mean_acceptance_length",
+                                 "1 + accepted draft tokens per draft, so far.")
+        self.draft_share = gauge("spec_decode_draft_time_share",
+                                 "Share of the engine's step time spent proposing drafts.")
+        self._per_pos = per_pos
+        self._model_name = model_name
+        self._last = (0, 0, 0, (), 0.0, 0.0)
+
+    def update(self, totals: tuple) -> None:
+        drafts, draft_tokens, accepted, per_pos, draft_s, step_s = totals
+        last = self._last
+        self.drafts.inc(drafts - last[0])
+        self.draft_tokens.inc(draft_tokens - last[1])
+        self.accepted.inc(accepted - last[2])
+        for pos, count in enumerate(per_pos):
+            before = last[3][pos] if pos < len(last[3]) else 0
+            if count > before:
+                self._per_pos.labels(self._model_name, str(pos)).inc(count - before)
+        if draft_tokens:
+            self.acceptance_rate.set(accepted / draft_tokens)
+        if drafts:
+            self.mean_length.set(1 + accepted / drafts)
+        if step_s:
+            self.draft_share.set(draft_s / step_s)
+        self._last = totals
