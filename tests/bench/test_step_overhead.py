@@ -40,7 +40,7 @@ def _calls_per_sequence_step(engine, num_seqs: int, steps: int = 4, **params) ->
     return pstats.Stats(profiler).total_calls / (num_seqs * steps)
 
 
-@pytest.mark.parametrize(("params", "most"), [({}, 90), ({"logprobs": 2}, 120)],
+@pytest.mark.parametrize(("params", "most"), [({}, 100), ({"logprobs": 2}, 130)],
                          ids=["plain", "logprobs"])
 def test_python_calls_per_sequence_do_not_grow_with_the_batch(engine, params, most):
     # Regression (issue 25): `group in self.running` scanned a list with the dataclass __eq__
@@ -49,7 +49,9 @@ def test_python_calls_per_sequence_do_not_grow_with_the_batch(engine, params, mo
     large = _calls_per_sequence_step(engine, 512, **params)
     assert large <= 1.1 * small, (small, large)
     # The whole step: schedule, step input, update, detokenize, outputs (115 and 161 calls
-    # before the step-cost work of issue 25, 74 and 95 after; the fake model's own included).
+    # before the step-cost work of issue 25, 74 and 95 after; the fake model's own included; ~94
+    # with the step protocol the in-process executor now goes through too, and the speculative
+    # decoding checks).
     assert small < most, small
 
 
