@@ -22,6 +22,7 @@ class AttentionBatch:
     null_block: int
     device: torch.device | str = "cpu"
     num_splits: int | None = None  # triton split-K parts (fixed for CUDA graphs)
+    decode_rows: list[bool] | None = None  # which rows decode (default: the rows of one token)
 
 
 class AttentionBackend:
@@ -44,7 +45,7 @@ class AttentionBackend:
         meta = AttentionMetadata.build(
             block_tables=batch.block_tables, seq_lens=batch.seq_lens, query_lens=batch.query_lens,
             block_size=batch.block_size, null_block=batch.null_block, device=batch.device,
-            backend=self.name, num_splits=batch.num_splits)
+            backend=self.name, num_splits=batch.num_splits, decode_rows=batch.decode_rows)
         meta.impl = self
         return meta
 
