@@ -143,18 +143,11 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:  # logits [V]
-    """The torch path of `_sample_random` (csrc/sampling.cpp follows the same rule): temperature,
-    top-k (ties with the k-th kept), top-p (the smallest prefix by probability, ties by index,
-    whose mass reaches top_p), min-p; then the first token whose cumulative probability exceeds
-    `u` times the kept mass. NaN logits have probability 0."""
-    x = logits / p.temperature
-    x = x.masked_fill(x.isnan(), float("-inf"))
-    top = float(x.max())
-    if top == float("inf"):  # +inf outweighs everything: the first +inf
-        return int(torch.argmax(x))
-    if top == float("-inf"):
-        return 0  # nothing has weight
+def filtered_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:  # [V] -> [V]
+    """Probabilities of tempered logits `x` (finite maximum, NaN already -inf) after top-k (ties
+    with the k-th kept), top-p (the smallest prefix by probability, ties by index, whose mass
+    reaches top_p) and min-p, not renormalized: the rule `_sample_row` draws from and the
+    speculative verifier's target distribution (worker/spec_verify.py)."""
     if p.top_k and 0 < p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -168,6 +161,22 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:  # lo
         probs[order[drop_sorted]] = 0.0
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, u: float) -> int:  # logits [V]
+    """The torch path of `_sample_random` (csrc/sampling.cpp follows the same rule): temperature,
+    top-k (ties with the k-th kept), top-p (the smallest prefix by probability, ties by index,
+    whose mass reaches top_p), min-p; then the first token whose cumulative probability exceeds
+    `u` times the kept mass. NaN logits have probability 0."""
+    x = logits / p.temperature
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    top = float(x.max())
+    if top == float("inf"):  # +inf outweighs everything: the first +inf
+        return int(torch.argmax(x))
+    if top == float("-inf"):
+        return 0  # nothing has weight
+    probs = filtered_probs(x, p)  # [V]
     cdf = torch.cumsum(probs, dim=-1)  # [V]
     idx = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
     if idx >= cdf.shape[0]:  # rounding: the last token with weight

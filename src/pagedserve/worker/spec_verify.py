@@ -36,6 +36,7 @@ from pagedserve.worker.sampler import (
     _apply_processors,
     _has_processors,
     _uniform,
+    filtered_probs,
     logprob_stats,
     sample,
 )
@@ -123,18 +124,7 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:  # [V
         probs = torch.zeros_like(x)
         probs[int(torch.argmax(x)) if top == float("inf") else 0] = 1.0
         return probs
-    if p.top_k and 0 < p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        drop_sorted = (cum - sorted_probs) >= p.top_p
-        probs = probs.clone()
-        probs[order[drop_sorted]] = 0.0
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    probs = filtered_probs(x, p)
     return probs / probs.sum()
 
 
