@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,24 +36,15 @@
 
 namespace {
 
-// exp(x), 16 lanes, for x <= 0 (scores minus their maximum): Cephes' expf polynomial on the
-// reduced argument, then * 2^n (vscalefps). Relative error ~1e-7, far below the bf16 rounding of
-// the weights that follows.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+// The V16 operations (csrc/vec16.h) as one AVX-512 register: its softmax exp (the same
+// polynomial as the decode kernels').
+namespace v16 {
+#define PS_VEC 512
+#include "vec16.h"
+#undef PS_VEC
+}  // namespace v16
+
+inline __m512 exp16(__m512 x) { return v16::v_exp_neg(v16::V16{x}).v; }
 
 struct Shape {
   int64_t n, ctx, Hq, Hkv, D;
