@@ -112,11 +112,11 @@ inline void bcast_store(const Out& out, int64_t M, int64_t mb, __m512* acc, int6
 // rows of ldw; rows nr .. 15 are zeros).
 inline void bcast_block(const uint16_t* xpk, int64_t M, int64_t K, int64_t mb0, int64_t mb1,
                         const uint16_t* w, int64_t ldw, int64_t nr, const Out& out, int64_t n0) {
-  const int64_t KC = K / 32, MBk = mb1;
+  const int64_t KC = K / 32;
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w);
   const int64_t ldp = ldw / 2;  // pairs per weight row
   int64_t mb = mb0;
-  for (; mb + 2 <= MBk; mb += 2) {
+  for (; mb + 2 <= mb1; mb += 2) {
     __m512 a0[16], a1[16];
     const uint16_t* xb0 = xpk + mb * KC * 512;
     bcast_tile2(xb0, xb0 + KC * 512, K, wp, ldp, a0, a1);
@@ -124,7 +124,7 @@ inline void bcast_block(const uint16_t* xpk, int64_t M, int64_t K, int64_t mb0, 
     bcast_store(out, M, mb, a0, n0, nr);
     bcast_store(out, M, mb + 1, a1, n0, nr);
   }
-  if (mb < MBk) {
+  if (mb < mb1) {
     __m512 acc[16];
     bcast_tile1(xpk + mb * KC * 512, K, wp, ldp, acc);
     bcast_store(out, M, mb, acc, n0, nr);

@@ -546,7 +546,7 @@ struct RunPrep {
 
 inline void run_prepare(const XT* x, int64_t M, int64_t K, RunPrep& prep, bool pack) {
 #if PS_ISA >= 3  // kIsaAvx512Bf16
-  if (K % 32 == 0 && (pack || PS_ISA >= 4)) {
+  if (K % 32 == 0 && pack) {
     prep.packed.resize(size_t(((M + 15) / 16) * (K / 32) * 512 + 32));
     uint16_t* xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(prep.packed.data()) + 63) & ~uintptr_t(63));
     pack_x_pairs(x, M, K, xpk);
