@@ -176,6 +176,8 @@ def test_ggml_blocks_with_extreme_values(isa):
     x[1, 40] = 1e4
     x[2] = -x[2].abs()  # all negative: every block's amax is -x
     check_ggml_product(qlinear(x, w), x, ref_w, None)
+    xb = x.to(torch.bfloat16)  # the blocked GEMM (forced from row 1): 8-bit on AVX512-BF16
+    check_gemm_product(_op(xb, w, isa, 1), xb, ref_w, None, "q8_0", isa)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q6_k", "q4_k", "int8"])
@@ -267,19 +269,39 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
+# The ggml formats whose GEMM at the AVX512-BF16 level is the 8-bit one (csrc/qlinear_vnni.h):
+# x quantized as the small-batch kernel quantizes it, exact integer block sums.
+VNNI_FMTS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k")
+
+
+def _int8_gemm(fmt: str, isa: int) -> bool:
+    return fmt in VNNI_FMTS and isa == ISA_LEVELS["avx512bf16"]
+
+
+def check_gemm_product(y, x, ref_w, bias, fmt, isa) -> None:
+    """The blocked GEMM's y (fp32 out) against float64 references: the product of the 8-bit
+    activations for the 8-bit GEMM; else the weights dequantized exactly, to bf16 on the bf16
+    levels (fp32 below), times x, up to fp32 accumulation."""
+    if _int8_gemm(fmt, isa):
+        return check_ggml_product(y, x, ref_w, bias)
+    b64 = torch.zeros(ref_w.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
+    want = x.double() @ wq.double().T + b64
+    scale = x.double().abs() @ wq.double().abs().T + b64.abs()
+    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+
+
 @pytest.mark.parametrize("fmt", list(GGML))
 @pytest.mark.parametrize("m", [1, 5, 16, 64, 260])  # the shape classes: 1, 2-8, 16-64, 256+
 def test_blocked_gemm_matches_dequantize_then_matmul(fmt, m, isa):
     """The blocked GEMM over ggml blocks (forced from row 1): the weights dequantized exactly, to
-    bf16 on the bf16 levels (fp32 below), then an fp32-accumulated product."""
+    bf16 on the bf16 levels (fp32 below), then an fp32-accumulated product; or, for the 8-bit
+    GEMM, the 8-bit activations' product."""
     n, k = 45, 512
     w, ref_w = ggml_blocks(fmt, n, k, seed=3)
     x = torch.randn(m, k).to(torch.bfloat16)
     y = _op(x, w, isa, 1)
-    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
-    want = x.double() @ wq.double().T
-    scale = x.double().abs() @ wq.double().abs().T
-    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+    check_gemm_product(y, x, ref_w, None, fmt, isa)
     bias = torch.randn(n)
     yb = _op(x, w, isa, 1, bias)
     assert torch.equal(yb, y + bias)  # the bias added once, after the sum
@@ -287,7 +309,7 @@ def test_blocked_gemm_matches_dequantize_then_matmul(fmt, m, isa):
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, yb.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q6_k"])
 def test_blocked_gemm_over_many_column_groups_and_long_rows(fmt, isa):
     """Columns in several groups of blocks and output stages (N = 300: a partial last block), rows
     of 2048 values (4 KiB of bf16: the padded buffer stride), rows of x in several slabs."""
@@ -296,13 +318,10 @@ def test_blocked_gemm_over_many_column_groups_and_long_rows(fmt, isa):
     x = torch.randn(m, k).to(torch.bfloat16)
     bias = torch.randn(n)
     y = _op(x, w, isa, 1, bias)
-    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
-    want = x.double() @ wq.double().T + bias.double()
-    scale = x.double().abs() @ wq.double().abs().T + bias.double().abs()
-    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+    check_gemm_product(y, x, ref_w, bias, fmt, isa)
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q8_0", "q4_k"])
 def test_a_rows_gemm_result_does_not_depend_on_its_batch(fmt, isa):
     """Among batches that take the blocked GEMM, a row's result is the same bits whatever the
     batch around it and wherever the row sits in it."""

@@ -39,7 +39,9 @@ inline int64_t detect_isa() {
   if (!(f && dq && bw && vl && (x & 0xE0) == 0xE0)) return kIsaAvx2;
   unsigned a1 = 0, b1, c1, d1;
   if (max_sub >= 1) __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
-  if (!((a1 >> 5) & 1)) return kIsaAvx512;
+  // the AVX512-BF16 level's 8-bit GEMM needs AVX512-VNNI (every CPU with AVX512-BF16 has it)
+  const bool vnni = (c >> 11) & 1;
+  if (!((a1 >> 5) & 1) || !vnni) return kIsaAvx512;
   if (amx_bf16 && amx_tile && ((x >> 17) & 3) == 3) {
 #ifdef __linux__
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;

@@ -95,7 +95,7 @@ namespace isa_avx512 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
 namespace isa_avx512bf16 {
 #define PS_ISA 3
 #include "qlinear_impl.h"
@@ -135,7 +135,22 @@ struct SharedX {
   bool amx_ready = false;
   isa_avx512bf16::RunPrep pairs;                            // x packed for bcast_block
   bool pairs_ready = false;
+  isa_avx512bf16::VnniX vnni;                               // 8-bit x packed for vnni_range
+  bool vnni_ready = false;
 };
+
+// x quantized to 8-bit blocks for formats of `offset` (once per call and offset).
+const isa_avx2::XQ& quantized_x(SharedX& sx, const at::Tensor& x, int64_t M, int64_t K, int offset) {
+  auto& xq = sx.q8[offset];
+  if (!xq) {
+    xq = std::make_unique<isa_avx2::QuantizedX>();
+    if (x.scalar_type() == at::kBFloat16)
+      isa_avx2::quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, offset, *xq);
+    else
+      isa_avx2::quantize_x(x.data_ptr<float>(), M, K, offset, *xq);
+  }
+  return xq->xq;
+}
 
 // One product set up to run over any range of its output columns (`range(nb, ne)`, whole 16-row
 // blocks): its kernel chosen, its result allocated.
@@ -174,14 +189,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   // products on the stored blocks (qlinear_q8.h), at every level. From gemm_rows rows on, the
   // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.
   if (isa_avx2::q8_format(fmt) && (gemm_rows <= 0 || M < gemm_rows)) {
-    const int offset = isa_avx2::q8_offset(fmt);
-    auto& xq = sx.q8[offset];
-    if (!xq) {
-      xq = std::make_unique<isa_avx2::QuantizedX>();
-      if (x_bf16) isa_avx2::quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, offset, *xq);
-      else isa_avx2::quantize_x(x.data_ptr<float>(), M, K, offset, *xq);
-    }
-    const isa_avx2::XQ* q = &xq->xq;
+    const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
     p->range = [=](int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, *out, nb, ne); };
     return p;
   }
@@ -193,6 +201,15 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       sx.amx_ready = true;
       const isa_amx::RunPrep* prep = &sx.amx;
       p->range = [=](int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, *out, *prep, nb, ne); };
+    } else if (isa_avx512bf16::vnni_format(fmt)) {  // the 8-bit GEMM: vnni_range
+      if (!sx.vnni_ready) {
+        // NOTE: offset 0 -- the quantization (q, d) is the same for every offset
+        const isa_avx2::XQ& q = quantized_x(sx, x, M, K, 0);
+        isa_avx512bf16::vnni_pack(q.q, q.d, q.s, M, K, sx.vnni);
+      }
+      sx.vnni_ready = true;
+      const isa_avx512bf16::VnniX* vx = &sx.vnni;
+      p->range = [=](int64_t nb, int64_t ne) { isa_avx512bf16::vnni_range(fmt, *vx, M, K, wp, rb, *out, nb, ne); };
     } else if (isa_avx2::q8_format(fmt)) {  // the GEMM over ggml blocks: bcast_block
       if (!sx.pairs_ready) isa_avx512bf16::run_prepare(xp, M, K, sx.pairs, true);
       sx.pairs_ready = true;

@@ -492,6 +492,9 @@ inline void dot_block(const XT* x, int64_t M, int64_t K, const WT* w, int64_t ld
 #if PS_ISA >= 3  // kIsaAvx512Bf16
 #include "qlinear_bcast.h"
 #endif
+#if PS_ISA == 3  // kIsaAvx512Bf16 (with VNNI)
+#include "qlinear_vnni.h"
+#endif
 
 #if PS_ISA >= 4  // kIsaAmx
 // AMX: C (16 rows of W x 16 rows of x) += A (16 rows of W x 32 k, bf16) . B (x packed: 16 k-pairs

@@ -1,0 +1,205 @@
+// The 8-bit GEMM over ggml blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K) on AVX512-VNNI: rows of x in
+// the vector lanes, weights broadcast, integer products by vpdpbusd (64 per instruction: twice
+// vdpbf16ps's 32). Included by qlinear_impl.h at the AVX512-BF16 level (every CPU of that level
+// has AVX512-VNNI: detect_isa requires it), used from gemm_rows rows on for these formats.
+//
+//   y[m, n] = sum_b  fl(dx[m, b] * dw[n, b]) * (qx[m, b] . qw[n, b])  -  mw[n, b] * sx[m, b]
+//
+// over the blocks b of 32 values: dw the block's scale (the K-quants: d * sc), mw its min term
+// (the K-quants: dmin * mn; else none) and sx[m, b] = dx * sum(qx). x is the 8-bit quantization
+// of the small-batch kernel (qlinear_q8.h `quantize_x`: qx = round(x * 127 / amax), dx = amax /
+// 127), packed once per call (`vnni_pack`) as unsigned bytes qx + 128, four k of one row per
+// 32-bit lane: [M / 16][K / 32][8 quads][16 rows][4]. The weights of a block of columns are
+// unpacked once per call into signed bytes (Q4_0 / Q5_0 less their offset) with, per block,
+// -128 * sum(qw), which cancels the + 128 of x exactly: each block's integer sum is exact, then
+// one fp32 FMA per block and row (and one for the mins). Q6_K (a scale per 16 values) keeps the
+// bf16 GEMM (qlinear_bcast.h).
+//
+// NOTE: batch invariance. y[m, n] is one lane that walks the blocks of K in order, whatever M is
+// and wherever row m sits (a padding row has dx = sx = 0 and is never stored), so results do not
+// depend on the batch among GEMM-sized batches. The small-batch kernel sums the same exact block
+// products in another order (8 lanes, then a horizontal sum): the two differ in the last bits,
+// which is why this path serves only outside the batch-invariant mode, as the bf16 GEMM does.
+
+#if PS_ISA != 3
+#error "qlinear_vnni.h is the AVX512-BF16 (+ VNNI) build only"
+#endif
+
+inline bool vnni_format(int64_t fmt) {
+  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K || fmt == kFmtQ5_K;
+}
+
+// x quantized and packed for vnni_tile8: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16].
+struct VnniX {
+  std::vector<uint8_t> buf;
+  std::vector<float> dx, sx;
+  const uint8_t* xq = nullptr;
+};
+
+// q [M][K] int8, d and s [M][K / 32] (quantize_x's) -> the lanes layout; padding rows hold qx = 0
+// (bytes 128) and dx = sx = 0.
+inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, VnniX& out) {
+  const int64_t KB = K / 32, MBk = (M + 15) / 16;
+  out.buf.assign(size_t(MBk * KB * 512 + 64), uint8_t(128));
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(out.buf.data()) + 63) & ~uintptr_t(63));
+  out.dx.assign(size_t(MBk * KB * 16), 0.0f);
+  out.sx.assign(size_t(MBk * KB * 16), 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t mb = m / 16, mi = m % 16;
+    for (int64_t b = 0; b < KB; ++b) {
+      uint8_t* dst = base + (mb * KB + b) * 512 + mi * 4;
+      const int8_t* src = q + m * K + b * 32;
+      for (int p = 0; p < 8; ++p) {
+        uint32_t v;
+        std::memcpy(&v, src + 4 * p, 4);
+        v ^= 0x80808080u;  // int8 q -> uint8 q + 128
+        std::memcpy(dst + p * 64, &v, 4);
+      }
+      out.dx[size_t((mb * KB + b) * 16 + mi)] = d[m * KB + b];
+      out.sx[size_t((mb * KB + b) * 16 + mi)] = s[m * KB + b];
+    }
+  }
+  out.xq = base;
+}
+
+// One row of W (K values, format F) -> signed bytes wq [K] and, per block of 32, its scale dw,
+// min term mw (0 without mins) and corr = -128 * sum(qw) (what the + 128 of the packed x adds to
+// the block's integer sum).
+template <typename F>
+inline void vnni_weight_row(const uint8_t* row, int64_t K, int8_t* wq, float* dw, float* mw, int32_t* corr) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t u = 0; u < K / F::kUnit; ++u) {
+    const uint8_t* up = row + u * F::kBytes;
+    const typename F::Head h = F::head(up);
+    float mins[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if constexpr (F::kMins) _mm256_storeu_ps(mins, h.mins);
+    for (int t = 0; t < F::kBlocks; ++t) {
+      const int64_t b = u * F::kBlocks + t;
+      float d;
+      __m256i v = F::block(h, up, t, &d, nullptr);
+      if constexpr (F::kOffset != 0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(F::kOffset));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * 32), v);
+      dw[b] = d;
+      mw[b] = mins[t];
+      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);  // 8 int32 sums
+      __m128i r = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+      r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
+      corr[b] = -128 * _mm_cvtsi128_si32(r);
+    }
+  }
+}
+
+inline void vnni_weight_row(int64_t fmt, const uint8_t* row, int64_t K, int8_t* wq, float* dw, float* mw,
+                            int32_t* corr) {
+  switch (fmt) {
+    case kFmtQ8_0: return vnni_weight_row<::isa_avx2::Q8_0>(row, K, wq, dw, mw, corr);
+    case kFmtQ4_0: return vnni_weight_row<::isa_avx2::Q4_0>(row, K, wq, dw, mw, corr);
+    case kFmtQ5_0: return vnni_weight_row<::isa_avx2::Q5_0>(row, K, wq, dw, mw, corr);
+    case kFmtQ4_K: return vnni_weight_row<::isa_avx2::Q4_K>(row, K, wq, dw, mw, corr);
+    case kFmtQ5_K: return vnni_weight_row<::isa_avx2::Q5_K>(row, K, wq, dw, mw, corr);
+  }
+}
+
+// Per-block weight data of a group of columns: rows of KB.
+struct VnniW {
+  const int8_t* wq;  // rows of ldq bytes
+  int64_t ldq;
+  const float* dw;
+  const float* mw;
+  const int32_t* corr;
+};
+
+// 16 rows of x (one packed group: xb, dxb, sxb) times 8 weight columns from column c of w:
+// r[j] = column c + j over the 16 rows.
+template <bool kMins>
+inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, int64_t KB, const VnniW& w,
+                       int64_t c, __m512* r) {
+  const int8_t* wq = w.wq + c * w.ldq;
+  const int64_t ldq = w.ldq;
+  const float* dw = w.dw + c * KB;
+  const float* mw = w.mw + c * KB;
+  const int32_t* corr = w.corr + c * KB;
+  __m512 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const __m512i* xv = reinterpret_cast<const __m512i*>(xb + b * 512);
+    __m512i s[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) s[j] = _mm512_set1_epi32(corr[j * KB + b]);
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512i x = _mm512_load_si512(xv + p);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        int32_t wv;
+        std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
+        s[j] = _mm512_dpbusd_epi32(s[j], x, _mm512_set1_epi32(wv));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(dxb + b * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j]), _mm512_mul_ps(d, _mm512_set1_ps(dw[j * KB + b])), acc[j]);
+    if constexpr (kMins) {
+      const __m512 sv = _mm512_loadu_ps(sxb + b * 16);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fnmadd_ps(sv, _mm512_set1_ps(mw[j * KB + b]), acc[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) r[j] = acc[j];
+}
+
+// Output columns [nb, ne) (whole 16-row blocks of W, format fmt) of the product with packed x.
+// NOTE: blocked for the caches as bcast_range is: kCols columns unpacked at once (they stay in
+// L2) and multiplied by slabs of kSlab row groups of x (a slab stays in L2 across them).
+inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const uint8_t* w,
+                       int64_t row_bytes, const Out& out, int64_t nb, int64_t ne) {
+  constexpr int64_t kCols = 64, kSlab = 4;
+  const int64_t KB = K / 32, MBk = (M + 15) / 16;
+  const int64_t ldq = K + 64;  // bytes: 8 columns read side by side stay out of one L1 set
+  std::vector<int8_t> buf(size_t(kCols * ldq + 64));
+  int8_t* wq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  std::vector<float> dw(size_t(kCols * KB)), mw(size_t(kCols * KB));
+  std::vector<int32_t> corr(size_t(kCols * KB));
+  const VnniW wv{wq, ldq, dw.data(), mw.data(), corr.data()};
+  const bool mins = fmt == kFmtQ4_K || fmt == kFmtQ5_K;
+  Stage st(out, M, nb);
+  for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
+    const int64_t g1 = std::min(ne, g0 + kCols);
+    if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
+    for (int64_t n = g0; n < g1; ++n) {
+      const int64_t c = n - g0;
+      vnni_weight_row(fmt, w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB,
+                      corr.data() + c * KB);
+    }
+    const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
+    if (filled < padded) {  // missing columns: zeros (never stored)
+      std::memset(wq + filled * ldq, 0, size_t((padded - filled) * ldq));
+      std::fill(dw.begin() + filled * KB, dw.begin() + padded * KB, 0.0f);
+      std::fill(mw.begin() + filled * KB, mw.begin() + padded * KB, 0.0f);
+      std::fill(corr.begin() + filled * KB, corr.begin() + padded * KB, 0);
+    }
+    for (int64_t s0 = 0; s0 < MBk; s0 += kSlab)
+      for (int64_t n0 = g0; n0 < g1; n0 += 16) {
+        const int64_t c = n0 - g0;
+        for (int64_t mb = s0; mb < std::min(MBk, s0 + kSlab); ++mb) {
+          __m512 acc[16];
+          const uint8_t* xb = vx.xq + mb * KB * 512;
+          const float* dxb = vx.dx.data() + mb * KB * 16;
+          const float* sxb = vx.sx.data() + mb * KB * 16;
+          if (mins) {
+            vnni_tile8<true>(xb, dxb, sxb, KB, wv, c, acc);
+            vnni_tile8<true>(xb, dxb, sxb, KB, wv, c + 8, acc + 8);
+          } else {
+            vnni_tile8<false>(xb, dxb, sxb, KB, wv, c, acc);
+            vnni_tile8<false>(xb, dxb, sxb, KB, wv, c + 8, acc + 8);
+          }
+          bcast_store(st.out, M, mb, acc, n0, std::min<int64_t>(16, g1 - n0));
+        }
+      }
+  }
+  if (nb < ne) st.flush_and_move(ne);
+}
