@@ -370,3 +370,30 @@ def test_fused_products_equal_the_products_one_by_one(m, isa):
     for w, b, y in zip(ws, biases, fused):
         assert y.dtype == torch.bfloat16
         assert torch.equal(y, qlinear(x, w, b)), (m, w.dtype)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 70])
+@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k"])
+def test_fused_argmax_is_the_argmax_of_the_product(fmt, m, isa):
+    """qlinear_argmax (the greedy LM head: the product scanned chunk by chunk, no logits in
+    memory) returns the argmax of qlinear's bf16 logits for every kernel: columns over several
+    chunks with a partial last one, ties won by the first column, a NaN in x (NaN logits where the
+    kernel propagates it, whatever the 8-bit quantization makes of it elsewhere: the same either
+    way)."""
+    from pagedserve.kernels.cpu_qlinear import qlinear_argmax
+
+    n, k = 2500, 256
+    w, _ = ggml_blocks(fmt, n, k, seed=12)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    if m > 2:
+        x[2, 3] = float("nan")
+    best = int(qlinear(x, w)[0].argmax())
+    copies = [(best + 1) % n, (best + 1300) % n]  # the same row: a tie within a chunk and across
+    raw = w.clone()
+    raw[copies] = raw[best].clone()
+    w = set_quant(raw, w.quant)
+    logits = qlinear(x, w)
+    got = qlinear_argmax(x, w)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert int(got[0]) == min(best, *copies)

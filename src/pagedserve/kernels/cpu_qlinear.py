@@ -147,6 +147,31 @@ def qlinear(
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def qlinear_argmax(
+    x: torch.Tensor,  # [M, K] bf16
+    weight: torch.Tensor,  # uint8 [N, row_bytes] with a QuantSpec
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M] int64
+    """`qlinear(x, weight, bias).argmax(dim=-1)`, bit for bit (the first maximum of the bf16 logits;
+    a NaN counts as the maximum), without the [M, N] logits: the product runs in chunks of
+    columns, each scanned while it is in cache (the greedy LM head).
+
+    ValueError for an unquantized weight, a shape mismatch, or x not a bf16 matrix; RuntimeError
+    when the kernel is unavailable."""
+    spec = quant_spec(weight)
+    if spec is None:
+        raise ValueError("qlinear_argmax needs a quantized weight")
+    if x.dim() != 2 or x.dtype is not torch.bfloat16 or x.shape[1] != spec.in_features:
+        raise ValueError(f"x must be a bf16 [M, {spec.in_features}] matrix, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    level = linear_isa()
+    if level == ISA_NONE:
+        raise RuntimeError("the compiled CPU linear kernel is unavailable")
+    return torch.ops.pagedserve_cpu.qlinear_argmax.default(
+        x.contiguous(), weight, spec.format.code, spec.in_features, bias, level,
+        gemm_rows(spec, x.dtype, level))
+
+
 def qembedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64, any shape) of a quantized weight, dequantized: `[*ids.shape, K]` in the
     weight's `QuantSpec.dtype`."""

@@ -19,7 +19,7 @@ from pagedserve.kernels.cpu_argmax import argmax_bf16
 from pagedserve.kernels.cpu_attention import decode_attention, prefill_attention
 from pagedserve.kernels.cpu_fp32 import invariant_activation, invariant_attention, invariant_linear
 from pagedserve.kernels.cpu_norm import rms_norm
-from pagedserve.kernels.cpu_qlinear import qembedding, quantized_available
+from pagedserve.kernels.cpu_qlinear import qembedding, qlinear_argmax, quantized_available
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA, NORM_NONE, qk_norm_rope_
 from pagedserve.platforms import cpu_decode
 from pagedserve.platforms.base import LayerOps, Platform
@@ -49,12 +49,16 @@ class CpuOps(LayerOps):
     def greedy(self, x, weight):
         """The bf16 argmax scan of the LM head's output (`kernels.cpu_argmax`), for bf16 (or
         quantized) weights and bf16 CPU activations; None elsewhere. NOTE: the logits come from
-        the same product as `linear`, so a row's greedy token does not depend on its batch."""
+        the same product as `linear`, so a row's greedy token does not depend on its batch.
+        Quantized weights: the product and the scan fused (`qlinear_argmax`: no logits in memory),
+        the same tokens."""
         quantized = getattr(weight, "quant", None) is not None
         if (x.dim() != 2 or x.dtype is not torch.bfloat16
                 or not (quantized or weight.dtype is torch.bfloat16) or not x.is_cpu
                 or not cpu_gemm.kernel_available()):
             return None
+        if quantized and not (x.requires_grad and torch.is_grad_enabled()):
+            return qlinear_argmax(x, weight)
         return argmax_bf16(self.linear(x, weight))
 
     def rms_norm(self, x, weight_f32, eps, numerics):

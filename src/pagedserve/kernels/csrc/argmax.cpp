@@ -21,72 +21,14 @@
 #include <mutex>
 #include <vector>
 
-namespace {
-
-using bf16_t = uint16_t;
-
-// ----------------------------------------------------------------------------------------------
-// Argmax of bf16 rows (torch.argmax's rule: first maximum, NaN counts as the maximum).
-// ----------------------------------------------------------------------------------------------
-
-// The best element seen so far of one row; idx < 0: none yet.
-struct ArgBest {
-  int64_t idx = -1;
-  float val = 0.0f;
-  bool nan = false;
-};
-
-// Whether a beats b in torch.argmax's order: any NaN beats any number, the larger number beats
-// the smaller, and between equals (or two NaNs) the smaller index wins. NOTE: a total order on
-// (element, index), so chunk results merge in any order to the row's argmax.
-inline bool arg_better(const ArgBest& a, const ArgBest& b) {
-  if (a.idx < 0) return false;
-  if (b.idx < 0) return true;
-  if (a.nan != b.nan) return a.nan;
-  if (!a.nan && a.val != b.val) return a.val > b.val;
-  return a.idx < b.idx;
-}
-
-}  // namespace
+#include "argmax_best.h"
 
 #define PS_VEC_KERNEL "argmax_impl.h"
 #include "vec16_build.h"
 
 namespace {
 
-using ScanFn = ArgBest (*)(const bf16_t*, int64_t, int64_t);
-
-// Per-row results merged from chunks that finish on different threads.
-class RowArgmax {
- public:
-  RowArgmax(int64_t rows, ScanFn scan) : best_(size_t(rows)), scan_(scan) {}
-
-  // Scans rows [first, end_row) of y (row stride ld) over columns [begin, end) and merges the
-  // results into those rows'.
-  void scan(const bf16_t* y, int64_t first, int64_t end_row, int64_t ld, int64_t begin,
-            int64_t end) {
-    ArgBest local[32];
-    for (int64_t r0 = first; r0 < end_row; r0 += 32) {
-      const int64_t n = std::min<int64_t>(32, end_row - r0);
-      for (int64_t r = 0; r < n; ++r) local[r] = scan_(y + (r0 + r) * ld, begin, end);
-      std::lock_guard<std::mutex> guard(mu_);
-      for (int64_t r = 0; r < n; ++r)
-        if (arg_better(local[r], best_[r0 + r])) best_[r0 + r] = local[r];
-    }
-  }
-
-  at::Tensor result(const at::TensorOptions& opts) const {
-    at::Tensor out = at::empty({int64_t(best_.size())}, opts.dtype(at::kLong));
-    int64_t* p = out.data_ptr<int64_t>();
-    for (size_t r = 0; r < best_.size(); ++r) p[r] = std::max<int64_t>(best_[r].idx, 0);
-    return out;
-  }
-
- private:
-  std::vector<ArgBest> best_;
-  ScanFn scan_;
-  std::mutex mu_;
-};
+#include "argmax_rows.h"
 
 // argmax over the last dim of a bf16 [M, N] tensor: [M] int64 (rows split into pieces of 32K
 // elements, so that one long row still uses every thread).

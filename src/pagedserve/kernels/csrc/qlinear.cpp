@@ -75,6 +75,11 @@ struct Out {
 
 }  // namespace
 
+#include "argmax_best.h"
+
+#define PS_VEC_KERNEL "argmax_impl.h"
+#include "vec16_build.h"
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
@@ -114,6 +119,8 @@ namespace isa_amx {
 
 namespace {
 
+#include "argmax_rows.h"
+
 const uint8_t* check_weight(const char* op, const at::Tensor& w, int64_t fmt, int64_t K, int64_t* rb) {
   *rb = row_bytes(fmt, K);
   TORCH_CHECK(*rb > 0, op, ": K = ", K, " does not fit format ", fmt);
@@ -152,19 +159,21 @@ const isa_avx2::XQ& quantized_x(SharedX& sx, const at::Tensor& x, int64_t M, int
   return xq->xq;
 }
 
-// One product set up to run over any range of its output columns (`range(nb, ne)`, whole 16-row
-// blocks): its kernel chosen, its result allocated.
+// One product set up to run over any range of its output columns (`range(out, nb, ne)`, whole
+// 16-row blocks, into `out`: its result y, or a buffer holding those columns): its kernel chosen,
+// its result allocated (unless not wanted).
 struct Product {
   at::Tensor y;
   at::Tensor bias_f32;
   Out out{};
   int64_t N = 0;
-  std::function<void(int64_t, int64_t)> range;
+  std::function<void(const Out&, int64_t, int64_t)> range;
 };
 
 std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const at::Tensor& w,
                                       int64_t fmt, int64_t K, const c10::optional<at::Tensor>& bias,
-                                      bool out_fp32, int64_t isa, int64_t gemm_rows, SharedX& sx) {
+                                      bool out_fp32, int64_t isa, int64_t gemm_rows, SharedX& sx,
+                                      bool alloc_y = true) {
   int64_t rb;
   const uint8_t* wp = check_weight(op, w, fmt, K, &rb);
   const int64_t M = x.size(0), N = w.size(0);
@@ -178,11 +187,11 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
     bias_ptr = p->bias_f32.data_ptr<float>();
   }
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  p->y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
-  p->out = Out{p->y.data_ptr(), N, p->y.scalar_type() == at::kFloat, bias_ptr};
-  const Out* out = &p->out;
+  const bool y_fp32 = out_fp32 || x.scalar_type() == at::kFloat;
+  if (alloc_y) p->y = at::empty({M, N}, x.options().dtype(y_fp32 ? at::kFloat : x.scalar_type()));
+  p->out = Out{alloc_y ? p->y.data_ptr() : nullptr, N, y_fp32, bias_ptr};
   if (M == 0 || N == 0) {
-    p->range = [](int64_t, int64_t) {};
+    p->range = [](const Out&, int64_t, int64_t) {};
     return p;
   }
   // ggml formats below gemm_rows rows (or always, gemm_rows <= 0): 8-bit x, integer block
@@ -190,7 +199,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.
   if (isa_avx2::q8_format(fmt) && (gemm_rows <= 0 || M < gemm_rows)) {
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
-    p->range = [=](int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, *out, nb, ne); };
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
     return p;
   }
   if (isa >= kIsaAvx512Bf16 && !x_bf16) isa = kIsaAvx512;
@@ -200,7 +209,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       if (!sx.amx_ready) isa_amx::run_prepare(xp, M, K, sx.amx, true);
       sx.amx_ready = true;
       const isa_amx::RunPrep* prep = &sx.amx;
-      p->range = [=](int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, *out, *prep, nb, ne); };
+      p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, out, *prep, nb, ne); };
     } else if (isa_avx512bf16::vnni_format(fmt)) {  // the 8-bit GEMM: vnni_range
       if (!sx.vnni_ready) {
         // NOTE: offset 0 -- the quantization (q, d) is the same for every offset
@@ -209,17 +218,17 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       }
       sx.vnni_ready = true;
       const isa_avx512bf16::VnniX* vx = &sx.vnni;
-      p->range = [=](int64_t nb, int64_t ne) { isa_avx512bf16::vnni_range(fmt, *vx, M, K, wp, rb, *out, nb, ne); };
+      p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512bf16::vnni_range(fmt, *vx, M, K, wp, rb, out, nb, ne); };
     } else if (isa_avx2::q8_format(fmt)) {  // the GEMM over ggml blocks: bcast_block
       if (!sx.pairs_ready) isa_avx512bf16::run_prepare(xp, M, K, sx.pairs, true);
       sx.pairs_ready = true;
       const isa_avx512bf16::RunPrep* prep = &sx.pairs;
-      p->range = [=](int64_t nb, int64_t ne) {
-        isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, *out, *prep, nb, ne);
+      p->range = [=](const Out& out, int64_t nb, int64_t ne) {
+        isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, out, *prep, nb, ne);
       };
     } else {  // bf16 / INT8 weights: dot_block, batch-invariant at every M
-      p->range = [=](int64_t nb, int64_t ne) {
-        isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx512bf16::RunPrep{}, nb, ne);
+      p->range = [=](const Out& out, int64_t nb, int64_t ne) {
+        isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, out, isa_avx512bf16::RunPrep{}, nb, ne);
       };
     }
     return p;
@@ -227,9 +236,9 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   if (!sx.f32.defined()) sx.f32 = x_bf16 ? x.to(at::kFloat) : x;
   const float* xp = sx.f32.data_ptr<float>();
   if (isa == kIsaAvx512)
-    p->range = [=](int64_t nb, int64_t ne) { isa_avx512::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx512::RunPrep{}, nb, ne); };
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512::run_range(fmt, xp, M, K, wp, rb, N, out, isa_avx512::RunPrep{}, nb, ne); };
   else
-    p->range = [=](int64_t nb, int64_t ne) { isa_avx2::run_range(fmt, xp, M, K, wp, rb, N, *out, isa_avx2::RunPrep{}, nb, ne); };
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::run_range(fmt, xp, M, K, wp, rb, N, out, isa_avx2::RunPrep{}, nb, ne); };
   return p;
 }
 
@@ -250,13 +259,13 @@ void run_products(const std::vector<Product*>& ps) {
     for (int64_t b = 0; b * 16 < p->N; b += chunk) chunks.push_back({p, b * 16, std::min(p->N, (b + chunk) * 16)});
   const int64_t threads = std::min<int64_t>(max_threads, int64_t(chunks.size()));
   if (threads <= 1) {
-    for (const Chunk& c : chunks) c.p->range(c.nb, c.ne);
+    for (const Chunk& c : chunks) c.p->range(c.p->out, c.nb, c.ne);
     return;
   }
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (size_t c = next.fetch_add(1); c < chunks.size(); c = next.fetch_add(1))
-      chunks[c].p->range(chunks[c].nb, chunks[c].ne);
+      chunks[c].p->range(chunks[c].p->out, chunks[c].nb, chunks[c].ne);
   });
 }
 
@@ -301,6 +310,42 @@ std::vector<at::Tensor> qlinear_fused(const at::Tensor& x, const std::vector<at:
   return ys;
 }
 
+// The greedy tokens of x @ W^T (+ b): argmax_bf16(qlinear(x, w, ...)), bit for bit, without the
+// [M, N] logits. Each chunk of kCols columns is computed (the same kernels, so the same bf16
+// values) into a thread's buffer of M x kCols, which stays in L2, and scanned there at once; the
+// chunks' bests merge by argmax's total order. NOTE: why: at 64 rows the 262,144-column LM head
+// wrote 33 MB of logits to memory and read them back every step.
+at::Tensor qlinear_argmax(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                          const c10::optional<at::Tensor>& bias, int64_t isa, int64_t gemm_rows) {
+  check_isa("qlinear_argmax", isa);
+  check_x("qlinear_argmax", x, K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "qlinear_argmax: x must be bfloat16");
+  SharedX sx;
+  auto p = make_product("qlinear_argmax", x, w, fmt, K, bias, false, isa, gemm_rows, sx, false);
+  const int64_t M = x.size(0), N = p->N;
+  TORCH_CHECK(N > 0 || M == 0, "qlinear_argmax: argmax of an empty row");
+  if (M == 0) return at::empty({0}, x.options().dtype(at::kLong));
+  constexpr int64_t kCols = 1024;  // a multiple of the 16-column blocks
+  const int64_t chunks = (N + kCols - 1) / kCols;
+  RowArgmax best(M, ps_isa::use_avx512(isa) ? vec_avx512::scan_bf16 : vec_avx2::scan_bf16);
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), chunks);
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    std::vector<bf16_t> buf(size_t(M * kCols));
+    const Out o0{buf.data(), kCols, false, p->out.bias, 0};
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t nb = c * kCols, ne = std::min(N, nb + kCols);
+      Out o = o0;
+      o.n0 = nb;
+      p->range(o, nb, ne);
+      best.scan(buf.data(), 0, M, kCols, 0, ne - nb, nb);
+    }
+  };
+  if (threads <= 1) work();
+  else at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { work(); });
+  return best.result(x.options());
+}
+
 // Rows `ids` of W, dequantized: fp32 [T, K].
 at::Tensor qrows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids, int64_t isa) {
   check_isa("qrows", isa);
@@ -327,6 +372,7 @@ int64_t qrow_bytes(int64_t fmt, int64_t K) { return row_bytes(fmt, K); }
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("qlinear(Tensor x, Tensor w, int fmt, int K, Tensor? bias, bool out_fp32, int isa, int gemm_rows) -> Tensor");
   m.def("qlinear_fused(Tensor x, Tensor[] ws, int[] fmts, int K, Tensor?[] biases, int isa, int gemm_rows) -> Tensor[]");
+  m.def("qlinear_argmax(Tensor x, Tensor w, int fmt, int K, Tensor? bias, int isa, int gemm_rows) -> Tensor");
   m.def("qrows(Tensor w, int fmt, int K, Tensor ids, int isa) -> Tensor");
   m.def("cpu_isa() -> int", &cpu_isa);
   m.def("qrow_bytes(int fmt, int K) -> int", &qrow_bytes);
@@ -335,5 +381,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("qlinear_fused", &qlinear_fused);
+  m.impl("qlinear_argmax", &qlinear_argmax);
   m.impl("qrows", &qrows);
 }

@@ -101,7 +101,7 @@ struct Stage {
   void flush_and_move(int64_t n) {
     const size_t esize = out.fp32 ? 4 : 2;
     for (int64_t m = 0; m < M; ++m)
-      std::memcpy(static_cast<uint8_t*>(dst.y) + size_t(m * dst.ldy + out.n0) * esize,
+      std::memcpy(static_cast<uint8_t*>(dst.y) + size_t(m * dst.ldy + out.n0 - dst.n0) * esize,
                   buf.data() + size_t(m * kCols) * esize, size_t(n - out.n0) * esize);
     out.n0 = n;
   }
