@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 SPEC_METHODS = ("ngram", "draft_model")
 
+# A draft-model proposal's placeholder: the scheduler plans the slot, the worker's draft model
+# fills it in (worker/spec_draft.py) before the target verifies the row.
+DRAFT_SLOT = -1
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -142,8 +146,9 @@ def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
 
 
 class SpecDecoder:
-    """The engine's speculative decoding: proposals before each schedule (the n-gram method; a
-    draft model's are made by the worker), the on/off rule, and the counters behind the metrics
+    """The engine's speculative decoding: proposals before each schedule (the n-gram method's
+    tokens; for a draft model, `DRAFT_SLOT` placeholders that the worker's draft model fills in),
+    the on/off rule, and the counters behind the metrics
     (vLLM's names: drafts, draft tokens, accepted tokens, and accepted per draft position)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -189,6 +194,9 @@ class SpecDecoder:
             if limit < 1 or not self._worth_it(seq.seq_id) or (
                     params.structured_outputs is not None):
                 seq.spec_token_ids = []
+                continue
+            if cfg.method == "draft_model":  # slots only: the worker's draft model fills them
+                seq.spec_token_ids = [DRAFT_SLOT] * limit
                 continue
             seq.spec_token_ids = ngram_propose(seq.token_ids, limit, cfg.prompt_lookup_max,
                                                cfg.prompt_lookup_min)
@@ -261,16 +269,13 @@ def drop_lookahead(plan: list) -> list:
 
 def make_spec_decoder(args: Any, runner: str = "generate") -> SpecDecoder | None:
     """The engine's `SpecDecoder` for `args.speculative_config` (None: speculation off).
-    ValueError for what it cannot serve: a pooling runner, a draft model (the worker's part is
-    not there yet)."""
+    ValueError for what it cannot serve: a pooling runner. (A draft model is loaded by the
+    workers: `engine.draft.resolve_draft`.)"""
     config = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
     if config is None:
         return None
     if runner == "pooling":
         raise ValueError("speculative_config: the pooling runner decodes nothing")
-    if config.method != "ngram":
-        raise ValueError(f"speculative_config.method: {config.method!r} is not supported "
-                         "(only 'ngram')")
     return SpecDecoder(config)
 
 
