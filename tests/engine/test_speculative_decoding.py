@@ -1,8 +1,10 @@
-"""Speculative decoding through the real engine (tiny float32 Llama): n-gram speculation leaves
-every output exactly as it is without speculation -- greedy and seeded sampled tokens, logprobs,
-finish reasons -- under n > 1, stop strings, stop token ids, min_tokens, penalties, max_tokens,
-chunked prefill, prefix caching and preemption (swap and recompute); no block leaks; beam search
-is refused."""
+"""Speculative decoding through the real engine (tiny float32 Llama): n-gram and draft-model
+speculation leave every output exactly as it is without speculation -- greedy and seeded sampled
+tokens, logprobs, finish reasons -- under n > 1, stop strings, stop token ids, min_tokens,
+penalties, max_tokens, chunked prefill, prefix caching and preemption (swap and recompute); no
+block leaks; beam search is refused. A model drafting for itself has every greedy draft accepted
+(its paged cache follows the target's through swaps, recomputation and the prefix cache); a
+draft of another vocabulary or tokenizer, or under tensor parallelism, is refused."""
 
 import random
 
@@ -52,9 +54,12 @@ def workload(seed, sampled=True):
 
 
 def run(llm, reqs, spec, **cache):
+    """`reqs` on `llm`'s engine with `cache`; `spec`: True (SPEC), a speculative_config, or
+    False (off)."""
     engine = llm.engine
     engine.reconfigure_cache(**cache)
-    engine.spec = SpecDecoder(SpeculativeConfig.parse(SPEC)) if spec else None
+    config = SPEC if spec is True else spec
+    engine.spec = SpecDecoder(SpeculativeConfig.parse(config)) if config else None
     for rid, prompt, params in reqs:
         engine.add_request(rid, None, params, prompt_token_ids=prompt)
     final = drive(engine, 5000)  # checks invariants every step, and that the pool ends empty
@@ -129,3 +134,161 @@ def test_the_embedded_model_gives_the_same_greedy_tokens_and_logprobs_with_specu
     finally:
         engine.spec = None
     assert got == want
+
+
+# --- draft-model speculation -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafts(checkpoints, tmp_path_factory):
+    """The draft checkpoints: "small" (1 layer, other random weights: drafts mostly rejected)
+    and "self" (the target itself: drafts accepted)."""
+    import tiny
+
+    small = tiny.make_checkpoint(tmp_path_factory.mktemp("draft"), "llama", seed=1,
+                                 num_hidden_layers=1)
+    return {"small": str(small), "self": str(checkpoints("llama"))}
+
+
+_DRAFT_LLMS: dict[str, LLM] = {}
+
+
+def draft_llm(checkpoints, drafts, name):
+    """An engine speculating with draft `name` (the public option), once per module."""
+    if name not in _DRAFT_LLMS:
+        _DRAFT_LLMS[name] = LLM(str(checkpoints("llama")), dtype="float32", block_size=4,
+                                max_model_len=128, speculative_config=draft_spec(drafts, name))
+    return _DRAFT_LLMS[name]
+
+
+def draft_spec(drafts, name, k=3):
+    return {"model": drafts[name], "num_speculative_tokens": k}
+
+
+def test_the_public_option_builds_the_draft_model_speculator(checkpoints, drafts):
+    llm = draft_llm(checkpoints, drafts, "small")
+    spec = llm.engine.spec
+    assert (spec.config.method, spec.config.model) == ("draft_model", drafts["small"])
+    drafter = llm.engine.executor.runner.drafter
+    assert drafter is not None and len(drafter.kv_cache.layers) == 1
+    # its cache has the target's blocks, and the budget paid for both
+    assert drafter.kv_cache.num_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("name,cache", [("small", c) for c in CACHES] + [
+    ("self", "swap"), pytest.param("self", "chunked prefix-cached", marks=pytest.mark.slow),
+    pytest.param("self", "recompute", marks=pytest.mark.slow)])
+def test_outputs_with_draft_model_speculation_equal_the_outputs_without_exactly(
+        llm, checkpoints, drafts, name, cache):
+    target = draft_llm(checkpoints, drafts, name)
+    drafted = preempted = 0
+    for seed in range(2):
+        reqs = workload(seed)
+        want = reference(llm, seed)  # the n-gram engine's, speculation off: the same target
+        got, spec = run(target, reqs, draft_spec(drafts, name), **CACHES[cache])
+        for (rid, _, params), a, b in zip(reqs, got, want):
+            assert a == b, f"request {rid} ({params}) differs with draft {name}"
+        drafted += spec.num_draft_tokens
+        preempted += target.engine.scheduler.num_preemptions  # (a scheduler per run)
+    assert drafted > 0  # (acceptance: see the greedy test below)
+    if cache in ("swap", "recompute") and name == "small":
+        assert preempted > 0  # (a model drafting for itself preempts in the greedy test below)
+
+
+def greedy_workload(seed):
+    """Plain greedy requests (no penalties, no min_tokens): the target's argmax is the raw one,
+    which a model drafting for itself proposes."""
+    rng = random.Random(seed)
+    return [(f"g{seed}-{i}", [rng.randrange(3, 500) for _ in range(rng.randint(8, 30))],
+             SamplingParams(temperature=0.0, max_tokens=rng.randint(12, 24), ignore_eos=True,
+                            logprobs=rng.choice([None, 1])))
+            for i in range(rng.randint(4, 5))]
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_a_model_drafting_for_itself_has_every_greedy_draft_accepted(checkpoints, drafts, cache):
+    # Pins the draft cache: a swapped, copied, recomputed or prefix-cached position whose draft
+    # K/V were missing or stale would make the draft propose other tokens than the target's.
+    target = draft_llm(checkpoints, drafts, "self")
+    preempted = 0
+    for seed in range(2):
+        _, spec = run(target, greedy_workload(seed), draft_spec(drafts, "self"), **CACHES[cache])
+        assert spec.num_draft_tokens > 0
+        assert spec.num_accepted_tokens == spec.num_draft_tokens, spec.summary()
+        preempted += target.engine.scheduler.num_preemptions
+    if cache in ("swap", "recompute"):
+        assert preempted > 0
+
+
+def test_draft_model_sampling_follows_the_target_distribution(checkpoints, drafts):
+    # The token after the first, drawn in a speculative row (the small draft's point-mass draft
+    # verified), over many seeds, against the target's top-k distribution at that position
+    # (its raw logprobs from a run without speculation).
+    from scipy.stats import chisquare
+
+    target = draft_llm(checkpoints, drafts, "small")
+    engine = target.engine
+    prompt = [7, 45, 300, 12, 99]
+    params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    reqs = [(f"c{s}", prompt, SamplingParams(seed=s, **params)) for s in range(5000, 5800)]
+    outs, spec = run(target, reqs, draft_spec(drafts, "small", k=1), num_kv_blocks=4096,
+                     enable_prefix_caching=True, num_cpu_blocks=0)
+    assert spec.num_drafts > 700
+    tokens_of = [o[0][0][0] for o in outs]  # output_key: the first completion's token ids
+    firsts = [t[0] for t in tokens_of]
+    first = max(set(firsts), key=firsts.count)
+    seconds = [t[1] for t in tokens_of if t[0] == first]
+    engine.spec = None
+    ref = target.generate([{"prompt_token_ids": prompt + [first]}],
+                          SamplingParams(temperature=0.0, max_tokens=1, logprobs=3),
+                          use_tqdm=False)[0].outputs[0].logprobs[0]
+    tokens = sorted(ref)
+    import math
+
+    weights = [math.exp(ref[t].logprob) for t in tokens]
+    expected = [w / sum(weights) * len(seconds) for w in weights]
+    assert set(seconds) <= set(tokens), "a token outside the top-k was emitted"
+    _, p_value = chisquare([seconds.count(t) for t in tokens], expected)
+    assert len(seconds) > 300
+    assert p_value > 1e-3, ([seconds.count(t) for t in tokens], expected)
+
+
+def test_beam_search_with_a_draft_model_is_refused(checkpoints, drafts):
+    target = draft_llm(checkpoints, drafts, "small")
+    target.engine.spec = SpecDecoder(SpeculativeConfig.parse(draft_spec(drafts, "small")))
+    with pytest.raises(ValueError, match="use_beam_search.*speculative"):
+        target.engine.add_request("b", None, SamplingParams(n=2, use_beam_search=True,
+                                                            temperature=0.0, max_tokens=4),
+                                  prompt_token_ids=[5, 6, 7])
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(checkpoints, tmp_path):
+    import tiny
+
+    other = tiny.make_checkpoint(tmp_path / "v", "llama", num_hidden_layers=1, vocab_size=256)
+    with pytest.raises(ValueError, match="speculative_config.model.*vocabulary of 256"):
+        LLM(str(checkpoints("llama")), dtype="float32",
+            speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(checkpoints, tmp_path):
+    import json
+
+    import tiny
+
+    other = tiny.make_checkpoint(tmp_path / "t", "llama", num_hidden_layers=1)
+    path = other / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: the same size, not the same
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="speculative_config.model.*another tokenizer"):
+        LLM(str(checkpoints("llama")), dtype="float32",
+            speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_a_draft_model_under_tensor_parallelism_is_refused(checkpoints, drafts):
+    with pytest.raises(ValueError, match="speculative_config.model.*tensor_parallel_size=1"):
+        LLM(str(checkpoints("llama")), dtype="float32", tensor_parallel_size=2,
+            speculative_config=draft_spec(drafts, "small"))
