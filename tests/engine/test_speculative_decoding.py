@@ -265,10 +265,12 @@ def test_beam_search_with_a_draft_model_is_refused(checkpoints, drafts):
 def test_a_draft_model_of_another_vocabulary_is_refused(checkpoints, tmp_path):
     import tiny
 
+    import json
+
     other = tiny.make_checkpoint(tmp_path / "v", "llama", num_hidden_layers=1, vocab_size=256)
     with pytest.raises(ValueError, match="speculative_config.model.*vocabulary of 256"):
-        LLM(str(checkpoints("llama")), dtype="float32",
-            speculative_config={"model": str(other), "num_speculative_tokens": 2})
+        LLM(str(checkpoints("llama")), dtype="float32",  # the JSON of `serve`'s flag
+            speculative_config=json.dumps({"model": str(other), "num_speculative_tokens": 2}))
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(checkpoints, tmp_path):
