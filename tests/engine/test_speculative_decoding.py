@@ -294,3 +294,68 @@ def test_a_draft_model_under_tensor_parallelism_is_refused(checkpoints, drafts):
     with pytest.raises(ValueError, match="speculative_config.model.*tensor_parallel_size=1"):
         LLM(str(checkpoints("llama")), dtype="float32", tensor_parallel_size=2,
             speculative_config=draft_spec(drafts, "small"))
+
+
+# --- structured outputs ------------------------------------------------------------------------
+
+
+def structured_workload(tokenizer):
+    from pagedserve.structured_output import StructuredOutputsParams as SO
+
+    colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 10}
+    constraints = [SO(regex=r"(ab|cd |abc)+"), SO(json=colors, disable_any_whitespace=True),
+                   SO(grammar='root ::= "[" term (" + " term)* "]"\nterm ::= [0-9]')]
+    prompts = ['["red","green","red","green","blue","red"', "ab cd ab cd abc ab cd",
+               "[1 + 2 + 1 + 2 + 1"]
+    reqs = []
+    for i, so in enumerate(constraints):
+        for j, prompt in enumerate(prompts):
+            ids = list(tokenizer(prompt).input_ids)
+            kw = dict(max_tokens=24, structured_outputs=so, logprobs=1)
+            reqs.append((f"s{i}{j}g", ids, SamplingParams(temperature=0.0, **kw)))
+            reqs.append((f"s{i}{j}r", ids, SamplingParams(temperature=0.8, seed=7 * i + j, n=2,
+                                                           **kw)))
+    return reqs
+
+
+@pytest.mark.parametrize("cache", ["roomy", "swap"])
+def test_structured_outputs_with_ngram_speculation_equal_the_outputs_without_exactly(
+        llm, cache, monkeypatch):
+    engine = llm.engine
+    reqs = structured_workload(llm.get_tokenizer())
+    want, _ = run(llm, reqs, spec=False, **CACHES[cache])
+    cut = []
+    real = engine.structured.valid_drafts
+
+    def spy(group, seq, drafts):
+        kept = real(group, seq, drafts)
+        cut.append(len(kept) < len(drafts))
+        return kept
+
+    monkeypatch.setattr(engine.structured, "valid_drafts", spy)
+    got, spec = run(llm, reqs, spec=True, **CACHES[cache])
+    for (rid, _, _), a, b in zip(reqs, got, want):
+        assert a == b, f"request {rid} differs with speculation"
+    assert spec.num_accepted_tokens > 0  # constrained rows speculated, and drafts were accepted
+    assert any(cut)  # and the grammar refused some drafts before they were verified
+
+
+def test_the_grammar_keeps_the_drafts_up_to_the_first_it_refuses(llm):
+    from pagedserve.structured_output import StructuredOutputsParams as SO
+    from pagedserve.structured_output.manager import GRAMMAR_KEY
+
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    engine.spec = None
+    engine.add_request("v", None, SamplingParams(max_tokens=4, structured_outputs=SO(
+        regex=r"ab(ab)*")), prompt_token_ids=[5, 6])
+    group = engine.groups["v"]
+    seq = group.seqs[0]
+    matcher = group.extra[GRAMMAR_KEY][seq.seq_id]
+    a, b, z = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "z"))
+    structured = engine.structured
+    assert structured.valid_drafts(group, seq, [a, b, a, z, b]) == [a, b, a]
+    assert structured.valid_drafts(group, seq, [z, a]) == []
+    assert matcher.accept_token(a)  # the matcher was left at its start
+    engine.abort_request("v")
+    assert engine.num_used_blocks() == 0

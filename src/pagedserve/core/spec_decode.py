@@ -163,8 +163,11 @@ class SpecDecoder:
         # per sequence: (drafts, accepted) so far, for the acceptance rule
         self._seq_stats: dict[int, list[int]] = {}
 
-    def propose(self, scheduler: "Scheduler") -> None:
-        """Set `spec_token_ids` of every running decoding sequence (see the module docstring)."""
+    def propose(self, scheduler: "Scheduler", grammar=None) -> None:
+        """Set `spec_token_ids` of every running decoding sequence (see the module docstring).
+        `grammar(group, seq, drafts)`: the prefix of the n-gram drafts a structured-output
+        sequence's grammar allows (`StructuredOutputManager.valid_drafts`); without it such a
+        sequence does not speculate (nor with a draft model)."""
         cfg = self.config
         decoding = []
         for group in scheduler.running:
@@ -191,15 +194,18 @@ class SpecDecoder:
             if params.max_tokens is not None:
                 limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
             limit = min(limit, max_len - seq.num_tokens - 1)
-            if limit < 1 or not self._worth_it(seq.seq_id) or (
-                    params.structured_outputs is not None):
+            structured = params.structured_outputs is not None
+            if limit < 1 or not self._worth_it(seq.seq_id) or structured and (
+                    grammar is None or cfg.method == "draft_model"):
                 seq.spec_token_ids = []
                 continue
             if cfg.method == "draft_model":  # slots only: the worker's draft model fills them
                 seq.spec_token_ids = [DRAFT_SLOT] * limit
                 continue
-            seq.spec_token_ids = ngram_propose(seq.token_ids, limit, cfg.prompt_lookup_max,
-                                               cfg.prompt_lookup_min)
+            drafts = ngram_propose(seq.token_ids, limit, cfg.prompt_lookup_max,
+                                   cfg.prompt_lookup_min)
+            # NOTE: a grammar only ever sees drafts it allows (bitmask_for accepts them all)
+            seq.spec_token_ids = grammar(group, seq, drafts) if structured else drafts
 
     def _worth_it(self, seq_id: int) -> bool:
         rate = self.config.min_acceptance_rate

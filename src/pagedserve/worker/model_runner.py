@@ -375,7 +375,12 @@ class ModelRunner:
             s = step.rows[idx]
             gen = self._generator(s.request_id, s.params.seed, s.samples[0].index)
             stop = ([] if s.params.ignore_eos else self.eos_ids) + list(s.params.stop_token_ids or [])
-            outputs[idx].samples = verify_row(logits[first : first + n], s, gen, stop)
+            grammar, masks = step.grammar_bitmask, None
+            if grammar is not None and s.seq_id in grammar.rows:  # one mask per position
+                at = grammar.rows[s.seq_id]
+                masks = grammar.bitmask[at : at + n]
+            outputs[idx].samples = verify_row(logits[first : first + n], s, gen, stop,
+                                              masks=masks)
         return outputs
 
     # --- CUDA: what comes back to the host --------------------------------------------------
