@@ -359,3 +359,24 @@ def test_the_grammar_keeps_the_drafts_up_to_the_first_it_refuses(llm):
     assert matcher.accept_token(a)  # the matcher was left at its start
     engine.abort_request("v")
     assert engine.num_used_blocks() == 0
+
+
+@pytest.mark.slow
+def test_the_embedded_model_drafting_for_itself_gives_the_same_greedy_tokens_and_logprobs():
+    from pagedserve.models.embedded import embedded_model_path
+
+    prompt = ("<start_of_turn>user\nHere is a passage:\n\nThe quick brown fox jumps over the lazy "
+              "dog. The dog sleeps.\n\nWrite the passage above again, exactly as it is."
+              "<end_of_turn>\n<start_of_turn>model\n")
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, speculative_config={
+        "model": str(embedded_model_path()), "num_speculative_tokens": 4})
+    engine = llm.engine
+    spec, engine.spec = engine.spec, None
+    want = output_key(llm.generate([prompt], params, use_tqdm=False)[0])
+    engine.spec = spec
+    got = output_key(llm.generate([prompt], params, use_tqdm=False)[0])
+    # (not every draft: the draft runs dequantized weights, the target its GGUF blocks)
+    assert spec.num_accepted_tokens > spec.num_draft_tokens // 2
+    assert got == want
+    assert engine.num_used_blocks() == 0
