@@ -376,7 +376,6 @@ def test_the_embedded_model_drafting_for_itself_gives_the_same_greedy_tokens_and
     want = output_key(llm.generate([prompt], params, use_tqdm=False)[0])
     engine.spec = spec
     got = output_key(llm.generate([prompt], params, use_tqdm=False)[0])
-    # (not every draft: the draft runs dequantized weights, the target its GGUF blocks)
-    assert spec.num_accepted_tokens > spec.num_draft_tokens // 2
+    assert spec.num_accepted_tokens == spec.num_draft_tokens > 0  # its own greedy drafts
     assert got == want
     assert engine.num_used_blocks() == 0

@@ -157,10 +157,13 @@ class Worker:
                 raise ValueError("speculative_config.model: a draft model runs with "
                                  "tensor_parallel_size=1 only")
             draft = config.draft
+            # a GGUF draft keeps its quantized blocks where the target's GGUF does
+            quant = "gguf" if draft.kind == "gguf" and config.quantization == "gguf" else "none"
             self.draft_model = load_model(
                 draft.config, weights=None if config.load_format == "dummy"
-                else draft.iter_weights(lazy=False, keep_quantized=False),
+                else draft.iter_weights(lazy=False, keep_quantized=quant == "gguf"),
                 dtype=config.dtype, device=self.device, seed=config.seed + 1, tp=self.tp,
+                quantization=quant, batch_invariant=config.batch_invariant,
                 platform=self.platform)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
