@@ -95,3 +95,15 @@ def test_block_operations_move_the_draft_cache_as_the_target_cache():
     p.apply_block_ops(StepInput(blocks_to_swap_out=[(3, 0)], blocks_to_swap_in=[(0, 8)],
                                 blocks_to_copy=[(5, 6)]))
     assert bool((k[8] == 1.0).all()) and bool((k[6] == 2.0).all())
+
+
+def test_the_kv_budget_pays_for_the_draft_cache_too():
+    from pagedserve.models.base import KVCacheSpec
+    from pagedserve.worker.kv_cache import bytes_per_block, num_blocks_for_budget
+
+    target, draft = KVCacheSpec(4, 2, 16), KVCacheSpec(1, 1, 16)
+    one, both = (bytes_per_block(target, BS, torch.float32, d) for d in (None, draft))
+    assert both == one + bytes_per_block(draft, BS, torch.float32) == one * 9 // 8
+    budget = 100 * both
+    assert num_blocks_for_budget(target, BS, torch.float32, budget, draft=draft) == 99
+    assert num_blocks_for_budget(target, BS, torch.float32, budget) > 99
