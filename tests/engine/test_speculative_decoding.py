@@ -220,6 +220,36 @@ def test_a_model_drafting_for_itself_has_every_greedy_draft_accepted(checkpoints
         assert preempted > 0
 
 
+def test_a_prefix_cache_hit_brings_the_draft_cache_along(checkpoints, drafts):
+    # B's prompt starts with A's: B's first blocks come from the prefix cache, and the draft
+    # reads its K/V from them (nothing recomputes them). With the draft cache wiped in between,
+    # B's drafts go wrong (its outputs stay exact): the cached blocks' draft K/V were used.
+    target = draft_llm(checkpoints, drafts, "self")
+    engine = target.engine
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 500) for _ in range(40)]
+    a = [("a", prefix + [7, 8], SamplingParams(temperature=0.0, max_tokens=2))]
+    b = [("b", prefix + [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True))]
+    cache = dict(num_kv_blocks=256, enable_prefix_caching=True, num_cpu_blocks=0)
+    results = []
+    for wipe in (False, True):
+        run(target, a, draft_spec(drafts, "self"), **cache)
+        if wipe:
+            draft_cache = engine.executor.runner.drafter.kv_cache
+            draft_cache.fill_blocks(list(range(draft_cache.num_blocks)), 0.0)
+        engine.spec = SpecDecoder(SpeculativeConfig.parse(draft_spec(drafts, "self")))
+        for rid, prompt, params in b:
+            engine.add_request(rid, None, params, prompt_token_ids=prompt)
+        out = drive(engine, 500)["b"]
+        assert out.num_cached_tokens >= 32
+        results.append((output_key(out), engine.spec.num_accepted_tokens,
+                        engine.spec.num_draft_tokens))
+    (key, accepted, drafted), (wiped_key, wiped_accepted, _) = results
+    assert accepted == drafted > 0
+    assert wiped_key == key and wiped_accepted < accepted
+
+
 def test_draft_model_sampling_follows_the_target_distribution(checkpoints, drafts):
     # The token after the first, drawn in a speculative row (the small draft's point-mass draft
     # verified), over many seeds, against the target's top-k distribution at that position
