@@ -276,7 +276,7 @@ def drop_lookahead(plan: list) -> list:
 def make_spec_decoder(args: Any, runner: str = "generate") -> SpecDecoder | None:
     """The engine's `SpecDecoder` for `args.speculative_config` (None: speculation off).
     ValueError for what it cannot serve: a pooling runner. (A draft model is loaded by the
-    workers: `engine.draft.resolve_draft`.)"""
+    workers: `engine.spec_draft.resolve_draft`.)"""
     config = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
     if config is None:
         return None
