@@ -205,7 +205,8 @@ def greedy_workload(seed):
             for i in range(rng.randint(4, 5))]
 
 
-@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("cache", [pytest.param("roomy", marks=pytest.mark.slow),
+                                   "chunked prefix-cached", "swap", "recompute"])
 def test_a_model_drafting_for_itself_has_every_greedy_draft_accepted(checkpoints, drafts, cache):
     # Pins the draft cache: a swapped, copied, recomputed or prefix-cached position whose draft
     # K/V were missing or stale would make the draft propose other tokens than the target's.
@@ -348,7 +349,7 @@ def structured_workload(tokenizer):
     return reqs
 
 
-@pytest.mark.parametrize("cache", ["roomy", "swap"])
+@pytest.mark.parametrize("cache", ["roomy", pytest.param("swap", marks=pytest.mark.slow)])
 def test_structured_outputs_with_ngram_speculation_equal_the_outputs_without_exactly(
         llm, cache, monkeypatch):
     engine = llm.engine
