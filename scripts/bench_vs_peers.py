@@ -22,6 +22,11 @@ of our configs' ratios to vLLM and to the faster llama-server. With `--rounds N`
 concurrency, interleaved (A B C, A B C, ...): the table gives medians and the ratio is the median of
 the rounds' ratios (each against the faster peer of its own round), which a shared VM's drift
 moves less than one run. `results.json` in --out keeps everything.
+
+`--spec K:N` turns n-gram speculation on in our server and llama-server alike: ours
+`--speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}'`,
+llama-server `--spec-type ngram-simple --spec-ngram-simple-size-n N --spec-ngram-simple-size-m K`
+(its prompt-lookup drafting: the N-token suffix looked up, K tokens drafted). vLLM is left as is.
 """
 
 from __future__ import annotations
@@ -170,6 +175,20 @@ def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def spec_flags(kind: str, spec: str | None) -> list[str]:
+    """The server flags of n-gram speculation `K:N` (K drafted tokens, N-token lookup) for our
+    server ("ours") or llama-server; [] when `spec` is None."""
+    if not spec:
+        return []
+    k, _, n = spec.partition(":")
+    k, n = int(k), int(n or 3)
+    if kind == "ours":
+        return ["--speculative-config", json.dumps({
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n})]
+    return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n),
+            "--spec-ngram-simple-size-m", str(k)]
+
+
 def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: dict,
                args) -> dict:
     """Start one engine alone, run the trace at concurrency `c` against it, stop it."""
@@ -184,6 +203,7 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
                "--quantization", quant or "gguf",
                "--disable-access-log", "--log-stats-interval", "0",
                "--uvicorn-log-level", "warning", *args.pagedserve_args.split(),
+               *spec_flags("ours", args.spec),
                *[f for f in flags.split(",") if f]]
         extra = ["--extra-body", json.dumps(args.request_body)] if args.request_body else []
         if args.profile:
@@ -204,7 +224,7 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
         cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
                "--host", "127.0.0.1", "--port", str(port), "-np", str(c),
                "-c", str(c * slot_ctx), "-t", str(args.threads), "--no-webui",
-               *args.llama_args.split()]
+               *spec_flags("llama-server", args.spec), *args.llama_args.split()]
         extra = ["--extra-body", json.dumps({"cache_prompt": False, **args.request_body}),
                  "--served-model-name", "gemma3"]
         name, path = f"llama-server {cfg}", "llama.cpp native build"
@@ -250,6 +270,9 @@ def main() -> int:
     p.add_argument("--llama-args", default="",
                    help="extra flags for llama-server (e.g. -nr: no weight repacking, where its "
                         "repacked kernels die with SIGILL, as on our AMX VM)")
+    p.add_argument("--spec", default=None, metavar="K:N",
+                   help="n-gram speculation in our server and llama-server: K drafted tokens from "
+                        "an N-token lookup (default N 3); see the module docstring")
     p.add_argument("--out", type=Path, default=Path("/tmp/vs-peers"))
     p.add_argument("--request-body", type=json.loads, default={},
                    help='JSON fields added to every request of both engines, e.g. sampling: '

@@ -4,6 +4,7 @@
     python scripts/stress.py --seed 1234             # one seed (a repro), with its workload shown
     python scripts/stress.py --minutes 5 --tp        # the same on tensor_parallel_size=2 ("mp")
     python scripts/stress.py --minutes 5 --spec      # speculating (n-gram) against the oracle
+    python scripts/stress.py --minutes 5 --spec draft  # with a draft model (the target itself)
 
 Every seed draws a workload (requests, arrivals, aborts, priorities) and a cache configuration
 (issue 25's shapes among them: pools that hold one sequence of a wide request but not all of
@@ -32,9 +33,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed of a timed run")
     ap.add_argument("--tp", action="store_true", help="tensor_parallel_size=2 (mp workers)")
-    ap.add_argument("--spec", action="store_true",
-                    help="speculate (n-gram; a configuration per seed) against the "
-                         "non-speculative oracle")
+    ap.add_argument("--spec", nargs="?", const="ngram", choices=["ngram", "draft"],
+                    default=None,
+                    help="speculate (a configuration per seed) against the non-speculative "
+                         "oracle: n-gram (the default), or 'draft': a draft model (the tiny "
+                         "model itself, so that greedy drafts are accepted), some seeds n-gram")
     ap.add_argument("--model", type=Path, default=None,
                     help="checkpoint folder to reuse (default: a fresh tiny Llama in a temp dir)")
     ap.add_argument("--verbose", action="store_true", help="print every seed's workload")
@@ -49,8 +52,14 @@ def main() -> int:
     torch.set_num_threads(1)
     model = args.model or Path(tempfile.mkdtemp(prefix="pagedserve-stress-")) / "llama"
     started = time.monotonic()
-    engine = sh.make_engine(sh.tiny_llama(model), tp=2 if args.tp else 1)
-    harness = sh.Harness(engine, spec=sh.spec_config_for if args.spec else None)
+    model = sh.tiny_llama(model)
+    draft = model if args.spec == "draft" else None
+    if draft is not None and args.tp:
+        ap.error("--spec draft runs with tensor_parallel_size=1 only (no --tp)")
+    engine = sh.make_engine(model, tp=2 if args.tp else 1, draft=draft)
+    spec = {None: None, "ngram": sh.spec_config_for}.get(args.spec) or (
+        sh.draft_spec_config_for(draft) if draft is not None else None)
+    harness = sh.Harness(engine, spec=spec)
     print(f"engine ready in {time.monotonic() - started:.1f}s (tp={2 if args.tp else 1})",
           flush=True)
 

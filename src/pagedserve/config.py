@@ -189,7 +189,8 @@ class EngineArgs:
     speculative_config: str | None = option(
         None, "speculative decoding as JSON (vLLM's names), e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
-        "(from Python also a dict); greedy outputs are unchanged, sampled ones keep their "
+        "or '{\"model\": \"path/to/draft\", \"num_speculative_tokens\": 4}' (a draft model "
+        "sharing the tokenizer) (from Python also a dict); greedy outputs are unchanged, sampled ones keep their "
         "distribution (see README, Speculative decoding)")
     scheduling_policy: str = option(
         "fcfs", "fcfs: requests are served in arrival order; priority: by each request's "

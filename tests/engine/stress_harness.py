@@ -71,9 +71,12 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def make_engine(model: Path, tp: int = 1) -> LLMEngine:
-    """One engine for many workloads (`Harness.run` reconfigures its cache each time)."""
+def make_engine(model: Path, tp: int = 1, draft: Path | None = None) -> LLMEngine:
+    """One engine for many workloads (`Harness.run` reconfigures its cache each time); `draft`:
+    a draft model for speculation (the engine loads it; `draft_spec_config_for` speculates)."""
     extra = dict(tensor_parallel_size=2, distributed_executor_backend="mp") if tp == 2 else {}
+    if draft is not None:
+        extra["speculative_config"] = {"model": str(draft), "num_speculative_tokens": 3}
     cache = {k: v for k, v in ORACLE_CONFIG.items() if k != "shuffle_free_blocks_seed"}
     return LLMEngine(EngineArgs(model=str(model), dtype="float32", device="cpu",
                                 max_model_len=MAX_MODEL_LEN, **cache, **extra))
@@ -390,6 +393,19 @@ def spec_config_for(seed: int) -> dict:
     return SPEC_CONFIGS[seed % len(SPEC_CONFIGS)]
 
 
+def draft_spec_config_for(draft: Path):
+    """The configuration of a seed in draft-model speculative mode (an engine made with
+    `make_engine(..., draft=draft)`): drafts of 1, 3 or 5 tokens from the draft model, and one
+    seed in four an n-gram configuration on the same engine (its drafts' K/V written by the
+    draft model too)."""
+    configs = [dict(model=str(draft), num_speculative_tokens=k) for k in (1, 3, 5)]
+
+    def config_for(seed: int) -> dict:
+        return SPEC_CONFIGS[seed % len(SPEC_CONFIGS)] if seed % 4 == 3 else configs[seed % 3]
+
+    return config_for
+
+
 def speculative_workload(workload: Workload) -> Workload:
     """`workload` for a speculating engine: beam searches (refused with speculation) become
     greedy requests of the same length; prompts end with their first tokens again, at the
@@ -699,6 +715,7 @@ class Harness:
                                         f"{sorted(kv.cpu_tables)}")
 
 
-def repro(seed: int, tp: bool = False, spec: bool = False) -> str:
+def repro(seed: int, tp: bool = False, spec: bool | str = False) -> str:
+    """The command that reruns `seed`; `spec`: True or "ngram", or "draft"."""
     return (f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
-            + (" --spec" if spec else ""))
+            + (f" --spec {'ngram' if spec is True else spec}" if spec else ""))

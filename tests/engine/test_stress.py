@@ -12,6 +12,7 @@ import torch
 from pagedserve import SamplingParams
 from stress_harness import (
     Harness,
+    draft_spec_config_for,
     spec_config_for,
     Request,
     StressFailure,
@@ -155,3 +156,31 @@ def test_harness_reports_a_request_cut_short_by_the_pool(harness, monkeypatch):
     monkeypatch.setattr(Scheduler, "_turn_victim", lambda self, group, plan: None)
     with pytest.raises(StressFailure, match="tokens, finish_reason 'length'; oracle 24 tokens"):
         harness.run(workload)
+
+
+DRAFT_SEEDS = 20
+
+
+def test_random_workloads_with_draft_model_speculation_match_the_non_speculative_oracle(
+        tmp_path_factory):
+    # A draft-model engine (the tiny model drafting for itself: greedy drafts are accepted, its
+    # paged cache moves with the target's), a configuration per seed (stress_harness.
+    # draft_spec_config_for); the oracle on the same engine without speculation.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_llama(tmp_path_factory.mktemp("stress-draft"))
+        harness = Harness(make_engine(model, draft=model), spec=draft_spec_config_for(model))
+        failures, accepted = [], 0
+        for seed in range(DRAFT_SEEDS):
+            workload = make_workload(seed)
+            try:
+                harness.run(workload)
+                accepted += harness.engine.spec.num_accepted_tokens
+            except StressFailure as e:
+                failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
+                                f"    repro: {repro(seed, spec='draft')}")
+    finally:
+        torch.set_num_threads(threads)
+    assert not failures, f"{len(failures)} of {DRAFT_SEEDS} seeds failed:\n" + "\n".join(failures)
+    assert accepted > 0

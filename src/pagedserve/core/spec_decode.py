@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 SPEC_METHODS = ("ngram", "draft_model")
 
+# A draft-model proposal's placeholder: the scheduler plans the slot, the worker's draft model
+# fills it in (worker/spec_draft.py) before the target verifies the row.
+DRAFT_SLOT = -1
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -142,8 +146,9 @@ def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
 
 
 class SpecDecoder:
-    """The engine's speculative decoding: proposals before each schedule (the n-gram method; a
-    draft model's are made by the worker), the on/off rule, and the counters behind the metrics
+    """The engine's speculative decoding: proposals before each schedule (the n-gram method's
+    tokens; for a draft model, `DRAFT_SLOT` placeholders that the worker's draft model fills in),
+    the on/off rule, and the counters behind the metrics
     (vLLM's names: drafts, draft tokens, accepted tokens, and accepted per draft position)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -158,8 +163,11 @@ class SpecDecoder:
         # per sequence: (drafts, accepted) so far, for the acceptance rule
         self._seq_stats: dict[int, list[int]] = {}
 
-    def propose(self, scheduler: "Scheduler") -> None:
-        """Set `spec_token_ids` of every running decoding sequence (see the module docstring)."""
+    def propose(self, scheduler: "Scheduler", grammar=None) -> None:
+        """Set `spec_token_ids` of every running decoding sequence (see the module docstring).
+        `grammar(group, seq, drafts)`: the prefix of the n-gram drafts a structured-output
+        sequence's grammar allows (`StructuredOutputManager.valid_drafts`); without it such a
+        sequence does not speculate (nor with a draft model)."""
         cfg = self.config
         decoding = []
         for group in scheduler.running:
@@ -186,12 +194,18 @@ class SpecDecoder:
             if params.max_tokens is not None:
                 limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
             limit = min(limit, max_len - seq.num_tokens - 1)
-            if limit < 1 or not self._worth_it(seq.seq_id) or (
-                    params.structured_outputs is not None):
+            structured = params.structured_outputs is not None
+            if limit < 1 or not self._worth_it(seq.seq_id) or structured and (
+                    grammar is None or cfg.method == "draft_model"):
                 seq.spec_token_ids = []
                 continue
-            seq.spec_token_ids = ngram_propose(seq.token_ids, limit, cfg.prompt_lookup_max,
-                                               cfg.prompt_lookup_min)
+            if cfg.method == "draft_model":  # slots only: the worker's draft model fills them
+                seq.spec_token_ids = [DRAFT_SLOT] * limit
+                continue
+            drafts = ngram_propose(seq.token_ids, limit, cfg.prompt_lookup_max,
+                                   cfg.prompt_lookup_min)
+            # NOTE: a grammar only ever sees drafts it allows (bitmask_for accepts them all)
+            seq.spec_token_ids = grammar(group, seq, drafts) if structured else drafts
 
     def _worth_it(self, seq_id: int) -> bool:
         rate = self.config.min_acceptance_rate
@@ -261,16 +275,13 @@ def drop_lookahead(plan: list) -> list:
 
 def make_spec_decoder(args: Any, runner: str = "generate") -> SpecDecoder | None:
     """The engine's `SpecDecoder` for `args.speculative_config` (None: speculation off).
-    ValueError for what it cannot serve: a pooling runner, a draft model (the worker's part is
-    not there yet)."""
+    ValueError for what it cannot serve: a pooling runner. (A draft model is loaded by the
+    workers: `engine.spec_draft.resolve_draft`.)"""
     config = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
     if config is None:
         return None
     if runner == "pooling":
         raise ValueError("speculative_config: the pooling runner decodes nothing")
-    if config.method != "ngram":
-        raise ValueError(f"speculative_config.method: {config.method!r} is not supported "
-                         "(only 'ngram')")
     return SpecDecoder(config)
 
 

@@ -27,6 +27,7 @@ from pagedserve.engine.detokenizer import (
 from pagedserve.engine.gc_pause import gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
+from pagedserve.engine.spec_draft import check_draft_tokenizer, resolve_draft
 from pagedserve.lora.engine import LoRAChecker, LoRAEngineMixin, cache_key
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
 from pagedserve.platforms import platform_for
@@ -95,7 +96,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.platform = platform_for(self.device)  # the driver's view of the workers' device
         self.dtype = resolve_dtype(args.dtype, config, self.device, self.platform)
         # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
-        self.executor = make_executor(args, self.source, self.dtype, self.device)
+        draft = resolve_draft(args, self.source)  # speculative decoding's draft model, or None
+        self.executor = make_executor(args, self.source, self.dtype, self.device, draft=draft)
         self.model = self.executor.model  # None when the model lives in worker processes
         self.vocab_size = int(self.model_config.vocab_size)
         if args.skip_tokenizer_init:  # token ids in, token ids out (EOS from the config)
@@ -105,6 +107,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             self.tokenizer = self.source.load_tokenizer(args.tokenizer)
             self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
             self.tokenizer_info = TokenizerInfo.from_tokenizer(self.tokenizer)
+            check_draft_tokenizer(draft, self.tokenizer)
             release_freed_memory()  # what building the tokenizer left behind in the heap
 
         max_pos = getattr(self.model_config, "max_position_embeddings", None) or 2048
@@ -160,14 +163,16 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             return args.num_kv_blocks
         if args.kv_cache_memory or not self.platform.can_profile_memory:
             return num_blocks_for_budget(spec, args.block_size, self.dtype,
-                                         args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+                                         args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
+                                         draft=self.executor.draft_kv_cache_spec)
         self.kv_cache = None  # the old cache (reconfigure_cache) must not count as used
         profiles = self.executor.profile_memory(ProfileConfig(
             max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size))
         budget = min(kv_budget_from_profile(p.total, args.gpu_memory_utilization, p.peak,
                                             block_bytes) for p in profiles)
-        blocks = num_blocks_for_budget(spec, args.block_size, self.dtype, budget)
+        blocks = num_blocks_for_budget(spec, args.block_size, self.dtype, budget,
+                                       draft=self.executor.draft_kv_cache_spec)
         logger.info(
             "GPU KV cache: %d blocks of %d tokens (%.2f GiB per worker, gpu_memory_utilization="
             "%.2f, peak of the profiled step %.2f GiB): %.1f requests of max_model_len=%d at once",
@@ -179,7 +184,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
     def _build_cache(self, args: EngineArgs) -> None:
         """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
         spec = self.executor.kv_cache_spec  # one worker's: the KV heads it holds
-        block_bytes = bytes_per_block(spec, args.block_size, self.dtype)
+        block_bytes = bytes_per_block(spec, args.block_size, self.dtype,
+                                      draft=self.executor.draft_kv_cache_spec)
         swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.platform)
         self.scheduler_config = args.scheduler_config(self.max_model_len, swap_s, recompute_s,
                                                       eos_token_ids=tuple(self.eos_token_ids))
@@ -458,7 +464,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self._step_sched = None
         started = time.perf_counter()
         if self.spec is not None:
-            self.spec.propose(self.scheduler)  # draft tokens for the decoding sequences
+            # draft tokens for the decoding sequences (the grammar's prefix of them)
+            self.spec.propose(self.scheduler, self.structured.valid_drafts)
             self.spec.draft_seconds += time.perf_counter() - started
         sched = self.scheduler.schedule()
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the
@@ -468,6 +475,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         now = time.monotonic()
         step = StepInput.from_schedule(sched)
         step.grammar_bitmask = self.structured.bitmask_for(sched)  # structured outputs
+        drafted = self.executor.draft_seconds  # (a draft model's time, in the workers)
         results = self.executor.execute(step)
         for s in sched.scheduled:
             if s.group.first_scheduled_time is None:
@@ -479,6 +487,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.stats["generation_tokens"] += update.num_generated_tokens
         if self.spec is not None:
             record_spec_rows(self.spec, update.spec_rows)
+            self.spec.draft_seconds += self.executor.draft_seconds - drafted
             self.spec.step_seconds += time.perf_counter() - started
         outputs = []
         for group in update.groups:

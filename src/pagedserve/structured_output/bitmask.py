@@ -14,7 +14,8 @@ from pagedserve.kernels import cpu_grammar
 class GrammarBitmask:
     """One step's allowed tokens for the constrained rows, as plain data for the workers:
     `bitmask[rows[seq_id]]` is the int32 bitmask (bit j of word j // 32 set: token j allowed) of
-    the sequence's next token, over the model's whole vocabulary."""
+    the sequence's next token, over the model's whole vocabulary. A speculative row's position j
+    (after its first j drafts) has `bitmask[rows[seq_id] + j]`."""
 
     bitmask: torch.Tensor  # [G, ceil(V / 32)] int32
     rows: dict[int, int]  # seq_id -> row of `bitmask`

@@ -89,8 +89,10 @@ class StructuredOutputManager:
 
     def bitmask_for(self, sched) -> GrammarBitmask | None:
         """The token bitmask of every constrained sequence that samples this step (all of a
-        forking group's sequences, from the row they share), or None when there is none."""
-        todo = []
+        forking group's sequences, from the row they share), or None when there is none. A
+        speculative row of d drafts gets d + 1 consecutive masks (`GrammarBitmask.rows`): mask j
+        is the grammar's after the drafts before j."""
+        todo = []  # (seq id, matcher, drafts)
         for s in sched.scheduled:
             if not s.do_sample:
                 continue
@@ -99,20 +101,60 @@ class StructuredOutputManager:
                 continue
             seqs = s.group.seqs[: s.num_samples] if s.num_samples > 1 else [s.seq]
             reasoning = s.group.extra.get(REASONING_KEY) or ()
-            todo.extend((q.seq_id, matchers[q.seq_id]) for q in seqs
+            todo.extend((q.seq_id, matchers[q.seq_id], s.spec_token_ids) for q in seqs
                         if q.seq_id not in reasoning)
         if not todo:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(todo), self.vocab_size)
+        rows, n = {}, 0
+        for seq_id, _, drafts in todo:
+            rows[seq_id] = n
+            n += 1 + len(drafts)
+        bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
         if self._batch is None:
             # NOTE: one thread: filling 16 JSON-schema masks takes ~0.1 ms (xgrammar caches each
             # grammar state's mask); more threads only add their start-up and contend with the
             # step's own threads (measured: issue 17 in docs/benchmarks.md).
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        self._batch.batch_fill_next_token_bitmask([m for _, m in todo], bitmask)
-        return GrammarBitmask(bitmask, {seq_id: i for i, (seq_id, _) in enumerate(todo)})
+        plain = [(seq_id, m) for seq_id, m, drafts in todo if not drafts]
+        if len(plain) == len(todo):  # no speculative row: the masks fill in one batch
+            self._batch.batch_fill_next_token_bitmask([m for _, m in plain], bitmask)
+            return GrammarBitmask(bitmask, rows)
+        for seq_id, matcher, drafts in todo:
+            first = rows[seq_id]
+            for j, token in enumerate(drafts):
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                # NOTE: the proposer kept only drafts the grammar allows (`valid_drafts`), and
+                # tokens change only in the step update: every draft is accepted here.
+                if not matcher.accept_token(token):
+                    matcher.rollback(j)
+                    raise RuntimeError(f"sequence {seq_id}: draft token {token} is outside its "
+                                       "grammar (the proposer should have cut it)")
+            matcher.fill_next_token_bitmask(bitmask, first + len(drafts))
+            if drafts:
+                matcher.rollback(len(drafts))
+        return GrammarBitmask(bitmask, rows)
+
+    def valid_drafts(self, group, seq, drafts: list[int]) -> list[int]:
+        """Speculative decoding: the longest prefix of `drafts` that `seq`'s grammar allows (up
+        to the first token it refuses; nothing after a token that ends it); all of them for an
+        unconstrained request, none while `seq` reasons. Its matcher is left as it was."""
+        matchers = group.extra.get(GRAMMAR_KEY)
+        if not matchers or not drafts:
+            return drafts
+        reasoning = group.extra.get(REASONING_KEY)
+        if reasoning and seq.seq_id in reasoning:
+            return []
+        matcher = matchers[seq.seq_id]
+        n = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
 
     def accept(self, group, seq, token: int) -> bool | None:
         """Advance `seq`'s matcher with its new `token`. None when the request is unconstrained;

@@ -84,6 +84,10 @@ class Executor(ABC):
     num_params: int
     model: torch.nn.Module | None = None
     kv_cache: KVCache | None = None
+    # speculative decoding with a draft model: its KV spec (each block holds its K/V too), and
+    # the seconds rank 0 spent in it, summed over steps
+    draft_kv_cache_spec: KVCacheSpec | None = None
+    draft_seconds: float = 0.0
 
     def __init__(self) -> None:
         self._error: BaseException | None = None
@@ -168,6 +172,7 @@ class UniExecutor(Executor):
         self.model = self.worker.model
         info = self.worker.info()
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
+        self.draft_kv_cache_spec = info.draft_kv_cache_spec
 
     @property
     def runner(self) -> ModelRunner | None:
@@ -184,7 +189,9 @@ class UniExecutor(Executor):
         return [self.worker.profile_memory(prof)]
 
     def execute(self, step: StepInput) -> list[SeqStepOutput]:
-        return self.worker.execute(self.encoder.encode(step)).outputs
+        reply = self.worker.execute(self.encoder.encode(step))
+        self.draft_seconds += reply.draft_seconds
+        return reply.outputs
 
     def free_cache(self) -> None:
         self.kv_cache = None
@@ -215,9 +222,11 @@ def check_shardable(config, world_size: int) -> None:
             model_class(config, tp=TPContext(rank, world_size))
 
 
-def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.device) -> Executor:
+def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.device,
+                  draft: ModelSource | None = None) -> Executor:
     """The executor `args` (an `EngineArgs`) asks for, with its workers started and the model
-    loaded: `args.tensor_parallel_size` ranks on `args.distributed_executor_backend`."""
+    loaded: `args.tensor_parallel_size` ranks on `args.distributed_executor_backend`; `draft`:
+    a draft model for speculative decoding, loaded beside it."""
     world_size = args.tensor_parallel_size
     backend = executor_backend(world_size, args.distributed_executor_backend)
     cpu_threads = getattr(args, "cpu_threads", None) or torch.get_num_threads()
@@ -239,7 +248,8 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                           num_threads=threads, attention_backend=args.attention_backend,
                           enforce_eager=args.enforce_eager, quantization=quantization,
                           batch_invariant=bool(getattr(args, "batch_invariant", False)),
-                          cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)())
+                          cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)(),
+                          draft=draft)
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

@@ -8,21 +8,27 @@ from pagedserve.models.base import KVCacheSpec
 from pagedserve.platforms import Platform, platform_for
 
 
-def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype,
+                    draft: KVCacheSpec | None = None) -> int:
+    """Bytes one block takes across all layers, K and V; with a draft model's KV spec (`draft`,
+    speculative decoding: its cache has the same blocks, worker/spec_draft.py), its part too."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+    extra = bytes_per_block(draft, block_size, dtype) if draft is not None else 0
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem + extra
 
 
 def num_blocks_for_budget(
-    spec: KVCacheSpec, block_size: int, dtype: torch.dtype, kv_cache_memory: int
+    spec: KVCacheSpec, block_size: int, dtype: torch.dtype, kv_cache_memory: int,
+    draft: KVCacheSpec | None = None,
 ) -> int:
-    """How many blocks fit `kv_cache_memory` bytes (the null block included)."""
-    n = kv_cache_memory // bytes_per_block(spec, block_size, dtype) - 1
+    """How many blocks fit `kv_cache_memory` bytes (the null block included; with `draft`, each
+    block's draft-model part too: see `bytes_per_block`)."""
+    size = bytes_per_block(spec, block_size, dtype, draft)
+    n = kv_cache_memory // size - 1
     if n < 1:
         raise ValueError(
             f"kv_cache_memory={kv_cache_memory} bytes holds no KV block of "
-            f"{bytes_per_block(spec, block_size, dtype)} bytes (block_size={block_size})"
+            f"{size} bytes (block_size={block_size})"
         )
     return int(n)
 

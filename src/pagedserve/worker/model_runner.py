@@ -16,6 +16,7 @@ from pagedserve.platforms import Platform, platform_for
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.kv_cache import KVCache
 from pagedserve.worker.pooler import Pooler
+from pagedserve.worker.spec_draft import wants_draft
 from pagedserve.worker.spec_verify import accept_greedy, verify_row
 from pagedserve.worker.sampler import (
     SampleRequest,
@@ -129,8 +130,11 @@ class ModelRunner:
         max_model_len: int = 2048,
         platform: Platform | None = None,
         lora=None,
+        drafter=None,
     ) -> None:
         self.model = model
+        # speculative decoding's draft model (worker.spec_draft.DraftProposer), else None
+        self.drafter = drafter
         self.lora = lora  # lora.slots.LoRASlots (enable_lora), else None
         self.sample = sample
         self.kv_cache = kv_cache
@@ -207,6 +211,13 @@ class ModelRunner:
             self.kv_cache.swap_in(step.blocks_to_swap_in)
         if step.blocks_to_copy:
             self.kv_cache.copy_blocks(step.blocks_to_copy)
+        if self.drafter is not None:
+            # NOTE: the draft's cache follows the target's block for block (worker/spec_draft.py),
+            # and its proposals fill the rows' draft slots before the target reads them.
+            self.drafter.apply_block_ops(step)
+            self.drafter.propose(step)
+        elif any(wants_draft(s) for s in step.rows if s.spec_token_ids):
+            raise RuntimeError("a step has draft-model slots but this worker has no draft model")
         if not step.rows:
             return []
 
@@ -364,7 +375,12 @@ class ModelRunner:
             s = step.rows[idx]
             gen = self._generator(s.request_id, s.params.seed, s.samples[0].index)
             stop = ([] if s.params.ignore_eos else self.eos_ids) + list(s.params.stop_token_ids or [])
-            outputs[idx].samples = verify_row(logits[first : first + n], s, gen, stop)
+            grammar, masks = step.grammar_bitmask, None
+            if grammar is not None and s.seq_id in grammar.rows:  # one mask per position
+                at = grammar.rows[s.seq_id]
+                masks = grammar.bitmask[at : at + n]
+            outputs[idx].samples = verify_row(logits[first : first + n], s, gen, stop,
+                                              masks=masks)
         return outputs
 
     # --- CUDA: what comes back to the host --------------------------------------------------

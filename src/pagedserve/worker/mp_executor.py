@@ -129,6 +129,7 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
+        self.draft_kv_cache_spec = info.draft_kv_cache_spec
         self._stop_reader, self._stop_signal = ctx.Pipe(duplex=False)
         self._monitor = threading.Thread(
             target=_monitor, args=(weakref.ref(self), list(self._procs), self._stop_reader),
@@ -165,6 +166,7 @@ class MultiprocExecutor(Executor):
         received = [0]
         replies = self._collect(received)
         self.stats.record(len(payload), received[0], time.perf_counter() - start, replies[0].seconds)
+        self.draft_seconds += replies[0].draft_seconds
         return replies[0].outputs
 
     def check_health(self) -> None:

@@ -110,6 +110,7 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
         self.kv_cache_spec, self.num_params = info.kv_cache_spec, info.num_params
+        self.draft_kv_cache_spec = info.draft_kv_cache_spec
 
     def init_cache(self, cache: CacheConfig) -> None:
         self.check_health()
@@ -127,6 +128,7 @@ class RayExecutor(Executor):
         ref = self._ray.put(payload)
         replies = self._get([actor.execute.remote(ref) for actor in self._actors])
         self.stats.record(len(payload), 0, time.perf_counter() - start, replies[0].seconds)
+        self.draft_seconds += replies[0].draft_seconds
         return replies[0].outputs
 
     def check_health(self) -> None:

@@ -42,14 +42,16 @@ from pagedserve.worker.sampler import (
 )
 
 
-def position_requests(row: StepRow, generator) -> list[SampleRequest]:
-    """One sampler request per position of a speculative row (see the module docstring)."""
+def position_requests(row: StepRow, generator, masks=None) -> list[SampleRequest]:
+    """One sampler request per position of a speculative row (see the module docstring);
+    `masks` [d + 1, W]: each position's grammar bitmask (structured outputs), else None."""
     spec = row.samples[0]
     prompt, output = spec.prompt_token_ids, spec.output_token_ids
     drafts = row.spec_token_ids
     return [SampleRequest(params=row.params, prompt_token_ids=prompt,
                           output_token_ids=output + drafts[:j] if j else output,
-                          generator=generator, need_logprob=row.need_logprob)
+                          generator=generator, need_logprob=row.need_logprob,
+                          token_bitmask=None if masks is None else masks[j])
             for j in range(len(drafts) + 1)]
 
 
@@ -62,11 +64,16 @@ def accept_greedy(tokens: list[int], drafts: list[int]) -> int:
 
 
 def verify_row(logits: torch.Tensor, row: StepRow, generator, stop_ids: list[int],
-               draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
+               draft_probs: torch.Tensor | None = None, masks=None) -> list[SampleResult]:
     """The tokens a speculative row emits (1 .. d + 1): `logits` [d + 1, V] float32 (raw), one
     row per position; `draft_probs` [d, V] the draft model's distributions (None: the drafts are
-    point masses, the n-gram proposer's)."""
-    reqs = position_requests(row, generator)
+    point masses, the n-gram proposer's). `masks` [d + 1, W]: a structured-output row's grammar
+    bitmask at each position (the grammar after the drafts before it; point-mass drafts only):
+    each position samples as a masked decode step would, so a draft the grammar refuses is never
+    accepted."""
+    if masks is not None and draft_probs is not None:
+        raise ValueError("grammar masks apply to point-mass drafts only")
+    reqs = position_requests(row, generator, masks)
     drafts = row.spec_token_ids
     params = row.params
     stops = [stop_ids] * len(reqs)

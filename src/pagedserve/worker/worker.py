@@ -42,6 +42,9 @@ class WorkerConfig:
     cpu_bind: tuple[int, ...] = ()
     # multi-LoRA serving (EngineArgs.enable_lora): the slot table's limits; None: no adapters
     lora: object | None = None  # lora.request.LoRAConfig
+    # speculative decoding with a draft model (speculative_config.model): its source, loaded
+    # beside the model (same dtype, unsharded), with its own KV cache of the same block layout
+    draft: ModelSource | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class ModelInfo:
 
     kv_cache_spec: KVCacheSpec
     num_params: int
+    # the draft model's KV spec (speculative decoding with a draft model), else None: each block
+    # holds its K/V too (worker/spec_draft.py)
+    draft_kv_cache_spec: KVCacheSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,12 @@ class StepReply:
 
     outputs: list[SeqStepOutput] | None
     seconds: float
+    draft_seconds: float = 0.0  # of `seconds`, the draft model's (speculative decoding)
 
 
-def model_info(model: torch.nn.Module) -> ModelInfo:
-    return ModelInfo(model.kv_cache_spec, sum(_num_values(p) for p in model.parameters()))
+def model_info(model: torch.nn.Module, draft: torch.nn.Module | None = None) -> ModelInfo:
+    return ModelInfo(model.kv_cache_spec, sum(_num_values(p) for p in model.parameters()),
+                     draft.kv_cache_spec if draft is not None else None)
 
 
 def _num_values(p: torch.Tensor) -> int:
@@ -95,14 +103,14 @@ def _num_values(p: torch.Tensor) -> int:
 
 def make_runner(model, kv_cache: KVCache, cache: CacheConfig, platform: Platform, *,
                 attention_backend: str, enforce_eager: bool, sample: bool = True,
-                lora=None) -> ModelRunner:
+                lora=None, drafter=None) -> ModelRunner:
     """The runner of one worker over its freshly allocated KV cache (CUDA graphs captured here
     where the platform has them, unless `enforce_eager`)."""
     return ModelRunner(model, kv_cache, device=platform.device,
                        stop_token_ids_for_min_tokens=list(cache.stop_token_ids), sample=sample,
                        attention_backend=attention_backend, cuda_graphs=not enforce_eager,
                        max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len,
-                       platform=platform, lora=lora)
+                       platform=platform, lora=lora, drafter=drafter)
 
 
 def profile_memory(model, dtype: torch.dtype, platform: Platform, attention_backend: str,
@@ -143,6 +151,20 @@ class Worker:
             from pagedserve.lora.slots import LoRASlots
 
             self.lora = LoRASlots(self.model, config.lora, config.dtype, self.device)
+        self.draft_model = None  # speculative decoding's draft model (worker/spec_draft.py)
+        if config.draft is not None:
+            if config.world_size > 1:
+                raise ValueError("speculative_config.model: a draft model runs with "
+                                 "tensor_parallel_size=1 only")
+            draft = config.draft
+            # a GGUF draft keeps its quantized blocks where the target's GGUF does
+            quant = "gguf" if draft.kind == "gguf" and config.quantization == "gguf" else "none"
+            self.draft_model = load_model(
+                draft.config, weights=None if config.load_format == "dummy"
+                else draft.iter_weights(lazy=False, keep_quantized=quant == "gguf"),
+                dtype=config.dtype, device=self.device, seed=config.seed + 1, tp=self.tp,
+                quantization=quant, batch_invariant=config.batch_invariant,
+                platform=self.platform)
         self.kv_cache: KVCache | None = None
         self.runner: ModelRunner | None = None
         self.decoder = StepDecoder()
@@ -150,7 +172,7 @@ class Worker:
         self.enforce_eager = config.enforce_eager
 
     def info(self) -> ModelInfo:
-        return model_info(self.model)
+        return model_info(self.model, self.draft_model)
 
     def init_cache(self, cache: CacheConfig) -> None:
         """(Re)allocate the KV cache of this rank's heads; forget every request."""
@@ -158,10 +180,21 @@ class Worker:
         self.kv_cache = KVCache(self.model.kv_cache_spec, cache.num_blocks, cache.block_size,
                                 self.dtype, self.device,
                                 num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform)
+        drafter = None
+        if self.draft_model is not None:
+            from pagedserve.worker.spec_draft import DraftProposer
+
+            # the same block layout as the target's: the same tables index both
+            draft_cache = KVCache(self.draft_model.kv_cache_spec, cache.num_blocks,
+                                  cache.block_size, self.dtype, self.device,
+                                  num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform)
+            drafter = DraftProposer(self.draft_model, draft_cache,
+                                    self.platform.attention_backend(self.attention_backend),
+                                    self.device)
         self.runner = make_runner(self.model, self.kv_cache, cache, self.platform,
                                   attention_backend=self.attention_backend,
                                   enforce_eager=self.enforce_eager, sample=self.rank == 0,
-                                  lora=self.lora)
+                                  lora=self.lora, drafter=drafter)
         self.decoder.reset()
 
     def free_cache(self) -> None:
@@ -186,8 +219,11 @@ class Worker:
     def execute(self, msg: StepMessage) -> StepReply:
         """Run one step, sent as a delta message, on this shard; rank 0 returns the outputs."""
         start = time.perf_counter()
+        drafter = self.runner.drafter if self.runner is not None else None
+        drafted = drafter.seconds if drafter is not None else 0.0
         outputs = self.execute_step(self.decoder.decode(msg))
-        return StepReply(outputs if self.rank == 0 else None, time.perf_counter() - start)
+        return StepReply(outputs if self.rank == 0 else None, time.perf_counter() - start,
+                         drafter.seconds - drafted if drafter is not None else 0.0)
 
     def execute_step(self, step: StepInput) -> list[SeqStepOutput]:
         """Run one step on this shard: one output per row on rank 0 ([] on the others)."""
