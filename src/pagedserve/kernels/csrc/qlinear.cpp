@@ -15,9 +15,13 @@
 //   3 AVX512-BF16  W rows dequantized to bf16, vdpbf16ps dot products
 //   2 AVX512F      W rows dequantized to fp32, fp32 FMA (16 lanes); x converted to fp32
 //   1 AVX2+FMA     the same with 8 lanes
+// From gemm_rows rows on (bf16 x), the ggml formats take a blocked GEMM instead: on AVX512-BF16
+// the 8-bit one for Q8_0 / Q4_0 / Q5_0 / Q4_K / Q5_K (qlinear_vnni.h: vpdpbusd on the 8-bit x),
+// the bf16 one for Q6_K (qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 below.
+// qlinear_argmax: the greedy LM head, the product scanned chunk by chunk (no logits in memory).
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
 // NOTEs in qlinear_impl.h and qlinear_q8.h). Registered as
-// torch.ops.pagedserve_cpu.{qlinear, qrows, cpu_isa}; Python side: kernels/cpu_qlinear.py.
+// torch.ops.pagedserve_cpu.{qlinear, qlinear_fused, qlinear_argmax, qrows, cpu_isa}; Python side: kernels/cpu_qlinear.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
