@@ -87,3 +87,28 @@ def test_no_collection_starts_while_an_engine_step_runs(gc_enabled, tmp_path):
         gc.callbacks.remove(on_gc)
         engine.shutdown()
     assert during == []
+
+
+def test_the_startup_heap_is_frozen_once_per_process_and_later_cycles_are_still_collected():
+    """freeze_startup_heap: the first call collects and freezes (a fresh process: nothing frozen
+    yet), later calls do nothing, and garbage made after it is collected as before."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from pagedserve.engine.gc_pause import freeze_startup_heap
+class C:
+    def __init__(self): self.me = self
+assert gc.get_freeze_count() == 0
+assert freeze_startup_heap() is True
+frozen = gc.get_freeze_count()
+assert frozen > 0
+assert freeze_startup_heap() is False and gc.get_freeze_count() == frozen
+c = C(); r = weakref.ref(c); del c
+gc.collect()
+assert r() is None
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

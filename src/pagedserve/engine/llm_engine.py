@@ -24,7 +24,7 @@ from pagedserve.engine.detokenizer import (
     TokenizerInfo,
     find_stop,
 )
-from pagedserve.engine.gc_pause import gc_paused
+from pagedserve.engine.gc_pause import freeze_startup_heap, gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
 from pagedserve.engine.spec_draft import check_draft_tokenizer, resolve_draft
@@ -144,6 +144,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.default_sampling_params = diff_sampling_params(
             self.source, args.generation_config, args.override_generation_config)
         self.sleeping = False  # LLM.sleep (engine/llm_extras.py): KV cache freed, no request taken
+        freeze_startup_heap()  # full collections skip the startup heap (engine/gc_pause.py)
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
             "in cache), max_model_len=%d",
