@@ -8,15 +8,16 @@
 // over the blocks b of 32 values: dw the block's scale (the K-quants: d * sc), mw its min term
 // (the K-quants: dmin * mn; else none) and sx[m, b] = dx * sum(qx). x is the 8-bit quantization
 // of the small-batch kernel (qlinear_q8.h `quantize_x`: qx = round(x * 127 / amax), dx = amax /
-// 127), packed once per call (`vnni_pack`) as unsigned bytes qx + 128, four k of one row per
-// 32-bit lane: [M / 16][K / 32][8 quads][16 rows][4]. The weights of a block of columns are
-// unpacked once per call into signed bytes (Q4_0 / Q5_0 less their offset) with, per block,
-// -128 * sum(qw), which cancels the + 128 of x exactly: each block's integer sum is exact, then
-// one fp32 FMA per block and row (and one for the mins). Q6_K (a scale per 16 values) keeps the
-// bf16 GEMM (qlinear_bcast.h).
+// 127), packed once per call (`vnni_pack`) as signed bytes, four k of one row per 32-bit lane:
+// [M / 16][K / 32][8 quads][16 rows][4], with -sum(qx) per row and block. The weights of a block
+// of columns are unpacked once per call into unsigned bytes as the formats store them (Q4_0 /
+// Q5_0 / the K-quants: q; Q8_0: q + 128), broadcast four at a time; each block's integer sum
+// starts at -offset * sum(qx) (offset 8, 16, 0, 128), which cancels the stored offset exactly, so
+// it is exact; then one fp32 FMA per block and row (and one for the mins). Q6_K (a scale per 16
+// values) keeps the bf16 GEMM (qlinear_bcast.h).
 //
 // NOTE: batch invariance. y[m, n] is one lane that walks the blocks of K in order, whatever M is
-// and wherever row m sits (a padding row has dx = sx = 0 and is never stored), so results do not
+// and wherever row m sits (a padding row is zeros and is never stored), so results do not
 // depend on the batch among GEMM-sized batches. The small-batch kernel sums the same exact block
 // products in another order (8 lanes, then a horizontal sum): the two differ in the last bits,
 // which is why this path serves only outside the batch-invariant mode, as the bf16 GEMM does.
@@ -29,32 +30,32 @@ inline bool vnni_format(int64_t fmt) {
   return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K || fmt == kFmtQ5_K;
 }
 
-// x quantized and packed for vnni_tile8: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16].
+// x quantized and packed for the tiles: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16],
+// nsum [MBk][KB][16] = -sum(qx).
 struct VnniX {
   std::vector<uint8_t> buf;
   std::vector<float> dx, sx;
+  std::vector<int32_t> nsum;
   const uint8_t* xq = nullptr;
 };
 
-// q [M][K] int8, d and s [M][K / 32] (quantize_x's) -> the lanes layout; padding rows hold qx = 0
-// (bytes 128) and dx = sx = 0.
+// q [M][K] int8, d and s [M][K / 32] (quantize_x's) -> the lanes layout; padding rows are zeros.
 inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, VnniX& out) {
   const int64_t KB = K / 32, MBk = (M + 15) / 16;
-  out.buf.assign(size_t(MBk * KB * 512 + 64), uint8_t(128));
+  out.buf.assign(size_t(MBk * KB * 512 + 64), uint8_t(0));
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(out.buf.data()) + 63) & ~uintptr_t(63));
   out.dx.assign(size_t(MBk * KB * 16), 0.0f);
   out.sx.assign(size_t(MBk * KB * 16), 0.0f);
+  out.nsum.assign(size_t(MBk * KB * 16), 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t mb = m / 16, mi = m % 16;
     for (int64_t b = 0; b < KB; ++b) {
       uint8_t* dst = base + (mb * KB + b) * 512 + mi * 4;
       const int8_t* src = q + m * K + b * 32;
-      for (int p = 0; p < 8; ++p) {
-        uint32_t v;
-        std::memcpy(&v, src + 4 * p, 4);
-        v ^= 0x80808080u;  // int8 q -> uint8 q + 128
-        std::memcpy(dst + p * 64, &v, 4);
-      }
+      int32_t sum = 0;
+      for (int p = 0; p < 8; ++p) std::memcpy(dst + p * 64, src + 4 * p, 4);
+      for (int i = 0; i < 32; ++i) sum += src[i];
+      out.nsum[size_t((mb * KB + b) * 16 + mi)] = -sum;
       out.dx[size_t((mb * KB + b) * 16 + mi)] = d[m * KB + b];
       out.sx[size_t((mb * KB + b) * 16 + mi)] = s[m * KB + b];
     }
@@ -62,12 +63,21 @@ inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M
   out.xq = base;
 }
 
-// One row of W (K values, format F) -> signed bytes wq [K] and, per block of 32, its scale dw,
-// min term mw (0 without mins) and corr = -128 * sum(qw) (what the + 128 of the packed x adds to
-// the block's integer sum).
+// The offset a format's unpacked bytes carry (value = byte - offset, times the scale): log2 of
+// it, or -1 for none. Q8_0 is stored signed: unpacked as q + 128.
+inline int vnni_offset_shift(int64_t fmt) {
+  switch (fmt) {
+    case kFmtQ8_0: return 7;
+    case kFmtQ4_0: return 3;
+    case kFmtQ5_0: return 4;
+  }
+  return -1;
+}
+
+// One row of W (K values, format F) -> unsigned bytes wq [K] (see vnni_offset_shift) and, per
+// block of 32, its scale dw and min term mw (0 without mins).
 template <typename F>
-inline void vnni_weight_row(const uint8_t* row, int64_t K, int8_t* wq, float* dw, float* mw, int32_t* corr) {
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+inline void vnni_weight_row(const uint8_t* row, int64_t K, uint8_t* wq, float* dw, float* mw) {
   for (int64_t u = 0; u < K / F::kUnit; ++u) {
     const uint8_t* up = row + u * F::kBytes;
     const typename F::Head h = F::head(up);
@@ -77,57 +87,56 @@ inline void vnni_weight_row(const uint8_t* row, int64_t K, int8_t* wq, float* dw
       const int64_t b = u * F::kBlocks + t;
       float d;
       __m256i v = F::block(h, up, t, &d, nullptr);
-      if constexpr (F::kOffset != 0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(F::kOffset));
+      if constexpr (!F::kUnsigned) v = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // q + 128
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * 32), v);
       dw[b] = d;
       mw[b] = mins[t];
-      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);  // 8 int32 sums
-      __m128i r = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-      r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
-      r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
-      corr[b] = -128 * _mm_cvtsi128_si32(r);
     }
   }
 }
 
-inline void vnni_weight_row(int64_t fmt, const uint8_t* row, int64_t K, int8_t* wq, float* dw, float* mw,
-                            int32_t* corr) {
+inline void vnni_weight_row(int64_t fmt, const uint8_t* row, int64_t K, uint8_t* wq, float* dw, float* mw) {
   switch (fmt) {
-    case kFmtQ8_0: return vnni_weight_row<::isa_avx2::Q8_0>(row, K, wq, dw, mw, corr);
-    case kFmtQ4_0: return vnni_weight_row<::isa_avx2::Q4_0>(row, K, wq, dw, mw, corr);
-    case kFmtQ5_0: return vnni_weight_row<::isa_avx2::Q5_0>(row, K, wq, dw, mw, corr);
-    case kFmtQ4_K: return vnni_weight_row<::isa_avx2::Q4_K>(row, K, wq, dw, mw, corr);
-    case kFmtQ5_K: return vnni_weight_row<::isa_avx2::Q5_K>(row, K, wq, dw, mw, corr);
+    case kFmtQ8_0: return vnni_weight_row<::isa_avx2::Q8_0>(row, K, wq, dw, mw);
+    case kFmtQ4_0: return vnni_weight_row<::isa_avx2::Q4_0>(row, K, wq, dw, mw);
+    case kFmtQ5_0: return vnni_weight_row<::isa_avx2::Q5_0>(row, K, wq, dw, mw);
+    case kFmtQ4_K: return vnni_weight_row<::isa_avx2::Q4_K>(row, K, wq, dw, mw);
+    case kFmtQ5_K: return vnni_weight_row<::isa_avx2::Q5_K>(row, K, wq, dw, mw);
   }
 }
 
 // Per-block weight data of a group of columns: rows of KB.
 struct VnniW {
-  const int8_t* wq;  // rows of ldq bytes
+  const uint8_t* wq;  // rows of ldq bytes
   int64_t ldq;
   const float* dw;
   const float* mw;
-  const int32_t* corr;
+  int shift;  // vnni_offset_shift
 };
+
+// A block's integer sums start at -offset * sum(qx) (zero without an offset).
+inline __m512i vnni_start(const int32_t* nsum, int shift) {
+  return shift < 0 ? _mm512_setzero_si512() : _mm512_sll_epi32(_mm512_loadu_si512(nsum), _mm_cvtsi32_si128(shift));
+}
 
 // 16 rows of x (one packed group: xb, dxb, sxb) times 8 weight columns from column c of w:
 // r[j] = column c + j over the 16 rows.
 template <bool kMins>
-inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, int64_t KB, const VnniW& w,
-                       int64_t c, __m512* r) {
-  const int8_t* wq = w.wq + c * w.ldq;
+inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, const int32_t* nsb, int64_t KB,
+                       const VnniW& w, int64_t c, __m512* r) {
+  const uint8_t* wq = w.wq + c * w.ldq;
   const int64_t ldq = w.ldq;
   const float* dw = w.dw + c * KB;
   const float* mw = w.mw + c * KB;
-  const int32_t* corr = w.corr + c * KB;
   __m512 acc[8];
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const __m512i* xv = reinterpret_cast<const __m512i*>(xb + b * 512);
     __m512i s[8];
+    const __m512i s0 = vnni_start(nsb + b * 16, w.shift);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) s[j] = _mm512_set1_epi32(corr[j * KB + b]);
+    for (int j = 0; j < 8; ++j) s[j] = s0;
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p) {
       const __m512i x = _mm512_load_si512(xv + p);
@@ -135,7 +144,7 @@ inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, in
       for (int j = 0; j < 8; ++j) {
         int32_t wv;
         std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
-        s[j] = _mm512_dpbusd_epi32(s[j], x, _mm512_set1_epi32(wv));
+        s[j] = _mm512_dpbusd_epi32(s[j], _mm512_set1_epi32(wv), x);
       }
     }
     const __m512 d = _mm512_loadu_ps(dxb + b * 16);
@@ -157,13 +166,12 @@ inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, in
 // bits), with half the weight broadcasts per product.
 template <bool kMins>
 inline void vnni_tile2x4(const uint8_t* xb0, const uint8_t* xb1, const float* dx0, const float* dx1,
-                         const float* sx0, const float* sx1, int64_t KB, const VnniW& w, int64_t c,
-                         __m512* r0, __m512* r1) {
-  const int8_t* wq = w.wq + c * w.ldq;
+                         const float* sx0, const float* sx1, const int32_t* ns0, const int32_t* ns1,
+                         int64_t KB, const VnniW& w, int64_t c, __m512* r0, __m512* r1) {
+  const uint8_t* wq = w.wq + c * w.ldq;
   const int64_t ldq = w.ldq;
   const float* dw = w.dw + c * KB;
   const float* mw = w.mw + c * KB;
-  const int32_t* corr = w.corr + c * KB;
   __m512 a0[4], a1[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
@@ -171,8 +179,9 @@ inline void vnni_tile2x4(const uint8_t* xb0, const uint8_t* xb1, const float* dx
     const __m512i* xv0 = reinterpret_cast<const __m512i*>(xb0 + b * 512);
     const __m512i* xv1 = reinterpret_cast<const __m512i*>(xb1 + b * 512);
     __m512i s0[4], s1[4];
+    const __m512i z0 = vnni_start(ns0 + b * 16, w.shift), z1 = vnni_start(ns1 + b * 16, w.shift);
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) s0[j] = s1[j] = _mm512_set1_epi32(corr[j * KB + b]);
+    for (int j = 0; j < 4; ++j) s0[j] = z0, s1[j] = z1;
 #pragma GCC unroll 8
     for (int p = 0; p < 8; ++p) {
       const __m512i x0 = _mm512_load_si512(xv0 + p), x1 = _mm512_load_si512(xv1 + p);
@@ -181,8 +190,8 @@ inline void vnni_tile2x4(const uint8_t* xb0, const uint8_t* xb1, const float* dx
         int32_t wv;
         std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
         const __m512i wb = _mm512_set1_epi32(wv);
-        s0[j] = _mm512_dpbusd_epi32(s0[j], x0, wb);
-        s1[j] = _mm512_dpbusd_epi32(s1[j], x1, wb);
+        s0[j] = _mm512_dpbusd_epi32(s0[j], wb, x0);
+        s1[j] = _mm512_dpbusd_epi32(s1[j], wb, x1);
       }
     }
     const __m512 d0 = _mm512_loadu_ps(dx0 + b * 16), d1 = _mm512_loadu_ps(dx1 + b * 16);
@@ -214,11 +223,10 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
   constexpr int64_t kCols = 64, kSlab = 4;
   const int64_t KB = K / 32, MBk = (M + 15) / 16;
   const int64_t ldq = K + 64;  // bytes: 8 columns read side by side stay out of one L1 set
-  std::vector<int8_t> buf(size_t(kCols * ldq + 64));
-  int8_t* wq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  std::vector<uint8_t> buf(size_t(kCols * ldq + 64));
+  uint8_t* wq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   std::vector<float> dw(size_t(kCols * KB)), mw(size_t(kCols * KB));
-  std::vector<int32_t> corr(size_t(kCols * KB));
-  const VnniW wv{wq, ldq, dw.data(), mw.data(), corr.data()};
+  const VnniW wv{wq, ldq, dw.data(), mw.data(), vnni_offset_shift(fmt)};
   const bool mins = fmt == kFmtQ4_K || fmt == kFmtQ5_K;
   Stage st(out, M, nb);
   for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
@@ -226,15 +234,13 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
     if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
     for (int64_t n = g0; n < g1; ++n) {
       const int64_t c = n - g0;
-      vnni_weight_row(fmt, w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB,
-                      corr.data() + c * KB);
+      vnni_weight_row(fmt, w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB);
     }
     const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
     if (filled < padded) {  // missing columns: zeros (never stored)
       std::memset(wq + filled * ldq, 0, size_t((padded - filled) * ldq));
       std::fill(dw.begin() + filled * KB, dw.begin() + padded * KB, 0.0f);
       std::fill(mw.begin() + filled * KB, mw.begin() + padded * KB, 0.0f);
-      std::fill(corr.begin() + filled * KB, corr.begin() + padded * KB, 0);
     }
     for (int64_t s0 = 0; s0 < MBk; s0 += kSlab)
       for (int64_t n0 = g0; n0 < g1; n0 += 16) {
@@ -246,13 +252,14 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
           const uint8_t* xb0 = vx.xq + mb * KB * 512;
           const float* dx0 = vx.dx.data() + mb * KB * 16;
           const float* sx0 = vx.sx.data() + mb * KB * 16;
+          const int32_t* ns0 = vx.nsum.data() + mb * KB * 16;
           for (int64_t q = 0; q < 16; q += 4) {
             if (mins)
-              vnni_tile2x4<true>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, KB, wv, c + q,
-                                 acc0 + q, acc1 + q);
+              vnni_tile2x4<true>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, ns0, ns0 + KB * 16,
+                                 KB, wv, c + q, acc0 + q, acc1 + q);
             else
-              vnni_tile2x4<false>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, KB, wv, c + q,
-                                  acc0 + q, acc1 + q);
+              vnni_tile2x4<false>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, ns0, ns0 + KB * 16,
+                                  KB, wv, c + q, acc0 + q, acc1 + q);
           }
           bcast_store(st.out, M, mb, acc0, n0, std::min<int64_t>(16, g1 - n0));
           bcast_store(st.out, M, mb + 1, acc1, n0, std::min<int64_t>(16, g1 - n0));
@@ -262,12 +269,13 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
           const uint8_t* xb = vx.xq + mb * KB * 512;
           const float* dxb = vx.dx.data() + mb * KB * 16;
           const float* sxb = vx.sx.data() + mb * KB * 16;
+          const int32_t* nsb = vx.nsum.data() + mb * KB * 16;
           if (mins) {
-            vnni_tile8<true>(xb, dxb, sxb, KB, wv, c, acc);
-            vnni_tile8<true>(xb, dxb, sxb, KB, wv, c + 8, acc + 8);
+            vnni_tile8<true>(xb, dxb, sxb, nsb, KB, wv, c, acc);
+            vnni_tile8<true>(xb, dxb, sxb, nsb, KB, wv, c + 8, acc + 8);
           } else {
-            vnni_tile8<false>(xb, dxb, sxb, KB, wv, c, acc);
-            vnni_tile8<false>(xb, dxb, sxb, KB, wv, c + 8, acc + 8);
+            vnni_tile8<false>(xb, dxb, sxb, nsb, KB, wv, c, acc);
+            vnni_tile8<false>(xb, dxb, sxb, nsb, KB, wv, c + 8, acc + 8);
           }
           bcast_store(st.out, M, mb, acc, n0, std::min<int64_t>(16, g1 - n0));
         }
