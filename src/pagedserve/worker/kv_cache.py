@@ -115,6 +115,17 @@ class KVCache:
             for _ in range(spec.num_layers)
         ] if num_cpu_blocks else []
 
+    def apply_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                        copies: list[tuple[int, int]]) -> None:
+        """A step's block operations, in the order SchedulerOutput promises: swap-outs (their
+        blocks may be reused by this step's swap-ins and copies), swap-ins, then copy-on-write."""
+        if swap_out:
+            self.swap_out(swap_out)
+        if swap_in:
+            self.swap_in(swap_in)
+        if copies:
+            self.copy_blocks(copies)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every layer (copy-on-write), one batched op a tensor."""
         device = self.layers[0][0].device

@@ -205,12 +205,7 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         self.pooler.drop(step.finished_request_ids)
         # NOTE: this order matters; see SchedulerOutput.
-        if step.blocks_to_swap_out:
-            self.kv_cache.swap_out(step.blocks_to_swap_out)
-        if step.blocks_to_swap_in:
-            self.kv_cache.swap_in(step.blocks_to_swap_in)
-        if step.blocks_to_copy:
-            self.kv_cache.copy_blocks(step.blocks_to_copy)
+        self.kv_cache.apply_block_ops(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
         if self.drafter is not None:
             # NOTE: the draft's cache follows the target's block for block (worker/spec_draft.py),
             # and its proposals fill the rows' draft slots before the target reads them.

@@ -51,12 +51,7 @@ class DraftProposer:
 
     def apply_block_ops(self, step: StepInput) -> None:
         """Swap out, swap in and copy the draft's blocks as the target's (same order)."""
-        if step.blocks_to_swap_out:
-            self.kv_cache.swap_out(step.blocks_to_swap_out)
-        if step.blocks_to_swap_in:
-            self.kv_cache.swap_in(step.blocks_to_swap_in)
-        if step.blocks_to_copy:
-            self.kv_cache.copy_blocks(step.blocks_to_copy)
+        self.kv_cache.apply_block_ops(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
 
     # --- the forward passes ----------------------------------------------------------------
 
