@@ -51,6 +51,16 @@ class StepMapping:
     mask: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     segments: tuple[tuple[int, int, int], ...] = ()
+    # (row_slots, row_tokens, num_slots, dtype, device): what `dense_mask` builds from
+    rows: tuple | None = None
+
+    def dense_mask(self) -> torch.Tensor:
+        """The dense path's `mask` [T, slots, 1], built on first use for a segmented step (the
+        fused CPU decode layer takes the dense path whatever the step's size)."""
+        if self.mask is None:
+            row_slots, row_tokens, num_slots, dtype, device = self.rows
+            self.mask = _one_hot(row_slots, row_tokens, num_slots, dtype, device)
+        return self.mask
 
     @classmethod
     def build(cls, row_slots: list[int], row_tokens: list[int], num_slots: int,
@@ -61,10 +71,7 @@ class StepMapping:
         if not used:
             return None
         if sum(row_tokens) < SEGMENT_MIN_TOKENS:
-            per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
-                                                torch.tensor(row_tokens, dtype=torch.long))
-            mask = per_token.unsqueeze(1) == torch.arange(num_slots).unsqueeze(0)  # [T, slots]
-            return cls(used, mask=mask.to(dtype).unsqueeze(-1).to(device))
+            return cls(used, mask=_one_hot(row_slots, row_tokens, num_slots, dtype, device))
         by_slot: dict[int, list[int]] = {}
         offset = 0
         for slot, n in zip(row_slots, row_tokens):
@@ -77,13 +84,24 @@ class StepMapping:
             segments.append((slot, len(perm), len(by_slot[slot])))
             perm.extend(by_slot[slot])
         return cls(used, perm=torch.tensor(perm, dtype=torch.long, device=device),
-                   segments=tuple(segments))
+                   segments=tuple(segments),
+                   rows=(list(row_slots), list(row_tokens), num_slots, dtype, device))
+
+
+def _one_hot(row_slots: list[int], row_tokens: list[int], num_slots: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:  # [T, slots, 1]
+    per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
+                                        torch.tensor(row_tokens, dtype=torch.long))
+    mask = per_token.unsqueeze(1) == torch.arange(num_slots).unsqueeze(0)  # [T, slots]
+    return mask.to(dtype).unsqueeze(-1).to(device)
 
 
 # The projections that read the same input share one shrink: (group, member index).
 GROUPS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 GROUP_SIZES = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+# The fused CPU decode layer's projection order (its groups' members in turn)
+FUSED_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRAStacks:
@@ -167,6 +185,30 @@ class LoRAStacks:
         self._shrunk = (gkey, x, h)  # NOTE: holds x, so its identity cannot be reused
         return h
 
+    def fused_operands(self, layer: int) -> tuple[torch.Tensor, list, list, int]:
+        """This step's adapters of decoder layer `layer` for the fused CPU decode layer
+        (`kernels.cpu_decoder_layer.decoder_layer`'s `lora`, the dense path): the mask
+        [T, slots], A per group (q/k/v, o, gate/up, down: [slots * members * r_max, in]) and B per
+        projection (q, k, v, o, gate, up, down: [out, slots * r_max]), None where `apply` would
+        add nothing (a group's A: when none of its members has a B), and r_max. NOTE: the fused
+        layer runs the same kernels and ops in the same order as `apply` after each projection,
+        so both give the same bits."""
+        m = self.mapping
+        bs = []
+        for module in FUSED_ORDER:
+            key, present = (layer, module), self.present.get((layer, module))
+            bs.append(None if not present or present.isdisjoint(m.slots)
+                      else self.b[key].view(self.b[key].shape[0], -1))
+        a_s, start = [], 0
+        for group in ("qkv", "o", "gate_up", "down"):
+            n = GROUP_SIZES[group]
+            a = self.a.get((layer, group))
+            a_s.append(None if a is None or all(b is None for b in bs[start:start + n])
+                       else a.view(-1, a.shape[-1]))
+            start += n
+        mask = m.dense_mask()
+        return mask.view(mask.shape[0], -1), a_s, bs, self.max_rank
+
     def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base product of `x` [T, in], [T, out]) plus each adapter token's
         x A^T B^T, in place."""
@@ -204,7 +246,8 @@ def _projections(layer) -> dict[str, torch.nn.Module]:
 
 def install_hooks(model: torch.nn.Module, stacks: LoRAStacks) -> int:
     """Hook every adaptable projection of `model`'s decoder layers; mark each layer
-    (`lora_stacks`: the fused CPU decode layer steps aside while a step carries adapters).
+    (`lora_stacks`, `lora_index`: the fused CPU decode layer, which bypasses the hooks, adds the
+    products itself from `LoRAStacks.fused_operands`).
     ValueError for a model without Llama-style projections. Returns the number of hooks."""
     layers = model.backbone().decoder_layers()
     count = 0
@@ -220,7 +263,7 @@ def install_hooks(model: torch.nn.Module, stacks: LoRAStacks) -> int:
                 raise ValueError("enable_lora: tensor-parallel LoRA is not supported")
             module.register_forward_hook(_hook(stacks, (i, name)))
             count += 1
-        layer.lora_stacks = stacks
+        layer.lora_stacks, layer.lora_index = stacks, i
     return count
 
 
