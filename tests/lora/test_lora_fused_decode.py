@@ -71,7 +71,7 @@ def _run(model, stacks, prompts, seq_slots, steps):
     def step(batch):
         stacks.set_mapping(StepMapping.build([seq_slots[i] for i, _ in batch],
                                              [len(t) for _, t in batch], SLOTS, torch.bfloat16,
-                                             torch.device("cpu")))
+                                             torch.device("cpu"), bgmv=stacks.bgmv))
         try:
             return [out[-1] for out in runner.step(batch)]
         finally:

@@ -59,9 +59,10 @@ def decoder_layer(
     act: int,
     lora: tuple | None = None,  # lora.layers.LoRAStacks.fused_operands(layer), or None
 ) -> torch.Tensor | None:  # [T, H] bf16
-    """See the module docstring. With `lora` (mask [T, slots], A per group, B per projection,
-    r_max: bf16 contiguous CPU tensors) each projection gets the adapters' masked low-rank
-    product added after its base product, as the LoRA hooks add it to the modules'."""
+    """See the module docstring. With `lora` (the tokens' slots [T] int64, A^T per group, B^T
+    per projection: bf16 contiguous CPU tensors or None, and r_max) each projection gets its
+    tokens' adapters' low-rank products (csrc/lora_bgmv.cpp) added after its base product, as
+    the LoRA hooks add them to the modules'."""
     if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
         raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
     if not 0 < x.shape[0] <= MAX_M_FUSED:
@@ -71,7 +72,7 @@ def decoder_layer(
         return None
     if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return None
-    lora_tensors = () if lora is None else (lora[0], *lora[1], *lora[2])
+    lora_tensors = () if lora is None else (*lora[1], *lora[2])
     for t in (x, cos, sin, k_cache, v_cache, *biases, *lora_tensors):
         if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
             return None

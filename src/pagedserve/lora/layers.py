@@ -6,6 +6,14 @@ adds the adapters' low-rank products to the base product, whatever the base weig
 The slot table keeps each projection's adapters stacked (`LoRAStacks`: A [slots, r_max, in],
 B [out, slots, r_max], zero beyond each adapter's rank).
 
+Where the platform has them (`LayerOps.lora_bgmv`: the CPU's kernels for bf16, csrc/
+lora_bgmv.cpp), each token's products gather its own slot's A and B (Punica's BGMV proper): one
+shrink per input group, one expand per projection, for any number of tokens, each token's work
+its own adapter's rank only; the stacks are then kept transposed (`LoRAStacks`, `bgmv`), and the
+fused CPU decode layer calls the same kernels (`fused_operands`), so decode steps with adapters
+stay one compiled call per layer, bit for bit the hooked modules. Elsewhere (float32, CUDA, no
+kernels) the two torch paths below run.
+
 Per step, `StepMapping` says which slot each token is in (base tokens: none). Small steps
 (decode) take the dense path (Punica's BGMV): one shrink of every token against every slot's A
 (one for q/k/v together and one for gate/up, which read the same input), each token's row masked
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.layers.linear import linear
+from pagedserve.platforms import DEFAULT_OPS
 from pagedserve.lora.adapter import TARGET_MODULES
 
 
@@ -45,33 +54,34 @@ class StepMapping:
     - `perm` (the flat-batch indices of the adapter tokens, ordered by slot) and `segments`
       ((slot, start, length) runs of `perm`): the segmented path of large steps (prompts).
 
-    `slots`: the slots the step uses."""
+    `slots`: the slots the step uses; `token_slots` [T] int64: each token's slot (-1: base),
+    for the per-token kernels (`bgmv`)."""
 
     slots: frozenset[int]
     mask: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     segments: tuple[tuple[int, int, int], ...] = ()
-    # (row_slots, row_tokens, num_slots, dtype, device): what `dense_mask` builds from
-    rows: tuple | None = None
-
-    def dense_mask(self) -> torch.Tensor:
-        """The dense path's `mask` [T, slots, 1], built on first use for a segmented step (the
-        fused CPU decode layer takes the dense path whatever the step's size)."""
-        if self.mask is None:
-            row_slots, row_tokens, num_slots, dtype, device = self.rows
-            self.mask = _one_hot(row_slots, row_tokens, num_slots, dtype, device)
-        return self.mask
+    token_slots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, row_slots: list[int], row_tokens: list[int], num_slots: int,
-              dtype: torch.dtype, device: torch.device) -> StepMapping | None:
+              dtype: torch.dtype, device: torch.device,
+              bgmv: bool = False) -> StepMapping | None:
         """The mapping for rows of `row_tokens` tokens each in slots `row_slots` (-1: the base
-        model); None when no row carries an adapter."""
+        model); None when no row carries an adapter. `bgmv`: for the per-token kernels (only
+        `token_slots`)."""
         used = frozenset(s for s in row_slots if s >= 0)
         if not used:
             return None
+        if bgmv:
+            return cls(used, token_slots=torch.repeat_interleave(
+                torch.tensor(row_slots, dtype=torch.long),
+                torch.tensor(row_tokens, dtype=torch.long)).to(device))
         if sum(row_tokens) < SEGMENT_MIN_TOKENS:
-            return cls(used, mask=_one_hot(row_slots, row_tokens, num_slots, dtype, device))
+            per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
+                                                torch.tensor(row_tokens, dtype=torch.long))
+            mask = per_token.unsqueeze(1) == torch.arange(num_slots).unsqueeze(0)  # [T, slots]
+            return cls(used, mask=mask.to(dtype).unsqueeze(-1).to(device))
         by_slot: dict[int, list[int]] = {}
         offset = 0
         for slot, n in zip(row_slots, row_tokens):
@@ -84,16 +94,7 @@ class StepMapping:
             segments.append((slot, len(perm), len(by_slot[slot])))
             perm.extend(by_slot[slot])
         return cls(used, perm=torch.tensor(perm, dtype=torch.long, device=device),
-                   segments=tuple(segments),
-                   rows=(list(row_slots), list(row_tokens), num_slots, dtype, device))
-
-
-def _one_hot(row_slots: list[int], row_tokens: list[int], num_slots: int, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:  # [T, slots, 1]
-    per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
-                                        torch.tensor(row_tokens, dtype=torch.long))
-    mask = per_token.unsqueeze(1) == torch.arange(num_slots).unsqueeze(0)  # [T, slots]
-    return mask.to(dtype).unsqueeze(-1).to(device)
+                   segments=tuple(segments))
 
 
 # The projections that read the same input share one shrink: (group, member index).
@@ -111,12 +112,15 @@ class LoRAStacks:
     step, the hooks and the fused decode layer do nothing different).
 
     Layout, slot-major, zero beyond each adapter's rank: A [slots, members * r_max, in] (member
-    m's A in rows m * r_max ..), B [out, slots, r_max] (and per slot, `b_slot`)."""
+    m's A in rows m * r_max ..), B [out, slots, r_max] (and per slot, `b_slot`); with `bgmv`
+    (the platform's per-token kernels, `ops.lora_bgmv`) transposed instead: A^T [slots, in,
+    members * r_max], B^T [slots, r_max, out]."""
 
     def __init__(self, num_slots: int, max_rank: int, dims: dict[str, tuple[int, int]],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, ops=DEFAULT_OPS) -> None:
         self.num_slots, self.max_rank, self.dims = num_slots, max_rank, dims
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.ops = dtype, device, ops
+        self.bgmv = ops.lora_bgmv(dtype, torch.device(device))
         self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, group)
         self.b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module)
         # the same B per slot, [slots, out, r_max]: the segmented path's contiguous operands
@@ -135,6 +139,9 @@ class LoRAStacks:
         d_in, d_out = self.dims[module]
         group, member = GROUPS[module]
         gkey, rmax = (layer, group), self.max_rank
+        if self.bgmv:
+            self._put_transposed(slot, key, gkey, member, a, b)
+            return
         if gkey not in self.a:
             self.a[gkey] = torch.zeros(self.num_slots, GROUP_SIZES[group] * rmax, d_in,
                                        dtype=self.dtype, device=self.device)
@@ -154,11 +161,33 @@ class LoRAStacks:
         self.present[key].add(slot)
         self._shrunk = None
 
+    def _put_transposed(self, slot, key, gkey, member, a, b) -> None:
+        (d_in, d_out), rmax = self.dims[key[1]], self.max_rank
+        if gkey not in self.a:
+            self.a[gkey] = torch.zeros(self.num_slots, d_in, GROUP_SIZES[gkey[1]] * rmax,
+                                       dtype=self.dtype, device=self.device)
+        if key not in self.b:
+            self.b[key] = torch.zeros(self.num_slots, rmax, d_out, dtype=self.dtype,
+                                      device=self.device)
+            self.present[key] = set()
+        cols = self.a[gkey][slot, :, member * rmax:(member + 1) * rmax]
+        cols.zero_()
+        cols[:, :a.shape[0]].copy_(a.t())
+        self.b[key][slot].zero_()
+        self.b[key][slot, :b.shape[1]].copy_(b.t())
+        self.present[key].add(slot)
+        self._shrunk = None
+
     def clear(self, slot: int) -> None:
         """Forget what `slot` held (its projections no longer adapted; their blocks zeroed)."""
         rmax = self.max_rank
         for (layer, module), slots in self.present.items():
-            if slot in slots:
+            if slot in slots and self.bgmv:
+                slots.discard(slot)
+                group, member = GROUPS[module]
+                self.a[(layer, group)][slot, :, member * rmax:(member + 1) * rmax].zero_()
+                self.b[(layer, module)][slot].zero_()
+            elif slot in slots:
                 slots.discard(slot)
                 group, member = GROUPS[module]
                 self.a[(layer, group)][slot, member * rmax:(member + 1) * rmax].zero_()
@@ -174,7 +203,9 @@ class LoRAStacks:
         if last is not None and last[0] == gkey and last[1] is x:
             return last[2]
         m, a = self.mapping, self.a[gkey]
-        if m.mask is not None:
+        if self.bgmv:
+            h = self.ops.lora_shrink(x, a, m.token_slots)  # [T, members * r_max] fp32
+        elif m.mask is not None:
             t = x.shape[0]
             h = linear(x, a.view(-1, a.shape[-1])).view(t, self.num_slots, GROUP_SIZES[group],
                                                          self.max_rank)
@@ -185,29 +216,28 @@ class LoRAStacks:
         self._shrunk = (gkey, x, h)  # NOTE: holds x, so its identity cannot be reused
         return h
 
-    def fused_operands(self, layer: int) -> tuple[torch.Tensor, list, list, int]:
+    def fused_operands(self, layer: int) -> tuple | None:
         """This step's adapters of decoder layer `layer` for the fused CPU decode layer
-        (`kernels.cpu_decoder_layer.decoder_layer`'s `lora`, the dense path): the mask
-        [T, slots], A per group (q/k/v, o, gate/up, down: [slots * members * r_max, in]) and B per
-        projection (q, k, v, o, gate, up, down: [out, slots * r_max]), None where `apply` would
-        add nothing (a group's A: when none of its members has a B), and r_max. NOTE: the fused
-        layer runs the same kernels and ops in the same order as `apply` after each projection,
-        so both give the same bits."""
+        (`kernels.cpu_decoder_layer.decoder_layer`'s `lora`): the tokens' slots, A^T per group
+        (q/k/v, o, gate/up, down) and B^T per projection (q, k, v, o, gate, up, down), None where
+        `apply` adds nothing (a group's A: when none of its members has a B), and r_max; None
+        without the per-token kernels (`bgmv`). NOTE: the fused layer calls the same kernels in
+        the same order as `apply` after each projection's base product: the same bits."""
+        if not self.bgmv:
+            return None
         m = self.mapping
         bs = []
         for module in FUSED_ORDER:
-            key, present = (layer, module), self.present.get((layer, module))
+            present = self.present.get((layer, module))
             bs.append(None if not present or present.isdisjoint(m.slots)
-                      else self.b[key].view(self.b[key].shape[0], -1))
+                      else self.b[(layer, module)])
         a_s, start = [], 0
         for group in ("qkv", "o", "gate_up", "down"):
             n = GROUP_SIZES[group]
-            a = self.a.get((layer, group))
-            a_s.append(None if a is None or all(b is None for b in bs[start:start + n])
-                       else a.view(-1, a.shape[-1]))
+            skip = all(b is None for b in bs[start:start + n])
+            a_s.append(None if skip else self.a[(layer, group)])
             start += n
-        mask = m.dense_mask()
-        return mask.view(mask.shape[0], -1), a_s, bs, self.max_rank
+        return m.token_slots, a_s, bs, self.max_rank
 
     def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base product of `x` [T, in], [T, out]) plus each adapter token's
@@ -218,6 +248,9 @@ class LoRAStacks:
         layer, module = key
         group, member = GROUPS[module]
         h, b, rmax = self._shrink(layer, group, x), self.b[key], self.max_rank
+        if self.bgmv:  # each token its own slot's B
+            self.ops.lora_expand_(y, h, member * rmax, b, m.token_slots)
+            return y
         if m.mask is not None:  # one expand over every slot
             hm = h[:, :, member].reshape(x.shape[0], -1)  # [T, slots * r_max]
             return y.add_(linear(hm, b.view(b.shape[0], -1)))

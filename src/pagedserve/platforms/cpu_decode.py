@@ -93,11 +93,12 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
             and len(meta.groups) == 1 and meta.groups[0].covers_all):
         return None
-    lora = layer.__dict__.get("lora_stacks")  # lora.layers.LoRAStacks (engine's enable_lora)
-    if lora is not None and lora.mapping is not None:  # a step with adapters: the call adds
-        lora = lora.fused_operands(layer.__dict__["lora_index"])  # them (the hooks are bypassed)
-    else:
-        lora = None
+    stacks = layer.__dict__.get("lora_stacks")  # lora.layers.LoRAStacks (engine's enable_lora)
+    lora = None
+    if stacks is not None and stacks.mapping is not None:  # a step with adapters: the call
+        lora = stacks.fused_operands(layer.__dict__["lora_index"])  # adds them (hooks bypassed)
+        if lora is None:
+            return None  # no per-token kernels for them: the hooked modules
     plan = _fused_plan(layer)
     if not plan.usable:
         return None

@@ -88,58 +88,38 @@ enum Weight { kQ, kK, kV, kO, kGate, kUp, kDown, kNumWeights };
 enum Bias { kBq, kBk, kBv, kBo, kNumBiases };
 enum Norm { kInput, kPostAttn, kPreFf, kPostFf, kQNorm, kKNorm, kNumNorms };
 
-// The adapters' low-rank products of a decode step with LoRA (lora/layers.py's dense path,
-// Punica's BGMV): per input group (q/k/v, o, gate/up, down) A stacked over the slot table
-// [slots * members * r_max, in] (zero beyond each adapter's rank), per projection B
-// [out, slots * r_max], and the step's one-hot token -> slot `mask` [T, slots] (zero rows for
-// base tokens). The group's shrink x A^T runs in the parallel region of the base products of x
-// (an extra weight of the same call); it is masked to each token's own slot, and each
-// projection's expand is added to its base product -- the same kernel calls and ATen ops, in the
-// same order, as LoRAStacks.apply runs from Python after each projection's base product, so the
-// result is bit-identical to the unfused layer's with its hooks.
+// The adapters' low-rank products of a decode step with LoRA (lora/layers.py with the per-token
+// kernels of csrc/lora_bgmv.cpp, Punica's BGMV): each token's slot (-1: the base model), per input
+// group (q/k/v, o, gate/up, down) A^T stacked over the slot table [slots, in, members * r_max],
+// per projection B^T [slots, r_max, out] (zero beyond each adapter's rank), None where nothing is
+// added this step. After a group's base products: one shrink of its input, one expand into each
+// adapted member's product -- the kernels LoRAStacks.apply calls from the projections' hooks, in
+// the same order, so the result is bit-identical to the unfused layer's.
 enum LoraGroup { kGroupQkv, kGroupO, kGroupGateUp, kGroupDown, kNumGroups };
 
 struct Lora {
-  const at::Tensor& mask;             // [T, slots] in the model dtype
-  const std::vector<OptTensor>& a;    // per group, or None: no member adapted this step
-  const std::vector<OptTensor>& b;    // per projection (Weight order), or None: not adapted
+  const at::Tensor& slots;           // [T] int64
+  const std::vector<OptTensor>& a;   // per group, or None: no member adapted this step
+  const std::vector<OptTensor>& b;   // per projection (Weight order), or None: not adapted
   int64_t r_max;
 };
 
-// The group's weights for one parallel region: the base weights, then A when the group needs
-// its shrink this step.
-void add_shrink(const Lora* lora, int group, std::vector<at::Tensor>& ws, std::vector<OptTensor>& bs,
-                std::vector<int64_t>& fmts) {
+// ys[i] += x A^T B_i^T per token, for the adapted members of `group` (x: the group's input).
+void add_lora(const Lora* lora, int group, const at::Tensor& x, const std::vector<int>& members,
+              const std::vector<at::Tensor*>& ys, int64_t isa) {
   if (lora == nullptr || !lora->a[group].has_value()) return;
-  ws.push_back(*lora->a[group]);
-  bs.push_back(std::nullopt);
-  fmts.push_back(0);  // bf16
-}
-
-// y += mask(shrink) member's block  B^T for each adapted member of a group (in place); `shrink`
-// is the group's x A^T [T, slots * members * r_max].
-void add_expands(const Lora* lora, const at::Tensor& shrink, const std::vector<int>& members,
-                 const std::vector<at::Tensor*>& ys, int64_t isa) {
-  const int64_t T = shrink.size(0), slots = lora->mask.size(1), M = int64_t(members.size());
-  at::Tensor h = shrink.view({T, slots, M, lora->r_max});
-  h.mul_(lora->mask.view({T, slots, 1, 1}));  // each token's own slot only (base tokens: 0)
-  for (int64_t i = 0; i < M; ++i) {
+  static auto shrink = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("pagedserve_cpu::lora_shrink", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  static auto expand = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("pagedserve_cpu::lora_expand_", "")
+                           .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                                       const at::Tensor&, int64_t)>();
+  const at::Tensor h = shrink.call(x, *lora->a[group], lora->slots, isa);
+  for (size_t i = 0; i < members.size(); ++i) {
     const OptTensor& b = lora->b[members[i]];
-    if (!b.has_value()) continue;
-    const at::Tensor hm = h.select(2, i).reshape({T, slots * lora->r_max}).contiguous();
-    ys[i]->add_(project(hm, *b, std::nullopt, 0, isa, 0));
+    if (b.has_value()) expand.call(*ys[i], h, int64_t(i) * lora->r_max, *b, lora->slots, isa);
   }
-}
-
-// x W^T (+ bias) for a group of one projection (o, down), plus its adapters' product.
-at::Tensor project_lora(const at::Tensor& x, const std::vector<at::Tensor>& w, const OptTensor& bias,
-                        const std::vector<int64_t>& fmts, int which, int group, int64_t isa,
-                        int64_t gemm_rows, const Lora* lora) {
-  if (lora == nullptr || !lora->a[group].has_value()) return project(x, w[which], bias, fmts[which], isa, gemm_rows);
-  std::vector<at::Tensor> ys = project_fused(x, {w[which], *lora->a[group]}, {bias, std::nullopt},
-                                             {fmts[which], 0}, isa, gemm_rows);
-  add_expands(lora, ys[1], {which}, {&ys[0]}, isa);
-  return ys[0];
 }
 
 // norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
@@ -169,12 +149,9 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
 
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
   // q, k, v share h: one parallel region, h quantized once
-  std::vector<at::Tensor> ws{w[kQ], w[kK], w[kV]};
-  std::vector<OptTensor> bs{b[kBq], b[kBk], b[kBv]};
-  std::vector<int64_t> fs{fmts[kQ], fmts[kK], fmts[kV]};
-  add_shrink(lora, kGroupQkv, ws, bs, fs);
-  std::vector<at::Tensor> qkv = project_fused(h, ws, bs, fs, isa, gemm_rows);
-  if (qkv.size() > 3) add_expands(lora, qkv[3], {kQ, kK, kV}, {&qkv[0], &qkv[1], &qkv[2]}, isa);
+  std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
+                                              {fmts[kQ], fmts[kK], fmts[kV]}, isa, gemm_rows);
+  add_lora(lora, kGroupQkv, h, {kQ, kK, kV}, {&qkv[0], &qkv[1], &qkv[2]}, isa);
   at::Tensor q = qkv[0].view({T, num_heads, head_dim});
   at::Tensor k = qkv[1].view({T, num_kv_heads, head_dim});
   at::Tensor v = qkv[2].view({T, num_kv_heads, head_dim});
@@ -183,8 +160,9 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
   v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
   at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa);
-  at::Tensor o = project_lora(a.view({T, num_heads * head_dim}), w, b[kBo], fmts, kO, kGroupO, isa,
-                              gemm_rows, lora);
+  const at::Tensor attn = a.view({T, num_heads * head_dim});
+  at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows);
+  add_lora(lora, kGroupO, attn, {kO}, {&o}, isa);
   at::Tensor r;
   if (gemma) {
     r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false, isa));
@@ -194,15 +172,13 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
     h = rmsnorm(r, *n[kPostAttn], eps, true, isa);
   }
   // gate and up share h: one parallel region
-  ws = {w[kGate], w[kUp]};
-  bs = {std::nullopt, std::nullopt};
-  fs = {fmts[kGate], fmts[kUp]};
-  add_shrink(lora, kGroupGateUp, ws, bs, fs);
-  std::vector<at::Tensor> gu = project_fused(h, ws, bs, fs, isa, gemm_rows);
-  if (gu.size() > 2) add_expands(lora, gu[2], {kGate, kUp}, {&gu[0], &gu[1]}, isa);
+  std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
+                                             {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
+  add_lora(lora, kGroupGateUp, h, {kGate, kUp}, {&gu[0], &gu[1]}, isa);
   const at::Tensor g = act == 1 ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
-  at::Tensor m = project_lora(at::mul(g, gu[1]), w, std::nullopt, fmts, kDown, kGroupDown, isa,
-                              gemm_rows, lora);
+  const at::Tensor mid = at::mul(g, gu[1]);
+  at::Tensor m = project(mid, w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
+  add_lora(lora, kGroupDown, mid, {kDown}, {&m}, isa);
   return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
 }
 
@@ -231,14 +207,12 @@ at::Tensor decoder_layer_lora(const at::Tensor& x, const std::vector<at::Tensor>
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               double scale, int64_t window, int64_t act,
                               const std::vector<int64_t>& fmts, int64_t isa, int64_t gemm_rows,
-                              const at::Tensor& mask, const std::vector<OptTensor>& lora_a,
+                              const at::Tensor& token_slots, const std::vector<OptTensor>& lora_a,
                               const std::vector<OptTensor>& lora_b, int64_t r_max) {
   TORCH_CHECK(lora_a.size() == kNumGroups && lora_b.size() == kNumWeights,
               "decoder_layer_lora: 4 A stacks (q/k/v, o, gate/up, down) and 7 B stacks expected");
-  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == x.size(0) && mask.scalar_type() == x.scalar_type() &&
-                  mask.is_contiguous(),
-              "decoder_layer_lora: mask must be a contiguous [T, slots] tensor of x's dtype");
-  const int64_t slots = mask.size(1);
+  TORCH_CHECK(token_slots.dim() == 1 && token_slots.size(0) == x.size(0),
+              "decoder_layer_lora: token_slots must be [T]");
   const int64_t members[kNumGroups] = {3, 1, 2, 1};
   const int first[kNumGroups] = {kQ, kO, kGate, kDown};
   for (int g = 0; g < kNumGroups; ++g) {
@@ -246,18 +220,16 @@ at::Tensor decoder_layer_lora(const at::Tensor& x, const std::vector<at::Tensor>
     for (int i = first[g]; i < first[g] + members[g]; ++i) {
       if (!lora_b[i].has_value()) continue;
       any_b = true;
-      TORCH_CHECK(lora_b[i]->scalar_type() == at::kBFloat16 && lora_b[i]->size(0) == w[i].size(0) &&
-                      lora_b[i]->size(1) == slots * r_max,
-                  "decoder_layer_lora: B of weight ", i, " must be bf16 [out, slots * r_max]");
+      TORCH_CHECK(lora_b[i]->dim() == 3 && lora_b[i]->size(1) == r_max && lora_b[i]->size(2) == w[i].size(0),
+                  "decoder_layer_lora: B^T of weight ", i, " must be [slots, r_max, out]");
     }
     TORCH_CHECK(any_b == lora_a[g].has_value(), "decoder_layer_lora: group ", g,
-                ": A is given exactly when a member's B is");
+                ": A^T is given exactly when a member's B^T is");
     if (lora_a[g].has_value())
-      TORCH_CHECK(lora_a[g]->scalar_type() == at::kBFloat16 && lora_a[g]->dim() == 2 &&
-                      lora_a[g]->size(0) == slots * members[g] * r_max,
-                  "decoder_layer_lora: A of group ", g, " must be bf16 [slots * members * r_max, in]");
+      TORCH_CHECK(lora_a[g]->dim() == 3 && lora_a[g]->size(2) == members[g] * r_max,
+                  "decoder_layer_lora: A^T of group ", g, " must be [slots, in, members * r_max]");
   }
-  const Lora lora{mask, lora_a, lora_b, r_max};
+  const Lora lora{token_slots, lora_a, lora_b, r_max};
   return run_layer(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache, slot_mapping,
                    block_tables, seq_lens, num_heads, num_kv_heads, head_dim, scale, window, act,
                    fmts, isa, gemm_rows, &lora);
@@ -276,7 +248,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows, "
-      "Tensor mask, Tensor?[] lora_a, Tensor?[] lora_b, int r_max) -> Tensor");
+      "Tensor token_slots, Tensor?[] lora_a, Tensor?[] lora_b, int r_max) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
