@@ -19,6 +19,8 @@
 // other files of this extension). Registered as torch.ops.pagedserve_cpu.decoder_layer; the Python
 // side (kernels/cpu_decoder_layer.py) decides when it applies and checks every precondition the
 // kernels do not (decode-only batch, M within the GEMV limit, single rank, bf16 everywhere).
+// decoder_layer_lora is the same layer with a step's LoRA adapters added after each projection
+// (see Lora below).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
