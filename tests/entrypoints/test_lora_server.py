@@ -75,9 +75,14 @@ def test_an_adapter_is_chosen_by_its_name_as_model(lora_client, lora_server, off
                                              temperature=0.0, extra_body={
                                                  "ignore_eos": True, "return_token_ids": True})
         assert out.choices[0].token_ids == offline_tokens(offline, lora_paths, name, prompt, 6)
+        assert out.model == model  # the adapter's name echoed, as vLLM does
     chat = lora_client.chat.completions.create(
         model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.model == "sql"
+    chunks = list(lora_client.chat.completions.create(
+        model="chat16", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True))
+    assert chunks and {c.model for c in chunks} == {"chat16"}
     with pytest.raises(openai.NotFoundError):
         lora_client.completions.create(model="nope", prompt="x", max_tokens=2)
 

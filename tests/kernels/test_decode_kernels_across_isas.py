@@ -74,3 +74,22 @@ def test_argmax_is_bit_identical_at_every_isa(levels):
     x[1, 5] = x[1, 40000] = 100.0  # a tie across pieces
     x[2, 33] = float("nan")
     _same_at_every_level(levels, lambda isa: OPS.argmax_bf16(x, isa))
+
+
+@pytest.mark.parametrize("k,w,n", [(640, 48, 1024), (100, 24, 37)])
+def test_lora_shrink_and_expand_are_bit_identical_at_every_isa(levels, k, w, n):
+    """LoRA's per-token kernels (csrc/lora_bgmv.cpp), whole vectors and tails."""
+    torch.manual_seed(k)
+    x = torch.randn(7, k).bfloat16()
+    a_t = (torch.randn(3, k, w) * 0.1).bfloat16()
+    b_t = (torch.randn(3, w // 3, n) * 0.1).bfloat16()
+    slots = torch.tensor([2, -1, 0, 1, 2, 0, -1])
+    y = torch.randn(7, n).bfloat16()
+
+    def run(isa):
+        h = OPS.lora_shrink(x, a_t, slots, isa)
+        y2 = y.clone()
+        OPS.lora_expand_(y2, h, w // 3, b_t, slots, isa)
+        return h, y2
+
+    _same_at_every_level(levels, run)

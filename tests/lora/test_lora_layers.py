@@ -29,7 +29,8 @@ def stacks_of(num_slots, placed, dtype=torch.float32):
 
 
 def run(stacks, rows, tokens, x, base):
-    stacks.set_mapping(StepMapping.build(rows, tokens, stacks.num_slots, x.dtype, CPU))
+    stacks.set_mapping(StepMapping.build(rows, tokens, stacks.num_slots, x.dtype, CPU,
+                                         bgmv=stacks.bgmv))
     return stacks.apply(KEY, x, base.clone())
 
 
@@ -43,28 +44,38 @@ def test_the_mapping_is_a_one_hot_mask_per_token():
     assert StepMapping.build([-1, -1], [2, 1], 3, torch.float32, CPU) is None
 
 
-@pytest.mark.parametrize("scale", [1, 8], ids=["dense", "segmented"])
-def test_each_token_gets_its_own_adapter_and_base_tokens_none(scale):
+def bgmv_here() -> bool:
+    return stacks_of(1, {}, torch.bfloat16).bgmv
+
+
+@pytest.mark.parametrize("scale,dtype", [(1, torch.float32), (8, torch.float32),
+                                         (1, torch.bfloat16), (8, torch.bfloat16)],
+                         ids=["dense", "segmented", "bgmv decode", "bgmv prompts"])
+def test_each_token_gets_its_own_adapter_and_base_tokens_none(scale, dtype):
+    if dtype is torch.bfloat16 and not bgmv_here():
+        pytest.skip("no per-token LoRA kernels here (bf16 runs the torch paths)")
     placed = {0: (8, 1), 1: (16, 2), 2: (4, 3)}
-    stacks = stacks_of(3, placed)
+    stacks = stacks_of(3, placed, dtype)
+    assert stacks.bgmv == (dtype is torch.bfloat16)
     rows, tokens = [2, -1, 0, 1, 2], [3 * scale, 2 * scale, scale, 4 * scale, 2 * scale]
-    x, base = torch.randn(12 * scale, 64), torch.randn(12 * scale, 96)
+    x, base = torch.randn(12 * scale, 64).to(dtype), torch.randn(12 * scale, 96).to(dtype)
     y = run(stacks, rows, tokens, x, base)
     start = 0
     for slot, n in zip(rows, tokens):
-        want = base[start:start + n]
+        want = base[start:start + n].double()
         if slot >= 0:
-            a, b = adapter(*placed[slot])
-            want = want + x[start:start + n] @ a.T @ b.T
-            torch.testing.assert_close(y[start:start + n], want)
+            a, b = (t.to(dtype).double() for t in adapter(*placed[slot]))
+            want = want + x[start:start + n].double() @ a.T @ b.T
+            tol = dict(rtol=1e-4, atol=1e-4) if dtype is torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
+            torch.testing.assert_close(y[start:start + n].double(), want, **tol)
         else:
-            assert torch.equal(y[start:start + n], want)
+            assert torch.equal(y[start:start + n], base[start:start + n])
         start += n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tokens_bits_do_not_depend_on_its_batch_slot_table_size_or_path(dtype):
-    x, base = torch.randn(90, 64).to(dtype), torch.randn(90, 96).to(dtype)
+    x, base = torch.randn(2010, 64).to(dtype), torch.randn(2010, 96).to(dtype)
     alone = run(stacks_of(1, {0: (8, 1)}, dtype), [0], [3], x[:3], base[:3])  # dense
     for num_slots in (2, 4):
         for slot in range(num_slots):
@@ -72,7 +83,8 @@ def test_a_tokens_bits_do_not_depend_on_its_batch_slot_table_size_or_path(dtype)
             placed[slot] = (8, 1)
             others = [s for s in range(num_slots) if s != slot] + [-1]
             stacks = stacks_of(num_slots, placed, dtype)
-            for other_tokens in (4, 80):  # a dense step, a segmented one
+            # a dense step, a segmented one; the per-token kernels (bf16): one thread, several
+            for other_tokens in (4, 80, 2000):
                 y = run(stacks, [slot, others[0], others[-1]], [3, other_tokens, 2],
                         x[:5 + other_tokens], base[:5 + other_tokens])
                 assert torch.equal(y[:3], alone), (num_slots, slot, other_tokens)

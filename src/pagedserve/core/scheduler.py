@@ -271,10 +271,17 @@ class Scheduler(Turns):
             slots += group.max_width_left
             self._commit(plan, group, step, out)
 
-        while self.waiting and not self.swapped and not out.preempted and step.budget > 0:
-            group = self.waiting[0]
-            if slots + group.max_width_left > self.config.max_num_seqs or self._lora_blocked(group):
+        skipped = 0  # waiting groups passed over this step: their adapter has no slot (vLLM's)
+        while (len(self.waiting) > skipped and not self.swapped and not out.preempted
+               and step.budget > 0):
+            group = self.waiting[skipped]
+            if slots + group.max_width_left > self.config.max_num_seqs:
                 break
+            if self._lora_blocked(group):
+                # NOTE: as vLLM's scheduler, the requests behind it (the base model, adapters
+                # already running) go on; it keeps its place and runs once a slot frees up.
+                skipped += 1
+                continue
             # NOTE: a request whose sequences take turns gets the blocks they free, before any
             # new request (under "priority", before any new request of its priority or lower).
             if step.turns_key is not None and (self.config.scheduling_policy != "priority"
@@ -296,7 +303,7 @@ class Scheduler(Turns):
                     self.kv.block_size)
             if self.kv.enable_prefix_caching:
                 self.kv.prefix_queries += sum(self._lookup_len(group, seq) for seq, _, _ in plan)
-            self.waiting.popleft()
+            self.waiting.pop(skipped)
             self._set_running(group)
             slots += group.max_width_left
             self._commit(plan, group, step, out)

@@ -57,8 +57,12 @@ def decoder_layer(
     scale: float,
     window: int | None,
     act: int,
+    lora: tuple | None = None,  # lora.layers.LoRAStacks.fused_operands(layer), or None
 ) -> torch.Tensor | None:  # [T, H] bf16
-    """See the module docstring."""
+    """See the module docstring. With `lora` (the tokens' slots [T] int64, A^T per group, B^T
+    per projection: bf16 contiguous CPU tensors or None, and r_max) each projection gets its
+    tokens' adapters' low-rank products (csrc/lora_bgmv.cpp) added after its base product, as
+    the LoRA hooks add them to the modules'."""
     if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
         raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
     if not 0 < x.shape[0] <= MAX_M_FUSED:
@@ -68,13 +72,15 @@ def decoder_layer(
         return None
     if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return None
-    for t in (x, cos, sin, k_cache, v_cache, *biases):
+    lora_tensors = () if lora is None else (*lora[1], *lora[2])
+    for t in (x, cos, sin, k_cache, v_cache, *biases, *lora_tensors):
         if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
             return None
     # a model's quantized weights share one policy (layers.quantization.set_batch_invariant)
     spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
-    return torch.ops.pagedserve_cpu.decoder_layer.default(
-        x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
-        block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0), act,
-        formats, isa, gemm_rows(spec, torch.bfloat16, isa),
-    )
+    args = (x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache,
+            slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale),
+            int(window or 0), act, formats, isa, gemm_rows(spec, torch.bfloat16, isa))
+    if lora is None:
+        return torch.ops.pagedserve_cpu.decoder_layer.default(*args)
+    return torch.ops.pagedserve_cpu.decoder_layer_lora.default(*args, *lora)

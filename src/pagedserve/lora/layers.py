@@ -6,6 +6,14 @@ adds the adapters' low-rank products to the base product, whatever the base weig
 The slot table keeps each projection's adapters stacked (`LoRAStacks`: A [slots, r_max, in],
 B [out, slots, r_max], zero beyond each adapter's rank).
 
+Where the platform has them (`LayerOps.lora_bgmv`: the CPU's kernels for bf16, csrc/
+lora_bgmv.cpp), each token's products gather its own slot's A and B (Punica's BGMV proper): one
+shrink per input group, one expand per projection, for any number of tokens, each token's work
+its own adapter's rank only; the stacks are then kept transposed (`LoRAStacks`, `bgmv`), and the
+fused CPU decode layer calls the same kernels (`fused_operands`), so decode steps with adapters
+stay one compiled call per layer, bit for bit the hooked modules. Elsewhere (float32, CUDA, no
+kernels) the two torch paths below run.
+
 Per step, `StepMapping` says which slot each token is in (base tokens: none). Small steps
 (decode) take the dense path (Punica's BGMV): one shrink of every token against every slot's A
 (one for q/k/v together and one for gate/up, which read the same input), each token's row masked
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.layers.linear import linear
+from pagedserve.platforms import DEFAULT_OPS
 from pagedserve.lora.adapter import TARGET_MODULES
 
 
@@ -45,21 +54,29 @@ class StepMapping:
     - `perm` (the flat-batch indices of the adapter tokens, ordered by slot) and `segments`
       ((slot, start, length) runs of `perm`): the segmented path of large steps (prompts).
 
-    `slots`: the slots the step uses."""
+    `slots`: the slots the step uses; `token_slots` [T] int64: each token's slot (-1: base),
+    for the per-token kernels (`bgmv`)."""
 
     slots: frozenset[int]
     mask: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     segments: tuple[tuple[int, int, int], ...] = ()
+    token_slots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, row_slots: list[int], row_tokens: list[int], num_slots: int,
-              dtype: torch.dtype, device: torch.device) -> StepMapping | None:
+              dtype: torch.dtype, device: torch.device,
+              bgmv: bool = False) -> StepMapping | None:
         """The mapping for rows of `row_tokens` tokens each in slots `row_slots` (-1: the base
-        model); None when no row carries an adapter."""
+        model); None when no row carries an adapter. `bgmv`: for the per-token kernels (only
+        `token_slots`)."""
         used = frozenset(s for s in row_slots if s >= 0)
         if not used:
             return None
+        if bgmv:
+            return cls(used, token_slots=torch.repeat_interleave(
+                torch.tensor(row_slots, dtype=torch.long),
+                torch.tensor(row_tokens, dtype=torch.long)).to(device))
         if sum(row_tokens) < SEGMENT_MIN_TOKENS:
             per_token = torch.repeat_interleave(torch.tensor(row_slots, dtype=torch.long),
                                                 torch.tensor(row_tokens, dtype=torch.long))
@@ -84,6 +101,8 @@ class StepMapping:
 GROUPS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 GROUP_SIZES = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+# The fused CPU decode layer's projection order (its groups' members in turn)
+FUSED_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRAStacks:
@@ -93,12 +112,15 @@ class LoRAStacks:
     step, the hooks and the fused decode layer do nothing different).
 
     Layout, slot-major, zero beyond each adapter's rank: A [slots, members * r_max, in] (member
-    m's A in rows m * r_max ..), B [out, slots, r_max] (and per slot, `b_slot`)."""
+    m's A in rows m * r_max ..), B [out, slots, r_max] (and per slot, `b_slot`); with `bgmv`
+    (the platform's per-token kernels, `ops.lora_bgmv`) transposed instead: A^T [slots, in,
+    members * r_max], B^T [slots, r_max, out]."""
 
     def __init__(self, num_slots: int, max_rank: int, dims: dict[str, tuple[int, int]],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, ops=DEFAULT_OPS) -> None:
         self.num_slots, self.max_rank, self.dims = num_slots, max_rank, dims
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.ops = dtype, device, ops
+        self.bgmv = ops.lora_bgmv(dtype, torch.device(device))
         self.a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, group)
         self.b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module)
         # the same B per slot, [slots, out, r_max]: the segmented path's contiguous operands
@@ -117,6 +139,9 @@ class LoRAStacks:
         d_in, d_out = self.dims[module]
         group, member = GROUPS[module]
         gkey, rmax = (layer, group), self.max_rank
+        if self.bgmv:
+            self._put_transposed(slot, key, gkey, member, a, b)
+            return
         if gkey not in self.a:
             self.a[gkey] = torch.zeros(self.num_slots, GROUP_SIZES[group] * rmax, d_in,
                                        dtype=self.dtype, device=self.device)
@@ -136,11 +161,33 @@ class LoRAStacks:
         self.present[key].add(slot)
         self._shrunk = None
 
+    def _put_transposed(self, slot, key, gkey, member, a, b) -> None:
+        (d_in, d_out), rmax = self.dims[key[1]], self.max_rank
+        if gkey not in self.a:
+            self.a[gkey] = torch.zeros(self.num_slots, d_in, GROUP_SIZES[gkey[1]] * rmax,
+                                       dtype=self.dtype, device=self.device)
+        if key not in self.b:
+            self.b[key] = torch.zeros(self.num_slots, rmax, d_out, dtype=self.dtype,
+                                      device=self.device)
+            self.present[key] = set()
+        cols = self.a[gkey][slot, :, member * rmax:(member + 1) * rmax]
+        cols.zero_()
+        cols[:, :a.shape[0]].copy_(a.t())
+        self.b[key][slot].zero_()
+        self.b[key][slot, :b.shape[1]].copy_(b.t())
+        self.present[key].add(slot)
+        self._shrunk = None
+
     def clear(self, slot: int) -> None:
         """Forget what `slot` held (its projections no longer adapted; their blocks zeroed)."""
         rmax = self.max_rank
         for (layer, module), slots in self.present.items():
-            if slot in slots:
+            if slot in slots and self.bgmv:
+                slots.discard(slot)
+                group, member = GROUPS[module]
+                self.a[(layer, group)][slot, :, member * rmax:(member + 1) * rmax].zero_()
+                self.b[(layer, module)][slot].zero_()
+            elif slot in slots:
                 slots.discard(slot)
                 group, member = GROUPS[module]
                 self.a[(layer, group)][slot, member * rmax:(member + 1) * rmax].zero_()
@@ -156,7 +203,9 @@ class LoRAStacks:
         if last is not None and last[0] == gkey and last[1] is x:
             return last[2]
         m, a = self.mapping, self.a[gkey]
-        if m.mask is not None:
+        if self.bgmv:
+            h = self.ops.lora_shrink(x, a, m.token_slots)  # [T, members * r_max] fp32
+        elif m.mask is not None:
             t = x.shape[0]
             h = linear(x, a.view(-1, a.shape[-1])).view(t, self.num_slots, GROUP_SIZES[group],
                                                          self.max_rank)
@@ -167,6 +216,29 @@ class LoRAStacks:
         self._shrunk = (gkey, x, h)  # NOTE: holds x, so its identity cannot be reused
         return h
 
+    def fused_operands(self, layer: int) -> tuple | None:
+        """This step's adapters of decoder layer `layer` for the fused CPU decode layer
+        (`kernels.cpu_decoder_layer.decoder_layer`'s `lora`): the tokens' slots, A^T per group
+        (q/k/v, o, gate/up, down) and B^T per projection (q, k, v, o, gate, up, down), None where
+        `apply` adds nothing (a group's A: when none of its members has a B), and r_max; None
+        without the per-token kernels (`bgmv`). NOTE: the fused layer calls the same kernels in
+        the same order as `apply` after each projection's base product: the same bits."""
+        if not self.bgmv:
+            return None
+        m = self.mapping
+        bs = []
+        for module in FUSED_ORDER:
+            present = self.present.get((layer, module))
+            bs.append(None if not present or present.isdisjoint(m.slots)
+                      else self.b[(layer, module)])
+        a_s, start = [], 0
+        for group in ("qkv", "o", "gate_up", "down"):
+            n = GROUP_SIZES[group]
+            skip = all(b is None for b in bs[start:start + n])
+            a_s.append(None if skip else self.a[(layer, group)])
+            start += n
+        return m.token_slots, a_s, bs, self.max_rank
+
     def apply(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base product of `x` [T, in], [T, out]) plus each adapter token's
         x A^T B^T, in place."""
@@ -176,6 +248,9 @@ class LoRAStacks:
         layer, module = key
         group, member = GROUPS[module]
         h, b, rmax = self._shrink(layer, group, x), self.b[key], self.max_rank
+        if self.bgmv:  # each token its own slot's B
+            self.ops.lora_expand_(y, h, member * rmax, b, m.token_slots)
+            return y
         if m.mask is not None:  # one expand over every slot
             hm = h[:, :, member].reshape(x.shape[0], -1)  # [T, slots * r_max]
             return y.add_(linear(hm, b.view(b.shape[0], -1)))
@@ -204,7 +279,8 @@ def _projections(layer) -> dict[str, torch.nn.Module]:
 
 def install_hooks(model: torch.nn.Module, stacks: LoRAStacks) -> int:
     """Hook every adaptable projection of `model`'s decoder layers; mark each layer
-    (`lora_stacks`: the fused CPU decode layer steps aside while a step carries adapters).
+    (`lora_stacks`, `lora_index`: the fused CPU decode layer, which bypasses the hooks, adds the
+    products itself from `LoRAStacks.fused_operands`).
     ValueError for a model without Llama-style projections. Returns the number of hooks."""
     layers = model.backbone().decoder_layers()
     count = 0
@@ -220,7 +296,7 @@ def install_hooks(model: torch.nn.Module, stacks: LoRAStacks) -> int:
                 raise ValueError("enable_lora: tensor-parallel LoRA is not supported")
             module.register_forward_hook(_hook(stacks, (i, name)))
             count += 1
-        layer.lora_stacks = stacks
+        layer.lora_stacks, layer.lora_index = stacks, i
     return count
 
 

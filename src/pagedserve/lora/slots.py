@@ -91,7 +91,8 @@ class LoRASlots:
         slots = [-1 if r.lora_request is None else self._slot(r.lora_request, needed)
                  for r in rows]
         self.stacks.set_mapping(StepMapping.build(slots, [r.end - r.start for r in rows],
-                                                  self.config.max_loras, self.dtype, self.device))
+                                                  self.config.max_loras, self.dtype, self.device,
+                                                  bgmv=self.stacks.bgmv))
         return self.stacks.mapping is not None
 
     def finish(self) -> None:

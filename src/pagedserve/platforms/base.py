@@ -42,6 +42,22 @@ class LayerOps:
         through here, so a platform can keep a row's bits independent of its batch."""
         return F.linear(x, weight, bias)
 
+    def lora_bgmv(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `lora_shrink` / `lora_expand_` (per-token LoRA products, Punica's BGMV) run
+        here for adapters of `dtype` on `device`; False: `lora.layers` runs its torch paths."""
+        return False
+
+    def lora_shrink(self, x: torch.Tensor, a_t: torch.Tensor,
+                    slots: torch.Tensor) -> torch.Tensor:  # [T, W] float32
+        """Each token's `x[t] @ a_t[slots[t]]` (a_t [slots, in, W]; 0 where slots[t] < 0)."""
+        raise NotImplementedError("lora_shrink: only where lora_bgmv is True")
+
+    def lora_expand_(self, y: torch.Tensor, h: torch.Tensor, col: int, b_t: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """`y[t] += h[t, col:col + R] @ b_t[slots[t]]` in place (b_t [slots, R, out]; tokens of
+        slot < 0 untouched)."""
+        raise NotImplementedError("lora_expand_: only where lora_bgmv is True")
+
     def quantized_embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of a quantized embedding table (a platform with quantized weights only)."""
         raise ValueError("quantized weights need the CPU platform's kernels")

@@ -46,6 +46,16 @@ class CpuOps(LayerOps):
     def quantized_embedding(self, input_ids, weight):
         return qembedding(input_ids, weight)
 
+    def lora_bgmv(self, dtype, device):
+        """bf16 adapters on the CPU, kernels available: csrc/lora_bgmv.cpp."""
+        return dtype is torch.bfloat16 and device.type == "cpu" and cpu_gemm.kernel_available()
+
+    def lora_shrink(self, x, a_t, slots):
+        return torch.ops.pagedserve_cpu.lora_shrink.default(x, a_t, slots, cpu_gemm.linear_isa())
+
+    def lora_expand_(self, y, h, col, b_t, slots):
+        torch.ops.pagedserve_cpu.lora_expand_.default(y, h, col, b_t, slots, cpu_gemm.linear_isa())
+
     def greedy(self, x, weight):
         """The bf16 argmax scan of the LM head's output (`kernels.cpu_argmax`), for bf16 (or
         quantized) weights and bf16 CPU activations; None elsewhere. NOTE: the logits come from

@@ -87,14 +87,18 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     CPU step of the torch backend on one rank; None elsewhere.
 
     NOTE: the fused call bypasses the submodules' forward hooks (the profiler's attention hook
-    among them): decode attention then counts as "forward (rest)".
+    among them): decode attention then counts as "forward (rest)". The LoRA hooks' products
+    (`lora.layers`) it adds itself, on a step with adapters.
     """
     if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
             and len(meta.groups) == 1 and meta.groups[0].covers_all):
         return None
-    lora = layer.__dict__.get("lora_stacks")  # lora.layers.LoRAStacks (engine's enable_lora)
-    if lora is not None and lora.mapping is not None:
-        return None  # a step with adapters: the unfused modules, whose hooks add the products
+    stacks = layer.__dict__.get("lora_stacks")  # lora.layers.LoRAStacks (engine's enable_lora)
+    lora = None
+    if stacks is not None and stacks.mapping is not None:  # a step with adapters: the call
+        lora = stacks.fused_operands(layer.__dict__["lora_index"])  # adds them (hooks bypassed)
+        if lora is None:
+            return None  # no per-token kernels for them: the hooked modules
     plan = _fused_plan(layer)
     if not plan.usable:
         return None
@@ -105,4 +109,5 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     return decoder_layer(
         x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
         *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts,
+        lora=lora,
     )

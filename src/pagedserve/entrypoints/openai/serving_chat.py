@@ -124,7 +124,8 @@ class OpenAIServingChat(OpenAIServing):
                 choices += one.choices
                 completion_tokens += one.usage.completion_tokens
             return json_response(ChatCompletionResponse(
-                id=request_id, model=self.model_name, choices=choices,
+                id=request_id, model=self.served_name(requests[0].model if requests else None),
+                choices=choices,
                 usage=self.usage(list(finals), completion_tokens)))
 
         return await self.run_cpu(build)
@@ -232,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(comp.token_ids) if want_ids else None,
             ))
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices,
+            id=request_id, model=self.served_name(request.model), choices=choices,
             usage=self.usage([out], completion_tokens),
             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
             if request.prompt_logprobs is not None else None,
@@ -258,7 +259,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(index: int, delta: DeltaMessage, completion_tokens: int = 0,
                   **kw) -> ChatCompletionStreamResponse:
             c = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name,
+                id=request_id, created=created, model=self.served_name(request.model),
                 choices=[ChatCompletionResponseStreamChoice(index=index, delta=delta, **kw)],
             )
             if continuous:
@@ -319,7 +320,8 @@ class OpenAIServingChat(OpenAIServing):
                 stream.close()
             if include_usage and last is not None:
                 yield sse(ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[],
+                    id=request_id, created=created, model=self.served_name(request.model),
+                    choices=[],
                     usage=self.usage([last], sum(len(c.token_ids) for c in last.outputs)),
                 ))
         except (EngineDeadError, EngineShutdownError) as e:

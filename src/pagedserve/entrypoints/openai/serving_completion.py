@@ -156,7 +156,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_token_ids=list(out.prompt_token_ids) if want_ids else None,
                     token_ids=list(token_ids) if want_ids else None,
                 ))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.served_name(request.model),
+                                  choices=choices,
                                   usage=self.usage(finals, completion_tokens))
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
@@ -203,7 +204,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     state.started = True
                     state.done = finished
                     chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=self.model_name,
+                        id=request_id, created=created, model=self.served_name(request.model),
                         choices=[CompletionResponseStreamChoice(
                             index=i * n + comp.index, text=text, logprobs=logprobs,
                             finish_reason=comp.finish_reason if finished else None,
@@ -221,7 +222,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens = 0 if only_echo else sum(
                     len(c.token_ids) for o in outs for c in o.outputs)
                 yield sse(CompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[],
+                    id=request_id, created=created, model=self.served_name(request.model),
+                    choices=[],
                     usage=self.usage(outs, completion_tokens),
                 ))
         except (EngineDeadError, EngineShutdownError) as e:

@@ -137,6 +137,12 @@ class OpenAIServing:
         loras = self.settings.loras
         return loras.get(model) if loras is not None else None
 
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names (vLLM's): the adapter's name for a request that chose a
+        LoRA adapter, else the base model's (first) served name."""
+        lora = self.lora_for(model)
+        return lora.lora_name if lora is not None else self.model_name
+
     def check_fields(self, request: SamplingFields) -> None:
         """400 for a known field whose feature the engine lacks; warn about unknown ones."""
         if request.stream_options is not None and not request.stream:

@@ -19,6 +19,8 @@
 // other files of this extension). Registered as torch.ops.pagedserve_cpu.decoder_layer; the Python
 // side (kernels/cpu_decoder_layer.py) decides when it applies and checks every precondition the
 // kernels do not (decode-only batch, M within the GEMV limit, single rank, bf16 everywhere).
+// decoder_layer_lora is the same layer with a step's LoRA adapters added after each projection
+// (see Lora below).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -88,17 +90,52 @@ enum Weight { kQ, kK, kV, kO, kGate, kUp, kDown, kNumWeights };
 enum Bias { kBq, kBk, kBv, kBo, kNumBiases };
 enum Norm { kInput, kPostAttn, kPreFf, kPostFf, kQNorm, kKNorm, kNumNorms };
 
+// The adapters' low-rank products of a decode step with LoRA (lora/layers.py with the per-token
+// kernels of csrc/lora_bgmv.cpp, Punica's BGMV): each token's slot (-1: the base model), per input
+// group (q/k/v, o, gate/up, down) A^T stacked over the slot table [slots, in, members * r_max],
+// per projection B^T [slots, r_max, out] (zero beyond each adapter's rank), None where nothing is
+// added this step. After a group's base products: one shrink of its input, one expand into each
+// adapted member's product -- the kernels LoRAStacks.apply calls from the projections' hooks, in
+// the same order, so the result is bit-identical to the unfused layer's.
+enum LoraGroup { kGroupQkv, kGroupO, kGroupGateUp, kGroupDown, kNumGroups };
+
+struct Lora {
+  const at::Tensor& slots;           // [T] int64
+  const std::vector<OptTensor>& a;   // per group, or None: no member adapted this step
+  const std::vector<OptTensor>& b;   // per projection (Weight order), or None: not adapted
+  int64_t r_max;
+};
+
+// ys[i] += x A^T B_i^T per token, for the adapted members of `group` (x: the group's input).
+void add_lora(const Lora* lora, int group, const at::Tensor& x, const std::vector<int>& members,
+              const std::vector<at::Tensor*>& ys, int64_t isa) {
+  if (lora == nullptr || !lora->a[group].has_value()) return;
+  static auto shrink = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("pagedserve_cpu::lora_shrink", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  static auto expand = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("pagedserve_cpu::lora_expand_", "")
+                           .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                                       const at::Tensor&, int64_t)>();
+  const at::Tensor h = shrink.call(x, *lora->a[group], lora->slots, isa);
+  for (size_t i = 0; i < members.size(); ++i) {
+    const OptTensor& b = lora->b[members[i]];
+    if (b.has_value()) expand.call(*ys[i], h, int64_t(i) * lora->r_max, *b, lora->slots, isa);
+  }
+}
+
 // norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
 // 2 Llama numerics (pre-norms only). act: 0 silu, 1 gelu (tanh approximation).
-at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                         const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
-                         int64_t norm_mode, double eps, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_cache,
-                         const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                         int64_t window, int64_t act, const std::vector<int64_t>& fmts,
-                         int64_t isa, int64_t gemm_rows) {
+// lora: the step's adapters (nullptr: none).
+at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                     const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                     int64_t norm_mode, double eps, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                     int64_t window, int64_t act, const std::vector<int64_t>& fmts,
+                     int64_t isa, int64_t gemm_rows, const Lora* lora) {
   TORCH_CHECK(fmts.size() == kNumWeights, "decoder_layer: 7 weight formats expected");
   TORCH_CHECK(w.size() == kNumWeights && b.size() == kNumBiases && n.size() == kNumNorms,
               "decoder_layer: 7 weights, 4 biases and 6 norm weights expected");
@@ -114,8 +151,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
 
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
   // q, k, v share h: one parallel region, h quantized once
-  const std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
-                                                    {fmts[kQ], fmts[kK], fmts[kV]}, isa, gemm_rows);
+  std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
+                                              {fmts[kQ], fmts[kK], fmts[kV]}, isa, gemm_rows);
+  add_lora(lora, kGroupQkv, h, {kQ, kK, kV}, {&qkv[0], &qkv[1], &qkv[2]}, isa);
   at::Tensor q = qkv[0].view({T, num_heads, head_dim});
   at::Tensor k = qkv[1].view({T, num_kv_heads, head_dim});
   at::Tensor v = qkv[2].view({T, num_kv_heads, head_dim});
@@ -124,7 +162,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
   v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
   at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa);
-  at::Tensor o = project(a.view({T, num_heads * head_dim}), w[kO], b[kBo], fmts[kO], isa, gemm_rows);
+  const at::Tensor attn = a.view({T, num_heads * head_dim});
+  at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows);
+  add_lora(lora, kGroupO, attn, {kO}, {&o}, isa);
   at::Tensor r;
   if (gemma) {
     r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false, isa));
@@ -134,11 +174,67 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
     h = rmsnorm(r, *n[kPostAttn], eps, true, isa);
   }
   // gate and up share h: one parallel region
-  const std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
-                                                   {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
+  std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
+                                             {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
+  add_lora(lora, kGroupGateUp, h, {kGate, kUp}, {&gu[0], &gu[1]}, isa);
   const at::Tensor g = act == 1 ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
-  at::Tensor m = project(at::mul(g, gu[1]), w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
+  const at::Tensor mid = at::mul(g, gu[1]);
+  at::Tensor m = project(mid, w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
+  add_lora(lora, kGroupDown, mid, {kDown}, {&m}, isa);
   return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
+}
+
+at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                         const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                         int64_t norm_mode, double eps, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                         int64_t window, int64_t act, const std::vector<int64_t>& fmts,
+                         int64_t isa, int64_t gemm_rows) {
+  return run_layer(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache, slot_mapping,
+                   block_tables, seq_lens, num_heads, num_kv_heads, head_dim, scale, window, act,
+                   fmts, isa, gemm_rows, nullptr);
+}
+
+// decoder_layer with the step's adapters (see Lora): lora_a per group (q/k/v, o, gate/up, down),
+// lora_b per projection (q, k, v, o, gate, up, down), None where not adapted this step.
+at::Tensor decoder_layer_lora(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                              const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                              int64_t norm_mode, double eps, const at::Tensor& cos,
+                              const at::Tensor& sin, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              double scale, int64_t window, int64_t act,
+                              const std::vector<int64_t>& fmts, int64_t isa, int64_t gemm_rows,
+                              const at::Tensor& token_slots, const std::vector<OptTensor>& lora_a,
+                              const std::vector<OptTensor>& lora_b, int64_t r_max) {
+  TORCH_CHECK(lora_a.size() == kNumGroups && lora_b.size() == kNumWeights,
+              "decoder_layer_lora: 4 A stacks (q/k/v, o, gate/up, down) and 7 B stacks expected");
+  TORCH_CHECK(token_slots.dim() == 1 && token_slots.size(0) == x.size(0),
+              "decoder_layer_lora: token_slots must be [T]");
+  const int64_t members[kNumGroups] = {3, 1, 2, 1};
+  const int first[kNumGroups] = {kQ, kO, kGate, kDown};
+  for (int g = 0; g < kNumGroups; ++g) {
+    bool any_b = false;
+    for (int i = first[g]; i < first[g] + members[g]; ++i) {
+      if (!lora_b[i].has_value()) continue;
+      any_b = true;
+      TORCH_CHECK(lora_b[i]->dim() == 3 && lora_b[i]->size(1) == r_max && lora_b[i]->size(2) == w[i].size(0),
+                  "decoder_layer_lora: B^T of weight ", i, " must be [slots, r_max, out]");
+    }
+    TORCH_CHECK(any_b == lora_a[g].has_value(), "decoder_layer_lora: group ", g,
+                ": A^T is given exactly when a member's B^T is");
+    if (lora_a[g].has_value())
+      TORCH_CHECK(lora_a[g]->dim() == 3 && lora_a[g]->size(2) == members[g] * r_max,
+                  "decoder_layer_lora: A^T of group ", g, " must be [slots, in, members * r_max]");
+  }
+  const Lora lora{token_slots, lora_a, lora_b, r_max};
+  return run_layer(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache, slot_mapping,
+                   block_tables, seq_lens, num_heads, num_kv_heads, head_dim, scale, window, act,
+                   fmts, isa, gemm_rows, &lora);
 }
 
 }  // namespace
@@ -149,6 +245,15 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows) -> Tensor");
+  m.def(
+      "decoder_layer_lora(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, "
+      "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
+      "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows, "
+      "Tensor token_slots, Tensor?[] lora_a, Tensor?[] lora_b, int r_max) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decoder_layer", &decoder_layer); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("decoder_layer_lora", &decoder_layer_lora);
+}
