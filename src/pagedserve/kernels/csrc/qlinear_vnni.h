@@ -47,19 +47,22 @@ inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M
   out.dx.assign(size_t(MBk * KB * 16), 0.0f);
   out.sx.assign(size_t(MBk * KB * 16), 0.0f);
   out.nsum.assign(size_t(MBk * KB * 16), 0);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mb = m / 16, mi = m % 16;
-    for (int64_t b = 0; b < KB; ++b) {
-      uint8_t* dst = base + (mb * KB + b) * 512 + mi * 4;
-      const int8_t* src = q + m * K + b * 32;
-      int32_t sum = 0;
-      for (int p = 0; p < 8; ++p) std::memcpy(dst + p * 64, src + 4 * p, 4);
-      for (int i = 0; i < 32; ++i) sum += src[i];
-      out.nsum[size_t((mb * KB + b) * 16 + mi)] = -sum;
-      out.dx[size_t((mb * KB + b) * 16 + mi)] = d[m * KB + b];
-      out.sx[size_t((mb * KB + b) * 16 + mi)] = s[m * KB + b];
+  at::parallel_for(0, MBk, 4, [&](int64_t g0, int64_t g1) {  // row groups of 16
+    for (int64_t m = g0 * 16; m < std::min(M, g1 * 16); ++m) {
+      const int64_t mb = m / 16, mi = m % 16;
+      for (int64_t b = 0; b < KB; ++b) {
+        uint8_t* dst = base + (mb * KB + b) * 512 + mi * 4;
+        const int8_t* src = q + m * K + b * 32;
+        int32_t sum = 0;
+        for (int p = 0; p < 8; ++p) std::memcpy(dst + p * 64, src + 4 * p, 4);
+        for (int i = 0; i < 32; ++i) sum += src[i];
+        const size_t at = size_t((mb * KB + b) * 16 + mi);
+        out.nsum[at] = -sum;
+        out.dx[at] = d[m * KB + b];
+        out.sx[at] = s[m * KB + b];
+      }
     }
-  }
+  });
   out.xq = base;
 }
 
