@@ -176,6 +176,20 @@ class StepPlan:
         if self.turns_key is None or key < self.turns_key:
             self.turns_key = key
 
+    def record_one(self, group: SequenceGroup, seq_id: int, snapshot, entry: ScheduledSequence,
+                   copies: list[tuple[int, int]]) -> None:
+        """Record a group committed with one row of one token (`Scheduler._decode_one`): what
+        `record_for` and `_commit` record for it, built at once. NOTE: the group has no record
+        in this step yet (it is committed once per step)."""
+        record = GroupRecord()
+        record.tokens = 1
+        record.snapshots.append((seq_id, snapshot))
+        record.entries.append(entry)
+        if copies:
+            record.copies.extend(copies)
+        self._records[group.request_id] = record
+        self.budget -= 1
+
     def record_for(self, group: SequenceGroup) -> GroupRecord:
         record = self._records.get(group.request_id)
         if record is None:
