@@ -37,9 +37,10 @@ class StepObserver(Protocol):
         """Record the prompt logprobs a prompt chunk produced (`group.prompt_logprobs`)."""
 
     def on_token(self, group: SequenceGroup, seq: Sequence, sample: SampleResult,
-                 check_stop: bool) -> bool:
+                 check_stop: bool, stops: bool) -> bool:
         """A token was appended to `seq`: record its logprobs, detokenize it, and when
-        `check_stop` look for a stop string; returns True if one matched (the sequence stops)."""
+        `check_stop` look for a stop string; returns True if one matched (the sequence stops).
+        `stops`: the token ends the sequence as an EOS or stop token id."""
 
 
 @dataclass
@@ -138,7 +139,8 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
         elif params.stop_token_ids and token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
     if observer is not None and observer.on_token(group, seq, sample,
-                                                   status is None and past_min):
+                                                   status is None and past_min,
+                                                   status is not None):
         status = SequenceStatus.FINISHED_STOPPED
     if status is None:
         max_tokens = params.max_tokens
