@@ -49,8 +49,9 @@ class StepMessage:
     new_seqs: list[tuple[int, str, int, int]] = field(default_factory=list)
     tokens: list[Delta] = field(default_factory=list)
     tables: list[Delta] = field(default_factory=list)
-    # One per row, in batch order: (seq_id, start, end, flags, seq ids sampled at its end).
-    rows: list[tuple[int, int, int, int, list[int]]] = field(default_factory=list)
+    # One per row, in batch order: (seq_id, start, end, flags, seq ids sampled at its end; None
+    # for the row's own sequence alone).
+    rows: list[tuple[int, int, int, int, list[int] | None]] = field(default_factory=list)
     freed_seqs: list[int] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -120,7 +121,7 @@ class StepEncoder:
                                   held, msg)
             samples = row.samples
             if len(samples) == 1 and samples[0].seq_id == seq_id:
-                sampled = [seq_id]
+                sampled = None  # (its own sequence alone: see StepMessage.rows)
             else:
                 for spec in samples:
                     if spec.seq_id != seq_id:  # (the row's own sequence: just synced)
@@ -250,10 +251,10 @@ class StepDecoder:
                 row.spec_token_ids = spec_tokens.get(seq_id, [])
             elif row.spec_token_ids:  # (no new empty list per row and step)
                 row.spec_token_ids = []
-            if self._sampled.get(seq_id) != sampled:
+            if self._sampled.get(seq_id, ()) != sampled:
                 self._sampled[seq_id] = sampled
                 specs = []
-                for q in sampled:
+                for q in (seq_id,) if sampled is None else sampled:
                     other = self.seqs[q]
                     specs.append(SampleSpec(q, other.index, other.token_ids, other.num_prompt_tokens))
                 row.samples = specs
