@@ -423,7 +423,8 @@ class Scheduler(Turns):
             return False
         kv = self.kv
         seq_id = seq.seq_id
-        if kv.num_new_blocks(seq_id, end) > kv.num_free_blocks:
+        need = kv.num_new_blocks(seq_id, end)  # (0 but once every block_size tokens)
+        if need and need > kv.num_free_blocks:
             return False  # a preemption (or turns) decides
         snapshot = kv.snapshot(seq_id)
         copies = kv.allocate_slots(seq_id, end)
