@@ -239,7 +239,13 @@ class Scheduler(Turns):
         decoding, prefilling = [], []
         is_decoding = self._is_decoding
         for g in self.running:
-            (decoding if is_decoding(g) else prefilling).append(g)
+            seqs = g.seqs
+            if len(seqs) == 1:  # (_is_decoding's common case, inlined: once per group)
+                s = seqs[0]
+                (decoding if s.is_finished or len(s.token_ids) - s.num_computed_tokens == 1
+                 else prefilling).append(g)
+            else:
+                (decoding if is_decoding(g) else prefilling).append(g)
         decoding.extend(prefilling)
         running = self.running
         for group in decoding:
