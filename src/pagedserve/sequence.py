@@ -77,6 +77,12 @@ class Sequence(PromptThenOutput):
         self.final_text: str | None = None
         # Set by the engine: incremental detokenizer of this sequence (opaque to the scheduler).
         self.detokenizer: Any = None
+        # Set by the engine: the output token ids and logprobs lists its outputs hand out
+        # (`engine.output_builder.HandedOut`; opaque to the scheduler).
+        self.handed_tokens: Any = None
+        self.handed_logprobs: Any = None
+        # Set by the step input (`core.step_input`): [its own `SampleSpec`], made once.
+        self.own_samples: Any = None
         # Beam search: this beam's best (token, logprob) continuations, until the step selects.
         self.beam_candidates: list[tuple[int, float]] | None = None
         # NOTE: a parked sequence (of a group whose sequences take turns, core/scheduler.py)

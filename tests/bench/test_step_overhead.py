@@ -40,7 +40,7 @@ def _calls_per_sequence_step(engine, num_seqs: int, steps: int = 4, **params) ->
     return pstats.Stats(profiler).total_calls / (num_seqs * steps)
 
 
-@pytest.mark.parametrize(("params", "most"), [({}, 100), ({"logprobs": 2}, 130)],
+@pytest.mark.parametrize(("params", "most"), [({}, 75), ({"logprobs": 2}, 100)],
                          ids=["plain", "logprobs"])
 def test_python_calls_per_sequence_do_not_grow_with_the_batch(engine, params, most):
     # Regression (issue 25): `group in self.running` scanned a list with the dataclass __eq__
@@ -51,7 +51,8 @@ def test_python_calls_per_sequence_do_not_grow_with_the_batch(engine, params, mo
     # The whole step: schedule, step input, update, detokenize, outputs (115 and 161 calls
     # before the step-cost work of issue 25, 74 and 95 after; the fake model's own included; ~94
     # with the step protocol the in-process executor now goes through too, and the speculative
-    # decoding checks).
+    # decoding checks; 92 and 112 -> 67 and 91 with the one-sequence decode path and the
+    # protocol's inline rows).
     assert small < most, small
 
 

@@ -324,3 +324,91 @@ def test_a_step_with_many_victims_costs_linear_work():
     large, large_victims = _ids_examined_in_a_step_of_many_victims(256)
     assert small_victims >= 20 and large_victims >= 4 * small_victims - 8
     assert large <= 5 * small, (small, large)
+
+
+
+def _trace_step(sched, out) -> tuple:
+    return ([(s.group.request_id, s.seq.index, s.start, s.end, list(s.block_table))
+             for s in out.scheduled], list(out.blocks_to_copy), list(out.blocks_to_swap_out),
+            list(out.blocks_to_swap_in), [g.request_id for g in out.preempted],
+            sched.kv.pool.free_blocks(), sched.kv.cpu_pool.free_blocks())
+
+
+def _with_decode_path(fast: bool, monkeypatch) -> list[bool]:
+    """Turn `Scheduler._decode_one` off (or keep it); the list records what each call did."""
+    calls = []
+    real = Scheduler._decode_one
+
+    def decode_one(self, *args):
+        taken = fast and real(self, *args)
+        calls.append(taken)
+        return taken
+
+    monkeypatch.setattr(Scheduler, "_decode_one", decode_one)
+    return calls
+
+
+def _lockstep_rows(fast: bool, monkeypatch, seed: int, mode: str) -> tuple:
+    """Every step's rows, copies, swaps, victims and free lists of a random workload (one- and
+    many-sequence requests, a cache small enough to preempt), with the one-sequence decode path
+    on or off."""
+    import random
+
+    rng = random.Random(seed)
+    calls = _with_decode_path(fast, monkeypatch)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=10, max_num_seqs=12,
+                                      preemption_mode=mode, swap_seconds_per_block=1.0,
+                                      recompute_seconds_per_token=0.6),
+                      KVCacheManager(24, 4, num_cpu_blocks=12))
+    trace = []
+    for step in range(160):
+        if step < 60 and rng.random() < 0.4:
+            n = rng.choice([1, 1, 1, 2, 3])
+            sched.add(group(f"r{step}", rng.randint(1, 9), n=n, arrival=float(step),
+                            max_tokens=rng.randint(2, 20)))
+        out = sched.schedule()
+        trace.append(_trace_step(sched, out))
+        sched.update_from_output(out, fake_results(out, token=rng.randint(0, 99)))
+        sched.check_invariants()
+    assert not sched.has_unfinished() and sched.kv.num_free_blocks == 24
+    return trace, calls
+
+
+def _lockstep_victims(fast: bool, monkeypatch) -> tuple:
+    """A prefilling request first in queue order swaps out decoding requests that were already
+    scheduled in the same step, each with the new block its decode token took (undone)."""
+    calls = _with_decode_path(fast, monkeypatch)
+    n = 8
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=4 * n + 4,
+                                      max_num_seqs=n + 1, preemption_mode="swap"),
+                      KVCacheManager(2 * n + 2, 4, num_cpu_blocks=4 * n))
+    for i in range(n):
+        sched.add(group(f"d{i}", 4, arrival=1.0 + i, max_tokens=6))
+    sched.add(group("a", 2 * n + 30, arrival=0.0, max_tokens=2))
+    trace = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        trace.append(_trace_step(sched, out))
+        sched.update_from_output(out, fake_results(out))
+        sched.check_invariants()
+        assert len(trace) < 100
+    return trace, calls, sched.num_undone_victims
+
+
+@pytest.mark.parametrize(("seed", "mode"), [(0, "recompute"), (1, "auto"), (2, "swap")])
+def test_one_sequence_decode_path_schedules_what_the_general_path_schedules(monkeypatch, seed,
+                                                                           mode):
+    # `Scheduler._decode_one` (issue 25, step cost) must change nothing but the cost: the same
+    # rows, block tables, copies, swaps, victims and free lists every step as without it.
+    fast, calls = _lockstep_rows(True, monkeypatch, seed, mode)
+    slow, _ = _lockstep_rows(False, monkeypatch, seed, mode)
+    assert fast == slow
+    assert sum(calls) > 100 and not all(calls)  # it took most decode rows, not every one
+    assert any(step[4] for step in fast)  # preemptions happened
+
+
+def test_victims_scheduled_by_the_one_sequence_decode_path_are_undone_exactly(monkeypatch):
+    fast, calls, undone = _lockstep_victims(True, monkeypatch)
+    slow, _, _ = _lockstep_victims(False, monkeypatch)
+    assert fast == slow
+    assert undone >= 2 and sum(calls) >= 2 * undone

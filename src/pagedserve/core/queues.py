@@ -87,3 +87,17 @@ class GroupQueue:
 
     def __repr__(self) -> str:
         return f"GroupQueue({[g.request_id for g in self._items]})"
+
+
+# The queue orders (`Scheduler`): arrival, the order requests were queued in, and (priority,
+# arrival) with the queueing order breaking ties.
+def arrival_key(group: SequenceGroup) -> tuple:
+    return (group.arrival_time,)
+
+
+def queued_key(group: SequenceGroup) -> tuple:
+    return (group.queue_no,)
+
+
+def priority_key(group: SequenceGroup) -> tuple:
+    return (group.priority, group.arrival_time, group.queue_no)

@@ -176,10 +176,22 @@ class StepPlan:
         if self.turns_key is None or key < self.turns_key:
             self.turns_key = key
 
+    def record_one(self, group: SequenceGroup, seq_id: int, snapshot, entry: ScheduledSequence,
+                   copies: list[tuple[int, int]]) -> None:
+        """Record a group committed with one row of one token (`Scheduler._decode_one`): what
+        `record_for` and `_commit` record for it, built at once. NOTE: the group has no record
+        in this step yet (it is committed once per step)."""
+        # NOTE (step cost): a tuple (entry, snapshot, copies), not a `GroupRecord` (one object,
+        # not six, per row and step); `unschedule` and `record_for` take either.
+        self._records[group.request_id] = (entry, snapshot, copies)
+        self.budget -= 1
+
     def record_for(self, group: SequenceGroup) -> GroupRecord:
         record = self._records.get(group.request_id)
         if record is None:
             record = self._records[group.request_id] = GroupRecord()
+        elif type(record) is tuple:  # (record_one's)
+            record = self._records[group.request_id] = _full_record(record)
         return record
 
     def unschedule(self, group: SequenceGroup, out: SchedulerOutput, kv: KVCacheManager) -> bool:
@@ -189,6 +201,8 @@ class StepPlan:
         record = self._records.pop(group.request_id, None)
         if record is None:
             return False
+        if type(record) is tuple:  # (record_one's)
+            record = _full_record(record)
         self.budget += record.tokens
         # NOTE (step cost): the rows are taken out of `out` in `finish`, in one pass however many
         # groups are unscheduled (a pass per victim made a step of many victims quadratic).
@@ -206,3 +220,14 @@ class StepPlan:
             out.blocks_to_copy = [p for p in out.blocks_to_copy
                                   if id(p) not in self._dropped_copies]
         return out
+
+
+def _full_record(one: tuple) -> GroupRecord:
+    """The `GroupRecord` of a `StepPlan.record_one` tuple."""
+    entry, snapshot, copies = one
+    record = GroupRecord()
+    record.tokens = entry.end - entry.start
+    record.snapshots.append((entry.seq.seq_id, snapshot))
+    record.entries.append(entry)
+    record.copies.extend(copies)
+    return record

@@ -39,10 +39,11 @@ rows of victims unscheduled in a step leave its output in one pass (`StepPlan.fi
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
-from pagedserve.core.queues import GroupQueue
+from pagedserve.core.queues import GroupQueue, arrival_key, priority_key, queued_key
 from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
@@ -76,13 +77,13 @@ class Scheduler(Turns):
         # running and swapped queues are in arrival order. Under priority all three are in
         # (priority, arrival) order.
         if config.scheduling_policy == "priority":
-            self.waiting = GroupQueue(_priority_key)
-            self.running = GroupQueue(_priority_key)
-            self.swapped = GroupQueue(_priority_key)
+            self.waiting = GroupQueue(priority_key)
+            self.running = GroupQueue(priority_key)
+            self.swapped = GroupQueue(priority_key)
         else:
-            self.waiting = GroupQueue(_queued_key)
-            self.running = GroupQueue(_arrival_key)
-            self.swapped = GroupQueue(_arrival_key)
+            self.waiting = GroupQueue(queued_key)
+            self.running = GroupQueue(arrival_key)
+            self.swapped = GroupQueue(arrival_key)
         self._num_queued = 0
         self._finished_ids: list[str] = []
         self._freed_seq_ids: list[int] = []
@@ -90,7 +91,7 @@ class Scheduler(Turns):
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_turns = 0
         self.num_undone_victims = 0  # victims taken back out of the step that scheduled them
-        self.new_seq_id = new_seq_id or _counter(1 << 40)
+        self.new_seq_id = new_seq_id or itertools.count((1 << 40) + 1).__next__
 
     # --- queue management --------------------------------------------------------------------
 
@@ -238,7 +239,13 @@ class Scheduler(Turns):
         decoding, prefilling = [], []
         is_decoding = self._is_decoding
         for g in self.running:
-            (decoding if is_decoding(g) else prefilling).append(g)
+            seqs = g.seqs
+            if len(seqs) == 1:  # (_is_decoding's common case, inlined: once per group)
+                s = seqs[0]
+                (decoding if s.is_finished or len(s.token_ids) - s.num_computed_tokens == 1
+                 else prefilling).append(g)
+            else:
+                (decoding if is_decoding(g) else prefilling).append(g)
         decoding.extend(prefilling)
         running = self.running
         for group in decoding:
@@ -246,6 +253,9 @@ class Scheduler(Turns):
                 break
             # Only a preemption or a length cap takes a group out of `running` in this loop.
             if (out.preempted or out.length_capped) and group not in running:
+                continue
+            seqs = group.seqs
+            if len(seqs) == 1 and self._decode_one(group, seqs[0], step, out):
                 continue
             self._schedule_running(group, step, out)
 
@@ -409,6 +419,37 @@ class Scheduler(Turns):
                 return
         self._commit(plan, group, step, out)
 
+    def _decode_one(self, group: SequenceGroup, seq: Sequence, step: StepPlan,
+                    out: SchedulerOutput) -> bool:
+        """Schedule the decode token of a group's one sequence, if that is all there is to it (a
+        running, unparked sequence past its prompt with one token to compute and no drafts)
+        and its blocks fit: what `_schedule_running` then does, without building a plan.
+        Returns False, having changed nothing, in every other case (the general path decides).
+
+        NOTE (step cost): the common row of a large batch; `tests/core/test_scheduler.py` pins
+        that both paths schedule the same rows.
+        """
+        start = seq.num_computed_tokens
+        end = start + 1
+        if (seq.is_finished or len(seq.token_ids) != end or seq.spec_token_ids or seq.parked
+                or start < seq.num_prompt_tokens or group.fork_pending):
+            return False
+        kv = self.kv
+        seq_id = seq.seq_id
+        need = kv.num_new_blocks(seq_id, end)  # (0 but once every block_size tokens)
+        if need and need > kv.num_free_blocks:
+            return False  # a preemption (or turns) decides
+        snapshot = kv.snapshot(seq_id)
+        copies = kv.allocate_slots(seq_id, end)
+        if copies:
+            out.blocks_to_copy.extend(copies)
+        # (ScheduledSequence.make for this case: it samples, one token, no prompt logprobs)
+        entry = ScheduledSequence(group, seq, start, end, kv.tables[seq_id].blocks, True, False,
+                                  1)
+        out.scheduled.append(entry)
+        step.record_one(group, seq_id, snapshot, entry, copies)
+        return True
+
     def _blocks_to_swap_in(self, group: SequenceGroup, plan: Plan) -> int:
         """Device blocks a swapped group needs to come back and run `plan`: the distinct CPU
         blocks of all its sequences, the blocks its planned tokens fill, and one copy-on-write
@@ -557,25 +598,3 @@ class Scheduler(Turns):
         tokens = sum(s.num_computed_tokens for s in group.unfinished_seqs())
         swap_cost = 2 * blocks * self.config.swap_seconds_per_block
         return swap_cost < tokens * self.config.recompute_seconds_per_token
-
-
-def _counter(start: int) -> Callable[[], int]:
-    state = [start]
-
-    def next_id() -> int:
-        state[0] += 1
-        return state[0]
-
-    return next_id
-
-
-def _arrival_key(group: SequenceGroup) -> tuple:
-    return (group.arrival_time,)
-
-
-def _queued_key(group: SequenceGroup) -> tuple:
-    return (group.queue_no,)
-
-
-def _priority_key(group: SequenceGroup) -> tuple:
-    return (group.priority, group.arrival_time, group.queue_no)

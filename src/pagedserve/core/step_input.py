@@ -117,8 +117,12 @@ class StepInput:
                     samples = [SampleSpec(q.seq_id, q.index, q.token_ids, q.num_prompt_tokens)
                                for q in group.seqs[: s.num_samples]]
                 else:
-                    samples = [SampleSpec(seq.seq_id, seq.index, seq.token_ids,
-                                          seq.num_prompt_tokens)]
+                    # NOTE (step cost): a sequence's own one sample spec is made once and kept
+                    # (plain data that never changes, its token list the sequence's own).
+                    samples = seq.own_samples
+                    if samples is None or samples[0].token_ids is not seq.token_ids:
+                        samples = seq.own_samples = [SampleSpec(
+                            seq.seq_id, seq.index, seq.token_ids, seq.num_prompt_tokens)]
             append(StepRow(
                 group.request_id, seq.seq_id, seq.token_ids, seq.num_prompt_tokens, s.start,
                 s.end, s.block_table, group.sampling_params, s.do_sample,

@@ -37,9 +37,10 @@ class StepObserver(Protocol):
         """Record the prompt logprobs a prompt chunk produced (`group.prompt_logprobs`)."""
 
     def on_token(self, group: SequenceGroup, seq: Sequence, sample: SampleResult,
-                 check_stop: bool) -> bool:
+                 check_stop: bool, stops: bool) -> bool:
         """A token was appended to `seq`: record its logprobs, detokenize it, and when
-        `check_stop` look for a stop string; returns True if one matched (the sequence stops)."""
+        `check_stop` look for a stop string; returns True if one matched (the sequence stops).
+        `stops`: the token ends the sequence as an EOS or stop token id."""
 
 
 @dataclass
@@ -58,6 +59,9 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     """Apply one step's results; see the module docstring."""
     update = StepUpdate()
     touched: dict[str, SequenceGroup] = {}
+    # The groups that may have finished in this step (a sequence of theirs ended, or a row
+    # that may end several): the only ones `remove_finished` looks at.
+    ended: dict[str, SequenceGroup] = {}
     beams: dict[str, SequenceGroup] = {}
     caching = scheduler.kv.enable_prefix_caching
     # NOTE (step cost): counted in locals, and a row's one sampled token (the common case)
@@ -86,7 +90,7 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
         if r.pooled is not None:  # a pooling request ends with its prompt: nothing is decoded
             group.pooled = r.pooled
             scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-            touched[group.request_id] = group
+            touched[group.request_id] = ended[group.request_id] = group
         elif samples:
             if s.spec_token_ids:  # the accepted drafts and the next token, until a stop
                 for sample in samples:
@@ -94,13 +98,17 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
                     num_generated += 1
                     if seq.is_finished:
                         break
+                ended[group.request_id] = group
             elif len(samples) == 1:
                 _append_token(scheduler, group, seq, samples[0], observer)
                 num_generated += 1
+                if seq.is_finished:
+                    ended[group.request_id] = group
             else:
                 for q, sample in zip(forked, samples):
                     _append_token(scheduler, group, q, sample, observer)
                     num_generated += 1
+                ended[group.request_id] = group
             touched[group.request_id] = group
         elif r.beam_candidates is not None:
             seq.beam_candidates = r.beam_candidates
@@ -108,14 +116,16 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     for group in beams.values():
         if all(q.beam_candidates is not None for q in group.unfinished_seqs()):
             num_generated += _beam_step(scheduler, group)
-            touched[group.request_id] = group
+            touched[group.request_id] = ended[group.request_id] = group
     for group in sched.length_capped:
         touched[group.request_id] = group
     update.num_prompt_tokens = num_prompt
     update.num_generated_tokens = num_generated
     update.groups = list(touched.values())
-    # NOTE: only the groups this step touched can have finished: nothing else is scanned.
-    scheduler.remove_finished(update.groups)
+    # NOTE: only the groups this step touched can have finished, and of those only the ones a
+    # sequence of which ended (length-capped groups left `running` already): nothing else is
+    # scanned.
+    scheduler.remove_finished(list(ended.values()))
     return update
 
 
@@ -138,7 +148,8 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
         elif params.stop_token_ids and token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
     if observer is not None and observer.on_token(group, seq, sample,
-                                                   status is None and past_min):
+                                                   status is None and past_min,
+                                                   status is not None):
         status = SequenceStatus.FINISHED_STOPPED
     if status is None:
         max_tokens = params.max_tokens

@@ -167,8 +167,14 @@ class IncrementalDetokenizer:
         """Add newly generated token ids; return the text they complete (maybe "")."""
         if type(new_token_ids) is int:  # the engine's one token a step: no ABC check, no copy
             self._output_token_ids.append(new_token_ids)
-            token = self._token_string(new_token_ids)
-            if token is None:
+            # (`_to_tokens([id])` for one id, inlined: once per token)
+            if (not 0 <= new_token_ids < self._info.vocab_size
+                    or new_token_ids in self._skip_ids):
+                return ""
+            to_token = self._id_to_token
+            token = (to_token(new_token_ids) if to_token is not None
+                     else self.tokenizer.convert_ids_to_tokens([new_token_ids])[0])
+            if not token:
                 return ""
             self._tokens.append(token)
             return self._step(final=False)
@@ -249,16 +255,6 @@ class IncrementalDetokenizer:
         while start > lowest and REPLACEMENT_CHAR in self._decode(tokens[start:]):
             start -= 1
         return tokens[start:]
-
-    def _token_string(self, token_id: int) -> str | None:
-        """`_to_tokens([token_id])`'s one token string, or None when it has none."""
-        if not 0 <= token_id < self._info.vocab_size or token_id in self._skip_ids:
-            return None
-        if self._id_to_token is not None:
-            token = self._id_to_token(token_id)
-        else:
-            token = self.tokenizer.convert_ids_to_tokens([token_id])[0]
-        return token or None
 
     def _to_tokens(self, ids: list[int]) -> list[str]:
         """Token strings for ids, without skipped specials and ids the tokenizer lacks."""

@@ -510,8 +510,11 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             token = ids[s.start + 1 + offset]
             group.prompt_logprobs.append(self._logprob_dict(token, lp, rank, top))
 
-    def on_token(self, group: SequenceGroup, seq: Sequence, res, check_stop: bool) -> bool:
-        """Record a new token's logprobs, detokenize it; True if a stop string matched."""
+    def on_token(self, group: SequenceGroup, seq: Sequence, res, check_stop: bool,
+                 stops: bool) -> bool:
+        """Record a new token's logprobs, detokenize it; True if a stop string matched.
+        `stops`: the token ends the sequence as an EOS / stop token id (core/step_update's
+        rule)."""
         params = group.sampling_params
         token = res.token_id
         if res.top_logprobs is not None:
@@ -519,7 +522,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
                 self._logprob_dict(token, res.logprob, res.rank, res.top_logprobs)
             )
         detok: IncrementalDetokenizer = seq.detokenizer
-        if not params.include_stop_str_in_output and self._stops_on(params, seq, token):
+        if stops and not params.include_stop_str_in_output:
             # NOTE: as vLLM, the EOS / stop token that ends a sequence keeps its id in the
             # output but not its text (with skip_special_tokens=False it would show up).
             seq.final_text = detok.text  # the text before this token
@@ -537,13 +540,6 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
                 seq.stop_reason = matched
                 return True
         return False
-
-    def _stops_on(self, params: SamplingParams, seq: Sequence, token: int) -> bool:
-        """Whether `token` ends `seq` as an EOS or stop token id (core/step_update's rule)."""
-        if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
-            return False
-        return ((not params.ignore_eos and token in self.eos_token_ids)
-                or bool(params.stop_token_ids) and token in params.stop_token_ids)
 
     # --- beam search -------------------------------------------------------------------------
 

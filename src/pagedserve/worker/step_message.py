@@ -49,8 +49,9 @@ class StepMessage:
     new_seqs: list[tuple[int, str, int, int]] = field(default_factory=list)
     tokens: list[Delta] = field(default_factory=list)
     tables: list[Delta] = field(default_factory=list)
-    # One per row, in batch order: (seq_id, start, end, flags, seq ids sampled at its end).
-    rows: list[tuple[int, int, int, int, list[int]]] = field(default_factory=list)
+    # One per row, in batch order: (seq_id, start, end, flags, seq ids sampled at its end; None
+    # for the row's own sequence alone).
+    rows: list[tuple[int, int, int, int, list[int] | None]] = field(default_factory=list)
     freed_seqs: list[int] = field(default_factory=list)
     finished_requests: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -94,29 +95,49 @@ class StepEncoder:
                     held.discard(seq_id)
                 self._forget(seq_id)
                 msg.freed_seqs.append(seq_id)
+        # NOTE (step cost): one row per scheduled sequence every step; the common row (a known
+        # sequence that gained tokens, its table unchanged or grown by a block, its own one
+        # sample) is encoded inline, the rest through `_sync_tokens` / `_sync_table`.
+        seqs_of, num_tokens, tables = self._seqs_of, self._num_tokens, self._tables
+        deltas, rows = msg.tokens, msg.rows
         for row in step.rows:
-            held = self._seqs_of.get(row.request_id)
+            seq_id = row.seq_id
+            held = seqs_of.get(row.request_id)
             if held is None:
-                held = self._seqs_of[row.request_id] = set()
+                held = seqs_of[row.request_id] = set()
                 msg.new_requests.append((row.request_id, row.params, row.beam_width))
                 if row.pooling is not None:
                     msg.new_pooling[row.request_id] = row.pooling
                 if row.lora_request is not None:
                     msg.new_loras[row.request_id] = row.lora_request
-            self._sync_tokens(row.seq_id, row.token_ids, row.num_prompt_tokens, 0, row.request_id,
-                              held, msg)
-            for spec in row.samples:
-                if spec.seq_id != row.seq_id:  # (the row's own sequence: just synced)
-                    self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens,
-                                      spec.index, row.request_id, held, msg)
-            self._sync_table(row.seq_id, row.block_table, msg)
+            token_ids = row.token_ids
+            sent = num_tokens.get(seq_id)
+            n = len(token_ids)
+            if sent is not None and n > sent:  # (_sync_tokens: the tokens it gained)
+                deltas.append((seq_id, sent, token_ids[sent:]))
+                num_tokens[seq_id] = n
+            elif sent is None or n != sent:
+                self._sync_tokens(seq_id, token_ids, row.num_prompt_tokens, 0, row.request_id,
+                                  held, msg)
+            samples = row.samples
+            if len(samples) == 1 and samples[0].seq_id == seq_id:
+                sampled = None  # (its own sequence alone: see StepMessage.rows)
+            else:
+                for spec in samples:
+                    if spec.seq_id != seq_id:  # (the row's own sequence: just synced)
+                        self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens,
+                                          spec.index, row.request_id, held, msg)
+                sampled = [spec.seq_id for spec in samples]
+            table = row.block_table
+            old = tables.get(seq_id)
+            if old is None or old != table:
+                self._sync_table(seq_id, table, msg)
             flags = ((DO_SAMPLE if row.do_sample else 0)
                      | (PROMPT_LOGPROBS if row.prompt_logprobs else 0)
                      | (NEED_LOGPROB if row.need_logprob else 0))
-            msg.rows.append((row.seq_id, row.start, row.end, flags,
-                             [spec.seq_id for spec in row.samples]))
+            rows.append((seq_id, row.start, row.end, flags, sampled))
             if row.spec_token_ids:
-                msg.spec_tokens[row.seq_id] = row.spec_token_ids
+                msg.spec_tokens[seq_id] = row.spec_token_ids
         return msg
 
     def _forget(self, seq_id: int) -> None:
@@ -207,24 +228,33 @@ class StepDecoder:
         for seq_id, request_id, num_prompt_tokens, index in msg.new_seqs:
             self.seqs[seq_id] = _MirrorSeq(request_id, num_prompt_tokens, index)
             self._seqs_of[request_id].add(seq_id)
+        seqs = self.seqs
         for seq_id, keep, appended in msg.tokens:
-            _apply(self.seqs[seq_id].token_ids, keep, appended)
+            target = seqs[seq_id].token_ids
+            if keep == len(target):  # (_apply: the common delta, tokens appended)
+                target += appended
+            else:
+                _apply(target, keep, appended)
         for seq_id, keep, appended in msg.tables:
             _apply(self.tables.setdefault(seq_id, []), keep, appended)
         rows = []
+        mirror_rows, spec_tokens = self.rows, msg.spec_tokens
         for seq_id, start, end, flags, sampled in msg.rows:
-            row = self.rows.get(seq_id)
+            row = mirror_rows.get(seq_id)
             if row is None:
-                row = self.rows[seq_id] = self._new_row(seq_id)
+                row = mirror_rows[seq_id] = self._new_row(seq_id)
             row.start, row.end = start, end
-            row.do_sample = bool(flags & DO_SAMPLE)
-            row.prompt_logprobs = bool(flags & PROMPT_LOGPROBS)
-            row.need_logprob = bool(flags & NEED_LOGPROB)
-            row.spec_token_ids = msg.spec_tokens.get(seq_id, [])
-            if self._sampled.get(seq_id) != sampled:
+            row.do_sample = flags & DO_SAMPLE != 0
+            row.prompt_logprobs = flags & PROMPT_LOGPROBS != 0
+            row.need_logprob = flags & NEED_LOGPROB != 0
+            if spec_tokens:
+                row.spec_token_ids = spec_tokens.get(seq_id, [])
+            elif row.spec_token_ids:  # (no new empty list per row and step)
+                row.spec_token_ids = []
+            if self._sampled.get(seq_id, ()) != sampled:
                 self._sampled[seq_id] = sampled
                 specs = []
-                for q in sampled:
+                for q in (seq_id,) if sampled is None else sampled:
                     other = self.seqs[q]
                     specs.append(SampleSpec(q, other.index, other.token_ids, other.num_prompt_tokens))
                 row.samples = specs
