@@ -269,12 +269,15 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-# The ggml formats whose GEMM at the AVX512-BF16 level is the 8-bit one (csrc/qlinear_vnni.h):
-# x quantized as the small-batch kernel quantizes it, exact integer block sums.
+# The ggml formats whose GEMM is an 8-bit one: every ggml format on AVX2 (csrc/qlinear_q8_gemm.h),
+# all but Q6_K at the AVX512-BF16 level (csrc/qlinear_vnni.h): x quantized as the small-batch
+# kernel quantizes it, exact integer block sums.
 VNNI_FMTS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k")
 
 
 def _int8_gemm(fmt: str, isa: int) -> bool:
+    if isa == ISA_LEVELS["avx2"]:
+        return fmt in GGML
     return fmt in VNNI_FMTS and isa == ISA_LEVELS["avx512bf16"]
 
 

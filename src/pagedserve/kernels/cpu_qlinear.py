@@ -80,11 +80,13 @@ class QuantSpec:
 
 
 # Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
-# dequantized to bf16 / fp32 once, every row of x over them) instead of 8-bit activations on the
-# stored blocks, per ISA level: measured on Gemma 3 270M's shapes (docs/benchmarks.md, "Kernels
-# chosen by shape"). NOTE: the two kernels round differently (8-bit x vs bf16 weights), so with
-# a threshold a row's bits depend on its batch's size; `QuantSpec.batch_invariant` turns it off.
-GEMM_ROWS = {ISA_AVX2: 0, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
+# unpacked once, every row of x over them: the 8-bit GEMMs of csrc/qlinear_q8_gemm.h on AVX2 and
+# csrc/qlinear_vnni.h on AVX512-BF16, dequantized bf16 / fp32 otherwise) instead of the
+# small-batch kernel on the stored blocks, per ISA level: measured on Gemma 3 270M's shapes
+# (docs/benchmarks.md, "Kernels chosen by shape"). NOTE: the kernels sum in different orders (or
+# round differently), so with a threshold a row's bits depend on its batch's size;
+# `QuantSpec.batch_invariant` turns it off.
+GEMM_ROWS = {ISA_AVX2: 8, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
 
 
 def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:

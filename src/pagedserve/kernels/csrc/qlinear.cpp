@@ -90,6 +90,7 @@ namespace isa_avx2 {
 #define PS_ISA 1
 #include "qlinear_impl.h"
 #include "qlinear_q8.h"
+#include "qlinear_q8_gemm.h"
 #undef PS_ISA
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -148,6 +149,8 @@ struct SharedX {
   bool pairs_ready = false;
   isa_avx512bf16::VnniX vnni;                               // 8-bit x packed for vnni_range
   bool vnni_ready = false;
+  std::vector<uint8_t> xu;                                  // 8-bit x + 128 (the AVX2 GEMM)
+  bool xu_ready = false;
 };
 
 // x quantized to 8-bit blocks for formats of `offset` (once per call and offset).
@@ -204,6 +207,15 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   if (isa_avx2::q8_format(fmt) && (gemm_rows <= 0 || M < gemm_rows)) {
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
     p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
+    return p;
+  }
+  if (isa == kIsaAvx2 && isa_avx2::q8_format(fmt)) {  // the AVX2 8-bit GEMM (qlinear_q8_gemm.h)
+    // NOTE: offset 0 -- the quantization (q, d, s) is the same for every offset
+    const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, 0);
+    if (!sx.xu_ready) isa_avx2::unsigned_x(*q, M, sx.xu);
+    sx.xu_ready = true;
+    const uint8_t* xu = sx.xu.data();
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::g_range_fmt(fmt, *q, xu, M, wp, rb, out, nb, ne); };
     return p;
   }
   if (isa >= kIsaAvx512Bf16 && !x_bf16) isa = kIsaAvx512;
