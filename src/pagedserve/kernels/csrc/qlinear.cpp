@@ -15,9 +15,11 @@
 //   3 AVX512-BF16  W rows dequantized to bf16, vdpbf16ps dot products
 //   2 AVX512F      W rows dequantized to fp32, fp32 FMA (16 lanes); x converted to fp32
 //   1 AVX2+FMA     the same with 8 lanes
-// From gemm_rows rows on (bf16 x), the ggml formats take a blocked GEMM instead: on AVX512-BF16
-// the 8-bit one for Q8_0 / Q4_0 / Q5_0 / Q4_K / Q5_K (qlinear_vnni.h: vpdpbusd on the 8-bit x),
-// the bf16 one for Q6_K (qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 below.
+// From gemm_rows rows on (bf16 x), the ggml formats take a blocked GEMM instead: on AVX2 the
+// 8-bit one for every ggml format (qlinear_q8_gemm.h: 16 weight rows unpacked once into
+// column-interleaved bytes, maddubs on the 8-bit x); on AVX512-BF16 the 8-bit one for Q8_0 /
+// Q4_0 / Q5_0 / Q4_K / Q5_K (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for Q6_K
+// (qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 on AVX512F.
 // qlinear_argmax: the greedy LM head, the product scanned chunk by chunk (no logits in memory).
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
 // NOTEs in qlinear_impl.h and qlinear_q8.h). Registered as
@@ -150,6 +152,7 @@ struct SharedX {
   isa_avx512bf16::VnniX vnni;                               // 8-bit x packed for vnni_range
   bool vnni_ready = false;
   std::vector<uint8_t> xu;                                  // 8-bit x + 128 (the AVX2 GEMM)
+  std::vector<int32_t> xsum;                                // its blocks' sum(qx)
   bool xu_ready = false;
 };
 
@@ -212,10 +215,11 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   if (isa == kIsaAvx2 && isa_avx2::q8_format(fmt)) {  // the AVX2 8-bit GEMM (qlinear_q8_gemm.h)
     // NOTE: offset 0 -- the quantization (q, d, s) is the same for every offset
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, 0);
-    if (!sx.xu_ready) isa_avx2::unsigned_x(*q, M, sx.xu);
+    if (!sx.xu_ready) isa_avx2::gemm_x(*q, M, sx.xu, sx.xsum);
     sx.xu_ready = true;
     const uint8_t* xu = sx.xu.data();
-    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::g_range_fmt(fmt, *q, xu, M, wp, rb, out, nb, ne); };
+    const int32_t* xsum = sx.xsum.data();
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::g_range_fmt(fmt, *q, xu, xsum, M, wp, rb, out, nb, ne); };
     return p;
   }
   if (isa >= kIsaAvx512Bf16 && !x_bf16) isa = kIsaAvx512;

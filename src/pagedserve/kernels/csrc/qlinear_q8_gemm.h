@@ -5,17 +5,20 @@
 //   y[m, n] = sum_b  fl(dw[n, b] * dx[m, b]) * P[m, n, b]  (- mw[n, b] * sx[m, b], the K-quants)
 //
 // over the blocks b of 32 values, P the exact integer dot product of the block (Q6_K: with its
-// two int8 sub-scales inside). x is the small-batch kernel's 8-bit quantization (`quantize_x`),
-// here as unsigned bytes x + 128 (`qu`). A tile of 16 weight rows is unpacked once per call into
-// signed bytes, four k of one column per 32-bit lane: [K / 32][8 quads][16 columns][4], with
-// per column and block its scale, its min (the K-quants), Q6_K's sub-scales as int16 pairs, and
-// the correction 128 * sum(w) (times the sub-scales for Q6_K). Every row of x then runs over the
-// tile: four bytes of x broadcast, `maddubs` against eight columns at once, the int16 pair sums of
-// up to kGroup quads added before one `madd` (their bound keeps them exact: |w| <= 16 takes 4
-// quads, |w| <= 8 all 8), P = that int32 sum - the correction, then one fp32 FMA per block for
-// eight columns. Q8_0 (|w| up to 128: no headroom) takes the sign trick (|w| against sign(x, w),
-// signed x) quad by quad. So per 32 products it issues ~1.3 multiply instructions where the
-// small-batch kernel issues 2 plus its fp32 work, and no weight block is unpacked twice.
+// two int8 sub-scales inside). x is the small-batch kernel's 8-bit quantization (`quantize_x`).
+// A tile of 16 weight rows is unpacked once per call into bytes, four k of one column per 32-bit
+// lane: [K / 32][8 quads][16 columns][4], with per column and block its scale, its min (the
+// K-quants) and, for Q6_K, its sub-scales as int16 pairs. Every row of x then runs over the tile:
+// four bytes of x broadcast, `maddubs` against eight columns at once, the int16 pair sums of up
+// to kGroup quads added before one `madd` (their bound keeps them exact), then one fp32 FMA per
+// block for eight columns. How the signs meet `maddubs` (u8 x s8) depends on the format:
+//   Q4_0 / Q5_0 / Q4_K / Q5_K  the stored unsigned q (<= 31) against signed x; Q4_0 / Q5_0 then
+//                              subtract offset * sum(qx) of the row's block (`gemm_x`), exactly;
+//   Q6_K                       x + 128 (unsigned) against q - 32, minus 128 * the column's
+//                              sub-scaled sums of w (computed when the tile is unpacked);
+//   Q8_0                       |w| against sign(x, w) (|w| up to 128: no headroom), quad by quad.
+// So per 32 products it issues ~1.1-2 multiply instructions where the small-batch kernel issues 2
+// plus its fp32 work, and no weight block is unpacked twice.
 //
 // NOTE: batch invariance among GEMM-sized batches: y[m, n] is one lane that walks the blocks in
 // order with the same instructions, whatever M is and wherever row m sits (tiles of 2 or 1 rows
@@ -41,13 +44,20 @@ struct GTile {
 
 // How the GEMM reads a format: quads of int16 pair sums added before a `madd` (kGroup), the sign
 // trick (Q8_0), the K-quants' mins, Q6_K's sub-scales. kGroup * 2 * 255 * max|w| <= 32767.
+// kStored: the weights stay unsigned as stored (q <= 31), against signed x: maddubs(q, x), pairs
+// <= 2 * 127 * 31, and no per-column correction (Q4_0 / Q5_0 subtract offset * sum(qx) per row
+// and block instead; the K-quants' q have no offset). Q6_K: x + 128 against q - 32 (its
+// sub-scales multiply whole halves, so the offset is corrected per column, with them).
 template <class F> struct GemmTraits;
-template <> struct GemmTraits<Q8_0> { static constexpr int kGroup = 1; static constexpr bool kSign = true, kSub = false; };
-template <> struct GemmTraits<Q4_0> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false; };
-template <> struct GemmTraits<Q5_0> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false; };
-template <> struct GemmTraits<Q4_K> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false; };
-template <> struct GemmTraits<Q5_K> { static constexpr int kGroup = 2; static constexpr bool kSign = false, kSub = false; };
-template <> struct GemmTraits<Q6_K> { static constexpr int kGroup = 2; static constexpr bool kSign = false, kSub = true; };
+template <> struct GemmTraits<Q8_0> { static constexpr int kGroup = 1; static constexpr bool kSign = true, kSub = false, kStored = false; };
+template <> struct GemmTraits<Q4_0> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
+template <> struct GemmTraits<Q5_0> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false, kStored = true; };
+template <> struct GemmTraits<Q4_K> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
+template <> struct GemmTraits<Q5_K> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false, kStored = true; };
+template <> struct GemmTraits<Q6_K> { static constexpr int kGroup = 2; static constexpr bool kSign = false, kSub = true, kStored = false; };
+
+// log2 of a stored format's offset (Q4_0: 8, Q5_0: 16), -1 for none.
+template <class F> constexpr int offset_shift() { return F::kOffset == 8 ? 3 : F::kOffset == 16 ? 4 : -1; }
 
 // 8 vectors of 8 dwords (v[c] = column c's 32 bytes of a block) -> o[s] = quad s of the 8 columns.
 inline void transpose8(const __m256i* v, __m256i* o) {
@@ -97,7 +107,7 @@ void g_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t cols, int64_t K,
           }
           __m256i mul;
           v[c] = F::block(h[c], wu[c], bt, &dw[c], &mul);
-          if constexpr (F::kOffset != 0) v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8(F::kOffset));
+          if constexpr (F::kOffset != 0 && !T::kStored) v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8(F::kOffset));
           if constexpr (F::kMins) {
             alignas(32) float m8[8];
             _mm256_store_ps(m8, h[c].mins);
@@ -117,7 +127,7 @@ void g_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t cols, int64_t K,
           if constexpr (T::kSign)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.aq.data() + b * 512 + half * 32 + s * 64),
                                 _mm256_sign_epi8(o[s], o[s]));
-          else
+          else if constexpr (!T::kStored)
             cs[s / 4] = _mm256_add_epi32(cs[s / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[s]), ones16));
         }
         const int64_t at = b * 16 + half * 8;
@@ -135,7 +145,8 @@ void g_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t cols, int64_t K,
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.sc.data() + b * 32 + 16 + half * 8),
                               _mm256_or_si256(_mm256_and_si256(s1, m16), _mm256_slli_epi32(s1, 16)));
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.corr.data() + at), _mm256_slli_epi32(corr, 7));
+        if constexpr (!T::kStored && !T::kSign)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.corr.data() + at), _mm256_slli_epi32(corr, 7));
       }
     }
   }
@@ -149,12 +160,12 @@ inline __m256i bcast4(const uint8_t* p) {
 
 // Rows [m0, m0 + MB) of x over the tile: res[i][c], c < 16 (before bias and rounding).
 template <class F, int MB>
-__attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu, int64_t m0, const GTile& t,
-                                                  float (*res)[kGCols]) {
+__attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu, const int32_t* xsum, int64_t m0,
+                                                  const GTile& t, float (*res)[kGCols]) {
   using T = GemmTraits<F>;
   const int64_t K = x.K, nb = K / 32;
   const __m256i ones16 = _mm256_set1_epi16(1);
-  const uint8_t* xr = T::kSign ? reinterpret_cast<const uint8_t*>(x.q) : xu;
+  const uint8_t* xr = T::kSign || T::kStored ? reinterpret_cast<const uint8_t*>(x.q) : xu;
   __m256 acc[MB][2];
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -180,6 +191,9 @@ __attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu
           if constexpr (T::kSign) {  // |w| * sign(x, w): |x| <= 127, |w| <= 128 fit int16 pairs
             p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
             p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+          } else if constexpr (T::kStored) {  // stored unsigned q times signed x
+            p0 = _mm256_maddubs_epi16(w0, xb);
+            p1 = _mm256_maddubs_epi16(w1, xb);
           } else {  // (x + 128) unsigned times w signed
             p0 = _mm256_maddubs_epi16(xb, w0);
             p1 = _mm256_maddubs_epi16(xb, w1);
@@ -203,7 +217,7 @@ __attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu
     }
     const __m256 dw0 = _mm256_loadu_ps(t.dw.data() + b * 16), dw1 = _mm256_loadu_ps(t.dw.data() + b * 16 + 8);
     __m256i c0 = _mm256_setzero_si256(), c1 = c0;
-    if constexpr (!T::kSign) {
+    if constexpr (!T::kSign && !T::kStored) {
       c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.corr.data() + b * 16));
       c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.corr.data() + b * 16 + 8));
     }
@@ -215,7 +229,11 @@ __attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu
         acc[i][0] = _mm256_fnmadd_ps(_mm256_loadu_ps(t.mw.data() + b * 16), sx, acc[i][0]);
         acc[i][1] = _mm256_fnmadd_ps(_mm256_loadu_ps(t.mw.data() + b * 16 + 8), sx, acc[i][1]);
       }
-      if constexpr (!T::kSign) {
+      if constexpr (T::kStored && offset_shift<F>() >= 0) {  // - offset * sum(qx), exactly
+        const __m256i o = _mm256_slli_epi32(_mm256_set1_epi32(xsum[(m0 + i) * nb + b]), offset_shift<F>());
+        P[i][0] = _mm256_sub_epi32(P[i][0], o);
+        P[i][1] = _mm256_sub_epi32(P[i][1], o);
+      } else if constexpr (!T::kSign && !T::kStored) {
         P[i][0] = _mm256_sub_epi32(P[i][0], c0);
         P[i][1] = _mm256_sub_epi32(P[i][1], c1);
       }
@@ -231,7 +249,7 @@ __attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu
 
 // Output columns [nb, ne) of the GEMM (whole 16-row blocks of W but for the last).
 template <class F>
-void g_product_range(const XQ& x, const uint8_t* xu, int64_t M, const uint8_t* w, int64_t rb, const Out& out,
+void g_product_range(const XQ& x, const uint8_t* xu, const int32_t* xsum, int64_t M, const uint8_t* w, int64_t rb, const Out& out,
                      int64_t nb, int64_t ne) {
   using T = GemmTraits<F>;
   GTile tile(x.K / 32, T::kSign, F::kMins, T::kSub);
@@ -252,12 +270,12 @@ void g_product_range(const XQ& x, const uint8_t* xu, int64_t M, const uint8_t* w
       int64_t m = 0;
       for (; m + 2 <= M; m += 2) {
         for (int64_t e = std::min(lines, line + per); line < e; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
-        g_rows<F, 2>(x, xu, m, tile, res);
+        g_rows<F, 2>(x, xu, xsum, m, tile, res);
         for (int i = 0; i < 2; ++i)
           for (int64_t c = 0; c < cols; ++c) put_out(st.out, m + i, n0 + c, res[i][c]);
       }
       if (m < M) {
-        g_rows<F, 1>(x, xu, m, tile, res);
+        g_rows<F, 1>(x, xu, xsum, m, tile, res);
         for (int64_t c = 0; c < cols; ++c) put_out(st.out, m, n0 + c, res[0][c]);
       }
     }
@@ -266,25 +284,34 @@ void g_product_range(const XQ& x, const uint8_t* xu, int64_t M, const uint8_t* w
 }
 
 // Output columns [nb, ne) of the GEMM with ggml format fmt; xu = x.q as unsigned x + 128.
-inline void g_range_fmt(int64_t fmt, const XQ& x, const uint8_t* xu, int64_t M, const uint8_t* w, int64_t rb,
+inline void g_range_fmt(int64_t fmt, const XQ& x, const uint8_t* xu, const int32_t* xsum, int64_t M, const uint8_t* w, int64_t rb,
                         const Out& out, int64_t nb, int64_t ne) {
   switch (fmt) {
-    case kFmtQ8_0: return g_product_range<Q8_0>(x, xu, M, w, rb, out, nb, ne);
-    case kFmtQ4_0: return g_product_range<Q4_0>(x, xu, M, w, rb, out, nb, ne);
-    case kFmtQ5_0: return g_product_range<Q5_0>(x, xu, M, w, rb, out, nb, ne);
-    case kFmtQ4_K: return g_product_range<Q4_K>(x, xu, M, w, rb, out, nb, ne);
-    case kFmtQ5_K: return g_product_range<Q5_K>(x, xu, M, w, rb, out, nb, ne);
-    case kFmtQ6_K: return g_product_range<Q6_K>(x, xu, M, w, rb, out, nb, ne);
+    case kFmtQ8_0: return g_product_range<Q8_0>(x, xu, xsum, M, w, rb, out, nb, ne);
+    case kFmtQ4_0: return g_product_range<Q4_0>(x, xu, xsum, M, w, rb, out, nb, ne);
+    case kFmtQ5_0: return g_product_range<Q5_0>(x, xu, xsum, M, w, rb, out, nb, ne);
+    case kFmtQ4_K: return g_product_range<Q4_K>(x, xu, xsum, M, w, rb, out, nb, ne);
+    case kFmtQ5_K: return g_product_range<Q5_K>(x, xu, xsum, M, w, rb, out, nb, ne);
+    case kFmtQ6_K: return g_product_range<Q6_K>(x, xu, xsum, M, w, rb, out, nb, ne);
   }
 }
 
-// x.q [M][K] as unsigned bytes x + 128 (the GEMM's x for every format but Q8_0).
-inline void unsigned_x(const XQ& x, int64_t M, std::vector<uint8_t>& u) {
+// x.q [M][K] as unsigned bytes x + 128 (the GEMM's x for Q6_K), and each block's sum(qx)
+// (xsum [M][K / 32], for the stored-offset formats).
+inline void gemm_x(const XQ& x, int64_t M, std::vector<uint8_t>& u, std::vector<int32_t>& xsum) {
+  const int64_t nb = x.K / 32;
   u.resize(size_t(M * x.K));
+  xsum.resize(size_t(M * nb));
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    const __m256i flip = _mm256_set1_epi8(char(0x80));
-    for (int64_t i = b * x.K; i < e * x.K; i += 32)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u.data() + i),
-                          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i)), flip));
+    const __m256i flip = _mm256_set1_epi8(char(0x80)), ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t i = b * nb; i < e * nb; ++i) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * 32));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u.data() + i * 32), _mm256_xor_si256(q, flip));
+      const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      xsum[size_t(i)] = _mm_cvtsi128_si32(t);
+    }
   });
 }
