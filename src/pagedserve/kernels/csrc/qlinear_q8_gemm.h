@@ -36,10 +36,10 @@ constexpr int64_t kGCols = 16;  // weight rows (output columns) per tile
 struct GTile {
   std::vector<int8_t> q, aq;      // [nb][8][16][4]; aq = |q| (Q8_0 only)
   std::vector<float> dw, mw;      // [nb][16]
-  std::vector<int32_t> corr, sc;  // [nb][16]; sc [nb][2][16]: a sub-scale as an int16 pair
+  std::vector<int32_t> corr, sc;  // Q6_K: [nb][16] its correction; [nb][2][16] sub-scales as int16 pairs
   explicit GTile(int64_t nb, bool sign, bool mins, bool sub)
       : q(size_t(nb * 512)), aq(sign ? size_t(nb * 512) : 0), dw(size_t(nb * 16)),
-        mw(mins ? size_t(nb * 16) : 0), corr(size_t(nb * 16)), sc(sub ? size_t(nb * 32) : 0) {}
+        mw(mins ? size_t(nb * 16) : 0), corr(sub ? size_t(nb * 16) : 0), sc(sub ? size_t(nb * 32) : 0) {}
 };
 
 // How the GEMM reads a format: quads of int16 pair sums added before a `madd` (kGroup), the sign
@@ -107,7 +107,6 @@ void g_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t cols, int64_t K,
           }
           __m256i mul;
           v[c] = F::block(h[c], wu[c], bt, &dw[c], &mul);
-          if constexpr (F::kOffset != 0 && !T::kStored) v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8(F::kOffset));
           if constexpr (F::kMins) {
             alignas(32) float m8[8];
             _mm256_store_ps(m8, h[c].mins);
@@ -127,17 +126,17 @@ void g_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t cols, int64_t K,
           if constexpr (T::kSign)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.aq.data() + b * 512 + half * 32 + s * 64),
                                 _mm256_sign_epi8(o[s], o[s]));
-          else if constexpr (!T::kStored)
+          else if constexpr (T::kSub)
             cs[s / 4] = _mm256_add_epi32(cs[s / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[s]), ones16));
         }
         const int64_t at = b * 16 + half * 8;
         _mm256_storeu_ps(t.dw.data() + at, _mm256_load_ps(dw));
         if constexpr (F::kMins) _mm256_storeu_ps(t.mw.data() + at, _mm256_load_ps(mw));
-        __m256i corr = _mm256_add_epi32(cs[0], cs[1]);
-        if constexpr (T::kSub) {
+        if constexpr (T::kSub) {  // 128 * sum_h sc_h * sum_h(w), and the madd multipliers
           const __m256i s0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[0]));
           const __m256i s1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[1]));
-          corr = _mm256_add_epi32(_mm256_mullo_epi32(cs[0], s0), _mm256_mullo_epi32(cs[1], s1));
+          const __m256i corr = _mm256_add_epi32(_mm256_mullo_epi32(cs[0], s0), _mm256_mullo_epi32(cs[1], s1));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.corr.data() + at), _mm256_slli_epi32(corr, 7));
           // the madd multipliers: each sub-scale in both int16 halves of its column's lane
           const __m256i m16 = _mm256_set1_epi32(0xFFFF);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.sc.data() + b * 32 + half * 8),
@@ -145,8 +144,6 @@ void g_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t cols, int64_t K,
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.sc.data() + b * 32 + 16 + half * 8),
                               _mm256_or_si256(_mm256_and_si256(s1, m16), _mm256_slli_epi32(s1, 16)));
         }
-        if constexpr (!T::kStored && !T::kSign)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.corr.data() + at), _mm256_slli_epi32(corr, 7));
       }
     }
   }
@@ -217,7 +214,7 @@ __attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu
     }
     const __m256 dw0 = _mm256_loadu_ps(t.dw.data() + b * 16), dw1 = _mm256_loadu_ps(t.dw.data() + b * 16 + 8);
     __m256i c0 = _mm256_setzero_si256(), c1 = c0;
-    if constexpr (!T::kSign && !T::kStored) {
+    if constexpr (T::kSub) {
       c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.corr.data() + b * 16));
       c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.corr.data() + b * 16 + 8));
     }
@@ -233,7 +230,7 @@ __attribute__((always_inline)) inline void g_rows(const XQ& x, const uint8_t* xu
         const __m256i o = _mm256_slli_epi32(_mm256_set1_epi32(xsum[(m0 + i) * nb + b]), offset_shift<F>());
         P[i][0] = _mm256_sub_epi32(P[i][0], o);
         P[i][1] = _mm256_sub_epi32(P[i][1], o);
-      } else if constexpr (!T::kSign && !T::kStored) {
+      } else if constexpr (T::kSub) {  // x + 128 against q - 32: - the column's correction
         P[i][0] = _mm256_sub_epi32(P[i][0], c0);
         P[i][1] = _mm256_sub_epi32(P[i][1], c1);
       }
