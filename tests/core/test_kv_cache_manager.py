@@ -49,6 +49,36 @@ def test_full_shared_last_block_needs_no_copy():
     kv.check_invariants()
 
 
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda kv, held: kv.pool.ref_counts.__setitem__(held, 2), "ref count 2, held by 1"),
+    (lambda kv, held: kv.pool.ref_counts.__setitem__(7, 1), "block 7: ref count 1, held by 0"),
+    (lambda kv, held: kv.pool._free.__setitem__(held, None), "ref count 1 but free=True"),
+    (lambda kv, held: kv.pool._free.pop(7), "block 7: ref count 0 but free=False"),
+    (lambda kv, held: kv.tables[0].blocks.pop(), "1 blocks for 6 slots"),
+])
+def test_invariant_check_catches_each_disagreement_between_pool_and_tables(corrupt, message):
+    # NOTE: the check works by counts beyond the held blocks (a swap pool holds ~10^6 blocks);
+    # each kind of corruption must still be named.
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv.allocate_slots(0, 6)
+    held = kv.block_table(0)[-1]
+    assert 7 not in kv.block_table(0)
+    kv.check_invariants()
+    corrupt(kv, held)
+    with pytest.raises(RuntimeError, match=message):
+        kv.check_invariants()
+
+
+def test_invariant_check_of_a_large_swap_pool_costs_its_held_blocks_not_its_size():
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=1 << 20)
+    kv.allocate_slots(0, 6)
+    calls = []
+    real = kv.cpu_pool.is_free
+    kv.cpu_pool.is_free = lambda b: calls.append(b) or real(b)
+    kv.check_invariants()
+    assert calls == []
+
+
 def test_block_size_out_of_range_is_a_value_error():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)

@@ -79,7 +79,8 @@ def test_bf16_request_with_its_adapter_is_exact_on_fused_and_mixed_steps(gemma, 
     """bf16 on the fused decode layer with adapters: a request's tokens and logprobs with its
     adapter are the same alone, in a batch of other adapters' and the base model's decode steps
     (fused), and in steps mixed with chunked prompts (the unfused layers with their hooks)."""
-    from pagedserve.kernels.cpu_gemm import kernel_available
+    from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
+    from pagedserve.kernels.cpu_isa import ISA_LEVELS
 
     if not kernel_available():
         pytest.skip("CPU kernels unavailable here")
@@ -112,7 +113,13 @@ def test_bf16_request_with_its_adapter_is_exact_on_fused_and_mixed_steps(gemma, 
     small = LLM(str(base), max_num_batched_tokens=8, **opts)  # prompts chunked into decodes
     again = small.generate(others + target, params, lora_request=[r16, r4, r16, r8],
                            use_tqdm=False)[3]
-    assert output_key(again) == output_key(alone)
+    if linear_isa() >= ISA_LEVELS["avx512bf16"]:
+        assert output_key(again) == output_key(alone)
+    else:
+        # NOTE: below AVX512-BF16 a bf16 prompt chunk's attention is torch's SDPA
+        # (kernels/cpu_attention.py), whose bits depend on how the prompt was chunked (measured:
+        # a 1e-3 logprob shift on an AVX2 Zen 3, CI): the engine's exactness is stated in float32.
+        assert_tie_rule(ours_as_pairs(again.outputs[0]), ours_as_pairs(alone.outputs[0]))
 
 
 def random_adapter(path, config, rank, seed):
