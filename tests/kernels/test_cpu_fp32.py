@@ -117,7 +117,27 @@ def test_activation_element_is_bitwise_the_same_whatever_the_tensor_size(kernels
         assert torch.equal(kernels.invariant_activation(x[i : i + 1], name), full[i : i + 1])
     assert torch.equal(kernels.invariant_activation(x[5:2000], name), full[5:2000])
     torch.testing.assert_close(full, ref(x), rtol=1e-6, atol=1e-6)
-    assert kernels.invariant_activation(x.bfloat16(), name) is None
+    assert kernels.invariant_activation(x.half(), name) is None
+
+
+@pytest.mark.parametrize("name,ref", [("silu", F.silu),
+                                      ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+def test_bf16_activation_is_the_fp32_formula_rounded_once_at_every_size_and_isa(kernels, name, ref):
+    x = (torch.randn(2 * 40_000 + 5, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
+    x[:4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    x[4] = float("nan")
+    full = kernels.invariant_activation(x, name)
+    assert full.dtype is torch.bfloat16
+    # the fp32 kernel on the widened values, rounded to nearest even by torch
+    want = kernels.invariant_activation(x.float(), name).bfloat16()
+    assert torch.equal(full[5:], want[5:]) and torch.equal(full[:4], want[:4])
+    assert torch.isnan(full[4])
+    for isa in _isas():
+        assert torch.equal(kernels._kernel_activation(x, name, isa)[5:], want[5:]), isa
+    for i in (5, 20, 40_001, x.numel() - 1):
+        assert torch.equal(kernels.invariant_activation(x[i : i + 1], name), full[i : i + 1])
+    # torch's bf16 op: the same values within one bf16 step
+    torch.testing.assert_close(full[5:].float(), ref(x[5:]).float(), rtol=8e-3, atol=1e-5)
 
 
 # ---- attention ------------------------------------------------------------------------------

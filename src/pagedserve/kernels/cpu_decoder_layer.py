@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.cpu_fp32 import fp32_kernels_available
 from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, linear_isa
 from pagedserve.kernels.cpu_qlinear import gemm_rows
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+def _act_code(act: int) -> int:
+    """The kernel's activation code: torch's op (ACT_*), or + 2 for the fp32 extension's kernel.
+    NOTE: exactly when `layers.activation.Activation` takes that kernel for bf16 x (its extension
+    loaded), so that the fused layer stays bit for bit the modules."""
+    return act + 2 if fp32_kernels_available() else act
 
 
 def weight_formats(weights: list[torch.Tensor]) -> list[int] | None:
@@ -80,7 +88,7 @@ def decoder_layer(
     spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     args = (x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache,
             slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale),
-            int(window or 0), act, formats, isa, gemm_rows(spec, torch.bfloat16, isa))
+            int(window or 0), _act_code(act), formats, isa, gemm_rows(spec, torch.bfloat16, isa))
     if lora is None:
         return torch.ops.pagedserve_cpu.decoder_layer.default(*args)
     return torch.ops.pagedserve_cpu.decoder_layer_lora.default(*args, *lora)

@@ -1,8 +1,10 @@
 """Activation functions by their HF config names (`hidden_act`, `activation_function`).
 
-`get_activation(name)` gives an `Activation` layer: torch's function, except float32 silu and
-tanh-GELU, which go to the platform's ops first (`LayerOps.activation`: on the CPU platform the
-batch-invariant kernel of `kernels.cpu_fp32`, one vector formula for every element).
+`get_activation(name)` gives an `Activation` layer: torch's function, except float32 / bf16 silu
+and tanh-GELU, which go to the platform's ops first (`LayerOps.activation`: on the CPU platform
+the batch-invariant kernel of `kernels.cpu_fp32`, one vector formula for every element).
+NOTE: the fused CPU decode layer (kernels/cpu_decoder_layer.py) calls the same kernel whenever
+this does, so the two stay bit for bit equal.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Activation(OpsUser, nn.Module):
         self.name = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype is torch.float32:
+        if self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16):
             y = self.ops.activation(x, self.kernel)
             if y is not None:
                 return y

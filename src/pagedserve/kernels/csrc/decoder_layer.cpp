@@ -124,8 +124,19 @@ void add_lora(const Lora* lora, int group, const at::Tensor& x, const std::vecto
   }
 }
 
+// The gated MLP's activation: act 0 silu, 1 gelu (tanh approximation) by torch's ops; 2 / 3 the
+// same by pagedserve_fp32::fp32_activation (kernels/cpu_fp32.py), which the layers' Activation
+// modules use whenever that extension is loaded (the Python wrapper picks the code to match).
+at::Tensor activate(const at::Tensor& x, int64_t act) {
+  if (act < 2) return act == 1 ? at::gelu(x, "tanh") : at::silu(x);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pagedserve_fp32::fp32_activation", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(x, act - 2, 0);
+}
+
 // norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
-// 2 Llama numerics (pre-norms only). act: 0 silu, 1 gelu (tanh approximation).
+// 2 Llama numerics (pre-norms only). act: see `activate`.
 // lora: the step's adapters (nullptr: none).
 at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
                      const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
@@ -140,7 +151,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   TORCH_CHECK(w.size() == kNumWeights && b.size() == kNumBiases && n.size() == kNumNorms,
               "decoder_layer: 7 weights, 4 biases and 6 norm weights expected");
   TORCH_CHECK(norm_mode == 1 || norm_mode == 2, "decoder_layer: norm_mode 1 (Gemma) or 2 (Llama)");
-  TORCH_CHECK(act == 0 || act == 1, "decoder_layer: act 0 (silu) or 1 (gelu tanh)");
+  TORCH_CHECK(act >= 0 && act <= 3, "decoder_layer: act 0 / 2 (silu), 1 / 3 (gelu tanh)");
   const bool gemma = norm_mode == 1, llama = !gemma;
   for (int i : {kInput, kPostAttn}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
   if (gemma)
@@ -177,7 +188,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
                                              {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
   add_lora(lora, kGroupGateUp, h, {kGate, kUp}, {&gu[0], &gu[1]}, isa);
-  const at::Tensor g = act == 1 ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
+  const at::Tensor g = activate(gu[0], act);
   const at::Tensor mid = at::mul(g, gu[1]);
   at::Tensor m = project(mid, w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
   add_lora(lora, kGroupDown, mid, {kDown}, {&m}, isa);

@@ -103,6 +103,19 @@ struct V {
   void store_tail(float* p, int n) const {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), r);
   }
+  // 16 bf16 values widened exactly; and rounded to nearest even (a NaN stays a quiet NaN)
+  static V load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  void store_bf16(uint16_t* p) const {
+    const __m512i u = _mm512_castps_si512(r);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
+  }
   // ((((l0..7 + l8..15) -> 8) lo4 + hi4) -> 4) then (0+2, 1+3) then (0 + 1)
   float hsum() const {
     const __m256 lo = _mm512_castps512_ps256(r);
@@ -155,6 +168,25 @@ struct V {
     alignas(32) float buf[16];
     store(buf);
     std::memcpy(p, buf, sizeof(float) * n);
+  }
+  // 16 bf16 values widened exactly; and rounded to nearest even (a NaN stays a quiet NaN)
+  static __m256 widen_half(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static V load_bf16(const uint16_t* p) { return {widen_half(p), widen_half(p + 8)}; }
+  static __m256i round_half(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(h, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  }
+  void store_bf16(uint16_t* p) const {
+    // packus works per 128-bit lane: a0-3 b0-3 a4-7 b4-7, then the quads back in order
+    const __m256i packed = _mm256_packus_epi32(round_half(a), round_half(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
   }
   float hsum() const {
     return hsum8(_mm256_add_ps(a, b));
@@ -297,21 +329,32 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
 // (zero-filled lanes), never a scalar path: torch's vectorized loops send each parallel chunk's
 // last elements through a scalar path whose exp/tanh round differently from the vector ones, and
 // where chunks end depends on the tensor's size and the thread count.
+// bf16 x: the same fp32 formula on each widened value, rounded to bf16 once (y bf16).
 at::Tensor fp32_activation(const at::Tensor& x, int64_t act, int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "fp32_activation: contiguous float32 input only");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && x.is_contiguous(),
+              "fp32_activation: contiguous float32 or bfloat16 input only");
   TORCH_CHECK(act == 0 || act == 1, "fp32_activation: act must be 0 (silu) or 1 (gelu tanh)");
   const int64_t use = pick_isa(isa, "fp32_activation");
   at::Tensor y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t n = x.numel(), groups = (n + 15) / 16;
   at::parallel_for(0, groups, 1024, [&](int64_t b, int64_t e) {
     const int64_t i0 = b * 16, i1 = std::min(n, e * 16);
+    if (bf16) {
+      const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr()) + i0;
+      auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr()) + i0;
+      if (use == kIsaAvx512)
+        isa_avx512::activation_bf16(xp, yp, i1 - i0, act);
+      else
+        isa_avx2::activation_bf16(xp, yp, i1 - i0, act);
+      return;
+    }
+    const float* xp = x.data_ptr<float>() + i0;
+    float* yp = y.data_ptr<float>() + i0;
     if (use == kIsaAvx512)
-      isa_avx512::activation(xp + i0, yp + i0, i1 - i0, act);
+      isa_avx512::activation(xp, yp, i1 - i0, act);
     else
-      isa_avx2::activation(xp + i0, yp + i0, i1 - i0, act);
+      isa_avx2::activation(xp, yp, i1 - i0, act);
   });
   return y;
 }

@@ -140,6 +140,19 @@ void activation(const float* x, float* y, int64_t n, int64_t act) {
   if (i < n) act_v(V::load_tail(x + i, int(n - i)), act).store_tail(y + i, int(n - i));
 }
 
+// bf16 in and out: each value widened to fp32 exactly, the same act_v, one rounding to bf16
+// (nearest even, NaN kept a quiet NaN), as torch's bf16 activations round their fp32 results.
+void activation_bf16(const uint16_t* x, uint16_t* y, int64_t n, int64_t act) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) act_v(V::load_bf16(x + i), act).store_bf16(y + i);
+  if (i < n) {
+    alignas(32) uint16_t in[16] = {}, out[16];
+    std::memcpy(in, x + i, sizeof(uint16_t) * size_t(n - i));
+    act_v(V::load_bf16(in), act).store_bf16(out);
+    std::memcpy(y + i, out, sizeof(uint16_t) * size_t(n - i));
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 // Scores of heads [g0, g0 + GH) against keys t and t + 1 (KT = 2) or t alone (KT = 1): each
