@@ -14,13 +14,15 @@ caching.
 - `invariant_activation(x, name)`: silu / gelu (tanh), every element by one vector formula
   (torch's loops run each parallel chunk's last elements through a scalar path that rounds exp
   and tanh differently; where chunks end depends on the tensor size and the thread count). It
-  also takes bf16 x (the fp32 formula on the widened values, one rounding to bf16): ~1.6x
-  torch's bf16 tanh-GELU (Sleef tanh) on a core, and parallel at decode sizes.
+  also takes bf16 x (the fp32 formula on the widened values, one rounding to bf16): 3.4x
+  torch's bf16 tanh-GELU (Sleef tanh) on one Zen 5 core at [2000, 2048], and parallel at decode
+  sizes (docs/benchmarks.md).
 - `invariant_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
   sliding_window)`: every query token attended alone over its own context, read from the cache
   (the step's K/V written first).
 
-Both return None where they do not apply (not float32 CPU tensors, gradients needed, the
+They return None where they do not apply (not float32 CPU tensors -- the activation also
+takes bf16 --, gradients needed, the
 extension disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS` or unavailable) and the caller uses torch.
 The extension is its own (it needs only AVX2 + FMA, not the AVX512_BF16 of the bf16 kernels),
 compiled on first use like `kernels.cpu_gemm`'s, never at import; a failure logs one warning.
