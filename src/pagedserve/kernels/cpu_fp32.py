@@ -21,9 +21,9 @@ caching.
   sliding_window)`: every query token attended alone over its own context, read from the cache
   (the step's K/V written first).
 
-They return None where they do not apply (not float32 CPU tensors -- the activation also
-takes bf16 --, gradients needed, the
-extension disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS` or unavailable) and the caller uses torch.
+They return None where they do not apply (not float32 CPU tensors -- the activation also takes
+bf16 --, gradients needed, the extension disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS` or
+unavailable) and the caller uses torch.
 The extension is its own (it needs only AVX2 + FMA, not the AVX512_BF16 of the bf16 kernels),
 compiled on first use like `kernels.cpu_gemm`'s, never at import; a failure logs one warning.
 """
