@@ -92,9 +92,7 @@ def test_dropped_streams_are_aborted_free_their_kv_blocks_and_the_server_stays_p
     assert metric(text, "pagedserve:kv_cache_usage_perc") == 0
     assert metric(text, "pagedserve:request_success_total", finished_reason="abort") == (
         aborted_before + 20)
-    start = time.monotonic()
     # (ignore_eos: a default-temperature draw of the tiny model may end early)
     resp = http.post("/v1/completions",
                      json={"prompt": "The module", "max_tokens": 4, "ignore_eos": True})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
-    assert time.monotonic() - start < 5
