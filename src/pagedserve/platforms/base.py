@@ -85,6 +85,11 @@ class LayerOps:
         layer runs its modules."""
         return None
 
+    def moe_experts(self, experts, x, weights, ids, down_bias: bool) -> torch.Tensor | None:
+        """An MoE layer's routed experts (`layers.moe.MoEExperts`) on a kernel: the float32
+        `[T, H]` weighted sum of each token's experts, or None: the layer's torch loop."""
+        return None
+
     def decode_attention(self, query, k_cache, v_cache, block_tables, seq_lens, scale,
                          sliding_window) -> torch.Tensor | None:
         """The torch attention backend's decode rows on a kernel, or None: torch's."""
