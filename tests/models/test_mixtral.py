@@ -24,3 +24,10 @@ def test_mixtral_matches_hf(hf_pair, check_hf, prompts):
     moe = model.model.layers[0].mlp
     assert moe.experts.gate_proj.shape == (8, 32, 64) and moe.experts.down_proj.shape == (8, 64, 32)
     check_hf(hf, model, prompts(VOCAB))
+
+
+def test_mixtral_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    from moe_gguf import check_gguf_family
+
+    hf, _, folder = hf_pair(mixtral_config(sliding_window=None))
+    check_gguf_family("mixtral", hf, folder, tmp_path, prompts(VOCAB), check_hf)

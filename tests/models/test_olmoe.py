@@ -24,3 +24,10 @@ def test_olmoe_matches_hf(hf_pair, check_hf, prompts):
     attn = model.model.layers[0].self_attn
     assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,)
     check_hf(hf, model, prompts(VOCAB))
+
+
+def test_olmoe_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    from moe_gguf import check_gguf_family
+
+    hf, _, folder = hf_pair(olmoe_config())
+    check_gguf_family("olmoe", hf, folder, tmp_path, prompts(VOCAB), check_hf)

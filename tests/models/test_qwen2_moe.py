@@ -31,3 +31,11 @@ def test_qwen2_moe_matches_hf(hf_pair, check_hf, prompts):
     assert moe.shared_expert_gate.weight.shape == (1, 64) and moe.shared_expert is not None
     assert model.model.layers[0].self_attn.q_proj.bias is not None
     check_hf(hf, model, prompts(VOCAB))
+
+
+def test_qwen2_moe_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    from moe_gguf import check_gguf_family
+
+    # llama.cpp's qwen2moe has experts in every layer
+    hf, _, folder = hf_pair(qwen2_moe_config(mlp_only_layers=[], num_hidden_layers=2))
+    check_gguf_family("qwen2_moe", hf, folder, tmp_path, prompts(VOCAB), check_hf)

@@ -28,3 +28,11 @@ def test_qwen3_moe_matches_hf(hf_pair, check_hf, prompts):
     assert [type(layer.mlp) for layer in model.model.layers] == [LlamaMLP, FusedMoE]
     assert model.kv_cache_spec.head_dim == 32
     check_hf(hf, model, prompts(VOCAB))
+
+
+def test_qwen3_moe_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    from moe_gguf import check_gguf_family
+
+    # llama.cpp's qwen3moe has experts in every layer and renormalizes the top-k
+    hf, _, folder = hf_pair(qwen3_moe_config(decoder_sparse_step=1))
+    check_gguf_family("qwen3_moe", hf, folder, tmp_path, prompts(VOCAB), check_hf)

@@ -411,6 +411,8 @@ class FusedMoE(OpsUser, nn.Module):
 
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<leaf>\w+)\.(?P<kind>weight|bias)$")
 
+_STACKED_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<leaf>gate_proj|up_proj|down_proj)\.(?P<kind>weight|bias)$")
+
 # per-expert checkpoint leaves -> our stacked parameter (Mixtral's w1 / w3 / w2; the rest's names)
 EXPERT_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
                  "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -423,8 +425,9 @@ def expert_param_name(name: str, placement: ExpertPlacement) -> str | tuple | No
     - a per-expert name (`<prefix>.experts.<e>.<w1|w3|w2|gate_proj|up_proj|down_proj>.<weight|bias>`)
       -> `(<prefix>.experts.<gate_proj|...>[_bias], local index of e)`, or None when another
       rank holds expert e;
-    - a whole stacked tensor (`<prefix>.experts.gate_proj`, from a GGUF file's `ffn_*_exps`)
-      under expert parallelism -> `(name, this rank's range of experts)`;
+    - a whole stacked tensor (`<prefix>.experts.gate_proj[.weight]`, from a GGUF file's
+      `ffn_*_exps`) -> our stacked name; under expert parallelism `(that name, this rank's range
+      of experts)`;
     - any other name unchanged."""
     m = _EXPERT_NAME.match(name)
     if m is not None and m["leaf"] in EXPERT_LEAVES:
@@ -433,6 +436,9 @@ def expert_param_name(name: str, placement: ExpertPlacement) -> str | tuple | No
             return None
         leaf = EXPERT_LEAVES[m["leaf"]] + ("_bias" if m["kind"] == "bias" else "")
         return f"{m['prefix']}.{leaf}", local
+    m = _STACKED_NAME.match(name)
+    if m is not None:  # `...experts.gate_proj.weight` (llama.cpp's merged name) -> ours
+        name = f"{m['prefix']}.{m['leaf']}" + ("_bias" if m["kind"] == "bias" else "")
     prefix, _, leaf = name.rpartition(".")
     if placement.ep and prefix.endswith(".experts") and leaf.removesuffix("_bias") in EXPERT_LEAVES.values():
         return name, slice(placement.start, placement.start + placement.num_local)
