@@ -129,3 +129,25 @@ def test_expert_names_map_to_stacked_slices_and_ranks():
     assert expert_param_name("m.experts.5.w3.weight", ep) == ("m.experts.up_proj", 1)
     assert expert_param_name("m.experts.2.w3.weight", ep) is None  # rank 0's
     assert expert_param_name("m.experts.gate_proj", ep) == ("m.experts.gate_proj", slice(4, 8))
+
+
+@torch.no_grad()
+def test_a_tokens_output_is_bitwise_independent_of_its_batch():
+    """Sigmoid scores over 6 experts and a sigmoid-gated shared expert: shapes torch's CPU
+    sigmoid computes partly in vectors, partly scalar -- the kernel's one formula keeps every
+    token's bits whatever its batch (alone, reversed, among 36 others)."""
+    from pagedserve.kernels import cpu_fp32
+
+    if not cpu_fp32.fp32_kernels_available():
+        pytest.skip("fp32 invariant kernels unavailable")
+    torch.manual_seed(0)
+    moe = FusedMoE(64, 32, 6, MoERouting(top_k=2, scoring="sigmoid", renormalize=True,
+                                         renormalize_eps=1e-20),
+                   shared_intermediate_size=48, shared_gate=True)
+    for p in moe.parameters():
+        p.normal_(0, 0.2)
+    x = torch.randn(37, 64)
+    full = moe(x)
+    assert torch.equal(moe(x.flip(0)).flip(0), full)
+    for i in range(37):
+        assert torch.equal(moe(x[i : i + 1])[0], full[i]), f"token {i}"

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.tp import SINGLE, TPContext
@@ -125,16 +124,18 @@ def select_experts(
     logits: torch.Tensor,  # [T, E] router logits (any float dtype)
     routing: MoERouting,
     correction_bias: torch.Tensor | None = None,  # [E], routing.correction_bias
+    sigmoid: Callable[[torch.Tensor], torch.Tensor] = torch.sigmoid,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] fp32, expert ids [T, k] int64
     """Each token's `routing.top_k` experts and their weights, by `routing`'s rules (HF's
-    routers, operation for operation, in float32)."""
+    routers, operation for operation, in float32). `sigmoid`: the sigmoid scoring's function
+    (`FusedMoE` passes its batch-invariant one, `invariant_sigmoid`)."""
     k = routing.top_k
     logits = logits.float()  # [T, E]
     if routing.scoring == "softmax_topk":
         top, ids = torch.topk(logits, k, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)
     else:
-        scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else logits.sigmoid()
+        scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else sigmoid(logits)
         choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
         if routing.num_groups > 1:
             t, e = choice.shape
@@ -155,6 +156,18 @@ def select_experts(
     if routing.routed_scaling_factor != 1.0:
         weights = weights * routing.routed_scaling_factor
     return weights, ids
+
+
+def invariant_sigmoid(x: torch.Tensor, ops) -> torch.Tensor:
+    """`torch.sigmoid(x)` on the platform's one-formula kernel (`ops.activation`), else torch's.
+    NOTE: torch's CPU sigmoid computes most elements in vectors and a tensor's last few with
+    scalar code, whose bits differ: a token's gate `[T, 1]` (or scores `[T, E]`, E not a multiple
+    of the vector width) would then depend on how many tokens share its step."""
+    if x.dtype in (torch.float32, torch.bfloat16):
+        y = ops.activation(x.contiguous(), "sigmoid")
+        if y is not None:
+            return y
+    return torch.sigmoid(x)
 
 
 @dataclass(frozen=True)
@@ -294,7 +307,9 @@ class MoEExperts(OpsUser, nn.Module):
             rows = tokens[lo:offset]  # [n] tokens routed to this expert, ascending
             xe = x[rows]  # [n, H]
             y = self.expert_forward(local, xe, down_bias=down_bias)  # [n, H]
-            out.index_add_(0, rows, y.float() * slot_weights[lo:offset, None])
+            # NOTE: not index_add_: it took ~15 ms a call on CPU (its parallel path) at any size;
+            # an expert holds a token at most once, so gather-add-scatter is the same sum
+            out[rows] = out[rows] + y.float() * slot_weights[lo:offset, None]  # [n, H]
         return out
 
     def expert_forward(self, local: int, x: torch.Tensor, *, down_bias: bool = True) -> torch.Tensor:
@@ -397,12 +412,13 @@ class FusedMoE(OpsUser, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = self.gate(x)  # [T, E]
-        weights, ids = select_experts(logits, self.routing, self.gate.e_score_correction_bias)
+        weights, ids = select_experts(logits, self.routing, self.gate.e_score_correction_bias,
+                                      lambda v: invariant_sigmoid(v, self.ops))
         y = self.experts(x, weights, ids, down_bias=self.tp.rank == 0)  # [T, H] fp32
         if self.shared_expert is not None:
             s = self.shared_expert(x)  # [T, H]
             if self.shared_expert_gate is not None:
-                s = F.sigmoid(self.ops.linear(x, self.shared_expert_gate.weight)) * s  # [T, H]
+                s = invariant_sigmoid(self.ops.linear(x, self.shared_expert_gate.weight), self.ops) * s
             y = y + s.float()
         return self.tp.all_reduce(y).to(x.dtype)  # summed in float32 over the ranks
 

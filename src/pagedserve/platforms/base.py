@@ -77,7 +77,8 @@ class LayerOps:
         return False
 
     def activation(self, x: torch.Tensor, name: str) -> torch.Tensor | None:
-        """A float32 / bf16 activation ("silu" | "gelu_tanh") on a kernel, or None: torch's."""
+        """A float32 / bf16 activation ("silu" | "gelu_tanh" | "sigmoid") on a kernel, or None:
+        torch's."""
         return None
 
     def decoder_layer(self, layer, x, rope, kv_cache, meta) -> torch.Tensor | None:
