@@ -376,6 +376,8 @@ class FusedMoE(OpsUser, nn.Module):
     expert's are summed over the ranks in one all-reduce.
     """
 
+    is_moe = True  # (LoRA adapts the attention of layers with one of these as `mlp`, lora.layers)
+
     def __init__(
         self,
         hidden_size: int,
