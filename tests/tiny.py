@@ -63,6 +63,25 @@ def config_for(arch: str, **overrides):
                            word_embed_proj_dim=64, **common)
     elif arch == "gpt2":
         cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+    # mixture of experts (layers/moe.py): 8 experts of width 32, 2 routed per token
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                               num_experts_per_tok=2, max_position_embeddings=512, **common)
+    elif arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                num_experts_per_tok=2, max_position_embeddings=512, **common)
+    elif arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, max_position_embeddings=512, **common)
+    elif arch == "olmoe":
+        cfg = tf.OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                             num_experts_per_tok=2, max_position_embeddings=512, **common)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

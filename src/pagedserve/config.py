@@ -134,6 +134,10 @@ class EngineArgs:
     max_logprobs: int = option(20, "most logprobs a request may ask for")
     tensor_parallel_size: int = option(
         1, "workers sharing every layer (Megatron-style tensor parallelism)", aliases=("-tp",))
+    enable_expert_parallel: bool = option(
+        False, "mixture-of-experts models: whole experts split across the tensor-parallel ranks "
+        "(each rank holds num_experts / tensor_parallel_size of them) instead of every expert "
+        "sharded along its intermediate dimension; attention stays tensor-parallel")
     distributed_executor_backend: str | None = option(
         None, "uni: in this process; mp: worker processes on this machine; ray: Ray actors "
         "(default: uni for one worker, mp for more)", choices=EXECUTOR_BACKENDS)

@@ -100,7 +100,8 @@ def test_model_linear_uses_the_kernel_for_float32_and_torch_when_disabled(kernel
 
 
 @pytest.mark.parametrize("name,ref", [("silu", F.silu),
-                                      ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+                                      ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
+                                      ("sigmoid", torch.sigmoid)])  # MoE gates (layers/moe.py)
 def test_activation_element_is_bitwise_the_same_whatever_the_tensor_size(kernels, name, ref):
     x = torch.randn(3 * 40_000 + 7, generator=torch.Generator().manual_seed(0)) * 4
     x[:6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])

@@ -17,6 +17,8 @@ EXPECTED = {
     "OPTForCausalLM",
     "GPT2LMHeadModel",
 }
+# mixture of experts (layers/moe.py)
+EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
 
 
 def test_registry_names():

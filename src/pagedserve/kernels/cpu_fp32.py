@@ -93,11 +93,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2}
 
 
 def invariant_activation(x: torch.Tensor, name: str) -> torch.Tensor | None:
-    """`F.silu(x)` (name "silu") or `F.gelu(x, approximate="tanh")` ("gelu_tanh"), each element
+    """`F.silu(x)` (name "silu"), `F.gelu(x, approximate="tanh")` ("gelu_tanh") or `torch.sigmoid(x)`
+    ("sigmoid": MoE gates, whose [T, 1] shapes torch computes partly scalar), each element
     by the same formula (within ~2 ulp of torch's; bf16 x: rounded once to bf16); None where the
     kernel does not apply (see the module docstring)."""
     if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu or _needs_grad(x)

@@ -71,7 +71,10 @@ def load_named_weights(
     """Copy every `(name, tensor)` of `weights` into the parameter `rename(name)` of `module`.
 
     `rename` maps a checkpoint name to a parameter name of `module`, or to None for tensors to skip
-    (rotary buffers, a tied head). `transposed(param_name)` is True for 2-D tensors stored
+    (rotary buffers, a tied head), or to `(name, i)` with an int `i`: the tensor is slice `i`
+    (dim 0) of the stacked parameter (an MoE layer's experts, loaded one by one; the parameter
+    counts as loaded once every slice is), or to `(name, slice)`: the parameter is those rows of
+    the tensor (a rank's experts of a stacked checkpoint tensor). `transposed(param_name)` is True for 2-D tensors stored
     transposed (GPT-2's Conv1D). A tensor may be a lazy safetensors slice: a tensor-parallel shard
     then reads only its own rows. Tied parameters count once, under their first name.
     Raises ValueError naming the offenders for unexpected names, shape mismatches and parameters
@@ -80,15 +83,27 @@ def load_named_weights(
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
+    slices: dict[str, set[int]] = {}  # stacked parameters loaded slice by slice
     unexpected: list[str] = []
     for hf_name, source in weights:
         name = rename(hf_name)
         if name is None:
             continue
+        part = None
+        if isinstance(name, tuple):  # a stacked parameter's slice (an MoE layer's experts)
+            name, part = name
         param = params.get(name)
         if param is None:
             unexpected.append(hf_name)
             continue
+        if isinstance(part, int):
+            _copy_slice(hf_name, param, part, source)
+            slices.setdefault(name, set()).add(part)
+            if len(slices[name]) == param.shape[0]:
+                loaded.add(name)
+            continue
+        if part is not None:  # the parameter is rows `part` of the checkpoint tensor
+            source = _rows(hf_name, source, part, param)
         flip = transposed is not None and transposed(name)
         want = expected_shape(param, flip)
         if source_shape(source) != want:
@@ -110,6 +125,34 @@ def load_named_weights(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"weights missing from checkpoint: {_names(missing)}")
+
+
+def _copy_slice(hf_name: str, param: torch.Tensor, index: int, source: TensorSource) -> None:
+    """Copy checkpoint tensor `source` into slice `index` (dim 0) of the stacked `param`, reading
+    only the part its `shard` (a `ShardSpec` of the stacked parameter, dim >= 1) names."""
+    from pagedserve.layers.linear import ShardSpec
+
+    spec = getattr(param, "shard", None)
+    want = expected_shape(param)[1:]
+    if source_shape(source) != want:
+        raise ValueError(f"weight {hf_name!r} has shape {source_shape(source)}, the model expects {want}")
+    if _is_quantized(source):
+        source = source.dequantize()
+    target = param[index]
+    if spec is not None:
+        target.shard = ShardSpec(spec.dim - 1, spec.ranges, spec.full_size)
+    copy_into(target, source)
+
+
+def _rows(hf_name: str, source: TensorSource, rows: slice, param: torch.Tensor) -> TensorSource:
+    """Rows `rows` (dim 0) of checkpoint tensor `source`, for a parameter holding only those (an
+    MoE layer's experts under expert parallelism)."""
+    if _is_quantized(source):
+        source = source.dequantize()
+    full = source_shape(source)
+    if rows.stop > full[0]:
+        raise ValueError(f"weight {hf_name!r} has {full[0]} rows, the model reads {rows.start}:{rows.stop}")
+    return read_full(source)[rows] if isinstance(source, torch.Tensor) else source[rows]
 
 
 def _is_quantized(source: TensorSource) -> bool:

@@ -38,14 +38,17 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 def target_dims(config: Any) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every adaptable projection of the base model (an HF text
-    config of the Llama family: Llama, Mistral, Qwen2, Qwen3, Gemma 3)."""
+    config of the Llama family: Llama, Mistral, Qwen2, Qwen3, Gemma 3; of an MoE one -- Mixtral,
+    Qwen2/3-MoE, OLMoE -- its attention projections only)."""
     h, heads = int(config.hidden_size), int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     d = int(getattr(config, "head_dim", None) or h // heads)
+    dims = {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d),
+            "o_proj": (heads * d, h)}
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        return dims  # mixture of experts (layers/moe.py): the attention only
     inter = int(config.intermediate_size)
-    return {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d),
-            "o_proj": (heads * d, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-            "down_proj": (inter, h)}
+    return {**dims, "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
 
 @dataclass
@@ -172,6 +175,9 @@ def check_adapter(name: str, path: str, *, dims: dict[str, tuple[int, int]], num
                 missing = "lora_B" if "A" in parts else "lora_A"
                 raise _fail(name, f"layer {layer} {module}: {missing} is missing")
             (key_a, a_shape), (key_b, b_shape) = parts["A"], parts["B"]
+            if module not in dims:
+                raise _fail(name, f"target module {module!r} is not adapted in this model (a "
+                            f"mixture of experts: adapters take {', '.join(dims)})")
             d_in, d_out = dims[module]
             if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
                 raise _fail(name, f"layer {layer} {module}: lora_A {list(a_shape)} and lora_B "

@@ -286,11 +286,15 @@ def install_hooks(model: torch.nn.Module, stacks: LoRAStacks) -> int:
     count = 0
     for i, layer in enumerate(layers):
         found = _projections(layer)
-        if set(found) != set(TARGET_MODULES):
+        # NOTE: a mixture-of-experts layer (layers/moe.py) has no gate/up/down modules: its
+        # attention projections take adapters, its experts none (an adapter's MLP weights for
+        # such a layer are refused when the adapter is read: lora.adapter)
+        if not {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(found) or (
+                set(found) != set(TARGET_MODULES) and not getattr(layer.mlp, "is_moe", False)):
             raise ValueError(
                 f"enable_lora: {type(model).__name__} has no Llama-style q/k/v/o and gate/up/"
                 "down projections; LoRA serves the Llama-family models (Llama, Mistral, Qwen2, "
-                "Qwen3, Gemma 3)")
+                "Qwen3, Gemma 3) and the attention of the MoE ones (Mixtral, Qwen2/3-MoE, OLMoE)")
         for name, module in found.items():
             if getattr(module, "tp", None) is not None and module.tp.is_parallel:
                 raise ValueError("enable_lora: tensor-parallel LoRA is not supported")

@@ -42,7 +42,7 @@ from pagedserve.models.gguf_reader import (  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
@@ -52,14 +52,22 @@ CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
 # fields, a fixed mapping): the version is part of the cache key, so old entries are ignored.
 _CACHE_FORMAT_VERSION = 1
 
-_HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 _HF_ARCHITECTURE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
+# it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
+_MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
 
 
 def _check_supported(header: GGUFHeader) -> None:
@@ -104,6 +112,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     name = md.get("general.name")
     if arch == "llama" and isinstance(name, str) and "mistral" in name.lower():
         model_type = "mistral"  # llama.cpp writes Mistral models as "llama"
+    if arch == "llama" and header.arch_key("expert_count"):
+        model_type = "mixtral"  # llama.cpp writes Mixtral as "llama" with experts
 
     # NOTE: the embedding's row count is what the weights need; the token list can be shorter.
     token_embd = header.tensor("token_embd.weight")
@@ -141,6 +151,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"
         # GGUFs with full attention and stores no window, so neither do we.
         cfg["sliding_window"] = None
+    if model_type in _MOE_RENORMALIZE:
+        cfg.update(_moe_config(header, model_type, cfg))
     if arch == "llama":
         cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in tensor_names)
         cfg["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in tensor_names)
@@ -161,6 +173,29 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         # which uses 1/sqrt(hidden/heads); HF states this as query_pre_attn_scalar.
         cfg["query_pre_attn_scalar"] = hidden // n_heads if cfg["num_hidden_layers"] == 62 else head_dim
     return cfg
+
+
+def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of the HF config (experts, routed per token, expert widths) from llama.cpp's
+    `expert_*` keys."""
+    experts = int(_require(header, "expert_count"))
+    out: dict[str, Any] = {
+        "num_local_experts" if model_type == "mixtral" else "num_experts": experts,
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "norm_topk_prob": _MOE_RENORMALIZE[model_type],
+    }
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        width = header.arch_key("expert_feed_forward_length") or cfg["intermediate_size"]
+        out["moe_intermediate_size"] = int(width)
+        out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []  # every layer has experts
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(_require(header, "expert_shared_feed_forward_length"))
+        out["qkv_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+    if model_type == "olmoe" and (clip := header.arch_key("attention.clamp_kqv")) is not None:
+        out["clip_qkv"] = float(clip)
+    if model_type == "mixtral":
+        out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
+    return out
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -381,10 +416,26 @@ _LLAMA_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# mixture of experts (layers/moe.py): the router, the experts stacked [E, out, in] (our stacked
+# parameter names, as llama.cpp's converter calls the merged tensors), the shared expert
+_MOE_BLOCK_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 # GGUF block tensor leaf -> HF leaf under `model.layers.N.`, per architecture (same as gguf-py's
 # TensorNameMap for these architectures).
 _BLOCK_NAMES = {
-    "llama": _LLAMA_BLOCK_NAMES,
+    "llama": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},  # Mixtral is "llama" with experts
+    "qwen2moe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
+    "qwen3moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
+    "olmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "qwen2": _LLAMA_BLOCK_NAMES,
     "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
     "gemma3": {
@@ -410,6 +461,8 @@ def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
         leaf = _BLOCK_NAMES.get(architecture, {}).get(parts[2])
+        if leaf is not None and leaf.endswith("e_score_correction_bias"):  # a bias, stored as .bias
+            return f"model.layers.{int(parts[1])}.{leaf}"
         if leaf is not None:
             return f"model.layers.{int(parts[1])}.{leaf}.{suffix}"
     return None
@@ -478,6 +531,8 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         # computes x * (1 + w)); this covers the q/k norms as well as the block and final norms.
         if arch == "gemma3" and info.name.endswith("norm.weight"):
             tensor = tensor - 1.0  # [dim]
+        if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
+            tensor = tensor.unsqueeze(0)  # [H] -> HF's [1, H] (shared_expert_gate)
         if quantized is not None:  # rows permuted above as whole rows of blocks
             quantized.data = tensor.contiguous()
             tensor = quantized
@@ -486,17 +541,18 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
 
 def _read_quantized(blob: np.memmap, info: GGUFTensorInfo):
     """The tensor's blocks as a `QuantizedTensor` (a copy: the model does not pin the file), or
-    None if it is not a 2-D tensor in a format the kernel reads."""
+    None if it is not a 2-D tensor (or 3-D: an MoE layer's stacked experts) in a format the
+    kernel reads."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from pagedserve.layers.quantization import FORMATS, GGML_FORMATS, QuantizedTensor
 
     qtype = GGMLQuantizationType(info.ggml_type)
     name = GGML_FORMATS.get(qtype.name)
-    if name is None or len(info.shape) != 2:
+    if name is None or len(info.shape) not in (2, 3):
         return None
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    rows, cols = info.shape
-    raw = blob[info.offset : info.offset + info.nbytes].reshape(rows, cols // block_size * type_size)
-    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # [rows, row_bytes]
-    return QuantizedTensor(data, FORMATS[name], (rows, cols), int(info.ggml_type))
+    *rows, cols = info.shape
+    raw = blob[info.offset : info.offset + info.nbytes].reshape(*rows, cols // block_size * type_size)
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # [(E,) rows, row_bytes]
+    return QuantizedTensor(data, FORMATS[name], tuple(info.shape), int(info.ggml_type))

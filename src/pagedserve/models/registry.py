@@ -9,9 +9,13 @@ from torch import nn
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.models.mixtral import MixtralForCausalLM
+from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
+from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +26,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # mixture of experts (layers/moe.py)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -53,6 +62,10 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "opt": "OPTForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

@@ -77,12 +77,18 @@ class LayerOps:
         return False
 
     def activation(self, x: torch.Tensor, name: str) -> torch.Tensor | None:
-        """A float32 / bf16 activation ("silu" | "gelu_tanh") on a kernel, or None: torch's."""
+        """A float32 / bf16 activation ("silu" | "gelu_tanh" | "sigmoid") on a kernel, or None:
+        torch's."""
         return None
 
     def decoder_layer(self, layer, x, rope, kv_cache, meta) -> torch.Tensor | None:
         """A whole decoder layer (`models.llama.FusableDecoderLayer`) in one call, or None: the
         layer runs its modules."""
+        return None
+
+    def moe_experts(self, experts, x, weights, ids, down_bias: bool) -> torch.Tensor | None:
+        """An MoE layer's routed experts (`layers.moe.MoEExperts`) on a kernel: the float32
+        `[T, H]` weighted sum of each token's experts, or None: the layer's torch loop."""
         return None
 
     def decode_attention(self, query, k_cache, v_cache, block_tables, seq_lens, scale,

@@ -243,6 +243,14 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                                         world_size)
     if args.load_format == "dummy" and quantization == "gguf":
         quantization = "none"  # random weights: nothing to keep
+    if getattr(args, "enable_expert_parallel", False) and world_size > 1:
+        import copy
+        import dataclasses
+
+        # the MoE models read it from their config (models.mixtral.MoECausalLM)
+        model_config = copy.deepcopy(source.config)
+        model_config.enable_expert_parallel = True
+        source = dataclasses.replace(source, config=model_config)
     config = WorkerConfig(source=source, load_format=args.load_format, dtype=dtype,
                           device_type=device.type, seed=args.seed, world_size=world_size,
                           num_threads=threads, attention_backend=args.attention_backend,

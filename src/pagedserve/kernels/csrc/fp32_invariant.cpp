@@ -19,7 +19,7 @@
 //     own query and context, not on how the prompt was chunked or what else is in the step. The
 //     step's new K/V must already be in the cache.
 //
-//   fp32_activation(x, act) -> silu(x) (act 0) or gelu_tanh(x) (act 1), every element by one
+//   fp32_activation(x, act) -> silu(x) (act 0), gelu_tanh(x) (act 1) or sigmoid(x) (act 2), every element by one
 //     lane-wise vector formula (our exp), whatever the tensor's size and the thread count --
 //     torch's loops do not guarantee that.
 //
@@ -334,7 +334,7 @@ at::Tensor fp32_activation(const at::Tensor& x, int64_t act, int64_t isa) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && x.is_contiguous(),
               "fp32_activation: contiguous float32 or bfloat16 input only");
-  TORCH_CHECK(act == 0 || act == 1, "fp32_activation: act must be 0 (silu) or 1 (gelu tanh)");
+  TORCH_CHECK(act >= 0 && act <= 2, "fp32_activation: act must be 0 (silu), 1 (gelu tanh) or 2 (sigmoid)");
   const int64_t use = pick_isa(isa, "fp32_activation");
   at::Tensor y = at::empty_like(x);
   const int64_t n = x.numel(), groups = (n + 15) / 16;

@@ -124,6 +124,9 @@ inline V exp_v(V x) {
 // u = sqrt(2 / pi) (x + 0.044715 x^3).
 inline V act_v(V x, int64_t act) {
   V z;
+  if (act == 2) {  // sigmoid: 1 / (1 + exp(-x))
+    return V::div(V::set1(1.0f), V::add(V::set1(1.0f), exp_v(V::mul(x, V::set1(-1.0f)))));
+  }
   if (act == 0) {
     z = V::mul(x, V::set1(-1.0f));
   } else {

@@ -1,0 +1,143 @@
+"""Tensor and expert parallelism for MoE models: each rank holds its part of the experts (every
+expert's slice of the intermediate dimension, or with expert parallelism whole experts), and two
+ranks give one rank's logits. The ranks run as two threads of this process with an all-reduce
+over a barrier (the layers' collectives are only `TPContext.all_reduce` / `gather_to_first`);
+`enable_expert_parallel` reaches the workers' model config."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from pagedserve import LLM
+from pagedserve.distributed.tp import TPContext
+from pagedserve.models.loader import iter_safetensors, load_model
+from pagedserve.models.source import resolve_model
+from utils import PagedRunner
+
+
+class _Hub:
+    """Two threads' collectives: every rank deposits, waits, and reads the same rank-ordered
+    sum / concatenation."""
+
+    def __init__(self, world: int):
+        self.world, self.slots = world, [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def _exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read them
+        return parts
+
+    def all_reduce(self, rank, x):
+        parts = self._exchange(rank, x)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total
+
+    def gather(self, rank, x):
+        parts = self._exchange(rank, x.contiguous())
+        return torch.cat(parts, dim=-1) if rank == 0 else None
+
+
+@dataclass(frozen=True)
+class ThreadTP(TPContext):
+    hub: Any = None
+
+    def all_reduce(self, x):
+        return self.hub.all_reduce(self.rank, x)
+
+    def gather_to_first(self, x):
+        return self.hub.gather(self.rank, x)
+
+
+def _load(path, tp=TPContext(), expert_parallel=False):
+    config = copy.deepcopy(resolve_model(str(path)).config)
+    config.enable_expert_parallel = expert_parallel
+    return load_model(config, weights=iter_safetensors(path, lazy=True), dtype=torch.float32, tp=tp)
+
+
+def _two_rank_logits(path, prompts, expert_parallel):
+    hub = _Hub(2)
+    models = [_load(path, ThreadTP(r, 2, hub=hub), expert_parallel) for r in range(2)]
+    out, errors = {}, []
+
+    def run(rank):
+        try:
+            out[rank] = PagedRunner(models[rank]).step(list(enumerate(prompts)))
+        except BaseException as e:  # noqa: BLE001 -- re-raised below
+            errors.append(e)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return models, out[0]
+
+
+@pytest.mark.parametrize("family,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
+                                                    ("olmoe", False), ("mixtral", True)])
+def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
+    path = checkpoints(family)
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    single = _load(path)
+    ref = PagedRunner(single).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, expert_parallel)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    whole = single.model.layers[0].mlp.experts
+    for rank, model in enumerate(models):
+        experts = model.model.layers[0].mlp.experts
+        if expert_parallel:  # whole experts, this rank's half
+            assert experts.gate_proj.shape == (4, *whole.gate_proj.shape[1:])
+            assert torch.equal(experts.down_proj, whole.down_proj[4 * rank:4 * rank + 4])
+        else:  # every expert, this rank's half of the intermediate dimension
+            inter = whole.gate_proj.shape[1] // 2
+            assert torch.equal(experts.up_proj, whole.up_proj[:, inter * rank:inter * (rank + 1)])
+            assert torch.equal(experts.down_proj, whole.down_proj[:, :, inter * rank:inter * (rank + 1)])
+
+
+def test_enable_expert_parallel_reaches_the_workers_model_config(checkpoints, monkeypatch):
+    """The engine flag travels in the workers' config (their models read it); the engine's own
+    config is left as it was. (The numerics: the threaded test above. An end-to-end mp run of
+    qwen3_moe with TP=2 + expert parallelism gave the single process's tokens, ~23 s: not here.)"""
+    import pagedserve.worker.mp_executor as mp_executor
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(config):
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr(mp_executor, "MultiprocExecutor", fake)
+    path = str(checkpoints("qwen3_moe"))
+    for flag in (True, False):
+        with pytest.raises(Stop):
+            LLM(path, tensor_parallel_size=2, enable_expert_parallel=flag, dtype="float32",
+                kv_cache_memory=1 << 22)
+    assert [getattr(c.source.config, "enable_expert_parallel", False) for c in seen] == [True, False]
+
+
+def test_experts_that_do_not_split_are_refused_naming_the_option(checkpoints):
+    config = copy.deepcopy(resolve_model(str(checkpoints("mixtral"))).config)
+    config.enable_expert_parallel = True
+    from pagedserve.models.mixtral import MixtralForCausalLM
+
+    with pytest.raises(ValueError, match=r"num_experts \(8\) must be divisible by tensor_parallel_size \(3\)"):
+        with torch.device("meta"):
+            MixtralForCausalLM(config, tp=TPContext(0, 3))

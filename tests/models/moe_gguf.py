@@ -1,0 +1,154 @@
+"""Tiny MoE GGUF files written as llama.cpp's convert_hf_to_gguf.py writes them, and the checks
+the MoE family tests share (HF folder vs GGUF, kept quantized).
+
+llama.cpp merges each layer's experts into 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
+(torch shape `[E, out, in]`), names the router `ffn_gate_inp` (always F32), the shared expert
+`ffn_*_shexp` and its gate `ffn_gate_inp_shexp`, and stores `expert_count`, `expert_used_count`,
+`expert_feed_forward_length`, `expert_shared_feed_forward_length` (and `attention.clamp_kqv`).
+Mixtral is architecture "llama" (Q/K rows permuted), with the experts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from pagedserve.models.loader import load_model
+
+ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE}
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute of Q/K rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's per-expert tensors merged into one `[E, out, in]` tensor per layer and projection,
+    named `<prefix>.experts.<leaf>.weight`, as the converter does."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = t
+    for name, parts in groups.items():
+        out[name] = torch.stack([parts[i] for i in range(len(parts))])
+    return out
+
+
+def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
+                   types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
+    type per substring of the HF name (first match; default F32)."""
+    arch = ARCHS[family]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(f"tiny {family}")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    from pagedserve.layers.rotary import rope_parameters
+
+    writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if family == "mixtral":
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if family == "olmoe" and config.clip_qkv is not None:
+        writer.add_clamp_kqv(config.clip_qkv)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for hf_name, tensor in stack_experts(state).items():
+        base, suffix = hf_name.rsplit(".", 1)
+        mapped = name_map.get_name(base)
+        assert mapped is not None, hf_name
+        gguf_name = f"{mapped}.{suffix}"
+        data = tensor.detach().float().numpy()
+        if family == "mixtral" and ".q_proj." in hf_name:
+            data = _permute(data, config.num_attention_heads)
+        if family == "mixtral" and ".k_proj." in hf_name:
+            data = _permute(data, config.num_key_value_heads)
+        qtype = next((t for key, t in (types or {}).items() if key in hf_name), gguf.GGMLQuantizationType.F32)
+        if data.ndim == 1 or "ffn_gate_inp" in gguf_name:
+            qtype = gguf.GGMLQuantizationType.F32  # as the converter keeps them
+        if qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        elif qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, data)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def load_gguf_model(path: Path, cache: Path, *, quantized: bool, dtype=torch.float32):
+    """Our model from the GGUF file, its ggml blocks kept (`quantized`) or dequantized."""
+    config = load_gguf_config(path, cache_dir=cache)
+    weights = iter_gguf_weights(path, config, keep_quantized=quantized)
+    return load_model(config, weights=weights, dtype=dtype, quantization="gguf" if quantized else "none")
+
+
+def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, prompts, check_hf) -> None:
+    """The family from a GGUF file converted from the HF `folder` (its safetensors, as the
+    converter reads them): F32 tensors give HF's logits (`check_hf`); Q8_0 experts kept as their
+    stacked blocks (no float copy) give HF's greedy tokens by the tie rule."""
+    from utils import assert_tie_rule, hf_greedy
+
+    from pagedserve.models.loader import iter_safetensors
+
+    config = hf_model.config
+    state = dict(iter_safetensors(folder))
+    f32 = write_moe_gguf(tmp_path / f"{family}-f32.gguf", family, config, state)
+    model = load_gguf_model(f32, tmp_path / "cache", quantized=False)
+    assert type(model).__name__ == config.architectures[0]
+    check_hf(hf_model, model, prompts)
+
+    Q = gguf.GGMLQuantizationType
+    q8 = write_moe_gguf(tmp_path / f"{family}-q8.gguf", family, config, state,
+                        types={".experts.": Q.Q8_0, "_proj": Q.F16})
+    model = load_gguf_model(q8, tmp_path / "cache", quantized=True, dtype=torch.bfloat16)
+    experts = model.model.layers[-1].mlp.experts
+    assert experts.gate_proj.dtype == torch.uint8 and experts.gate_proj.quant.format.name == "q8_0"
+    assert experts.down_proj.dim() == 3  # stacked blocks [E, H, row_bytes]
+    from utils import PagedRunner
+
+    for i, prompt in enumerate(prompts[:2]):
+        ref = hf_greedy(hf_model, prompt, 6)
+        runner, seq, toks, lps = PagedRunner(model), list(prompt), [], []
+        logits = runner.step([(0, seq)])[0][-1]
+        for _ in range(6):
+            lp = torch.log_softmax(logits, -1)
+            tok = int(lp.argmax())
+            vals, idx = torch.topk(lp, 5)
+            toks.append(tok)
+            lps.append({**dict(zip(idx.tolist(), vals.tolist())), tok: float(lp[tok])})
+            logits = runner.step([(0, [tok])])[0][-1]
+        assert_tie_rule((toks, lps), ref, f"{family} Q8_0 prompt {i}")
