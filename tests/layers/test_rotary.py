@@ -123,17 +123,18 @@ def _hf_cos_sin(hf_rope, positions, dtype):
 @pytest.mark.parametrize("name", ["default", "linear", "llama3", "yarn_mscale", "yarn_untruncated", "longrope"])
 @pytest.mark.parametrize("partial", [1.0, 0.75])
 def test_rotation_matches_transformers(name, partial, dtype):
-    """Whole steps within the original context (and for longrope, a decode step past it: HF's
-    class switches to the long factors, as ours does per token) rotate q/k bit for bit as HF's
-    rotary class + `apply_rotary_pos_emb` do."""
+    """A step's q/k rotate bit for bit as under HF's rotary class + `apply_rotary_pos_emb`
+    (longrope: the short factors within the original context when the served context stays
+    there, the long ones for a sequence past it)."""
     config = make_config(ROPES[name], partial)
     hf_rope = modeling_phi3.Phi3RotaryEmbedding(config)
     ours = RotaryEmbedding(32, rope_parameters(config), config.max_position_embeddings)
-    steps = [torch.tensor([0, 1, 2, 7, 20, 31, 3])]
+    steps = [(torch.tensor([0, 1, 2, 7, 20, 31, 3]), 32)]
     if name == "longrope":
-        steps.append(torch.tensor([40]))  # a decode step past original_max_position_embeddings
+        steps.append((torch.tensor([0, 1, 2, 7, 20, 31, 3, 40]), 128))
     gen = torch.Generator().manual_seed(0)
-    for positions in steps:
+    for positions, max_model_len in steps:
+        ours.set_max_model_len(max_model_len)
         q = torch.randn(len(positions), 2, 32, generator=gen).to(dtype)  # [T, H, D]
         k = torch.randn(len(positions), 1, 32, generator=gen).to(dtype)
         cos, sin = _hf_cos_sin(hf_rope, positions, dtype)
@@ -144,18 +145,20 @@ def test_rotation_matches_transformers(name, partial, dtype):
         assert torch.equal(our_q, ref_q[0]) and torch.equal(our_k, ref_k[0])
 
 
-def test_longrope_chooses_per_token():
-    """Per token: positions below original_max_position_embeddings keep the short factors in a
-    step that also holds positions past it (HF's class would switch the whole step)."""
+def test_longrope_factors_chosen_by_the_served_context():
+    """One set for every token: the long factors when the served context exceeds the original
+    one (by default: max_position_embeddings 128 > 32), else the short."""
     config = make_config(ROPES["longrope"])
     ours = RotaryEmbedding(32, rope_parameters(config), config.max_position_embeddings)
-    mixed, _ = ours(torch.tensor([5, 40]), torch.float32)
-    alone = [ours(torch.tensor([p]), torch.float32)[0][0] for p in (5, 40)]
-    assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[1], alone[1])
+    assert ours.uses_long_factors
+    long, _ = ours(torch.tensor([5, 40]), torch.float32)
+    assert torch.equal(long[0], ours(torch.tensor([5]), torch.float32)[0][0])  # per token
+    ours.set_max_model_len(32)
+    assert not ours.uses_long_factors
+    short, _ = ours(torch.tensor([5]), torch.float32)
+    assert not torch.equal(short[0], long[0])
     hf_rope = modeling_phi3.Phi3RotaryEmbedding(config)
-    assert torch.equal(alone[1], _hf_cos_sin(hf_rope, torch.tensor([40]), torch.float32)[0][0])
-    short = torch.cat((40 * ours.inv_freq,) * 2).cos() * ours.attention_scaling  # [R]
-    assert not torch.equal(alone[1], short)
+    assert torch.equal(short[0], _hf_cos_sin(hf_rope, torch.tensor([5]), torch.float32)[0][0])
 
 
 def test_dynamic_matches_transformers_per_position():

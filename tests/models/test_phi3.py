@@ -1,7 +1,9 @@
 """Our Phi-3 (fused qkv / gate_up split at load, LongRoPE, partial rotary) equals HF transformers."""
 
+import torch
 import transformers
 
+from pagedserve.models.loader import iter_safetensors, load_model
 from pagedserve.models.phi3 import Phi3ForCausalLM
 
 VOCAB = 300
@@ -19,15 +21,25 @@ def tiny_phi3(**kw):
 
 
 def test_phi3_longrope_partial_rotary_matches_hf(hf_pair, check_hf, prompts):
+    """Served to its full 64 positions, the model rotates by the long factors: equal to HF's
+    forward over sequences longer than the original 16 positions."""
     hf, model, _ = hf_pair(tiny_phi3())
     assert isinstance(model, Phi3ForCausalLM)
     rope = model.model.rotary_emb
-    assert rope.rotary_dim == 12 and rope.long_from == 16 and rope.attention_scaling > 1
+    assert rope.rotary_dim == 12 and rope.uses_long_factors and rope.attention_scaling > 1
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (64, 64) and attn.k_proj.weight.shape == (32, 64)
     # the split halves are the checkpoint's rows: k is rows 64..96 of qkv_proj
     qkv = hf.model.layers[0].self_attn.qkv_proj.weight
     assert attn.k_proj.weight.equal(qkv[64:96]) and attn.v_proj.weight.equal(qkv[96:])
+    check_hf(hf, model, prompts(VOCAB, lengths=(20, 17, 25)))
+
+
+def test_phi3_served_within_the_original_context_uses_the_short_factors(hf_pair, check_hf, prompts):
+    hf, _, folder = hf_pair(tiny_phi3())
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = load_model(config, weights=iter_safetensors(folder), dtype=torch.float32, max_model_len=16)
+    assert not model.model.rotary_emb.uses_long_factors
     check_hf(hf, model, prompts(VOCAB))
 
 
@@ -42,4 +54,5 @@ def test_phi3_legacy_su_rope_type_reads_as_longrope(hf_pair, check_hf, prompts):
 
     hf, model, _ = hf_pair(tiny_phi3(), edit_config=legacy)
     assert model.model.rotary_emb.rope_type == "longrope"
-    check_hf(hf, model, prompts(VOCAB, lengths=(9, 4)))
+    check_hf(hf, model, prompts(VOCAB, lengths=(20, 17)))
+

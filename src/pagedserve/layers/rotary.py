@@ -298,15 +298,20 @@ class RotaryEmbedding(nn.Module):
     rotary dimension R (`rotary_dim`), in the rotate-half layout (`cat(f, f)`) or, `interleaved`,
     in pairs (`f0, f0, f1, f1, ...`: GLM's `repeat_interleave` of the first half).
 
-    Length-dependent types choose per token, from its own position p (as HF does for a decode
-    step at p, whose sequence is p + 1 long):
-    - "longrope": the long factors when p + 1 > original_max_position_embeddings, else the short;
-    - "dynamic": the NTK base for p + 1 when that exceeds max_position_embeddings.
-    NOTE: per token, so that a token's K/V never depend on the batch, the chunking or the prompt
-    it came in (chunked prefill, prefix caching and preemption stay exact). HF's full forward over
-    a prompt longer than that limit uses the long factors (the grown base) for every position of
-    it; vLLM and llama.cpp choose longrope's factors once, by the served context length. The three
-    agree for prompts within the limit and for the decode steps after them.
+    Length-dependent types:
+    - "longrope": one set of factors for the whole model, chosen by the longest context it
+      serves (`set_max_model_len`; until then `max_position_embeddings`): the long factors when
+      that exceeds `original_max_position_embeddings`, else the short ones -- vLLM's rule (and
+      llama.cpp's, by its context size). NOTE: HF picks by the current sequence length and, in
+      `generate`, recomputes the whole cache with the long factors when a sequence crosses the
+      original length; a paged cache cannot, and mixing the two sets in one sequence is what
+      HF's comment calls a failure. So our logits equal HF's for sequences on the chosen side:
+      `max_model_len <= original_max_position_embeddings` (short), or sequences longer than it
+      (long).
+    - "dynamic": the NTK base for p + 1 for a token at position p >= max_position_embeddings, per
+      token (HF's for a decode step at p; the engine keeps positions below that limit anyway).
+    NOTE: every token's cos/sin depend on its own position only, never on the batch, the chunking
+    or the prompt it came in (chunked prefill, prefix caching and preemption stay exact).
     """
 
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int, *, interleaved: bool = False):
@@ -321,22 +326,26 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.numel()
         self.inv_freq = nn.Buffer(inv_freq.to(torch.get_default_device()), persistent=False)  # [R/2] fp32
         self.rope_type = self.params["rope_type"]
-        # longrope: positions from `long_from` on use `long_inv_freq`
-        self.long_from: int | None = None
+        self.uses_long_factors = False  # longrope: which set `inv_freq` holds
         if self.rope_type == "longrope":
-            self.long_from = int(self.params.get("original_max_position_embeddings") or max_position_embeddings)
-            long_inv_freq, _ = compute_inv_freq(self.params, head_dim, max_position_embeddings, self.long_from + 1)
-            self.long_inv_freq = nn.Buffer(long_inv_freq.to(torch.get_default_device()), persistent=False)
+            self.set_max_model_len(max_position_embeddings)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The longest context the model serves (the engine's `max_model_len`): for "longrope",
+        the long factors when it exceeds `original_max_position_embeddings`, else the short
+        ones; no effect on the other types."""
+        if self.rope_type != "longrope":
+            return
+        original = int(self.params.get("original_max_position_embeddings") or self.max_position_embeddings)
+        self.uses_long_factors = max_model_len > original
+        seq_len = original + 1 if self.uses_long_factors else None
+        inv_freq, _ = compute_inv_freq(self.params, self.head_dim, self.max_position_embeddings, seq_len)
+        self.inv_freq = nn.Buffer(inv_freq.to(self.inv_freq.device), persistent=False)  # [R/2] fp32
 
     def _freqs(self, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, R/2] fp32
         pos = positions.float().unsqueeze(-1)  # [T, 1]
         freqs = pos * self.inv_freq.to(positions.device, torch.float32)  # [T, R/2]
-        if not positions.numel():
-            return freqs
-        if self.long_from is not None and int(positions.max()) >= self.long_from:
-            long = pos * self.long_inv_freq.to(positions.device, torch.float32)  # [T, R/2]
-            freqs = torch.where(positions.unsqueeze(-1) >= self.long_from, long, freqs)
-        elif self.rope_type == "dynamic" and int(positions.max()) >= self.max_position_embeddings:
+        if self.rope_type == "dynamic" and positions.numel() and int(positions.max()) >= self.max_position_embeddings:
             freqs = freqs.clone()
             grown = (positions >= self.max_position_embeddings).nonzero().flatten().tolist()
             for i in grown:  # rare: the engine keeps positions below max_position_embeddings
