@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.glm4 import modeling_glm4
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3 import modeling_phi3
 
 from pagedserve.layers.rotary import (

@@ -31,3 +31,15 @@ def test_llama_with_rope_scaling_matches_hf(name, hf_pair, check_hf, prompts):
     if name.startswith("yarn") or name == "longrope":
         assert rope.attention_scaling != 1.0
     check_hf(hf, model, prompts(VOCAB, lengths=(13, 9, 20)))
+
+
+def test_a_rope_option_we_do_not_implement_is_named_at_load():
+    import torch
+
+    from pagedserve.models.loader import load_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2, 4]})
+    with pytest.raises(ValueError, match="mrope_section"):
+        load_model(config, weights=None, dtype=torch.float32)
