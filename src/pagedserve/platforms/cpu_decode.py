@@ -51,8 +51,12 @@ def _fused_plan(layer) -> _FusedPlan:
                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         formats = weight_formats(weights)
         act = None if mlp.mlp_bias else FUSED_ACTS.get(mlp.act_name)
-        # NOTE: the kernel neither caps scores (Gemma 2) nor rotates pairs (GLM), and knows no
-        # residual multiplier (Granite): such layers run their modules.
+        # NOTE: the kernel neither caps scores (Gemma 2) nor rotates pairs (GLM-4; whose
+        # sandwich norms have Llama numerics, which norm_mode cannot say either), and knows no
+        # residual multiplier (Granite: an at::mul(o, rm) before each residual add in
+        # csrc/decoder_layer.cpp would be the modules' op), nor partial RoPE (Phi-4-mini: the
+        # check on the rope width below): such layers run their modules. OLMo 2's layer is not
+        # a fusable one (post-norms, whole-projection q/k norms).
         usable = not (formats is None or act is None or attn.o_proj.tp.is_parallel
                       or mlp.down_proj.tp.is_parallel or attn.attn.softcap is not None
                       or getattr(attn, "rope_interleaved", False)
