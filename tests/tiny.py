@@ -82,11 +82,37 @@ def config_for(arch: str, **overrides):
         cfg = tf.OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                              num_experts_per_tok=2, max_position_embeddings=512, **common)
+    elif arch in DENSE_FAMILIES:
+        cfg = _dense_family_config(tf, arch, common)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+# dense families of issue 35 (tests/engine/test_dense_families.py)
+DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")
+
+
+def _dense_family_config(tf, arch: str, common: dict):
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, **common)
+    if arch == "phi3":  # LongRoPE past 4 positions (served to 512: the long factors), 3/4 rotary
+        return tf.Phi3Config(**base, original_max_position_embeddings=4, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0], "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0]})
+    if arch == "gemma2":  # [sliding, full], soft-capped
+        return tf.Gemma2Config(**base, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                               attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+    if arch == "granite":
+        return tf.GraniteConfig(**base, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                attention_multiplier=0.2, logits_scaling=2.5)
+    if arch == "glm4":
+        return tf.Glm4Config(**base, head_dim=16)
+    if arch == "smollm3":  # the second layer without RoPE
+        return tf.SmolLM3Config(**base, no_rope_layer_interval=2)
+    return tf.Olmo2Config(**base)
 
 
 def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
@@ -101,7 +127,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15)
             elif "norm" in name or "ln" in name:
-                p.normal_(0.0 if arch == "gemma3" else 1.0, 0.1)
+                p.normal_(0.0 if arch in ("gemma3", "gemma2") else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)

@@ -10,7 +10,7 @@ from pagedserve.attention.backends.torch_ref import paged_attention
 from pagedserve.attention.metadata import AttentionMetadata
 
 
-def _dense(q, k, v, scale, window):  # q [L, Hq, D] for the last len(q) positions of k/v [S, Hkv, D]
+def _dense(q, k, v, scale, window, softcap=None):  # q [L, Hq, D] for the last len(q) positions of k/v [S, Hkv, D]
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
@@ -21,6 +21,8 @@ def _dense(q, k, v, scale, window):  # q [L, Hq, D] for the last len(q) position
     if window:
         mask &= qpos - kpos < window
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -36,6 +38,22 @@ FRESH_SHORT = [(0, 5), (6, 1), (0, 3)]  # ... within the window of 5 too
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_attention_matches_dense_attention(window, block_size, shapes):
+    _check_against_dense(window, block_size, shapes)
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shapes", [MIXED, DECODE_ONLY], ids=["mixed", "decode-only"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcapped_attention_matches_dense_attention(monkeypatch, kernels, dtype, shapes, window):
+    """Gemma 2's attention soft-capping, on every path: the float32 kernel, the bf16 steps (which
+    the compiled bf16 kernels leave to torch) and the torch paths."""
+    if kernels == "torch":
+        monkeypatch.setenv("PAGEDSERVE_DISABLE_CPU_KERNELS", "1")
+    _check_against_dense(window, 4, shapes, softcap=1.5, dtype=dtype)
+
+
+def _check_against_dense(window, block_size, shapes, softcap=None, dtype=torch.float32):
     torch.manual_seed(0)
     rng = random.Random(block_size)
     hq, hkv, d = 4, 2, 8
@@ -72,12 +90,16 @@ def test_paged_attention_matches_dense_attention(window, block_size, shapes):
     q = torch.cat([s[5] for s in seqs])
     k = torch.cat([s[3][s[1] - s[2]:] for s in seqs])
     v = torch.cat([s[4][s[1] - s[2]:] for s in seqs])
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=0.3, sliding_window=window)
-    start = 0
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    out = paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), k_cache.to(dtype), v_cache.to(dtype),
+                          meta, scale=0.3, sliding_window=window, softcap=softcap)
+    start, capped = 0, False
     for table, total, new, k_all, v_all, qs in seqs:
-        ref = _dense(qs, k_all, v_all, 0.3, window)
-        torch.testing.assert_close(out[start:start + new], ref, atol=1e-5, rtol=1e-5)
+        ref = _dense(qs, k_all, v_all, 0.3, window, softcap)
+        capped |= not torch.allclose(ref, _dense(qs, k_all, v_all, 0.3, window), atol=tol, rtol=tol)
+        torch.testing.assert_close(out[start:start + new].float(), ref, atol=tol, rtol=tol)
         start += new
+    assert capped == bool(softcap)  # the cap matters: without it the results are others
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,19 @@ def test_paged_attention_matches_torch_ref(shapes, hq, hkv, d, block_size, windo
     torch.testing.assert_close(v2, v_cache, equal_nan=True, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("shapes,num_splits,dtype", [(MIXED, 1, torch.float32), (DECODE, 4, torch.float32),
+                                                     (MIXED, 1, torch.bfloat16)])
+def test_softcapped_attention_matches_torch_ref(shapes, num_splits, dtype):
+    k_cache, v_cache, q, k, v, metas = _batch(shapes, 4, 2, 64, 8, dtype, seed=5)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    ref = torch_ref.paged_attention(q, k, v, k_cache, v_cache, metas["torch"], 0.3, 6, softcap=2.0)
+    out = triton_attn.paged_attention(q, k, v, k2, v2, metas["triton"], 0.3, 6, num_splits=num_splits,
+                                      softcap=2.0)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    uncapped = torch_ref.paged_attention(q, k, v, k_cache, v_cache, metas["torch"], 0.3, 6)
+    assert not torch.allclose(uncapped.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_split_k_heuristic_and_auto_path():
     shapes = [(1100, 1)]  # one long decode row: the heuristic splits it
     k_cache, v_cache, q, k, v, metas = _batch(shapes, 2, 1, 64, 16, torch.float32, seed=3)

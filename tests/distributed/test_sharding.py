@@ -14,7 +14,7 @@ from pagedserve.models.loader import iter_safetensors, load_model
 from pagedserve.models.source import resolve_model
 from tiny import config_for
 
-ARCHS = ["llama", "qwen2", "gemma3", "opt", "gpt2"]
+ARCHS = ["llama", "qwen2", "gemma3", "opt", "gpt2", "phi3", "gemma2", "granite", "glm4", "smollm3"]
 
 
 def load(path, rank=0, world_size=1, lazy=False):
@@ -120,3 +120,12 @@ def test_impossible_tensor_parallel_settings_are_value_errors_before_any_worker(
                                                                                 checkpoints):
     with pytest.raises(ValueError, match=message):
         LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory=1 << 22, **options)
+
+
+def test_olmo2_is_refused_on_several_ranks_before_any_worker_starts():
+    """Its q/k norms span every head of a token: one rank only."""
+    from pagedserve.worker.executor import check_shardable
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        check_shardable(config_for("olmo2"), 2)
+    check_shardable(config_for("olmo2"), 1)

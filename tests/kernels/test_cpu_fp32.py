@@ -154,7 +154,7 @@ class _Seq:
         self.v = torch.randn(length, hkv, d, generator=g)
 
 
-def _run_steps(seqs, steps, hq, hkv, d, bs, window, seed):
+def _run_steps(seqs, steps, hq, hkv, d, bs, window, seed, softcap=None):
     """Run `steps` (each a list of (seq index, start, stop) chunks) through the torch backend on a
     fresh NaN-filled cache with shuffled blocks; returns {seq index: [L, Hq, D] outputs}."""
     nb = sum(-(-s.length // bs) for s in seqs) + 3
@@ -173,7 +173,7 @@ def _run_steps(seqs, steps, hq, hkv, d, bs, window, seed):
         q = torch.cat([seqs[i].q[a:b] for i, a, b in step])
         k = torch.cat([seqs[i].k[a:b] for i, a, b in step])
         v = torch.cat([seqs[i].v[a:b] for i, a, b in step])
-        o = torch_ref.paged_attention(q, k, v, kc, vc, meta, 0.3, window)
+        o = torch_ref.paged_attention(q, k, v, kc, vc, meta, 0.3, window, softcap=softcap)
         row = 0
         for i, a, b in step:
             outs[i][a:b] = o[row : row + b - a]
@@ -181,13 +181,15 @@ def _run_steps(seqs, steps, hq, hkv, d, bs, window, seed):
     return outs
 
 
-def _reference(seq, window, scale=0.3):
-    """float64 causal (windowed) attention of every position of `seq`."""
+def _reference(seq, window, scale=0.3, softcap=None):
+    """float64 causal (windowed, soft-capped) attention of every position of `seq`."""
     L, hq, d = seq.q.shape
     hkv = seq.k.shape[1]
     k = seq.k.double().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
     v = seq.v.double().repeat_interleave(hq // hkv, dim=1)
     s = torch.einsum("qhd,khd->hqk", seq.q.double() * scale, k)  # [Hq, L, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     qp, kp = torch.arange(L).view(L, 1), torch.arange(L).view(1, L)
     mask = kp <= qp
     if window:
@@ -196,15 +198,16 @@ def _reference(seq, window, scale=0.3):
     return torch.einsum("hqk,khd->qhd", p, v)
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,window", [
-    (4, 2, 16, 4, None),  # the tiny llama
-    (4, 1, 32, 4, 6),  # tiny Gemma 3's sliding layers
-    (4, 4, 20, 3, None),  # head size not a multiple of 16
-    (8, 2, 64, 8, 5),
-    (4, 1, 256, 16, None),  # Gemma 3 270M
+@pytest.mark.parametrize("hq,hkv,d,bs,window,softcap", [
+    (4, 2, 16, 4, None, None),  # the tiny llama
+    (4, 1, 32, 4, 6, None),  # tiny Gemma 3's sliding layers
+    (4, 4, 20, 3, None, None),  # head size not a multiple of 16
+    (8, 2, 64, 8, 5, None),
+    (4, 1, 256, 16, None, None),  # Gemma 3 270M
+    (4, 2, 32, 4, 6, 1.5),  # Gemma 2's soft-capped scores
 ])
 def test_attention_of_a_query_is_bitwise_the_same_in_any_chunk_or_decode_row(
-        kernels, hq, hkv, d, bs, window):
+        kernels, hq, hkv, d, bs, window, softcap):
     g = torch.Generator().manual_seed(hq * d + bs)
     L = 23
     seqs = [_Seq(L, hq, hkv, d, g), _Seq(9, hq, hkv, d, g), _Seq(30, hq, hkv, d, g)]
@@ -217,13 +220,13 @@ def test_attention_of_a_query_is_bitwise_the_same_in_any_chunk_or_decode_row(
         "mixed": [[(1, 0, 9), (0, 0, 4), (2, 0, 7)], [(0, 4, 12), (2, 7, 8)],
                   [(2, 8, 30), (0, 12, 13)], [(0, 13, L)]],
     }
-    results = {name: _run_steps(seqs, steps, hq, hkv, d, bs, window, seed=j)[0]
+    results = {name: _run_steps(seqs, steps, hq, hkv, d, bs, window, seed=j, softcap=softcap)[0]
                for j, (name, steps) in enumerate(scenarios.items())}
     first = results["one fresh prompt"]
     assert not first.isnan().any()
     for name, out in results.items():
         assert torch.equal(out, first), name
-    torch.testing.assert_close(first.double(), _reference(seqs[0], window), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first.double(), _reference(seqs[0], window, softcap=softcap), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_is_bitwise_the_same_on_every_isa_and_thread_count(kernels):

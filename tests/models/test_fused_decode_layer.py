@@ -29,6 +29,29 @@ def configs():
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         query_pre_attn_scalar=24, sliding_window=5,
         layer_types=["sliding_attention", "full_attention"])
+    # dense families of issue 35 whose layers are Llama's: Phi-3 (fused checkpoint tensors split
+    # at load, LongRoPE over the whole head), SmolLM3 (its NoPE layer: identity cos / sin)
+    yield "phi3 (longrope)", transformers.Phi3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + i / 8 for i in range(16)],
+                         "long_factor": [1.0 + i for i in range(16)]})
+    yield "smollm3 (nope layer)", transformers.SmolLM3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2)
+
+
+def unfused_configs():
+    """Families whose layers the fused kernel cannot run: they must run their modules."""
+    yield "gemma2 (soft-capped scores)", transformers.Gemma2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=5)
+    yield "phi4-mini (partial rotary)", transformers.Phi3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    yield "granite (residual multiplier)", transformers.GraniteConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, residual_multiplier=0.5)
+    yield "glm4 (interleaved rope)", transformers.Glm4Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +101,15 @@ def test_fused_decode_layer_equals_the_modules_bit_for_bit(kernel, name, config,
         assert torch.equal(a, b), f"{name}: decode step {step} differs"
 
 
+@pytest.mark.parametrize("name,config", list(unfused_configs()), ids=[n for n, _ in unfused_configs()])
+def test_layers_the_kernel_cannot_run_are_left_to_their_modules(kernel, name, config, monkeypatch):
+    torch.manual_seed(0)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    calls = _count_fused_calls(monkeypatch)
+    _run(model, [torch.randint(0, VOCAB, (n,)).tolist() for n in (7, 3)], steps=2)
+    assert not calls, f"{name}: the fused layer was called"
+
+
 def test_fused_decode_layer_is_skipped_in_float32_and_mixed_steps(kernel, monkeypatch):
     _, config = next(configs())
     calls = []
@@ -94,7 +126,7 @@ def test_fused_decode_layer_is_skipped_in_float32_and_mixed_steps(kernel, monkey
 def test_fused_decode_layer_follows_norm_weights_changed_in_place(kernel, monkeypatch):
     """The fused call keeps the norms' fp32 weights between steps: a weight changed in place
     (as loading new weights does) must reach it, bit-identical to the modules again."""
-    name, config = list(configs())[-1]  # Gemma 3: sandwich norms and q/k norms
+    name, config = next((n, c) for n, c in configs() if n.startswith("gemma3"))  # sandwich + q/k norms
     model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
     prompts = [[1, 2, 3], [4, 5]]
     before = _run(model, prompts, steps=2)  # builds each layer's plan and its norm weights

@@ -16,6 +16,13 @@ EXPECTED = {
     "Gemma3ForConditionalGeneration",
     "OPTForCausalLM",
     "GPT2LMHeadModel",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "GraniteForCausalLM",
+    "Glm4ForCausalLM",
+    "GlmForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
 }
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}

@@ -18,8 +18,8 @@ caching.
   torch's bf16 tanh-GELU (Sleef tanh) on one Zen 5 core at [2000, 2048], and parallel at decode
   sizes (docs/benchmarks.md).
 - `invariant_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-  sliding_window)`: every query token attended alone over its own context, read from the cache
-  (the step's K/V written first).
+  sliding_window, softcap)`: every query token attended alone over its own context, read from the
+  cache (the step's K/V written first); soft-capped scores (Gemma 2) with `softcap`.
 
 They return None where they do not apply (not float32 CPU tensors -- the activation also takes
 bf16 --, gradients needed, the extension disabled by `$PAGEDSERVE_DISABLE_CPU_KERNELS` or
@@ -123,10 +123,12 @@ def invariant_attention(
     query_start_loc: torch.Tensor,  # [S + 1] int64: sequence i's query tokens are [qsl[i], qsl[i+1])
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | None:  # [T, Hq, D]
     """Causal paged attention of every query token over its own context (the last query_len
-    positions of its sequence's seq_len are its query tokens), each token alone; None where the
-    kernel does not apply (see the module docstring)."""
+    positions of its sequence's seq_len are its query tokens), each token alone, its scores capped
+    as `softcap * tanh(s / softcap)` when `softcap` is set; None where the kernel does not apply
+    (see the module docstring)."""
     if (query.dtype is not torch.float32 or k_cache.dtype is not torch.float32
             or v_cache.dtype is not torch.float32 or not query.is_cpu or not k_cache.is_cpu
             or _needs_grad(query)):
@@ -138,7 +140,7 @@ def invariant_attention(
         return None
     return torch.ops.pagedserve_fp32.fp32_paged_attention.default(
         query.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
-        query_start_loc.contiguous(), float(scale), int(sliding_window or 0), 0)
+        query_start_loc.contiguous(), float(scale), int(sliding_window or 0), float(softcap or 0.0), 0)
 
 
 def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -151,10 +153,10 @@ def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _kernel_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                      sliding_window=None, isa: str = "auto") -> torch.Tensor:
+                      sliding_window=None, isa: str = "auto", softcap: float | None = None) -> torch.Tensor:
     """The attention kernel with no fallback, on a chosen ISA (tests)."""
     if _get_isa() is None:
         raise RuntimeError("CPU fp32 invariant kernels unavailable (disabled, unsupported CPU, or build failed)")
     return torch.ops.pagedserve_fp32.fp32_paged_attention.default(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
-        int(sliding_window or 0), ISAS[isa])
+        int(sliding_window or 0), float(softcap or 0.0), ISAS[isa])

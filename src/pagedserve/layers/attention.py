@@ -14,7 +14,8 @@ class PagedAttention(nn.Module):
 
     Takes projected (and already rotated) q/k/v per head, writes k/v into the layer's cache and
     attends each query over its sequence's cached context, on the attention backend that built
-    the step's metadata (`meta.impl`, chosen by the platform).
+    the step's metadata (`meta.impl`, chosen by the platform). `softcap` (Gemma 2's
+    `attn_logit_softcapping`): each scaled score s becomes `softcap * tanh(s / softcap)`.
     """
 
     def __init__(
@@ -24,6 +25,8 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
     ):
         super().__init__()
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -37,6 +40,9 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"attention softcap must be positive, got {softcap}")
+        self.softcap = softcap
 
     def forward(
         self,
@@ -47,11 +53,12 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, Hq * D]
         impl = meta.impl or backend_of(meta)
-        out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
+        out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                           softcap=self.softcap)  # [T, Hq, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"scale={self.scale:.4g}, sliding_window={self.sliding_window}"
+            f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, softcap={self.softcap}"
         )

@@ -162,3 +162,59 @@ def _is_quantized(source: TensorSource) -> bool:
 def _names(names: list[str], limit: int = 10) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+class _RowSlice:
+    """Rows [start, stop) of a lazy checkpoint tensor, itself read lazily (a shard reads only
+    its rows of the fused tensor)."""
+
+    def __init__(self, source: TensorSource, start: int, stop: int):
+        self.source, self.start, self.stop = source, start, stop
+
+    def get_shape(self) -> tuple[int, ...]:
+        return (self.stop - self.start, *source_shape(self.source)[1:])
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        rows = index[0] if index else slice(None)
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise ValueError("a row slice of a checkpoint tensor takes plain slices only")
+        first, last, _ = rows.indices(self.stop - self.start)
+        return self.source[(slice(self.start + first, self.start + last), *index[1:])]
+
+
+def split_rows(source: TensorSource, sizes: list[int]) -> list[TensorSource]:
+    """A fused checkpoint tensor (Phi-3's `qkv_proj`, `gate_up_proj`) as consecutive row blocks of
+    `sizes` rows: views of a tensor, lazy slices of a lazy one, row blocks of a quantized one
+    (`layers.quantization.QuantizedTensor`: its rows are whole rows of blocks). ValueError when
+    the sizes do not add up to its rows."""
+    rows = source_shape(source)[0]
+    if sum(sizes) != rows:
+        raise ValueError(f"a fused tensor of {rows} rows does not split into {sizes}")
+    parts, start = [], 0
+    for n in sizes:
+        if isinstance(source, torch.Tensor):
+            parts.append(source[start:start + n])
+        elif _is_quantized(source):
+            parts.append(type(source)(source.data[start:start + n], source.format,
+                                      (n, *source.shape[1:]), source.ggml_type))
+        else:
+            parts.append(_RowSlice(source, start, start + n))
+        start += n
+    return parts
+
+
+def split_fused_weights(weights: Iterable[tuple[str, TensorSource]],
+                        fused: dict[str, Callable[[], list[tuple[str, int]]]]):
+    """Yield `weights` with each fused tensor split: a name `...<fused key>.<weight|bias>` becomes
+    one tensor per `(part name, rows)` of `fused[key]()`, named `...<part name>.<weight|bias>`."""
+    for name, source in weights:
+        stem, _, suffix = name.rpartition(".")
+        key = next((k for k in fused if stem == k or stem.endswith("." + k)), None)
+        if key is None:
+            yield name, source
+            continue
+        prefix = stem[: len(stem) - len(key)]
+        parts = fused[key]()
+        for (part, _), tensor in zip(parts, split_rows(source, [n for _, n in parts])):
+            yield f"{prefix}{part}.{suffix}", tensor

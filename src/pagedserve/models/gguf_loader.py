@@ -42,7 +42,11 @@ from pagedserve.models.gguf_reader import (  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES = (
+    "gemma3", "llama", "qwen2", "qwen3",
+    "qwen2moe", "qwen3moe", "olmoe",  # mixture of experts (Mixtral is "llama" with experts)
+    "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
+)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
@@ -54,7 +58,14 @@ _CACHE_FORMAT_VERSION = 1
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")})
 _HF_ARCHITECTURE = {
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -105,7 +116,9 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     n_kv = header.arch_key("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):  # per-layer counts (not used by our architectures)
         raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
-    head_dim = header.arch_key("attention.key_length") or header.arch_key("rope.dimension_count")
+    head_dim = header.arch_key("attention.key_length")
+    if not head_dim and arch not in _PARTIAL_ROPE_ARCHS:  # there rope.dimension_count is the rotated part
+        head_dim = header.arch_key("rope.dimension_count")
     head_dim = int(head_dim) if head_dim else hidden // n_heads
 
     model_type = _HF_MODEL_TYPE[arch]
@@ -143,9 +156,11 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["unk_token_id"] = unk
     if (theta := header.arch_key("rope.freq_base")) is not None:
         cfg["rope_theta"] = float(theta)
-    rope_scaling = _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0))
+    rope_scaling = None if arch == "phi3" else _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0))
     if rope_scaling is not None:
         cfg["rope_scaling"] = rope_scaling
+    if arch in _DENSE_FAMILY_CONFIG:
+        _DENSE_FAMILY_CONFIG[arch](header, cfg)
 
     if model_type == "mistral":
         # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"
@@ -196,6 +211,73 @@ def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dic
     if model_type == "mixtral":
         out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
     return out
+_PARTIAL_ROPE_ARCHS = ("phi3", "glm4")
+
+
+def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """`partial_rotary_factor` from `rope.dimension_count` (the rotated part of each head)."""
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None:
+        cfg["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
+
+
+def _phi3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Phi-3: partial RoPE, LongRoPE from the `rope_factors_long` / `rope_factors_short` tensors
+    and `rope.scaling.original_context_length`; `sliding_window` (0: none), kept as HF keeps it
+    (NOTE: llama.cpp disables Phi-3's sliding window; HF applies it)."""
+    _partial_rotary(header, cfg)
+    if (original := header.arch_key("rope.scaling.original_context_length")) is not None:
+        cfg["original_max_position_embeddings"] = int(original)
+    long, short = header.tensor("rope_factors_long.weight"), header.tensor("rope_factors_short.weight")
+    if long is not None and short is not None:
+        blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _read_tensor_f32(blob, long).tolist(),
+            "short_factor": _read_tensor_f32(blob, short).tolist(),
+        }
+    window = header.arch_key("attention.sliding_window")
+    cfg["sliding_window"] = int(window) if window else None
+
+
+def _gemma2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Gemma 2: soft-capping values, the window of its every-other sliding layers, and the query
+    scale llama.cpp uses (1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B's 46 layers)."""
+    cfg["attn_logit_softcapping"] = header.arch_key("attn_logit_softcapping")
+    cfg["final_logit_softcapping"] = header.arch_key("final_logit_softcapping")
+    if (window := header.arch_key("attention.sliding_window")) is not None:
+        cfg["sliding_window"] = int(window)
+    n_heads = cfg["num_attention_heads"]
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // n_heads if cfg["num_hidden_layers"] == 46
+                                    else cfg["head_dim"])
+
+
+def _granite_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Granite's four multipliers (llama.cpp names them scales)."""
+    for key, name in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                      ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+        if (value := header.arch_key(key)) is not None:
+            cfg[name] = float(value)
+
+
+def _glm4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """GLM-4: partial (interleaved) RoPE; q/k/v biases when the file has them."""
+    _partial_rotary(header, cfg)
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
+def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
+def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """SmolLM3: llama.cpp fixes no RoPE on every fourth layer (as HF's default interval)."""
+    cfg["no_rope_layer_interval"] = 4
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
+_DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
+                        "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -447,8 +529,28 @@ _BLOCK_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
+# dense families of issue 35 (the fused tensors keep their HF names: the models split them)
+_BLOCK_NAMES["phi3"] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_BLOCK_NAMES["gemma2"] = {k: v for k, v in _BLOCK_NAMES["gemma3"].items() if k not in _QK_NORM_NAMES}
+_BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _LLAMA_BLOCK_NAMES
+_BLOCK_NAMES["glm4"] = {
+    **_LLAMA_BLOCK_NAMES,
+    "ffn_up": "mlp.gate_up_proj",
+    # NOTE: GLM-4's post_attention_layernorm is the pre-MLP norm (GGUF ffn_norm)
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
+_BLOCK_NAMES["olmo2"] = {
+    **{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k not in ("attn_norm", "ffn_norm")},
+    **_QK_NORM_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
+_PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3")
+_GEMMA_NORM_ARCHS = ("gemma3", "gemma2")
 # GGUF tensors with no HF counterpart, folded into the config instead.
-_SKIPPED = {"rope_freqs.weight"}
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
@@ -523,13 +625,13 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         quantized = _read_quantized(blob, info) if keep_quantized else None
         tensor = quantized.data if quantized is not None else _read_tensor_f32(blob, info)  # HF shape
         leaf = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
-        if arch == "llama" and leaf == "attn_q":
+        if arch in _PERMUTED_QK_ARCHS and leaf == "attn_q":
             tensor = _unpermute_qk(tensor, n_head, info.name)  # [H*D, hidden] or [H*D]
-        elif arch == "llama" and leaf == "attn_k":
+        elif arch in _PERMUTED_QK_ARCHS and leaf == "attn_k":
             tensor = _unpermute_qk(tensor, n_kv_head, info.name)  # [Hkv*D, hidden] or [Hkv*D]
         # NOTE: llama.cpp's Gemma converters store every RMSNorm weight as 1 + w (HF's Gemma norm
         # computes x * (1 + w)); this covers the q/k norms as well as the block and final norms.
-        if arch == "gemma3" and info.name.endswith("norm.weight"):
+        if arch in _GEMMA_NORM_ARCHS and info.name.endswith("norm.weight"):
             tensor = tensor - 1.0  # [dim]
         if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
             tensor = tensor.unsqueeze(0)  # [H] -> HF's [1, H] (shared_expert_gate)

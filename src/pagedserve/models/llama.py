@@ -57,6 +57,8 @@ class LlamaAttention(OpsUser, nn.Module):
     Under tensor parallelism each rank holds `num_heads / N` query heads and their KV heads
     (column-parallel q/k/v, row-parallel o); with fewer KV heads than ranks each rank holds the
     one KV head its query heads read (replicated). `num_heads` / `num_kv_heads` are this rank's.
+    Options other families set: `softcap` (Gemma 2's attention logit soft-capping, an option of
+    the attention call), `rope_interleaved` (GLM's pairwise RoPE layout, `layers.rotary`).
     """
 
     def __init__(
@@ -72,6 +74,8 @@ class LlamaAttention(OpsUser, nn.Module):
         o_bias: bool = False,
         qk_norm: Callable[[int], nn.Module] | None = None,
         tp: TPContext = SINGLE,
+        softcap: float | None = None,
+        rope_interleaved: bool = False,
     ):
         super().__init__()
         self.num_heads = tp.split(num_heads, "num_attention_heads")
@@ -85,7 +89,9 @@ class LlamaAttention(OpsUser, nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, tp=tp)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale, sliding_window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, scale, sliding_window,
+                                   softcap=softcap)
+        self.rope_interleaved = rope_interleaved
 
     def forward(
         self,
@@ -98,7 +104,8 @@ class LlamaAttention(OpsUser, nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm, self.ops)  # fused in place on CPU
+        q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm, self.ops,
+                               self.rope_interleaved)  # fused in place on CPU
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
 
 
@@ -181,18 +188,24 @@ class LlamaDecoderLayer(FusableDecoderLayer):
 
 
 class LlamaModel(DecoderStack):
-    """Embeddings, decoder layers and final norm (HF's `model.` submodule)."""
+    """Embeddings, decoder layers and final norm (HF's `model.` submodule). A Llama-like family
+    sets `layer_class` (its decoder layer, built as `layer_class(config, window, qkv_bias=,
+    qk_norm=, tp=)`) and `rope_interleaved` in a subclass."""
+
+    layer_class: type = LlamaDecoderLayer
+    rope_interleaved = False  # GLM: RoPE on interleaved pairs (layers.rotary)
 
     def __init__(self, config: Any, windows: list[int | None], *, qkv_bias: bool, qk_norm: bool,
                  tp: TPContext = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm, tp=tp) for w in windows
+            self.layer_class(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm, tp=tp) for w in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         max_pos = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos,
+                                          interleaved=self.rope_interleaved)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]
@@ -213,10 +226,11 @@ class LlamaForCausalLM(PagedCausalLM):
     qkv_bias = False  # Qwen2: True (Llama reads config.attention_bias)
     qk_norm = False  # Qwen3: True
     tied_by_default = False
+    model_class: type = LlamaModel  # a Llama-like family's subclass of LlamaModel
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.model = LlamaModel(
+        self.model = self.model_class(
             config,
             self.sliding_windows(config),
             qkv_bias=self.qkv_bias or getattr(config, "attention_bias", False),

@@ -160,6 +160,7 @@ def load_model(
     quantization: str = "none",
     batch_invariant: bool = False,
     platform: Platform | None = None,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
     e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
@@ -169,14 +170,19 @@ def load_model(
     `ModelSource.iter_weights(keep_quantized=True)`), "int8" quantizes the linear layers and
     embeddings after loading; `batch_invariant` puts every quantized product on one kernel for
     all row counts (`layers.quantization.set_batch_invariant`). The layers run `platform`'s ops
-    (`Platform.bind`; None: `platform_for(device)`). Returns the model in eval mode without
-    gradients."""
+    (`Platform.bind`; None: `platform_for(device)`). `max_model_len`: the longest context it will
+    serve (LongRoPE chooses its factors by it; None: the model's own limit). Returns the model in
+    eval mode without gradients."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
     model_class = get_model_class(config)
     with _build_context(device, dtype):
         model = model_class(config, tp=tp)
+        if max_model_len is not None:
+            for module in model.modules():  # RoPE whose frequencies depend on the context served
+                if hasattr(module, "set_max_model_len"):
+                    module.set_max_model_len(max_model_len)
     model.requires_grad_(False)
     if weights is None:
         init_dummy_weights(model, seed)

@@ -6,16 +6,22 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
+from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
+from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -31,6 +37,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    # dense families of issue 35 (one file each)
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -66,6 +80,13 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 

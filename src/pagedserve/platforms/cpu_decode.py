@@ -51,8 +51,16 @@ def _fused_plan(layer) -> _FusedPlan:
                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         formats = weight_formats(weights)
         act = None if mlp.mlp_bias else FUSED_ACTS.get(mlp.act_name)
+        # NOTE: the kernel neither caps scores (Gemma 2) nor rotates pairs (GLM-4; whose
+        # sandwich norms have Llama numerics, which norm_mode cannot say either), and knows no
+        # residual multiplier (Granite: an at::mul(o, rm) before each residual add in
+        # csrc/decoder_layer.cpp would be the modules' op), nor partial RoPE (Phi-4-mini: the
+        # check on the rope width below): such layers run their modules. OLMo 2's layer is not
+        # a fusable one (post-norms, whole-projection q/k norms).
         usable = not (formats is None or act is None or attn.o_proj.tp.is_parallel
-                      or mlp.down_proj.tp.is_parallel)
+                      or mlp.down_proj.tp.is_parallel or attn.attn.softcap is not None
+                      or getattr(attn, "rope_interleaved", False)
+                      or getattr(layer, "residual_multiplier", 1.0) != 1.0)
         plan = _FusedPlan(
             usable, weights, formats,
             [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias],
@@ -100,7 +108,7 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
         if lora is None:
             return None  # no per-token kernels for them: the hooked modules
     plan = _fused_plan(layer)
-    if not plan.usable:
+    if not plan.usable or rope[0].shape[-1] != plan.consts[2]:  # partial RoPE: the modules
         return None
     norm_args = _norm_args(plan)
     if norm_args is None:

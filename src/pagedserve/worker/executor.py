@@ -257,7 +257,7 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                           enforce_eager=args.enforce_eager, quantization=quantization,
                           batch_invariant=bool(getattr(args, "batch_invariant", False)),
                           cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)(),
-                          draft=draft)
+                          draft=draft, max_model_len=getattr(args, "max_model_len", None))
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

@@ -45,6 +45,9 @@ class WorkerConfig:
     # speculative decoding with a draft model (speculative_config.model): its source, loaded
     # beside the model (same dtype, unsharded), with its own KV cache of the same block layout
     draft: ModelSource | None = None
+    # the longest context served (EngineArgs.max_model_len; None: the model's limit): LongRoPE
+    # picks its factors by it (layers.rotary.RotaryEmbedding.set_max_model_len)
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ class Worker:
         self.model = load_model(source.config, weights=weights, dtype=config.dtype,
                                 device=self.device, seed=config.seed, tp=self.tp,
                                 quantization=config.quantization,
-                                batch_invariant=config.batch_invariant, platform=self.platform)
+                                batch_invariant=config.batch_invariant, platform=self.platform,
+                                max_model_len=config.max_model_len)
         self.lora = None  # lora.slots.LoRASlots: this rank's adapters (hooks on its model)
         if config.lora is not None:
             from pagedserve.lora.slots import LoRASlots

@@ -39,9 +39,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     ops=None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
-    through the block tables (causal, optionally within a sliding window of keys).
+    through the block tables (causal, optionally within a sliding window of keys; `softcap`: each
+    scaled score s capped as `softcap * tanh(s / softcap)` before the softmax, Gemma 2's).
 
     `ops` (the platform's `LayerOps`; None: `platforms.DEFAULT_OPS`) may take the step on a
     kernel: the CPU platform's, when the compiled kernels are available (not disabled by
@@ -49,7 +51,12 @@ def paged_attention(
     batch-invariant kernel (`kernels.cpu_fp32`), every token -- decode row or prompt chunk token
     -- attended alone over its own context, so its bits do not depend on chunking or on the rest
     of the step, and decode rows of bf16 CPU caches to `kernels.cpu_attention`. Everything else
-    is plain torch (gather + SDPA)."""
+    is plain torch (gather + SDPA).
+
+    NOTE: soft-capped layers: the float32 kernel caps its scores itself (still every token alone,
+    batch-invariant); the bf16 decode and prompt kernels do not cap, so those layers' bf16 steps
+    run the torch paths here (decode rows one by one, prompt chunks with explicit scores: SDPA
+    cannot cap)."""
     if ops is None:
         ops = DEFAULT_OPS
     if meta.num_tokens and not meta.groups:
@@ -57,7 +64,7 @@ def paged_attention(
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     if meta.num_tokens:
         o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, scale, sliding_window)
+                                meta.query_start_loc, scale, sliding_window, softcap)
         if o is not None:  # [T, Hq, D]
             return o
     num_tokens, num_heads, head_dim = query.shape
@@ -70,13 +77,13 @@ def paged_attention(
             # Prompt chunks one by one, unpadded: no padding to the longest, and a causal kernel
             # skips the masked half (docs/benchmarks.md, "Measurements behind design choices").
             out = _attend_prompts(out, query, key, value, flat_k, flat_v, group, scale,
-                                  sliding_window, ops)
+                                  sliding_window, ops, softcap)
             continue
         q = query if group.covers_all else query.index_select(0, group.out_tokens)  # [G, Hq, D]
-        o = ops.decode_attention(q, k_cache, v_cache, group.block_tables, group.seq_lens, scale,
-                             sliding_window)
+        o = None if softcap else ops.decode_attention(q, k_cache, v_cache, group.block_tables,
+                                                      group.seq_lens, scale, sliding_window)
         if o is None:
-            o = _attend_decode_rows(q, flat_k, flat_v, group, scale, sliding_window)  # [G, Hq, D]
+            o = _attend_decode_rows(q, flat_k, flat_v, group, scale, sliding_window, softcap)  # [G, Hq, D]
         if group.covers_all:  # a decode-only step: o is the whole output, in order
             return o
         out = _scatter(out, num_tokens, group.out_tokens, o)
@@ -94,12 +101,14 @@ def _attend_prompts(
     scale: float,
     sliding_window: int | None,
     ops,  # the platform's LayerOps
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Each member of a prompt group attends over its own context; returns `out` (allocated on
     the first call) with the members' rows written. On a kernel where the platform has one
     (`ops.prefill_attention`: bf16 on AVX512-BF16 CPUs, kernels/cpu_attention.py); else SDPA: a
     chunk whose context is just itself and fits the window causally over its new K/V, any other
-    with an explicit causal (and window) mask."""
+    with an explicit causal (and window) mask; soft-capped scores (`softcap`) by explicit
+    products (`_attend_capped`)."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
@@ -113,6 +122,10 @@ def _attend_prompts(
         else:
             slots = group.kv_slots[g, :ctx]  # [ctx]
             k, v = flat_k.index_select(0, slots), flat_v.index_select(0, slots)  # [ctx, Hkv, D]
+        if softcap:
+            out[start : start + n] = _attend_capped(query[start : start + n], k, v, ctx, scale,
+                                                    sliding_window, softcap)
+            continue
         # bf16 on AVX512-BF16: our kernel (causal and windowed by position, no mask tensor)
         if ops.prefill_attention(query[start : start + n], k, v, out[start : start + n], scale,
                                  sliding_window):
@@ -141,9 +154,11 @@ def _attend_decode_rows(
     group,  # the decode AttentionGroup
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [G, Hq, D]
-    """Decode rows the compiled kernels did not take (no kernel for this dtype / CPU): each row
-    alone over exactly its own context (within the window), softmax(q K^T * scale) V in float32.
+    """Decode rows the compiled kernels did not take (no kernel for this dtype / CPU, or
+    soft-capped scores): each row alone over exactly its own context (within the window),
+    softmax(cap(q K^T * scale)) V in float32.
     NOTE: one row at a time, never padded to the batch's longest context, so a row's bits do not
     depend on the rows beside it. Plain products rather than SDPA: for one query its flash kernel
     costs ~0.5 ms a call on CPU (blocking set up for long queries)."""
@@ -157,9 +172,40 @@ def _attend_decode_rows(
         k = flat_k.index_select(0, slots).float().permute(1, 2, 0)  # [Hkv, D, n]
         v = flat_v.index_select(0, slots).float().transpose(0, 1)  # [Hkv, n, D]
         qi = q[i].float().view(hkv, group_size, head_dim)  # [Hkv, g, D]
-        p = torch.softmax(torch.bmm(qi, k).mul_(scale), dim=-1)  # [Hkv, g, n]
+        s = torch.bmm(qi, k).mul_(scale)  # [Hkv, g, n]
+        if softcap:
+            s = s.div_(softcap).tanh_().mul_(softcap)
+        p = torch.softmax(s, dim=-1)  # [Hkv, g, n]
         out[i] = torch.bmm(p, v).view(num_heads, head_dim)  # [Hq, D], rounded to q's dtype
     return out
+
+
+def _attend_capped(
+    q: torch.Tensor,  # [n, Hq, D] a chunk's queries, the last n of its ctx positions
+    k: torch.Tensor,  # [ctx, Hkv, D]
+    v: torch.Tensor,  # [ctx, Hkv, D]
+    ctx: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float,
+) -> torch.Tensor:  # [n, Hq, D] in q's dtype
+    """A prompt chunk's attention with soft-capped scores, as HF's eager attention computes it:
+    `s = (q K^T) * scale`, `softcap * tanh(s / softcap)`, causal (window) mask, softmax in
+    float32, times V."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    k = k.to(q.dtype).repeat_interleave(group, dim=1).permute(1, 2, 0)  # [Hq, D, ctx]
+    v = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+    s = torch.bmm(q.transpose(0, 1), k) * scale  # [Hq, n, ctx]
+    s = torch.tanh(s / softcap) * softcap
+    q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)  # [n, 1]
+    k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # [1, ctx]
+    allowed = k_pos <= q_pos  # [n, ctx]
+    if sliding_window:
+        allowed = allowed & (q_pos - k_pos < sliding_window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hq, n, ctx]
+    return torch.bmm(p, v).transpose(0, 1)  # [n, Hq, D]
 
 
 def _scatter(out: torch.Tensor | None, num_tokens: int, rows: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -186,9 +232,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None):
         return paged_attention(query, key, value, kv_cache[0], kv_cache[1], meta, scale,
-                               sliding_window, ops=self.ops)
+                               sliding_window, ops=self.ops, softcap=softcap)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv(key, value, k_cache, v_cache, slot_mapping)

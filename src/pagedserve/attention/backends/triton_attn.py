@@ -9,7 +9,8 @@ Kernels:
   (one token each) still fill the tile when the group is large. Keys are read through the block
   table one position at a time (block = pos // block_size), so any block size works. fp32 online
   softmax (base 2), causal mask where a sequence's queries are the last `query_len` positions of
-  its `seq_len`, optional sliding window (key allowed iff q_pos - k_pos < window).
+  its `seq_len`, optional sliding window (key allowed iff q_pos - k_pos < window), optional score
+  soft-capping (`softcap * tanh(s / softcap)`, Gemma 2; tanh from exp, as triton has none).
   Split-K (flash-decoding): with `num_splits > 1`, each (query tile, KV head) splits its key range
   into `num_splits` parts written as partial (max, sum, unnormalised out) in fp32, then
   `_reduce_kernel` combines them. The heuristic turns it on for decode-only batches of few
@@ -127,13 +128,13 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "num_splits", "softcap"])
 def _attn_kernel(
     out_ptr,  # [T, Hq, D] (no split) or fp32 [T, Hq, S, D] partial outputs (split)
     m_ptr, l_ptr,  # fp32 [T, Hq, S] running max / sum per split (split only)
     q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, num_seqs, window, num_splits, block_size,
+    scale_log2, num_seqs, window, num_splits, block_size, softcap,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -142,6 +143,7 @@ def _attn_kernel(
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -206,7 +208,11 @@ def _attn_kernel(
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")  # [M, N]
         else:
             s = tl.dot(q, k)  # [M, N]
-        s = s * scale_log2
+        if USE_SOFTCAP:  # softcap * tanh(s * scale / softcap), then to base 2
+            x = s * (scale_log2 / (1.4426950408889634 * softcap))
+            s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+        else:
+            s = s * scale_log2
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])  # [M, N]
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
@@ -301,9 +307,11 @@ def paged_attention(
     sliding_window: int | None = None,
     *,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
-    through the block tables (causal, optionally within a sliding window of keys).
+    through the block tables (causal, optionally within a sliding window of keys; `softcap`:
+    scaled scores capped as `softcap * tanh(s / softcap)`).
 
     `num_splits`: split-K parts (1 = off); None = `meta.num_splits`, else the heuristic
     (`choose_num_splits`). The grid depends only on T, the number of sequences and `num_splits`,
@@ -358,6 +366,7 @@ def paged_attention(
         q, k_cache, v_cache,
         bt, meta.seq_lens, meta.query_start_loc,
         scale * _LOG2E, num_seqs, sliding_window or 0, num_splits, k_cache.shape[1],
+        float(softcap or 1.0),
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -366,6 +375,7 @@ def paged_attention(
         NUM_Q_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         SPLIT=split, USE_WINDOW=bool(sliding_window), DOT_FP32=dot_fp32,
+        USE_SOFTCAP=bool(softcap),
         num_warps=4 if block_d <= 128 else 8,
     )
     if split:
@@ -426,9 +436,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None):
         return paged_attention(query, key, value, kv_cache[0], kv_cache[1], meta, scale,
-                               sliding_window)
+                               sliding_window, softcap=softcap)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv(key, value, k_cache, v_cache, slot_mapping)

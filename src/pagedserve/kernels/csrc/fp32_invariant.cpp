@@ -10,12 +10,13 @@
 //     with the batch it is in.
 //
 //   fp32_paged_attention(query [T, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, MB],
-//                        seq_lens [S], query_start_loc [S + 1], scale, window) -> [T, Hq, D]
+//                        seq_lens [S], query_start_loc [S + 1], scale, window, softcap) -> [T, Hq, D]
 //     Every query token -- a decode row, or a token of a prompt chunk with or without cached
 //     context -- is attended alone, the same way: keys t in [start, ctx) of its own sequence, read
 //     through the block table in increasing t, two passes (scores, then softmax weights times
 //     values), where ctx = its own context length (the positions up to and including itself) and
-//     start = max(0, ctx - window) for a sliding window (0: none). So its bits depend only on its
+//     start = max(0, ctx - window) for a sliding window (0: none); softcap > 0 caps each score as
+//     softcap * tanh(score / softcap) before the softmax (Gemma 2). So its bits depend only on its
 //     own query and context, not on how the prompt was chunked or what else is in the step. The
 //     step's new K/V must already be in the cache.
 //
@@ -256,7 +257,7 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
 at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                double scale, int64_t window, int64_t isa) {
+                                double scale, int64_t window, double softcap, int64_t isa) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "fp32_paged_attention: float32 query and caches only");
@@ -302,7 +303,7 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> qs(G * D), acc(G * D), scores;
     std::vector<const float*> ptrs;
@@ -316,10 +317,10 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
       float* o = op + (t * Hq + h * G) * D;
       if (use == kIsaAvx512)
         isa_avx512::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D,
-                           sc, o, qs.data(), scores.data(), acc.data(), ptrs.data());
+                           sc, cap, o, qs.data(), scores.data(), acc.data(), ptrs.data());
       else
         isa_avx2::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
-                         o, qs.data(), scores.data(), acc.data(), ptrs.data());
+                         cap, o, qs.data(), scores.data(), acc.data(), ptrs.data());
     }
   });
   return out;
@@ -369,7 +370,8 @@ TORCH_LIBRARY(pagedserve_fp32, m) {
   m.def("fp32_linear(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def(
       "fp32_paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, float scale, int window, int isa) -> Tensor");
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int window, float softcap, int isa) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_fp32, CPU, m) {

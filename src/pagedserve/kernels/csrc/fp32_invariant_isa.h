@@ -208,10 +208,11 @@ void value_tile(const float* p, int64_t L, const float* const* vals, int64_t i0,
 }
 
 // One query token, one KV head: out[g] = sum_t softmax_t(q[g] * scale . k_t) v_t over the keys
-// t in [start, len) of its sequence (block table `table`), in increasing t.
+// t in [start, len) of its sequence (block table `table`), in increasing t; softcap > 0 caps
+// each score s as softcap * tanh(s / softcap) (Gemma 2) before the softmax.
 void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
             int64_t len, int64_t start, int64_t block_size, int64_t row, int64_t G, int64_t D,
-            float scale, float* out, float* qs, float* scores, float* acc,
+            float scale, float softcap, float* out, float* qs, float* scores, float* acc,
             const float** ptrs) {
   const int64_t L = len - start;
   const int64_t nfull = D / 16, rem = D % 16;
@@ -231,6 +232,8 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
       else for (int64_t h = g; h < G; ++h) score_tile<1, 1>(qs + h * D, ptrs + j, D, scores + h * L + j, L);
     }
   }
+  if (softcap > 0.f)  // scalar libm tanh: the same bits for a score wherever it is computed
+    for (int64_t i = 0; i < G * L; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   // Softmax weights (unnormalised): exp(s - max), summed in key order.
   float sums[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {

@@ -1,0 +1,201 @@
+"""Check our GGUF loading of the dense families against llama.cpp's real converter.
+
+For each family (phi3, gemma2, granite, glm4, smollm3, olmo2) this builds a tiny random HF
+checkpoint (transformers `save_pretrained`, with a small tokenizer the converter accepts),
+converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that
+our engine's greedy run of each GGUF equals our run of the HF folder by vLLM's tie rule (equal
+tokens up to the first difference; there each side's token in the other's top 5 logprobs).
+
+    python scripts/check_gguf_converter.py --llama-cpp /work/llama.cpp [--families phi3 gemma2]
+
+Not run by CI (it needs a llama.cpp tree: ../shared/tools/build-llama-server.sh builds one). The
+converter recognises BPE tokenizers by a hash of how they split a test text; a tiny tokenizer has
+none, so its pre-tokenizer is named ("default") for the conversion -- we never use llama.cpp's
+tokenization here: both runs take token ids (`skip_tokenizer_init`).
+Exit status 0 when every family and format passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 320
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    # Phi-4-mini's RoPE: 3/4 of each head, LongRoPE from 16 to 64 positions
+    "phi3": lambda: transformers.Phi3Config(
+        **_COMMON, original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                         "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0]}),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                                                attn_logit_softcapping=1.5, final_logit_softcapping=4.0),
+    "granite": lambda: transformers.GraniteConfig(**_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                  attention_multiplier=0.2, logits_scaling=2.5),
+    "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16),
+    "smollm3": lambda: transformers.SmolLM3Config(**_COMMON),
+    "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+}
+SENTENCEPIECE = ("gemma2",)  # converters that read tokenizer.model only
+# the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)
+_RUN_CONVERTER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+import convert_hf_to_gguf
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+convert_hf_to_gguf.main()
+"""
+
+
+def _corpus() -> str:
+    from pagedserve.bench.trace import corpus_text
+
+    return corpus_text()[:100_000]
+
+
+def save_tokenizer(folder: Path, family: str) -> None:
+    """A small tokenizer the family's converter reads: SentencePiece (tokenizer.model) or a
+    byte-level BPE saved as a GPT-2 tokenizer, with GLM's `<|endoftext|>` / `<|user|>`."""
+    if family in SENTENCEPIECE:
+        import sentencepiece as spm
+
+        text = folder / "corpus.txt"
+        text.write_text(_corpus())
+        spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(folder / "tokenizer"),
+                                       vocab_size=VOCAB - 8, model_type="bpe", pad_id=0, bos_id=1,
+                                       eos_id=2, unk_id=3, minloglevel=2)
+        text.unlink()
+        (folder / "tokenizer.vocab").unlink()
+        return
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "<|endoftext|>", "<|user|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_corpus()], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"  # Phi-3's converter takes the BPE path for it
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random `family` checkpoint (weights N(0, 0.15), norms around their identity)."""
+    config = FAMILIES[family]()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+            elif "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if family == "gemma2" else 1.0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    save_tokenizer(folder, family)
+    return folder
+
+
+def convert(llama_cpp: Path, folder: Path, outtype: str, out: Path) -> Path:
+    """Run the tree's convert_hf_to_gguf.py (in its own process: its gguf-py stays out of ours)."""
+    cmd = [sys.executable, "-c", _RUN_CONVERTER, str(llama_cpp), str(folder), "--outtype", outtype,
+           "--outfile", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({outtype}):\n{done.stderr[-3000:]}")
+    return out
+
+
+def greedy_run(path: Path, prompts: list[list[int]], **engine) -> list[tuple[list[int], list[dict]]]:
+    """Our engine's greedy tokens and top-5 logprobs for each prompt."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=1 << 24, block_size=4, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outs:
+        c = out.outputs[0]
+        results.append((list(c.token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs]))
+    del llm
+    return results
+
+
+def tie_rule(ours, ref) -> str | None:
+    """None when `ours` equals `ref` by vLLM's tie rule, else what differs."""
+    (a_tok, a_lp), (b_tok, b_lp) = ours, ref
+    for i, (x, y) in enumerate(zip(a_tok, b_tok)):
+        if x == y:
+            continue
+        if x in b_lp[i] and y in a_lp[i]:
+            return None
+        return f"position {i}: {x} vs {y} is not a near-tie ({a_tok} vs {b_tok})"
+    return None if len(a_tok) == len(b_tok) else "lengths differ"
+
+
+def check_family(llama_cpp: Path, family: str, work: Path) -> list[str]:
+    """Problems found for `family` (empty: both formats pass)."""
+    folder = make_checkpoint(work / family, family)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(4, VOCAB - 8, (n,), generator=gen).tolist() for n in (5, 12, 21)]
+    reference = greedy_run(folder, prompts, dtype="float32")
+    problems = []
+    for outtype in ("f16", "q8_0"):
+        path = convert(llama_cpp, folder, outtype, work / f"{family}-{outtype}.gguf")
+        runs = greedy_run(path, prompts, dtype="float32" if outtype == "f16" else "auto")
+        for i, (ours, ref) in enumerate(zip(runs, reference)):
+            if (why := tie_rule(ours, ref)) is not None:
+                problems.append(f"{family} {outtype} prompt {i}: {why}")
+        same = sum(o[0] == r[0] for o, r in zip(runs, reference))
+        print(f"{family:8s} {outtype:5s} {'ok' if not problems else 'FAIL'}: "
+              f"{same}/{len(prompts)} prompts token-identical to the HF-folder run", flush=True)
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree")
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--work", type=Path, default=None, help="keep the checkpoints and GGUFs here")
+    args = parser.parse_args(argv)
+    if not (args.llama_cpp / "convert_hf_to_gguf.py").is_file():
+        parser.error(f"--llama-cpp: no convert_hf_to_gguf.py in {args.llama_cpp}")
+    with tempfile.TemporaryDirectory(prefix="gguf-converter-check-") as tmp:
+        work = args.work or Path(tmp)
+        problems = []
+        for family in args.families:
+            try:
+                problems += check_family(args.llama_cpp, family, work)
+            except Exception as e:  # report every family, then fail
+                problems.append(f"{family}: {type(e).__name__}: {e}")
+                print(f"{family:8s} ERROR: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    for p in problems:
+        print("FAIL", p)
+    print("all passed" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
