@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -22,6 +23,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -53,6 +56,8 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "opt": "OPTForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
