@@ -16,6 +16,9 @@ EXPECTED = {
     "Gemma3ForConditionalGeneration",
     "OPTForCausalLM",
     "GPT2LMHeadModel",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 }
 
 

@@ -68,12 +68,14 @@ def pack_hf(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --- gpt-oss checkpoints -----------------------------------------------------------------------
 
-def gpt_oss_expert_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+def gpt_oss_expert_weights(weights: Iterable[tuple[str, Any]], *,
+                           keep_blocks: bool = True) -> Iterator[tuple[str, Any]]:
     """gpt-oss checkpoint tensors with the experts in the MoE layer's layout (`layers.moe`):
     `experts.gate_up_proj` `[E, H, 2I]` -> `experts.gate_proj` / `experts.up_proj` `[E, I, H]`
     (even / odd columns), `experts.down_proj` `[E, I, H]` -> `[E, H, I]`, `gate_up_proj_bias`
     split likewise; MXFP4 `*_blocks` + `*_scales` -> `experts.<proj>` as `MXFP4Stack` (ggml rows,
-    no float copy). Other tensors pass through."""
+    no float copy; `keep_blocks` False: dequantized to float32 instead, for models that cannot
+    run them). Other tensors pass through."""
     pending: dict[str, dict[str, Any]] = {}
     for name, source in weights:
         prefix, _, leaf = name.rpartition(".")
@@ -86,7 +88,8 @@ def gpt_oss_expert_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple
             parts[kind] = read_full(source)
             if len(parts) == 2:
                 del pending[f"{prefix}.{proj}"]
-                yield from _mxfp4_experts(prefix, proj, parts["blocks"], parts["scales"])
+                for stacked_name, stack in _mxfp4_experts(prefix, proj, parts["blocks"], parts["scales"]):
+                    yield stacked_name, stack if keep_blocks else stack.dequantize()
             continue
         if leaf == "gate_up_proj":
             t = read_full(source)  # [E, H, 2I]
@@ -121,9 +124,12 @@ class MXFP4Stack:
     parameter may be, else `dequantize()`d."""
 
     def __init__(self, data: torch.Tensor):
+        from pagedserve.kernels.cpu_qlinear import FORMATS
+
         if data.dtype != torch.uint8 or data.dim() != 3 or data.shape[-1] % 17:
             raise ValueError(f"MXFP4 rows must be uint8 [E, N, G * 17], got {data.dtype} {tuple(data.shape)}")
         self.data = data
+        self.format = FORMATS["mxfp4"]
         self.shape = (data.shape[0], data.shape[1], data.shape[2] // 17 * BLOCK)
 
     def get_shape(self) -> tuple[int, int, int]:

@@ -76,11 +76,14 @@ def _owners(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str]
 
 def can_quantize(model: nn.Module, param: torch.Tensor) -> bool:
     """Whether `param` may be replaced by a quantized weight: the `weight` of linear layers, LM
-    heads and embeddings only, on one rank, in a CPU model."""
+    heads and embeddings, or a stacked expert weight a module lists in `quantizable` (an MoE
+    layer's experts, `[E, N, K]`), only on one rank, in a CPU model."""
     owners = _owners(model, param)
     classes = _quantizable_classes()
     return bool(owners) and param.device.type == "cpu" and all(
-        isinstance(m, classes) and k == "weight" and not m.tp.is_parallel for m, k in owners
+        (isinstance(m, classes) and k == "weight" and not m.tp.is_parallel)
+        or (k in getattr(m, "quantizable", ()) and not m.placement.tp.is_parallel)
+        for m, k in owners
     )
 
 
@@ -93,9 +96,17 @@ def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tenso
 
 
 def install_quantized_tensor(model: nn.Module, param: torch.Tensor, source: QuantizedTensor) -> None:
-    """Install checkpoint blocks `source` in place of `param` (its shape already checked)."""
-    spec = QuantSpec(source.format, source.shape[1], param.dtype)
-    install_quantized(model, param, set_quant(source.data, spec))
+    """Install checkpoint blocks `source` in place of `param` (its shape already checked): a 2-D
+    weight's rows, or stacked experts' `[E, N, row_bytes]` (each `[N, row_bytes]` slice a weight
+    of `source.format`, e.g. `layers.mxfp4.MXFP4Stack`)."""
+    spec = QuantSpec(source.format, source.shape[-1], param.dtype)
+    data = source.data
+    if data.dim() == 3:  # stacked experts: the spec holds for every slice
+        set_quant(data[0], spec)  # checks the row bytes
+        data.quant = spec
+        install_quantized(model, param, data)
+        return
+    install_quantized(model, param, set_quant(data, spec))
 
 
 @torch.no_grad()

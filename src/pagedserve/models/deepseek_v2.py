@@ -61,15 +61,35 @@ def is_moe_layer(config: Any, index: int) -> bool:
     return index >= (getattr(config, "first_k_dense_replace", 0) or 0) and index % freq == 0
 
 
-def deepseek_moe(config: Any, *, tp: TPContext = SINGLE) -> nn.Module:
-    """The mixture-of-experts feed-forward of a DeepSeek layer (`layers.moe`)."""
-    raise NotImplementedError("DeepSeek mixture-of-experts layers need layers/moe.py")
+def deepseek_routing(config: Any, *, v3: bool):
+    """The router rules of a DeepSeek config (`layers.moe.MoERouting`): V2 softmax with its
+    `topk_method` ("greedy" / "group_limited_greedy"), V3 sigmoid "noaux_tc" (unless the config
+    names its own `scoring_func` / `topk_method`); the router weight and logits in float32 (HF
+    keeps `gate.weight` in float32)."""
+    from pagedserve.layers.moe import MoERouting
+
+    return MoERouting.from_config(config, scoring="sigmoid" if v3 else "softmax",
+                                  topk_method="noaux_tc" if v3 else "greedy", router_fp32=True)
+
+
+def deepseek_moe(config: Any, *, v3: bool, tp: TPContext = SINGLE, expert_parallel: bool = False) -> nn.Module:
+    """The mixture-of-experts feed-forward of a DeepSeek layer (`layers.moe.FusedMoE`): routed
+    experts of `moe_intermediate_size` and `n_shared_experts` shared ones as one plain MLP beside
+    them (checkpoint name `shared_experts`, ours `shared_expert`)."""
+    from pagedserve.layers.moe import FusedMoE
+
+    shared = int(getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
+    return FusedMoE(config.hidden_size, config.moe_intermediate_size, int(config.n_routed_experts),
+                    deepseek_routing(config, v3=v3), act=config.hidden_act,
+                    shared_intermediate_size=shared, shared_act=config.hidden_act, tp=tp,
+                    expert_parallel=expert_parallel)
 
 
 class DeepseekV2DecoderLayer(nn.Module):
     """Pre-norm block: x + mla(norm(x)), then x + ffn(norm(x)) (dense MLP or MoE)."""
 
-    def __init__(self, config: Any, index: int, *, tp: TPContext = SINGLE):
+    def __init__(self, config: Any, index: int, *, v3: bool = False, expert_parallel: bool = False,
+                 tp: TPContext = SINGLE):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = MLAttention(
@@ -87,7 +107,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             tp=tp,
         )
         if is_moe_layer(config, index):
-            self.mlp = deepseek_moe(config, tp=tp)
+            self.mlp = deepseek_moe(config, v3=v3, tp=tp, expert_parallel=expert_parallel)
         else:
             self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                                 getattr(config, "mlp_bias", False), tp=tp)
@@ -103,11 +123,13 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(DecoderStack):
     """Embeddings, decoder layers and final norm (HF's `model.` submodule)."""
 
-    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
+    def __init__(self, config: Any, *, v3: bool = False, expert_parallel: bool = False,
+                 tp: TPContext = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, tp=tp)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, v3=v3, expert_parallel=expert_parallel, tp=tp)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config),
                                           config.max_position_embeddings)
@@ -130,15 +152,27 @@ class DeepseekV2ForCausalLM(PagedCausalLM):
     qk_rope_head_dim` values per layer (`layers.mla.latent_cache`)."""
 
     tied_by_default = False
+    v3 = False  # V3's routing defaults (sigmoid, noaux_tc)
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.model = DeepseekV2Model(config, tp=tp)
+        self.expert_parallel = bool(getattr(config, "enable_expert_parallel", False))
+        self.model = DeepseekV2Model(config, v3=self.v3, expert_parallel=self.expert_parallel, tp=tp)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size, num_kv_heads=1,
                         head_dim=config.kv_lora_rank + config.qk_rope_head_dim, tp=tp)
+        self._placement = next((layer.mlp.placement for layer in self.model.layers
+                                if hasattr(layer.mlp, "placement")), None)
 
     def backbone(self) -> nn.Module:
         return self.model
+
+    def _rename(self, name: str) -> str | tuple | None:
+        name = super()._rename(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
+        if name is None or self._placement is None:
+            return name
+        from pagedserve.layers.moe import expert_param_name
+
+        return expert_param_name(name, self._placement)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
@@ -146,7 +180,9 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     and optionally non-interleaved RoPE (`rope_interleave`). Multi-token-prediction layers past
     `num_hidden_layers` in a checkpoint are skipped."""
 
-    def _rename(self, name: str) -> str | None:
+    v3 = True
+
+    def _rename(self, name: str) -> str | tuple | None:
         prefix = "model.layers."
         if name.startswith(prefix):
             index = int(name[len(prefix):].split(".", 1)[0])

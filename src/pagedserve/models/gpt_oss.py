@@ -29,7 +29,6 @@ from torch import nn
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.linear import ShardSpec, VocabParallelEmbedding, set_shard
-from pagedserve.layers.moe import FusedMoE, MoERouting
 from pagedserve.layers.norms import Fp32WeightRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
 from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
@@ -73,9 +72,11 @@ class GptOssAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.sinks))  # [T, H]
 
 
-def gpt_oss_moe(config: Any, *, tp: TPContext = SINGLE, expert_parallel: bool = False) -> FusedMoE:
-    """The MoE block of a gpt-oss layer: router with bias, softmax over the top-k logits,
-    clamped-SwiGLU experts with biases."""
+def gpt_oss_moe(config: Any, *, tp: TPContext = SINGLE, expert_parallel: bool = False) -> nn.Module:
+    """The MoE block of a gpt-oss layer (`layers.moe.FusedMoE`): router with bias, softmax over
+    the top-k logits, clamped-SwiGLU experts with biases."""
+    from pagedserve.layers.moe import FusedMoE, MoERouting
+
     routing = MoERouting(top_k=int(config.num_experts_per_tok), scoring="softmax_topk", router_bias=True)
     act = clamped_swiglu(float(getattr(config, "swiglu_alpha", 1.702)),
                          float(getattr(config, "swiglu_limit", 7.0)))
@@ -89,7 +90,8 @@ class GptOssDecoderLayer(nn.Module):
     def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE):
         super().__init__()
         self.self_attn = GptOssAttention(config, sliding_window, tp=tp)
-        self.mlp = gpt_oss_moe(config, tp=tp)
+        self.mlp = gpt_oss_moe(config, tp=tp,
+                               expert_parallel=bool(getattr(config, "enable_expert_parallel", False)))
         self.input_layernorm = Fp32WeightRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Fp32WeightRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,11 +139,21 @@ class GptOssForCausalLM(PagedCausalLM):
     def backbone(self) -> nn.Module:
         return self.model
 
-    def _rename(self, name: str) -> str | None:
-        return super()._rename(name.replace(".mlp.router.", ".mlp.gate."))
+    def _rename(self, name: str) -> str | tuple | None:
+        name = super()._rename(name.replace(".mlp.router.", ".mlp.gate."))
+        if name is None:
+            return None
+        from pagedserve.layers.moe import expert_param_name
+
+        return expert_param_name(name, self.model.layers[0].mlp.placement)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """HF gpt-oss checkpoint tensors (dense or MXFP4 experts, see the module docstring)."""
+        from pagedserve.layers.quantization import quantized_available
         from pagedserve.layers.mxfp4 import gpt_oss_expert_weights
 
-        super().load_weights(gpt_oss_expert_weights(weights))
+        # MXFP4 experts stay blocks where the CPU kernel can multiply them (one rank: see
+        # `layers.quantization.can_quantize`), else they are dequantized while loading.
+        keep = (self.lm_head.weight.device.type == "cpu" and not self.lm_head.tp.is_parallel
+                and quantized_available())
+        super().load_weights(gpt_oss_expert_weights(weights, keep_blocks=keep))

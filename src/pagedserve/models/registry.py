@@ -9,6 +9,7 @@ from torch import nn
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
@@ -25,6 +26,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -58,6 +60,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
