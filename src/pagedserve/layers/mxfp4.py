@@ -124,7 +124,7 @@ class MXFP4Stack:
     parameter may be, else `dequantize()`d."""
 
     def __init__(self, data: torch.Tensor):
-        from pagedserve.kernels.cpu_qlinear import FORMATS
+        from pagedserve.layers.quantization import FORMATS
 
         if data.dtype != torch.uint8 or data.dim() != 3 or data.shape[-1] % 17:
             raise ValueError(f"MXFP4 rows must be uint8 [E, N, G * 17], got {data.dtype} {tuple(data.shape)}")
