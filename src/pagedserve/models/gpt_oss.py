@@ -152,8 +152,7 @@ class GptOssForCausalLM(PagedCausalLM):
         from pagedserve.layers.quantization import quantized_available
         from pagedserve.layers.mxfp4 import gpt_oss_expert_weights
 
-        # MXFP4 experts stay blocks where the CPU kernel can multiply them (one rank: see
-        # `layers.quantization.can_quantize`), else they are dequantized while loading.
-        keep = (self.lm_head.weight.device.type == "cpu" and not self.lm_head.tp.is_parallel
-                and quantized_available())
-        super().load_weights(gpt_oss_expert_weights(weights, keep_blocks=keep))
+        # MXFP4 experts stay blocks where the CPU kernel can multiply them (a CPU model on one
+        # rank: `layers.quantization.can_quantize`, else `load_named_weights` dequantizes them),
+        # and are dequantized while loading where the kernels are unavailable.
+        super().load_weights(gpt_oss_expert_weights(weights, keep_blocks=quantized_available()))
