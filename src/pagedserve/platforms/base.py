@@ -91,8 +91,10 @@ class LayerOps:
         return None
 
     def invariant_attention(self, query, k_cache, v_cache, block_tables, seq_lens,
-                            query_start_loc, scale, sliding_window) -> torch.Tensor | None:
-        """The torch attention backend's whole step on a batch-invariant kernel, or None."""
+                            query_start_loc, scale, sliding_window, *,
+                            sinks=None) -> torch.Tensor | None:
+        """The torch attention backend's whole step on a batch-invariant kernel (with per-head
+        `sinks` logits when given), or None."""
         return None
 
     def prefill_attention(self, query, key, value, out, scale, sliding_window) -> bool:

@@ -54,16 +54,22 @@ def paged_attention(
     of the step, and decode rows of bf16 CPU caches to `kernels.cpu_attention`. Everything else
     is plain torch (gather + SDPA).
 
-    NOTE: with `sinks` no compiled kernel runs (none takes sinks): every query token -- decode
-    row or prompt token alike -- is attended alone by `_attend_decode_rows`' torch products, so
-    its bits still do not depend on chunking or on the rest of the step (float32 exactness),
-    at the cost of a Python loop over prompt tokens."""
+    NOTE: with `sinks` only the float32 kernel runs (it takes them); elsewhere -- bf16, no
+    kernels -- every query token, decode row or prompt token alike, is attended alone by
+    `_attend_one`'s torch products, so its bits still do not depend on chunking or on the rest
+    of the step, at the cost of a Python loop over prompt tokens (bf16 decode and prefill
+    kernels take no sinks yet)."""
     if ops is None:
         ops = DEFAULT_OPS
     if meta.num_tokens and not meta.groups:
         raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     if sinks is not None:
+        o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, scale, sliding_window, sinks=sinks) \
+            if meta.num_tokens else None
+        if o is not None:  # [T, Hq, D]
+            return o
         return _attend_with_sinks(query, k_cache, v_cache, meta, scale, sliding_window, sinks)
     if meta.num_tokens:
         o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
