@@ -105,14 +105,16 @@ def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
 
 
 def set_quant(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Mark `weight` (uint8 `[N, row_bytes]`) as holding `spec`; returns it. ValueError if the
-    bytes do not match."""
-    if weight.dtype != torch.uint8 or weight.dim() != 2:
-        raise ValueError(f"a quantized weight is a 2-D uint8 tensor, got {weight.dtype} {tuple(weight.shape)}")
+    """Mark `weight` (uint8 `[N, row_bytes]`, or `[E, N, row_bytes]`: an MoE layer's stacked
+    experts, each `weight[e]` a weight of `spec`) as holding `spec`; returns it. ValueError if
+    the bytes do not match."""
+    if weight.dtype != torch.uint8 or weight.dim() not in (2, 3):
+        raise ValueError(f"a quantized weight is a 2-D (or stacked 3-D) uint8 tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
     want = spec.format.row_bytes(spec.in_features)
-    if weight.shape[1] != want:
+    if weight.shape[-1] != want:
         raise ValueError(f"{spec.format.name} rows of {spec.in_features} values take {want} bytes, "
-                         f"the tensor has {weight.shape[1]}")
+                         f"the tensor has {weight.shape[-1]}")
     weight.quant = spec
     return weight
 

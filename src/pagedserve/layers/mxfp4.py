@@ -73,7 +73,7 @@ def gpt_oss_expert_weights(weights: Iterable[tuple[str, Any]], *,
     """gpt-oss checkpoint tensors with the experts in the MoE layer's layout (`layers.moe`):
     `experts.gate_up_proj` `[E, H, 2I]` -> `experts.gate_proj` / `experts.up_proj` `[E, I, H]`
     (even / odd columns), `experts.down_proj` `[E, I, H]` -> `[E, H, I]`, `gate_up_proj_bias`
-    split likewise; MXFP4 `*_blocks` + `*_scales` -> `experts.<proj>` as `MXFP4Stack` (ggml rows,
+    split likewise; MXFP4 `*_blocks` + `*_scales` -> `experts.<proj>` as ggml MXFP4 rows (`mxfp4_stack`:
     no float copy; `keep_blocks` False: dequantized to float32 instead, for models that cannot
     run them). Other tensors pass through."""
     pending: dict[str, dict[str, Any]] = {}
@@ -110,34 +110,24 @@ def gpt_oss_expert_weights(weights: Iterable[tuple[str, Any]], *,
 def _mxfp4_experts(prefix: str, proj: str, blocks: torch.Tensor,
                    scales: torch.Tensor) -> Iterator[tuple[str, Any]]:
     """`gate_up_proj` blocks `[E, 2I, G, 16]` -> gate (even rows) and up (odd rows);
-    `down_proj` blocks `[E, H, G, 16]` as they are: each as an `MXFP4Stack`."""
+    `down_proj` blocks `[E, H, G, 16]` as they are: each as an `mxfp4_stack`."""
     if proj == "gate_up_proj":
-        yield f"{prefix}.gate_proj", MXFP4Stack(hf_to_ggml_rows(blocks[:, 0::2], scales[:, 0::2]))
-        yield f"{prefix}.up_proj", MXFP4Stack(hf_to_ggml_rows(blocks[:, 1::2], scales[:, 1::2]))
+        yield f"{prefix}.gate_proj", mxfp4_stack(hf_to_ggml_rows(blocks[:, 0::2], scales[:, 0::2]))
+        yield f"{prefix}.up_proj", mxfp4_stack(hf_to_ggml_rows(blocks[:, 1::2], scales[:, 1::2]))
     else:
-        yield f"{prefix}.down_proj", MXFP4Stack(hf_to_ggml_rows(blocks, scales))
+        yield f"{prefix}.down_proj", mxfp4_stack(hf_to_ggml_rows(blocks, scales))
 
 
-class MXFP4Stack:
+GGML_TYPE_MXFP4 = 39  # gguf.GGMLQuantizationType.MXFP4
+
+
+def mxfp4_stack(data: torch.Tensor):
     """Stacked expert weights `[E, N, K]` held as ggml MXFP4 rows `data` uint8 `[E, N, K / 32 *
-    17]` (a checkpoint source for `layers.weights.load_named_weights`): kept as blocks where the
-    parameter may be, else `dequantize()`d."""
+    17]`: a 3-D `layers.quantization.QuantizedTensor` (kept as blocks where the parameter may
+    be, else `dequantize()`d by `layers.weights.load_named_weights`)."""
+    from pagedserve.layers.quantization import FORMATS, QuantizedTensor
 
-    def __init__(self, data: torch.Tensor):
-        from pagedserve.layers.quantization import FORMATS
-
-        if data.dtype != torch.uint8 or data.dim() != 3 or data.shape[-1] % 17:
-            raise ValueError(f"MXFP4 rows must be uint8 [E, N, G * 17], got {data.dtype} {tuple(data.shape)}")
-        self.data = data
-        self.format = FORMATS["mxfp4"]
-        self.shape = (data.shape[0], data.shape[1], data.shape[2] // 17 * BLOCK)
-
-    def get_shape(self) -> tuple[int, int, int]:
-        return self.shape
-
-    def dequantize(self) -> torch.Tensor:  # float32 [E, N, K]
-        rows = self.data.unflatten(-1, (-1, 17))  # [E, N, G, 17]
-        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-        packed = rows[..., 1:]
-        codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).long()  # [E, N, G, 32] value order
-        return (lut[codes] * torch.exp2(rows[..., :1].float() - 127)).flatten(-2)
+    if data.dtype != torch.uint8 or data.dim() != 3 or data.shape[-1] % 17:
+        raise ValueError(f"MXFP4 rows must be uint8 [E, N, G * 17], got {data.dtype} {tuple(data.shape)}")
+    shape = (data.shape[0], data.shape[1], data.shape[2] // 17 * BLOCK)
+    return QuantizedTensor(data, FORMATS["mxfp4"], shape, GGML_TYPE_MXFP4)

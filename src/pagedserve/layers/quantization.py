@@ -40,16 +40,18 @@ QUANTIZATIONS = ("none", "gguf", "int8")
 
 class QuantizedTensor:
     """A 2-D checkpoint tensor `[N, K]` kept as `data`, uint8 `[N, row_bytes]` rows of `format`
-    blocks. `dequantize()` gives the float32 values (for parameters that cannot stay quantized)."""
+    blocks (or 3-D `[E, N, K]` as `[E, N, row_bytes]`: an MoE layer's stacked experts).
+    `dequantize()` gives the float32 values (for parameters that cannot stay quantized)."""
 
-    def __init__(self, data: torch.Tensor, format: QuantFormat, shape: tuple[int, int], ggml_type: int):
-        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != shape[0]:
-            raise ValueError(f"quantized tensor data must be uint8 [{shape[0]}, row_bytes]")
-        if data.shape[1] != format.row_bytes(shape[1]):
-            raise ValueError(f"{format.name} rows of {shape[1]} values take {format.row_bytes(shape[1])} bytes")
+    def __init__(self, data: torch.Tensor, format: QuantFormat, shape: tuple[int, ...], ggml_type: int):
+        if data.dtype != torch.uint8 or data.dim() != len(shape) or data.dim() not in (2, 3) \
+                or tuple(data.shape[:-1]) != tuple(shape[:-1]):
+            raise ValueError(f"quantized tensor data must be uint8 [{', '.join(map(str, shape[:-1]))}, row_bytes]")
+        if data.shape[-1] != format.row_bytes(shape[-1]):
+            raise ValueError(f"{format.name} rows of {shape[-1]} values take {format.row_bytes(shape[-1])} bytes")
         self.data, self.format, self.shape, self.ggml_type = data, format, tuple(shape), ggml_type
 
-    def get_shape(self) -> tuple[int, int]:
+    def get_shape(self) -> tuple[int, ...]:
         return self.shape
 
     def dequantize(self) -> torch.Tensor:  # float32 [N, K]
@@ -76,14 +78,13 @@ def _owners(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str]
 
 def can_quantize(model: nn.Module, param: torch.Tensor) -> bool:
     """Whether `param` may be replaced by a quantized weight: the `weight` of linear layers, LM
-    heads and embeddings, or a stacked expert weight a module lists in `quantizable` (an MoE
-    layer's experts, `[E, N, K]`), only on one rank, in a CPU model."""
+    heads and embeddings, and the stacked expert weights of MoE layers (a module's
+    `quantizable` names), on one rank, in a CPU model."""
     owners = _owners(model, param)
     classes = _quantizable_classes()
     return bool(owners) and param.device.type == "cpu" and all(
-        (isinstance(m, classes) and k == "weight" and not m.tp.is_parallel)
-        or (k in getattr(m, "quantizable", ()) and not m.placement.tp.is_parallel)
-        for m, k in owners
+        ((isinstance(m, classes) and k == "weight") or k in getattr(m, "quantizable", ()))
+        and not m.tp.is_parallel for m, k in owners
     )
 
 
@@ -96,17 +97,9 @@ def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tenso
 
 
 def install_quantized_tensor(model: nn.Module, param: torch.Tensor, source: QuantizedTensor) -> None:
-    """Install checkpoint blocks `source` in place of `param` (its shape already checked): a 2-D
-    weight's rows, or stacked experts' `[E, N, row_bytes]` (each `[N, row_bytes]` slice a weight
-    of `source.format`, e.g. `layers.mxfp4.MXFP4Stack`)."""
+    """Install checkpoint blocks `source` in place of `param` (its shape already checked)."""
     spec = QuantSpec(source.format, source.shape[-1], param.dtype)
-    data = source.data
-    if data.dim() == 3:  # stacked experts: the spec holds for every slice
-        set_quant(data[0], spec)  # checks the row bytes
-        data.quant = spec
-        install_quantized(model, param, data)
-        return
-    install_quantized(model, param, set_quant(data, spec))
+    install_quantized(model, param, set_quant(source.data, spec))
 
 
 @torch.no_grad()
@@ -116,15 +109,23 @@ def quantize_model_int8(model: nn.Module) -> int:
     seen: set[int] = set()
     count = 0
     for module in list(model.modules()):
-        if not isinstance(module, _quantizable_classes()):
+        names = getattr(module, "quantizable", ())  # an MoE layer's stacked experts [E, N, K]
+        if not names and not isinstance(module, _quantizable_classes()):
             continue
-        w = module._parameters.get("weight")
-        if w is None or id(w) in seen or getattr(w, "quant", None) is not None or w.dim() != 2:
-            continue
-        seen.add(id(w))
-        if can_quantize(model, w):
-            install_quantized(model, w, quantize_int8(w, w.dtype))
-            count += 1
+        for name in names or ("weight",):
+            w = module._parameters.get(name)
+            if w is None or id(w) in seen or getattr(w, "quant", None) is not None \
+                    or w.dim() != (3 if names else 2):
+                continue
+            seen.add(id(w))
+            if can_quantize(model, w):
+                if names:  # one scale per output row of every expert
+                    flat = quantize_int8(w.reshape(-1, w.shape[-1]), w.dtype)
+                    q = set_quant(flat.view(*w.shape[:-1], flat.shape[-1]), flat.quant)
+                else:
+                    q = quantize_int8(w, w.dtype)
+                install_quantized(model, w, q)
+                count += 1
     return count
 
 

@@ -113,9 +113,7 @@ def load_named_weights(
 
 
 def _is_quantized(source: TensorSource) -> bool:
-    """A checkpoint tensor held as format blocks (`layers.quantization.QuantizedTensor`,
-    `layers.mxfp4.MXFP4Stack`)."""
-    return type(source).__name__ in ("QuantizedTensor", "MXFP4Stack") and hasattr(source, "dequantize")
+    return type(source).__name__ == "QuantizedTensor" and hasattr(source, "dequantize")
 
 
 def _names(names: list[str], limit: int = 10) -> str:
