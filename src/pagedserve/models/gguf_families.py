@@ -56,7 +56,8 @@ _GPT_OSS = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate_inp": "mlp.router",
 }
-# stacked experts: GGUF leaf -> the MoE layer's stacked parameter (no `.weight`; biases `_bias`)
+# stacked experts `[E, out, in]`: GGUF leaf -> the MoE layer's stacked parameter, named as
+# llama.cpp's merged tensor (`...experts.gate_proj.weight` / `.bias`)
 _EXPERTS = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
             "ffn_down_exps": "mlp.experts.down_proj"}
 _SKIPPED = {"rope_freqs.weight"}
@@ -196,8 +197,8 @@ def hf_name(architecture: str, gguf_name: str) -> str | None:
         return None
     layer, leaf = int(parts[1]), parts[2]
     prefix = f"model.layers.{layer}."
-    if leaf in _EXPERTS:
-        return prefix + _EXPERTS[leaf] + ("_bias" if suffix == "bias" else "")
+    if leaf in _EXPERTS:  # llama.cpp's merged name (`layers.moe.expert_param_name` maps it)
+        return f"{prefix}{_EXPERTS[leaf]}.{suffix}"
     if architecture == "deepseek2":
         if leaf in ("attn_k_b", "attn_v_b"):
             return f"{prefix}self_attn.kv_b_proj.{leaf[5:]}"
