@@ -79,3 +79,12 @@ def test_deepseek_v3_noaux_tc_moe_q_lora_yarn(tmp_path, check_hf, prompts):
     assert model.model.layers[0].self_attn.scale != (16 + 16) ** -0.5  # the mscale applies
     assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
     check_hf(hf, model, prompts(VOCAB))
+
+
+def test_deepseek_v3_dense_rotate_half_rope(hf_pair, check_hf, prompts):
+    """V3 with `rope_interleave` off (the rotate-half layout) and q_lora_rank, every layer dense."""
+    config = transformers.DeepseekV3Config(**_mla(q_lora_rank=32, first_k_dense_replace=2,
+                                                  n_group=4, topk_group=2, rope_interleave=False))
+    hf, model, _ = hf_pair(config)
+    assert isinstance(model, DeepseekV3ForCausalLM) and not model.model.layers[0].self_attn.rope_interleave
+    check_hf(hf, model, prompts(VOCAB, lengths=(11, 5)))
