@@ -84,6 +84,20 @@ def config_for(arch: str, **overrides):
                              num_experts_per_tok=2, max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
+    elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE
+        cfg = tf.DeepseekV2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                                  kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                  v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4,
+                                  moe_intermediate_size=32, num_experts_per_tok=2,
+                                  n_shared_experts=1, topk_method="group_limited_greedy",
+                                  n_group=2, topk_group=1, max_position_embeddings=512, **common)
+    elif arch == "gpt_oss":  # sinks, alternating windows, clamped-SwiGLU experts
+        cfg = tf.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=512, **common)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

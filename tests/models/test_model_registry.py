@@ -23,6 +23,9 @@ EXPECTED = {
     "GlmForCausalLM",
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 }
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}

@@ -124,11 +124,13 @@ def invariant_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] sink logits (gpt-oss), or None
 ) -> torch.Tensor | None:  # [T, Hq, D]
     """Causal paged attention of every query token over its own context (the last query_len
     positions of its sequence's seq_len are its query tokens), each token alone, its scores capped
-    as `softcap * tanh(s / softcap)` when `softcap` is set; None where the kernel does not apply
-    (see the module docstring)."""
+    as `softcap * tanh(s / softcap)` when `softcap` is set, with a sink logit per query head in
+    each softmax's denominator when `sinks` is given; None where the kernel does not apply (see
+    the module docstring; sinks and a softcap together: no model has both, the torch path)."""
     if (query.dtype is not torch.float32 or k_cache.dtype is not torch.float32
             or v_cache.dtype is not torch.float32 or not query.is_cpu or not k_cache.is_cpu
             or _needs_grad(query)):
@@ -138,6 +140,13 @@ def invariant_attention(
         return None
     if _get_isa() is None:
         return None
+    if sinks is not None:
+        if softcap:
+            return None
+        return torch.ops.pagedserve_fp32.fp32_paged_attention_sinks.default(
+            query.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+            query_start_loc.contiguous(), float(scale), int(sliding_window or 0),
+            sinks.detach().float().contiguous(), 0)
     return torch.ops.pagedserve_fp32.fp32_paged_attention.default(
         query.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
         query_start_loc.contiguous(), float(scale), int(sliding_window or 0), float(softcap or 0.0), 0)

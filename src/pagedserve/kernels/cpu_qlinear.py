@@ -60,12 +60,13 @@ FORMATS = {
         QuantFormat("int8", 5, 1, 1),  # per row: fp32 scale, then K int8
         QuantFormat("q5_0", 6, 32, 22),
         QuantFormat("q4_0", 7, 32, 18),
+        QuantFormat("mxfp4", 8, 32, 17),  # E8M0 scale + 16 bytes of E2M1 pairs (csrc/qlinear_mxfp4.h)
     )
 }
 
 # ggml type names (gguf.GGMLQuantizationType) the kernel takes as they are
 GGML_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0",
-                "Q4_0": "q4_0"}
+                "Q4_0": "q4_0", "MXFP4": "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
     """The kernel's `gemm_rows` argument for a product with x of `x_dtype` at ISA `isa`: 0 (never
     the GEMM) for plain weights, batch-invariant specs and float32 x (NOTE: float32 stays
     batch-invariant always: the engine's exactness guarantees are stated in float32)."""
-    if spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16:
+    if (spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16
+            or spec.format.name == "mxfp4"):  # MXFP4: the 8-bit kernel only
         return 0
     return GEMM_ROWS.get(isa, 0)
 

@@ -10,7 +10,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):
-    """Causal attention of one layer over its paged KV cache (optionally sliding-window).
+    """Causal attention of one layer over its paged KV cache (optionally sliding-window; with
+    per-head attention sinks given at the call, as gpt-oss).
 
     Takes projected (and already rotated) q/k/v per head, writes k/v into the layer's cache and
     attends each query over its sequence's cached context, on the attention backend that built
@@ -51,10 +52,16 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [N + 1, B, Hkv, D]
         meta: AttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,  # [Hq] learned sink logits (gpt-oss), or None
     ) -> torch.Tensor:  # [T, Hq * D]
         impl = meta.impl or backend_of(meta)
-        out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                           softcap=self.softcap)  # [T, Hq, D]
+        if sinks is None:  # (backends without sinks keep their signature)
+            out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                               softcap=self.softcap)  # [T, Hq, D]
+        else:
+            out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                               softcap=self.softcap, sinks=sinks)  # [T, Hq, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

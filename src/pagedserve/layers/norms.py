@@ -72,6 +72,30 @@ class GemmaRMSNorm(OpsUser, nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class Fp32WeightRMSNorm(OpsUser, nn.Module):
+    """RMSNorm whose weight multiplies in float32 before the cast back: `(w * (x / rms(x)))`
+    in float32, then the input dtype (HF's gpt-oss norm, whose weight stays float32). On bf16
+    activations it runs the fused kernel with the "gemma" numerics (fp32 weight, one rounding)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        w32 = _weight_f32(self, lambda w: w.float())  # [H] fp32
+        if x.dtype == torch.bfloat16:
+            y = self.ops.rms_norm(x, w32, self.eps, "gemma")
+            if y is not None:
+                return y
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * w32).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
 def _weight_f32(norm: nn.Module, make) -> torch.Tensor:
     """`make(norm.weight)` (an fp32 [H] tensor), cached on the module until the weight changes.
 

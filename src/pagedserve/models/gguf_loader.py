@@ -40,13 +40,15 @@ from pagedserve.models.gguf_reader import (  # noqa: F401 - re-exported
     read_gguf_header,
 )
 
+from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe",  # mixture of experts (Mixtral is "llama" with experts)
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
-)
+) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
@@ -108,6 +110,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     """
     _check_supported(header)
     arch = header.architecture
+    if arch in FAMILY_ARCHITECTURES:  # deepseek2, gpt-oss: models/gguf_families.py
+        from pagedserve.models.gguf_families import config_dict
+
+        return config_dict(header)
     md = header.metadata
     tensor_names = {t.name for t in header.tensors}
 
@@ -605,6 +611,11 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
     header = read_gguf_header(path)
     _check_supported(header)
     arch = header.architecture
+    if arch in FAMILY_ARCHITECTURES:  # deepseek2, gpt-oss: models/gguf_families.py
+        from pagedserve.models.gguf_families import iter_weights
+
+        yield from iter_weights(header, config, keep_quantized)
+        return
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_head = int(text_config.num_attention_heads)
     n_kv_head = int(getattr(text_config, "num_key_value_heads", None) or n_head)

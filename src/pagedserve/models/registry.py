@@ -7,10 +7,12 @@ from typing import Any
 from torch import nn
 
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
+from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
+from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
@@ -45,6 +47,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -87,6 +92,9 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm": "GlmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

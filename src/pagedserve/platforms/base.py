@@ -97,10 +97,11 @@ class LayerOps:
         return None
 
     def invariant_attention(self, query, k_cache, v_cache, block_tables, seq_lens,
-                            query_start_loc, scale, sliding_window,
-                            softcap=None) -> torch.Tensor | None:
+                            query_start_loc, scale, sliding_window, softcap=None, *,
+                            sinks=None) -> torch.Tensor | None:
         """The torch attention backend's whole step on a batch-invariant kernel (scores capped
-        as `softcap * tanh(s / softcap)` when `softcap` is set), or None."""
+        as `softcap * tanh(s / softcap)` when `softcap` is set; per-head `sinks` logits when
+        given), or None."""
         return None
 
     def prefill_attention(self, query, key, value, out, scale, sliding_window) -> bool:

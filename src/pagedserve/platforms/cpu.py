@@ -89,9 +89,9 @@ class CpuOps(LayerOps):
                                 sliding_window)
 
     def invariant_attention(self, query, k_cache, v_cache, block_tables, seq_lens,
-                            query_start_loc, scale, sliding_window, softcap=None):
+                            query_start_loc, scale, sliding_window, softcap=None, *, sinks=None):
         return invariant_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                   query_start_loc, scale, sliding_window, softcap)
+                                   query_start_loc, scale, sliding_window, softcap, sinks)
 
     def prefill_attention(self, query, key, value, out, scale, sliding_window):
         return prefill_attention(query, key, value, out, scale, sliding_window)

@@ -51,10 +51,11 @@ class AttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:  # [T, Hq, D]
+                sliding_window: int | None = None, softcap: float | None = None, *,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:  # [T, Hq, D]
         """Write the new K/V at their slots, attend every query over its context (`softcap`:
-        scaled scores s capped as `softcap * tanh(s / softcap)` before the softmax)."""
+        scaled scores s capped as `softcap * tanh(s / softcap)` before the softmax; `sinks`
+        ([Hq] learned logits, gpt-oss): one more term per head in each softmax's denominator)."""
         raise NotImplementedError
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -40,10 +40,13 @@ def paged_attention(
     sliding_window: int | None = None,
     ops=None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] learned sink logits, or None
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the new K/V into the cache, then attend every query over its sequence's context read
     through the block tables (causal, optionally within a sliding window of keys; `softcap`: each
-    scaled score s capped as `softcap * tanh(s / softcap)` before the softmax, Gemma 2's).
+    scaled score s capped as `softcap * tanh(s / softcap)` before the softmax, Gemma 2's). `sinks`
+    (gpt-oss): one learned logit per query head in each softmax's denominator, with no value
+    (`softmax([scores, sink])` with the sink's weight dropped).
 
     `ops` (the platform's `LayerOps`; None: `platforms.DEFAULT_OPS`) may take the step on a
     kernel: the CPU platform's, when the compiled kernels are available (not disabled by
@@ -56,12 +59,26 @@ def paged_attention(
     NOTE: soft-capped layers: the float32 kernel caps its scores itself (still every token alone,
     batch-invariant); the bf16 decode and prompt kernels do not cap, so those layers' bf16 steps
     run the torch paths here (decode rows one by one, prompt chunks with explicit scores: SDPA
-    cannot cap)."""
+    cannot cap).
+
+    NOTE: with `sinks` only the float32 kernel runs (it takes them); elsewhere -- bf16, no
+    kernels -- every query token, decode row or prompt token alike, is attended alone by
+    `_attend_one`'s torch products, so its bits still do not depend on chunking or on the rest
+    of the step, at the cost of a Python loop over prompt tokens (bf16 decode and prefill
+    kernels take no sinks yet)."""
     if ops is None:
         ops = DEFAULT_OPS
     if meta.num_tokens and not meta.groups:
         raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    if sinks is not None:
+        o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, scale, sliding_window, softcap,
+                                    sinks=sinks) if meta.num_tokens else None
+        if o is not None:  # [T, Hq, D]
+            return o
+        return _attend_with_sinks(query, k_cache, v_cache, meta, scale, sliding_window, sinks,
+                                  softcap)
     if meta.num_tokens:
         o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale, sliding_window, softcap)
@@ -155,6 +172,7 @@ def _attend_decode_rows(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [G, Hq, D]
     """Decode rows the compiled kernels did not take (no kernel for this dtype / CPU, or
     soft-capped scores): each row alone over exactly its own context (within the window),
@@ -162,21 +180,73 @@ def _attend_decode_rows(
     NOTE: one row at a time, never padded to the batch's longest context, so a row's bits do not
     depend on the rows beside it. Plain products rather than SDPA: for one query its flash kernel
     costs ~0.5 ms a call on CPU (blocking set up for long queries)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    hkv = flat_k.shape[1]
-    group_size = num_heads // hkv
     out = torch.empty_like(q)
     for i, ctx in enumerate(group.seq_lens.tolist()):
         first = max(0, ctx - sliding_window) if sliding_window else 0
-        slots = group.kv_slots[i, first:ctx]  # [n]
-        k = flat_k.index_select(0, slots).float().permute(1, 2, 0)  # [Hkv, D, n]
-        v = flat_v.index_select(0, slots).float().transpose(0, 1)  # [Hkv, n, D]
-        qi = q[i].float().view(hkv, group_size, head_dim)  # [Hkv, g, D]
-        s = torch.bmm(qi, k).mul_(scale)  # [Hkv, g, n]
-        if softcap:
-            s = s.div_(softcap).tanh_().mul_(softcap)
+        out[i] = _attend_one(q[i], flat_k, flat_v, group.kv_slots[i, first:ctx], scale, sinks,
+                             softcap)
+    return out
+
+
+def _attend_one(
+    q: torch.Tensor,  # [Hq, D] one query token
+    flat_k: torch.Tensor,  # [N * B, Hkv, D]
+    flat_v: torch.Tensor,
+    slots: torch.Tensor,  # [n] its keys' cache slots
+    scale: float,
+    sinks: torch.Tensor | None,  # [Hq] or None
+    softcap: float | None = None,
+) -> torch.Tensor:  # [Hq, D] float32
+    """One query token over the keys at `slots`: softmax(cap(q K^T * scale)) V in float32 (with a
+    sink logit per head in the softmax when `sinks` is given, its weight dropped, as HF's
+    gpt-oss). NOTE: the same ops on the same shapes for a token wherever it comes from (a decode
+    row or a prompt token with sinks), so its bits agree."""
+    num_heads, head_dim = q.shape
+    hkv = flat_k.shape[1]
+    k = flat_k.index_select(0, slots).float().permute(1, 2, 0)  # [Hkv, D, n]
+    v = flat_v.index_select(0, slots).float().transpose(0, 1)  # [Hkv, n, D]
+    qi = q.float().view(hkv, num_heads // hkv, head_dim)  # [Hkv, g, D]
+    s = torch.bmm(qi, k).mul_(scale)  # [Hkv, g, n]
+    if softcap:
+        s = s.div_(softcap).tanh_().mul_(softcap)
+    if sinks is None:
         p = torch.softmax(s, dim=-1)  # [Hkv, g, n]
-        out[i] = torch.bmm(p, v).view(num_heads, head_dim)  # [Hq, D], rounded to q's dtype
+    else:
+        sink = sinks.float().view(hkv, num_heads // hkv, 1)  # [Hkv, g, 1]
+        p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]  # [Hkv, g, n]
+    return torch.bmm(p, v).view(num_heads, head_dim)  # [Hq, D]
+
+
+def _attend_with_sinks(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] the step's K/V written
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor,  # [Hq]
+    softcap: float | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Every query token alone over its own context (`_attend_one`), prompt tokens and decode
+    rows alike (see `paged_attention`'s NOTE on sinks)."""
+    n, b, hkv, head_dim = k_cache.shape
+    flat_k = k_cache.view(n * b, hkv, head_dim)
+    flat_v = v_cache.view(n * b, hkv, head_dim)
+    out = torch.empty_like(query)
+    for group in meta.groups:
+        if not group.is_prompt:
+            q = query if group.covers_all else query.index_select(0, group.out_tokens)
+            o = _attend_decode_rows(q, flat_k, flat_v, group, scale, sliding_window, softcap, sinks)
+            if group.covers_all:
+                return o
+            out.index_copy_(0, group.out_tokens, o)
+            continue
+        for g, (start, count, ctx) in enumerate(group.spans):
+            for i in range(count):
+                end = ctx - count + i + 1  # this token's context length
+                first = max(0, end - sliding_window) if sliding_window else 0
+                out[start + i] = _attend_one(query[start + i], flat_k, flat_v,
+                                             group.kv_slots[g, first:end], scale, sinks, softcap)
     return out
 
 
@@ -232,9 +302,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None,
+                *, sinks=None):
         return paged_attention(query, key, value, kv_cache[0], kv_cache[1], meta, scale,
-                               sliding_window, ops=self.ops, softcap=softcap)
+                               sliding_window, ops=self.ops, softcap=softcap, sinks=sinks)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv(key, value, k_cache, v_cache, slot_mapping)

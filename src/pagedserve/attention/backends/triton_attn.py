@@ -436,7 +436,11 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_graphs = True
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None,
+                *, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("attention sinks (gpt-oss) on the Triton backend; use "
+                                      "attention_backend='torch'")
         return paged_attention(query, key, value, kv_cache[0], kv_cache[1], meta, scale,
                                sliding_window, softcap=softcap)
 

@@ -18,7 +18,8 @@
 //     start = max(0, ctx - window) for a sliding window (0: none); softcap > 0 caps each score as
 //     softcap * tanh(score / softcap) before the softmax (Gemma 2). So its bits depend only on its
 //     own query and context, not on how the prompt was chunked or what else is in the step. The
-//     step's new K/V must already be in the cache.
+//     step's new K/V must already be in the cache. fp32_paged_attention_sinks(..., sinks [Hq], isa):
+//     the same with a sink logit per query head in each softmax's denominator (gpt-oss).
 //
 //   fp32_activation(x, act) -> silu(x) (act 0), gelu_tanh(x) (act 1) or sigmoid(x) (act 2), every element by one
 //     lane-wise vector formula (our exp), whatever the tensor's size and the thread count --
@@ -254,10 +255,11 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return y;
 }
 
-at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cache,
+at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                double scale, int64_t window, double softcap, int64_t isa) {
+                                double scale, int64_t window, double softcap, int64_t isa,
+                                const float* sinks) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "fp32_paged_attention: float32 query and caches only");
@@ -317,13 +319,37 @@ at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cac
       float* o = op + (t * Hq + h * G) * D;
       if (use == kIsaAvx512)
         isa_avx512::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D,
-                           sc, cap, o, qs.data(), scores.data(), acc.data(), ptrs.data());
+                           sc, cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(),
+                           sinks ? sinks + h * G : nullptr);
       else
         isa_avx2::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
-                         cap, o, qs.data(), scores.data(), acc.data(), ptrs.data());
+                         cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(),
+                         sinks ? sinks + h * G : nullptr);
     }
   });
   return out;
+}
+
+at::Tensor fp32_paged_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                double scale, int64_t window, double softcap, int64_t isa) {
+  return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                              scale, window, softcap, isa, nullptr);
+}
+
+// The same with attention sinks (gpt-oss): sinks [Hq] float32, one logit per query head in each
+// softmax's denominator (its weight dropped). NOTE: its own op, so the plain op's schema stays.
+at::Tensor fp32_paged_attention_sinks(const at::Tensor& query, const at::Tensor& k_cache,
+                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                      double scale, int64_t window, const at::Tensor& sinks,
+                                      int64_t isa) {
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.dim() == 1 && sinks.is_contiguous() &&
+                  sinks.size(0) == query.size(1),
+              "fp32_paged_attention_sinks: sinks must be a contiguous float32 [Hq]");
+  return paged_attention_impl(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                              scale, window, 0.0, isa, sinks.data_ptr<float>());
 }
 
 // Activations: every element by the same lane-wise vector formula (isa header), the tail too
@@ -372,10 +398,14 @@ TORCH_LIBRARY(pagedserve_fp32, m) {
       "fp32_paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int window, float softcap, int isa) "
       "-> Tensor");
+  m.def(
+      "fp32_paged_attention_sinks(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int window, Tensor sinks, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_fp32, CPU, m) {
   m.impl("fp32_activation", &fp32_activation);
   m.impl("fp32_linear", &fp32_linear);
   m.impl("fp32_paged_attention", &fp32_paged_attention);
+  m.impl("fp32_paged_attention_sinks", &fp32_paged_attention_sinks);
 }

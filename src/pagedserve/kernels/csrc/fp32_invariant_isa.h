@@ -209,11 +209,12 @@ void value_tile(const float* p, int64_t L, const float* const* vals, int64_t i0,
 
 // One query token, one KV head: out[g] = sum_t softmax_t(q[g] * scale . k_t) v_t over the keys
 // t in [start, len) of its sequence (block table `table`), in increasing t; softcap > 0 caps
-// each score s as softcap * tanh(s / softcap) (Gemma 2) before the softmax.
+// each score s as softcap * tanh(s / softcap) (Gemma 2) before the softmax. `sink` (or null): a
+// logit per query head of the group, one more term in the softmax's denominator (gpt-oss).
 void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
             int64_t len, int64_t start, int64_t block_size, int64_t row, int64_t G, int64_t D,
             float scale, float softcap, float* out, float* qs, float* scores, float* acc,
-            const float** ptrs) {
+            const float** ptrs, const float* sink = nullptr) {
   const int64_t L = len - start;
   const int64_t nfull = D / 16, rem = D % 16;
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
@@ -240,11 +241,13 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     float* sg = scores + g * L;
     float mx = sg[0];
     for (int64_t j = 1; j < L; ++j) mx = std::max(mx, sg[j]);
+    if (sink) mx = std::max(mx, sink[g]);
     float sum = 0.f;
     for (int64_t j = 0; j < L; ++j) {
       sg[j] = std::exp(sg[j] - mx);
       sum += sg[j];
     }
+    if (sink) sum += std::exp(sink[g] - mx);  // the sink's weight, dropped from the output
     sums[g] = sum;
   }
   // Pass 2: acc[g] = sum_t p[g, t] v_t.

@@ -2,7 +2,8 @@
 //     y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias[N]),  fp32 accumulation.
 //
 // Weight formats (W's rows as raw bytes, see `row_bytes`): bf16, and the ggml blocks Q8_0, Q4_0,
-// Q5_0, Q4_K, Q5_K, Q6_K (as in GGUF files), and our INT8 (per row: fp32 scale, then K int8).
+// Q5_0, Q4_K, Q5_K, Q6_K, MXFP4 (as in GGUF files; MXFP4 on the 8-bit kernel only:
+// qlinear_mxfp4.h), and our INT8 (per row: fp32 scale, then K int8).
 //
 // The ggml formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
 // dot products with the weight blocks as they are stored (AVX2 maddubs/madd, one fp32 FMA per
@@ -50,7 +51,7 @@ using namespace ps_isa;
 
 enum Fmt : int64_t {
   kFmtBf16 = 0, kFmtQ8_0 = 1, kFmtQ4_K = 2, kFmtQ5_K = 3, kFmtQ6_K = 4, kFmtInt8 = 5, kFmtQ5_0 = 6,
-  kFmtQ4_0 = 7,
+  kFmtQ4_0 = 7, kFmtMxfp4 = 8,
 };
 
 // Bytes of one row of K values in format fmt; -1 if K does not fit the format's blocks.
@@ -64,6 +65,7 @@ int64_t row_bytes(int64_t fmt, int64_t K) {
     case kFmtQ4_K: return K % 256 ? -1 : K / 256 * 144;
     case kFmtQ5_K: return K % 256 ? -1 : K / 256 * 176;
     case kFmtQ6_K: return K % 256 ? -1 : K / 256 * 210;
+    case kFmtMxfp4: return K % 32 ? -1 : K / 32 * 17;
   }
   return -1;
 }
@@ -204,6 +206,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
     p->range = [](const Out&, int64_t, int64_t) {};
     return p;
   }
+  if (fmt == kFmtMxfp4) gemm_rows = 0;  // no GEMM takes MXFP4 (qlinear_mxfp4.h)
   // ggml formats below gemm_rows rows (or always, gemm_rows <= 0): 8-bit x, integer block
   // products on the stored blocks (qlinear_q8.h), at every level. From gemm_rows rows on, the
   // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.

@@ -257,6 +257,8 @@ void dq_bf16(const uint8_t* row, int64_t K, T* dst) {
   for (int64_t k = 0; k < K; ++k) put(dst, k, bf16_to_float(w[k]));
 }
 
+#include "qlinear_mxfp4.h"
+
 template <typename T>
 void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
   switch (fmt) {
@@ -268,6 +270,7 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
     case kFmtInt8: return dq_int8(row, K, dst);
     case kFmtQ5_0: return dq_q5_0(row, K, dst);
     case kFmtQ4_0: return dq_q4_0(row, K, dst);
+    case kFmtMxfp4: return dq_mxfp4(row, K, dst);
   }
 }
 

@@ -315,7 +315,7 @@ void q8_product_range(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, cons
 // Whether fmt is a ggml block format (the ones this file multiplies).
 inline bool q8_format(int64_t fmt) {
   return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K || fmt == kFmtQ5_K ||
-         fmt == kFmtQ6_K;
+         fmt == kFmtQ6_K || fmt == kFmtMxfp4;
 }
 
 // The offset a format stores its values with (Q4_0: q + 8, Q5_0: q + 16), which the quantized x
@@ -363,5 +363,6 @@ inline void q8_range_fmt(int64_t fmt, const XQ& xq, int64_t M, const uint8_t* w,
     case kFmtQ4_K: return q8_product_range<Q4_K>(xq, M, w, rb, out, nb, ne);
     case kFmtQ5_K: return q8_product_range<Q5_K>(xq, M, w, rb, out, nb, ne);
     case kFmtQ6_K: return q8_product_range<Q6_K>(xq, M, w, rb, out, nb, ne);
+    case kFmtMxfp4: return q8_product_range<MXFP4>(xq, M, w, rb, out, nb, ne);
   }
 }

@@ -1,0 +1,108 @@
+"""Check llama.cpp's real converter output for DeepSeek V2 (MLA) and gpt-oss against HF.
+
+Builds the tests' tiny random checkpoints (tests/tiny.py; gpt-oss also with MXFP4 experts as
+OpenAI ships them), converts each with the llama.cpp tree's convert_hf_to_gguf.py (f32, q8_0; the
+tiny BPE tokenizer's pre-tokenizer named "gpt-2", which the converter cannot recognise by hash),
+loads every GGUF with pagedserve (`LLM(path.gguf)`, float32) and compares greedy tokens with HF
+transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs a llama.cpp
+tree (../shared/tools/build-llama-server.sh); CI does not run it.
+
+    python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+CONVERT = """
+import runpy, sys
+tree = sys.argv.pop(1)
+sys.path[:0] = [tree + "/gguf-py", tree]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # the tiny test tokenizer
+sys.argv[0] = tree + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def mxfp4_checkpoint(src: Path, dst: Path) -> Path:
+    """`src` (a gpt-oss HF folder) with its experts as MXFP4 `_blocks` / `_scales` (and HF's
+    reference folder beside it, experts replaced by the dequantized values): returns the
+    reference folder."""
+    import safetensors.torch
+    import torch
+
+    from pagedserve.layers.mxfp4 import dequantize_hf, pack_hf
+
+    tensors = safetensors.torch.load_file(src / "model.safetensors")
+    packed, ref = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = pack_hf(w.transpose(1, 2))
+            del packed[name]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            ref[name] = dequantize_hf(blocks, scales).transpose(1, 2).contiguous()
+    ref_dir = dst.with_name(dst.name + "-ref")
+    for folder, state in ((dst, packed), (ref_dir, ref)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                (folder / f.name).write_bytes(f.read_bytes())
+        safetensors.torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref_dir
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+    parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
+    args = parser.parse_args()
+    import tiny
+    import torch
+    from utils import assert_tie_rule, hf_greedy, ours_as_pairs
+
+    from pagedserve import LLM, SamplingParams
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="gguf-check-"))
+    prompts = [[1, 17, 200, 33, 5, 90, 41], [1, 300, 2, 7, 77, 150, 9, 11, 12, 13, 400]]
+    cases = []  # (name, HF reference folder, folder to convert, outtype)
+    for arch in ("deepseek_v2", "gpt_oss"):
+        src = tiny.make_checkpoint(out / arch, arch)
+        cases += [(f"{arch}-{t}", src, src, t) for t in ("f32", "q8_0")]
+    ref = mxfp4_checkpoint(out / "gpt_oss", out / "gpt_oss-mxfp4")
+    cases.append(("gpt_oss-mxfp4", ref, out / "gpt_oss-mxfp4", "f32"))
+    failures = 0
+    for name, ref_dir, folder, outtype in cases:
+        gguf_path = out / f"{name}.gguf"
+        subprocess.run([sys.executable, "-c", CONVERT, args.llama_cpp, str(folder), "--outfile",
+                        str(gguf_path), "--outtype", outtype], check=True, capture_output=True)
+        hf = tiny.load_hf(ref_dir)
+        llm = LLM(str(gguf_path), dtype="float32")  # its config and tokenizer from the GGUF
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            try:
+                assert_tie_rule(ours_as_pairs(o.outputs[0]), hf_greedy(hf, p, 12), name)
+            except AssertionError as e:
+                failures += 1
+                print(f"FAIL {name}: {e}")
+        print(f"{name}: checked ({gguf_path.stat().st_size} bytes)")
+        del llm, hf
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print("all equal by the tie rule" if not failures else f"{failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
