@@ -23,6 +23,11 @@ class AttentionBatch:
     device: torch.device | str = "cpu"
     num_splits: int | None = None  # triton split-K parts (fixed for CUDA graphs)
     decode_rows: list[bool] | None = None  # which rows decode (default: the rows of one token)
+    # Several KV groups (core/kv_spec.py): block ids per logical block in a table row (the
+    # tables are flat rows: column c of logical block i at [i * width + c]), and each model
+    # layer's column; 1 / None: one group.
+    width: int = 1
+    layer_columns: tuple[int, ...] | None = None
 
 
 class AttentionBackend:
@@ -41,9 +46,19 @@ class AttentionBackend:
 
     def build_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         """The step's metadata (`AttentionMetadata.build` for this backend), remembering its
-        backend (`meta.impl`)."""
+        backend (`meta.impl`). With several KV groups (`batch.width > 1`) one metadata per
+        column (its block tables and slots), the first's `per_layer` naming each layer's."""
+        w = batch.width
+        if w == 1:
+            return self._build(batch, batch.block_tables)
+        metas = [self._build(batch, [t[c::w] for t in batch.block_tables]) for c in range(w)]
+        meta = metas[0]
+        meta.per_layer = [metas[c] for c in batch.layer_columns]
+        return meta
+
+    def _build(self, batch: AttentionBatch, block_tables: list[list[int]]) -> AttentionMetadata:
         meta = AttentionMetadata.build(
-            block_tables=batch.block_tables, seq_lens=batch.seq_lens, query_lens=batch.query_lens,
+            block_tables=block_tables, seq_lens=batch.seq_lens, query_lens=batch.query_lens,
             block_size=batch.block_size, null_block=batch.null_block, device=batch.device,
             backend=self.name, num_splits=batch.num_splits, decode_rows=batch.decode_rows)
         meta.impl = self
