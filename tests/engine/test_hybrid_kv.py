@@ -92,6 +92,11 @@ def test_a_long_prompt_holds_its_window_and_a_chunk_in_the_sliding_group(setup):
         sliding_peak = max(sliding_peak, usage[f"sliding-{WINDOW}"])
         full_peak = max(full_peak, usage["full"])
         engine.check_invariants()
+        groups = engine.last_schedule_info()["kv_groups"]  # the live metrics' figures
+        assert [g[0] for g in groups] == [f"sliding-{WINDOW}", "full"]
+        total = engine.kv_manager.num_blocks
+        assert [round(g[1] * total) for g in groups] == [usage[g[0]] for g in groups]
+        assert all(0.0 <= g[2] < 1.0 for g in groups)
     # 3 sliding lanes: at most the window and a chunk each (+1 for a window across blocks)
     assert sliding_peak <= 3 * (-(-(WINDOW - 1 + chunk) // BS) + 1)
     # the full group keeps every block (measured after each step: the step computing the
@@ -105,12 +110,12 @@ def test_abort_storm_returns_every_groups_blocks_to_the_pool(setup):
     from pagedserve import LLM
 
     rng = random.Random(4)
-    llm = LLM(path, dtype="float32", block_size=BS, num_kv_blocks=120, num_cpu_blocks=200,
+    llm = LLM(path, dtype="float32", block_size=BS, num_kv_blocks=64, num_cpu_blocks=100,
               preemption_mode="auto", max_num_batched_tokens=12)
     engine = llm.engine
     live = []
     for step in range(60):
-        for _ in range(rng.randint(0, 2)):
+        for _ in range(rng.randint(1, 3)):
             rid = f"s{step}-{len(live)}"
             prompt = prompts_of_lengths([rng.randint(3, 40)], seed=rng.randrange(10**6))[0]
             kind = rng.random()
@@ -123,7 +128,7 @@ def test_abort_storm_returns_every_groups_blocks_to_the_pool(setup):
                                                              max_tokens=rng.randint(4, 30)),
                                    prompt_token_ids=prompt)
             live.append(rid)
-        for rid in rng.sample(live, min(len(live), rng.randint(0, 3))):
+        for rid in rng.sample(live, min(len(live), rng.randint(0, 2))):
             engine.abort_request(rid)
             live.remove(rid)
         engine.step()
@@ -137,3 +142,33 @@ def test_abort_storm_returns_every_groups_blocks_to_the_pool(setup):
     assert kv.group_usage() == [(f"sliding-{WINDOW}", 0), ("full", 0)]
     assert not kv.tables and not kv.cpu_tables
     engine.check_invariants()
+
+
+def test_per_group_usage_and_waste_are_exported_and_logged(caplog):
+    import logging
+    import time
+
+    from pagedserve.engine.stats import StatsLogLine, StepStats
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+
+    def metric(text, name, **labels):
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == name and s.labels == labels)
+
+    m = ServerMetrics("tiny")
+    stats = StepStats(now=0.0, num_running=1, num_waiting=0, kv_usage=0.5, num_used_blocks=4,
+                      num_blocks=8, steps=1,
+                      kv_groups=[("sliding-512", 0.125, 0.25), ("full", 0.375, 0.0625)])
+    m.on_step(stats)
+    text = m.render().decode()
+    assert metric(text, "pagedserve:kv_cache_group_usage_perc", model_name="tiny",
+                  group="sliding-512") == 0.125
+    assert metric(text, "pagedserve:kv_cache_group_waste_perc", model_name="tiny",
+                  group="full") == 0.0625
+    line = StatsLogLine(interval=1.0)
+    with caplog.at_level(logging.INFO, logger="pagedserve.stats"):
+        line.on_step(stats)
+        line.log_if_due(time.monotonic() + 2.0)
+    assert "sliding-512 12.5% (waste 25.0%), full 37.5% (waste 6.2%)" in caplog.text

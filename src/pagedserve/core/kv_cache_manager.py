@@ -163,6 +163,34 @@ class KVCacheManager:
             return [(groups[0].name, self.pool.num_used)]
         return [(g.name, n) for g, n in zip(groups, self.pool.used_by_tag)]
 
+    @property
+    def has_groups(self) -> bool:
+        """Whether the model's KV has more than one group, or one that gives blocks back (the
+        per-group figures then say more than `usage`)."""
+        return not self._plain
+
+    def group_stats(self) -> list[tuple[str, int, int, int]]:
+        """Per layer group: (name, blocks in use, token slots those blocks hold, slots holding
+        KV a query may still read: every computed token of a full group, the last `window` of
+        a sliding-window group). Held minus live is the group's waste: the empty slots of last
+        blocks, and a sliding group's slots behind its window in a block it still holds.
+
+        NOTE: O(sequences x groups); a block shared by several sequences counts its live slots
+        once per holder (live can then exceed held: no waste)."""
+        bs = self.block_size
+        if self.layout is None:
+            groups = [("full", None, 1)]
+        else:
+            groups = [(g.name, g.window, g.lanes) for g in self.layout.groups]
+        used = (self.pool.used_by_tag if isinstance(self.pool, TaggedBlockPool)
+                else [self.pool.num_used])
+        lengths = [t.num_tokens for t in self.tables.values()]
+        out = []
+        for (name, window, lanes), n in zip(groups, used):
+            live = sum(lengths) if window is None else sum(min(x, window) for x in lengths)
+            out.append((name, n, n * bs, lanes * live))
+        return out
+
     def block_table(self, seq_id: int) -> list[int]:
         table = self.tables.get(seq_id)
         return table.blocks if table is not None else []

@@ -611,7 +611,17 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             "preemptions_by_mode": dict(self.scheduler.preemptions_by_mode),
             "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
             "preemptions": self.scheduler.num_preemptions,
+            # per layer group (several, or a sliding window): (name, share of the pool's blocks
+            # it holds, share of its held slots that no query reads)
+            "kv_groups": self.kv_group_usage() if self.kv_manager.has_groups else [],
         }
+
+    def kv_group_usage(self) -> list[tuple[str, float, float]]:
+        """Per KV layer group (core/kv_spec.py): (name, fraction of the pool's blocks it holds,
+        fraction of its held token slots that hold nothing a query reads: its waste)."""
+        kv = self.kv_manager
+        return [(name, blocks / kv.num_blocks, max(0.0, 1.0 - live / held) if held else 0.0)
+                for name, blocks, held, live in kv.group_stats()]
 
 
 __all__ = ["LLMEngine", "SchedulerOutput"]
