@@ -9,7 +9,8 @@ A model declares one spec per layer (`models.base.KVCacheSpec.layers`):
 - `MLASpec(latent_dim)`: latent attention (DeepSeek V2/V3): one compressed vector per token
   (the latent and the rope key side by side), no V tensor;
 - `sinks=True` on an attention spec: learned per-head sink logits (gpt-oss). They change no
-  memory rule (the sink is a parameter, not a cached token); the flag travels for the backends.
+  memory rule (the sink is a parameter, not a cached token): such layers group with the others
+  of their window; the layer passes its sinks to the attention call itself.
 
 Layers of one memory rule form a *group*; `KVLayout.from_specs` maps groups onto one pool of
 equal-size blocks. A pool block holds `block_size` tokens of `slots` layers (one page in each

@@ -113,6 +113,10 @@ class KVCache:
         self.spec = spec
         self.layout = kv_layout(spec, hybrid)
         self.width = self.layout.width
+        # Each column's window (None: full), or None when no column slides (its blocks are all
+        # kept: the metadata passes whole tables).
+        windows = self.layout.column_windows()
+        self.column_windows = windows if any(windows) else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.null_block = num_blocks

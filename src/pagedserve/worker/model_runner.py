@@ -183,7 +183,8 @@ class ModelRunner:
             block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens,
             block_size=kv.block_size, null_block=kv.null_block,
             device=device, num_splits=num_splits, decode_rows=decode_rows,
-            width=kv.width, layer_columns=kv.layout.layer_column if kv.width > 1 else None))
+            width=kv.width, layer_columns=kv.layout.layer_column if kv.width > 1 else None,
+            column_windows=kv.column_windows))
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.
