@@ -74,10 +74,9 @@ def test_paged_attention_matches_dense_attention(window, block_size, shapes):
     v = torch.cat([s[4][s[1] - s[2]:] for s in seqs])
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=0.3, sliding_window=window)
     start = 0
-    tol = 1e-5 if dtype is torch.float32 else 2e-2
     for table, total, new, k_all, v_all, qs in seqs:
-        ref = _dense(qs.float(), k_all.float(), v_all.float(), 0.3, window)
-        torch.testing.assert_close(out[start:start + new].float(), ref, atol=tol, rtol=tol)
+        ref = _dense(qs, k_all, v_all, 0.3, window)
+        torch.testing.assert_close(out[start:start + new], ref, atol=1e-5, rtol=1e-5)
         start += new
 
 
