@@ -37,16 +37,18 @@ def _requests():
 @pytest.fixture(scope="module")
 def setup(checkpoints):
     path = str(checkpoints("gemma3"))
+    # (no CPU swap pool where nothing is preempted: 4 GiB of one-layer blocks is 4M of them)
     ref, engine = run_requests(path, _requests(), block_size=BS, kv_cache_memory=1 << 24,
-                               enable_chunked_prefill=False, enable_prefix_caching=False)
+                               enable_chunked_prefill=False, enable_prefix_caching=False,
+                               preemption_mode="recompute")
     layout = engine.kv_layout
     assert layout.width == 4 and [g.window for g in layout.groups] == [WINDOW, None]
     return path, ref
 
 
 @pytest.mark.parametrize("name,options", [
-    ("chunked+prefix", dict(max_num_batched_tokens=7, enable_prefix_caching=True,
-                            kv_cache_memory=1 << 24)),
+    ("chunked+prefix", dict(max_num_batched_tokens=11, enable_prefix_caching=True,
+                            kv_cache_memory=1 << 24, preemption_mode="recompute")),
     ("recompute", dict(num_kv_blocks=90, preemption_mode="recompute", max_num_batched_tokens=16,
                        enable_prefix_caching=True)),
     ("swap", dict(num_kv_blocks=90, num_cpu_blocks=400, preemption_mode="swap",
@@ -65,12 +67,13 @@ def test_mixed_window_model_is_exact_under_every_way_kv_moves(setup, name, optio
     assert kv.pool.num_used == 0 and all(n == 0 for _, n in kv.group_usage())
     if name == "chunked+prefix":  # run again: every prompt hits the cache, same outputs
         before = kv.prefix_hits
+        requests = requests[:3]
         for rid, prompt, params in requests:
             add = engine.add_beam_request if isinstance(params, BeamSearchParams) \
                 else engine.add_request
             add(rid + "-again", None, params, prompt_token_ids=prompt)
         final = drive(engine, 5000)
-        assert_same_outputs([final[rid + "-again"] for rid, _, _ in requests], ref)
+        assert_same_outputs([final[rid + "-again"] for rid, _, _ in requests], ref[:3])
         # every prompt found most of its blocks (a sliding group needs only its window's)
         assert kv.prefix_hits - before >= sum(len(p) for _, p, _ in requests) // 2
 
@@ -81,10 +84,11 @@ def test_a_long_prompt_holds_its_window_and_a_chunk_in_the_sliding_group(setup):
 
     chunk = 8
     llm = LLM(path, dtype="float32", block_size=BS, kv_cache_memory=1 << 24,
-              max_num_batched_tokens=chunk, enable_prefix_caching=False)
+              max_num_batched_tokens=chunk, enable_prefix_caching=False,
+              preemption_mode="recompute")
     engine = llm.engine
     engine.add_request("long", None, SamplingParams(max_tokens=6, ignore_eos=True),
-                       prompt_token_ids=prompts_of_lengths([60], seed=9)[0])
+                       prompt_token_ids=prompts_of_lengths([44], seed=9)[0])
     sliding_peak = full_peak = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -101,7 +105,7 @@ def test_a_long_prompt_holds_its_window_and_a_chunk_in_the_sliding_group(setup):
     assert sliding_peak <= 3 * (-(-(WINDOW - 1 + chunk) // BS) + 1)
     # the full group keeps every block (measured after each step: the step computing the
     # last token frees them all)
-    assert full_peak == -(-(60 + 4) // BS)
+    assert full_peak == -(-(44 + 4) // BS)
     assert engine.num_used_blocks() == 0
 
 
@@ -114,7 +118,7 @@ def test_abort_storm_returns_every_groups_blocks_to_the_pool(setup):
               preemption_mode="auto", max_num_batched_tokens=12)
     engine = llm.engine
     live = []
-    for step in range(60):
+    for step in range(40):
         for _ in range(rng.randint(1, 3)):
             rid = f"s{step}-{len(live)}"
             prompt = prompts_of_lengths([rng.randint(3, 40)], seed=rng.randrange(10**6))[0]

@@ -52,7 +52,7 @@ def test_random_workloads_match_the_roomy_oracle_finish_and_leak_nothing(harness
     assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
 
 
-HYBRID_SEEDS = 40
+HYBRID_SEEDS = 30
 
 
 @pytest.fixture(scope="module")
