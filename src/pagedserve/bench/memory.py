@@ -19,7 +19,7 @@ external fragmentation (free gaps smaller than the reservation of the request wa
 of the queue). For paged, reservation and internal fragmentation are the empty slots of last
 blocks. Shares are averaged over the steps at which >= `busy_threshold` of the pool is used.
 
-(4) KV layer groups (issue 36): a trace of long prompts (default 8 requests of 8192 prompt and 256
+(4) KV layer groups (issue 36; `--kv-groups`, or `--only-groups` alone): a trace of long prompts (default 8 requests of 8192 prompt and 256
 output tokens) on the model's own layer groups (sliding-window and full attention, latent
 attention: core/kv_spec.py) over a pool of `--kv-cache-memory` bytes, and on one group of full
 attention (`disable_hybrid_kv_cache_manager`, what the cache did before groups): the blocks,
@@ -507,6 +507,8 @@ def add_bench_memory_args(p) -> None:
     p.add_argument("--group-requests", type=int, default=8)
     p.add_argument("--group-batched-tokens", type=int, default=2048,
                    help="(4) the token budget of a step (the chunk of a long prompt)")
+    p.add_argument("--kv-groups", action="store_true",
+                   help="also run (4): the model's KV layer groups on a long-prompt trace")
     p.add_argument("--only-groups", action="store_true",
                    help="run (4), the KV layer groups, alone")
     p.add_argument("--breakdown-plot", default="memory_breakdown.png")
@@ -585,7 +587,8 @@ def main(args) -> int:
                       f"{PAPER_BEAM_SAVINGS.get((name, width), '-')}")
         print("paper (Fig. 15): beam width 2..6 saves 37.6%-55.2% on Alpaca, 44.3%-66.3% on "
               "ShareGPT")
-    _print_layer_groups(args)
+    if args.kv_groups:
+        _print_layer_groups(args)
     from pagedserve.bench.memory_plots import plot_breakdown, plot_sharing  # (imports this module)
 
     plot_breakdown(all_shares, args.breakdown_plot)
