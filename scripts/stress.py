@@ -9,7 +9,8 @@
 Every seed draws a workload (requests, arrivals, aborts, priorities) and a cache configuration
 (issue 25's shapes among them: pools that hold one sequence of a wide request but not all of
 them, priority scheduling, a prefilling group ahead of a decoding sharing group), runs it step
-by step on a tiny random float32 Llama and compares every request's output exactly with its run
+by step on a tiny random float32 Llama (`--hybrid`: a tiny Gemma 3 mixing sliding-window and full
+layers) and compares every request's output exactly with its run
 on a roomy cache (see the harness; the exactness rests on the engine's batch-invariant float32
 CPU kernels, kernels/cpu_fp32.py). Prints progress, and every failing seed with a one-line repro;
 exits 1 if any seed failed. CI runs a fixed set of seeds (tests/engine/test_stress.py).
@@ -38,6 +39,9 @@ def main() -> int:
                     help="speculate (a configuration per seed) against the non-speculative "
                          "oracle: n-gram (the default), or 'draft': a draft model (the tiny "
                          "model itself, so that greedy drafts are accepted), some seeds n-gram")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="on a tiny model mixing sliding-window and full layers (issue 36: a "
+                         "block table per layer group over one pool)")
     ap.add_argument("--model", type=Path, default=None,
                     help="checkpoint folder to reuse (default: a fresh tiny Llama in a temp dir)")
     ap.add_argument("--verbose", action="store_true", help="print every seed's workload")
@@ -50,9 +54,10 @@ def main() -> int:
     import stress_harness as sh
 
     torch.set_num_threads(1)
-    model = args.model or Path(tempfile.mkdtemp(prefix="pagedserve-stress-")) / "llama"
+    model = args.model or Path(tempfile.mkdtemp(prefix="pagedserve-stress-")) / (
+        "hybrid" if args.hybrid else "llama")
     started = time.monotonic()
-    model = sh.tiny_llama(model)
+    model = sh.tiny_hybrid(model) if args.hybrid else sh.tiny_llama(model)
     draft = model if args.spec == "draft" else None
     if draft is not None and args.tp:
         ap.error("--spec draft runs with tensor_parallel_size=1 only (no --tp)")
@@ -72,7 +77,7 @@ def main() -> int:
         for seed in seeds:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            workload = sh.make_workload(seed)
+            workload = sh.hybrid_workload(seed) if args.hybrid else sh.make_workload(seed)
             if args.verbose or args.seed:
                 print(f"seed {seed}: {workload.describe()}", flush=True)
             try:
@@ -81,7 +86,7 @@ def main() -> int:
                 counts["failed"] += 1
                 failed.append((seed, e.cause))
                 print(f"FAIL seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
-                      f"    repro: {sh.repro(seed, args.tp, args.spec)}", flush=True)
+                      f"    repro: {sh.repro(seed, args.tp, args.spec, args.hybrid)}", flush=True)
                 continue
             counts["passed"] += 1
             counts["steps"] += stats.steps

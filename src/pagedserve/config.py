@@ -125,6 +125,10 @@ class EngineArgs:
         None, "longest prompt + output (default: the model's max_position_embeddings)")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "keep every layer's KV blocks for the whole sequence (one group of full "
+        "attention), not a block table per layer group with sliding-window layers giving back "
+        "the blocks their window left (vLLM's flag); a draft model for speculation implies it")
     preemption_mode: str = option(
         "auto", "how preempted requests come back: recompute, swap (to the CPU pool) or auto "
         "(the cheaper of the two)", choices=PREEMPTION_MODES)

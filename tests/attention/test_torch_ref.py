@@ -212,3 +212,58 @@ def test_a_decode_row_of_several_tokens_is_attended_token_by_token(monkeypatch, 
                                       one, scale=0.25, sliding_window=window)
                 assert torch.equal(out[start + t], ref[0]), (i, t)
         start += n
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu-kernels-bf16"])
+@pytest.mark.parametrize("shapes", [[(300, 600), (700, 1), (0, 530)], [(40, 9), (51, 1)]],
+                         ids=["tiles", "short"])
+def test_a_sliding_window_column_reads_only_the_blocks_of_its_window(shapes, path):
+    """A sliding-window group's table (issue 36): the blocks before the window of each row's
+    first query were given back (null entries) and freed blocks hold NaN; the backend passes
+    each row from its window's first block on (`window_tail`) and a long prompt chunk is
+    attended in tiles of queries: dense attention's result, no NaN."""
+    from pagedserve.attention.backends.base import AttentionBatch
+    from pagedserve.attention.backends.torch_ref import TorchAttentionBackend
+    from pagedserve.platforms import DEFAULT_OPS
+    from pagedserve.platforms.base import LayerOps
+
+    # plain torch (SDPA over each piece), or the CPU platform's kernels in bf16 (the prefill
+    # kernel over the trimmed context)
+    dtype = torch.float32 if path == "torch" else torch.bfloat16
+    torch.manual_seed(1)
+    window, bs, hq, hkv, d = 37, 4, 4, 2, 8
+    num_blocks = 800
+    null = num_blocks
+    k_cache = torch.full((num_blocks + 1, bs, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[null] = 0
+    v_cache[null] = 0
+    free = list(range(num_blocks))
+    random.Random(2).shuffle(free)
+    seqs = []
+    for cached, new in shapes:
+        total = cached + new
+        lo = max(0, cached - window + 1) // bs  # rows given back before this step
+        table = [null] * lo + [free.pop() for _ in range(math.ceil(total / bs) - lo)]
+        k_all = torch.randn(total, hkv, d).to(dtype)
+        v_all = torch.randn(total, hkv, d).to(dtype)
+        for p in range(lo * bs, cached):
+            k_cache[table[p // bs], p % bs] = k_all[p]
+            v_cache[table[p // bs], p % bs] = v_all[p]
+        seqs.append((table, total, new, k_all, v_all, torch.randn(new, hq, d).to(dtype)))
+    backend = TorchAttentionBackend(LayerOps() if path == "torch" else DEFAULT_OPS)
+    meta = backend.build_metadata(AttentionBatch(
+        block_tables=[s[0] for s in seqs], seq_lens=[s[1] for s in seqs],
+        query_lens=[s[2] for s in seqs], block_size=bs, null_block=null,
+        column_windows=(window,)))
+    assert max(len(t) for t in meta.block_tables.tolist()) <= math.ceil((window + 600) / bs) + 2
+    q = torch.cat([s[5] for s in seqs])
+    k = torch.cat([s[3][s[1] - s[2]:] for s in seqs])
+    v = torch.cat([s[4][s[1] - s[2]:] for s in seqs])
+    out = backend.forward(q, k, v, (k_cache, v_cache), meta, 0.3, window)
+    start = 0
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    for table, total, new, k_all, v_all, qs in seqs:
+        ref = _dense(qs.float(), k_all.float(), v_all.float(), 0.3, window)
+        torch.testing.assert_close(out[start:start + new].float(), ref, atol=tol, rtol=tol)
+        start += new

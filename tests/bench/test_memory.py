@@ -162,3 +162,26 @@ def test_cli_runs_on_tiny_settings_and_writes_the_charts(tmp_path, capsys):
     assert all(x > 0 for x in savings)  # beams share their prompt and common prefixes
     assert b.stat().st_size > 1000 and s.stat().st_size > 1000
     assert cli_main(["bench", "memory", "--num-requests", "0"]) == 2
+
+
+def test_layer_groups_hold_more_long_prompts_than_one_group(checkpoints, capsys):
+    """(4), issue 36: a model mixing sliding-window and full layers (the tiny Gemma 3: three
+    layers of window 6, one full) holds more long prompts at once in the same bytes on its
+    layer groups than on one group of full attention; each group's share and waste printed."""
+    model = checkpoints("gemma3")
+    runs = memory.layer_groups_experiment(str(model), 4, 1 << 18, prompt_len=120, output_len=40,
+                                          num_requests=10, block_size=4,
+                                          max_num_batched_tokens=32)
+    one, groups = runs["one group"], runs["layer groups"]
+    assert groups.num_blocks == 4 * one.num_blocks + 3  # blocks of one layer, not of four
+    assert (one.peak_running, groups.peak_running) == (2, 6)
+    assert groups.peak_running > 2 * one.peak_running
+    assert groups.max_concurrency > 2 * one.max_concurrency
+    assert [g[0] for g in groups.groups] == ["sliding-6", "full"]
+    assert all(0 < share < 1 and 0 <= waste < 1 for _, share, waste in groups.groups)
+    assert cli_main(["bench", "memory", "--only-groups", "--model", str(model), "--dtype",
+                     "float32", "--kv-cache-memory", str(1 << 18), "--group-prompt-len", "120",
+                     "--group-output-len", "8", "--group-requests", "3", "--block-size", "4",
+                     "--group-batched-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "(4) KV layer groups" in out and "sliding-6" in out and "layer groups" in out

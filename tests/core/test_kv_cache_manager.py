@@ -139,10 +139,10 @@ def test_prefix_cache_reuses_full_blocks_checks_tokens_and_forgets_evicted_block
     assert kv.match_prefix([1, 2, 9, 9, 9]) == first_two[:1]
     # A hash that matches with other tokens is not trusted.
     block = first_two[1]
-    h, parent, _ = kv._block_key[block]
-    kv._block_key[block] = (h, parent, (7, 7))
+    h, parent, _, column = kv._block_key[block]
+    kv._block_key[block] = (h, parent, (7, 7), column)
     assert kv.match_prefix(tokens) == first_two[:1]
-    kv._block_key[block] = (h, parent, (3, 4))
+    kv._block_key[block] = (h, parent, (3, 4), column)
     kv.free(0)
     assert kv.num_free_blocks == 4 and kv.match_prefix(tokens) == first_two  # kept while free
     kv.use_prefix(1, first_two)

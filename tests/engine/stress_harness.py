@@ -33,6 +33,9 @@ turns), "priority" (scheduling_policy="priority" with random request priorities)
 small chunks on a tight pool: a prefilling group ahead of a decoding sharing group in queue order,
 which preempts it after its decode rows and copy-on-write copies were scheduled).
 
+Models: a 1-layer tiny Llama, and (`tiny_hybrid`, `hybrid_workload`) a tiny Gemma 3 mixing
+sliding-window and full layers, whose sliding group gives its blocks back as the window moves.
+
 Used by tests/engine/test_stress.py (a fixed set of seeds) and scripts/stress.py (for minutes).
 """
 
@@ -68,6 +71,19 @@ def tiny_llama(path: Path) -> Path:
 
     if not (path / "config.json").exists():
         tiny.make_checkpoint(path, "llama", num_hidden_layers=1)
+    return path
+
+
+def tiny_hybrid(path: Path) -> Path:
+    """The harness's model mixing sliding-window and full layers (issue 36): a 3-layer tiny
+    Gemma 3 (sliding, full, sliding; window 8), saved once at `path`. Its pool block holds one
+    layer: a table row has 3 columns (2 sliding lanes and 1 full)."""
+    import tiny  # tests/tiny.py
+
+    if not (path / "config.json").exists():
+        tiny.make_checkpoint(path, "gemma3", num_hidden_layers=3, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention",
+                                          "sliding_attention"])
     return path
 
 
@@ -133,11 +149,19 @@ class Request:
         full table and a block more. A request within this must be admitted."""
         return self.width * (cdiv(len(self.prompt) + self.max_tokens, block_size) + 1)
 
-    def blocks_alone(self, block_size: int) -> int:
+    def blocks_alone(self, block_size: int, groups=None, chunk: int = 0) -> int:
         """KV blocks one of its sequences needs alone (its last sampled token is never computed):
-        the engine admits it exactly when this fits the pool."""
+        the engine admits it exactly when this fits the pool. `groups`: (window or None, lanes)
+        of each layer group of a model mixing sliding-window and full layers, computing at most
+        `chunk` tokens a step: a sliding group needs the window before a chunk and the chunk."""
         final = min(MAX_MODEL_LEN, len(self.prompt) + self.max_tokens)
-        return cdiv(final - 1, block_size)
+        rows = cdiv(final - 1, block_size)
+        if groups is None:
+            return rows
+        return sum(lanes * (rows if window is None
+                            else min(rows, cdiv(min(window - 1 + chunk, final - 1), block_size)
+                                     + 1))
+                   for window, lanes in groups)
 
     def blocks_tight(self, block_size: int) -> int:
         """The fewest KV blocks that run it alone (and that the engine's admission rule, one
@@ -262,6 +286,19 @@ def make_workload(seed: int) -> Workload:
     shapes = _issue25_shapes(random.Random(seed * 1_000_003 + 25), seed, pressure, config,
                              requests)
     return Workload(seed, config, requests, shapes)
+
+
+def hybrid_workload(seed: int) -> Workload:
+    """`make_workload(seed)` for the model of layer groups (`tiny_hybrid`: 3 pool blocks of one
+    layer per logical block where the 1-layer Llama takes 1): its pools scaled by 2 or 3 (the
+    sliding-window lanes hold less than a full one, so 2x is tighter), drawn from its own
+    stream."""
+    workload = make_workload(seed)
+    rng = random.Random(seed * 7919 + 36)
+    config = workload.config
+    config["num_kv_blocks"] *= rng.choice([2, 3])
+    config["num_cpu_blocks"] *= 3
+    return workload
 
 
 def _issue25_shapes(rng: random.Random, seed: int, pressure: bool, config: dict,
@@ -430,6 +467,10 @@ class Harness:
     def __init__(self, engine: LLMEngine, spec=None) -> None:
         self.engine = engine
         self.spec = spec
+        # A model of several layer groups: (window or None, lanes) of each (admission's bound)
+        layout = engine.kv_layout
+        self.groups = None if layout.width == 1 and layout.groups[0].window is None else [
+            (g.window, g.lanes) for g in layout.groups]
         self.oracle_cache: dict[tuple, dict] = {}
         self._ids = 0
         self._stuck: list[tuple] = []  # of a hang: (request, preemptions, queue)
@@ -621,7 +662,8 @@ class Harness:
     def _admit(self, r: Request, config: dict, in_flight: set, stats: RunStats) -> None:
         bs = config["block_size"]
         too_wide = r.width > config["max_num_seqs"]
-        too_long = r.blocks_alone(bs) > config["num_kv_blocks"]
+        alone = r.blocks_alone(bs, self.groups, config["max_num_batched_tokens"])
+        too_long = alone > config["num_kv_blocks"]
         # (a group wider than the token budget cannot decode in one step: it may be refused)
         fits = (not too_wide and not too_long and r.width <= config["max_num_batched_tokens"])
         priority = r.priority if config.get("scheduling_policy") == "priority" else 0
@@ -644,7 +686,7 @@ class Harness:
                                              "be scheduled; failure 4)")
         if too_long:
             raise StressFailure("admission", f"{r.rid}: one sequence alone needs "
-                                             f"{r.blocks_alone(bs)} blocks > the pool's "
+                                             f"{alone} blocks > the pool's "
                                              f"{config['num_kv_blocks']}, but it was accepted "
                                              "(it would be cut short)")
         in_flight.add(r.rid)
@@ -715,7 +757,9 @@ class Harness:
                                         f"{sorted(kv.cpu_tables)}")
 
 
-def repro(seed: int, tp: bool = False, spec: bool | str = False) -> str:
-    """The command that reruns `seed`; `spec`: True or "ngram", or "draft"."""
+def repro(seed: int, tp: bool = False, spec: bool | str = False, hybrid: bool = False) -> str:
+    """The command that reruns `seed`; `spec`: True or "ngram", or "draft"; `hybrid`: on the
+    model mixing sliding-window and full layers."""
     return (f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
+            + (" --hybrid" if hybrid else "")
             + (f" --spec {'ngram' if spec is True else spec}" if spec else ""))

@@ -21,7 +21,9 @@ def reference(checkpoints):
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_every_preemption_mode_with_a_tiny_cpu_pool_gives_unconstrained_outputs(mode, reference):
     path, ref = reference
-    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=16, num_cpu_blocks=10,
+    # (the tiny Gemma 3 mixes sliding-window and full layers: a pool block holds one layer of
+    # the four, so 64 blocks are the bytes 16 blocks of all four layers were)
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=64, num_cpu_blocks=20,
               preemption_mode=mode, max_num_batched_tokens=32)
     outs = run(llm, PROMPTS, greedy(24))
     for a, b in zip(outs, ref):
@@ -77,7 +79,7 @@ def test_decode_tokens_are_scheduled_before_a_long_prompt_chunk(reference):
 
 def test_swapped_groups_come_back_before_newer_requests_are_admitted(reference):
     path, _ = reference
-    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=12, num_cpu_blocks=64,
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=48, num_cpu_blocks=256,
               preemption_mode="swap", max_num_batched_tokens=64)
     engine = llm.engine
     for i, p in enumerate(PROMPTS[:4]):

@@ -18,8 +18,10 @@ from stress_harness import (
     StressFailure,
     Workload,
     make_engine,
+    hybrid_workload,
     make_workload,
     repro,
+    tiny_hybrid,
     tiny_llama,
 )
 
@@ -47,6 +49,35 @@ def test_random_workloads_match_the_roomy_oracle_finish_and_leak_nothing(harness
         except StressFailure as e:
             failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
                             f"    repro: {repro(seed)}")
+    assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+
+
+HYBRID_SEEDS = 30
+
+
+@pytest.fixture(scope="module")
+def hybrid_harness(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Harness(make_engine(tiny_hybrid(tmp_path_factory.mktemp("stress-hybrid"))))
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("first", range(0, HYBRID_SEEDS, CHUNK),
+                         ids=lambda s: f"hybrid-seeds{s}-{s + CHUNK - 1}")
+def test_random_workloads_on_a_model_mixing_window_and_full_layers(hybrid_harness, first):
+    # Issue 36: the same workloads on a model of two layer groups (a sliding-window group giving
+    # its blocks back as the window moves, a full one) over one pool: outputs exactly the
+    # oracle's, invariants per group, nothing leaked.
+    assert hybrid_harness.groups is not None
+    failures = []
+    for seed in range(first, first + CHUNK):
+        workload = hybrid_workload(seed)
+        try:
+            hybrid_harness.run(workload)
+        except StressFailure as e:
+            failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
+                            f"    repro: {repro(seed, hybrid=True)}")
     assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
 
 

@@ -9,9 +9,18 @@ from pagedserve.kernels.cpu_attention import prefill_attention
 from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
 from pagedserve.kernels.cpu_isa import ISA_LEVELS
 
-pytestmark = pytest.mark.skipif(
-    not kernel_available() or linear_isa() < ISA_LEVELS["avx512bf16"],
-    reason="needs the CPU kernels on an AVX512-BF16 CPU")
+pytestmark = pytest.mark.skipif(not kernel_available() or linear_isa() < ISA_LEVELS["avx2"],
+                                reason="needs the CPU kernels on an AVX2 CPU")
+
+
+@pytest.fixture(params=["avx2", "avx512bf16"])
+def isa(request, monkeypatch):
+    """Each build of the kernel: AVX2 (fp32 widening) and AVX512-BF16 (PAGEDSERVE_CPU_ISA caps
+    the level the wrapper asks for)."""
+    if linear_isa() < ISA_LEVELS[request.param]:
+        pytest.skip(f"the CPU has no {request.param}")
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", request.param)
+    return request.param
 
 
 def _reference(q, k, v, scale, window):
@@ -37,7 +46,7 @@ def _reference(q, k, v, scale, window):
     (70, 70, 4, 1, 64, 8), (40, 101, 2, 1, 32, 17), (200, 200, 4, 1, 256, 512),
     (3, 50, 8, 2, 128, 4),
 ])
-def test_prefill_attention_matches_exact_attention(n, ctx, hq, hkv, d, window):
+def test_prefill_attention_matches_exact_attention(n, ctx, hq, hkv, d, window, isa):
     """Causal by position (the chunk is the context's tail: cached context before it), sliding
     windows, GQA, head sizes from 32 to 256, row counts around the 16-row blocks; the error is
     the bf16 rounding of the weights and of the output."""
@@ -53,7 +62,7 @@ def test_prefill_attention_matches_exact_attention(n, ctx, hq, hkv, d, window):
     assert (err <= 2 ** -7 * bound + 2 ** -8 * want.abs() + 1e-6).all(), err.max()
 
 
-def test_prefill_attention_reads_strided_query_rows_and_writes_only_its_rows():
+def test_prefill_attention_reads_strided_query_rows_and_writes_only_its_rows(isa):
     """q as a slice of a fused qkv projection (rows strided) and out a slice of the step's
     output: the rows around it are left alone."""
     g = torch.Generator().manual_seed(5)
@@ -74,3 +83,23 @@ def test_prefill_attention_declines_what_it_does_not_cover():
     assert not prefill_attention(q, q, q, torch.empty_like(q), 1.0)
     q16 = torch.randn(4, 2, 48).to(torch.bfloat16)
     assert not prefill_attention(q16, q16, q16, torch.empty_like(q16), 1.0)
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_a_row_is_the_same_whatever_chunk_or_trimmed_context_it_is_computed_in(isa, window):
+    """Chunked prefill is exact on either ISA: each row's bits do not depend on the rows computed
+    with it, and a sliding-window chunk given only the keys its queries reach (from an even
+    position: attention/backends/torch_ref.py trims so) gives the same bits."""
+    g = torch.Generator().manual_seed(9)
+    n, hq, hkv, d = 53, 4, 2, 64
+    q = torch.randn(n, hq, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
+    whole = torch.empty(n, hq, d, dtype=torch.bfloat16)
+    assert prefill_attention(q, k, v, whole, 0.3, window or None)
+    for cuts in ([0, 1, 17, 18, 40, n], [0, 5, 29, n], [0, n - 1, n]):
+        for a, b in zip(cuts, cuts[1:]):
+            first = (max(0, a - window + 1) & ~1) if window else 0
+            part = torch.empty(b - a, hq, d, dtype=torch.bfloat16)
+            assert prefill_attention(q[a:b], k[first:b], v[first:b], part, 0.3, window or None)
+            assert torch.equal(part, whole[a:b]), (cuts, a, b)

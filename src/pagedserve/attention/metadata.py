@@ -83,6 +83,9 @@ class AttentionMetadata:
     # The `attention.backends.AttentionBackend` that built it (`build_metadata`) and runs it;
     # None when built here directly (`attention.backends.base.backend_of` then makes one).
     impl: object | None = None
+    # Several KV groups: each model layer's metadata (its column's block tables and slots;
+    # `AttentionBatch.width`), read by `models.base.DecoderStack`; None: every layer reads this.
+    per_layer: list[AttentionMetadata] | None = None
 
     @classmethod
     def build(

@@ -19,6 +19,14 @@ external fragmentation (free gaps smaller than the reservation of the request wa
 of the queue). For paged, reservation and internal fragmentation are the empty slots of last
 blocks. Shares are averaged over the steps at which >= `busy_threshold` of the pool is used.
 
+(4) KV layer groups (issue 36; `--kv-groups`, or `--only-groups` alone): a trace of long prompts (default 8 requests of 8192 prompt and 256
+output tokens) on the model's own layer groups (sliding-window and full attention, latent
+attention: core/kv_spec.py) over a pool of `--kv-cache-memory` bytes, and on one group of full
+attention (`disable_hybrid_kv_cache_manager`, what the cache did before groups): the blocks,
+vLLM's "maximum concurrency" at `max_model_len`, the sequences held at once (peak and mean
+running), and per group its mean share of the pool and its waste (held slots no query reads).
+The model's layers are read from its config (built on the meta device: no weights).
+
 (2) Sharing savings (the paper's Fig. 15): parallel sampling on the same scheduler (each
 request's prompt is computed once and forked to n sequences that grow on their own, copy-on-write
 of a shared partial last block on their first write), and beam search on the real engine (which
@@ -216,6 +224,7 @@ def _advance(sched: Scheduler, out: SchedulerOutput, result: SimResult) -> None:
     result.cow_copies += len(out.blocks_to_copy)
     for s in out.scheduled:
         s.seq.num_computed_tokens = s.end
+        sched.kv.free_out_of_window(s.seq.seq_id, s.end)  # (a sliding-window group's)
         forked = sched.fork_if_ready(s.group)
         if not s.do_sample:
             continue
@@ -347,6 +356,130 @@ def beam_search_savings(llm, requests: list[LengthRequest], width: int, max_toke
     return (1 - shared / unshared if unshared else 0.0), steps
 
 
+# --- (4) KV layer groups ----------------------------------------------------------------------
+
+
+@dataclass
+class GroupRun:
+    """A long-prompt trace on one layout: its blocks, vLLM's maximum concurrency, the sequences
+    held at once, and per group (name, mean share of the pool, mean waste of its held slots)
+    over the steps with something running."""
+
+    num_blocks: int
+    block_bytes: int
+    max_concurrency: float
+    peak_running: int = 0
+    mean_running: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+    groups: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+def model_layer_specs(model: str | None) -> tuple:
+    """Each layer's KV spec of `model` (None: the embedded Gemma 3 270M), from its config: the
+    model is built on the meta device (no weights read or allocated)."""
+    import torch
+
+    from pagedserve.models.registry import get_model_class
+    from pagedserve.models.source import resolve_model
+
+    config = resolve_model(model).config
+    config = getattr(config, "text_config", None) or config
+    with torch.device("meta"):
+        built = get_model_class(config)(config)
+    return built.kv_cache_spec.layer_specs()
+
+
+def simulate_layout(requests: list[LengthRequest], layout, kv_cache_memory: int,
+                    dtype_bytes: int, block_size: int = 16, max_num_batched_tokens: int = 2048,
+                    max_model_len: int | None = None) -> GroupRun:
+    """The trace (every request waiting at step 0) on the engine's scheduler over a pool of
+    `kv_cache_memory` bytes of `layout`'s blocks (the engine's sizing, its null block included),
+    chunked prefill at `max_num_batched_tokens` and recompute preemption; one dummy token per
+    sampled sequence a step."""
+    from pagedserve.worker.kv_cache import max_concurrency  # (torch: only this experiment)
+
+    max_model_len = max_model_len or max(r.total_len for r in requests)
+    block_bytes = layout.bytes_per_block(block_size, dtype_bytes)
+    num_blocks = kv_cache_memory // block_bytes - 1
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} holds no block of {block_bytes} bytes")
+    run = GroupRun(num_blocks, block_bytes, max_concurrency(
+        num_blocks, block_size, max_model_len, layout, max_num_batched_tokens))
+    kv = KVCacheManager(num_blocks, block_size, layout=layout)
+    args = EngineArgs(preemption_mode="recompute", enable_prefix_caching=False,
+                      max_num_batched_tokens=max_num_batched_tokens)
+    sched = Scheduler(args.scheduler_config(max_model_len), kv)
+    for i, req in enumerate(requests):
+        if kv.blocks_for(req.total_len - 1, max_num_batched_tokens) > num_blocks:
+            raise ValueError(f"request {i} alone needs more than the pool's {num_blocks} blocks")
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        sched.add(SequenceGroup(str(i), [Sequence(i, [0] * req.prompt_len)], params,
+                                arrival_time=float(i)))
+    sums: dict[str, list[float]] = {}
+    running_sum = 0
+    result = SimResult(Breakdown())
+    while sched.has_unfinished():
+        out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError("the scheduler made no progress")
+        running = len(sched.running)
+        run.peak_running = max(run.peak_running, running)
+        running_sum += running
+        for name, blocks, held, live in kv.group_stats():
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += blocks / num_blocks
+            acc[1] += max(0.0, 1.0 - live / held) if held else 0.0
+        _advance(sched, out, result)
+    run.steps = result.steps
+    run.preemptions = sched.num_preemptions
+    run.mean_running = running_sum / max(1, run.steps)
+    run.groups = [(name, a / run.steps, b / run.steps) for name, (a, b) in sums.items()]
+    kv.check_invariants()
+    if kv.tables or kv.pool.num_used:
+        raise RuntimeError(f"leaked {kv.pool.num_used} blocks")
+    return run
+
+
+def layer_groups_experiment(model: str | None, dtype_bytes: int, kv_cache_memory: int,
+                            prompt_len: int, output_len: int, num_requests: int,
+                            block_size: int = 16, max_num_batched_tokens: int = 2048):
+    """{"one group" | "layer groups": GroupRun} of the long-prompt trace on `model`'s layers."""
+    from pagedserve.core.kv_spec import KVLayout
+
+    specs = model_layer_specs(model)
+    reqs = [LengthRequest(prompt_len, output_len)] * num_requests
+    return {name: simulate_layout(reqs, KVLayout.from_specs(specs, hybrid), kv_cache_memory,
+                                  dtype_bytes, block_size, max_num_batched_tokens)
+            for name, hybrid in (("one group", False), ("layer groups", True))}
+
+
+def _print_layer_groups(args) -> None:
+    import torch
+
+    from pagedserve.core.kv_spec import KVLayout
+
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32, "half": torch.float16, "float": torch.float32}.get(
+        args.dtype, torch.bfloat16)
+    elem = torch.empty((), dtype=dtype).element_size()
+    memory = args.kv_cache_memory or (2 << 30)
+    p, o, n = args.group_prompt_len, args.group_output_len, args.group_requests
+    runs = layer_groups_experiment(args.model, elem, memory, p, o, n, args.block_size,
+                                   args.group_batched_tokens)
+    layout = KVLayout.from_specs(model_layer_specs(args.model))
+    print(f"\n(4) KV layer groups: {n} requests of {p} prompt + {o} output tokens, KV cache "
+          f"{memory / 2**20:.0f} MiB of {dtype} ({layout.describe()}), chunks of "
+          f"{args.group_batched_tokens} tokens")
+    print(f"{'cache':<13} {'blocks':>7} {'KiB/block':>9} {'max conc.':>9} {'peak run':>8} "
+          f"{'mean run':>8} {'preempt':>7}   per group: share of the pool (waste)")
+    for name, r in runs.items():
+        groups = ", ".join(f"{g} {100 * u:.1f}% ({100 * w:.1f}%)" for g, u, w in r.groups)
+        print(f"{name:<13} {r.num_blocks:>7} {r.block_bytes / 1024:>9.1f} "
+              f"{r.max_concurrency:>9.2f} {r.peak_running:>8} {r.mean_running:>8.2f} "
+              f"{r.preemptions:>7}   {groups}")
+
+
 def add_bench_memory_args(p) -> None:
     """Options of `pagedserve bench memory`; the engine's `--model`, `--dtype`, `--block-size`
     and `--seed` (the trace's seed too) come from `EngineArgs`."""
@@ -367,6 +500,17 @@ def add_bench_memory_args(p) -> None:
                    help="requests per trace for the beam-search part")
     p.add_argument("--beam-max-tokens", type=int, default=64,
                    help="output cap for the beam-search part (a shortened trace)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="(4) the KV cache in bytes (default 2 GiB, the engine's CPU default)")
+    p.add_argument("--group-prompt-len", type=int, default=8192)
+    p.add_argument("--group-output-len", type=int, default=256)
+    p.add_argument("--group-requests", type=int, default=8)
+    p.add_argument("--group-batched-tokens", type=int, default=2048,
+                   help="(4) the token budget of a step (the chunk of a long prompt)")
+    p.add_argument("--kv-groups", action="store_true",
+                   help="also run (4): the model's KV layer groups on a long-prompt trace")
+    p.add_argument("--only-groups", action="store_true",
+                   help="run (4), the KV layer groups, alone")
     p.add_argument("--breakdown-plot", default="memory_breakdown.png")
     p.add_argument("--sharing-plot", default="memory_sharing.png")
 
@@ -394,6 +538,9 @@ def main(args) -> int:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if any(n < 1 for n in args.parallel_n):
         raise ValueError(f"--parallel-n values must be >= 1, got {args.parallel_n}")
+    if args.only_groups:
+        _print_layer_groups(args)
+        return 0
     traces = {t: length_trace(t, args.num_requests or DEFAULT_REQUESTS[t], args.seed,
                               args.max_model_len) for t in args.traces}
     print(f"KV pool {args.pool_tokens} token slots ({args.pool_tokens // args.block_size} "
@@ -440,6 +587,8 @@ def main(args) -> int:
                       f"{PAPER_BEAM_SAVINGS.get((name, width), '-')}")
         print("paper (Fig. 15): beam width 2..6 saves 37.6%-55.2% on Alpaca, 44.3%-66.3% on "
               "ShareGPT")
+    if args.kv_groups:
+        _print_layer_groups(args)
     from pagedserve.bench.memory_plots import plot_breakdown, plot_sharing  # (imports this module)
 
     plot_breakdown(all_shares, args.breakdown_plot)

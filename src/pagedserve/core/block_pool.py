@@ -52,8 +52,9 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def allocate(self) -> int:
-        """Take a free block; its reference count becomes 1."""
+    def allocate(self, tag: int = 0) -> int:
+        """Take a free block; its reference count becomes 1. `tag`: the group it serves (see
+        `TaggedBlockPool`; ignored here)."""
         if not self._free:
             raise NoFreeBlocksError("no free KV blocks")
         block, _ = self._free.popitem(last=False)
@@ -62,9 +63,9 @@ class BlockPool:
             self._on_reuse(block)
         return block
 
-    def acquire(self, block: int) -> None:
+    def acquire(self, block: int, tag: int = 0) -> None:
         """Add a holder to a specific block, taking it off the free list if it was free (a
-        prefix-cache hit on a block whose last holder already left)."""
+        prefix-cache hit on a block whose last holder already left). `tag`: as `allocate`."""
         if self.ref_counts[block] == 0:
             del self._free[block]
         self.ref_counts[block] += 1
@@ -92,3 +93,36 @@ class BlockPool:
     def free_blocks(self) -> list[int]:
         """The free blocks in free-list order (for tests and invariant checks)."""
         return list(self._free)
+
+
+class TaggedBlockPool(BlockPool):
+    """A `BlockPool` that counts its blocks in use per tag (the KV group a block serves, for
+    the per-group usage of a model with several groups: `KVCacheManager.group_usage`).
+
+    NOTE: a block's tag is set when it is taken (`allocate`, or `acquire` of a free block) and
+    counted until its reference count falls to 0.
+    """
+
+    def __init__(self, num_blocks: int, num_tags: int, shuffle_seed: int | None = None,
+                 on_reuse: "Callable[[int], None] | None" = None) -> None:
+        super().__init__(num_blocks, shuffle_seed=shuffle_seed, on_reuse=on_reuse)
+        self.tags = [0] * num_blocks
+        self.used_by_tag = [0] * num_tags
+
+    def allocate(self, tag: int = 0) -> int:
+        block = super().allocate()
+        self.tags[block] = tag
+        self.used_by_tag[tag] += 1
+        return block
+
+    def acquire(self, block: int, tag: int = 0) -> None:
+        if self.ref_counts[block] == 0:
+            self.tags[block] = tag
+            self.used_by_tag[tag] += 1
+        super().acquire(block)
+
+    def decref(self, block: int) -> bool:
+        freed = super().decref(block)
+        if freed:
+            self.used_by_tag[self.tags[block]] -= 1
+        return freed

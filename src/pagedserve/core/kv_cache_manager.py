@@ -3,13 +3,22 @@
 Each sequence has a block table: the physical blocks holding its logical blocks, in order, and the
 number of token slots it has reserved. Slot `p` of a sequence lives in physical block
 `table[p // block_size]` at offset `p % block_size`.
+
+A model whose layers keep different things (sliding-window and full attention, core/kv_spec.py)
+has several *groups* of layers over the same pool of equal-size blocks. Its table row holds, per
+logical block, one block per column (`width` of them: each group's lanes), flat:
+logical block `i` of column `c` is `blocks[i * width + c]`, so a model of one group has the plain
+table above. A sliding-window group gives back a block once no query of the sequence can reach
+it (`free_out_of_window`, after each step): its entry becomes the *null block* (`null`, the
+pool's size: the worker's always-zero block), and such entries are never read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.block_pool import BlockPool, TaggedBlockPool
+from pagedserve.core.kv_spec import KVLayout
 
 
 def salt_root(salt: str | tuple | None) -> int:
@@ -30,24 +39,32 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class BlockTable:
-    """Logical-to-physical block map of one sequence, with the number of reserved token slots."""
+    """Logical-to-physical block map of one sequence, with the number of reserved token slots
+    (a row of `width` blocks per logical block: see the module docstring)."""
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    # Chained hashes of the leading full, computed blocks (prefix caching), one per block.
+    # Chained hashes of the leading full, computed blocks (prefix caching), one per block
+    # (None for a leading block whose hash is not known: only the last one is read).
     hashes: list[int] = field(default_factory=list)
+    # Per sliding-window group: its leading logical blocks given back (null entries); None
+    # when the model has no sliding-window group.
+    low: list[int] | None = None
 
 
 @dataclass(frozen=True)
 class KVManagerConfig:
     """What the engine sizes for its KV manager: device and CPU blocks, prefix caching, the
-    longest sequence. A `kv_manager_factory` (see `LLMEngine`) builds a manager from it."""
+    longest sequence, and how the model's layer groups share the blocks (`layout`, None: one
+    group of full attention). A `kv_manager_factory` (see `LLMEngine`) builds a manager from
+    it."""
 
     num_blocks: int
     block_size: int
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = False
     max_model_len: int | None = None
+    layout: KVLayout | None = None
 
 
 class KVCacheManager:
@@ -55,6 +72,9 @@ class KVCacheManager:
 
     NOTE: a block's reference count always equals the number of block tables that hold it; blocks
     are allocated only when a sequence needs slots beyond its last block (never ahead of time).
+    With several layer groups every rule holds per block of every column; a logical block is
+    allocated `width` blocks at once, and a sliding-window group's blocks go back as its window
+    moves on.
 
     The engine also tells the manager about requests (`check_request`, `on_admit`, `on_finish`);
     paging needs none of it, other managers (the benchmarks' contiguous baselines) plug in there.
@@ -65,7 +85,7 @@ class KVCacheManager:
         """The paged manager for `config` (the engine's default `kv_manager_factory`)."""
         return cls(config.num_blocks, config.block_size, shuffle_seed=shuffle_seed,
                    num_cpu_blocks=config.num_cpu_blocks,
-                   enable_prefix_caching=config.enable_prefix_caching)
+                   enable_prefix_caching=config.enable_prefix_caching, layout=config.layout)
 
     def __init__(
         self,
@@ -74,24 +94,45 @@ class KVCacheManager:
         shuffle_seed: int | None = None,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = False,
+        layout: KVLayout | None = None,
     ) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in [1, 256], got {block_size}")
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed, on_reuse=self._forget)
+        self.layout = layout
+        groups = layout.groups if layout is not None else ()
+        # Columns of a table row; per column, its group (the tag of its blocks in the pool).
+        self.width = layout.width if layout is not None else 1
+        self._col_tag = [i for i, g in enumerate(groups) for _ in range(g.lanes)] or [0]
+        # (first column, lanes, window) of each sliding-window group
+        self._sliding = [(g.first_column, g.lanes, g.window) for g in groups
+                         if g.window is not None]
+        self._full_cols = [c for g in groups if g.window is None for c in g.columns] \
+            if groups else [0]
+        # NOTE: the fast paths (one column, nothing given back) are today's code, branch-free.
+        self._plain = self.width == 1 and not self._sliding
+        if len(groups) > 1:
+            self.pool = TaggedBlockPool(num_blocks, len(groups), shuffle_seed=shuffle_seed,
+                                        on_reuse=self._forget)
+        else:
+            self.pool = BlockPool(num_blocks, shuffle_seed=shuffle_seed, on_reuse=self._forget)
+        # The null entry of a table (a block given back by a sliding-window group): the pool's
+        # size, which is the worker's never-written, always-zero block.
+        self.null = num_blocks
         self.tables: dict[int, BlockTable] = {}
-        # Automatic prefix caching: chained hash of a full block -> the block holding it, and
-        # per cached block its hash, its parent's hash and its tokens (both checked on every
-        # hit: never trust a hash alone).
+        # Automatic prefix caching: chained hash of a full block (and its column, with several)
+        # -> the block holding it, and per cached block its hash, its parent's hash, its tokens
+        # and column (parent and tokens checked on every hit: never trust a hash alone).
         self.enable_prefix_caching = enable_prefix_caching
-        self._cached: dict[int, int] = {}
-        self._block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self._cached: dict = {}
+        self._block_key: dict[int, tuple[int, int, tuple[int, ...], int]] = {}
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self.cpu_null = num_cpu_blocks
         self.cpu_tables: dict[int, BlockTable] = {}
 
     # --- queries -----------------------------------------------------------------------------
@@ -104,35 +145,101 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some group gives its blocks back as its window moves (`free_out_of_window`)."""
+        return bool(self._sliding)
+
     def usage(self) -> float:
         """Fraction of blocks in use."""
         return self.pool.num_used / self.pool.num_blocks
+
+    def group_usage(self) -> list[tuple[str, int]]:
+        """(group name, blocks in use) of each layer group, in the layout's order."""
+        if self.layout is None:
+            return [("full", self.pool.num_used)]
+        groups = self.layout.groups
+        if len(groups) == 1:
+            return [(groups[0].name, self.pool.num_used)]
+        return [(g.name, n) for g, n in zip(groups, self.pool.used_by_tag)]
+
+    @property
+    def has_groups(self) -> bool:
+        """Whether the model's KV has more than one group, or one that gives blocks back (the
+        per-group figures then say more than `usage`)."""
+        return not self._plain
+
+    def group_stats(self) -> list[tuple[str, int, int, int]]:
+        """Per layer group: (name, blocks in use, token slots those blocks hold, slots holding
+        KV a query may still read: every computed token of a full group, the last `window` of
+        a sliding-window group). Held minus live is the group's waste: the empty slots of last
+        blocks, and a sliding group's slots behind its window in a block it still holds.
+
+        NOTE: O(sequences x groups); a block shared by several sequences counts its live slots
+        once per holder (live can then exceed held: no waste)."""
+        bs = self.block_size
+        if self.layout is None:
+            groups = [("full", None, 1)]
+        else:
+            groups = [(g.name, g.window, g.lanes) for g in self.layout.groups]
+        used = (self.pool.used_by_tag if isinstance(self.pool, TaggedBlockPool)
+                else [self.pool.num_used])
+        lengths = [t.num_tokens for t in self.tables.values()]
+        out = []
+        for (name, window, lanes), n in zip(groups, used):
+            live = sum(lengths) if window is None else sum(min(x, window) for x in lengths)
+            out.append((name, n, n * bs, lanes * live))
+        return out
 
     def block_table(self, seq_id: int) -> list[int]:
         table = self.tables.get(seq_id)
         return table.blocks if table is not None else []
 
+    def blocks_for(self, num_tokens: int, chunk: int) -> int:
+        """Blocks one sequence of `num_tokens` holds at its peak when a step computes at most
+        `chunk` of its tokens (a sliding-window group holds its window and a chunk)."""
+        if self.layout is None:
+            return cdiv(num_tokens, self.block_size)
+        return self.layout.blocks_per_request(num_tokens, self.block_size, chunk)
+
     def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
         """Blocks a sequence must gain to hold `num_tokens` slots in all (copy-on-write of a shared
-        partial last block counts as one)."""
+        partial last block counts as one per column)."""
         table = self.tables.get(seq_id)
-        if table is None:
-            return -(-num_tokens // self.block_size)
         bs = self.block_size
+        if table is None:
+            return -(-num_tokens // bs) * self.width
         have = table.num_tokens
-        need = -(-num_tokens // bs) - len(table.blocks)
-        if need < 0:
-            need = 0
-        # (_last_block_needs_copy, inlined: once per scheduled sequence)
-        if num_tokens > have and have % bs and self.pool.ref_counts[table.blocks[-1]] > 1:
-            need += 1
+        if self._plain:
+            need = -(-num_tokens // bs) - len(table.blocks)
+            if need < 0:
+                need = 0
+            # (_last_block_needs_copy, inlined: once per scheduled sequence)
+            if num_tokens > have and have % bs and self.pool.ref_counts[table.blocks[-1]] > 1:
+                need += 1
+            return need
+        w = self.width
+        blocks = table.blocks
+        need = -(-num_tokens // bs) - len(blocks) // w
+        need = need * w if need > 0 else 0
+        if num_tokens > have and have % bs:
+            refs, null = self.pool.ref_counts, self.null
+            for b in blocks[-w:]:
+                if b != null and refs[b] > 1:
+                    need += 1
         return need
 
-    def _last_block_needs_copy(self, table: BlockTable, num_tokens: int) -> bool:
-        # A write into a partly filled last block that another table also holds must copy it.
-        if num_tokens <= table.num_tokens or table.num_tokens % self.block_size == 0:
-            return False
-        return self.pool.ref_counts[table.blocks[-1]] > 1
+    def hit_tokens(self, blocks: list[int]) -> int:
+        """Tokens held by a prefix of logical blocks (`match_prefix`, `shareable_prefix`)."""
+        return len(blocks) // self.width * self.block_size
+
+    def num_blocks_to_map(self, num_tokens: int, shared: list[int]) -> int:
+        """Free blocks a sequence without a table takes to hold `num_tokens` slots when it
+        starts with `shared` (computed blocks others hold or the prefix cache keeps): its new
+        blocks, and the shared ones that sit on the free list."""
+        w = self.width
+        return (cdiv(num_tokens, self.block_size) - len(shared) // w) * w \
+            + self.num_free_among(shared)
 
     # --- request hooks (called by the engine; no-ops for paging) ------------------------------
 
@@ -151,6 +258,9 @@ class KVCacheManager:
 
     # --- mutations ---------------------------------------------------------------------------
 
+    def _new_table(self) -> BlockTable:
+        return BlockTable(low=[0] * len(self._sliding) if self._sliding else None)
+
     def allocate_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Reserve slots so that `seq_id` holds `num_tokens` in all; create its table if new.
 
@@ -160,35 +270,86 @@ class KVCacheManager:
         """
         table = self.tables.get(seq_id)
         if table is None:  # (not setdefault: that would build a table on every call)
-            table = self.tables[seq_id] = BlockTable()
+            table = self.tables[seq_id] = self._new_table()
         if num_tokens <= table.num_tokens:  # the slots are reserved already
             return []
         copies: list[tuple[int, int]] = []
         blocks = table.blocks
         bs = self.block_size
-        # (_last_block_needs_copy, inlined: num_tokens > table.num_tokens holds here)
-        if table.num_tokens % bs and self.pool.ref_counts[blocks[-1]] > 1:
-            old = blocks[-1]
-            new = self.pool.allocate()
-            self.pool.decref(old)
-            blocks[-1] = new
-            copies.append((old, new))
-        need = -(-num_tokens // bs) - len(blocks)
+        pool = self.pool
+        if self._plain:
+            # (_last_block_needs_copy, inlined: num_tokens > table.num_tokens holds here)
+            if table.num_tokens % bs and pool.ref_counts[blocks[-1]] > 1:
+                old = blocks[-1]
+                new = pool.allocate()
+                pool.decref(old)
+                blocks[-1] = new
+                copies.append((old, new))
+            need = -(-num_tokens // bs) - len(blocks)
+            for _ in range(need):
+                blocks.append(pool.allocate())
+            table.num_tokens = num_tokens
+            return copies
+        w, tags, null = self.width, self._col_tag, self.null
+        if table.num_tokens % bs:
+            base = len(blocks) - w
+            refs = pool.ref_counts
+            for c in range(w):
+                old = blocks[base + c]
+                if old != null and refs[old] > 1:
+                    new = pool.allocate(tags[c])
+                    pool.decref(old)
+                    blocks[base + c] = new
+                    copies.append((old, new))
+        need = -(-num_tokens // bs) - len(blocks) // w
         for _ in range(need):
-            blocks.append(self.pool.allocate())
+            for c in range(w):
+                blocks.append(pool.allocate(tags[c]))
         table.num_tokens = num_tokens
         return copies
 
-    def snapshot(self, seq_id: int) -> tuple[int, int, int, int] | None:
+    def free_out_of_window(self, seq_id: int, num_computed: int) -> None:
+        """Give back the blocks of `seq_id`'s sliding-window groups that no query can reach
+        again: the next query is at position `num_computed` and reads keys from
+        `num_computed - window + 1` on, so the logical blocks wholly before that go (their
+        entries become null). No-op without sliding-window groups or a table.
+
+        NOTE: called after a step, once its blocks were offered to the prefix cache; a step
+        computing a chunk of `n` tokens then holds at most the window before it and the chunk."""
+        table = self.tables.get(seq_id)
+        if table is None or not self._sliding:
+            return
+        bs, w, null, pool = self.block_size, self.width, self.null, self.pool
+        blocks, low = table.blocks, table.low
+        rows = len(blocks) // w
+        for gi, (first, lanes, window) in enumerate(self._sliding):
+            lo = min((num_computed - window + 1) // bs, rows)
+            start = low[gi]
+            if lo <= start:
+                continue
+            for i in range(start, lo):
+                base = i * w + first
+                for c in range(base, base + lanes):
+                    b = blocks[c]
+                    if b != null:
+                        pool.decref(b)
+                        blocks[c] = null
+            low[gi] = lo
+
+    def snapshot(self, seq_id: int) -> tuple | None:
         """What `restore` needs to undo this step's `allocate_slots` of `seq_id` (None if it has
-        no table): its block count, slot count, last block and hash count (O(1), no copy)."""
+        no table): its block count, slot count, last block (its last row with several columns)
+        and hash count (O(1), no copy)."""
         table = self.tables.get(seq_id)
         if table is None:
             return None
         blocks = table.blocks
-        return (len(blocks), table.num_tokens, blocks[-1] if blocks else -1, len(table.hashes))
+        if self._plain:
+            return (len(blocks), table.num_tokens, blocks[-1] if blocks else -1,
+                    len(table.hashes))
+        return (len(blocks), table.num_tokens, tuple(blocks[-self.width:]), len(table.hashes))
 
-    def restore(self, seq_id: int, snapshot: tuple[int, int, int, int] | None) -> None:
+    def restore(self, seq_id: int, snapshot: tuple | None) -> None:
         """Put `seq_id`'s table back as `snapshot` found it, with reference counts to match: the
         blocks gained since (new blocks, a copy-on-write target) are released, the last block it
         held then is held again.
@@ -196,21 +357,29 @@ class KVCacheManager:
         NOTE: only for undoing this step's `allocate_slots` of a group before the step runs;
         the snapshot's blocks must not have been handed to another sequence in between.
         """
+        pool = self.pool
         if snapshot is None:
             table = self.tables.pop(seq_id, None)
             if table is not None:
-                for block in reversed(table.blocks):
-                    self.pool.decref(block)
+                self._release(table.blocks, pool, self.null)
             return
         count, num_tokens, last, num_hashes = snapshot
         table = self.tables[seq_id]
         blocks = table.blocks
-        if count and blocks[count - 1] != last:  # copy-on-write replaced the last block
-            self.pool.acquire(last)
-            self.pool.decref(blocks[count - 1])
-            blocks[count - 1] = last
-        for block in reversed(blocks[count:]):
-            self.pool.decref(block)
+        if self._plain:
+            if count and blocks[count - 1] != last:  # copy-on-write replaced the last block
+                pool.acquire(last)
+                pool.decref(blocks[count - 1])
+                blocks[count - 1] = last
+        elif count:
+            base = count - len(last)
+            for c, old in enumerate(last):
+                if blocks[base + c] != old:  # copy-on-write replaced it
+                    pool.acquire(old, self._col_tag[c])
+                    pool.decref(blocks[base + c])
+                    blocks[base + c] = old
+        for block in reversed(blocks[count:]):  # (new blocks: never null)
+            pool.decref(block)
         del blocks[count:]
         table.num_tokens = num_tokens
         del table.hashes[num_hashes:]
@@ -226,10 +395,9 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         if table is None or table.num_tokens <= num_tokens:
             return
-        keep = cdiv(num_tokens, self.block_size)
+        keep = cdiv(num_tokens, self.block_size) * self.width
         blocks = table.blocks
-        for block in reversed(blocks[keep:]):
-            self.pool.decref(block)
+        self._release(blocks[keep:], self.pool, self.null)
         del blocks[keep:]
         table.num_tokens = num_tokens
         del table.hashes[num_tokens // self.block_size:]
@@ -239,69 +407,181 @@ class KVCacheManager:
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         parent = self.tables[parent_id]
+        incref, null = self.pool.incref, self.null
         for block in parent.blocks:
-            self.pool.incref(block)
+            if block != null:
+                incref(block)
         self.tables[child_id] = BlockTable(list(parent.blocks), parent.num_tokens,
-                                           list(parent.hashes))
+                                           list(parent.hashes),
+                                           None if parent.low is None else list(parent.low))
 
     def free(self, seq_id: int) -> None:
         """Release every block of a sequence, on the device and in the swap pool (no-op if it
         holds none)."""
         table = self.tables.pop(seq_id, None)
         if table is not None:
-            # Free from the last block so that a sequence's blocks return to the pool tail in order.
-            for block in reversed(table.blocks):
-                self.pool.decref(block)
+            self._release(table.blocks, self.pool, self.null)
         cpu_table = self.cpu_tables.pop(seq_id, None)
         if cpu_table is not None:
-            for block in reversed(cpu_table.blocks):
-                self.cpu_pool.decref(block)
+            self._release(cpu_table.blocks, self.cpu_pool, self.cpu_null)
+
+    @staticmethod
+    def _release(blocks: list[int], pool: BlockPool, null: int) -> None:
+        # Free from the last block so that a sequence's blocks return to the pool tail in order.
+        decref = pool.decref
+        for block in reversed(blocks):
+            if block != null:
+                decref(block)
 
     # --- prefix caching ----------------------------------------------------------------------
+
+    def _key(self, h: int, column: int):
+        """The prefix-cache key of the block of column `column` holding hash `h`."""
+        return h if self.width == 1 else (h, column)
+
+    def _hit(self, h: int, column: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """The cached block of `column` for the block of hash `h` after `parent` holding
+        `tokens` (its parent and tokens checked), else null."""
+        block = self._cached.get(self._key(h, column))
+        if block is None:
+            return self.null
+        _, cached_parent, cached_tokens, _ = self._block_key[block]
+        if cached_parent != parent or cached_tokens != tokens:
+            return self.null
+        return block
 
     def match_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
         """Cached blocks holding the longest prefix of `token_ids` made of full blocks (cached
         under the same `salt`: a request's `cache_salt` roots its chain of hashes, so requests
-        with different salts never share blocks).
+        with different salts never share blocks); with several columns, a row per logical block.
 
         NOTE: at least the last token is always left to compute (its logits are needed), so a
         prompt that is entirely cached gets its last block recomputed into a fresh block; a
         cached block is never written. A hit must match the block's tokens AND its parent's hash
         (the previous block of the chain, or the salt's root): two chains whose hashes collide
-        never share KV.
+        never share KV. With several groups a prefix hits only if every group serves it: a
+        full-attention group all its blocks, a sliding-window group the blocks inside the window
+        of the hit's end (vLLM's rule; the ones before come back null).
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hits: list[int] = []
         parent = salt_root(salt)
+        if self._plain:
+            hits: list[int] = []
+            for i in range((len(token_ids) - 1) // bs):
+                tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+                h = block_hash(parent, tokens)
+                block = self._hit(h, 0, parent, tokens)
+                if block == self.null:
+                    break
+                hits.append(block)
+                parent = h
+            return hits
+        w, null = self.width, self.null
+        rows: list[int] = []
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
-            block = self._cached.get(h)
-            if block is None:
+            row = [self._hit(h, c, parent, tokens) for c in range(w)]
+            if any(row[c] == null for c in self._full_cols):
                 break
-            _, cached_parent, cached_tokens = self._block_key[block]
-            if cached_parent != parent or cached_tokens != tokens:
-                break
-            hits.append(block)
+            rows.extend(row)
             parent = h
-        return hits
+        return self._usable_prefix(rows, len(rows) // w)
+
+    def _usable_prefix(self, rows: list[int], k: int) -> list[int]:
+        """The longest prefix of at most `k` logical blocks of `rows` (flat, null where a block
+        is missing) that a sequence can start from: every full-attention column's blocks, and
+        each sliding-window group's blocks inside the window of the prefix's end (the rows
+        before it come back with those columns null). Full columns are complete in `rows`."""
+        w, bs, null = self.width, self.block_size, self.null
+        while k > 0:
+            ok = True
+            for first, lanes, window in self._sliding:
+                lo = max(0, (k * bs - window + 1) // bs)
+                for i in range(lo, k):
+                    base = i * w + first
+                    if null in rows[base : base + lanes]:
+                        ok = False
+                        break
+                if not ok:
+                    break
+            if ok:
+                break
+            k -= 1
+        out = rows[: k * w]
+        for first, lanes, window in self._sliding:
+            lo = max(0, (k * bs - window + 1) // bs)
+            for i in range(lo):
+                base = i * w + first
+                out[base : base + lanes] = [null] * lanes
+        return out
 
     def num_free_among(self, blocks: list[int]) -> int:
         """How many of these blocks sit on the free list (taking them costs free blocks)."""
-        return sum(1 for b in blocks if self.pool.ref_counts[b] == 0)
+        refs, null = self.pool.ref_counts, self.null
+        return sum(1 for b in blocks if b != null and refs[b] == 0)
+
+    def _lows(self, blocks: list[int]) -> list[int] | None:
+        """Per sliding-window group, the leading logical blocks of `blocks` that are null."""
+        if not self._sliding:
+            return None
+        w, null = self.width, self.null
+        lows = []
+        for first, _, _ in self._sliding:
+            i = 0
+            while i * w + first < len(blocks) and blocks[i * w + first] == null:
+                i += 1
+            lows.append(i)
+        return lows
+
+    def _acquire_all(self, blocks: list[int]) -> None:
+        acquire, null, w, tags = self.pool.acquire, self.null, self.width, self._col_tag
+        for i, block in enumerate(blocks):
+            if block != null:
+                acquire(block, tags[i % w])
+
+    def _known_hashes(self, blocks: list[int], parent: int) -> list[int]:
+        """The chained hashes of the leading logical blocks of `blocks` as far as the prefix
+        cache knows them, each block's parent checked (`cache_full_blocks` computes the rest)."""
+        w, null = self.width, self.null
+        hashes: list[int] = []
+        for i in range(len(blocks) // w):
+            key = next((self._block_key.get(b) for b in blocks[i * w : (i + 1) * w]
+                        if b != null and b in self._block_key), None)
+            if key is None or key[1] != parent:
+                break
+            hashes.append(key[0])
+            parent = key[0]
+        return hashes
 
     def use_prefix(self, seq_id: int, blocks: list[int]) -> int:
-        """Start `seq_id`'s table with cached blocks; returns the number of tokens they hold."""
+        """Start `seq_id`'s table with cached blocks (`match_prefix`'s); returns the number of
+        tokens they hold."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
-        for block in blocks:
-            self.pool.acquire(block)
-        table = BlockTable(list(blocks), len(blocks) * self.block_size,
-                           [self._block_key[b][0] for b in blocks])
+        self._acquire_all(blocks)
+        if self._plain:
+            hashes = [self._block_key[b][0] for b in blocks]
+        else:
+            # the hash of each row from a block of it (a row of null blocks: unknown, None)
+            w, null, hashes = self.width, self.null, []
+            for i in range(len(blocks) // w):
+                b = next((b for b in blocks[i * w : (i + 1) * w] if b != null), None)
+                hashes.append(None if b is None else self._block_key[b][0])
+        table = BlockTable(list(blocks), self.hit_tokens(blocks), hashes, self._lows(blocks))
         self.tables[seq_id] = table
         return table.num_tokens
+
+    def shareable_prefix(self, seq_id: int, num_blocks: int) -> list[int]:
+        """The leading logical blocks (at most `num_blocks`, computed: the caller's to ensure) of
+        `seq_id`'s table that another sequence can start from (`share_blocks`): with a
+        sliding-window group, only as far as its blocks inside the window of the end are held."""
+        blocks = self.block_table(seq_id)[: num_blocks * self.width]
+        if self._plain:
+            return list(blocks)
+        return self._usable_prefix(list(blocks), len(blocks) // self.width)
 
     def share_blocks(self, seq_id: int, blocks: list[int], salt: str | None = None) -> None:
         """Start `seq_id`'s table with these full, computed blocks that other tables hold or the
@@ -309,15 +589,10 @@ class KVCacheManager:
         prefix cache knows the chain (under `salt`); `cache_full_blocks` computes the rest."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
-        for block in blocks:
-            self.pool.acquire(block)
-        hashes: list[int] = []
-        for block in blocks:
-            key = self._block_key.get(block)
-            if key is None or key[1] != (hashes[-1] if hashes else salt_root(salt)):
-                break
-            hashes.append(key[0])
-        self.tables[seq_id] = BlockTable(list(blocks), len(blocks) * self.block_size, hashes)
+        self._acquire_all(blocks)
+        self.tables[seq_id] = BlockTable(list(blocks), self.hit_tokens(blocks),
+                                         self._known_hashes(blocks, salt_root(salt)),
+                                         self._lows(blocks))
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int,
                           salt: str | None = None) -> None:
@@ -326,21 +601,35 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         if not self.enable_prefix_caching or table is None:
             return
-        bs = self.block_size
-        for i in range(len(table.hashes), min(num_computed, table.num_tokens) // bs):
+        bs, w, null = self.block_size, self.width, self.null
+        hashes, blocks = table.hashes, table.blocks
+        for i in range(len(hashes), min(num_computed, table.num_tokens) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = table.hashes[-1] if table.hashes else salt_root(salt)
+            parent = hashes[-1] if hashes else salt_root(salt)
+            if parent is None:  # (a leading row of unknown hash: use_prefix of null rows)
+                parent = self._chain_hash(token_ids, i, salt)
             h = block_hash(parent, tokens)
-            table.hashes.append(h)
-            block = table.blocks[i]
-            if h not in self._cached and block not in self._block_key:
-                self._cached[h] = block
-                self._block_key[block] = (h, parent, tokens)
+            hashes.append(h)
+            for c in range(w):
+                block = blocks[i * w + c]
+                key = self._key(h, c)
+                if block != null and key not in self._cached and block not in self._block_key:
+                    self._cached[key] = block
+                    self._block_key[block] = (h, parent, tokens, c)
+
+    def _chain_hash(self, token_ids: list[int], n: int, salt) -> int:
+        """The chained hash of the first `n` blocks of `token_ids`."""
+        bs, h = self.block_size, salt_root(salt)
+        for i in range(n):
+            h = block_hash(h, tuple(token_ids[i * bs : (i + 1) * bs]))
+        return h
 
     def _forget(self, block: int) -> None:
         key = self._block_key.pop(block, None)
-        if key is not None and self._cached.get(key[0]) == block:
-            del self._cached[key[0]]
+        if key is not None:
+            k = self._key(key[0], key[3])
+            if self._cached.get(k) == block:
+                del self._cached[k]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (their contents stay until reused, never matched again).
@@ -363,7 +652,16 @@ class KVCacheManager:
     def num_distinct_blocks(self, seq_ids: list[int], cpu: bool = False) -> int:
         """Distinct physical blocks held by these sequences (a block shared inside counts once)."""
         tables = self.cpu_tables if cpu else self.tables
-        return len({b for s in seq_ids if s in tables for b in tables[s].blocks})
+        held = {b for s in seq_ids if s in tables for b in tables[s].blocks}
+        held.discard(self.cpu_null if cpu else self.null)
+        return len(held)
+
+    def num_swap_in_growth(self, seq_id: int, num_tokens: int) -> int:
+        """Device blocks a swapped sequence needs beyond its CPU blocks to hold `num_tokens`
+        slots, copy-on-write of its last row included (an upper bound)."""
+        w = self.width
+        rows = len(self.cpu_tables[seq_id].blocks) // w
+        return (max(0, cdiv(num_tokens, self.block_size) - rows) + 1) * w
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         return self.num_distinct_blocks(seq_ids) <= self.num_free_cpu_blocks
@@ -374,54 +672,72 @@ class KVCacheManager:
         NOTE: a block shared inside the group is copied once and stays shared on the CPU; the
         group's device references are dropped (a block another holder keeps stays on the device).
         """
-        return self._move(seq_ids, self.tables, self.pool, self.cpu_tables, self.cpu_pool)
+        return self._move(seq_ids, self.tables, self.pool, self.null, self.cpu_tables,
+                          self.cpu_pool, self.cpu_null)
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Bring swapped sequences back to device blocks; returns (cpu, device) pairs to copy."""
-        return self._move(seq_ids, self.cpu_tables, self.cpu_pool, self.tables, self.pool)
+        return self._move(seq_ids, self.cpu_tables, self.cpu_pool, self.cpu_null, self.tables,
+                          self.pool, self.null)
 
-    @staticmethod
-    def _move(seq_ids, src_tables, src_pool, dst_tables, dst_pool) -> list[tuple[int, int]]:
+    def _move(self, seq_ids, src_tables, src_pool, src_null, dst_tables, dst_pool,
+              dst_null) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
+        w, tags = self.width, self._col_tag
         for seq_id in seq_ids:
             table = src_tables.pop(seq_id, None)
             if table is None:
                 continue
             new_blocks = []
-            for block in table.blocks:
+            for i, block in enumerate(table.blocks):
+                if block == src_null:  # (given back by a sliding-window group)
+                    new_blocks.append(dst_null)
+                    continue
                 if block in mapping:
                     dst_pool.incref(mapping[block])
                 else:
-                    mapping[block] = dst_pool.allocate()
+                    mapping[block] = dst_pool.allocate(tags[i % w])
                 new_blocks.append(mapping[block])
                 src_pool.decref(block)
-            dst_tables[seq_id] = BlockTable(new_blocks, table.num_tokens, table.hashes)
+            dst_tables[seq_id] = BlockTable(new_blocks, table.num_tokens, table.hashes,
+                                            table.low)
         return list(mapping.items())
 
     # --- checks ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if a pool and its tables disagree (reference counts equal holders,
-        a block is free exactly when nobody holds it, tables cover their slots)."""
-        self._check(self.pool, self.tables, "device")
+        a block is free exactly when nobody holds it, tables cover their slots, null entries
+        exactly where a sliding-window group gave its blocks back, each group's count of blocks
+        in use)."""
+        self._check(self.pool, self.tables, "device", self.null)
         if self.cpu_pool is not None:
-            self._check(self.cpu_pool, self.cpu_tables, "cpu")
+            self._check(self.cpu_pool, self.cpu_tables, "cpu", self.cpu_null)
         both = set(self.tables) & set(self.cpu_tables)
         if both:
             raise RuntimeError(f"sequences {sorted(both)} are both on the device and swapped")
 
-    def _check(self, pool: BlockPool, tables: dict[int, BlockTable], where: str) -> None:
+    def _check(self, pool: BlockPool, tables: dict[int, BlockTable], where: str,
+               null: int) -> None:
         # NOTE: work proportional to the blocks held, not to the pool: a CPU swap pool holds
         # ~10^6 blocks for a tiny model, and the tests check after every step. Held blocks are
         # checked one by one; the rest by counts (C-speed list scans): the blocks with a non-zero
         # reference count are exactly the held ones, and the free list is exactly the others.
         holders: dict[int, int] = {}
+        column_of: dict[int, int] = {}
+        w = self.width
         for seq_id, table in tables.items():
-            if len(table.blocks) != cdiv(table.num_tokens, self.block_size):
+            if len(table.blocks) != cdiv(table.num_tokens, self.block_size) * w:
                 raise RuntimeError(f"{where} sequence {seq_id}: {len(table.blocks)} blocks for "
-                                   f"{table.num_tokens} slots")
-            for block in table.blocks:
+                                   f"{table.num_tokens} slots ({w} per logical block)")
+            if not self._plain:
+                self._check_nulls(seq_id, table, where, null)
+            for i, block in enumerate(table.blocks):
+                if block == null:
+                    continue
                 holders[block] = holders.get(block, 0) + 1
+                if column_of.setdefault(block, i % w) != i % w:
+                    raise RuntimeError(f"{where} block {block} serves two columns")
         refs = pool.ref_counts
         for block, held in holders.items():
             if refs[block] != held:
@@ -434,3 +750,28 @@ class KVCacheManager:
         if pool.num_free != refs.count(0):
             block = next(b for b, c in enumerate(refs) if c == 0 and not pool.is_free(b))
             raise RuntimeError(f"{where} block {block}: ref count 0 but free=False")
+        if isinstance(pool, TaggedBlockPool):
+            counts = [0] * len(pool.used_by_tag)
+            for block, c in column_of.items():
+                counts[self._col_tag[c]] += 1
+                if pool.tags[block] != self._col_tag[c]:
+                    raise RuntimeError(f"{where} block {block}: tagged group "
+                                       f"{pool.tags[block]}, serves {self._col_tag[c]}")
+            if counts != pool.used_by_tag:
+                raise RuntimeError(f"{where} blocks in use per group {pool.used_by_tag}, held "
+                                   f"{counts}")
+
+    def _check_nulls(self, seq_id: int, table: BlockTable, where: str, null: int) -> None:
+        """Null entries only in sliding-window columns, exactly their leading `low` rows."""
+        w, blocks = self.width, table.blocks
+        rows = len(blocks) // w
+        for c in self._full_cols:
+            if null in blocks[c::w]:
+                raise RuntimeError(f"{where} sequence {seq_id}: a null block in full column {c}")
+        for gi, (first, lanes, _) in enumerate(self._sliding):
+            low = table.low[gi]
+            for c in range(first, first + lanes):
+                col = blocks[c::w]
+                if low > rows or col[:low] != [null] * low or null in col[low:]:
+                    raise RuntimeError(f"{where} sequence {seq_id}: column {c} has null "
+                                       f"entries other than its leading {low}")

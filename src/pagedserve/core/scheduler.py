@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.queues import GroupQueue, arrival_key, priority_key, queued_key
 from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
     PREEMPTION_MODES,
@@ -299,7 +299,7 @@ class Scheduler(Turns):
                 break
             hits = self._prefix_hits(group)
             for seq, blocks in hits:  # tentatively: the cached tokens need no computing
-                seq.num_computed_tokens = len(blocks) * self.kv.block_size
+                seq.num_computed_tokens = self.kv.hit_tokens(blocks)
             plan = self._plan(group, step.budget)
             if plan is None or self._blocks_to_admit(plan, dict(
                     (seq.seq_id, blocks) for seq, blocks in hits)) > self.kv.num_free_blocks:
@@ -309,8 +309,8 @@ class Scheduler(Turns):
             for seq, blocks in hits:
                 self.kv.prefix_hits += self.kv.use_prefix(seq.seq_id, blocks)
             if group.num_cached_tokens is None:  # usage's cached_tokens: the first admission's
-                group.num_cached_tokens = max((len(b) for _, b in hits), default=0) * (
-                    self.kv.block_size)
+                group.num_cached_tokens = max((self.kv.hit_tokens(b) for _, b in hits),
+                                              default=0)
             if self.kv.enable_prefix_caching:
                 self.kv.prefix_queries += sum(self._lookup_len(group, seq) for seq, _, _ in plan)
             self.waiting.pop(skipped)
@@ -368,8 +368,7 @@ class Scheduler(Turns):
             if cached is None:
                 need += self.kv.num_new_blocks(seq.seq_id, end)
             else:
-                need += cdiv(end, self.kv.block_size) - len(cached)
-                need += self.kv.num_free_among(cached)
+                need += self.kv.num_blocks_to_map(end, cached)
         return need
 
     def _schedule_running(self, group: SequenceGroup, step: StepPlan,
@@ -455,10 +454,7 @@ class Scheduler(Turns):
         blocks of all its sequences, the blocks its planned tokens fill, and one copy-on-write
         block per planned sequence (an upper bound)."""
         seq_ids = [seq.seq_id for seq in group.unfinished_seqs()]
-        grow = sum(
-            max(0, cdiv(end, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id].blocks)) + 1
-            for seq, _, end in plan
-        )
+        grow = sum(self.kv.num_swap_in_growth(seq.seq_id, end) for seq, _, end in plan)
         return self.kv.num_distinct_blocks(seq_ids, cpu=True) + grow
 
     @staticmethod

@@ -9,7 +9,8 @@ tokens are appended and checked against the token-level stops (EOS, stop token i
 the next token, one by one, until a stop, and gives back its rejected drafts' slots), beam
 candidates are collected and, once every live beam has its candidates, the beam step forks,
 extends and prunes. Finished sequences free their
-blocks; finished groups leave `running`.
+blocks; finished groups leave `running`; a sliding-window group gives back the blocks its window
+left behind (`KVCacheManager.free_out_of_window`).
 
 The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
 token logprob entries, incremental detokenization and stop strings.
@@ -64,6 +65,8 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     ended: dict[str, SequenceGroup] = {}
     beams: dict[str, SequenceGroup] = {}
     caching = scheduler.kv.enable_prefix_caching
+    # A sliding-window group gives back the blocks no query of the sequence reaches any more.
+    sliding = scheduler.kv.has_sliding_window
     # NOTE (step cost): counted in locals, and a row's one sampled token (the common case)
     # appended without building a list of sequences.
     num_prompt = num_generated = 0
@@ -77,6 +80,8 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
             seq.spec_token_ids = []
         if caching:
             scheduler.cache_computed_blocks(seq)
+        if sliding:  # (after the prefix cache took the newly full blocks)
+            scheduler.kv.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
         if s.start < seq.num_prompt_tokens:
             num_prompt += min(s.end, seq.num_prompt_tokens) - s.start
         if r.prompt_logprobs is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedserve.core.kv_cache_manager import cdiv
 from pagedserve.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
@@ -59,8 +58,7 @@ class Turns:
             if seq.beam_candidates is not None:
                 continue
             shared = self._shareable_prefix(group, seq)
-            need = (cdiv(seq.num_tokens, self.kv.block_size) - len(shared)
-                    + self.kv.num_free_among(shared))
+            need = self.kv.num_blocks_to_map(seq.num_tokens, shared)
             if resident and need + resident > self.kv.num_free_blocks:
                 break
             self._unpark_one(group, seq, shared)
@@ -72,7 +70,7 @@ class Turns:
             shared = self._shareable_prefix(group, seq)
         # (an empty table when nothing is shared: a resident sequence always has one)
         self.kv.share_blocks(seq.seq_id, shared, seq.cache_salt)
-        seq.num_computed_tokens = len(shared) * self.kv.block_size
+        seq.num_computed_tokens = self.kv.hit_tokens(shared)
         seq.parked = False
 
     def _shareable_prefix(self, group: SequenceGroup, seq: Sequence) -> list[int]:
@@ -86,8 +84,10 @@ class Turns:
             if q is seq or q.parked or q.seq_id not in self.kv.tables:
                 continue
             k = min(limit, seq.num_prompt_tokens // bs, q.num_computed_tokens // bs)
-            if k > len(best):
-                best = self.kv.block_table(q.seq_id)[:k]
+            if k * self.kv.width > len(best):
+                shared = self.kv.shareable_prefix(q.seq_id, k)
+                if len(shared) > len(best):
+                    best = shared
         if self.kv.enable_prefix_caching:
             cached = self.kv.match_prefix(seq.token_ids[: limit * bs + 1], seq.cache_salt)
             if len(cached) > len(best):

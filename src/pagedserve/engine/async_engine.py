@@ -489,6 +489,7 @@ class AsyncLLMEngine:
             time_to_first_token=ttft, inter_token_latency=itl,
             cpu_kv_usage=info.get("cpu_kv_usage", 0.0), preemptions_by_mode=mode_delta,
             spec_totals=self.engine.spec.totals() if self.engine.spec is not None else None,
+            kv_groups=info.get("kv_groups", []),
         )
         for listener in self._listeners:
             listener.on_step(stats)

@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.beam_search import BeamSearchParams, BeamState
-from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig, cdiv
+from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.spec_decode import make_spec_decoder, record_spec_rows
 from pagedserve.core.step_input import StepInput
@@ -43,6 +43,7 @@ from pagedserve.worker.executor import make_executor
 from pagedserve.worker.kv_cache import (
     bytes_per_block,
     kv_budget_from_profile,
+    kv_layout,
     max_concurrency,
     num_blocks_for_budget,
     preemption_costs,
@@ -165,7 +166,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         if args.kv_cache_memory or not self.platform.can_profile_memory:
             return num_blocks_for_budget(spec, args.block_size, self.dtype,
                                          args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
-                                         draft=self.executor.draft_kv_cache_spec)
+                                         draft=self.executor.draft_kv_cache_spec,
+                                         hybrid=self.kv_hybrid)
         self.kv_cache = None  # the old cache (reconfigure_cache) must not count as used
         profiles = self.executor.profile_memory(ProfileConfig(
             max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
@@ -173,20 +175,27 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         budget = min(kv_budget_from_profile(p.total, args.gpu_memory_utilization, p.peak,
                                             block_bytes) for p in profiles)
         blocks = num_blocks_for_budget(spec, args.block_size, self.dtype, budget,
-                                       draft=self.executor.draft_kv_cache_spec)
+                                       draft=self.executor.draft_kv_cache_spec,
+                                       hybrid=self.kv_hybrid)
         logger.info(
             "GPU KV cache: %d blocks of %d tokens (%.2f GiB per worker, gpu_memory_utilization="
-            "%.2f, peak of the profiled step %.2f GiB): %.1f requests of max_model_len=%d at once",
+            "%.2f, peak of the profiled step %.2f GiB)",
             blocks, args.block_size, budget / 2**30, args.gpu_memory_utilization,
-            max(p.peak for p in profiles) / 2**30,
-            max_concurrency(blocks, args.block_size, self.max_model_len), self.max_model_len)
+            max(p.peak for p in profiles) / 2**30)
         return blocks
 
-    def _build_cache(self, args: EngineArgs) -> None:
-        """The scheduler, block manager, KV tensors and runner for `args`' cache settings."""
+    def _build_cache(self, args: EngineArgs, one_group: bool = False) -> None:
+        """The scheduler, block manager, KV tensors and runner for `args`' cache settings
+        (`one_group`: every layer in one group of full attention)."""
         spec = self.executor.kv_cache_spec  # one worker's: the KV heads it holds
+        # Layer groups with their own block tables (core/kv_spec.py), unless disabled; a draft
+        # model's cache follows the target's tables block for block: one group then.
+        self.kv_hybrid = (not args.disable_hybrid_kv_cache_manager and not one_group
+                          and self.executor.draft_kv_cache_spec is None)
+        self.kv_layout = kv_layout(spec, self.kv_hybrid)
         block_bytes = bytes_per_block(spec, args.block_size, self.dtype,
-                                      draft=self.executor.draft_kv_cache_spec)
+                                      draft=self.executor.draft_kv_cache_spec,
+                                      hybrid=self.kv_hybrid)
         swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.platform)
         self.scheduler_config = args.scheduler_config(self.max_model_len, swap_s, recompute_s,
                                                       eos_token_ids=tuple(self.eos_token_ids))
@@ -200,7 +209,11 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             )
         self.kv_manager = self.kv_manager_factory(KVManagerConfig(
             self.num_kv_blocks, args.block_size, num_cpu_blocks=num_cpu_blocks,
-            enable_prefix_caching=args.enable_prefix_caching, max_model_len=self.max_model_len))
+            enable_prefix_caching=args.enable_prefix_caching, max_model_len=self.max_model_len,
+            layout=self.kv_layout))
+        if self.kv_hybrid and getattr(self.kv_manager, "layout", None) is None:
+            # A manager that keeps one table of one group (a benchmark's baseline): so be it.
+            return self._build_cache(args, one_group=True)
         # The manager may keep no swap pool (a benchmark baseline): the workers follow it.
         cpu_pool = self.kv_manager.cpu_pool
         self.num_cpu_blocks = cpu_pool.num_blocks if cpu_pool is not None else 0
@@ -209,8 +222,17 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.executor.init_cache(CacheConfig(self.num_kv_blocks, args.block_size,
                                              self.num_cpu_blocks, tuple(self.eos_token_ids),
                                              max_num_seqs=args.max_num_seqs,
-                                             max_model_len=self.max_model_len))
+                                             max_model_len=self.max_model_len,
+                                             hybrid=self.kv_hybrid))
         self.kv_cache = self.executor.kv_cache  # None when the cache lives in worker processes
+        # vLLM's startup line: how many requests of max_model_len the cache holds at once
+        chunk = batched if self.scheduler_config.enable_chunked_prefill else self.max_model_len
+        self.max_concurrency = max_concurrency(self.num_kv_blocks, args.block_size,
+                                               self.max_model_len, self.kv_layout, chunk)
+        logger.info("KV cache: %s; %d blocks of %d tokens (%d bytes each). Maximum concurrency "
+                    "for %d tokens per request: %.2fx", self.kv_layout.describe(),
+                    self.num_kv_blocks, args.block_size, block_bytes, self.max_model_len,
+                    self.max_concurrency)
 
     def reconfigure_cache(
         self, kv_manager_factory: Callable[[KVManagerConfig], KVCacheManager] | None = None,
@@ -411,7 +433,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         # NOTE: the one limit of the KV pool: one sequence alone must fit it. Its last sampled
         # token is never computed; sequences that cannot all fit at once take turns.
         final = min(self.max_model_len, prompt_len + params.max_tokens)
-        blocks = cdiv(final - 1, self.kv_manager.block_size)
+        blocks = self.kv_manager.blocks_for(final - 1,
+                                            self.scheduler_config.max_num_batched_tokens)
         if blocks > self.num_kv_blocks:
             raise ValueError(
                 f"max_tokens: a sequence of {prompt_len} prompt tokens and up to "
@@ -588,7 +611,17 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             "preemptions_by_mode": dict(self.scheduler.preemptions_by_mode),
             "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
             "preemptions": self.scheduler.num_preemptions,
+            # per layer group (several, or a sliding window): (name, share of the pool's blocks
+            # it holds, share of its held slots that no query reads)
+            "kv_groups": self.kv_group_usage() if self.kv_manager.has_groups else [],
         }
+
+    def kv_group_usage(self) -> list[tuple[str, float, float]]:
+        """Per KV layer group (core/kv_spec.py): (name, fraction of the pool's blocks it holds,
+        fraction of its held token slots that hold nothing a query reads: its waste)."""
+        kv = self.kv_manager
+        return [(name, blocks / kv.num_blocks, max(0.0, 1.0 - live / held) if held else 0.0)
+                for name, blocks, held, live in kv.group_stats()]
 
 
 __all__ = ["LLMEngine", "SchedulerOutput"]

@@ -113,7 +113,8 @@ def pooling_spec(params: PoolingParams, pooler: PoolerConfig, config: Any,
 def check_pooling_fits(prompt_len: int, kv_manager: Any, num_kv_blocks: int) -> SamplingParams:
     """ValueError unless a pooling request's prompt fits the KV cache (its blocks, and the KV
     manager's own check); the SamplingParams the scheduler sees for it."""
-    blocks = -(-prompt_len // kv_manager.block_size)
+    # (every layer group's blocks: the whole prompt may be one chunk)
+    blocks = kv_manager.blocks_for(prompt_len, prompt_len)
     if blocks > num_kv_blocks:
         raise ValueError(
             f"prompt of {prompt_len} tokens needs {blocks} KV blocks; the cache has "

@@ -43,6 +43,9 @@ class StepStats:
     # Speculative decoding's cumulative counters (`core.spec_decode.SpecDecoder.totals`), or
     # None when the engine does not speculate.
     spec_totals: tuple | None = None
+    # A model of several KV layer groups (or a sliding window): per group (name, fraction of
+    # the pool's blocks it holds, fraction of its held slots no query reads); else empty.
+    kv_groups: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +118,10 @@ class StatsLogLine:
             self._preempt["swap"], self._prompt_tokens / elapsed,
             self._generation_tokens / elapsed,
         )
+        if s.kv_groups:
+            logger.info("KV blocks in use by layer group: %s", ", ".join(
+                f"{name} {100.0 * use:.1f}% (waste {100.0 * waste:.1f}%)"
+                for name, use, waste in s.kv_groups))
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
         self._preempt = {"recompute": 0, "swap": 0}

@@ -1,5 +1,6 @@
 """Attention kernels on CPU (part of the extension of kernels.cpu_gemm): paged decode attention
-(csrc/paged_attention.cpp) and a prompt chunk's attention over its context (csrc/prefill_attention.cpp).
+(csrc/paged_attention.cpp) and a prompt chunk's attention over its context (csrc/prefill_attention.cpp: AVX512-BF16 and
+AVX2 builds).
 
 `decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)` attends
 one query token per sequence over its blocks, reading the cache in place (no gathered copy, no
@@ -50,17 +51,21 @@ def prefill_attention(
 ) -> bool:
     """Causal attention of a prompt chunk (the last n positions of a context of ctx) over its
     context, written into `out`: True, or False when the kernel does not apply -- not bf16 CPU
-    tensors, a CPU without AVX512-BF16 (or capped below it), a head size that is not a multiple
+    tensors, a CPU without AVX2 + FMA (or capped below it), a head size that is not a multiple
     of 32 (or above 512), the kernel disabled or unavailable -- and the caller runs SDPA.
 
-    Scores and softmax in fp32, the weights rounded to bf16 for the product with V (as a bf16
-    flash kernel does), one rounding of the output."""
+    Scores and softmax in fp32, one rounding of the output. On AVX512-BF16 the weights are
+    rounded to bf16 for the product with V (as a bf16 flash kernel does, on vdpbf16ps); on
+    AVX2 every value is widened to fp32 (csrc/prefill_attention.cpp, `avx2::`). Either way a
+    row's result does not depend on the rows computed with it (chunking keeps every bit); the
+    two ISAs' bits differ."""
     if not (query.dtype is key.dtype is value.dtype is out.dtype is torch.bfloat16) or not query.is_cpu:
         return False
     d = query.shape[2]
     if d % 32 or d > 512 or query.shape[1] % key.shape[1] or query.shape[0] == 0:
         return False
-    if not kernel_available() or linear_isa() < ISA_LEVELS["avx512bf16"]:
+    isa = linear_isa()
+    if not kernel_available() or isa < ISA_LEVELS["avx2"]:
         return False
     heads_ok = all(t.stride(2) == 1 and t.stride(1) == d for t in (query, key, value, out))
     if not heads_ok or key.stride(0) != value.stride(0):
@@ -68,5 +73,5 @@ def prefill_attention(
         if not (query.stride(2) == 1 and query.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d):
             return False
     torch.ops.pagedserve_cpu.prefill_attention.default(query, key, value, out, float(scale),
-                                                       int(sliding_window or 0))
+                                                       int(sliding_window or 0), isa)
     return True

@@ -8,6 +8,7 @@ samples from and calls `compute_logits` on those only.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
+from pagedserve.layers.attention import PagedAttention
 from pagedserve.distributed.tp import TPContext
 from pagedserve.layers.linear import ParallelLMHead
 from pagedserve.layers.weights import load_named_weights
@@ -24,12 +27,41 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of the KV cache a model needs: one K and one V tensor per layer of
-    `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """The KV cache a model needs: `num_layers` layers of `num_kv_heads x head_dim` K and V per
+    token, and what each layer keeps (`layers`: one `core.kv_spec` spec per layer --
+    `FullAttentionSpec(num_kv_heads, head_dim)`, `SlidingWindowSpec(num_kv_heads, head_dim,
+    window)`, `MLASpec(latent_dim)`, `sinks=True` on an attention spec; None: every layer full
+    attention). Layers of one memory rule form a group with its own block table per sequence
+    over one shared pool (`core.kv_spec.KVLayout`, worker/kv_cache.py)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    layers: tuple | None = None
+
+    def layer_specs(self) -> tuple:
+        """One spec per layer (`layers`, or full attention everywhere)."""
+        if self.layers is not None:
+            if len(self.layers) != self.num_layers:
+                raise ValueError(f"KVCacheSpec: {len(self.layers)} layer specs for "
+                                 f"{self.num_layers} layers")
+            return tuple(self.layers)
+        return (FullAttentionSpec(self.num_kv_heads, self.head_dim),) * self.num_layers
+
+
+def attention_layer_specs(layers: Iterable[nn.Module], num_kv_heads: int,
+                          head_dim: int) -> tuple | None:
+    """Each decoder layer's KV spec from its `PagedAttention` (its sliding window, if any):
+    None when a layer has not exactly one (the model then declares its specs itself)."""
+    specs = []
+    for layer in layers:
+        attns = [m for m in layer.modules() if isinstance(m, PagedAttention)]
+        if len(attns) != 1:
+            return None
+        window = attns[0].sliding_window
+        specs.append(FullAttentionSpec(num_kv_heads, head_dim) if window is None
+                     else SlidingWindowSpec(num_kv_heads, head_dim, window=window))
+    return tuple(specs)
 
 
 class CausalLM(Protocol):
@@ -121,8 +153,11 @@ class DecoderStack(nn.Module):
         layers = self.decoder_layers()
         check_kv_caches(kv_caches, len(layers))
         x, extras = self.embed(input_ids, positions)  # [T, H]
-        for layer, extra, kv_cache in zip(layers, extras, kv_caches):
-            x = layer(x, *extra, kv_cache, meta)  # [T, H]
+        # NOTE: with several KV groups each layer reads its own column's metadata (block
+        # tables and slots differ; `AttentionMetadata.per_layer`), else all read `meta`.
+        metas = meta.per_layer or itertools.repeat(meta)
+        for layer, extra, kv_cache, m in zip(layers, extras, kv_caches, metas):
+            x = layer(x, *extra, kv_cache, m)  # [T, H]
         return self.final(x)
 
 
@@ -153,7 +188,10 @@ class PagedCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(head_in, config.vocab_size, tp=tp)
         if self.tied:
             self.lm_head.weight = embedding.weight
-        self.kv_cache_spec = KVCacheSpec(config.num_hidden_layers, tp.local_kv_heads(num_kv_heads), head_dim)
+        kv_heads = tp.local_kv_heads(num_kv_heads)
+        self.kv_cache_spec = KVCacheSpec(
+            config.num_hidden_layers, kv_heads, head_dim,
+            attention_layer_specs(self.backbone().decoder_layers(), kv_heads, head_dim))
 
     def backbone(self) -> nn.Module:
         """The decoder stack (embeddings through the final norm / projection)."""

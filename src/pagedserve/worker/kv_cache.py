@@ -4,26 +4,35 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.core.kv_spec import KVLayout
 from pagedserve.models.base import KVCacheSpec
 from pagedserve.platforms import Platform, platform_for
 
 
+def kv_layout(spec: KVCacheSpec, hybrid: bool = True) -> KVLayout:
+    """How the model's layers share the pool's blocks (core/kv_spec.py): its layer groups
+    (sliding-window, full, latent attention) with `hybrid`, else one group of full attention."""
+    return KVLayout.from_specs(spec.layer_specs(), hybrid)
+
+
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype,
-                    draft: KVCacheSpec | None = None) -> int:
-    """Bytes one block takes across all layers, K and V; with a draft model's KV spec (`draft`,
-    speculative decoding: its cache has the same blocks, worker/spec_draft.py), its part too."""
+                    draft: KVCacheSpec | None = None, hybrid: bool = True) -> int:
+    """Bytes one pool block takes: `block_size` tokens of the layers one block holds (every
+    layer with one group; a lane of a group with several, see `kv_layout`); with a draft
+    model's KV spec (`draft`, speculative decoding: its cache has the same blocks,
+    worker/spec_draft.py), its part too."""
     elem = torch.empty((), dtype=dtype).element_size()
-    extra = bytes_per_block(draft, block_size, dtype) if draft is not None else 0
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem + extra
+    extra = bytes_per_block(draft, block_size, dtype, hybrid=False) if draft is not None else 0
+    return kv_layout(spec, hybrid).bytes_per_block(block_size, elem) + extra
 
 
 def num_blocks_for_budget(
     spec: KVCacheSpec, block_size: int, dtype: torch.dtype, kv_cache_memory: int,
-    draft: KVCacheSpec | None = None,
+    draft: KVCacheSpec | None = None, hybrid: bool = True,
 ) -> int:
     """How many blocks fit `kv_cache_memory` bytes (the null block included; with `draft`, each
     block's draft-model part too: see `bytes_per_block`)."""
-    size = bytes_per_block(spec, block_size, dtype, draft)
+    size = bytes_per_block(spec, block_size, dtype, draft, hybrid)
     n = kv_cache_memory // size - 1
     if n < 1:
         raise ValueError(
@@ -51,9 +60,15 @@ def kv_budget_from_profile(total: int, utilization: float, peak: int, block_byte
     return budget
 
 
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
-    """How many requests of `max_model_len` tokens fit in `num_blocks` blocks at once."""
-    return num_blocks * block_size / max_model_len
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int,
+                    layout: KVLayout | None = None, chunk: int | None = None) -> float:
+    """How many requests of `max_model_len` tokens fit in `num_blocks` blocks at once (vLLM's
+    "Maximum concurrency"): with a `layout`, the blocks one such request holds at its peak when
+    a step computes at most `chunk` tokens (`KVLayout.blocks_per_request`)."""
+    if layout is None:
+        return num_blocks * block_size / max_model_len
+    per_request = layout.blocks_per_request(max_model_len, block_size, chunk or max_model_len)
+    return num_blocks / per_request
 
 
 def preemption_costs(num_params: int, block_bytes: int, device: torch.device | Platform):
@@ -72,10 +87,16 @@ def preemption_costs(num_params: int, block_bytes: int, device: torch.device | P
 
 
 class KVCache:
-    """Per layer one K and one V tensor of `[num_blocks + 1, block_size, num_kv_heads, head_dim]`.
+    """The pool's blocks as tensors: per layer slot of a block (`layout.slots`) one K and one V
+    tensor of `[num_blocks + 1, block_size, num_kv_heads, head_dim]` (a latent-attention model:
+    one tensor `[num_blocks + 1, block_size, 1, latent_dim]`, V None). `layers[l]` is model
+    layer `l`'s pair: its slot's tensors, read through its column of the block tables
+    (`layout.layer_column`). One group (`hybrid=False`, or a uniform model): one slot per layer,
+    the table's one column.
 
     NOTE: block `num_blocks` (the last) is the null block: never handed out by the block pool,
-    never written, always zero. Attention pads block tables with it.
+    never written, always zero. Attention pads block tables with it, and the tables of a
+    sliding-window group hold it where the window gave a block back.
     """
 
     def __init__(
@@ -87,33 +108,48 @@ class KVCache:
         device: torch.device,
         num_cpu_blocks: int = 0,
         platform: Platform | None = None,
+        hybrid: bool = True,
     ) -> None:
         self.spec = spec
+        self.layout = kv_layout(spec, hybrid)
+        self.width = self.layout.width
+        # Each column's window (None: full), or None when no column slides (its blocks are all
+        # kept: the metadata passes whole tables).
+        windows = self.layout.column_windows()
+        self.column_windows = windows if any(windows) else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.null_block = num_blocks
-        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        page = self.layout.page_spec
+        tensors, heads, head_dim = page.page_shape()
+        shape = (num_blocks + 1, block_size, heads, head_dim)
+
+        def pair(shape, **kw):
+            return (torch.empty(shape, dtype=dtype, **kw),
+                    torch.empty(shape, dtype=dtype, **kw) if tensors == 2 else None)
+
         # NOTE: uninitialised on purpose (no page is touched until written: a large budget costs
         # nothing up front). Attention never reads a slot before it is written: padding and
         # positions past a sequence's length read the null block, which alone is zeroed.
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.empty(shape, dtype=dtype, device=device),
-             torch.empty(shape, dtype=dtype, device=device))
-            for _ in range(spec.num_layers)
-        ]
-        for k, v in self.layers:
+        self.slots: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            pair(shape, device=device) for _ in range(self.layout.slots)]
+        for k, v in self.slots:
             k[num_blocks].zero_()
-            v[num_blocks].zero_()
+            if v is not None:
+                v[num_blocks].zero_()
+        self.layers = [self.slots[u] for u in self.layout.layer_slot]
         # The CPU swap pool: the same block shape, in host memory (pinned where the platform
         # says: CUDA).
         self.num_cpu_blocks = num_cpu_blocks
         pin = (platform or platform_for(device)).pin_memory
-        cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
-             torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(spec.num_layers)
-        ] if num_cpu_blocks else []
+        cpu_shape = (num_cpu_blocks, block_size, heads, head_dim)
+        self.cpu_slots = [pair(cpu_shape, pin_memory=pin)
+                          for _ in range(self.layout.slots)] if num_cpu_blocks else []
+
+    @property
+    def cpu_layers(self) -> list:
+        """Model layer `l`'s CPU swap tensors (its slot's)."""
+        return [self.cpu_slots[u] for u in self.layout.layer_slot] if self.cpu_slots else []
 
     def apply_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                         copies: list[tuple[int, int]]) -> None:
@@ -127,37 +163,40 @@ class KVCache:
             self.copy_blocks(copies)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks `src -> dst` in every layer (copy-on-write), one batched op a tensor."""
-        device = self.layers[0][0].device
+        """Copy whole blocks `src -> dst` in every slot tensor (copy-on-write), one batched op a
+        tensor."""
+        device = self.slots[0][0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
-        for k, v in self.layers:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for t in _tensors(self.slots):
+            t.index_copy_(0, dst, t.index_select(0, src))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks, `(device, cpu)` pairs: one gather a tensor."""
-        self._transfer(pairs, self.layers, self.cpu_layers)
+        self._transfer(pairs, self.slots, self.cpu_slots)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks back to device blocks, `(cpu, device)` pairs."""
-        self._transfer(pairs, self.cpu_layers, self.layers)
+        self._transfer(pairs, self.cpu_slots, self.slots)
 
     @staticmethod
-    def _transfer(pairs, src_layers, dst_layers) -> None:
-        src_dev, dst_dev = src_layers[0][0].device, dst_layers[0][0].device
+    def _transfer(pairs, src_slots, dst_slots) -> None:
+        src_dev, dst_dev = src_slots[0][0].device, dst_slots[0][0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         non_blocking = src_dev.type == "cuda" or dst_dev.type == "cuda"
-        for (sk, sv), (dk, dv) in zip(src_layers, dst_layers):
-            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
-            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
+        for s, d in zip(_tensors(src_slots), _tensors(dst_slots)):
+            d.index_copy_(0, dst, s.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
 
     def fill_blocks(self, blocks: list[int], value: float) -> None:
         """Overwrite blocks with a value (tests fill freed blocks with NaN to prove paging)."""
         if not blocks:
             return
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
-        for k, v in self.layers:
-            k.index_fill_(0, idx, value)
-            v.index_fill_(0, idx, value)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.slots[0][0].device)
+        for t in _tensors(self.slots):
+            t.index_fill_(0, idx, value)
+
+
+def _tensors(slots):
+    """Every tensor of the slots (K, then V where there is one)."""
+    return [t for pair in slots for t in pair if t is not None]

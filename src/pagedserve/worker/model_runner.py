@@ -151,7 +151,9 @@ class ModelRunner:
         self._host_tokens: torch.Tensor | None = None
         self.platform.warm_up_host_kernels(sample)
         self.graphs = None
-        if cuda_graphs and self.platform.use_cuda_graphs(False, self.attention):
+        # NOTE: the graphs hold one set of block tables: a model of several KV groups runs eager.
+        if (cuda_graphs and kv_cache.width == 1
+                and self.platform.use_cuda_graphs(False, self.attention)):
             self.capture_graphs(max_num_seqs, max_model_len)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, capture=None) -> None:
@@ -168,17 +170,21 @@ class ModelRunner:
         with torch.inference_mode():
             graphs.capture_all()
             # Capture and warm-up wrote into the null block: it is zero again before any step.
-            for k, v in layers:
-                k[self.kv_cache.null_block].zero_()
-                v[self.kv_cache.null_block].zero_()
+            for pair in self.kv_cache.slots:
+                for t in pair:
+                    if t is not None:
+                        t[self.kv_cache.null_block].zero_()
         self.graphs = graphs
 
     def _build_meta(self, *, block_tables, seq_lens, query_lens, device,
                     num_splits: int | None = None, decode_rows=None) -> AttentionMetadata:
+        kv = self.kv_cache
         return self.attention.build_metadata(AttentionBatch(
             block_tables=block_tables, seq_lens=seq_lens, query_lens=query_lens,
-            block_size=self.kv_cache.block_size, null_block=self.kv_cache.null_block,
-            device=device, num_splits=num_splits, decode_rows=decode_rows))
+            block_size=kv.block_size, null_block=kv.null_block,
+            device=device, num_splits=num_splits, decode_rows=decode_rows,
+            width=kv.width, layer_columns=kv.layout.layer_column if kv.width > 1 else None,
+            column_windows=kv.column_windows))
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.

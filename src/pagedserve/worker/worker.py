@@ -72,6 +72,9 @@ class CacheConfig:
     # The scheduler's limits, for the CUDA graphs' buckets and block-table width.
     max_num_seqs: int = 256
     max_model_len: int = 2048
+    # Layer groups of their own block tables (sliding-window, full, latent attention: the
+    # driver's `KVLayout`); False: one group of full attention (core/kv_spec.py)
+    hybrid: bool = True
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,8 @@ class Worker:
         self.runner = self.kv_cache = None  # free the old tensors before allocating new ones
         self.kv_cache = KVCache(self.model.kv_cache_spec, cache.num_blocks, cache.block_size,
                                 self.dtype, self.device,
-                                num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform)
+                                num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform,
+                                hybrid=cache.hybrid)
         drafter = None
         if self.draft_model is not None:
             from pagedserve.worker.spec_draft import DraftProposer
@@ -191,7 +195,8 @@ class Worker:
             # the same block layout as the target's: the same tables index both
             draft_cache = KVCache(self.draft_model.kv_cache_spec, cache.num_blocks,
                                   cache.block_size, self.dtype, self.device,
-                                  num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform)
+                                  num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform,
+                                  hybrid=False)
             drafter = DraftProposer(self.draft_model, draft_cache,
                                     self.platform.attention_backend(self.attention_backend),
                                     self.device)

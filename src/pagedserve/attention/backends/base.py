@@ -23,6 +23,13 @@ class AttentionBatch:
     device: torch.device | str = "cpu"
     num_splits: int | None = None  # triton split-K parts (fixed for CUDA graphs)
     decode_rows: list[bool] | None = None  # which rows decode (default: the rows of one token)
+    # Several KV groups (core/kv_spec.py): block ids per logical block in a table row (the
+    # tables are flat rows: column c of logical block i at [i * width + c]), and each model
+    # layer's column; 1 / None: one group.
+    width: int = 1
+    layer_columns: tuple[int, ...] | None = None
+    # The sliding window of each column (None: full attention), or None: no column slides.
+    column_windows: tuple[int | None, ...] | None = None
 
 
 class AttentionBackend:
@@ -41,9 +48,30 @@ class AttentionBackend:
 
     def build_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         """The step's metadata (`AttentionMetadata.build` for this backend), remembering its
-        backend (`meta.impl`)."""
+        backend (`meta.impl`). With several KV groups (`batch.width > 1`) one metadata per
+        column (its block tables and slots), the first's `per_layer` naming each layer's."""
+        w, windows = batch.width, batch.column_windows
+        if w == 1 and not (windows and windows[0]):
+            return self._build(batch, batch.block_tables, batch.seq_lens)
+        metas = []
+        for c in range(w):
+            window = windows[c] if windows else None
+            if window:
+                tables, seq_lens = window_tail(batch.block_tables, w, c, batch.seq_lens,
+                                               batch.query_lens, batch.block_size, window)
+            else:
+                tables = [t[c::w] for t in batch.block_tables] if w > 1 else batch.block_tables
+                seq_lens = batch.seq_lens
+            metas.append(self._build(batch, tables, seq_lens))
+        meta = metas[0]
+        if w > 1:
+            meta.per_layer = [metas[c] for c in batch.layer_columns]
+        return meta
+
+    def _build(self, batch: AttentionBatch, block_tables: list[list[int]],
+               seq_lens: list[int]) -> AttentionMetadata:
         meta = AttentionMetadata.build(
-            block_tables=batch.block_tables, seq_lens=batch.seq_lens, query_lens=batch.query_lens,
+            block_tables=block_tables, seq_lens=seq_lens, query_lens=batch.query_lens,
             block_size=batch.block_size, null_block=batch.null_block, device=batch.device,
             backend=self.name, num_splits=batch.num_splits, decode_rows=batch.decode_rows)
         meta.impl = self
@@ -64,6 +92,26 @@ class AttentionBackend:
     def copy_blocks(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     src: torch.Tensor, dst: torch.Tensor) -> None:
         raise NotImplementedError
+
+
+def window_tail(block_tables: list[list[int]], width: int, column: int, seq_lens: list[int],
+                query_lens: list[int], block_size: int, window: int):
+    """A sliding-window column's tables and context lengths as its attention sees them: each
+    row from the first logical block its first query's window reaches, positions shifted by
+    the blocks cut (attention depends on key order and distance only: the same keys in the
+    same order, the same bits). The column's blocks before that were given back (null) and
+    are not passed at all, so a long sequence's window column costs its window, not its length.
+
+    NOTE: the shift is even (a block more with an odd block size): the prefill kernel pairs
+    keys from its context's start (kernels/cpu_attention.py)."""
+    tables, lens = [], []
+    for t, n, q in zip(block_tables, seq_lens, query_lens):
+        first = max(0, n - q - window + 1) // block_size
+        if first & 1 and block_size & 1:
+            first -= 1
+        tables.append(t[column + first * width :: width])
+        lens.append(n - first * block_size)
+    return tables, lens
 
 
 def backend_of(meta: AttentionMetadata) -> AttentionBackend:

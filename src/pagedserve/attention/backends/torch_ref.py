@@ -107,6 +107,23 @@ def paged_attention(
     return out if out is not None else query.new_empty(num_tokens, num_heads, head_dim)
 
 
+# A sliding-window layer's prompt chunk longer than this (and than its window) is attended in
+# tiles of queries, each over its own window of keys only: compute follows memory (a chunk of n
+# costs ~ n * (tile + window), not n * n).
+_WINDOW_TILE = 256
+
+
+def _prompt_pieces(start: int, n: int, ctx: int, window: int | None):
+    """(flat start, query length, context length) of the pieces a prompt chunk is attended in:
+    itself, or with a sliding window shorter than it, tiles of queries."""
+    if not window or n <= max(window, _WINDOW_TILE):
+        return ((start, n, ctx),)
+    tile = max(window, _WINDOW_TILE)
+    before = ctx - n
+    return tuple((start + a, min(tile, n - a), before + a + min(tile, n - a))
+                 for a in range(0, n, tile))
+
+
 def _attend_prompts(
     out: torch.Tensor | None,  # [T, Hq, D] or None
     query: torch.Tensor,  # [T, Hq, D]
@@ -122,45 +139,57 @@ def _attend_prompts(
 ) -> torch.Tensor:
     """Each member of a prompt group attends over its own context; returns `out` (allocated on
     the first call) with the members' rows written. On a kernel where the platform has one
-    (`ops.prefill_attention`: bf16 on AVX512-BF16 CPUs, kernels/cpu_attention.py); else SDPA: a
+    (`ops.prefill_attention`: bf16 on AVX2 / AVX512 CPUs, kernels/cpu_attention.py); else SDPA: a
     chunk whose context is just itself and fits the window causally over its new K/V, any other
     with an explicit causal (and window) mask; soft-capped scores (`softcap`) by explicit
-    products (`_attend_capped`)."""
+    products (`_attend_capped`).
+
+    With a sliding window a chunk reads only the keys its queries reach (from its first query's
+    window on: blocks a sliding-window group gave back are never read), and a chunk longer
+    than the window is attended in tiles of queries (`_prompt_pieces`).
+    NOTE: the first key read is even: the kernel pairs keys from its context's start, and an
+    even offset keeps the pairs (hence the bits) of every chunking the same."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
     gqa = key.shape[1] != num_heads
-    for g, (start, n, ctx) in enumerate(group.spans):
-        # NOTE: a chunk with nothing cached before it reads its own K/V, rounded to the cache's
-        # dtype as reading them back from it would; any other reads its context through its slots.
-        if ctx == n:
-            k = key[start : start + n].to(flat_k.dtype)  # [n, Hkv, D]
-            v = value[start : start + n].to(flat_v.dtype)
-        else:
-            slots = group.kv_slots[g, :ctx]  # [ctx]
-            k, v = flat_k.index_select(0, slots), flat_v.index_select(0, slots)  # [ctx, Hkv, D]
-        if softcap:
-            out[start : start + n] = _attend_capped(query[start : start + n], k, v, ctx, scale,
-                                                    sliding_window, softcap)
-            continue
-        # bf16 on AVX512-BF16: our kernel (causal and windowed by position, no mask tensor)
-        if ops.prefill_attention(query[start : start + n], k, v, out[start : start + n], scale,
-                                 sliding_window):
-            continue
-        q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if ctx == n and (not sliding_window or n <= sliding_window):
-            mask, causal = None, True
-        else:
-            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)  # [n, 1]
-            k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)  # [1, ctx]
-            mask, causal = k_pos <= q_pos, False  # [n, ctx]
-            if sliding_window:
-                mask = mask & (q_pos - k_pos < sliding_window)
-        k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=gqa)  # [1, Hq, n, D]
-        out[start : start + n] = o[0].transpose(0, 1)
+    for g, span in enumerate(group.spans):
+        chunk_start, chunk_n, chunk_ctx = span
+        for start, n, ctx in _prompt_pieces(*span, sliding_window):
+            # first key any query of the piece reads (even, see above)
+            first = (max(0, ctx - n - sliding_window + 1) & ~1) if sliding_window else 0
+            # NOTE: a piece with nothing cached before it reads its own K/V, rounded to the
+            # cache's dtype as reading them back from it would; any other reads its context
+            # through its slots.
+            if chunk_ctx == chunk_n:  # (positions 0 .. ctx - 1 are all the chunk's own)
+                k = key[chunk_start + first : start + n].to(flat_k.dtype)  # [ctx - first, Hkv, D]
+                v = value[chunk_start + first : start + n].to(flat_v.dtype)
+            else:
+                slots = group.kv_slots[g, first:ctx]  # [ctx - first]
+                k, v = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+            qs = query[start : start + n]
+            if softcap:  # positions relative to the first key read
+                out[start : start + n] = _attend_capped(qs, k, v, ctx - first, scale,
+                                                        sliding_window, softcap)
+                continue
+            # the kernel (bf16): causal and windowed by position, no mask tensor
+            if ops.prefill_attention(qs, k, v, out[start : start + n], scale, sliding_window):
+                continue
+            q = qs.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            span_keys = ctx - first
+            if span_keys == n and (not sliding_window or n <= sliding_window):
+                mask, causal = None, True
+            else:
+                q_pos = torch.arange(span_keys - n, span_keys, device=q.device).unsqueeze(1)
+                k_pos = torch.arange(span_keys, device=q.device).unsqueeze(0)  # [1, ctx - first]
+                mask, causal = k_pos <= q_pos, False  # [n, ctx - first]
+                if sliding_window:
+                    mask = mask & (q_pos - k_pos < sliding_window)
+            k = k.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx - first, D]
+            v = v.to(query.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               scale=scale, enable_gqa=gqa)  # [1, Hq, n, D]
+            out[start : start + n] = o[0].transpose(0, 1)
     return out
 
 

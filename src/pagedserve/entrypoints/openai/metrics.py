@@ -11,6 +11,8 @@ one), so several apps in one process do not clash.
 | pagedserve:num_requests_waiting              | vllm:num_requests_waiting                |
 | pagedserve:num_requests_swapped              | vllm:num_requests_swapped (vLLM v0)      |
 | pagedserve:kv_cache_usage_perc (0..1)        | vllm:kv_cache_usage_perc (was gpu_...)   |
+| pagedserve:kv_cache_group_usage_perc{group}  | (ours: per KV layer group, issue 36)     |
+| pagedserve:kv_cache_group_waste_perc{group}  | (ours: held slots no query reads)        |
 | pagedserve:num_preemptions_total             | vllm:num_preemptions_total               |
 | pagedserve:prefix_cache_queries_total (tokens) | vllm:prefix_cache_queries_total        |
 | pagedserve:prefix_cache_hits_total (tokens)  | vllm:prefix_cache_hits_total             |
@@ -109,6 +111,15 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.cpu_usage = gauge("cpu_cache_usage_perc",
                                "Fraction of CPU swap-pool blocks in use (0-1).")
+        group_usage = Gauge(p + "kv_cache_group_usage_perc",
+                            "Fraction of the KV pool's blocks a layer group holds (0-1).",
+                            labels + ["group"], registry=r)
+        group_waste = Gauge(p + "kv_cache_group_waste_perc",
+                            "Fraction of a layer group's held KV slots that no query reads "
+                            "(empty slots of last blocks, slots behind a sliding window; 0-1).",
+                            labels + ["group"], registry=r)
+        self.group_gauges = lambda name: (group_usage.labels(model_name, name),
+                                          group_waste.labels(model_name, name))
         self.preemptions = counter("num_preemptions", "Preemptions (requests evicted).")
         by_mode = Counter(p + "num_preemptions_by_mode",
                           "Preemptions by recovery mode (recompute, swap).",
@@ -186,6 +197,10 @@ class ServerMetrics:
         self.generation_tokens.inc(stats.generation_tokens)
         self.preemptions.inc(stats.preemptions)
         self.cpu_usage.set(stats.cpu_kv_usage)
+        for name, use, waste in stats.kv_groups:
+            usage_gauge, waste_gauge = self.group_gauges(name)
+            usage_gauge.set(use)
+            waste_gauge.set(waste)
         for mode, count in stats.preemptions_by_mode.items():
             if mode in self.preemptions_by_mode:
                 self.preemptions_by_mode[mode].inc(count)

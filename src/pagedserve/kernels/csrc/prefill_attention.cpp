@@ -23,6 +23,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_isa.h"
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -197,10 +199,146 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
 
 #pragma GCC pop_options
 
+// The same attention on AVX2 + FMA CPUs (no BF16 dot products): every value widened to fp32.
+// For each query head and block of 16 query rows (rows in the lanes of a V16): scores of 4 keys
+// at a time (each key's dimensions broadcast against the rows' q, FMA in dimension order), an
+// exact softmax per lane over the keys the row sees, then the fp32 weights times V (16
+// dimensions of 4 rows at a time, keys in order). Every lane accumulates its row's sums key by
+// key from the block's first key, and keys a row does not see add exact zeros: a row's result
+// does not depend on the rows, chunk or tile beside it (chunked prefill is exact here as on
+// AVX512-BF16; the two ISAs' bits differ).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace {
+namespace avx2 {
+#define PS_VEC 256
+#include "vec16.h"
+#undef PS_VEC
+
+struct Shape {
+  int64_t n, ctx, Hq, Hkv, D;
+  int64_t sq, sk, so;
+  float scale;
+  int64_t window;
+};
+
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Lanes i (rows i0 + i) that see key j: j <= p_i and (with a window) p_i - j < window, p_i the
+// row's position; lanes past the block's r rows see every key (their results are dropped).
+inline V16 visible(int64_t j, int64_t p0, int64_t r, int64_t window) {
+  const float d = float(j - p0);  // row i sees j iff i >= d (and i < d + window)
+  const __m256 l0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), l1 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 vd = _mm256_set1_ps(d), rr = _mm256_set1_ps(float(r));
+  __m256 m0 = _mm256_cmp_ps(l0, vd, _CMP_GE_OQ), m1 = _mm256_cmp_ps(l1, vd, _CMP_GE_OQ);
+  if (window) {
+    const __m256 w = _mm256_set1_ps(d + float(window));
+    m0 = _mm256_and_ps(m0, _mm256_cmp_ps(l0, w, _CMP_LT_OQ));
+    m1 = _mm256_and_ps(m1, _mm256_cmp_ps(l1, w, _CMP_LT_OQ));
+  }
+  m0 = _mm256_or_ps(m0, _mm256_cmp_ps(l0, rr, _CMP_GE_OQ));
+  m1 = _mm256_or_ps(m1, _mm256_cmp_ps(l1, rr, _CMP_GE_OQ));
+  return {m0, m1};
+}
+inline V16 select(V16 m, V16 a, V16 b) {  // m ? a : b
+  return {_mm256_blendv_ps(b.lo, a.lo, m.lo), _mm256_blendv_ps(b.hi, a.hi, m.hi)};
+}
+
+// One (query head, block of 16 rows) task. qf: [D][16], kf: [4][D], st: [keys][16] scratch.
+void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                  const Shape& s, int64_t h, int64_t i0, float* qf, float* kf, float* st) {
+  const int64_t r = std::min<int64_t>(16, s.n - i0), g = h / (s.Hq / s.Hkv);
+  const int64_t p0 = s.ctx - s.n + i0;  // position of the block's first row
+  const int64_t hi = p0 + r;            // keys [lo, hi) seen by some row of the block
+  const int64_t lo = s.window ? std::max<int64_t>(0, p0 - s.window + 1) : 0;
+  const int64_t D = s.D;
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t i = 0; i < 16; ++i)
+      qf[d * 16 + i] = i < r ? bf16_to_f32(q[(i0 + i) * s.sq + h * D + d]) : 0.0f;
+  // Scores, 4 keys at a time (keys past hi: zeros, never stored).
+  for (int64_t j0 = lo; j0 < hi; j0 += 4) {
+    const int64_t nk = std::min<int64_t>(4, hi - j0);
+    for (int64_t t = 0; t < 4; ++t) {
+      if (t < nk) {
+        const uint16_t* kr = k + (j0 + t) * s.sk + g * D;
+        for (int64_t d = 0; d < D; d += 16) v_store(kf + t * D + d, v_load_bf16(kr + d));
+      } else {
+        std::memset(kf + t * D, 0, size_t(D) * sizeof(float));
+      }
+    }
+    V16 a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+    for (int64_t d = 0; d < D; ++d) {
+      const V16 qv = v_load(qf + d * 16);
+      a0 = v_fmadd(qv, v_set1(kf[d]), a0);
+      a1 = v_fmadd(qv, v_set1(kf[D + d]), a1);
+      a2 = v_fmadd(qv, v_set1(kf[2 * D + d]), a2);
+      a3 = v_fmadd(qv, v_set1(kf[3 * D + d]), a3);
+    }
+    const V16 acc[4] = {a0, a1, a2, a3};
+    for (int64_t t = 0; t < nk; ++t) v_store(st + (j0 + t - lo) * 16, acc[t]);
+  }
+  // Softmax per lane over the keys its row sees.
+  const int64_t nkeys = hi - lo;
+  const V16 sc = v_set1(s.scale);
+  V16 mx = v_set1(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < nkeys; ++j)
+    mx = select(visible(lo + j, p0, r, s.window), v_max(mx, v_mul(v_load(st + j * 16), sc)), mx);
+  V16 sum = v_zero();
+  for (int64_t j = 0; j < nkeys; ++j) {
+    const V16 e = select(visible(lo + j, p0, r, s.window),
+                         v_exp_neg(v_sub(v_mul(v_load(st + j * 16), sc), mx)), v_zero());
+    v_store(st + j * 16, e);
+    sum = v_add(sum, e);
+  }
+  alignas(64) float inv[16];
+  {
+    alignas(64) float tot[16];
+    v_store(tot, sum);
+    for (int i = 0; i < 16; ++i) inv[i] = 1.0f / tot[i];
+  }
+  // Weighted sum of values: 4 rows x 16 dimensions at a time, keys in order.
+  for (int64_t ig = 0; ig < r; ig += 4) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      V16 a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+      for (int64_t j = 0; j < nkeys; ++j) {
+        const V16 vv = v_load_bf16(v + (lo + j) * s.sk + g * D + d0);
+        const float* w = st + j * 16 + ig;
+        a0 = v_fmadd(v_set1(w[0]), vv, a0);
+        a1 = v_fmadd(v_set1(w[1]), vv, a1);
+        a2 = v_fmadd(v_set1(w[2]), vv, a2);
+        a3 = v_fmadd(v_set1(w[3]), vv, a3);
+      }
+      const V16 acc[4] = {a0, a1, a2, a3};
+      for (int64_t t = 0; t < 4 && ig + t < r; ++t)
+        v_store_bf16(out + (i0 + ig + t) * s.so + h * D + d0, v_mul(acc[t], v_set1(inv[ig + t])));
+    }
+  }
+}
+
+void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const Shape& s) {
+  const int64_t blocks = (s.n + 15) / 16;
+  at::parallel_for(0, s.Hq * blocks, 1, [&](int64_t b, int64_t e) {
+    const int64_t keys = std::min<int64_t>(s.ctx, s.window ? s.window + 16 : s.ctx) + 16;
+    std::vector<float> qf(size_t(s.D * 16)), kf(size_t(4 * s.D)), st(size_t(keys * 16));
+    for (int64_t t = b; t < e; ++t)
+      attend_block(q, k, v, out, s, t % s.Hq, (t / s.Hq) * 16, qf.data(), kf.data(), st.data());
+  });
+}
+
+}  // namespace avx2
+}  // namespace
+#pragma GCC pop_options
+
 namespace {
 
 void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& out, double scale, int64_t window) {
+                       const at::Tensor& out, double scale, int64_t window, int64_t isa) {
+  ps_isa::check_isa("prefill_attention", isa);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "prefill_attention: bfloat16 tensors only");
@@ -217,6 +355,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, "prefill_attention: Hq a multiple of Hkv");
   TORCH_CHECK(s.n <= s.ctx && window >= 0, "prefill_attention: n <= ctx, window >= 0");
   if (s.n == 0) return;
+  if (!ps_isa::use_avx512(isa)) {
+    const avx2::Shape s2{s.n, s.ctx, s.Hq, s.Hkv, s.D, s.sq, s.sk, s.so, s.scale, s.window};
+    avx2::run(reinterpret_cast<const uint16_t*>(q.data_ptr()),
+              reinterpret_cast<const uint16_t*>(k.data_ptr()),
+              reinterpret_cast<const uint16_t*>(v.data_ptr()),
+              reinterpret_cast<uint16_t*>(out.data_ptr()), s2);
+    return;
+  }
   const int64_t P = (s.ctx + 1) / 2;
   std::vector<uint16_t> vp(size_t(s.Hkv * P * s.D * 2));
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
@@ -239,7 +385,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int window) -> ()");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int window, "
+        "int isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
