@@ -34,7 +34,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not quantized_available(), reason="compiled CPU kernels unavailable")
 
-GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q5_0": T.Q5_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
 # byte offsets of the fp16 scales inside a K-quant block (d, and dmin where there is one)
 _K_SCALES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
@@ -89,7 +89,7 @@ def _int8_values(w: torch.Tensor) -> torch.Tensor:
     return w[:, 4:].contiguous().view(torch.int8).float() * scale
 
 
-FMTS = ["q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "bf16"]
+FMTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "bf16"]
 
 
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +218,7 @@ def test_bf16_weights_with_any_k_and_batch_invariance(isa):
         assert torch.equal(cpu_gemm.bf16_linear(x[i:i + 1], w, out_dtype=torch.float32)[0], full[i])
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k", "int8"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q5_0", "q4_k", "q6_k", "int8"])
 def test_embedding_rows_are_the_dequantized_rows(fmt, isa):
     w, ref_w = weights(fmt, 30, 256, seed=3)
     ids = torch.tensor([[0, 29], [7, 7]])
@@ -272,7 +272,7 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
 # The ggml formats whose GEMM is an 8-bit one: every ggml format on AVX2 (csrc/qlinear_q8_gemm.h),
 # all but Q6_K at the AVX512-BF16 level (csrc/qlinear_vnni.h): x quantized as the small-batch
 # kernel quantizes it, exact integer block sums.
-VNNI_FMTS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k")
+VNNI_FMTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k")
 
 
 def _int8_gemm(fmt: str, isa: int) -> bool:
@@ -324,7 +324,7 @@ def test_blocked_gemm_over_many_column_groups_and_long_rows(fmt, isa):
     check_gemm_product(y, x, ref_w, bias, fmt, isa)
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q8_0", "q4_k", "q4_1"])
 def test_a_rows_gemm_result_does_not_depend_on_its_batch(fmt, isa):
     """Among batches that take the blocked GEMM, a row's result is the same bits whatever the
     batch around it and wherever the row sits in it."""

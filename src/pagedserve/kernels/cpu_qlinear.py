@@ -5,7 +5,7 @@ the format lays them out (GGUF's ggml blocks, or our INT8 rows: an fp32 scale th
 `QuantSpec` attached as its `quant` attribute (`set_quant`); `kernels.cpu_gemm.bf16_linear` routes
 such weights here.
 
-- ggml block formats (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), at every ISA level: as llama.cpp does,
+- ggml block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), at every ISA level: as llama.cpp does,
   each row of x is quantized to 8-bit blocks of 32 (scale amax / 127, fp32) and multiplied with
   the weight blocks as stored, by AVX2 integer dot products, one fp32 FMA per block
   (csrc/qlinear_q8.h). So the result carries the activations' rounding (at most half a step of
@@ -60,12 +60,13 @@ FORMATS = {
         QuantFormat("int8", 5, 1, 1),  # per row: fp32 scale, then K int8
         QuantFormat("q5_0", 6, 32, 22),
         QuantFormat("q4_0", 7, 32, 18),
+        QuantFormat("q4_1", 8, 32, 20),  # Q4_0 plus a per-block min: d * q + m
     )
 }
 
 # ggml type names (gguf.GGMLQuantizationType) the kernel takes as they are
 GGML_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0",
-                "Q4_0": "q4_0"}
+                "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 //     y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias[N]),  fp32 accumulation.
 //
 // Weight formats (W's rows as raw bytes, see `row_bytes`): bf16, and the ggml blocks Q8_0, Q4_0,
-// Q5_0, Q4_K, Q5_K, Q6_K (as in GGUF files), and our INT8 (per row: fp32 scale, then K int8).
+// Q4_1, Q5_0, Q4_K, Q5_K, Q6_K (as in GGUF files), and our INT8 (per row: fp32 scale, then K int8).
 //
 // The ggml formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
 // dot products with the weight blocks as they are stored (AVX2 maddubs/madd, one fp32 FMA per
@@ -18,7 +18,7 @@
 // From gemm_rows rows on (bf16 x), the ggml formats take a blocked GEMM instead: on AVX2 the
 // 8-bit one for every ggml format (qlinear_q8_gemm.h: 16 weight rows unpacked once into
 // column-interleaved bytes, maddubs on the 8-bit x); on AVX512-BF16 the 8-bit one for Q8_0 /
-// Q4_0 / Q5_0 / Q4_K / Q5_K (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for Q6_K
+// Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for Q6_K
 // (qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 on AVX512F.
 // qlinear_argmax: the greedy LM head, the product scanned chunk by chunk (no logits in memory).
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
@@ -50,7 +50,7 @@ using namespace ps_isa;
 
 enum Fmt : int64_t {
   kFmtBf16 = 0, kFmtQ8_0 = 1, kFmtQ4_K = 2, kFmtQ5_K = 3, kFmtQ6_K = 4, kFmtInt8 = 5, kFmtQ5_0 = 6,
-  kFmtQ4_0 = 7,
+  kFmtQ4_0 = 7, kFmtQ4_1 = 8,
 };
 
 // Bytes of one row of K values in format fmt; -1 if K does not fit the format's blocks.
@@ -60,6 +60,7 @@ int64_t row_bytes(int64_t fmt, int64_t K) {
     case kFmtInt8: return 4 + K;
     case kFmtQ8_0: return K % 32 ? -1 : K / 32 * 34;
     case kFmtQ4_0: return K % 32 ? -1 : K / 32 * 18;
+    case kFmtQ4_1: return K % 32 ? -1 : K / 32 * 20;
     case kFmtQ5_0: return K % 32 ? -1 : K / 32 * 22;
     case kFmtQ4_K: return K % 256 ? -1 : K / 256 * 144;
     case kFmtQ5_K: return K % 256 ? -1 : K / 256 * 176;
