@@ -25,6 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-free) registry
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
+GGUF_ACTIVATIONS = ("auto", "int8", "dtype")  # as layers.quantization.GGUF_ACTIVATIONS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
@@ -110,6 +111,11 @@ class EngineArgs:
         None, "CPU weights: none (dequantize to --dtype), gguf (keep a GGUF file's quantized "
         "tensors; the default for GGUF files on CPU with one worker) or int8 (weight-only, "
         "per-channel, computed at load)", choices=QUANTIZATIONS, aliases=("-q",))
+    gguf_activations: str = option(
+        "auto", "products over kept GGUF blocks (--quantization gguf): int8 quantizes x to 8-bit "
+        "blocks (llama.cpp's numerics, the fastest), dtype multiplies x as it is with the blocks "
+        "dequantized tile by tile (what the dequantized checkpoint computes); auto: the model's "
+        "recommendation (dtype for the default SmolLM2), else int8", choices=GGUF_ACTIVATIONS)
     device: str = option("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
     seed: int = option(0, "seed of the engine's random state")
     block_size: int = option(16, "tokens per KV block (1-256)")

@@ -400,3 +400,26 @@ def test_fused_argmax_is_the_argmax_of_the_product(fmt, m, isa):
     got = qlinear_argmax(x, w)
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
     assert int(got[0]) == min(best, *copies)
+
+
+@pytest.mark.parametrize("fmt", list(GGML))
+def test_ggml_blocks_times_x_as_it_is_without_int8_activations(fmt, isa):
+    """`QuantSpec.int8_activations=False` (EngineArgs.gguf_activations="dtype"): no 8-bit x at
+    any row count -- the blocks dequantized (to bf16 on the bf16 levels, fp32 below) times x, up
+    to fp32 accumulation, one kernel for every row count (a row's bits do not depend on its
+    batch), float32 x too."""
+    n, k = 37, 512
+    w, ref_w = ggml_blocks(fmt, n, k, seed=13)
+    w = set_quant(w, dataclasses.replace(w.quant, int8_activations=False))
+    assert gemm_rows(w.quant, torch.bfloat16, isa) == gemm_rows(w.quant, torch.float32, isa) == -1
+    x = torch.randn(20, k).to(torch.bfloat16)
+    y = qlinear(x, w, out_dtype=torch.float32)
+    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
+    want, scale = x.double() @ wq.double().T, x.double().abs() @ wq.double().abs().T
+    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all(), (fmt, isa)
+    for rows in ([3], [0, 1, 2], list(range(5, 17))):
+        assert torch.equal(qlinear(x[rows].contiguous(), w, out_dtype=torch.float32), y[rows])
+    xf = torch.randn(3, k)
+    want = xf.double() @ ref_w.double().T
+    scale = xf.double().abs() @ ref_w.double().abs().T
+    assert ((qlinear(xf, w).double() - want).abs() <= 1e-5 * scale + 1e-30).all()

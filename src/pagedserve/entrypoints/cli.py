@@ -42,6 +42,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+# The model the benchmarks measure unless told otherwise: the embedded Gemma 3 270M (the figures
+# in docs/benchmarks.md are its), not the default model of `serve` / `generate`.
+BENCH_MODEL = "gemma-3-270m"
 BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency", "step-overhead")
 
 
@@ -139,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the trace with N random LoRA adapters (ranks 8/16) spread over its "
                          "requests, against the base model alone")
     EngineArgs.add_cli_args(tp)
-    tp.set_defaults(func=cmd_bench, max_num_seqs=16)
+    tp.set_defaults(func=cmd_bench, max_num_seqs=16, model=BENCH_MODEL)
 
     pre = bench_sub.add_parser("preemption", help="swap vs recompute by block size (Fig. 19)")
     add_trace_args(pre)
@@ -151,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV blocks (of 16 tokens) in part (b); default: one request's worth")
     pre.add_argument("--plot", default="preemption.png")
     EngineArgs.add_cli_args(pre)
-    pre.set_defaults(func=cmd_bench, num_prompts=24)
+    pre.set_defaults(func=cmd_bench, num_prompts=24, model=BENCH_MODEL)
 
     from pagedserve.bench.serve import add_bench_serve_args
 
@@ -181,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "tokens/s and the roofline (as vLLM's)")
     add_bench_latency_args(lat)
     EngineArgs.add_cli_args(lat)
-    lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True)
+    lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True, model=BENCH_MODEL)
 
     from pagedserve.bench.step_overhead import add_bench_step_overhead_args
 

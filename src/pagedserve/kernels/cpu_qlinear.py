@@ -76,12 +76,18 @@ class QuantSpec:
 
     `batch_invariant`: ggml-format products always run the 8-bit-activation kernel, so a row's
     result never depends on its batch; otherwise bf16 products of `gemm_rows(isa)` rows or more
-    run the blocked GEMM (see `gemm_rows`)."""
+    run the blocked GEMM (see `gemm_rows`).
+
+    `int8_activations` (ggml formats): False multiplies x as it is (bf16 or fp32) with the
+    blocks dequantized 16 rows at a time, for every row count (batch-invariant too): what the
+    dequantized checkpoint computes, without its memory; True (default): llama.cpp's numerics,
+    x quantized to 8-bit blocks, faster."""
 
     format: QuantFormat
     in_features: int
     dtype: torch.dtype = torch.bfloat16
     batch_invariant: bool = False
+    int8_activations: bool = True
 
 
 # Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
@@ -97,7 +103,10 @@ GEMM_ROWS = {ISA_AVX2: 8, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
 def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
     """The kernel's `gemm_rows` argument for a product with x of `x_dtype` at ISA `isa`: 0 (never
     the GEMM) for plain weights, batch-invariant specs and float32 x (NOTE: float32 stays
-    batch-invariant always: the engine's exactness guarantees are stated in float32)."""
+    batch-invariant always: the engine's exactness guarantees are stated in float32); -1 (no
+    8-bit x at all: dequantized blocks times x) for specs without `int8_activations`."""
+    if spec is not None and not spec.int8_activations:
+        return -1
     if spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16:
         return 0
     return GEMM_ROWS.get(isa, 0)

@@ -205,15 +205,19 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
     p->range = [](const Out&, int64_t, int64_t) {};
     return p;
   }
-  // ggml formats below gemm_rows rows (or always, gemm_rows <= 0): 8-bit x, integer block
+  // ggml formats below gemm_rows rows (or always, gemm_rows == 0): 8-bit x, integer block
   // products on the stored blocks (qlinear_q8.h), at every level. From gemm_rows rows on, the
   // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.
-  if (isa_avx2::q8_format(fmt) && (gemm_rows <= 0 || M < gemm_rows)) {
+  // gemm_rows < 0: no 8-bit x at all -- the blocks dequantized 16 rows at a time (to bf16 on the
+  // bf16 levels, fp32 below) and multiplied with x as it is, by dot_block (batch-invariant at
+  // every M), as bf16 / INT8 weights are: what the dequantized checkpoint computes.
+  const bool x8 = gemm_rows >= 0;
+  if (isa_avx2::q8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows)) {
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
     p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
     return p;
   }
-  if (isa == kIsaAvx2 && isa_avx2::q8_format(fmt)) {  // the AVX2 8-bit GEMM (qlinear_q8_gemm.h)
+  if (isa == kIsaAvx2 && isa_avx2::q8_format(fmt) && x8) {  // the AVX2 8-bit GEMM (qlinear_q8_gemm.h)
     // NOTE: offset 0 -- the quantization (q, d, s) is the same for every offset
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, 0);
     if (!sx.xu_ready) isa_avx2::gemm_x(*q, M, sx.xu, sx.xsum);
@@ -231,7 +235,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       sx.amx_ready = true;
       const isa_amx::RunPrep* prep = &sx.amx;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, out, *prep, nb, ne); };
-    } else if (isa_avx512bf16::vnni_format(fmt)) {  // the 8-bit GEMM: vnni_range
+    } else if (isa_avx512bf16::vnni_format(fmt) && x8) {  // the 8-bit GEMM: vnni_range
       if (!sx.vnni_ready) {
         // NOTE: offset 0 -- the quantization (q, d) is the same for every offset
         const isa_avx2::XQ& q = quantized_x(sx, x, M, K, 0);
@@ -240,14 +244,14 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       sx.vnni_ready = true;
       const isa_avx512bf16::VnniX* vx = &sx.vnni;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512bf16::vnni_range(fmt, *vx, M, K, wp, rb, out, nb, ne); };
-    } else if (isa_avx2::q8_format(fmt)) {  // the GEMM over ggml blocks: bcast_block
+    } else if (isa_avx2::q8_format(fmt) && x8) {  // the GEMM over ggml blocks: bcast_block
       if (!sx.pairs_ready) isa_avx512bf16::run_prepare(xp, M, K, sx.pairs, true);
       sx.pairs_ready = true;
       const isa_avx512bf16::RunPrep* prep = &sx.pairs;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) {
         isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, out, *prep, nb, ne);
       };
-    } else {  // bf16 / INT8 weights: dot_block, batch-invariant at every M
+    } else {  // bf16 / INT8 weights (and ggml blocks with gemm_rows < 0): dot_block, batch-invariant at every M
       p->range = [=](const Out& out, int64_t nb, int64_t ne) {
         isa_avx512bf16::run_range(fmt, xp, M, K, wp, rb, N, out, isa_avx512bf16::RunPrep{}, nb, ne);
       };
