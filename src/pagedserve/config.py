@@ -432,3 +432,9 @@ class EngineArgs:
         values = {k: v for k, v in vars(ns).items() if k in set(cls.field_names())}
         values.update(overrides)
         return cls(**values)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the options of the online engine (`AsyncLLMEngine.from_engine_args`):
+    the same fields as `EngineArgs`."""
