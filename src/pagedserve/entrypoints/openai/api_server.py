@@ -198,8 +198,15 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             return APIError("the server is not accepting requests", 503).response()
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # NOTE: one function per method: a route of two methods gives both one operation id, which
+    # FastAPI warns about ("Duplicate Operation ID") when it builds /openapi.json.
+    @app.get("/ping")
     async def ping():
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post():
         """vLLM's (SageMaker's) liveness route: the same answer as /health."""
         return await health()
 
