@@ -202,7 +202,7 @@ def test_the_default_model_answers_the_first_chat(monkeypatch):
         (model,) = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
         assert model == "SmolLM2-135M-Instruct"
         resp = await client.post("/v1/chat/completions", json={
-            "model": model, "max_tokens": 8, "temperature": 0,
+            "model": model, "max_tokens": 7, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert "Paris" in resp.json()["choices"][0]["message"]["content"]
 
