@@ -27,7 +27,7 @@ def masks_per_step(rows: int):
     from pagedserve.engine.llm import LLM
     from pagedserve.structured_output import StructuredOutputsParams
 
-    llm = LLM(dtype="bfloat16", load_format="dummy")
+    llm = LLM("gemma-3-270m", dtype="bfloat16", load_format="dummy")
     mgr = llm.engine.structured
     compiled = mgr.compile(StructuredOutputsParams(json=BENCH_SCHEMA))
     record = {"name": "Alice Smith", "age": 42, "email": "alice@example.com", "role": "admin",

@@ -286,7 +286,7 @@ def main() -> int:
     from pagedserve.models.embedded import embedded_model_path
     from pagedserve.models.source import resolve_model
 
-    tokenizer = resolve_model(None).load_tokenizer()
+    tokenizer = resolve_model("gemma-3-270m").load_tokenizer()
     ggufs = {"q4km": embedded_model_path()}
     if "bf16" in args.peers:
         ggufs["bf16"] = bf16_gguf(args.llama_cpp, args.out)

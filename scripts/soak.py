@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--warmup-fraction", type=float, default=0.25)
-    p.add_argument("--model", default=None, help="default: the embedded model")
+    p.add_argument("--model", default="gemma-3-270m", help="default: the embedded gemma-3-270m")
     p.add_argument("--plot", default=None, help="default: docs/figures/soak.png")
     p.add_argument("--server-args", default="",
                    help="more server flags, e.g. '--kv-cache-memory 134217728'")

@@ -81,7 +81,7 @@ print("JSON" + json.dumps({"wall": T, "cpu": C}))
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     runs = []

@@ -76,7 +76,7 @@ def _first_token_s() -> tuple[float, float]:
     printed byte (the embedded model, one token: the start-up, then the first token)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(["pagedserve", "generate", "The capital of France is",
-                             "--max-tokens", "1", "--require-kernels"],
+                             "--model", "gemma-3-270m", "--max-tokens", "1", "--require-kernels"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     first = proc.stdout.read(1)
     elapsed, cpu = time.perf_counter() - t0, _cpu_s(proc.pid)
@@ -96,7 +96,8 @@ def _health_s() -> tuple[float, float]:
     model) to a 200 on /health."""
     port = _free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(["pagedserve", "serve", "--port", str(port), "--require-kernels"],
+    proc = subprocess.Popen(["pagedserve", "serve", "gemma-3-270m", "--port", str(port),
+                             "--require-kernels"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while time.perf_counter() - t0 < 180:

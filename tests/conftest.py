@@ -95,7 +95,7 @@ def embedded_llm(pagedserve_cache_dir):
     """The embedded Gemma 3 270M in pagedserve, float32, loaded once per session."""
     from pagedserve import LLM
 
-    return LLM(dtype="float32", block_size=16, kv_cache_memory=256 << 20)
+    return LLM("gemma-3-270m", dtype="float32", block_size=16, kv_cache_memory=256 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,10 @@ _LAZY = {
     "LLM": "pagedserve.engine.llm",
     "LLMEngine": "pagedserve.engine.llm_engine",
     "EngineArgs": "pagedserve.config",
+    "AsyncEngineArgs": "pagedserve.config",
+    "AsyncLLMEngine": "pagedserve.engine.async_engine",
+    "TokensPrompt": "pagedserve.inputs",
+    "TextPrompt": "pagedserve.inputs",
     "SamplingParams": "pagedserve.sampling_params",
     "StructuredOutputsParams": "pagedserve.structured_output.params",
     "RequestOutput": "pagedserve.outputs",
@@ -32,7 +36,9 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pagedserve.config import EngineArgs
+    from pagedserve.config import AsyncEngineArgs, EngineArgs
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.inputs import TextPrompt, TokensPrompt
     from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams
     from pagedserve.engine.llm import LLM
     from pagedserve.engine.llm_engine import LLMEngine

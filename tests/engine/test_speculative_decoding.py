@@ -400,7 +400,7 @@ def test_the_embedded_model_drafting_for_itself_gives_the_same_greedy_tokens_and
               "dog. The dog sleeps.\n\nWrite the passage above again, exactly as it is."
               "<end_of_turn>\n<start_of_turn>model\n")
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
-    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, speculative_config={
+    llm = LLM("gemma-3-270m", dtype="float32", kv_cache_memory=256 << 20, speculative_config={
         "model": str(embedded_model_path()), "num_speculative_tokens": 4})
     engine = llm.engine
     spec, engine.spec = engine.spec, None

@@ -1,4 +1,4 @@
-"""Smoke test: `pagedserve serve` with no model serves the embedded Gemma 3 270M (~15 s to load)."""
+"""Smoke test: `pagedserve serve gemma-3-270m` serves the embedded Gemma 3 270M (~15 s to load)."""
 
 import pytest
 
@@ -7,7 +7,7 @@ from server_utils import ServerProcess
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_serve_without_a_model_answers_like_the_offline_engine_and_chats_in_gemma_turns(
+def test_serve_gemma_answers_like_the_offline_engine_and_chats_in_gemma_turns(
         logs, embedded_llm):
     import openai
 
@@ -16,7 +16,7 @@ def test_serve_without_a_model_answers_like_the_offline_engine_and_chats_in_gemm
     prompt = "The capital of France is"
     ref = embedded_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8),
                                 use_tqdm=False)[0]
-    server = ServerProcess.start(None, "--max-model-len", "512", "--dtype", "float32",
+    server = ServerProcess.start("gemma-3-270m", "--max-model-len", "512", "--dtype", "float32",
                                  "--disable-access-log", log_dir=logs, timeout=240)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,

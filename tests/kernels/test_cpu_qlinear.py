@@ -34,7 +34,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not quantized_available(), reason="compiled CPU kernels unavailable")
 
-GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q5_0": T.Q5_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
+GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
 # byte offsets of the fp16 scales inside a K-quant block (d, and dmin where there is one)
 _K_SCALES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
@@ -89,7 +89,7 @@ def _int8_values(w: torch.Tensor) -> torch.Tensor:
     return w[:, 4:].contiguous().view(torch.int8).float() * scale
 
 
-FMTS = ["q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "bf16"]
+FMTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "int8", "bf16"]
 
 
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +218,7 @@ def test_bf16_weights_with_any_k_and_batch_invariance(isa):
         assert torch.equal(cpu_gemm.bf16_linear(x[i:i + 1], w, out_dtype=torch.float32)[0], full[i])
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k", "int8"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q5_0", "q4_k", "q6_k", "int8"])
 def test_embedding_rows_are_the_dequantized_rows(fmt, isa):
     w, ref_w = weights(fmt, 30, 256, seed=3)
     ids = torch.tensor([[0, 29], [7, 7]])
@@ -272,7 +272,7 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
 # The ggml formats whose GEMM is an 8-bit one: every ggml format on AVX2 (csrc/qlinear_q8_gemm.h),
 # all but Q6_K at the AVX512-BF16 level (csrc/qlinear_vnni.h): x quantized as the small-batch
 # kernel quantizes it, exact integer block sums.
-VNNI_FMTS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k")
+VNNI_FMTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k")
 
 
 def _int8_gemm(fmt: str, isa: int) -> bool:
@@ -324,7 +324,7 @@ def test_blocked_gemm_over_many_column_groups_and_long_rows(fmt, isa):
     check_gemm_product(y, x, ref_w, bias, fmt, isa)
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q8_0", "q4_k", "q4_1"])
 def test_a_rows_gemm_result_does_not_depend_on_its_batch(fmt, isa):
     """Among batches that take the blocked GEMM, a row's result is the same bits whatever the
     batch around it and wherever the row sits in it."""
@@ -400,3 +400,26 @@ def test_fused_argmax_is_the_argmax_of_the_product(fmt, m, isa):
     got = qlinear_argmax(x, w)
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
     assert int(got[0]) == min(best, *copies)
+
+
+@pytest.mark.parametrize("fmt", list(GGML))
+def test_ggml_blocks_times_x_as_it_is_without_int8_activations(fmt, isa):
+    """`QuantSpec.int8_activations=False` (EngineArgs.gguf_activations="dtype"): no 8-bit x at
+    any row count -- the blocks dequantized (to bf16 on the bf16 levels, fp32 below) times x, up
+    to fp32 accumulation, one kernel for every row count (a row's bits do not depend on its
+    batch), float32 x too."""
+    n, k = 37, 512
+    w, ref_w = ggml_blocks(fmt, n, k, seed=13)
+    w = set_quant(w, dataclasses.replace(w.quant, int8_activations=False))
+    assert gemm_rows(w.quant, torch.bfloat16, isa) == gemm_rows(w.quant, torch.float32, isa) == -1
+    x = torch.randn(20, k).to(torch.bfloat16)
+    y = qlinear(x, w, out_dtype=torch.float32)
+    wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
+    want, scale = x.double() @ wq.double().T, x.double().abs() @ wq.double().abs().T
+    assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all(), (fmt, isa)
+    for rows in ([3], [0, 1, 2], list(range(5, 17))):
+        assert torch.equal(qlinear(x[rows].contiguous(), w, out_dtype=torch.float32), y[rows])
+    xf = torch.randn(3, k)
+    want = xf.double() @ ref_w.double().T
+    scale = xf.double().abs() @ ref_w.double().abs().T
+    assert ((qlinear(xf, w).double() - want).abs() <= 1e-5 * scale + 1e-30).all()

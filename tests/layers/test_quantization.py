@@ -86,7 +86,7 @@ def test_bf16_request_is_bit_identical_alone_and_in_batches_of_2_to_64(checkpoin
 def embedded_bf16_llm():
     """The embedded Gemma 3 270M Q4_K_M, bf16 activations, its blocks kept (the default), in the
     batch-invariant mode."""
-    return LLM(dtype="bfloat16", kv_cache_memory=64 << 20, batch_invariant=True)
+    return LLM("gemma-3-270m", dtype="bfloat16", kv_cache_memory=64 << 20, batch_invariant=True)
 
 
 @pytest.mark.slow
@@ -125,7 +125,7 @@ def test_embedded_model_default_kernels_agree_with_the_batch_invariant_mode(embe
     from pagedserve.kernels.cpu_qlinear import GEMM_ROWS
     from pagedserve.kernels.cpu_gemm import linear_isa
 
-    default = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    default = LLM("gemma-3-270m", dtype="bfloat16", kv_cache_memory=64 << 20)
     assert not any(getattr(p, "quant", None) is not None and p.quant.batch_invariant
                    for p in default.engine.executor.model.parameters())
     gen = torch.Generator().manual_seed(2)

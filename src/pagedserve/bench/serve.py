@@ -1,7 +1,7 @@
 """`pagedserve bench serve`: an online serving benchmark against any OpenAI-compatible server.
 
 The seeded ShareGPT-like trace of `bench throughput` (built with the tokenizer of `--model`,
-default the embedded model) is sent as prompt *text* (the trace's token ids decoded, special
+default the embedded gemma-3-270m) is sent as prompt *text* (the trace's token ids decoded, special
 tokens dropped), so a peer that tokenizes differently (llama.cpp's llama-server, vLLM) gets the
 same requests. Requests arrive as a Poisson process of rate `--request-rate` (or all at once),
 at most `--max-concurrency` in flight, streaming from `/v1/completions` with `max_tokens` =
@@ -251,8 +251,9 @@ def _rate(value: str) -> float:
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--model", default=None,
-                   help="model whose tokenizer builds the trace (default: the embedded model)")
+    p.add_argument("--model", default="gemma-3-270m",
+                   help="model whose tokenizer builds the trace (default: the embedded "
+                        "gemma-3-270m)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--served-model-name", default=None,
                    help="the request's model field (default: the first of /v1/models)")

@@ -41,6 +41,8 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     # Distinct LoRA adapters running at once (enable_lora: max_loras); 0: no adapters, no limit.
     max_loras: int = 0
+    # With chunked prefill, the most prompt tokens of one sequence in a step (0: no limit)
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

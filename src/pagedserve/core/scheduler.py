@@ -509,6 +509,9 @@ class Scheduler(Turns):
                 take = min(1 + len(seq.spec_token_ids), budget)
             else:
                 take = min(want, budget) if chunked else want
+                cap = self.config.long_prefill_token_threshold
+                if chunked and cap and start < seq.num_prompt_tokens:  # a prompt's chunk
+                    take = min(take, cap)
             if take > budget:  # without chunking a sequence computes whole: a later step
                 continue
             plan.append((seq, start, start + take))

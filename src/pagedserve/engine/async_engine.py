@@ -107,6 +107,15 @@ class AsyncLLMEngine:
     `log_stats_interval` (seconds) logs a stats line periodically while busy.
     """
 
+    @classmethod
+    def from_engine_args(cls, engine_args, **kwargs) -> AsyncLLMEngine:
+        """vLLM's constructor: an engine built from `engine_args` (`EngineArgs` or
+        `AsyncEngineArgs`); `kwargs` as `__init__`'s. Start it with `start()` (the server's
+        lifespan does), or let the first request's `add_request` start it."""
+        from pagedserve.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(engine_args), **kwargs)
+
     def __init__(
         self,
         engine: LLMEngine,

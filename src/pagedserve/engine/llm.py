@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from typing import Any, Sequence as Seq
 
 from tqdm import tqdm
@@ -11,11 +14,65 @@ from pagedserve.core.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.llm_pooling import PoolingMixin
 from pagedserve.engine.llm_extras import LLMExtras
+from pagedserve.inputs import prompt_list as _prompt_list
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
+PromptType = str | dict[str, Any] | list[int]  # pagedserve.inputs: text, TextPrompt, TokensPrompt
+
+# vLLM's `LLM(...)` keyword names for options of ours with another name.
+VLLM_KWARG_NAMES = {"kv_cache_memory_bytes": "kv_cache_memory",
+                    "num_gpu_blocks_override": "num_kv_blocks"}
+# vLLM's `task=`: the runner / conversion it meant.
+TASKS = {"auto": {}, "generate": {"runner": "generate"}, "embed": {"convert": "embed"},
+         "embedding": {"convert": "embed"}, "classify": {"runner": "pooling"},
+         "score": {"runner": "pooling"}, "reward": {"runner": "pooling"}}
+# vLLM's `LLM(...)` keywords that change nothing here: what they would turn off is off already
+# (the offline engine logs no periodic stats), or there is nothing to choose.
+NO_EFFECT = {"disable_log_stats": "the offline engine logs no periodic stats here",
+             "async_scheduling": "the engine steps synchronously here",
+             "tokenizer_mode": "tokenizers are HF fast tokenizers here (auto and hf are the same)"}
+
+logger = logging.getLogger(__name__)
+
+
+def _vllm_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`LLM`'s keywords with vLLM's spellings turned into ours; ValueError naming a keyword
+    that has none (or a `task` / `tokenizer_mode` value that has no meaning here)."""
+    out = {}
+    for key, value in kwargs.items():
+        if key == "task":
+            if value not in TASKS:
+                raise ValueError(f"task must be one of {tuple(TASKS)}, got {value!r}")
+            out.update(TASKS[value])
+        elif key in NO_EFFECT:
+            if key == "tokenizer_mode" and value not in ("auto", "hf"):
+                raise ValueError(f"tokenizer_mode={value!r}: only 'auto' / 'hf' here "
+                                 f"({NO_EFFECT[key]})")
+            logger.info("%s has no effect here: %s", key, NO_EFFECT[key])
+        else:
+            out[VLLM_KWARG_NAMES.get(key, key)] = value
+    unknown = set(out) - set(EngineArgs.field_names())
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return out
+
+
+def configure_logging() -> None:
+    """As vLLM does at import: pagedserve's INFO lines (the engine's start: "engine ready", its
+    KV cache and concurrency) go to stderr when nothing configured logging (no handler on the
+    root logger or pagedserve's); PAGEDSERVE_CONFIGURE_LOGGING=0 leaves logging alone."""
+    if os.environ.get("PAGEDSERVE_CONFIGURE_LOGGING", "1") == "0":
+        return
+    ours = logging.getLogger("pagedserve")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 class LLM(PoolingMixin, LLMExtras):
@@ -31,19 +88,26 @@ class LLM(PoolingMixin, LLMExtras):
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(EngineArgs.field_names())
-        if unknown:
-            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        """`model` and the engine options (`EngineArgs`' fields; also vLLM's names:
+        `kv_cache_memory_bytes`, `num_gpu_blocks_override`, `task`, `convert`, ...)."""
+        args = EngineArgs(model=model, **_vllm_kwargs(kwargs))
+        configure_logging()
+        self.engine = LLMEngine(args)
         self._finished_counts: dict[str, int] = {}  # get_metrics: requests by finish reason
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         """An `LLM` over an engine built from `args` (e.g. `EngineArgs.from_namespace`)."""
         llm = cls.__new__(cls)
+        configure_logging()
         llm.engine = LLMEngine(args)
         llm._finished_counts = {}
         return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name): `add_request`, `step`, `abort_request`, ..."""
+        return self.engine
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -64,9 +128,7 @@ class LLM(PoolingMixin, LLMExtras):
         `lora_request`: the adapter of every prompt, or one per prompt (None: the base model),
         with `enable_lora=True` (vLLM's).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:  # the model's generation defaults, as vLLM
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -111,8 +173,7 @@ class LLM(PoolingMixin, LLMExtras):
         """Beam search for each prompt (vLLM's API): the `beam_width` best sequences, best
         first, with their cumulative logprobs. Runs inside the engine, one group per prompt
         (`lora_request` as in `generate`)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         engine = self.engine
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
         parsed = [(t, ids if ids is not None else engine.tokenize(t)) for t, ids in parsed]
@@ -142,6 +203,7 @@ class LLM(PoolingMixin, LLMExtras):
         engine = self.engine
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc=desc, disable=not use_tqdm)
+        started, tokens_in, tokens_out = time.perf_counter(), 0, 0
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -150,9 +212,15 @@ class LLM(PoolingMixin, LLMExtras):
                         outs = out.outputs
                         if isinstance(outs, list):
                             reason = outs[0].finish_reason if outs else "abort"
+                            tokens_out += sum(len(c.token_ids) for c in outs)
                         else:  # a pooling request's one result: it ends with its prompt
                             reason = "stop"
+                        tokens_in += len(out.prompt_token_ids or ())
                         self._finished_counts[reason] = self._finished_counts.get(reason, 0) + 1
+                        if use_tqdm:  # vLLM's: the finished requests' tokens per second
+                            elapsed = max(time.perf_counter() - started, 1e-9)
+                            bar.postfix = (f"est. speed input: {tokens_in / elapsed:.2f} toks/s, "
+                                           f"output: {tokens_out / elapsed:.2f} toks/s")
                         bar.update(1)
         except BaseException:
             for request_id in order:
@@ -176,11 +244,15 @@ class LLM(PoolingMixin, LLMExtras):
     def _parse_prompt(p: PromptType, index: int) -> tuple[str | None, list[int] | None]:
         if isinstance(p, str):
             return p, None
+        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return None, list(p)  # a bare list of token ids
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
                 return p.get("prompt"), list(p["prompt_token_ids"])
             if "prompt" in p and isinstance(p["prompt"], str):
                 return p["prompt"], None
         raise ValueError(
-            f"prompts[{index}] must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}"
+            f"prompts[{index}] must be a string, {{'prompt': str}}, {{'prompt_token_ids': [...]}} "
+            "or a list of token ids"
         )
+

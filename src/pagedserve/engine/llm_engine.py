@@ -88,7 +88,14 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
 
             require_kernels()
         self.kv_manager_factory = kv_manager_factory or KVCacheManager.from_config
-        self.source = resolve_model(args.model, args.load_format)
+        self.source = resolve_model(args.model, args.load_format, revision=args.revision,
+                                    download_dir=args.download_dir)
+        if args.hf_overrides:
+            self.source.apply_overrides(args.hf_overrides)
+            logger.info("hf_overrides: %s set over the model's config", sorted(args.hf_overrides))
+        if args.trust_remote_code:
+            logger.info("trust_remote_code: accepted; pagedserve never runs code from a model's "
+                        "files, with or without it (its own model classes only)")
         config = self.source.config
         self.model_config = _text_config(config)
         self.device = torch.device(
@@ -105,7 +112,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             self.tokenizer = self.tokenizer_info = None
             self.eos_token_ids = sorted(eos_token_ids(None, config, model_path=self._model_dir()))
         else:
-            self.tokenizer = self.source.load_tokenizer(args.tokenizer)
+            self.tokenizer = self.source.load_tokenizer(args.tokenizer, args.tokenizer_revision)
             self.eos_token_ids = sorted(eos_token_ids(self.tokenizer, config))
             self.tokenizer_info = TokenizerInfo.from_tokenizer(self.tokenizer)
             check_draft_tokenizer(draft, self.tokenizer)
@@ -146,11 +153,17 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             self.source, args.generation_config, args.override_generation_config)
         self.sleeping = False  # LLM.sleep (engine/llm_extras.py): KV cache freed, no request taken
         freeze_startup_heap()  # full collections skip the startup heap (engine/gc_pause.py)
+        kv_bytes = self.num_kv_blocks * bytes_per_block(
+            self.executor.kv_cache_spec, args.block_size, self.dtype,
+            draft=self.executor.draft_kv_cache_spec)
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
-            "in cache), max_model_len=%d",
+            "in cache, %.2f GiB), max_model_len=%d, maximum concurrency for %d tokens per "
+            "request: %.2fx",
             self.source.name, self.dtype, self.device, self.num_kv_blocks, args.block_size,
-            self.num_kv_blocks * args.block_size, self.max_model_len,
+            self.num_kv_blocks * args.block_size, kv_bytes / 2**30, self.max_model_len,
+            self.max_model_len,
+            max_concurrency(self.num_kv_blocks, args.block_size, self.max_model_len),
         )
 
     def _model_dir(self):

@@ -133,9 +133,9 @@ class PoolingMixin:
     def _pool(self, prompts, pooling_params, task: str, truncate: int | None, use_tqdm: bool,
               desc: str) -> list[PoolingRequestOutput]:
         engine = self.engine
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        from pagedserve.inputs import prompt_list
+
+        prompts = prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()
         if isinstance(pooling_params, PoolingParams):

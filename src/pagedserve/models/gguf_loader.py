@@ -594,7 +594,7 @@ def _unpermute_qk(w: torch.Tensor, n_head: int, name: str) -> torch.Tensor:
 def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield `(hf_name, tensor)` for every weight in the GGUF file, as float32 in HF layout.
 
-    `keep_quantized`: 2-D tensors in a block format the CPU kernel reads (Q8_0, Q4_0, Q5_0, Q4_K,
+    `keep_quantized`: 2-D tensors in a block format the CPU kernel reads (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K,
     Q5_K, Q6_K: `kernels.cpu_qlinear.GGML_FORMATS`) come as `layers.quantization.QuantizedTensor`
     (their blocks, copied out of the file) instead.
 

@@ -161,6 +161,7 @@ def load_model(
     batch_invariant: bool = False,
     platform: Platform | None = None,
     max_model_len: int | None = None,
+    int8_activations: bool = True,
 ) -> nn.Module:
     """Build our model for the HF `config` on `device` in `dtype` and load `weights` (HF names,
     e.g. from `iter_safetensors`), or fill dummy weights from `seed` when `weights` is None.
@@ -169,10 +170,11 @@ def load_model(
     the quantized tensors `weights` yields as blocks (they come that way from
     `ModelSource.iter_weights(keep_quantized=True)`), "int8" quantizes the linear layers and
     embeddings after loading; `batch_invariant` puts every quantized product on one kernel for
-    all row counts (`layers.quantization.set_batch_invariant`). The layers run `platform`'s ops
-    (`Platform.bind`; None: `platform_for(device)`). `max_model_len`: the longest context it will
-    serve (LongRoPE chooses its factors by it; None: the model's own limit). Returns the model in
-    eval mode without gradients."""
+    all row counts (`layers.quantization.set_batch_invariant`); `int8_activations=False`
+    multiplies GGUF blocks with x as it is (`QuantSpec.int8_activations`). The layers run
+    `platform`'s ops (`Platform.bind`; None: `platform_for(device)`). `max_model_len`: the longest
+    context it will serve (LongRoPE chooses its factors by it; None: the model's own limit).
+    Returns the model in eval mode without gradients."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
@@ -196,6 +198,10 @@ def load_model(
         from pagedserve.layers.quantization import set_batch_invariant
 
         set_batch_invariant(model)
+    if not int8_activations:  # EngineArgs.gguf_activations: x multiplied as it is
+        from pagedserve.layers.quantization import set_int8_activations
+
+        set_int8_activations(model, False)
     (platform or platform_for(device)).bind(model)
     release_freed_memory()
     return model.eval()

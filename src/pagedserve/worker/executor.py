@@ -237,7 +237,7 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
         cpu_bind = tuple(parse_cpu_list(args.cpu_threads_bind, limit=getattr(args, "cpu_threads", None)))
         cpu_threads = len(cpu_bind)
     threads = None if device.type == "cuda" else max(1, cpu_threads // world_size)
-    from pagedserve.layers.quantization import resolve_quantization
+    from pagedserve.layers.quantization import resolve_gguf_activations, resolve_quantization
 
     quantization = resolve_quantization(getattr(args, "quantization", None), source.kind, device.type,
                                         world_size)
@@ -256,6 +256,9 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                           num_threads=threads, attention_backend=args.attention_backend,
                           enforce_eager=args.enforce_eager, quantization=quantization,
                           batch_invariant=bool(getattr(args, "batch_invariant", False)),
+                          int8_activations=resolve_gguf_activations(
+                              getattr(args, "gguf_activations", "auto"),
+                              getattr(source, "gguf_activations", None)),
                           cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)(),
                           draft=draft, max_model_len=getattr(args, "max_model_len", None))
     if backend == "uni":

@@ -37,6 +37,8 @@ class WorkerConfig:
     enforce_eager: bool = False  # no CUDA graphs
     quantization: str = "none"  # "none" | "gguf" | "int8" (layers.quantization.resolve_quantization)
     batch_invariant: bool = False  # quantized products on one kernel for every row count
+    # GGUF blocks times 8-bit x (llama.cpp's numerics), or x as it is (EngineArgs.gguf_activations)
+    int8_activations: bool = True
     # CPUs the compute threads are pinned to (EngineArgs.cpu_threads_bind), split evenly over the
     # ranks; () leaves them to the OS
     cpu_bind: tuple[int, ...] = ()
@@ -152,7 +154,8 @@ class Worker:
                                 device=self.device, seed=config.seed, tp=self.tp,
                                 quantization=config.quantization,
                                 batch_invariant=config.batch_invariant, platform=self.platform,
-                                max_model_len=config.max_model_len)
+                                max_model_len=config.max_model_len,
+                                int8_activations=config.int8_activations)
         self.lora = None  # lora.slots.LoRASlots: this rank's adapters (hooks on its model)
         if config.lora is not None:
             from pagedserve.lora.slots import LoRASlots

@@ -84,6 +84,8 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
     if isinstance(names, str):
         names = [names]
     api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
+    if isinstance(api_key, list):  # several --api-key values: any of them (vLLM's)
+        api_key = api_key if len(api_key) > 1 else api_key[0]
     return ServerSettings(
         served_model_names=list(names),
         max_n=getattr(args, "max_n", 16),
@@ -95,6 +97,15 @@ def settings_from_args(args: Namespace, engine: AsyncLLMEngine) -> ServerSetting
         chat_template=load_chat_template(getattr(args, "chat_template", None)),
         tool_call_parser=(getattr(args, "tool_call_parser", None)
                           if getattr(args, "enable_auto_tool_choice", False) else None),
+        response_role=getattr(args, "response_role", "assistant"),
+        default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None),
+        chat_template_content_format=getattr(args, "chat_template_content_format", "auto"),
+        exclude_tools_when_tool_choice_none=getattr(args, "exclude_tools_when_tool_choice_none",
+                                                    False),
+        stream_interval=getattr(args, "stream_interval", 1),
+        log_requests=getattr(args, "enable_log_requests", False),
+        log_outputs=getattr(args, "enable_log_outputs", False),
+        max_log_len=getattr(args, "max_log_len", None),
     )
 
 
@@ -121,7 +132,9 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
         await engine.shutdown()
         pool.shutdown()
 
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    docs = {} if not getattr(args, "disable_fastapi_docs", False) else {
+        "openapi_url": None, "docs_url": None, "redoc_url": None}  # --disable-fastapi-docs
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan, **docs)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
@@ -185,8 +198,15 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             return APIError("the server is not accepting requests", 503).response()
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # NOTE: one function per method: a route of two methods gives both one operation id, which
+    # FastAPI warns about ("Duplicate Operation ID") when it builds /openapi.json.
+    @app.get("/ping")
     async def ping():
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post():
         """vLLM's (SageMaker's) liveness route: the same answer as /health."""
         return await health()
 
@@ -476,17 +496,25 @@ def run_server(args: Namespace) -> int:
     from pagedserve.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(EngineArgs.from_namespace(args))
+    if getattr(args, "disable_access_log_for_endpoints", None):
+        _quiet_access_log(args.disable_access_log_for_endpoints)
     engine = AsyncLLMEngine(
         llm, max_queued_requests=getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS),
         log_stats_interval=getattr(args, "log_stats_interval", 10.0) or None,
     )
     app = build_app(engine, args)
+    tls = {name: getattr(args, name) for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
+                                                 "ssl_ciphers") if getattr(args, name, None)}
+    if tls:
+        tls["ssl_cert_reqs"] = getattr(args, "ssl_cert_reqs", 0)
+    extra = {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size} \
+        if getattr(args, "h11_max_incomplete_event_size", None) else {}
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, lifespan="on",
+        app, host=args.host, port=args.port, lifespan="on", uds=getattr(args, "uds", None),
         log_level=getattr(args, "uvicorn_log_level", "info"),
         access_log=not getattr(args, "disable_access_log", False),
         timeout_graceful_shutdown=getattr(args, "graceful_shutdown_timeout", 10),
-        root_path=getattr(args, "root_path", None) or "",
+        root_path=getattr(args, "root_path", None) or "", **tls, **extra,
     )
     server = GracefulServer(config, engine, app.state.settings.model_name,
                             drain_timeout=getattr(args, "shutdown_timeout", None))
@@ -495,6 +523,19 @@ def run_server(args: Namespace) -> int:
         logger.error("exiting: the engine died (%r)", engine._dead)
         return 1
     return 0 if server.started else 1
+
+
+def _quiet_access_log(paths: str) -> None:
+    """--disable-access-log-for-endpoints: no uvicorn access line for these paths."""
+    skip = {p.strip() for p in paths.split(",") if p.strip()}
+
+    class _Skip(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            args = record.args if isinstance(record.args, tuple) else ()
+            path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""
+            return path not in skip
+
+    logging.getLogger("uvicorn.access").addFilter(_Skip())
 
 
 class GracefulServer(uvicorn.Server):
@@ -523,8 +564,11 @@ class GracefulServer(uvicorn.Server):
         self.engine.add_death_listener(lambda exc: setattr(self, "should_exit", True))
         await super().startup(sockets)
         if self.started:
-            logger.info("pagedserve ready: model %r at http://%s:%d (OpenAI API under /v1)",
-                        self.model_name, self.config.host, self.config.port)
+            scheme = "https" if self.config.ssl_certfile else "http"
+            where = (f"unix:{self.config.uds}" if self.config.uds
+                     else f"{scheme}://{self.config.host}:{self.config.port}")
+            logger.info("pagedserve ready: model %r at %s (OpenAI API under /v1)",
+                        self.model_name, where)
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -9,21 +9,23 @@ from pagedserve.entrypoints.openai.errors import APIError
 
 
 class APIKeyMiddleware:
-    """401 in OpenAI's error shape unless the bearer token equals the key (constant time)."""
+    """401 in OpenAI's error shape unless the bearer token equals one of the keys (vLLM's
+    `--api-key K1 K2 ...`; constant time)."""
 
-    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
-        if not api_key:
+    def __init__(self, app, api_key: str | list[str], open_paths: frozenset[str]) -> None:
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        if not keys or not all(keys):
             raise ValueError("api_key must not be empty")
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [k.encode() for k in keys]
         self.open_paths = open_paths
 
     def authorized(self, header: bytes) -> bool:
         scheme, _, token = header.partition(b" ")
-        # NOTE: compare_digest runs in time independent of where the tokens differ; both
-        # arguments are always compared, even when the scheme is wrong.
-        same = hmac.compare_digest(token.strip(), self._key)
-        return same and scheme.lower() == b"bearer"
+        # NOTE: compare_digest runs in time independent of where the tokens differ; every key
+        # is compared, even after a match or when the scheme is wrong.
+        same = [hmac.compare_digest(token.strip(), key) for key in self._keys]
+        return any(same) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
         # NOTE: the open paths are matched without --root-path (uvicorn puts it in front of

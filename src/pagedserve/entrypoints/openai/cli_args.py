@@ -38,10 +38,12 @@ def add_openai_server_args(p: argparse.ArgumentParser) -> None:
                    help="the path prefix the server is mounted under behind a proxy")
     for flag, help_text in SWITCHES:
         p.add_argument(flag, action="store_true", help=help_text)
-    # CORS (FastAPI's CORSMiddleware), with vLLM's flags: JSON lists, everything allowed by
-    # default.
-    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
-                       ("--allowed-headers", "headers")):
+    # CORS (FastAPI's CORSMiddleware), with vLLM 0.32's flags and defaults: JSON lists; no
+    # origin allowed unless configured, every method and header of an allowed origin.
+    p.add_argument("--allowed-origins", type=json_list, default=[],
+                   help="CORS: allowed origins, a JSON list, e.g. '[\"https://app.example\"]' "
+                        "or '[\"*\"]' (default: none -- no cross-origin browser access, as vLLM)")
+    for flag, what in (("--allowed-methods", "methods"), ("--allowed-headers", "headers")):
         p.add_argument(flag, type=json_list, default=["*"],
                        help=f"CORS: allowed {what}, a JSON list (default: [\"*\"])")
     p.add_argument("--allow-credentials", action="store_true",
@@ -53,6 +55,24 @@ def add_openai_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
                         "finish for up to this many seconds before aborting the rest "
                         "(default: end them at once)")
+    p.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"),
+                   default="auto",
+                   help="how message contents reach the chat template: auto / string (text parts "
+                        "joined into a string) or openai (a list of {type: text, text} parts)")
+    p.add_argument("--response-role", default="assistant",
+                   help="the role of the answers of /v1/chat/completions when the request adds "
+                        "the generation prompt (default: assistant)")
+    p.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   help="chat template arguments every chat request gets unless it sets them, a "
+                        "JSON object, e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="with tool_choice 'none', leave the tools out of the chat template")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="streamed answers send a chunk every this many tokens (and at the end; "
+                        "default 1: every token)")
+    p.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve no /docs, /redoc or /openapi.json")
     from pagedserve.lora.serving import add_lora_server_args
 
     add_lora_server_args(p)  # --lora-modules, --allow-runtime-lora-updating
@@ -66,6 +86,17 @@ def json_list(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}") from e
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
+
+
+def json_object(value: str) -> dict:
+    """A JSON-object flag's value (e.g. --default-chat-template-kwargs)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}") from e
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return parsed
 
 

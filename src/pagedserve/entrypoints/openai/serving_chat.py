@@ -66,7 +66,10 @@ class OpenAIServingChat(OpenAIServing):
             dicts = []
             for i, m in enumerate(messages):
                 d = m.model_dump(exclude_none=True)
-                d["content"] = flatten_content(m.content, i)
+                text = flatten_content(m.content, i)
+                # --chat-template-content-format openai: a list of text parts, as LLM.chat's
+                d["content"] = ([{"type": "text", "text": text}]
+                                if self.settings.chat_template_content_format == "openai" else text)
                 dicts.append(d)
             text = render_chat(
                 self.tokenizer, dicts, self.chat_format, chat_template=chat_template,
@@ -147,12 +150,16 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is not None and max_tokens < 1:
             raise APIError(f"{max_param} must be at least 1, got {max_tokens}", 400, max_param)
         tools, structured = self._tools(request)
+        # --default-chat-template-kwargs under the request's own
+        kwargs = {**(self.settings.default_chat_template_kwargs or {}),
+                  **(request.chat_template_kwargs or {})} or None
+        show_tools = tools is not None and not (
+            self.settings.exclude_tools_when_tool_choice_none and request.tool_choice == "none")
         prompt = self.render(
             request.messages, chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            template_kwargs=({**(request.chat_template_kwargs or {}), "tools": tools.tools}
-                             if tools else request.chat_template_kwargs),
+            template_kwargs=({**(kwargs or {}), "tools": tools.tools} if show_tools else kwargs),
             add_special_tokens=request.add_special_tokens,
         )
         prompt = self.truncate(prompt, request)
@@ -165,7 +172,7 @@ class OpenAIServingChat(OpenAIServing):
                                  max_tokens_param=max_param)
         if tools is not None and not tools.makes_calls:  # "none": the template has seen them
             tools = None
-        reasoning = plan_reasoning(self.reasoner, request.chat_template_kwargs,
+        reasoning = plan_reasoning(self.reasoner, kwargs,
                                    prompt.token_ids, request.include_reasoning)
         return prompt, params, tools, reasoning
 
@@ -188,10 +195,11 @@ class OpenAIServingChat(OpenAIServing):
             self.settings.return_tokens_as_token_ids,
         ))
 
-    @staticmethod
-    def _role(request: ChatCompletionRequest) -> str:
-        """The answer's role: the assistant's, or when continuing the last message, its role."""
-        return ROLE if request.add_generation_prompt else request.messages[-1].role
+    def _role(self, request: ChatCompletionRequest) -> str:
+        """The answer's role: --response-role (the assistant's by default), or when continuing
+        the last message, its role."""
+        return (self.settings.response_role if request.add_generation_prompt
+                else request.messages[-1].role)
 
     def _echoed(self, request: ChatCompletionRequest) -> str:
         """With `echo`: the last message's content when the answer continues it (same role),

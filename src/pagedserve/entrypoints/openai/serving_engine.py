@@ -55,6 +55,17 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # The LoRA adapters served by name (`lora.serving.ServedLoRAs`, --enable-lora), or None
     loras: object | None = None
+    # vLLM's chat flags: --response-role, --default-chat-template-kwargs,
+    # --chat-template-content-format, --exclude-tools-when-tool-choice-none
+    response_role: str = "assistant"
+    default_chat_template_kwargs: dict | None = None
+    chat_template_content_format: str = "auto"
+    exclude_tools_when_tool_choice_none: bool = False
+    stream_interval: int = 1  # --stream-interval: a streamed chunk every this many tokens
+    # --enable-log-requests / --enable-log-outputs / --max-log-len
+    log_requests: bool = False
+    log_outputs: bool = False
+    max_log_len: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -65,6 +76,10 @@ class ServerSettings:
             raise ValueError("served_model_names must not be empty")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
 
 
 @dataclass
@@ -345,11 +360,34 @@ class OpenAIServing:
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if not errors:
+            for (p, sp), stream in zip(zip(prompts, params), results):
+                stream.interval = self.settings.stream_interval
+                if self.settings.log_requests:
+                    self._log_request(stream, p, sp)
             return list(results)
         for r in results:
             if isinstance(r, RequestStream):
                 r.close()
         raise self.engine_error(errors[0], prompt_param)
+
+    def _log_request(self, stream: RequestStream, prompt: Prompt, params: SamplingParams) -> None:
+        """--enable-log-requests: one INFO line per request (its prompt and ids cut to
+        --max-log-len), and with --enable-log-outputs one when it ends."""
+        cut = self.settings.max_log_len
+        text = prompt.text if prompt.text is None or cut is None else prompt.text[:cut]
+        ids = prompt.token_ids if cut is None else prompt.token_ids[:cut]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                    stream.request_id, text, params, ids)
+        if self.settings.log_outputs:
+            def finished(out) -> None:
+                for comp in out.outputs if isinstance(out.outputs, list) else ():
+                    body = comp.text if cut is None else comp.text[:cut]
+                    token_ids = comp.token_ids if cut is None else comp.token_ids[:cut]
+                    logger.info("Generated response %s (choice %d): output: %r, "
+                                "output_token_ids: %s, finish_reason: %s", out.request_id,
+                                comp.index, body, list(token_ids), comp.finish_reason)
+
+            stream.on_finish = finished
 
     def engine_error(self, exc: BaseException, prompt_param: str = "prompt") -> BaseException:
         """The APIError for an exception from the async engine (others are returned as is)."""

@@ -80,8 +80,11 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The grammar of a forced call. NOTE: compact JSON (no free whitespace between tokens),
+    whatever --structured-outputs-disable-any-whitespace says, as vLLM's tool-call grammar: with
+    free whitespace a small model may write spaces until max_tokens and never close the call."""
     try:
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except ValueError as e:
         raise APIError(str(e).replace("structured_outputs.json", "tools: a parameters schema"),
                        400, "tools") from None

@@ -68,13 +68,14 @@ class LoadTracker:
 
 
 def add_cors(app: FastAPI, args) -> None:
-    """FastAPI's CORSMiddleware with vLLM's flags (--allowed-origins, --allowed-methods,
-    --allowed-headers: every one by default; --allow-credentials: off)."""
+    """FastAPI's CORSMiddleware with vLLM 0.32's flags and defaults (--allowed-origins: none, so
+    no cross-origin browser access unless configured; --allowed-methods, --allowed-headers:
+    every one; --allow-credentials: off)."""
     from fastapi.middleware.cors import CORSMiddleware
 
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=getattr(args, "allowed_origins", None) or ["*"],
+        allow_origins=list(getattr(args, "allowed_origins", None) or []),
         allow_methods=getattr(args, "allowed_methods", None) or ["*"],
         allow_headers=getattr(args, "allowed_headers", None) or ["*"],
         allow_credentials=bool(getattr(args, "allow_credentials", False)),

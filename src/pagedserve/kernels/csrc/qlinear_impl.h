@@ -174,6 +174,18 @@ void dq_q4_0(const uint8_t* row, int64_t K, T* dst) {
   }
 }
 
+// Q4_1: value = d * q + m (q the unsigned nibble), as ggml's dequantize_row_q4_1.
+template <typename T>
+void dq_q4_1(const uint8_t* row, int64_t K, T* dst) {
+  alignas(32) uint8_t q[32];
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 20;
+    const float d = half_to_float(load_u16(blk)), m = half_to_float(load_u16(blk + 2));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), nibbles(blk + 4));
+    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * float(q[l]) + m);
+  }
+}
+
 // The 8 (scale, min) pairs of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
 inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 8; ++j) {
@@ -271,6 +283,7 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
     case kFmtQ5_0: return dq_q5_0(row, K, dst);
     case kFmtQ4_0: return dq_q4_0(row, K, dst);
     case kFmtMxfp4: return dq_mxfp4(row, K, dst);
+    case kFmtQ4_1: return dq_q4_1(row, K, dst);
   }
 }
 
@@ -279,7 +292,8 @@ void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
 #if PS_ISA >= 3  // kIsaAvx512Bf16
 // One row of ggml blocks straight to bf16, 32 values at a time, with the block unpackers of the
 // 8-bit kernel (qlinear_q8.h's format structs, AVX2, inlined here): the same fp32 operations as
-// the format loops above (d * q; d * sc * q - dmin * mn; (d * sc) * q), then vcvtne2ps2bf16.
+// the format loops above (d * q; d * sc * q - dmin * mn; Q4_1's d * q - (-m); (d * sc) * q), then
+// vcvtne2ps2bf16.
 template <class F>
 inline void dequant_blocks_bf16(const uint8_t* row, int64_t K, uint16_t* dst) {
   for (int64_t u = 0; u < K / F::kUnit; ++u) {
@@ -319,6 +333,7 @@ inline bool dequant_ggml_bf16(int64_t fmt, const uint8_t* row, int64_t K, uint16
   switch (fmt) {
     case kFmtQ8_0: dequant_blocks_bf16<::isa_avx2::Q8_0>(row, K, dst); return true;
     case kFmtQ4_0: dequant_blocks_bf16<::isa_avx2::Q4_0>(row, K, dst); return true;
+    case kFmtQ4_1: dequant_blocks_bf16<::isa_avx2::Q4_1>(row, K, dst); return true;
     case kFmtQ5_0: dequant_blocks_bf16<::isa_avx2::Q5_0>(row, K, dst); return true;
     case kFmtQ4_K: dequant_blocks_bf16<::isa_avx2::Q4_K>(row, K, dst); return true;
     case kFmtQ5_K: dequant_blocks_bf16<::isa_avx2::Q5_K>(row, K, dst); return true;

@@ -120,6 +120,22 @@ struct Q5_0 {  // value = d * (q - 16): block() returns q, the kernel subtracts 
   }
 };
 
+// Q4_1: value = d * q + m, q the unsigned nibble: Q4_0's layout with a per-block min m (an fp16
+// after d). The min is carried as the K-quants' mins are (kMins: value = d * q - mins[t]), with
+// mins = -m in lane 0 (one block per unit; the other lanes zero).
+struct Q4_1 {
+  static constexpr int kUnit = 32, kBytes = 20, kBlocks = 1, kOffset = 0;
+  static constexpr bool kMins = true, kMul16 = false, kUnsigned = true;
+  struct Head {
+    __m256 mins;
+  };
+  static Head head(const uint8_t* u) { return {_mm256_setr_ps(-h2f(u + 2), 0, 0, 0, 0, 0, 0, 0)}; }
+  static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
+    *dw = h2f(u);
+    return nibbles(u + 4);
+  }
+};
+
 // Q4_K / Q5_K: value = d * sc[t] * q - dmin * mn[t] for the 8 blocks t of a super-block.
 struct KHead {
   float dsc[8];  // d * sc[t]
@@ -217,10 +233,11 @@ __attribute__((always_inline)) inline void q8_tile(const XQ& x, int64_t m0, cons
       if (F::kBytes > 128) _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb + 128), _MM_HINT_T0);
       h[j] = F::head(wu[j]);
     }
-    if constexpr (F::kMins) {  // - dmin * mn[t] * dx[t] * sum(qx[t]) for the 8 blocks t
+    if constexpr (F::kMins) {  // - mins[t] * dx[t] * sum(qx[t]) for the unit's blocks t (8, or Q4_1's 1)
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
-        const __m256 xs = _mm256_loadu_ps(x.s + (m0 + i) * nbx + u * 8);
+        const float* sp = x.s + (m0 + i) * nbx + u * F::kBlocks;
+        const __m256 xs = F::kBlocks == 8 ? _mm256_loadu_ps(sp) : _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0);
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm256_fnmadd_ps(h[j].mins, xs, acc[i * NB + j]);
       }
@@ -314,8 +331,8 @@ void q8_product_range(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, cons
 
 // Whether fmt is a ggml block format (the ones this file multiplies).
 inline bool q8_format(int64_t fmt) {
-  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K || fmt == kFmtQ5_K ||
-         fmt == kFmtQ6_K || fmt == kFmtMxfp4;
+  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ4_1 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K ||
+         fmt == kFmtQ5_K || fmt == kFmtQ6_K || fmt == kFmtMxfp4;
 }
 
 // The offset a format stores its values with (Q4_0: q + 8, Q5_0: q + 16), which the quantized x
@@ -359,6 +376,7 @@ inline void q8_range_fmt(int64_t fmt, const XQ& xq, int64_t M, const uint8_t* w,
   switch (fmt) {
     case kFmtQ8_0: return q8_product_range<Q8_0>(xq, M, w, rb, out, nb, ne);
     case kFmtQ4_0: return q8_product_range<Q4_0>(xq, M, w, rb, out, nb, ne);
+    case kFmtQ4_1: return q8_product_range<Q4_1>(xq, M, w, rb, out, nb, ne);
     case kFmtQ5_0: return q8_product_range<Q5_0>(xq, M, w, rb, out, nb, ne);
     case kFmtQ4_K: return q8_product_range<Q4_K>(xq, M, w, rb, out, nb, ne);
     case kFmtQ5_K: return q8_product_range<Q5_K>(xq, M, w, rb, out, nb, ne);

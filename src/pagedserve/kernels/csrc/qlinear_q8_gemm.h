@@ -1,4 +1,4 @@
-// The 8-bit GEMM over ggml blocks on AVX2 (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K), from gemm_rows
+// The 8-bit GEMM over ggml blocks on AVX2 (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), from gemm_rows
 // rows of x on: included once by qlinear.cpp, inside `namespace isa_avx2` after qlinear_q8.h
 // (whose x quantization and format unpacking it uses).
 //
@@ -12,8 +12,9 @@
 // four bytes of x broadcast, `maddubs` against eight columns at once, the int16 pair sums of up
 // to kGroup quads added before one `madd` (their bound keeps them exact), then one fp32 FMA per
 // block for eight columns. How the signs meet `maddubs` (u8 x s8) depends on the format:
-//   Q4_0 / Q5_0 / Q4_K / Q5_K  the stored unsigned q (<= 31) against signed x; Q4_0 / Q5_0 then
-//                              subtract offset * sum(qx) of the row's block (`gemm_x`), exactly;
+//   Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K  the stored unsigned q (<= 31) against signed x; Q4_0 /
+//                              Q5_0 then subtract offset * sum(qx) of the row's block (`gemm_x`),
+//                              exactly (Q4_1 adds its min term as the K-quants do);
 //   Q6_K                       x + 128 (unsigned) against q - 32, minus 128 * the column's
 //                              sub-scaled sums of w (computed when the tile is unpacked);
 //   Q8_0                       |w| against sign(x, w) (|w| up to 128: no headroom), quad by quad.
@@ -51,6 +52,7 @@ struct GTile {
 template <class F> struct GemmTraits;
 template <> struct GemmTraits<Q8_0> { static constexpr int kGroup = 1; static constexpr bool kSign = true, kSub = false, kStored = false; };
 template <> struct GemmTraits<Q4_0> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
+template <> struct GemmTraits<Q4_1> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
 template <> struct GemmTraits<Q5_0> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false, kStored = true; };
 template <> struct GemmTraits<Q4_K> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
 template <> struct GemmTraits<Q5_K> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false, kStored = true; };
@@ -286,6 +288,7 @@ inline void g_range_fmt(int64_t fmt, const XQ& x, const uint8_t* xu, const int32
   switch (fmt) {
     case kFmtQ8_0: return g_product_range<Q8_0>(x, xu, xsum, M, w, rb, out, nb, ne);
     case kFmtQ4_0: return g_product_range<Q4_0>(x, xu, xsum, M, w, rb, out, nb, ne);
+    case kFmtQ4_1: return g_product_range<Q4_1>(x, xu, xsum, M, w, rb, out, nb, ne);
     case kFmtQ5_0: return g_product_range<Q5_0>(x, xu, xsum, M, w, rb, out, nb, ne);
     case kFmtQ4_K: return g_product_range<Q4_K>(x, xu, xsum, M, w, rb, out, nb, ne);
     case kFmtQ5_K: return g_product_range<Q5_K>(x, xu, xsum, M, w, rb, out, nb, ne);

@@ -1,4 +1,4 @@
-// The 8-bit GEMM over ggml blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K) on AVX512-VNNI: rows of x in
+// The 8-bit GEMM over ggml blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K) on AVX512-VNNI: rows of x in
 // the vector lanes, weights broadcast, integer products by vpdpbusd (64 per instruction: twice
 // vdpbf16ps's 32). Included by qlinear_impl.h at the AVX512-BF16 level (every CPU of that level
 // has AVX512-VNNI: detect_isa requires it), used from gemm_rows rows on for these formats.
@@ -6,7 +6,7 @@
 //   y[m, n] = sum_b  fl(dx[m, b] * dw[n, b]) * (qx[m, b] . qw[n, b])  -  mw[n, b] * sx[m, b]
 //
 // over the blocks b of 32 values: dw the block's scale (the K-quants: d * sc), mw its min term
-// (the K-quants: dmin * mn; else none) and sx[m, b] = dx * sum(qx). x is the 8-bit quantization
+// (the K-quants: dmin * mn; Q4_1: -m; else none) and sx[m, b] = dx * sum(qx). x is the 8-bit quantization
 // of the small-batch kernel (qlinear_q8.h `quantize_x`: qx = round(x * 127 / amax), dx = amax /
 // 127), packed once per call (`vnni_pack`) as signed bytes, four k of one row per 32-bit lane:
 // [M / 16][K / 32][8 quads][16 rows][4], with -sum(qx) per row and block. The weights of a block
@@ -27,7 +27,8 @@
 #endif
 
 inline bool vnni_format(int64_t fmt) {
-  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K || fmt == kFmtQ5_K;
+  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ4_1 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K ||
+         fmt == kFmtQ5_K;
 }
 
 // x quantized and packed for the tiles: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16],
@@ -102,6 +103,7 @@ inline void vnni_weight_row(int64_t fmt, const uint8_t* row, int64_t K, uint8_t*
   switch (fmt) {
     case kFmtQ8_0: return vnni_weight_row<::isa_avx2::Q8_0>(row, K, wq, dw, mw);
     case kFmtQ4_0: return vnni_weight_row<::isa_avx2::Q4_0>(row, K, wq, dw, mw);
+    case kFmtQ4_1: return vnni_weight_row<::isa_avx2::Q4_1>(row, K, wq, dw, mw);
     case kFmtQ5_0: return vnni_weight_row<::isa_avx2::Q5_0>(row, K, wq, dw, mw);
     case kFmtQ4_K: return vnni_weight_row<::isa_avx2::Q4_K>(row, K, wq, dw, mw);
     case kFmtQ5_K: return vnni_weight_row<::isa_avx2::Q5_K>(row, K, wq, dw, mw);
@@ -230,7 +232,7 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
   uint8_t* wq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   std::vector<float> dw(size_t(kCols * KB)), mw(size_t(kCols * KB));
   const VnniW wv{wq, ldq, dw.data(), mw.data(), vnni_offset_shift(fmt)};
-  const bool mins = fmt == kFmtQ4_K || fmt == kFmtQ5_K;
+  const bool mins = fmt == kFmtQ4_K || fmt == kFmtQ5_K || fmt == kFmtQ4_1;
   Stage st(out, M, nb);
   for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
     const int64_t g1 = std::min(ne, g0 + kCols);
