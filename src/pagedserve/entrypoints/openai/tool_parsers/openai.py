@@ -1,9 +1,9 @@
 """``openai`` (gpt-oss, the harmony format): messages to ``functions.NAME`` are calls, their
 body the arguments (JSON, normalized; other text passed on as written); the bodies of ``final``
 messages and ``commentary`` preambles are the content; ``analysis`` messages are the reasoning
-(``--reasoning-parser openai_gptoss`` returns them; this parser leaves them out). Text before the first harmony header is content. Reads the
-whole output or what the reasoning parser left after the reasoning (see
-`pagedserve.reasoning.openai_gptoss`)."""
+(``--reasoning-parser openai_gptoss`` returns them; this parser leaves them out). Text before
+the first harmony header is content. Reads the whole output or what the reasoning parser left
+after the reasoning (see `pagedserve.reasoning.openai_gptoss`)."""
 
 import json
 
