@@ -307,3 +307,25 @@ def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text():
 def test_unknown_names_are_refused_with_the_list():
     with pytest.raises(ValueError, match="tool_call_parser must be one of .*hermes"):
         make_tool_parser("no_such_parser")
+
+
+def test_a_request_keeps_special_tokens_when_its_parser_needs_them(small_engine):
+    from argparse import Namespace
+
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.entrypoints.openai.api_server import settings_from_args
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    def params(parser: str, **request):
+        engine = AsyncLLMEngine(small_engine)
+        settings = settings_from_args(Namespace(tool_call_parser=parser,
+                                                enable_auto_tool_choice=True), engine)
+        chat = OpenAIServingChat(engine, settings)
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **request)
+        return chat._prepare(req)[1]
+
+    assert params("hermes", tools=TOOLS).skip_special_tokens is False
+    assert params("hermes", tools=TOOLS, tool_choice="none").skip_special_tokens is True
+    assert params("hermes").skip_special_tokens is True  # no tools
+    assert params("pythonic", tools=TOOLS).skip_special_tokens is True
