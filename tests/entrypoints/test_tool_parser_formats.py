@@ -329,3 +329,32 @@ def test_a_request_keeps_special_tokens_when_its_parser_needs_them(small_engine)
     assert params("hermes", tools=TOOLS, tool_choice="none").skip_special_tokens is True
     assert params("hermes").skip_special_tokens is True  # no tools
     assert params("pythonic", tools=TOOLS).skip_special_tokens is True
+
+
+HARMONY = ("<|channel|>analysis<|message|>Need Tokyo's weather.<|end|><|start|>assistant"
+           "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>"
+           'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Tokyo", '
+           '"days": 3}')
+
+
+@pytest.mark.parametrize("split", ["tokens", "1", "3-1-4-1-5-9", "whole"])
+def test_gpt_oss_reasoning_then_tool_calls_streamed_as_the_server_does(split):
+    from pagedserve.reasoning import reasoning_parser_class
+
+    reasoner = reasoning_parser_class("openai_gptoss")(1, 2)
+    pieces = (pseudo_tokens(HARMONY) if split == "tokens" else [HARMONY] if split == "whole"
+              else chunks(HARMONY, [int(s) for s in split.split("-")]))
+    thinking = reasoner.stream()
+    tools = ToolStream(plan_tools(TOOLS, "auto", make_tool_parser("openai")))
+    reasoning = content = ""
+    calls = []
+    for k, piece in enumerate(pieces + [""]):
+        finished = k == len(pieces)
+        r, text = thinking.feed(piece, finished)
+        c, deltas = tools.feed(text, finished)
+        reasoning, content, calls = reasoning + r, content + c, calls + deltas
+    assert reasoning == "Need Tokyo's weather."
+    assert content == "Checking."
+    assert as_json([(d.function.name, d.function.arguments) for d in calls]) == [W]
+    whole_r, whole_c = reasoner.split(HARMONY)
+    assert (whole_r, make_tool_parser("openai").parse(whole_c)[0]) == (reasoning, content)

@@ -213,8 +213,11 @@ def chat_request(request: MessagesRequest) -> ChatCompletionRequest:
                   chat_template_kwargs=_template_kwargs(request))
     if request.stream:
         fields["stream_options"] = {"include_usage": True}
-    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items()
-                                                 if v is not None})
+    # vLLM's sampling extras (repetition_penalty, seed, ...) pass through as chat fields
+    extra = {k: v for k, v in (request.model_extra or {}).items()
+             if k in ChatCompletionRequest.model_fields and k not in ("messages", "tools")}
+    return ChatCompletionRequest.model_validate(
+        {**extra, **{k: v for k, v in fields.items() if v is not None}})
 
 
 # --- chat -> Messages ---------------------------------------------------------------------------
