@@ -1,4 +1,4 @@
-"""The reasoning parsers (pagedserve/reasoning.py) on text and token ids, as vLLM's parsers of
+"""The think-tag reasoning parsers (pagedserve/reasoning/) on text and token ids, as vLLM's parsers of
 the same names read them; streamed deltas always add up to the whole text's split."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagedserve.reasoning import ReasoningParser, make_reasoning_parser  # noqa: E402
+from pagedserve.reasoning import make_reasoning_parser, reasoning_parser_class  # noqa: E402
 
-R1 = ReasoningParser("deepseek_r1", start_token_id=7, end_token_id=8)
-QWEN3 = ReasoningParser("qwen3", start_token_id=7, end_token_id=8)
+R1 = reasoning_parser_class("deepseek_r1")(7, 8)
+QWEN3 = reasoning_parser_class("qwen3")(7, 8)
 
 
 @pytest.mark.parametrize("parser", [R1, QWEN3])
@@ -99,4 +99,4 @@ def test_make_needs_the_think_tags_as_tokens():
     with pytest.raises(ValueError, match="no <think> or </think> token"):
         make_reasoning_parser("deepseek_r1", tiny.tokenizer())
     with pytest.raises(ValueError, match="must be one of"):
-        make_reasoning_parser("granite", tok)
+        make_reasoning_parser("no_such_parser", tok)

@@ -18,6 +18,7 @@ from pagedserve.attention.backends import BACKEND_CHOICES
 from pagedserve.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 from pagedserve.core.spec_decode import SpeculativeConfig
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
+from pagedserve.reasoning import REASONING_PARSERS  # the registry's names (no parser imported)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # vLLM's: half, float
@@ -29,7 +30,6 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-free) registry
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 GGUF_ACTIVATIONS = ("auto", "int8", "dtype")  # as layers.quantization.GGUF_ACTIVATIONS
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 

@@ -210,7 +210,7 @@ def test_auto_tool_calls_are_parsed_from_the_text_after_the_reasoning():
     from pagedserve.entrypoints.openai.tool_calls import plan_tools
     from pagedserve.entrypoints.openai.tool_parsers import make_tool_parser
     from pagedserve.outputs import CompletionOutput, RequestOutput
-    from pagedserve.reasoning import ReasoningParser
+    from pagedserve.reasoning import reasoning_parser_class
 
     tools, choice = chat_tools([TOOL], "auto")
     plan = plan_tools(tools, choice, make_tool_parser("hermes"))
@@ -220,7 +220,7 @@ def test_auto_tool_calls_are_parsed_from_the_text_after_the_reasoning():
         0, text, [9] * 5 + [8] + [4] * 7, None, None, "stop")], True)
     serving = OpenAIServingResponses(SimpleNamespace(model_name="m"))
     body = serving._build(ResponsesRequest(input="hi", tools=[TOOL]), "resp_x", out, plan,
-                          ReasoningPlan(ReasoningParser("deepseek_r1", 7, 8)))
+                          ReasoningPlan(reasoning_parser_class("deepseek_r1")(7, 8)))
     reasoning, message, call = body.output
     assert reasoning.content[0].text == "use the tool"
     assert message.content[0].text == "Let me look."

@@ -87,4 +87,4 @@ def test_a_tokenizer_without_think_tags_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no <think> or </think> token"):
         _llm(path, "qwen3")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
-        _llm(path, "granite")
+        _llm(path, "no_such_parser")

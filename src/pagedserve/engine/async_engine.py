@@ -143,6 +143,9 @@ class AsyncLLMEngine:
         # Consecutive failed steps that scheduled no request (2 are fatal; see _step).
         self._unpinned_failures = 0
         self._closing = False
+        # Engine-thread side: while paused (vLLM's /pause), requests are added and aborted but
+        # not stepped.
+        self._paused = False
         self._prev_totals = self._engine_totals()
 
     # --- state --------------------------------------------------------------------------------
@@ -318,6 +321,39 @@ class AsyncLLMEngine:
         self._inbox.put(_Call(fn, future))
         return await asyncio.wait_for(future, timeout)
 
+    # --- operations (vLLM's /pause, /resume, /abort_requests) ---------------------------------
+
+    async def pause(self) -> None:
+        """Stop stepping: requests in flight stay where they are (their blocks held), new ones
+        are queued; `resume` goes on. Aborts and calls are still served."""
+        await self.call_in_engine_thread(lambda _: setattr(self, "_paused", True))
+
+    async def resume(self) -> None:
+        await self.call_in_engine_thread(lambda _: setattr(self, "_paused", False))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def abort_requests(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """End requests in flight from outside (not by their reader): each gets a final output
+        whose finish_reason is "abort", its blocks freed; None: every request. Unknown or
+        finished ids are skipped; returns the ids aborted."""
+        wanted = None if request_ids is None else list(request_ids)
+
+        def abort(engine: LLMEngine) -> list[str]:
+            ids = list(self._tracked) if wanted is None else [
+                r for r in wanted if r in self._tracked]
+            outputs = []
+            for request_id in ids:
+                group = engine.groups.get(request_id)
+                if group is not None and engine.abort_request(request_id):
+                    outputs.append(engine._make_output(group, True))
+            self._report(outputs)  # delivers them, records each finished request
+            return [out.request_id for out in outputs]
+
+        return await self.call_in_engine_thread(abort)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it is unknown or finished). Call on the event loop."""
         stream = self._streams.get(request_id)
@@ -348,7 +384,7 @@ class AsyncLLMEngine:
                         self._apply(_Abort(request_id))
                     self._report([])
                     return
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() and not self._paused:
                     self._report(self._step())
                 elif commands:
                     self._report([])  # e.g. aborts freed blocks: publish the new state
@@ -404,7 +440,7 @@ class AsyncLLMEngine:
     def _next_commands(self) -> list:
         """Everything queued; when idle, block until something arrives (or a log line is due)."""
         commands = []
-        if not self.engine.has_unfinished_requests():
+        if self._paused or not self.engine.has_unfinished_requests():
             timeout = None
             deadline = self._log_line.next_deadline() if self._log_line else None
             if deadline is not None:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from pagedserve.config import EngineArgs
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -129,7 +130,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="allow tool_choice 'auto' (the default with tools): the model's text "
                         "is parsed for tool calls with --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "pythonic"],
+                   choices=TOOL_PARSERS,
                    help="how 'auto' tool calls are read from the model's text")
     p.add_argument("--max-queued-requests", "--max-num-queued-reqs", type=int, default=4096,
                    help="requests waiting to start beyond which new ones get 503 + Retry-After")

@@ -169,7 +169,7 @@ class StructuredOutputManager:
             return None
         reasoning = group.extra.get(REASONING_KEY)
         if reasoning and seq.seq_id in reasoning:
-            if self.reasoner.ends_reasoning(token):
+            if self.reasoner.ends_reasoning(token, seq.token_ids):
                 reasoning.discard(seq.seq_id)
             return False
         matcher = matchers[seq.seq_id]

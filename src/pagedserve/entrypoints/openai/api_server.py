@@ -2,7 +2,8 @@
 (uvicorn, with graceful shutdown on SIGINT/SIGTERM).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET
-/v1/responses/{id}), GET /v1/models, GET /health,
+/v1/responses/{id}, POST /v1/responses/{id}/cancel), Anthropic's POST /v1/messages and
+/v1/messages/count_tokens, vLLM's operations routes (`vllm_routes`), GET /v1/models, GET /health,
 the pooling routes of `serving_pooling` (POST /v1/embeddings, /pooling, /score, /rerank, ...),
 GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /metrics, and with
 `--enable-debug-endpoints` (tests and diagnosis only) GET /debug/engine, POST
@@ -62,12 +63,17 @@ from pagedserve.entrypoints.openai.serving_responses import (
     add_responses_routes,
 )
 from pagedserve.entrypoints.openai.serving_engine import ServerSettings
+from pagedserve.entrypoints.openai.serving_messages import (
+    OpenAIServingMessages,
+    add_messages_routes,
+)
 from pagedserve.entrypoints.openai.serving_pooling import add_pooling_routes
 from pagedserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedserve.entrypoints.openai.vllm_routes import (
     LoadTracker,
     RequestIdMiddleware,
     add_cors,
+    add_operations_routes,
     add_vllm_routes,
 )
 
@@ -171,9 +177,13 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     add_responses_routes(app, OpenAIServingResponses(chat, enable_store=getattr(
         args, "enable_responses_api_store", False)), load, pool, parse_body, respond)
 
+    # Anthropic's Messages API (serving_messages.py)
+    add_messages_routes(app, OpenAIServingMessages(chat), load, pool, parse_body, respond)
+
     add_vllm_routes(app, engine, settings, completions, chat, pool,
                     tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint",
                                                     False))
+    add_operations_routes(app, engine, args)  # /sleep, /pause, /abort_requests, ... (vLLM's)
     add_pooling_routes(app, engine, settings, pool)  # embeddings, pooling, score, rerank
 
     if settings.loras is not None and getattr(args, "allow_runtime_lora_updating", False):

@@ -172,6 +172,12 @@ class OpenAIServingChat(OpenAIServing):
                                  max_tokens_param=max_param)
         if tools is not None and not tools.makes_calls:  # "none": the template has seen them
             tools = None
+        if ((tools is not None and tools.parser is not None
+             and not tools.parser.skip_special_tokens)
+                or (self.reasoner is not None and not self.reasoner.skip_special_tokens)):
+            # NOTE: the parser's markers are special tokens: the text must keep them (vLLM's
+            # adjust_request does the same).
+            params.skip_special_tokens = False
         reasoning = plan_reasoning(self.reasoner, kwargs,
                                    prompt.token_ids, request.include_reasoning)
         return prompt, params, tools, reasoning

@@ -215,6 +215,15 @@ class OpenAIServingResponses:
         self._keep(request, body, conversation)
         return json_response(body)
 
+    def cancel(self, response_id: str):
+        """vLLM's POST /v1/responses/{id}/cancel: only a background response still queued or in
+        progress can be cancelled; this server runs none (`background` is refused), so a kept
+        response is a 400 ("Cannot cancel a synchronous response.", as vLLM answers for one) and
+        an unknown id a 404."""
+        if response_id not in self.stored:
+            raise APIError(f"Response with id '{response_id}' not found.", 404, "response_id")
+        raise APIError("Cannot cancel a synchronous response.", 400, "response_id")
+
     def retrieve(self, response_id: str):
         kept = self.stored.get(response_id)
         if kept is None:
@@ -389,8 +398,9 @@ class OpenAIServingResponses:
 
 def add_responses_routes(app, responses: OpenAIServingResponses, load, pool, parse_body,
                          respond) -> None:
-    """POST /v1/responses and GET /v1/responses/{response_id} on `app` (the server's request
-    plumbing passed in: `parse_body`, `respond`, its load tracker and CPU pool)."""
+    """POST /v1/responses, GET /v1/responses/{response_id} and POST .../cancel on `app` (the
+    server's request plumbing passed in: `parse_body`, `respond`, its load tracker and CPU
+    pool)."""
     @app.post("/v1/responses")
     async def create_response(raw: Request):
         with load.track() as done:
@@ -400,6 +410,11 @@ def add_responses_routes(app, responses: OpenAIServingResponses, load, pool, par
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
         return Response(json.dumps(responses.retrieve(response_id)),
+                        media_type="application/json")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return Response(json.dumps(responses.cancel(response_id)),
                         media_type="application/json")
 
 

@@ -142,7 +142,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]
         except (ValueError, TypeError, KeyError):  # cut short by max_tokens
             return text, []
     if plan.mode == "auto":
-        return plan.parser.parse(text)
+        return plan.parser.parse(text, plan.tools)
     return text, []
 
 
@@ -188,16 +188,18 @@ class ToolStream:
         if mode == "auto" and not finished:
             start = self.plan.parser.tool_start(self.text)
             end = len(self.text) if start is None else max(start, self.sent)
+            if not self.text[:end].strip():
+                return "", []  # blank so far: blank content next to calls is None (held)
             out, self.sent = self.text[self.sent:end], end
             return out, []
         if not finished:  # required: the calls are known at the end
             return "", []
         content, self.calls = parse_calls(self.plan, self.text)
-        if not self.calls:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, []
+        # NOTE: the content starts with the text sent so far (`base.ToolParser`'s rule).
         rest = (content or "")[self.sent:]
         self.sent = len(self.text)
+        if not self.calls:
+            return rest, []
         return rest, [DeltaToolCall(index=i, id=random_id("chatcmpl-tool"), type="function",
                                     function=DeltaFunctionCall(name=n, arguments=a))
                       for i, (n, a) in enumerate(self.calls)]
