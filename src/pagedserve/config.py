@@ -27,6 +27,8 @@ ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-fr
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # as reasoning.REASONING_PARSERS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+DATA_PARALLEL_ROUTINGS = ("prefix", "least-load", "round-robin")  # as engine.dp_router's
 
 
 def parse_cpu_list(spec: str, limit: int | None = None) -> list[int]:
@@ -207,6 +209,33 @@ class EngineArgs:
         None, "LoRA adapters kept loaded in CPU memory, least recently used dropped first "
         "(default: max_loras)")
 
+    # data parallelism and the engine core apart (vLLM's names; engine/core_client.py)
+    data_parallel_size: int = option(
+        1, "engine cores behind one front end, each with its own scheduler and KV cache (and its "
+        "own tensor_parallel_size workers); requests go to one of them by "
+        "--data-parallel-routing (vLLM's data parallelism)", aliases=("-dp",))
+    data_parallel_backend: str = option(
+        "mp", "where the engine cores run: mp (processes on this machine, its CPUs split "
+        "between them, each core's compute threads bound to its share) or ray (Ray actors, a "
+        "placement group each, across the cluster's machines)", choices=DATA_PARALLEL_BACKENDS)
+    data_parallel_routing: str = option(
+        "prefix", "which engine core takes a request: prefix (the one holding its longest "
+        "cached prefix, from the cores' KV events, unless its load exceeds the least loaded "
+        "core's by --data-parallel-load-threshold tokens), least-load (queued + running "
+        "tokens) or round-robin", choices=DATA_PARALLEL_ROUTINGS)
+    data_parallel_load_threshold: int = option(
+        2048, "prefix routing: the most tokens of load the core holding a request's prefix may "
+        "carry over the least loaded core before the request goes to the least loaded one")
+    engine_core_process: bool = option(
+        False, "run the engine core (scheduler and model) in its own process, the front end "
+        "(tokenizer, detokenizer, HTTP) apart, over a zmq socket (vLLM v1's layout; always so "
+        "with data_parallel_size > 1)")
+    kv_events_config: str | None = option(
+        None, "publish each engine core's KV cache events (block stored / removed / all "
+        "cleared) for external routers, vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}' "
+        "(data-parallel rank r on port + r) (from Python also a dict)")
+
     def lora_config(self):
         """The adapters' limits (`lora.request.LoRAConfig`), or None without enable_lora."""
         if not self.enable_lora:
@@ -263,6 +292,16 @@ class EngineArgs:
             if self.tensor_parallel_size != 1:
                 raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size=1 "
                                  f"only, got {self.tensor_parallel_size}")
+        for name in ("data_parallel_size", "data_parallel_load_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (
+                    1 if name == "data_parallel_size" else 0):
+                raise ValueError(f"{name} must be an integer >= "
+                                 f"{1 if name == 'data_parallel_size' else 0}, got {value!r}")
+        if self.kv_events_config is not None:
+            from pagedserve.engine.kv_events import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)  # ValueError when malformed
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

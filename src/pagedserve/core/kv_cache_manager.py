@@ -90,6 +90,8 @@ class KVCacheManager:
         self._block_key: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
+        # KV cache events (engine/kv_events.py: a KVEventSink), None: none are collected.
+        self.events = None
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_tables: dict[int, BlockTable] = {}
@@ -336,11 +338,15 @@ class KVCacheManager:
             if h not in self._cached and block not in self._block_key:
                 self._cached[h] = block
                 self._block_key[block] = (h, parent, tokens)
+                if self.events is not None:
+                    self.events.stored(h, table.hashes[i - 1] if i else None, tokens, salt)
 
     def _forget(self, block: int) -> None:
         key = self._block_key.pop(block, None)
         if key is not None and self._cached.get(key[0]) == block:
             del self._cached[key[0]]
+            if self.events is not None:
+                self.events.removed(key[0])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (their contents stay until reused, never matched again).
@@ -349,6 +355,8 @@ class KVCacheManager:
             return False
         self._cached.clear()
         self._block_key.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def prefix_cache_hit_rate(self) -> float:

@@ -18,6 +18,17 @@ from pagedserve.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 
 
+def make_engine(args: EngineArgs):
+    """The engine `LLM` drives: an `LLMEngine` in this process, or, with
+    `data_parallel_size > 1` or `engine_core_process`, the front end of engine cores in their
+    own processes (`engine/mp_engine.py`; the same calls)."""
+    if args.data_parallel_size > 1 or args.engine_core_process:
+        from pagedserve.engine.mp_engine import MPLLMEngine
+
+        return MPLLMEngine(args)
+    return LLMEngine(args)
+
+
 class LLM(PoolingMixin, LLMExtras):
     """Generate text for a batch of prompts with continuous batching over a paged KV cache
     (or, with `runner="pooling"`, pool them: `embed`, `encode`, `score`; engine/llm_pooling.py).
@@ -34,14 +45,14 @@ class LLM(PoolingMixin, LLMExtras):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine = make_engine(EngineArgs(model=model, **kwargs))
         self._finished_counts: dict[str, int] = {}  # get_metrics: requests by finish reason
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         """An `LLM` over an engine built from `args` (e.g. `EngineArgs.from_namespace`)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args)
+        llm.engine = make_engine(args)
         llm._finished_counts = {}
         return llm
 

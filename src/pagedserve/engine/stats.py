@@ -43,6 +43,8 @@ class StepStats:
     # Speculative decoding's cumulative counters (`core.spec_decode.SpecDecoder.totals`), or
     # None when the engine does not speculate.
     spec_totals: tuple | None = None
+    # The engine core this record is of (data parallelism: vLLM's `engine` label), 0 with one.
+    engine: int = 0
 
 
 @dataclass
@@ -62,6 +64,7 @@ class FinishedRequestStats:
     inference_time: float | None = None  # first scheduled -> finish
     prefill_time: float | None = None  # first scheduled -> first token
     decode_time: float | None = None  # first token -> finish
+    engine: int = 0  # the engine core that ran it (data parallelism), 0 with one
 
 
 class StatsListener(Protocol):
