@@ -226,6 +226,10 @@ class EngineArgs:
     data_parallel_load_threshold: int = option(
         2048, "prefix routing: the most tokens of load the core holding a request's prefix may "
         "carry over the least loaded core before the request goes to the least loaded one")
+    data_parallel_restart_lost: bool = option(
+        False, "start a fresh engine core in place of one that died (mp backend; it takes "
+        "requests again once its model is loaded); off: the server serves on without it and "
+        "/health reports it lost")
     engine_core_process: bool = option(
         False, "run the engine core (scheduler and model) in its own process, the front end "
         "(tokenizer, detokenizer, HTTP) apart, over a zmq socket (vLLM v1's layout; always so "

@@ -115,7 +115,7 @@ class FrontEnd:
                              loras_per_engine=args.max_cpu_loras or args.max_loras)
         self.in_flight: dict[str, _InFlight] = {}
         self.lost_engines: dict[int, str] = {}
-        self.restart_lost_cores = False
+        self.restart_lost_cores = args.data_parallel_restart_lost
         self._lock = threading.RLock()
         self._prev_stats: dict[int, Any] = {}
         self._request_ids = itertools.count()
