@@ -116,6 +116,7 @@ def test_prefix_routing_keeps_the_single_engines_hit_rate(front, local):
     # concurrency 1: every routing decision sees every event before it (the rates are exact)
     rates = {"single": run_chat_trace(local.engine, trace, concurrency=1).hit_rate}
     for policy in ("prefix", "round-robin"):
+        routed = list(front.router.routed)
         front.client.call_all("reset_prefix_cache")
         front.router.policy = policy
         front.router.index.clear(0)
@@ -123,11 +124,12 @@ def test_prefix_routing_keeps_the_single_engines_hit_rate(front, local):
         result = run_chat_trace(front, trace, concurrency=1)
         assert result.completed == trace.num_requests and not result.failed
         rates[policy] = result.hit_rate
+        # both cores took conversations (one core would trivially keep the single engine's rate)
+        assert all(n > a + trace.num_requests // 4 for n, a in zip(front.router.routed, routed))
     front.router.policy = "prefix"
     print("hit rates", rates)
     assert rates["prefix"] >= 0.9 * rates["single"], rates
     assert rates["prefix"] >= 1.5 * rates["round-robin"], rates
-    assert front.router.routed[0] and front.router.routed[1]  # both cores served
 
 
 def test_cores_publish_vllms_kv_events_on_zmq(front, events_port):
@@ -217,7 +219,7 @@ def test_a_killed_core_fails_only_its_running_requests(front):
                    and {f.core for f in front.in_flight.values()} == {0, 1}):
             await asyncio.sleep(0.01)  # both cores are running requests
         front.client.kill(1)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # nothing hangs
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)  # nothing hangs
         lost = [t for _, t in results if "engine core 1 died" in t]
         done = [t for _, t in results if "[DONE]" in t and "error" not in t]
         assert lost and done and len(lost) + len(done) == len(results)

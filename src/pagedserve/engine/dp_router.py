@@ -6,7 +6,7 @@
   than `threshold` tokens; then the least loaded. Without a hit anywhere: the least loaded core,
   preferring, for a request with a LoRA adapter, the cores that served that adapter recently (it
   is loaded there).
-- `least-load`: the least loaded core (ties: the lowest index).
+- `least-load`: the least loaded core (ties: the one that took the fewest requests).
 - `round-robin`: the next live core in turn.
 
 A core's load is its queued plus running tokens: the context (prompt + output so far) of every
@@ -146,7 +146,9 @@ class Router:
                 i = next(self._rr)
                 if i in live:
                     return self._chosen(i, lora_id)
-        least = min(live, key=lambda i: (self.load[i], i))
+        # NOTE: ties (an idle pool) go to the core that took the fewest requests, so new
+        # conversations spread over the cores even one at a time
+        least = min(live, key=lambda i: (self.load[i], self.routed[i], i))
         if self.policy == "least-load":
             return self._chosen(least, lora_id)
         matched = self.index.match(token_ids, lora_id, salt)
@@ -160,7 +162,7 @@ class Router:
         if lora_id is not None:
             having = [i for i in live if lora_id in self._loras[i]]
             if having:
-                best = min(having, key=lambda i: (self.load[i], i))
+                best = min(having, key=lambda i: (self.load[i], self.routed[i], i))
                 if self.load[best] - self.load[least] <= self.threshold:
                     return self._chosen(best, lora_id)
         return self._chosen(least, lora_id)
