@@ -146,9 +146,10 @@ def test_cores_publish_vllms_kv_events_on_zmq(front, events_port):
         subs.append(sub)
     try:
         seen = {}
-        prompts = [{"prompt_token_ids": [1] + [rank * 100 + i for i in range(3, 20)]}
-                   for rank in range(4)]
-        for _ in range(20):  # PUB drops what is sent before a subscriber joins: retry
+        for attempt in range(20):  # PUB drops what is sent before a subscriber joins: retry
+            # new prompts each time: cached ones store no new block
+            prompts = [{"prompt_token_ids": [1, 2 + attempt] + [k * 100 + i for i in range(3, 20)]}
+                       for k in range(4)]
             _llm_over(front).generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
             for sub in subs:
                 while sub.poll(200):
