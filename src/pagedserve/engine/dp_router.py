@@ -131,6 +131,7 @@ class Router:
         self._loras_per_engine = max(1, loras_per_engine)
         self.routed = [0] * num_engines
         self.prefix_routed = 0  # requests sent to the core holding their longest prefix
+        self.overloaded = 0  # requests whose prefix core was too loaded (sent elsewhere)
 
     def live(self) -> list[int]:
         return [i for i in range(self.num_engines) if self.alive[i]]
@@ -158,6 +159,7 @@ class Router:
             if self.load[best] - self.load[least] <= self.threshold:
                 self.prefix_routed += 1
                 return self._chosen(best, lora_id)
+            self.overloaded += 1
             return self._chosen(least, lora_id)
         if lora_id is not None:
             having = [i for i in live if lora_id in self._loras[i]]
