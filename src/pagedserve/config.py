@@ -209,6 +209,10 @@ class EngineArgs:
         None, "LoRA adapters kept loaded in CPU memory, least recently used dropped first "
         "(default: max_loras)")
 
+    pipeline_parallel_size: int = option(
+        1, "pipeline stages: the decoder layers split into this many contiguous stages, one Ray "
+        "actor each, micro-batches in flight so that the stages overlap (on Ray; "
+        "tensor_parallel_size 1)", aliases=("-pp",))
     # data parallelism and the engine core apart (vLLM's names; engine/core_client.py)
     data_parallel_size: int = option(
         1, "engine cores behind one front end, each with its own scheduler and KV cache (and its "
@@ -296,6 +300,20 @@ class EngineArgs:
             if self.tensor_parallel_size != 1:
                 raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size=1 "
                                  f"only, got {self.tensor_parallel_size}")
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        if pp > 1:
+            if self.distributed_executor_backend not in (None, "ray"):
+                raise ValueError("pipeline_parallel_size > 1 runs its stages as Ray actors: "
+                                 "distributed_executor_backend must be 'ray', got "
+                                 f"{self.distributed_executor_backend!r}")
+            for name, bad in (("tensor_parallel_size", self.tensor_parallel_size != 1),
+                              ("enable_lora", self.enable_lora),
+                              ("speculative_config", self.speculative_config is not None)):
+                if bad:
+                    raise ValueError(f"pipeline_parallel_size={pp} does not run with {name} "
+                                     f"({getattr(self, name)!r}) yet")
         for name in ("data_parallel_size", "data_parallel_load_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (
