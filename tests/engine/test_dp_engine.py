@@ -74,7 +74,8 @@ def _fields(c):
 def test_outputs_through_the_split_equal_the_in_process_engine(front, local):
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(n - 1)]}
-               for n in (4, 11, 19, 30)] + ["The quick brown fox jumps", "Once upon a time"]
+               for n in (4, 11, 19, 30)] + ["The quick brown fox jumps", "Once upon a time",
+                                            "Is it?", "Tell me about the"]
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
         SamplingParams(temperature=0.8, seed=3, max_tokens=10, n=2, logprobs=2, prompt_logprobs=2),
@@ -83,6 +84,11 @@ def test_outputs_through_the_split_equal_the_in_process_engine(front, local):
         SamplingParams(temperature=0.0, max_tokens=24, stop=[" the", "a"],
                        include_stop_str_in_output=True),
         SamplingParams(temperature=0.7, seed=11, max_tokens=16, n=3, stop=["o"], logprobs=1),
+        # the grammar runs in the core, bad words are resolved to ids by the front end
+        SamplingParams(temperature=0.0, max_tokens=20,
+                       structured_outputs={"choice": ["yes", "no", "maybe"]}),
+        SamplingParams(temperature=0.0, max_tokens=12, bad_words=["the"], min_tokens=4,
+                       stop_token_ids=[2, 5], logprobs=1),
     ]
     ours = _llm_over(front).generate(prompts, params, use_tqdm=False)
     refs = local.generate(prompts, params, use_tqdm=False)

@@ -108,6 +108,15 @@ class FrontEnd:
         self.default_sampling_params = diff_sampling_params(
             self.source, args.generation_config, args.override_generation_config)
         self.lora = LoRAChecker(args.lora_config(), self.model_config)
+        self.pooler_config = None
+        if self.runner == "pooling":  # the same resolution as the cores' (LLMEngine's)
+            import os
+
+            from pagedserve.pooling_params import PoolerConfig
+
+            path = getattr(self.source, "path", None)
+            self.pooler_config = PoolerConfig.resolve(
+                args.pooler_config, path if path is not None and os.path.isdir(path) else None)
         self.processor = Processor(self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.router = Router(self.client.num_engines, args.data_parallel_routing,
