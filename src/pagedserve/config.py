@@ -31,6 +31,8 @@ ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-fr
 QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
 GGUF_ACTIVATIONS = ("auto", "int8", "dtype")  # as layers.quantization.GGUF_ACTIVATIONS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+DATA_PARALLEL_ROUTINGS = ("prefix", "least-load", "round-robin")  # as engine.dp_router's
 
 
 def parse_cpu_list(spec: str, limit: int | None = None) -> list[int]:
@@ -271,6 +273,41 @@ class EngineArgs:
         None, "LoRA adapters kept loaded in CPU memory, least recently used dropped first "
         "(default: max_loras)")
 
+    pipeline_parallel_size: int = option(
+        1, "pipeline stages: the decoder layers split into this many contiguous stages, one Ray "
+        "actor each, micro-batches in flight so that the stages overlap (on Ray; "
+        "tensor_parallel_size 1)", aliases=("-pp",))
+    # data parallelism and the engine core apart (vLLM's names; engine/core_client.py)
+    data_parallel_size: int = option(
+        1, "engine cores behind one front end, each with its own scheduler and KV cache (and its "
+        "own tensor_parallel_size workers); requests go to one of them by "
+        "--data-parallel-routing (vLLM's data parallelism)", aliases=("-dp",))
+    data_parallel_backend: str = option(
+        "mp", "where the engine cores run: mp (processes on this machine, its CPUs split "
+        "between them, each core's compute threads bound to its share) or ray (Ray actors, a "
+        "placement group each, across the cluster's machines)", choices=DATA_PARALLEL_BACKENDS, aliases=("-dpb",))
+    data_parallel_routing: str = option(
+        "prefix", "which engine core takes a request: prefix (the one holding its longest "
+        "cached prefix, from the cores' KV events, unless its load exceeds the least loaded "
+        "core's by --data-parallel-load-threshold tokens), least-load (queued + running "
+        "tokens) or round-robin", choices=DATA_PARALLEL_ROUTINGS)
+    data_parallel_load_threshold: int = option(
+        2048, "prefix routing: the most tokens of load the core holding a request's prefix may "
+        "carry over the least loaded core before the request goes to the least loaded one")
+    data_parallel_restart_lost: bool = option(
+        False, "start a fresh engine core in place of one that died (mp backend; it takes "
+        "requests again once its model is loaded); off: the server serves on without it and "
+        "/health reports it lost")
+    engine_core_process: bool = option(
+        False, "run the engine core (scheduler and model) in its own process, the front end "
+        "(tokenizer, detokenizer, HTTP) apart, over a zmq socket (vLLM v1's layout; always so "
+        "with data_parallel_size > 1)")
+    kv_events_config: str | None = option(
+        None, "publish each engine core's KV cache events (block stored / removed / all "
+        "cleared) for external routers, vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}' "
+        "(data-parallel rank r on port + r) (from Python also a dict)")
+
     def lora_config(self):
         """The adapters' limits (`lora.request.LoRAConfig`), or None without enable_lora."""
         if not self.enable_lora:
@@ -351,6 +388,30 @@ class EngineArgs:
             if self.tensor_parallel_size != 1:
                 raise ValueError("enable_lora: LoRA adapters run with tensor_parallel_size=1 "
                                  f"only, got {self.tensor_parallel_size}")
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        if pp > 1:
+            if self.distributed_executor_backend not in (None, "ray"):
+                raise ValueError("pipeline_parallel_size > 1 runs its stages as Ray actors: "
+                                 "distributed_executor_backend must be 'ray', got "
+                                 f"{self.distributed_executor_backend!r}")
+            for name, bad in (("tensor_parallel_size", self.tensor_parallel_size != 1),
+                              ("enable_lora", self.enable_lora),
+                              ("speculative_config", self.speculative_config is not None)):
+                if bad:
+                    raise ValueError(f"pipeline_parallel_size={pp} does not run with {name} "
+                                     f"({getattr(self, name)!r}) yet")
+        for name in ("data_parallel_size", "data_parallel_load_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (
+                    1 if name == "data_parallel_size" else 0):
+                raise ValueError(f"{name} must be an integer >= "
+                                 f"{1 if name == 'data_parallel_size' else 0}, got {value!r}")
+        if self.kv_events_config is not None:
+            from pagedserve.engine.kv_events import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)  # ValueError when malformed
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker in this process; "
                              f"tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or 'ray'")

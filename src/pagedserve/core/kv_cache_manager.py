@@ -130,6 +130,8 @@ class KVCacheManager:
         self._block_key: dict[int, tuple[int, int, tuple[int, ...], int]] = {}
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens found cached
+        # KV cache events (engine/kv_events.py: a KVEventSink), None: none are collected.
+        self.events = None
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_null = num_cpu_blocks
@@ -616,6 +618,10 @@ class KVCacheManager:
                 if block != null and key not in self._cached and block not in self._block_key:
                     self._cached[key] = block
                     self._block_key[block] = (h, parent, tokens, c)
+                    # NOTE: events speak of the first group's blocks only: a prefix is served
+                    # when every group has it, and routers index token chains, not groups.
+                    if c == 0 and self.events is not None:
+                        self.events.stored(h, hashes[i - 1] if i else None, tokens, salt)
 
     def _chain_hash(self, token_ids: list[int], n: int, salt) -> int:
         """The chained hash of the first `n` blocks of `token_ids`."""
@@ -630,6 +636,8 @@ class KVCacheManager:
             k = self._key(key[0], key[3])
             if self._cached.get(k) == block:
                 del self._cached[k]
+                if key[3] == 0 and self.events is not None:
+                    self.events.removed(key[0])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (their contents stay until reused, never matched again).
@@ -638,6 +646,8 @@ class KVCacheManager:
             return False
         self._cached.clear()
         self._block_key.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def prefix_cache_hit_rate(self) -> float:

@@ -75,6 +75,17 @@ def configure_logging() -> None:
         ours.setLevel(logging.INFO)
 
 
+def make_engine(args: EngineArgs):
+    """The engine `LLM` drives: an `LLMEngine` in this process, or, with
+    `data_parallel_size > 1` or `engine_core_process`, the front end of engine cores in their
+    own processes (`engine/mp_engine.py`; the same calls)."""
+    if args.data_parallel_size > 1 or args.engine_core_process:
+        from pagedserve.engine.mp_engine import MPLLMEngine
+
+        return MPLLMEngine(args)
+    return LLMEngine(args)
+
+
 class LLM(PoolingMixin, LLMExtras):
     """Generate text for a batch of prompts with continuous batching over a paged KV cache
     (or, with `runner="pooling"`, pool them: `embed`, `encode`, `score`; engine/llm_pooling.py).
@@ -82,7 +93,7 @@ class LLM(PoolingMixin, LLMExtras):
     Also vLLM's `chat`, `get_default_sampling_params`, `reset_prefix_cache`, `get_metrics`,
     `sleep` / `wake_up` and `collective_rpc` (engine/llm_extras.py).
 
-    >>> llm = LLM()                                   # the embedded Gemma 3 270M
+    >>> llm = LLM()                                   # the default model, SmolLM2-135M-Instruct
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     >>> out[0].outputs[0].text
     """
@@ -92,7 +103,7 @@ class LLM(PoolingMixin, LLMExtras):
         `kv_cache_memory_bytes`, `num_gpu_blocks_override`, `task`, `convert`, ...)."""
         args = EngineArgs(model=model, **_vllm_kwargs(kwargs))
         configure_logging()
-        self.engine = LLMEngine(args)
+        self.engine = make_engine(args)
         self._finished_counts: dict[str, int] = {}  # get_metrics: requests by finish reason
 
     @classmethod
@@ -100,7 +111,7 @@ class LLM(PoolingMixin, LLMExtras):
         """An `LLM` over an engine built from `args` (e.g. `EngineArgs.from_namespace`)."""
         llm = cls.__new__(cls)
         configure_logging()
-        llm.engine = LLMEngine(args)
+        llm.engine = make_engine(args)
         llm._finished_counts = {}
         return llm
 

@@ -46,6 +46,8 @@ class StepStats:
     # A model of several KV layer groups (or a sliding window): per group (name, fraction of
     # the pool's blocks it holds, fraction of its held slots no query reads); else empty.
     kv_groups: list[tuple[str, float, float]] = field(default_factory=list)
+    # The engine core this record is of (data parallelism: vLLM's `engine` label), 0 with one.
+    engine: int = 0
 
 
 @dataclass
@@ -65,6 +67,7 @@ class FinishedRequestStats:
     inference_time: float | None = None  # first scheduled -> finish
     prefill_time: float | None = None  # first scheduled -> first token
     decode_time: float | None = None  # first token -> finish
+    engine: int = 0  # the engine core that ran it (data parallelism), 0 with one
 
 
 class StatsListener(Protocol):

@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # The model the benchmarks measure unless told otherwise: the embedded Gemma 3 270M (the figures
 # in docs/benchmarks.md are its), not the default model of `serve` / `generate`.
 BENCH_MODEL = "gemma-3-270m"
-BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency", "step-overhead")
+BENCHMARKS = ("throughput", "preemption", "serve", "memory", "paper", "latency", "step-overhead",
+              "chat-trace")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -279,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "model, per phase, at 64..4096 sequences")
     add_bench_step_overhead_args(step)
     step.set_defaults(func=cmd_bench)
+
+    from pagedserve.bench.chat_trace import add_bench_chat_trace_args
+
+    chat = bench_sub.add_parser("chat-trace", help="a multi-turn chat trace over data-parallel "
+                                                   "engine cores: routing's prefix-cache hit "
+                                                   "rate, TTFT, a killed core")
+    add_bench_chat_trace_args(chat)
+    EngineArgs.add_cli_args(chat)
+    chat.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server",

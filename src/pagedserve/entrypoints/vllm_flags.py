@@ -6,8 +6,7 @@ Each vLLM flag is handled one of three ways, never with argparse's "unrecognized
   and `entrypoints/openai/cli_args.py`'s server flags);
 - ignored: accepted, and one INFO line at start says it has no effect here and why (as vLLM does
   for GPU-only knobs on CPU);
-- refused: an error at start naming the flag and what is missing ("issue 38": the front end /
-  engine split and data / pipeline parallelism, refused by name until that lands);
+- refused: an error at start naming the flag and what is missing;
 - "only V,...": accepted when its value is what pagedserve does anyway, refused otherwise.
 
 `add_vllm_flags` gives the parser a placeholder for every ignored or refused flag that it does
@@ -28,7 +27,7 @@ from typing import Any
 
 logger = logging.getLogger("pagedserve.flags")
 
-SUPPORTED, IGNORED, REFUSED, ISSUE_38 = "supported", "ignored", "refused", "issue 38"
+SUPPORTED, IGNORED, REFUSED = "supported", "ignored", "refused"
 
 # Why a flag is ignored or refused, by key (the last column of the table).
 REASONS = {
@@ -39,7 +38,7 @@ REASONS = {
     'mamba': 'no Mamba / state-space model is served here',
     'cuda': "a CUDA-only knob (vLLM's GPU path); pagedserve's CUDA path needs no setting",
     'code': 'it loads Python code named on the command line; pagedserve loads no code from outside its package',
-    'issue38': 'data / pipeline parallelism and the split front end (issue 38)',
+    'multinode': 'several nodes, external load balancers and API-server replicas are not built: data-parallel engine cores run on this machine (mp) or a Ray cluster behind one front end (--data-parallel-size, --data-parallel-backend, --data-parallel-routing)',
     'grpc': 'no gRPC front end here: the OpenAI-compatible HTTP server only',
     'fail-on-environ-validation': 'pagedserve validates no VLLM_* environment variables (it reads VLLM_CPU_KVCACHE_SPACE and VLLM_CPU_OMP_THREADS_BIND only)',
     'gdn-prefill-backend': 'no gated-delta-net layers in the models served here',
@@ -146,12 +145,12 @@ REASONS = {
 
 _TABLE = """
 options                 | -h --help                                            | help     | supported         |
-options                 | --headless                                           | flag     | issue 38          | issue38
-options                 | --api-server-count -asc                              | value    | issue 38          | issue38
+options                 | --headless                                           | flag     | refused           | multinode
+options                 | --api-server-count -asc                              | value    | refused           | multinode
 options                 | --config                                             | value    | supported         |
 options                 | --grpc                                               | flag     | refused           | grpc
 options                 | --disable-log-stats                                  | flag     | supported         |
-options                 | --aggregate-engine-logging                           | flag     | issue 38          | issue38
+options                 | --aggregate-engine-logging                           | flag     | refused           | multinode
 options                 | --fail-on-environ-validation                         | bool     | ignored           | fail-on-environ-validation
 options                 | --shutdown-timeout                                   | value    | supported         |
 options                 | --gdn-prefill-backend                                | value    | ignored           | gdn-prefill-backend
@@ -186,16 +185,16 @@ Frontend                | --cohere-format                                      |
 Frontend                | --anthropic-disabled-thinking-effort                 | value    | ignored           | anthropic-disabled-thinking-effort
 Frontend                | --log-error-stack                                    | bool     | ignored           | log-error-stack
 Frontend                | --tokens-only                                        | bool     | refused           | tokens-only
-Frontend                | --enable-scale-out                                   | bool     | issue 38          | issue38
+Frontend                | --enable-scale-out                                   | bool     | refused           | multinode
 Frontend                | --fingerprint-mode                                   | value    | ignored           | fingerprint-mode
 Frontend                | --fingerprint-value                                  | value    | ignored           | fingerprint-mode
 Frontend                | --host                                               | value    | supported         |
 Frontend                | --port                                               | value    | supported         |
 Frontend                | --grpc-port                                          | value    | refused           | grpc
-Frontend                | --data-parallel-supervisor-port                      | value    | issue 38          | issue38
-Frontend                | --dp-supervisor-probe-interval-s                     | value    | issue 38          | issue38
-Frontend                | --dp-supervisor-probe-timeout-s                      | value    | issue 38          | issue38
-Frontend                | --dp-supervisor-probe-failure-threshold              | value    | issue 38          | issue38
+Frontend                | --data-parallel-supervisor-port                      | value    | refused           | multinode
+Frontend                | --dp-supervisor-probe-interval-s                     | value    | refused           | multinode
+Frontend                | --dp-supervisor-probe-timeout-s                      | value    | refused           | multinode
+Frontend                | --dp-supervisor-probe-failure-threshold              | value    | refused           | multinode
 Frontend                | --uds                                                | value    | supported         |
 Frontend                | --uvicorn-log-level                                  | value    | supported         |
 Frontend                | --disable-uvicorn-access-log                         | bool     | supported         |
@@ -282,11 +281,11 @@ MambaConfig             | --mamba-cache-philox-rounds                          |
 StructuredOutputsConfig | --reasoning-parser                                   | value    | supported         |
 StructuredOutputsConfig | --reasoning-parser-plugin                            | value    | refused           | reasoning-parser-plugin
 ParallelConfig          | --distributed-executor-backend                       | value    | supported         |
-ParallelConfig          | --pipeline-parallel-size -pp                         | value    | issue 38          | issue38
-ParallelConfig          | --master-addr                                        | value    | issue 38          | issue38
-ParallelConfig          | --master-port                                        | value    | issue 38          | issue38
-ParallelConfig          | --nnodes -n                                          | value    | issue 38          | issue38
-ParallelConfig          | --node-rank -r                                       | value    | issue 38          | issue38
+ParallelConfig          | --pipeline-parallel-size -pp                         | value    | supported         |
+ParallelConfig          | --master-addr                                        | value    | refused           | multinode
+ParallelConfig          | --master-port                                        | value    | refused           | multinode
+ParallelConfig          | --nnodes -n                                          | value    | refused           | multinode
+ParallelConfig          | --node-rank -r                                       | value    | refused           | multinode
 ParallelConfig          | --distributed-timeout-seconds                        | value    | ignored           | distributed-timeout-seconds
 ParallelConfig          | --cpu-distributed-timeout-seconds                    | value    | ignored           | distributed-timeout-seconds
 ParallelConfig          | --numa-bind                                          | bool     | ignored           | numa-bind
@@ -300,16 +299,16 @@ ParallelConfig          | --dcp-q-replicate                                    |
 ParallelConfig          | --dcp-kv-cache-interleave-size                       | value    | refused           | decode-context-parallel-size
 ParallelConfig          | --cp-kv-cache-interleave-size                        | value    | refused           | decode-context-parallel-size
 ParallelConfig          | --prefill-context-parallel-size -pcp                 | value    | refused           | decode-context-parallel-size
-ParallelConfig          | --data-parallel-size -dp                             | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-rank -dpn                            | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-start-rank -dpr                      | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-size-local -dpl                      | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-address -dpa                         | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-rpc-port -dpp                        | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-backend -dpb                         | value    | issue 38          | issue38
-ParallelConfig          | --data-parallel-hybrid-lb -dph                       | bool     | issue 38          | issue38
-ParallelConfig          | --data-parallel-external-lb -dpe                     | bool     | issue 38          | issue38
-ParallelConfig          | --data-parallel-multi-port-external-lb -dpm          | flag     | issue 38          | issue38
+ParallelConfig          | --data-parallel-size -dp                             | value    | supported         |
+ParallelConfig          | --data-parallel-rank -dpn                            | value    | refused           | multinode
+ParallelConfig          | --data-parallel-start-rank -dpr                      | value    | refused           | multinode
+ParallelConfig          | --data-parallel-size-local -dpl                      | value    | refused           | multinode
+ParallelConfig          | --data-parallel-address -dpa                         | value    | refused           | multinode
+ParallelConfig          | --data-parallel-rpc-port -dpp                        | value    | refused           | multinode
+ParallelConfig          | --data-parallel-backend -dpb                         | value    | supported         |
+ParallelConfig          | --data-parallel-hybrid-lb -dph                       | bool     | refused           | multinode
+ParallelConfig          | --data-parallel-external-lb -dpe                     | bool     | refused           | multinode
+ParallelConfig          | --data-parallel-multi-port-external-lb -dpm          | flag     | refused           | multinode
 ParallelConfig          | --enable-hc-sp                                       | bool     | refused           | enable-hc-sp
 ParallelConfig          | --enable-expert-parallel -ep                         | bool     | supported         |
 ParallelConfig          | --enable-batch-sharded-sampling                      | bool     | ignored           | enable-batch-sharded-sampling
@@ -321,9 +320,9 @@ ParallelConfig          | --ubatch-size                                        |
 ParallelConfig          | --enable-elastic-ep                                  | bool     | ignored           | moe
 ParallelConfig          | --elastic-ep-max-dp-size                             | value    | ignored           | moe
 ParallelConfig          | --dbo-decode-token-threshold                         | value    | ignored           | ubatch-size
-ParallelConfig          | --dp-sync-interval                                   | value    | issue 38          | issue38
+ParallelConfig          | --dp-sync-interval                                   | value    | refused           | multinode
 ParallelConfig          | --dbo-prefill-token-threshold                        | value    | ignored           | ubatch-size
-ParallelConfig          | --disable-nccl-for-dp-synchronization                | bool     | issue 38          | issue38
+ParallelConfig          | --disable-nccl-for-dp-synchronization                | bool     | refused           | multinode
 ParallelConfig          | --enable-eplb                                        | bool     | ignored           | moe
 ParallelConfig          | --eplb-config                                        | value    | ignored           | moe
 ParallelConfig          | --expert-placement-strategy                          | value    | ignored           | moe
@@ -447,7 +446,7 @@ VllmConfig              | --spec-tokens                                        |
 VllmConfig              | --watermark-config                                   | value    | refused           | watermark-config
 VllmConfig              | --diffusion-config -dc                               | value    | refused           | diffusion-config
 VllmConfig              | --kv-transfer-config                                 | value    | refused           | kv-transfer-config
-VllmConfig              | --kv-events-config                                   | value    | issue 38          | issue38
+VllmConfig              | --kv-events-config                                   | value    | supported         |
 VllmConfig              | --ec-transfer-config                                 | value    | refused           | ec-transfer-config
 VllmConfig              | --ec-manager-config                                  | value    | ignored           | text-only
 VllmConfig              | --compilation-config -cc                             | value    | ignored           | compilation-config
@@ -498,7 +497,7 @@ def _parse_table(text: str) -> dict[str, VllmFlag]:
         if how.startswith("only"):
             only = tuple(how[len("only"):].strip().split(",")) if how != "only" else ("",)
             how = "only"
-        if how not in (SUPPORTED, IGNORED, REFUSED, ISSUE_38, "only"):
+        if how not in (SUPPORTED, IGNORED, REFUSED, "only"):
             raise ValueError(f"vllm_flags: bad handling {how!r} for {flags}")
         if key and key not in REASONS:
             raise ValueError(f"vllm_flags: no reason {key!r} for {flags}")

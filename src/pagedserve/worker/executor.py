@@ -261,6 +261,15 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                               getattr(source, "gguf_activations", None)),
                           cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)(),
                           draft=draft, max_model_len=getattr(args, "max_model_len", None))
+    num_stages = getattr(args, "pipeline_parallel_size", 1)
+    if num_stages > 1:  # pipeline stages as Ray actors (worker/pp_executor.py)
+        import dataclasses
+
+        from pagedserve.worker.pp_executor import PipelineExecutor
+
+        if device.type == "cpu":  # the CPUs shared among the stages
+            config = dataclasses.replace(config, num_threads=max(1, cpu_threads // num_stages))
+        return PipelineExecutor(config, num_stages, args.ray_address)
     if backend == "uni":
         return UniExecutor(config, device)
     check_shardable(source.config, world_size)

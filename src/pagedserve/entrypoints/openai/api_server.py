@@ -121,8 +121,14 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
     from pagedserve.lora.serving import add_lora_routes, served_loras
 
     settings.loras = served_loras(engine, args, settings.served_model_names)  # --enable-lora
-    metrics = ServerMetrics(settings.model_name,
-                            prefix=getattr(args, "metrics_prefix", "pagedserve") + ":")
+    prefix = getattr(args, "metrics_prefix", "pagedserve") + ":"
+    num_engines = getattr(engine.engine, "num_engines", 1)
+    if num_engines > 1:  # data parallelism: per-core series with vLLM's `engine` label
+        from pagedserve.entrypoints.openai.metrics import EngineMetrics
+
+        metrics = EngineMetrics(settings.model_name, num_engines, prefix=prefix)
+    else:
+        metrics = ServerMetrics(settings.model_name, prefix=prefix)
     metrics.set_cache_config(_cache_config(engine.engine))
     engine.add_listener(metrics)
     pool = CPUPool()
@@ -206,6 +212,14 @@ def build_app(engine: AsyncLLMEngine, args: Namespace) -> FastAPI:
             return APIError("the engine has stopped after an error", 503).response()
         if not engine.accepting:
             return APIError("the server is not accepting requests", 503).response()
+        lost = getattr(engine, "lost_engines", None)
+        if lost:  # data parallelism: the other engine cores serve on
+            return Response(json.dumps({
+                "status": "degraded",
+                "lost_engines": [{"engine": i, "reason": reason,
+                                  "restarted": bool(engine.engine.restart_lost_cores)}
+                                 for i, reason in sorted(lost.items())]}),
+                media_type="application/json")
         return Response(status_code=200)
 
     # NOTE: one function per method: a route of two methods gives both one operation id, which
@@ -346,6 +360,12 @@ def _cache_config(llm) -> dict[str, Any]:
 
 def _engine_state(llm) -> dict[str, Any]:
     """Check the engine's invariants and report its pools and queues (on the engine thread)."""
+    if hasattr(llm, "engine_states"):  # engine cores in their own processes: summed over them
+        states = llm.engine_states()
+        total = {k: sum(st[k] for st in states) for k in
+                 ("used_blocks", "num_blocks", "running", "waiting", "swapped", "groups",
+                  "preemptions")}
+        return {"invariants_ok": True, "used_cpu_blocks": 0, **total, "engines": states}
     llm.check_invariants()
     kv = llm.kv_manager
     cpu = getattr(kv, "cpu_pool", None)
@@ -505,13 +525,20 @@ def run_server(args: Namespace) -> int:
     from pagedserve.config import EngineArgs
     from pagedserve.engine.llm_engine import LLMEngine
 
-    llm = LLMEngine(EngineArgs.from_namespace(args))
+    engine_args = EngineArgs.from_namespace(args)
     if getattr(args, "disable_access_log_for_endpoints", None):
         _quiet_access_log(args.disable_access_log_for_endpoints)
-    engine = AsyncLLMEngine(
-        llm, max_queued_requests=getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS),
-        log_stats_interval=getattr(args, "log_stats_interval", 10.0) or None,
-    )
+    options = dict(
+        max_queued_requests=getattr(args, "max_queued_requests", DEFAULT_MAX_QUEUED_REQUESTS),
+        log_stats_interval=getattr(args, "log_stats_interval", 10.0) or None)
+    if engine_args.data_parallel_size > 1 or engine_args.engine_core_process:
+        # the engine cores in their own processes, this process the front end (vLLM v1's)
+        from pagedserve.engine.async_mp_engine import AsyncMPEngine
+        from pagedserve.engine.mp_engine import FrontEnd
+
+        engine = AsyncMPEngine(FrontEnd(engine_args), **options)
+    else:
+        engine = AsyncLLMEngine(LLMEngine(engine_args), **options)
     app = build_app(engine, args)
     tls = {name: getattr(args, name) for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
                                                  "ssl_ciphers") if getattr(args, name, None)}

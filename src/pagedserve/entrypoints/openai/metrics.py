@@ -88,22 +88,32 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 prefix: str = PREFIX) -> None:
+                 prefix: str = PREFIX, engine: int | None = None) -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"metrics prefix must be one of {PREFIXES}, got {prefix!r}")
         self.prefix = p = prefix
         self.registry = registry if registry is not None else CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+        # With `engine` (data parallelism: one ServerMetrics per engine core over one registry),
+        # every metric also carries vLLM's `engine` label; the metric families are shared.
+        labels = ["model_name"] + ([] if engine is None else ["engine"])
+        values = (model_name,) + (() if engine is None else (str(engine),))
+        families = _families(self.registry)
+
+        def family(kind, name, doc, names, **kwargs):
+            metric = families.get(p + name)
+            if metric is None:
+                metric = families[p + name] = kind(p + name, doc, names, registry=self.registry,
+                                                   **kwargs)
+            return metric
 
         def gauge(name, doc):
-            return Gauge(p + name, doc, labels, registry=r).labels(model_name)
+            return family(Gauge, name, doc, labels).labels(*values)
 
         def counter(name, doc):
-            return Counter(p + name, doc, labels, registry=r).labels(model_name)
+            return family(Counter, name, doc, labels).labels(*values)
 
         def histogram(name, doc, buckets):
-            return Histogram(p + name, doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
+            return family(Histogram, name, doc, labels, buckets=buckets).labels(*values)
 
         self.num_running = gauge("num_requests_running", "Requests being computed (running).")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -111,20 +121,19 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.cpu_usage = gauge("cpu_cache_usage_perc",
                                "Fraction of CPU swap-pool blocks in use (0-1).")
-        group_usage = Gauge(p + "kv_cache_group_usage_perc",
-                            "Fraction of the KV pool's blocks a layer group holds (0-1).",
-                            labels + ["group"], registry=r)
-        group_waste = Gauge(p + "kv_cache_group_waste_perc",
-                            "Fraction of a layer group's held KV slots that no query reads "
-                            "(empty slots of last blocks, slots behind a sliding window; 0-1).",
-                            labels + ["group"], registry=r)
-        self.group_gauges = lambda name: (group_usage.labels(model_name, name),
-                                          group_waste.labels(model_name, name))
+        group_usage = family(Gauge, "kv_cache_group_usage_perc",
+                             "Fraction of the KV pool's blocks a layer group holds (0-1).",
+                             labels + ["group"])
+        group_waste = family(Gauge, "kv_cache_group_waste_perc",
+                             "Fraction of a layer group's held KV slots that no query reads "
+                             "(empty slots of last blocks, slots behind a sliding window; 0-1).",
+                             labels + ["group"])
+        self.group_gauges = lambda name: (group_usage.labels(*values, name),
+                                          group_waste.labels(*values, name))
         self.preemptions = counter("num_preemptions", "Preemptions (requests evicted).")
-        by_mode = Counter(p + "num_preemptions_by_mode",
-                          "Preemptions by recovery mode (recompute, swap).",
-                          labels + ["mode"], registry=r)
-        self.preemptions_by_mode = {m: by_mode.labels(model_name, m)
+        by_mode = family(Counter, "num_preemptions_by_mode",
+                         "Preemptions by recovery mode (recompute, swap).", labels + ["mode"])
+        self.preemptions_by_mode = {m: by_mode.labels(*values, m)
                                     for m in ("recompute", "swap")}
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
@@ -133,11 +142,12 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.steps = counter("engine_steps", "Engine iterations (one batch each).")
-        success = Counter(p + "request_success", "Requests finished, by finish reason.",
-                          labels + ["finished_reason"], registry=r)
-        self.finished = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        success = family(Counter, "request_success", "Requests finished, by finish reason.",
+                         labels + ["finished_reason"])
+        self.finished = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         self._success = success
         self._model_name = model_name
+        self._values = values
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
                               _LATENCY_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds",
@@ -156,10 +166,9 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total",
                                           "Tokens (prompt + generated) per engine step.",
                                           _ITERATION_BUCKETS)
-        by_reason = Gauge(p + "num_requests_waiting_by_reason",
-                          "Requests waiting, by reason (capacity, deferred).",
-                          labels + ["reason"], registry=r)
-        self.waiting_by_reason = {reason: by_reason.labels(model_name, reason)
+        by_reason = family(Gauge, "num_requests_waiting_by_reason",
+                           "Requests waiting, by reason (capacity, deferred).", labels + ["reason"])
+        self.waiting_by_reason = {reason: by_reason.labels(*values, reason)
                                   for reason in ("capacity", "deferred")}
         self.params_n = histogram("request_params_n", "The n (or best_of) of each request.",
                                   (1, 2, 5, 10, 20))
@@ -173,16 +182,18 @@ class ServerMetrics:
                                       _REQUEST_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Request time from first token to finish.", _REQUEST_BUCKETS)
-        self.spec = _SpecMetrics(counter, gauge, Counter(
-            p + "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens, by position in the draft.", labels + ["position"], registry=r),
-            model_name)
+        self.spec = _SpecMetrics(counter, gauge, family(
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by position in the draft.", labels + ["position"]), values)
         self.request_preemptions = histogram("request_num_preemptions",
                                              "Preemptions of each finished request.",
                                              (0, 1, 2, 5, 10, 20))
 
     def set_cache_config(self, info: dict[str, object]) -> None:
         """`cache_config_info`: the KV cache's configuration as labels (value 1), as vLLM's."""
+        if self.prefix + "cache_config_info" in _families(self.registry):
+            return  # (one per registry: the engine cores of a data-parallel server share it)
+        _families(self.registry)[self.prefix + "cache_config_info"] = None
         labels = {k: str(v) for k, v in info.items()}
         Gauge(self.prefix + "cache_config_info", "Information of the KV cache configuration.",
               list(labels), registry=self.registry).labels(**labels).set(1)
@@ -221,7 +232,7 @@ class ServerMetrics:
     def on_request_finished(self, stats: FinishedRequestStats) -> None:
         counter = self.finished.get(stats.finish_reason)
         if counter is None:
-            counter = self._success.labels(self._model_name, stats.finish_reason)
+            counter = self._success.labels(*self._values, stats.finish_reason)
         counter.inc()
         self.e2e.observe(stats.e2e_latency)
         if stats.queue_time is not None:
@@ -243,11 +254,46 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _families(registry: CollectorRegistry) -> dict:
+    """The metric families made in `registry` by ServerMetrics objects, by name (shared by the
+    per-engine ServerMetrics of a data-parallel server)."""
+    families = getattr(registry, "_pagedserve_families", None)
+    if families is None:
+        families = registry._pagedserve_families = {}
+    return families
+
+
+class EngineMetrics:
+    """The metrics of a server over several engine cores: one `ServerMetrics` per core over one
+    registry, every series labelled with vLLM's `engine` (its index); step and request records
+    go to their core's (`StepStats.engine`, `FinishedRequestStats.engine`)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, num_engines: int, prefix: str = PREFIX) -> None:
+        self.registry = CollectorRegistry()
+        self.per_engine = [ServerMetrics(model_name, self.registry, prefix, engine=i)
+                           for i in range(num_engines)]
+        self.prefix = prefix
+
+    def set_cache_config(self, info: dict[str, object]) -> None:
+        self.per_engine[0].set_cache_config(info)
+
+    def on_step(self, stats: StepStats) -> None:
+        self.per_engine[stats.engine].on_step(stats)
+
+    def on_request_finished(self, stats: FinishedRequestStats) -> None:
+        self.per_engine[stats.engine].on_request_finished(stats)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 class _SpecMetrics:
     """Speculative decoding's counters (vLLM's names) and our rate gauges, fed the engine's
     cumulative totals (`StepStats.spec_totals`): each update adds what grew since the last."""
 
-    def __init__(self, counter, gauge, per_pos: Counter, model_name: str) -> None:
+    def __init__(self, counter, gauge, per_pos: Counter, values: tuple[str, ...]) -> None:
         self.drafts = counter("spec_decode_num_drafts", "Drafts verified (one per row).")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -258,7 +304,7 @@ class _SpecMetrics:
         self.draft_share = gauge("spec_decode_draft_time_share",
                                  "Share of the engine's step time spent proposing drafts.")
         self._per_pos = per_pos
-        self._model_name = model_name
+        self._values = values
         self._last = (0, 0, 0, (), 0.0, 0.0)
 
     def update(self, totals: tuple) -> None:
@@ -270,7 +316,7 @@ class _SpecMetrics:
         for pos, count in enumerate(per_pos):
             before = last[3][pos] if pos < len(last[3]) else 0
             if count > before:
-                self._per_pos.labels(self._model_name, str(pos)).inc(count - before)
+                self._per_pos.labels(*self._values, str(pos)).inc(count - before)
         if draft_tokens:
             self.acceptance_rate.set(accepted / draft_tokens)
         if drafts:
