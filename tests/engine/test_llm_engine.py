@@ -248,7 +248,7 @@ def test_invalid_sampling_params_and_prompts_raise_value_errors(checkpoints):
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate("x", SamplingParams(logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="prompts"):
-        llm.generate([123], use_tqdm=False)
+        llm.generate([None], use_tqdm=False)  # (a bare list of token ids is a prompt: vLLM's)
     assert not llm.engine.has_unfinished_requests()
 
 

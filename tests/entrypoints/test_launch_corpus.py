@@ -139,7 +139,7 @@ def test_launch_command_starts_and_answers_a_chat(index, tiny_llama, files, monk
             assert (args.max_model_len, args.max_num_seqs, args.enable_prefix_caching) == \
                 (256, 4, False)
 
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="pagedserve"):  # (bench paper quiets it)
         serve(argv, check, monkeypatch)
     text = caplog.text
     assert "engine ready" in text
