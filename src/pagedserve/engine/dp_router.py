@@ -14,7 +14,8 @@ request the front end has in flight on it, kept current by the front end as requ
 advance and end (`add_load`), so routing between two steps already sees the requests routed
 a moment ago. Lost cores (`mark_dead`) are never chosen.
 
-Pure Python (no torch): the Ray Serve router (`entrypoints/ray_serve.py`) uses the same class.
+Pure Python (no torch), so that a Ray Serve request router could reuse it (not built yet:
+docs/architecture.md).
 """
 
 from __future__ import annotations
