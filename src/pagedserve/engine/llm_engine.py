@@ -155,15 +155,14 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         freeze_startup_heap()  # full collections skip the startup heap (engine/gc_pause.py)
         kv_bytes = self.num_kv_blocks * bytes_per_block(
             self.executor.kv_cache_spec, args.block_size, self.dtype,
-            draft=self.executor.draft_kv_cache_spec)
+            draft=self.executor.draft_kv_cache_spec, hybrid=self.kv_hybrid)
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
             "in cache, %.2f GiB), max_model_len=%d, maximum concurrency for %d tokens per "
             "request: %.2fx",
             self.source.name, self.dtype, self.device, self.num_kv_blocks, args.block_size,
             self.num_kv_blocks * args.block_size, kv_bytes / 2**30, self.max_model_len,
-            self.max_model_len,
-            max_concurrency(self.num_kv_blocks, args.block_size, self.max_model_len),
+            self.max_model_len, self.max_concurrency,  # the layout's (see _build_cache)
         )
 
     def _model_dir(self):

@@ -45,11 +45,10 @@ MAX_HEADS_PER_CALL = 64
 def latent_cache(kv_cache: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
     """The layer's latent cache `[N + 1, B, 1, r + rope]` out of the pair the runner passes.
 
-    NOTE: the one place MLA reads its cache. With today's uniform `models.base.KVCacheSpec`
-    every layer gets a K and a V tensor; an MLA layer declares one KV head of `r + rope` values
-    and stores its latent in the K tensor only, so the V tensor (as large) is allocated but never
-    read or written -- half the KV memory wasted. A per-layer-type cache (an MLA spec with no V
-    tensor) changes only this function and the model's spec."""
+    NOTE: the one place MLA reads its cache. An MLA model declares `MLASpec(r + rope)` on every
+    layer (models/deepseek_v2.py), so the KV cache allocates one tensor per layer slot and passes
+    `(latent, None)`: no V tensor (worker/kv_cache.py). The attention backend still gets the
+    latent as both K and V cache (its value is the latent's first r values, `_attend`)."""
     return kv_cache[0]
 
 

@@ -38,6 +38,11 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     layers: tuple | None = None
+    # Pipeline stages (worker/pp_executor.py): the `[first, last)` model layers each stage's
+    # worker holds the K / V of. The layout (groups, columns, block tables) stays the whole
+    # model's; a worker allocates only its stage's layer slots, and a block's bytes are those
+    # of the stage holding the most (`worker.kv_cache.held_slots`). None: one worker holds all.
+    stages: tuple[tuple[int, int], ...] | None = None
 
     def layer_specs(self) -> tuple:
         """One spec per layer (`layers`, or full attention everywhere)."""

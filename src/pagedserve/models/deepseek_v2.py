@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.core.kv_spec import MLASpec
 from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.linear import VocabParallelEmbedding
 from pagedserve.layers.mla import MLAttention
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
+from pagedserve.models.base import DecoderStack, KVCache, KVCacheSpec, PagedCausalLM
 from pagedserve.models.llama import LlamaMLP
 
 
@@ -148,8 +149,9 @@ class DeepseekV2Model(DecoderStack):
 
 class DeepseekV2ForCausalLM(PagedCausalLM):
     """DeepSeek V2 / V2-Lite on a paged latent cache (see `pagedserve.models.base.CausalLM`);
-    `tp` makes it this rank's shard. Its KV cache spec is one "head" of `kv_lora_rank +
-    qk_rope_head_dim` values per layer (`layers.mla.latent_cache`)."""
+    `tp` makes it this rank's shard. Its KV cache spec is `MLASpec(kv_lora_rank +
+    qk_rope_head_dim)` on every layer: one latent row per token per layer, no V tensor
+    (`layers.mla.latent_cache`; whole on every tensor-parallel rank)."""
 
     tied_by_default = False
     v3 = False  # V3's routing defaults (sigmoid, noaux_tc)
@@ -160,6 +162,11 @@ class DeepseekV2ForCausalLM(PagedCausalLM):
         self.model = DeepseekV2Model(config, v3=self.v3, expert_parallel=self.expert_parallel, tp=tp)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size, num_kv_heads=1,
                         head_dim=config.kv_lora_rank + config.qk_rope_head_dim, tp=tp)
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        n = config.num_hidden_layers
+        # NOTE: the cache allocates one `[blocks, block_size, 1, latent]` tensor per layer slot
+        # and V None (worker/kv_cache.py); `MLAttention` reads only K (`latent_cache`).
+        self.kv_cache_spec = KVCacheSpec(n, 1, latent, layers=(MLASpec(latent),) * n)
         self._placement = next((layer.mlp.placement for layer in self.model.layers
                                 if hasattr(layer.mlp, "placement")), None)
 

@@ -21,6 +21,7 @@ blocks without a float copy (`layers.mxfp4`). `load_weights` maps both onto the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -135,6 +136,12 @@ class GptOssForCausalLM(PagedCausalLM):
         self.model = GptOssModel(config, tp=tp)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,
                         num_kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config), tp=tp)
+        # Every layer adds its sink logits: `sinks=True` on each layer's spec (sliding or full).
+        # NOTE: sinks are no memory rule (core/kv_spec.py): the sliding layers form one group
+        # and the full layers another, as without sinks.
+        spec = self.kv_cache_spec
+        self.kv_cache_spec = dataclasses.replace(spec, layers=tuple(
+            dataclasses.replace(s, sinks=True) for s in spec.layer_specs()))
 
     def backbone(self) -> nn.Module:
         return self.model

@@ -15,15 +15,36 @@ def kv_layout(spec: KVCacheSpec, hybrid: bool = True) -> KVLayout:
     return KVLayout.from_specs(spec.layer_specs(), hybrid)
 
 
+def held_slots(spec: KVCacheSpec, layout: KVLayout) -> list[tuple[int, ...]]:
+    """Per pipeline stage of `spec` (`KVCacheSpec.stages`; one entry, every layer, without
+    stages), the layer slots of `layout` its layers sit in: the slot tensors its worker
+    allocates.
+
+    NOTE: every stage sees the whole model's layout, so the scheduler's block tables (every
+    group's columns) hold on all stages unchanged; a block id is backed on each stage by the
+    slots of that stage's layers only. A stage whose layers share a slot with another stage's
+    (a hybrid layout's lane spanning the cut) allocates that slot too."""
+    stages = spec.stages or ((0, layout.num_layers),)
+    for first, last in stages:
+        if not 0 <= first < last <= layout.num_layers:
+            raise ValueError(f"KVCacheSpec.stages: layers [{first}, {last}) outside the model's "
+                             f"{layout.num_layers} layers")
+    return [tuple(sorted({layout.layer_slot[i] for i in range(first, last)}))
+            for first, last in stages]
+
+
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype,
                     draft: KVCacheSpec | None = None, hybrid: bool = True) -> int:
-    """Bytes one pool block takes: `block_size` tokens of the layers one block holds (every
-    layer with one group; a lane of a group with several, see `kv_layout`); with a draft
+    """Bytes one pool block takes on one worker: `block_size` tokens of the layers one block
+    holds (every layer with one group; a lane of a group with several, see `kv_layout`; with
+    pipeline stages, those of the stage holding the most slots, see `held_slots`); with a draft
     model's KV spec (`draft`, speculative decoding: its cache has the same blocks,
     worker/spec_draft.py), its part too."""
     elem = torch.empty((), dtype=dtype).element_size()
     extra = bytes_per_block(draft, block_size, dtype, hybrid=False) if draft is not None else 0
-    return kv_layout(spec, hybrid).bytes_per_block(block_size, elem) + extra
+    layout = kv_layout(spec, hybrid)
+    per_slot = layout.bytes_per_block(block_size, elem) // layout.slots
+    return per_slot * max(len(s) for s in held_slots(spec, layout)) + extra
 
 
 def num_blocks_for_budget(
@@ -92,7 +113,8 @@ class KVCache:
     one tensor `[num_blocks + 1, block_size, 1, latent_dim]`, V None). `layers[l]` is model
     layer `l`'s pair: its slot's tensors, read through its column of the block tables
     (`layout.layer_column`). One group (`hybrid=False`, or a uniform model): one slot per layer,
-    the table's one column.
+    the table's one column. A pipeline stage's cache (`KVCacheSpec.stages`) allocates only its
+    layers' slots: the others, and so the other stages' `layers[l]`, are `(None, None)`.
 
     NOTE: block `num_blocks` (the last) is the null block: never handed out by the block pool,
     never written, always zero. Attention pads block tables with it, and the tables of a
@@ -124,27 +146,32 @@ class KVCache:
         tensors, heads, head_dim = page.page_shape()
         shape = (num_blocks + 1, block_size, heads, head_dim)
 
-        def pair(shape, **kw):
+        # The slots this worker holds: all, or a pipeline stage's (`held_slots`); the others
+        # stay (None, None) and its layers never read them.
+        held = {u for stage in held_slots(spec, self.layout) for u in stage}
+        self.device = torch.device(device)
+
+        def pair(u, shape, **kw):
+            if u not in held:
+                return (None, None)
             return (torch.empty(shape, dtype=dtype, **kw),
                     torch.empty(shape, dtype=dtype, **kw) if tensors == 2 else None)
 
         # NOTE: uninitialised on purpose (no page is touched until written: a large budget costs
         # nothing up front). Attention never reads a slot before it is written: padding and
         # positions past a sequence's length read the null block, which alone is zeroed.
-        self.slots: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-            pair(shape, device=device) for _ in range(self.layout.slots)]
-        for k, v in self.slots:
-            k[num_blocks].zero_()
-            if v is not None:
-                v[num_blocks].zero_()
+        self.slots: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [
+            pair(u, shape, device=device) for u in range(self.layout.slots)]
+        for t in _tensors(self.slots):
+            t[num_blocks].zero_()
         self.layers = [self.slots[u] for u in self.layout.layer_slot]
         # The CPU swap pool: the same block shape, in host memory (pinned where the platform
         # says: CUDA).
         self.num_cpu_blocks = num_cpu_blocks
         pin = (platform or platform_for(device)).pin_memory
         cpu_shape = (num_cpu_blocks, block_size, heads, head_dim)
-        self.cpu_slots = [pair(cpu_shape, pin_memory=pin)
-                          for _ in range(self.layout.slots)] if num_cpu_blocks else []
+        self.cpu_slots = [pair(u, cpu_shape, pin_memory=pin)
+                          for u in range(self.layout.slots)] if num_cpu_blocks else []
 
     @property
     def cpu_layers(self) -> list:
@@ -165,9 +192,8 @@ class KVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks `src -> dst` in every slot tensor (copy-on-write), one batched op a
         tensor."""
-        device = self.slots[0][0].device
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         for t in _tensors(self.slots):
             t.index_copy_(0, dst, t.index_select(0, src))
 
@@ -181,7 +207,7 @@ class KVCache:
 
     @staticmethod
     def _transfer(pairs, src_slots, dst_slots) -> None:
-        src_dev, dst_dev = src_slots[0][0].device, dst_slots[0][0].device
+        src_dev, dst_dev = _tensors(src_slots)[0].device, _tensors(dst_slots)[0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         non_blocking = src_dev.type == "cuda" or dst_dev.type == "cuda"
@@ -192,11 +218,12 @@ class KVCache:
         """Overwrite blocks with a value (tests fill freed blocks with NaN to prove paging)."""
         if not blocks:
             return
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.slots[0][0].device)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for t in _tensors(self.slots):
             t.index_fill_(0, idx, value)
 
 
 def _tensors(slots):
-    """Every tensor of the slots (K, then V where there is one)."""
+    """Every tensor of the slots (K, then V where there is one; none of a slot this worker does
+    not hold)."""
     return [t for pair in slots for t in pair if t is not None]

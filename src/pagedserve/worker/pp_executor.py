@@ -2,10 +2,17 @@
 contiguous stages, one Ray actor each, micro-batches in flight so that the stages overlap.
 
 Stage s holds layers `[a_s, a_{s+1})` (even shares, the first stages one more when P does not
-divide them), the KV cache of those layers only (the same block count on every stage: the
-scheduler's block tables hold on all of them), and runs `embed` (for the layers' RoPE inputs;
+divide them), the KV cache of those layers only, and runs `embed` (for the layers' RoPE inputs;
 stage 0 also its token embeddings) and its layers; the last stage also the final norm, the LM
 head and the sampler (the per-request generators live there).
+
+The KV cache: every stage lays out the whole model's layer groups (core/kv_spec.py: sliding
+window, full, latent), so the scheduler's block tables -- one column per group lane -- and its
+per-group block accounting are those of one stage, unchanged, and hold on every stage; the same
+block count everywhere. A stage allocates only the layer slots of its own layers
+(`KVCacheSpec.stages`, `worker.kv_cache.held_slots`), and the engine sizes a block by the stage
+holding the most. A model of one group (every layer in one lane) thus keeps 1/P of its KV per
+stage; a hybrid model's lane that spans a stage cut is allocated on both stages.
 
 A step: the driver's `StepEncoder` delta goes once into Ray's object store and every stage
 decodes it into the same `StepInput` (the same persistent-batch protocol as tensor
@@ -73,8 +80,12 @@ class _Stage:
             if not stage.is_first:
                 x = stage.input  # [T, H]
             layers = self.decoder_layers()
-            for j, i in enumerate(range(stage.first, stage.last)):
-                x = layers[i](x, *extras[i], kv_caches[j], meta)  # [T, H]
+            # NOTE: `kv_caches` and `meta.per_layer` (several KV groups: each layer's column)
+            # are indexed by model layer; the other stages' entries hold no tensors.
+            metas = meta.per_layer
+            for i in range(stage.first, stage.last):
+                m = metas[i] if metas else meta
+                x = layers[i](x, *extras[i], kv_caches[i], m)  # [T, H]
             if not stage.is_last:
                 stage.output = x
                 return x
@@ -84,16 +95,8 @@ class _Stage:
         if not is_last:  # no LM head runs here (the runner does not sample: sample=False)
             model.greedy_tokens = lambda hidden: None
             model.compute_logits = lambda hidden: hidden.new_zeros(hidden.shape[0], 1)
-        spec = model.kv_cache_spec
-        layers = spec.layer_specs()
-        # NOTE: the engine lays out one pool of groups for every stage (the fullest stage's
-        # spec): a model of several KV layer groups would need that layout per stage.
-        if len(set(layers)) > 1:
-            raise ValueError("pipeline_parallel_size > 1 with a model of several KV layer groups "
-                             "(sliding-window, latent or sink layers beside full attention) is "
-                             "not supported yet; use tensor_parallel_size or data_parallel_size")
-        model.kv_cache_spec = dataclasses.replace(spec, num_layers=last - first,
-                                                  layers=layers[first:last])
+        # The whole model's layer specs (its groups' layout), this stage's layers' slots held.
+        model.kv_cache_spec = dataclasses.replace(model.kv_cache_spec, stages=((first, last),))
 
 
 class StageActor:
@@ -171,13 +174,7 @@ class PipelineExecutor(Executor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        self.num_stages = num_stages
-        self.num_micro = num_micro or num_stages
-        self.encoder = StepEncoder()
-        self.stats = CommStats()
-        self.micro_batches = 0  # micro-batches run (over all steps)
-        self._closed = False
-        self._actors: list[Any] = []
+        self._setup(num_stages, num_micro)
         gpu = config.device_type == "cuda"
         bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
         self._pg = placement_group([bundle] * num_stages, strategy="PACK")
@@ -200,8 +197,41 @@ class PipelineExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        # the block budget is per stage: sized by the stage holding the most layers
-        self.kv_cache_spec = max((i.kv_cache_spec for i in infos), key=lambda s: s.num_layers)
+        self._adopt(infos)
+
+    @classmethod
+    def in_process(cls, config: WorkerConfig, num_stages: int,
+                   num_micro: int | None = None) -> "PipelineExecutor":
+        """The stages as objects in this process, called one after the other (no overlap, no
+        Ray): the same stage code, micro-batches and block operations as on Ray, for tests and
+        debugging."""
+        self = cls.__new__(cls)
+        Executor.__init__(self)
+        self._ray, self._owns_ray, self._pg = _InProcessRay, False, None
+        self._setup(num_stages, num_micro)
+        try:
+            self._actors = [_InProcessHandle(StageActor()) for _ in range(num_stages)]
+            self._adopt([actor.start.remote(config, stage, num_stages)
+                         for stage, actor in enumerate(self._actors)])
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def _setup(self, num_stages: int, num_micro: int | None) -> None:
+        self.num_stages = num_stages
+        self.num_micro = num_micro or num_stages
+        self.encoder = StepEncoder()
+        self.stats = CommStats()
+        self.micro_batches = 0  # micro-batches run (over all steps)
+        self._closed = False
+        self._actors: list[Any] = []
+
+    def _adopt(self, infos: list[ModelInfo]) -> None:
+        """The engine's view of the started stages: one KV layout for all of them, a block's
+        bytes those of the stage holding the most layer slots (worker.kv_cache.bytes_per_block)."""
+        self.kv_cache_spec = dataclasses.replace(
+            infos[0].kv_cache_spec, stages=tuple(s for i in infos for s in i.kv_cache_spec.stages))
         self.num_params = infos[0].num_params
         self.draft_kv_cache_spec = None
 
@@ -239,6 +269,10 @@ class PipelineExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        if self._pg is None:  # in process
+            for actor in self._actors:
+                actor.close.remote()
+            return
         ray = self._ray
         for actor in self._actors:
             try:
@@ -257,3 +291,29 @@ class PipelineExecutor(Executor):
             return self._ray.get(refs)
         except self._ray.exceptions.RayError as e:
             raise self._fail(WorkerDiedError(f"a pipeline stage (Ray actor) failed: {e}")) from None
+
+
+class _InProcessHandle:
+    """A stage object called as a Ray actor handle: `handle.method.remote(*args)` runs the
+    method at once and returns its result (the "object reference")."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        return types.SimpleNamespace(remote=getattr(self._obj, name))
+
+
+class _InProcessRay:
+    """What the executor calls of Ray, for stages in this process: references are values."""
+
+    class exceptions:  # noqa: N801 -- Ray's names
+        RayError = ()  # nothing to catch: a stage's exception propagates as it is
+
+    @staticmethod
+    def put(value: Any) -> Any:
+        return value
+
+    @staticmethod
+    def get(refs: Any, timeout: float | None = None) -> Any:
+        return refs

@@ -388,7 +388,7 @@ def _memory_tensors(llm) -> tuple[list, list]:
     kv = getattr(llm.executor, "kv_cache", None)
     kv_tensors = [t for pairs in (getattr(kv, "layers", None) or [],
                                   getattr(kv, "cpu_layers", None) or [])
-                  for k, v in pairs for t in (k, v)]
+                  for k, v in pairs for t in (k, v) if t is not None]  # MLA: V None
     model = getattr(llm, "model", None)
     params = [*model.parameters(), *model.buffers()] if model is not None else []
     return kv_tensors, params
