@@ -150,6 +150,26 @@ def test_biases_gelu_and_expert_parallel_ranks_equal_the_loop():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpt_oss_clamped_swiglu_over_mxfp4_equals_the_loop(dtype):
+    """gpt-oss's experts (models.gpt_oss.ClampedSwiGLU with biases, MXFP4 blocks as its GGUF /
+    checkpoint holds them) in the one call; x large enough that both clamps engage."""
+    from pagedserve.models.gpt_oss import ClampedSwiGLU
+
+    act = ClampedSwiGLU(1.702, 7.0)
+    m = _experts(("mxfp4", "mxfp4", "mxfp4"), dtype, act=act, bias=True)
+    act.ops = CPU_OPS
+    for t in (3, 40):
+        weights, ids = _route(t, seed=t)
+        x = (torch.randn(t, H, generator=torch.Generator().manual_seed(t)) * 12).to(dtype)
+        fused, loop = _fused_and_loop(m, x, weights, ids)
+        assert torch.equal(fused, loop), f"{t} tokens: max diff {(fused - loop).abs().max()}"
+    gate = CPU_OPS.linear(x, m.expert_weight("gate_proj", 0), m.gate_proj_bias[0])
+    up = CPU_OPS.linear(x, m.expert_weight("up_proj", 0), m.up_proj_bias[0])
+    assert (gate > 7).any() and (up.abs() > 7).any()  # the clamps mattered
+
+
+@torch.no_grad()
 def test_a_tokens_result_does_not_depend_on_its_batch_with_batch_invariant_weights():
     """`--batch-invariant` (QuantSpec.batch_invariant): every expert runs the 8-bit GEMV at any
     row count, so a token's bits are the same alone, reversed and among 40 others; without it an

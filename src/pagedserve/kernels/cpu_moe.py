@@ -22,8 +22,10 @@ from pagedserve.kernels.cpu_fp32 import fp32_kernels_available
 from pagedserve.kernels.cpu_gemm import linear_isa
 from pagedserve.kernels.cpu_qlinear import gemm_rows
 
-# The activation kernels' names (layers.activation) -> the op's codes (fp32_activation's)
-ACTS = {"silu": 0, "gelu_tanh": 1}
+# The activation kernels' names (layers.activation) -> the op's codes (fp32_activation's for the
+# first two); "clamped_swiglu": gpt-oss's (models.gpt_oss.ClampedSwiGLU, its sigmoid
+# fp32_activation's), with its (alpha, limit)
+ACTS = {"silu": 0, "gelu_tanh": 1, "clamped_swiglu": 2}
 
 
 def _format(w: torch.Tensor, x_dtype: torch.dtype, isa: int) -> tuple[int, int] | None:
@@ -47,8 +49,9 @@ def moe_experts(
     gate: torch.Tensor,  # [E, I, ...] stacked: quantized blocks or bf16
     up: torch.Tensor,  # [E, I, ...]
     down: torch.Tensor,  # [E, H, ...]
-    act: str,  # "silu" | "gelu_tanh": the Activation kernel's name
+    act: str,  # "silu" | "gelu_tanh": the Activation kernel's name; or "clamped_swiglu"
     biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
+    act_params: tuple[float, float] = (0.0, 0.0),  # "clamped_swiglu": (alpha, limit)
 ) -> torch.Tensor | None:  # [T, H] fp32
     """See the module docstring. None (the caller runs its loop) when the kernels are unavailable,
     gradients are needed, x is not a bf16 / fp32 CPU matrix, a weight is neither quantized nor
@@ -68,4 +71,5 @@ def moe_experts(
     b32 = [None if b is None else b.detach().float().contiguous() for b in biases]
     return torch.ops.pagedserve_cpu.moe_experts.default(
         x.contiguous(), weights.float().contiguous(), ids.long().contiguous(), int(expert_start),
-        gate, up, down, [f[0] for f in formats], [f[1] for f in formats], *b32, ACTS[act], isa)
+        gate, up, down, [f[0] for f in formats], [f[1] for f in formats], *b32, ACTS[act],
+        float(act_params[0]), float(act_params[1]), isa)

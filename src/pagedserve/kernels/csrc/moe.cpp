@@ -79,7 +79,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
                        int64_t expert_start, const at::Tensor& w_gate, const at::Tensor& w_up,
                        const at::Tensor& w_down, const std::vector<int64_t>& fmts,
                        const std::vector<int64_t>& gemm_rows, const OptTensor& b_gate,
-                       const OptTensor& b_up, const OptTensor& b_down, int64_t act, int64_t isa) {
+                       const OptTensor& b_up, const OptTensor& b_down, int64_t act, double alpha,
+                       double limit, int64_t isa) {
   ps_isa::check_isa("moe_experts", isa);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -90,7 +91,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
                   topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_contiguous(),
               "moe_experts: topk_ids (int64) and topk_weights (float32) must be contiguous [T, k]");
   TORCH_CHECK(fmts.size() == 3 && gemm_rows.size() == 3, "moe_experts: 3 formats and 3 gemm_rows (gate, up, down)");
-  TORCH_CHECK(act == 0 || act == 1, "moe_experts: act must be 0 (silu) or 1 (gelu tanh)");
+  TORCH_CHECK(act >= 0 && act <= 2, "moe_experts: act must be 0 (silu), 1 (gelu tanh) or 2 (clamped SwiGLU)");
   const int64_t E = w_gate.size(0), I = w_gate.size(1);
   check_stack("w_gate", w_gate, fmts[0], E, I, H);
   check_stack("w_up", w_up, fmts[1], E, I, H);
@@ -193,9 +194,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
       p_gate[size_t(i)].run(gate_p + lo * I * es, I, 0, nb, ne);
       p_up[size_t(i)].run(up_p + lo * I * es, I, 0, nb, ne);
       if (wide)
-        vec_avx512::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act);
+        vec_avx512::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act,
+                                     float(alpha), float(limit));
       else
-        vec_avx2::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act);
+        vec_avx2::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act,
+                              float(alpha), float(limit));
     }
     // 3. set up down
 #pragma omp for schedule(dynamic, 1)
@@ -236,7 +239,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, int expert_start, Tensor w_gate, "
         "Tensor w_up, Tensor w_down, int[] fmts, int[] gemm_rows, Tensor? b_gate, Tensor? b_up, "
-        "Tensor? b_down, int act, int isa) -> Tensor");
+        "Tensor? b_down, int act, float alpha, float limit, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("moe_experts", &moe_experts); }

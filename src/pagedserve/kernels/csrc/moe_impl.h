@@ -72,6 +72,14 @@ inline void moe_store_bf16(uint16_t* p, V16 rounded, int64_t n) {
   std::memcpy(p, out, size_t(n) * sizeof(uint16_t));
 }
 
+inline V16 v_min(V16 a, V16 b) {
+#if PS_VEC == 512
+  return {_mm512_min_ps(a.v, b.v)};
+#else
+  return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)};
+#endif
+}
+
 inline V16 moe_load(const float* p, int64_t n) { return n == 16 ? v_load(p) : v_load_n(p, n); }
 inline V16 moe_load(const uint16_t* p, int64_t n) { return n == 16 ? v_load_bf16(p) : v_load_bf16_n(p, n); }
 inline void moe_store(float* p, V16 a, int64_t n) {
@@ -81,23 +89,37 @@ inline void moe_store(float* p, V16 a, int64_t n) {
 
 // h = act(g) * u over `rows` rows (row stride ld) and columns [c0, c1): bf16 (act rounded to
 // bf16, then the product rounded) or fp32. act: 0 silu, 1 tanh-GELU (fp32_activation's codes).
+// act 2: gpt-oss's clamped SwiGLU (models/gpt_oss.py, ClampedSwiGLU) with alpha / limit:
+//   g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + 1) * (g * sigmoid(g * alpha))
+// op for op as torch runs it there, each result rounded to bf16 as torch's bf16 ops round them
+// (bf16), the sigmoid by fp32_activation's formula (act_formula.h's act 2).
 inline void moe_act_mul(const void* g, const void* u, void* h, int64_t rows, int64_t ld, int64_t c0,
-                        int64_t c1, bool bf16, int64_t act) {
+                        int64_t c1, bool bf16, int64_t act, float alpha, float limit) {
+  const V16 lim = v_set1(limit), neg_lim = v_set1(-limit), one = v_set1(1.0f), al = v_set1(alpha);
+  auto rnd = [bf16](V16 a) { return bf16 ? moe_round_bf16(a) : a; };
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = c0; c < c1; c += 16) {
       const int64_t n = std::min<int64_t>(16, c1 - c), off = r * ld + c;
+      V16 gv, uv;
       if (bf16) {
-        const auto* gp = static_cast<const uint16_t*>(g) + off;
-        const auto* up = static_cast<const uint16_t*>(u) + off;
-        const V16 a = moe_round_bf16(moe_act::act_v(moe_act::V{moe_load(gp, n)}, act).r);
-        const V16 y = moe_round_bf16(v_mul(a, moe_load(up, n)));
-        moe_store_bf16(static_cast<uint16_t*>(h) + off, y, n);
+        gv = moe_load(static_cast<const uint16_t*>(g) + off, n);
+        uv = moe_load(static_cast<const uint16_t*>(u) + off, n);
       } else {
-        const float* gp = static_cast<const float*>(g) + off;
-        const float* up = static_cast<const float*>(u) + off;
-        const V16 a = moe_act::act_v(moe_act::V{moe_load(gp, n)}, act).r;
-        moe_store(static_cast<float*>(h) + off, v_mul(a, moe_load(up, n)), n);
+        gv = moe_load(static_cast<const float*>(g) + off, n);
+        uv = moe_load(static_cast<const float*>(u) + off, n);
       }
+      V16 y;
+      if (act == 2) {
+        const V16 gc = rnd(v_min(gv, lim));
+        const V16 uc = rnd(v_min(v_max(uv, neg_lim), lim));
+        const V16 s = rnd(moe_act::act_v(moe_act::V{rnd(v_mul(gc, al))}, 2).r);
+        y = rnd(v_mul(rnd(v_add(uc, one)), rnd(v_mul(gc, s))));
+      } else {
+        const V16 a = rnd(moe_act::act_v(moe_act::V{gv}, act).r);
+        y = rnd(v_mul(a, uv));
+      }
+      if (bf16) moe_store_bf16(static_cast<uint16_t*>(h) + off, y, n);
+      else moe_store(static_cast<float*>(h) + off, y, n);
     }
   }
 }
