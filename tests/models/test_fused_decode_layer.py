@@ -173,3 +173,50 @@ def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kern
     modules = _run(model, prompts, steps=4)
     for step, (a, b) in enumerate(zip(fused, modules)):
         assert torch.equal(a, b), f"decode step {step} differs"
+
+
+def moe_configs():
+    """MoE families whose layers have Llama's attention: the attention half runs fused, the MoE
+    block (its experts in one call: bf16 weights, format 0) from Python."""
+    moe = dict(num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
+    yield "mixtral (window)", transformers.MixtralConfig(
+        **COMMON, **moe, num_local_experts=4, sliding_window=5)
+    yield "qwen3_moe (q/k norm, a dense layer)", transformers.Qwen3MoeConfig(
+        **COMMON, **moe, head_dim=64, num_experts=4, moe_intermediate_size=64, norm_topk_prob=True,
+        decoder_sparse_step=2)
+    yield "qwen2_moe (qkv bias, shared expert)", transformers.Qwen2MoeConfig(
+        **COMMON, **moe, num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+
+
+@pytest.mark.parametrize("name,config", list(moe_configs()), ids=[n for n, _ in moe_configs()])
+def test_moe_layers_attention_half_fused_equals_the_modules_bit_for_bit(kernel, name, config, monkeypatch):
+    """Decode steps of MoE models: the attention half in one call, then the MoE block; logits
+    (so tokens and logprobs) equal the modules' exactly."""
+    torch.manual_seed(0)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (7, 3, 11)]
+    calls, real = [], cpu_decoder_layer.decoder_layer_attn
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_decode, "decoder_layer_attn", counting)
+    fused = _run(model, prompts, steps=2)
+    assert calls and all(calls) and len(calls) == 2 * config.num_hidden_layers, calls
+    monkeypatch.setattr(cpu_decode, "fused_decode_attention", lambda *a: None)
+    modules = _run(model, prompts, steps=2)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"{name}: decode step {step} differs"
+
+
+def test_moe_layers_without_llama_attention_run_their_modules(kernel, monkeypatch):
+    """OLMoE's q/k norms span the whole projections: its attention is not the fused half's."""
+    config = transformers.OlmoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                      num_experts=4, num_experts_per_tok=2)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    calls = []
+    monkeypatch.setattr(cpu_decode, "decoder_layer_attn", lambda *a: calls.append(1))
+    _run(model, [[1, 2, 3], [4, 5]], steps=2)
+    assert not calls

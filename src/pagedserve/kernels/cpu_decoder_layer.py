@@ -9,6 +9,12 @@ handle, kernels disabled or unavailable), and the caller runs the modules; `weig
 the weights, once per layer. At batch 1 the modules' Python (dispatch, wrapper checks, views: ~60
 calls a layer) cost as much as the layer's small ops; one call removes it. Which layers may use it
 is decided in `models.llama`.
+
+`decoder_layer_attn(...)` is the attention half alone (norm, projections, RoPE, K/V write,
+attention, o, residual, the post-attention norm), for layers whose feed-forward runs apart: an MoE
+block (`layers.moe.FusedMoE`, its experts in one call of `kernels.cpu_moe`). It returns the
+residual `r` and the feed-forward's input `h`; the layer's output is `r + ff(h)`, bit-identical
+to the modules'.
 """
 
 from __future__ import annotations
@@ -44,6 +50,24 @@ def weight_formats(weights: list[torch.Tensor]) -> list[int] | None:
     return formats
 
 
+def _applies(x: torch.Tensor, tensors: tuple, norm_mode: int,
+             num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """The ISA level for a fused call on these operands, or 0: the call does not apply."""
+    if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
+        raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
+    if not 0 < x.shape[0] <= MAX_M_FUSED:
+        return 0
+    isa = linear_isa()
+    if not isa:  # disabled or unavailable
+        return 0
+    if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
+        return 0
+    for t in (x, *tensors):
+        if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
+            return 0
+    return isa
+
+
 def decoder_layer(
     x: torch.Tensor,  # [T, H] bf16, one decode token per sequence
     weights: list[torch.Tensor],  # q, k, v, o, gate, up, down: bf16 [N, K] or quantized
@@ -71,19 +95,11 @@ def decoder_layer(
     per projection: bf16 contiguous CPU tensors or None, and r_max) each projection gets its
     tokens' adapters' low-rank products (csrc/lora_bgmv.cpp) added after its base product, as
     the LoRA hooks add them to the modules'."""
-    if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
-        raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
-    if not 0 < x.shape[0] <= MAX_M_FUSED:
-        return None
-    isa = linear_isa()
-    if not isa:  # disabled or unavailable
-        return None
-    if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
-        return None
     lora_tensors = () if lora is None else (*lora[1], *lora[2])
-    for t in (x, cos, sin, k_cache, v_cache, *biases, *lora_tensors):
-        if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
-            return None
+    isa = _applies(x, (cos, sin, k_cache, v_cache, *biases, *lora_tensors), norm_mode,
+                   num_heads, num_kv_heads, head_dim)
+    if not isa:
+        return None
     # a model's quantized weights share one policy (layers.quantization.set_batch_invariant)
     spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     args = (x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache,
@@ -92,3 +108,38 @@ def decoder_layer(
     if lora is None:
         return torch.ops.pagedserve_cpu.decoder_layer.default(*args)
     return torch.ops.pagedserve_cpu.decoder_layer_lora.default(*args, *lora)
+
+
+def decoder_layer_attn(
+    x: torch.Tensor,  # [T, H] bf16, one decode token per sequence
+    weights: list[torch.Tensor],  # q, k, v, o: bf16 [N, K] or quantized
+    formats: list[int],  # their `weight_formats`
+    biases: list[torch.Tensor | None],  # q, k, v, o
+    norms: list[torch.Tensor | None],  # fp32: input, post-attn, pre-ff, post-ff, q, k (as above)
+    norm_mode: int,
+    eps: float,
+    cos: torch.Tensor,  # [T, D] bf16
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16, written at slot_mapping
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_tables: torch.Tensor,  # [T, max_blocks] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # r [T, H], h [T, H] bf16
+    """The attention half of `decoder_layer` (see the module docstring): `(r, h)`, or None when
+    the call does not apply."""
+    isa = _applies(x, (cos, sin, k_cache, v_cache, *biases), norm_mode, num_heads,
+                   num_kv_heads, head_dim)
+    if not isa:
+        return None
+    spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
+    r, h = torch.ops.pagedserve_cpu.decoder_layer_attn.default(
+        x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
+        block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0),
+        formats, isa, gemm_rows(spec, torch.bfloat16, isa))
+    return r, h

@@ -43,7 +43,7 @@ ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 _EXTENSION = LazyExtension(
     "pagedserve_fp32_kernels",
     ["fp32_invariant.cpp"],
-    ["fp32_invariant_isa.h"],
+    ["fp32_invariant_isa.h", "act_formula.h"],
     cflags=["-ffp-contract=off"],
     probe=lambda: torch.ops.pagedserve_fp32.fp32_isa(),
     describe=lambda isa: "AVX-512" if isa == ISAS["avx512"] else "AVX2",

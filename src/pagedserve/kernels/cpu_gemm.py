@@ -46,16 +46,19 @@ _PADDED_DTYPES = (torch.bfloat16, torch.float16)
 # attention (kernels/cpu_attention.py), q/k norm + RoPE (kernels/cpu_rotary.py), the whole
 # decode-step decoder layer built from them (kernels/cpu_decoder_layer.py), the greedy argmax
 # (kernels/cpu_argmax.py), random sampling (kernels/cpu_sampling.py) and LoRA's per-token
-# shrink / expand (csrc/lora_bgmv.cpp, called from lora/layers.py).
+# shrink / expand (csrc/lora_bgmv.cpp, called from lora/layers.py) and an MoE layer's routed experts
+# in one call (csrc/moe.cpp, kernels/cpu_moe.py).
 # NOTE: no -march / -mavx512 flags: the AVX-512 and AMX code carries target attributes, so
 # nothing compiled for the whole file (static init, feature probing) can use them by accident.
 _EXTENSION = LazyExtension(
     "pagedserve_cpu_kernels",
     ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
-     "sampling.cpp", "qlinear.cpp", "threads.cpp", "prefill_attention.cpp", "lora_bgmv.cpp"],
+     "sampling.cpp", "qlinear.cpp", "threads.cpp", "prefill_attention.cpp", "lora_bgmv.cpp",
+     "moe.cpp"],
     ["cpu_isa.h", "qlinear_impl.h", "qlinear_q8.h", "qlinear_q8_gemm.h", "qlinear_mxfp4.h", "qlinear_bcast.h", "qlinear_vnni.h", "vec16.h",
      "vec16_build.h", "argmax_impl.h", "argmax_best.h", "argmax_rows.h",
-     "rms_norm_impl.h", "paged_attention_impl.h", "rotary_impl.h", "lora_bgmv_impl.h"],
+     "rms_norm_impl.h", "paged_attention_impl.h", "rotary_impl.h", "lora_bgmv_impl.h",
+     "qlinear_api.h", "moe_impl.h", "act_formula.h"],
     # NOTE: -ffp-contract=off: the compiler fuses no multiply and add the source does not, so the
     # AVX2 and AVX-512 builds of the row kernels (csrc/vec16.h) perform the same IEEE operations.
     cflags=["-ffp-contract=off"],

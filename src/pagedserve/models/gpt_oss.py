@@ -34,18 +34,36 @@ from pagedserve.layers.norms import Fp32WeightRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
 from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
 from pagedserve.models.llama import LlamaAttention, head_dim_of, layer_sliding_windows
+from pagedserve.platforms import OpsUser
 
 
-def clamped_swiglu(alpha: float, limit: float):
+class ClampedSwiGLU(OpsUser, nn.Module):
     """gpt-oss's expert activation `(gate, up) -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha
-    * g)` with `g = min(gate, limit)`, computed in the activations' dtype as HF's."""
+    * g)` with `g = min(gate, limit)`, computed in the activations' dtype as HF's, the sigmoid on
+    the platform's one-formula kernel (`layers.moe.invariant_sigmoid`: torch's CPU sigmoid gives a
+    tensor's last few elements other bits, so a token's would depend on its batch).
+    `moe_kernel_act`: what the CPU platform's MoE kernel (kernels/cpu_moe.py) computes in its
+    place, bit for bit."""
 
-    def fn(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [n, I] x 2 -> [n, I]
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = float(alpha), float(limit)
+        self.moe_kernel_act = ("clamped_swiglu", self.alpha, self.limit)
 
-    return fn
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [n, I] x 2 -> [n, I]
+        from pagedserve.layers.moe import invariant_sigmoid
+
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * invariant_sigmoid(gate * self.alpha, self.ops))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
+
+
+def clamped_swiglu(alpha: float, limit: float) -> ClampedSwiGLU:
+    """gpt-oss's expert activation (`ClampedSwiGLU`)."""
+    return ClampedSwiGLU(alpha, limit)
 
 
 class GptOssAttention(LlamaAttention):

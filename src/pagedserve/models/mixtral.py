@@ -27,7 +27,11 @@ from pagedserve.platforms import OpsUser
 class MoEDecoderLayer(OpsUser, nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), where `mlp` is a `FusedMoE` (or
     a dense MLP in the layers a config keeps dense). `attention` builds the attention module
-    (default: `LlamaAttention` from the config)."""
+    (default: `LlamaAttention` from the config).
+
+    With Llama's attention, a decode step's attention half may run as one call of the platform
+    (`self.ops.decoder_attention`: on CPU the fused decode kernel's attention half, bit-identical
+    to the modules), then `mlp` from Python (on CPU its experts in one call)."""
 
     def __init__(self, config: Any, sliding_window: int | None, mlp: nn.Module, *,
                  qkv_bias: bool, qk_norm: bool, attention: nn.Module | None = None,
@@ -50,9 +54,22 @@ class MoEDecoderLayer(OpsUser, nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        # NOTE: exactly Llama's attention: a subclass or another module (OLMoE's whole-projection
+        # q/k norms, gpt-oss's sinks) computes what the fused attention half does not
+        self.fusable_attention = type(self.self_attn) is LlamaAttention
+
+    def layer_norms(self) -> tuple:
+        """(input, post-attention, pre-feedforward, post-feedforward) norms, as
+        `models.llama.FusableDecoderLayer` names them (for the fused attention half)."""
+        return (self.input_layernorm, self.post_attention_layernorm, None, None)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
+        if self.fusable_attention:
+            fused = self.ops.decoder_attention(self, x, rope, kv_cache, meta)
+            if fused is not None:
+                r, h = fused  # [T, H] x + attention, its post-attention norm
+                return r + self.mlp(h)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

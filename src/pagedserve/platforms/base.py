@@ -86,6 +86,12 @@ class LayerOps:
         layer runs its modules."""
         return None
 
+    def decoder_attention(self, layer, x, rope, kv_cache, meta) -> tuple | None:
+        """The attention half of a decoder layer whose feed-forward runs apart
+        (`models.mixtral.MoEDecoderLayer`) in one call: `(r, h)`, the residual after attention and
+        the feed-forward's normed input; or None: the layer runs its modules."""
+        return None
+
     def moe_experts(self, experts, x, weights, ids, down_bias: bool) -> torch.Tensor | None:
         """An MoE layer's routed experts (`layers.moe.MoEExperts`) on a kernel: the float32
         `[T, H]` weighted sum of each token's experts, or None: the layer's torch loop."""

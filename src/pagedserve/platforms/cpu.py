@@ -18,6 +18,7 @@ from pagedserve.kernels import cpu_gemm
 from pagedserve.kernels.cpu_argmax import argmax_bf16
 from pagedserve.kernels.cpu_attention import decode_attention, prefill_attention
 from pagedserve.kernels.cpu_fp32 import invariant_activation, invariant_attention, invariant_linear
+from pagedserve.kernels.cpu_moe import moe_experts
 from pagedserve.kernels.cpu_norm import rms_norm
 from pagedserve.kernels.cpu_qlinear import qembedding, qlinear_argmax, quantized_available
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA, NORM_NONE, qk_norm_rope_
@@ -82,6 +83,29 @@ class CpuOps(LayerOps):
 
     def decoder_layer(self, layer, x, rope, kv_cache, meta):
         return cpu_decode.fused_decode_layer(layer, x, rope, kv_cache, meta)
+
+    def decoder_attention(self, layer, x, rope, kv_cache, meta):
+        return cpu_decode.fused_decode_attention(layer, x, rope, kv_cache, meta)
+
+    def moe_experts(self, experts, x, weights, ids, down_bias):
+        """The routed experts in one compiled call (`kernels.cpu_moe`: bit-identical to the
+        layer's loop) when their activation is a gated one the `Activation` layer runs on this
+        platform's kernel, or one that names its kernel formula (`moe_kernel_act`: gpt-oss's
+        clamped SwiGLU) and runs on this platform; None otherwise (relu, ...)."""
+        module = getattr(experts, "act_module", None)  # layers.activation.Activation, or None
+        if module is not None:
+            if module.kernel is None or not isinstance(module.ops, CpuOps):
+                return None
+            act, params = module.kernel, (0.0, 0.0)
+        else:  # a custom gated activation module, e.g. models.gpt_oss.ClampedSwiGLU
+            spec = getattr(experts.act_fn, "moe_kernel_act", None)  # (name, alpha, limit)
+            if spec is None or not isinstance(getattr(experts.act_fn, "ops", None), CpuOps):
+                return None
+            act, params = spec[0], tuple(spec[1:])
+        biases = (experts.gate_proj_bias, experts.up_proj_bias,
+                  experts.down_proj_bias if down_bias else None)
+        return moe_experts(x, weights, ids, experts.placement.start, experts.gate_proj,
+                           experts.up_proj, experts.down_proj, act, biases, params)
 
     def decode_attention(self, query, k_cache, v_cache, block_tables, seq_lens, scale,
                          sliding_window):

@@ -1,7 +1,10 @@
 """The CPU platform's fused decode fast path: a whole decoder layer as one compiled call
 (`kernels.cpu_decoder_layer`, bit-identical to the layer's modules) on decode-only bf16 steps of
 the torch attention backend on one rank. Models reach it through `layer.ops.decoder_layer`
-(`models.llama.FusableDecoderLayer`); they import no kernel module.
+(`models.llama.FusableDecoderLayer`); they import no kernel module. An MoE layer
+(`models.mixtral.MoEDecoderLayer`) reaches its attention half through `layer.ops.decoder_attention`
+(`fused_decode_attention`); its MoE block then runs from Python (the experts in one call,
+`kernels.cpu_moe`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.cpu_decoder_layer import ACT_GELU_TANH, ACT_SILU, decoder_layer, weight_formats
+from pagedserve.kernels.cpu_decoder_layer import (
+    ACT_GELU_TANH, ACT_SILU, decoder_layer, decoder_layer_attn, weight_formats)
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 # HF activation names -> the fused layer's activation codes
@@ -28,7 +32,7 @@ class _FusedPlan:
     lookups a layer otherwise, every step). `usable` is False for layers the kernel cannot run."""
 
     usable: bool
-    weights: list  # q, k, v, o, gate, up, down Parameters
+    weights: list  # q, k, v, o, gate, up, down Parameters (q, k, v, o: `attn_only`)
     formats: list | None  # their kernel format codes (kernels.cpu_decoder_layer.weight_formats)
     biases: list  # q, k, v, o Parameters or None
     norms: tuple  # input, post-attn, pre-ff, post-ff, q, k norm modules or None
@@ -39,7 +43,9 @@ class _FusedPlan:
     norm_cache: tuple | None = None
 
 
-def _fused_plan(layer) -> _FusedPlan:
+def _fused_plan(layer, attn_only: bool = False) -> _FusedPlan:
+    """The layer's plan, built on first use. `attn_only`: the attention half alone (the layer's
+    feed-forward runs apart: no MLP weights or activation needed)."""
     # NOTE: holds the Parameter objects themselves: loading weights copies into them in place and
     # `.to()` swaps their data, so the plan stays valid; a Parameter *replaced* by assignment
     # would not be seen (nothing in pagedserve does that to a decoder layer).
@@ -47,10 +53,13 @@ def _fused_plan(layer) -> _FusedPlan:
     if plan is None:
         attn, mlp, norms = layer.self_attn, layer.mlp, layer.layer_norms()
         all_norms = (*norms, attn.q_norm, attn.k_norm)
-        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                   mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight]
+        if attn_only:
+            act = ACT_SILU  # unused by the attention half
+        else:
+            weights += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+            act = None if mlp.mlp_bias else FUSED_ACTS.get(mlp.act_name)
         formats = weight_formats(weights)
-        act = None if mlp.mlp_bias else FUSED_ACTS.get(mlp.act_name)
         # NOTE: the kernel neither caps scores (Gemma 2) nor rotates pairs (GLM-4; whose
         # sandwich norms have Llama numerics, which norm_mode cannot say either), and knows no
         # residual multiplier (Granite: an at::mul(o, rm) before each residual add in
@@ -58,7 +67,8 @@ def _fused_plan(layer) -> _FusedPlan:
         # check on the rope width below): such layers run their modules. OLMo 2's layer is not
         # a fusable one (post-norms, whole-projection q/k norms).
         usable = not (formats is None or act is None or attn.o_proj.tp.is_parallel
-                      or mlp.down_proj.tp.is_parallel or attn.attn.softcap is not None
+                      or (not attn_only and mlp.down_proj.tp.is_parallel)
+                      or attn.attn.softcap is not None
                       or getattr(attn, "rope_interleaved", False)
                       or getattr(layer, "residual_multiplier", 1.0) != 1.0)
         plan = _FusedPlan(
@@ -118,4 +128,30 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
         x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
         *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts,
         lora=lora,
+    )
+
+
+def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache,
+                           meta) -> tuple[torch.Tensor, torch.Tensor] | None:  # r, h [T, H]
+    """The attention half of `layer` (a `models.mixtral.MoEDecoderLayer` with Llama's attention,
+    Llama numerics) in one compiled call on a decode-only bf16 CPU step of the torch backend on
+    one rank: `(r, h)` = (x + attention, the post-attention norm of that), the layer's output
+    being `r + layer.mlp(h)`; None elsewhere (and on a step with LoRA adapters: the hooked
+    modules add them). Bypasses the submodules' forward hooks as `fused_decode_layer` does."""
+    if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
+            and len(meta.groups) == 1 and meta.groups[0].covers_all):
+        return None
+    stacks = layer.__dict__.get("lora_stacks")
+    if stacks is not None and stacks.mapping is not None:
+        return None
+    plan = _fused_plan(layer, attn_only=True)
+    if not plan.usable or plan.mode != NORM_LLAMA or rope[0].shape[-1] != plan.consts[2]:
+        return None
+    norm_args = _norm_args(plan)
+    if norm_args is None:
+        return None
+    group = meta.groups[0]
+    return decoder_layer_attn(
+        x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
+        *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts[:5],
     )

@@ -135,31 +135,41 @@ at::Tensor activate(const at::Tensor& x, int64_t act) {
   return op.call(x, act - 2, 0);
 }
 
-// norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
-// 2 Llama numerics (pre-norms only). act: see `activate`.
-// lora: the step's adapters (nullptr: none).
-at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                     const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
-                     int64_t norm_mode, double eps, const at::Tensor& cos,
-                     const at::Tensor& sin, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                     int64_t window, int64_t act, const std::vector<int64_t>& fmts,
-                     int64_t isa, int64_t gemm_rows, const Lora* lora) {
-  TORCH_CHECK(fmts.size() == kNumWeights, "decoder_layer: 7 weight formats expected");
-  TORCH_CHECK(w.size() == kNumWeights && b.size() == kNumBiases && n.size() == kNumNorms,
-              "decoder_layer: 7 weights, 4 biases and 6 norm weights expected");
+// The attention half of a layer: h = norm_in(x), q/k/v, q/k norm + RoPE, K/V write, paged decode
+// attention, o; then the residual r and the feed-forward's input h:
+//   Llama:  r = x + o;                h = norm_post_attn(r)
+//   Gemma:  r = x + norm_post_attn(o); h = norm_pre_ff(r)
+struct AttnHalf {
+  at::Tensor r, h;
+};
+
+// Checks of the arguments both ops share (weights: q, k, v, o first).
+void check_layer_args(const std::vector<at::Tensor>& w, const std::vector<OptTensor>& b,
+                      const std::vector<OptTensor>& n, int64_t norm_mode,
+                      const std::vector<int64_t>& fmts, const at::Tensor& x, size_t num_weights) {
+  TORCH_CHECK(fmts.size() == num_weights && w.size() == num_weights, "decoder_layer: ", num_weights,
+              " weights and formats expected");
+  TORCH_CHECK(b.size() == kNumBiases && n.size() == kNumNorms,
+              "decoder_layer: 4 biases and 6 norm weights expected");
   TORCH_CHECK(norm_mode == 1 || norm_mode == 2, "decoder_layer: norm_mode 1 (Gemma) or 2 (Llama)");
-  TORCH_CHECK(act >= 0 && act <= 3, "decoder_layer: act 0 / 2 (silu), 1 / 3 (gelu tanh)");
-  const bool gemma = norm_mode == 1, llama = !gemma;
   for (int i : {kInput, kPostAttn}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
-  if (gemma)
+  if (norm_mode == 1)
     for (int i : {kPreFf, kPostFf}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
   TORCH_CHECK(n[kQNorm].has_value() == n[kKNorm].has_value(), "decoder_layer: q/k norms: both or neither");
   TORCH_CHECK(x.dim() == 2, "decoder_layer: x must be [T, H]");
-  const int64_t T = x.size(0);
+}
 
+AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                        const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                        int64_t norm_mode, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                        int64_t window, const std::vector<int64_t>& fmts, int64_t isa,
+                        int64_t gemm_rows, const Lora* lora) {
+  const bool gemma = norm_mode == 1, llama = !gemma;
+  const int64_t T = x.size(0);
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
   // q, k, v share h: one parallel region, h quantized once
   std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
@@ -176,14 +186,36 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const at::Tensor attn = a.view({T, num_heads * head_dim});
   at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows);
   add_lora(lora, kGroupO, attn, {kO}, {&o}, isa);
-  at::Tensor r;
+  AttnHalf out;
   if (gemma) {
-    r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false, isa));
-    h = rmsnorm(r, *n[kPreFf], eps, false, isa);
+    out.r = at::add(x, rmsnorm(o, *n[kPostAttn], eps, false, isa));
+    out.h = rmsnorm(out.r, *n[kPreFf], eps, false, isa);
   } else {
-    r = at::add(x, o);
-    h = rmsnorm(r, *n[kPostAttn], eps, true, isa);
+    out.r = at::add(x, o);
+    out.h = rmsnorm(out.r, *n[kPostAttn], eps, true, isa);
   }
+  return out;
+}
+
+// norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
+// 2 Llama numerics (pre-norms only). act: see `activate`.
+// lora: the step's adapters (nullptr: none).
+at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                     const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                     int64_t norm_mode, double eps, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                     int64_t window, int64_t act, const std::vector<int64_t>& fmts,
+                     int64_t isa, int64_t gemm_rows, const Lora* lora) {
+  check_layer_args(w, b, n, norm_mode, fmts, x, kNumWeights);
+  TORCH_CHECK(act >= 0 && act <= 3, "decoder_layer: act 0 / 2 (silu), 1 / 3 (gelu tanh)");
+  const bool gemma = norm_mode == 1;
+  const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
+                                     slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
+                                     head_dim, scale, window, fmts, isa, gemm_rows, lora);
+  const at::Tensor& h = ah.h;
   // gate and up share h: one parallel region
   std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
                                              {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
@@ -192,7 +224,27 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const at::Tensor mid = at::mul(g, gu[1]);
   at::Tensor m = project(mid, w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
   add_lora(lora, kGroupDown, mid, {kDown}, {&m}, isa);
-  return at::add(r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
+  return at::add(ah.r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
+}
+
+// The attention half alone (weights q, k, v, o), for layers whose feed-forward the caller runs
+// (an MoE block: layers/moe.py, its experts in one call of csrc/moe.cpp): returns [r, h], the
+// residual after attention and the feed-forward's normed input (see AttnHalf); the layer's
+// output is then r + ff(h) (Llama numerics) -- the modules' ops, so bit-identical to them.
+std::vector<at::Tensor> decoder_layer_attn(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                                           const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
+                                           int64_t norm_mode, double eps, const at::Tensor& cos,
+                                           const at::Tensor& sin, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                           double scale, int64_t window, const std::vector<int64_t>& fmts,
+                                           int64_t isa, int64_t gemm_rows) {
+  check_layer_args(w, b, n, norm_mode, fmts, x, kO + 1);
+  const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
+                                     slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
+                                     head_dim, scale, window, fmts, isa, gemm_rows, nullptr);
+  return {ah.r, ah.h};
 }
 
 at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
@@ -262,9 +314,15 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows, "
       "Tensor token_slots, Tensor?[] lora_a, Tensor?[] lora_b, int r_max) -> Tensor");
+  m.def(
+      "decoder_layer_attn(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, "
+      "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
+      "int head_dim, float scale, int window, int[] formats, int isa, int gemm_rows) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
   m.impl("decoder_layer_lora", &decoder_layer_lora);
+  m.impl("decoder_layer_attn", &decoder_layer_attn);
 }

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "qlinear_api.h"
 
 #include <immintrin.h>
 
@@ -396,6 +397,28 @@ at::Tensor qrows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& 
 int64_t qrow_bytes(int64_t fmt, int64_t K) { return row_bytes(fmt, K); }
 
 }  // namespace
+
+// qlinear_api.h: make_product for the extension's other sources (csrc/moe.cpp).
+namespace ps_qlinear {
+struct XShare {
+  SharedX sx;
+};
+std::shared_ptr<XShare> new_x_share() { return std::make_shared<XShare>(); }
+Prepared prepare(XShare& share, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                 const c10::optional<at::Tensor>& bias, bool out_fp32, int64_t isa, int64_t gemm_rows) {
+  std::shared_ptr<Product> p(make_product("qlinear", x, w, fmt, K, bias, out_fp32, isa, gemm_rows, share.sx, false));
+  Prepared out;
+  out.N = p->N;
+  out.y_fp32 = p->out.fp32;
+  out.run = [p](void* y, int64_t ldy, int64_t n0, int64_t nb, int64_t ne) {
+    Out o = p->out;
+    o.y = y, o.ldy = ldy, o.n0 = n0;
+    p->range(o, nb, ne);
+  };
+  return out;
+}
+int64_t row_bytes_of(int64_t fmt, int64_t K) { return row_bytes(fmt, K); }
+}  // namespace ps_qlinear
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("qlinear(Tensor x, Tensor w, int fmt, int K, Tensor? bias, bool out_fp32, int isa, int gemm_rows) -> Tensor");
