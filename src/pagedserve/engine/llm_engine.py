@@ -161,12 +161,16 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         kv_bytes = self.num_kv_blocks * bytes_per_block(
             self.executor.kv_cache_spec, args.block_size, self.kv_dtype,
             draft=self.executor.draft_kv_cache_spec)
+        # a token's K/V over every layer (fp8 blocks: half a bf16 cache's, attention/kv_dtype.py)
+        token_bytes = bytes_per_block(self.executor.kv_cache_spec, 1, self.kv_dtype,
+                                      draft=self.executor.draft_kv_cache_spec, hybrid=False)
         logger.info(
-            "engine ready: model=%s dtype=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d tokens "
-            "(max %d tokens in cache, %.2f GiB), max_model_len=%d, maximum concurrency for %d "
-            "tokens per request: %.2fx",
-            self.source.name, self.dtype, self.kv_dtype, self.device, self.num_kv_blocks,
-            args.block_size,
+            "engine ready: model=%s dtype=%s kv_cache_dtype=%s (%s, %d KV bytes per token) "
+            "device=%s kv_blocks=%d x %d tokens (max %d tokens in cache, %.2f GiB), "
+            "max_model_len=%d, maximum concurrency for %d tokens per request: %.2fx",
+            self.source.name, self.dtype, args.kv_cache_dtype,
+            str(self.kv_dtype).removeprefix("torch."), token_bytes, self.device,
+            self.num_kv_blocks, args.block_size,
             self.num_kv_blocks * args.block_size, kv_bytes / 2**30, self.max_model_len,
             self.max_model_len,
             max_concurrency(self.num_kv_blocks, args.block_size, self.max_model_len),

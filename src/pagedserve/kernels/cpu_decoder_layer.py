@@ -20,6 +20,9 @@ from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, linear_isa
 from pagedserve.kernels.cpu_qlinear import gemm_rows
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
+# the caches the fused layer writes and reads: bf16, or fp8 blocks (as kernels.cpu_attention's)
+_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
@@ -54,7 +57,7 @@ def decoder_layer(
     eps: float,
     cos: torch.Tensor,  # [T, D] bf16
     sin: torch.Tensor,  # [T, D] bf16
-    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16, written at slot_mapping
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16 or fp8, written at slot_mapping
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
     block_tables: torch.Tensor,  # [T, max_blocks] int64
@@ -81,9 +84,13 @@ def decoder_layer(
     if head_dim % 32 or head_dim > 512 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return None
     lora_tensors = () if lora is None else (*lora[1], *lora[2])
-    for t in (x, cos, sin, k_cache, v_cache, *biases, *lora_tensors):
+    for t in (x, cos, sin, *biases, *lora_tensors):
         if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
             return None
+    # the KV caches: bf16, or fp8 blocks (kv_cache_dtype: converted when written, widened when read)
+    if not all(c.dtype in _CACHE_DTYPES and c.dtype is k_cache.dtype and c.is_cpu
+               and c.is_contiguous() for c in (k_cache, v_cache)):
+        return None
     # a model's quantized weights share one policy (layers.quantization.set_batch_invariant)
     spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     args = (x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache,
