@@ -85,3 +85,8 @@ def test_fp8_greedy_tokens_are_within_the_tie_rule_of_the_bf16_cache(checkpoints
 def test_other_kv_cache_dtypes_are_refused_naming_the_option(bad):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("unused-model-name", kv_cache_dtype=bad)
+
+
+def test_fp8_blocks_are_refused_where_no_kernel_reads_them(checkpoints):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*torch attention backend"):
+        LLM(str(checkpoints("gemma3")), kv_cache_dtype="fp8", attention_backend="triton")

@@ -108,6 +108,10 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         if is_fp8(self.kv_dtype) and self.device.type != "cpu":
             raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: fp8 KV blocks are "
                              f"implemented on CPU only (device {self.device}); use 'auto'")
+        if is_fp8(self.kv_dtype) and args.attention_backend == "triton":
+            raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: fp8 KV blocks are read "
+                             "by the torch attention backend only; use attention_backend='auto' "
+                             "or 'torch'")
         # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
         draft = resolve_draft(args, self.source)  # speculative decoding's draft model, or None
         self.executor = make_executor(args, self.source, self.dtype, self.device, draft=draft)
