@@ -70,7 +70,8 @@ def test_fp8_outputs_are_exact_through_chunking_preemption_prefix_caching_and_ba
 
 
 def test_fp8_greedy_tokens_are_within_the_tie_rule_of_the_bf16_cache(checkpoints):
-    # bf16 model: the decode kernel, the fused decode layer and the prefill path widen fp8 here.
+    # bf16 model: the bf16 decode kernel (the fused decode layer where it applies) and the prefill
+    # path widen fp8 here.
     path = str(checkpoints("gemma3"))
     prompts = PROMPTS[2:]
     outs = {dt: run(LLM(path, dtype="bfloat16", kv_cache_dtype=dt, block_size=4,
