@@ -104,12 +104,14 @@ def drive(engine, max_steps: int) -> dict:
 class PagedRunner:
     """Runs `model` step by step on a paged KV cache, like the engine would: NaN-filled caches
     (reading an unwritten slot poisons the output) with a zero null block, block tables drawn
-    from a free list shuffled by `seed`, attention on `backend`."""
+    from a free list shuffled by `seed`, attention on `backend`; caches in the model's dtype,
+    or `kv_dtype` (fp8 blocks)."""
 
     def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
-                 device: str = "cpu", backend: str = "torch"):
+                 device: str = "cpu", backend: str = "torch", kv_dtype: torch.dtype | None = None):
         spec = model.kv_cache_spec
-        dtype = next(model.parameters()).dtype
+        # the caches' storage dtype: the model's, or `kv_dtype` (fp8 blocks: kv_cache_dtype)
+        dtype = kv_dtype or next(model.parameters()).dtype
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         self.device, self.backend = device, backend
         shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)

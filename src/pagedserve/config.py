@@ -132,8 +132,10 @@ class EngineArgs:
                         "native BF16, else float32; the checkpoint's on GPUs; vLLM's half = "
                         "float16, float = float32)", choices=DTYPES)
     kv_cache_dtype: str = option(
-        "auto", "KV cache dtype: auto (the model's dtype); fp8 / fp8_e4m3 / fp8_e5m2 (vLLM's) "
-        "are refused here for now: fp8 KV blocks are not implemented on CPU", choices=KV_CACHE_DTYPES)
+        "auto", "KV cache storage dtype: auto (the model's dtype); fp8 (= fp8_e4m3, vLLM's "
+        "default fp8) or fp8_e5m2: one byte per value, half a bf16 cache's memory per token "
+        "(twice the tokens in the same budget), converted back in the attention kernels; scale "
+        "1.0, saturated to the format's range (CPU)", choices=KV_CACHE_DTYPES)
     trust_remote_code: bool = option(
         False, "accepted for vLLM's command lines: pagedserve never runs code from a model's "
         "files (its own model classes only), with or without it; the log says so")
@@ -359,12 +361,6 @@ class EngineArgs:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}")
-        if self.kv_cache_dtype != "auto":
-            # NOTE: refused by name until fp8 KV blocks exist on CPU (issue 37, the launch helper's
-            # report): vLLM stores them as float8 and converts in its attention kernels
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: fp8 KV blocks are not "
-                             "implemented here yet (CPU); use 'auto' (the model's dtype), or "
-                             "halve the cache with --kv-cache-memory")
         if self.hf_overrides is not None:
             self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
         if self.convert == "classify":

@@ -185,3 +185,15 @@ def test_layer_groups_hold_more_long_prompts_than_one_group(checkpoints, capsys)
                      "--group-batched-tokens", "32"]) == 0
     out = capsys.readouterr().out
     assert "(4) KV layer groups" in out and "sliding-6" in out and "layer groups" in out
+    # --kv-cache-dtype fp8: blocks of one byte a value, a quarter of float32's (half of bf16's)
+    def block_kib(text):
+        return [float(line.split()[3]) for line in text.splitlines()
+                if line.startswith(("one group", "layer groups"))]
+
+    assert cli_main(["bench", "memory", "--only-groups", "--model", str(model), "--dtype",
+                     "float32", "--kv-cache-dtype", "fp8", "--kv-cache-memory", str(1 << 18),
+                     "--group-prompt-len", "120", "--group-output-len", "8", "--group-requests",
+                     "3", "--block-size", "4", "--group-batched-tokens", "32"]) == 0
+    fp8 = capsys.readouterr().out
+    assert "float8_e4m3fn" in fp8
+    assert [4 * k for k in block_kib(fp8)] == pytest.approx(block_kib(out), abs=0.2)

@@ -46,7 +46,7 @@ CORPUS = [
     "serve {tiny} --generation-config vllm --max-logprobs 5 --num-gpu-blocks-override 32",
     "serve {tiny} --speculative-config '{{\"method\": \"ngram\", \"num_speculative_tokens\": 2, "
     "\"prompt_lookup_max\": 2}}'",
-    "serve {tiny} -tp 1 --distributed-executor-backend uni --kv-cache-dtype auto "
+    "serve {tiny} -tp 1 --distributed-executor-backend uni --kv-cache-dtype fp8 "
     "--compilation-config '{{\"level\": 3}}' --swap-space 1",
     "serve {tiny} --allowed-origins '[\"https://app.example\"]' --allow-credentials",
     "serve {tiny} --structured-outputs-config '{{\"disable_any_whitespace\": true}}' "
@@ -147,6 +147,8 @@ def test_launch_command_starts_and_answers_a_chat(index, tiny_llama, files, monk
         assert "never runs code from a model's files" in text
     if "--limit-mm-per-prompt" in command:
         assert "--limit-mm-per-prompt has no effect here: the models served here are text-only" in text
+    if "--kv-cache-dtype fp8" in command:  # fp8 KV blocks (vLLM's fp8 = e4m3), in the log
+        assert "kv_cache_dtype=fp8 (float8_e4m3fn, " in text
     if "--compilation-config" in command:
         assert "--compilation-config has no effect here" in text
     if "--enable-log-requests" in command:

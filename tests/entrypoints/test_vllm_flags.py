@@ -167,8 +167,9 @@ def test_vllm_cpu_environment_variables_are_aliases(monkeypatch):
 def test_refused_engine_values_name_the_option():
     from pagedserve.config import EngineArgs
 
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
-        EngineArgs(kv_cache_dtype="fp8")
+    assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"  # fp8 KV blocks (CPU)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineArgs(kv_cache_dtype="fp8_inc")
     with pytest.raises(ValueError, match="convert='classify'"):
         EngineArgs(convert="classify")
     assert EngineArgs(convert="embed").runner == "pooling"

@@ -74,9 +74,10 @@ def _count_fused_calls(monkeypatch) -> list[bool]:
     return calls
 
 
-def _run(model, prompts, steps):
-    """Prefill every prompt, then `steps` decode-only steps of all of them (greedy)."""
-    runner = PagedRunner(model, seed=3)
+def _run(model, prompts, steps, kv_dtype=None):
+    """Prefill every prompt, then `steps` decode-only steps of all of them (greedy); caches in
+    the model's dtype, or `kv_dtype` (fp8 blocks)."""
+    runner = PagedRunner(model, seed=3, kv_dtype=kv_dtype)
     last = [out[-1] for out in runner.step(list(enumerate(prompts)))]
     logits = []
     for _ in range(steps):
@@ -99,6 +100,26 @@ def test_fused_decode_layer_equals_the_modules_bit_for_bit(kernel, name, config,
     modules = _run(model, prompts, steps=8)
     for step, (a, b) in enumerate(zip(fused, modules)):
         assert torch.equal(a, b), f"{name}: decode step {step} differs"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_decode_layer_over_fp8_blocks_equals_the_modules_bit_for_bit(kernel, kv_dtype,
+                                                                           monkeypatch):
+    """kv_cache_dtype fp8: the fused call writes the step's K/V rounded and saturated as the
+    modules' write does (attention.kv_dtype.to_cache) and attends over the fp8 blocks with the
+    same decode kernel: the logits equal the modules' (Gemma 3: sandwich norms, q/k norms, a
+    sliding window)."""
+    name, config = next((n, c) for n, c in configs() if n.startswith("gemma3"))
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
+    calls = _count_fused_calls(monkeypatch)
+    fused = _run(model, prompts, steps=6, kv_dtype=kv_dtype)
+    assert calls and all(calls), "the fused layer did not run on decode steps over fp8 blocks"
+    monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)
+    modules = _run(model, prompts, steps=6, kv_dtype=kv_dtype)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"{name}, {kv_dtype}: decode step {step} differs"
+    assert not torch.equal(fused[-1], _run(model, prompts, steps=6)[-1])  # fp8 KV is not bf16's
 
 
 @pytest.mark.parametrize("name,config", list(unfused_configs()), ids=[n for n, _ in unfused_configs()])

@@ -459,9 +459,13 @@ def _print_layer_groups(args) -> None:
 
     from pagedserve.core.kv_spec import KVLayout
 
+    from pagedserve.attention.kv_dtype import kv_cache_dtype
+
     dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32, "half": torch.float16, "float": torch.float32}.get(
         args.dtype, torch.bfloat16)
+    # the blocks' storage: the model's dtype, or fp8 (--kv-cache-dtype: one byte a value)
+    dtype = kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     memory = args.kv_cache_memory or (2 << 30)
     p, o, n = args.group_prompt_len, args.group_output_len, args.group_requests
@@ -481,9 +485,10 @@ def _print_layer_groups(args) -> None:
 
 
 def add_bench_memory_args(p) -> None:
-    """Options of `pagedserve bench memory`; the engine's `--model`, `--dtype`, `--block-size`
-    and `--seed` (the trace's seed too) come from `EngineArgs`."""
-    EngineArgs.add_cli_args(p, only=("model", "dtype", "block_size", "seed"))
+    """Options of `pagedserve bench memory`; the engine's `--model`, `--dtype`,
+    `--kv-cache-dtype` (fp8: (4)'s blocks of half the bytes, and the beam-search engine's
+    cache), `--block-size` and `--seed` (the trace's seed too) come from `EngineArgs`."""
+    EngineArgs.add_cli_args(p, only=("model", "dtype", "kv_cache_dtype", "block_size", "seed"))
     p.add_argument("--traces", nargs="+", choices=sorted(TRACES), default=["sharegpt", "alpaca"])
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per trace (default: 600 ShareGPT-like, 2000 Alpaca-like)")

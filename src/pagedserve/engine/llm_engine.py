@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from pagedserve.attention.kv_dtype import is_fp8, kv_cache_dtype
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig
@@ -103,6 +104,14 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         )
         self.platform = platform_for(self.device)  # the driver's view of the workers' device
         self.dtype = resolve_dtype(args.dtype, config, self.device, self.platform)
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)  # the blocks' storage
+        if is_fp8(self.kv_dtype) and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: fp8 KV blocks are "
+                             f"implemented on CPU only (device {self.device}); use 'auto'")
+        if is_fp8(self.kv_dtype) and args.attention_backend == "triton":
+            raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: fp8 KV blocks are read "
+                             "by the torch attention backend only; use attention_backend='auto' "
+                             "or 'torch'")
         # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
         draft = resolve_draft(args, self.source)  # speculative decoding's draft model, or None
         self.executor = make_executor(args, self.source, self.dtype, self.device, draft=draft)
@@ -154,13 +163,18 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.sleeping = False  # LLM.sleep (engine/llm_extras.py): KV cache freed, no request taken
         freeze_startup_heap()  # full collections skip the startup heap (engine/gc_pause.py)
         kv_bytes = self.num_kv_blocks * bytes_per_block(
-            self.executor.kv_cache_spec, args.block_size, self.dtype,
+            self.executor.kv_cache_spec, args.block_size, self.kv_dtype,
             draft=self.executor.draft_kv_cache_spec, hybrid=self.kv_hybrid)
+        # a token's K/V over every layer (fp8 blocks: half a bf16 cache's, attention/kv_dtype.py)
+        token_bytes = bytes_per_block(self.executor.kv_cache_spec, 1, self.kv_dtype,
+                                      draft=self.executor.draft_kv_cache_spec, hybrid=False)
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens (max %d tokens "
-            "in cache, %.2f GiB), max_model_len=%d, maximum concurrency for %d tokens per "
-            "request: %.2fx",
-            self.source.name, self.dtype, self.device, self.num_kv_blocks, args.block_size,
+            "engine ready: model=%s dtype=%s kv_cache_dtype=%s (%s, %d KV bytes per token) "
+            "device=%s kv_blocks=%d x %d tokens (max %d tokens in cache, %.2f GiB), "
+            "max_model_len=%d, maximum concurrency for %d tokens per request: %.2fx",
+            self.source.name, self.dtype, args.kv_cache_dtype,
+            str(self.kv_dtype).removeprefix("torch."), token_bytes, self.device,
+            self.num_kv_blocks, args.block_size,
             self.num_kv_blocks * args.block_size, kv_bytes / 2**30, self.max_model_len,
             self.max_model_len, self.max_concurrency,  # the layout's (see _build_cache)
         )
@@ -176,7 +190,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         if args.num_kv_blocks:
             return args.num_kv_blocks
         if args.kv_cache_memory or not self.platform.can_profile_memory:
-            return num_blocks_for_budget(spec, args.block_size, self.dtype,
+            return num_blocks_for_budget(spec, args.block_size, self.kv_dtype,
                                          args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
                                          draft=self.executor.draft_kv_cache_spec,
                                          hybrid=self.kv_hybrid)
@@ -186,7 +200,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             max_model_len=self.max_model_len, block_size=args.block_size))
         budget = min(kv_budget_from_profile(p.total, args.gpu_memory_utilization, p.peak,
                                             block_bytes) for p in profiles)
-        blocks = num_blocks_for_budget(spec, args.block_size, self.dtype, budget,
+        blocks = num_blocks_for_budget(spec, args.block_size, self.kv_dtype, budget,
                                        draft=self.executor.draft_kv_cache_spec,
                                        hybrid=self.kv_hybrid)
         logger.info(
@@ -205,7 +219,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.kv_hybrid = (not args.disable_hybrid_kv_cache_manager and not one_group
                           and self.executor.draft_kv_cache_spec is None)
         self.kv_layout = kv_layout(spec, self.kv_hybrid)
-        block_bytes = bytes_per_block(spec, args.block_size, self.dtype,
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)  # (reconfigure_cache)
+        block_bytes = bytes_per_block(spec, args.block_size, self.kv_dtype,
                                       draft=self.executor.draft_kv_cache_spec,
                                       hybrid=self.kv_hybrid)
         swap_s, recompute_s = preemption_costs(self.executor.num_params, block_bytes, self.platform)
@@ -235,7 +250,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
                                              self.num_cpu_blocks, tuple(self.eos_token_ids),
                                              max_num_seqs=args.max_num_seqs,
                                              max_model_len=self.max_model_len,
-                                             hybrid=self.kv_hybrid))
+                                             hybrid=self.kv_hybrid, kv_dtype=self.kv_dtype))
         self.kv_cache = self.executor.kv_cache  # None when the cache lives in worker processes
         # vLLM's startup line: how many requests of max_model_len the cache holds at once
         chunk = batched if self.scheduler_config.enable_chunked_prefill else self.max_model_len

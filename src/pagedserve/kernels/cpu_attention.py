@@ -4,8 +4,9 @@ AVX2 builds).
 
 `decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)` attends
 one query token per sequence over its blocks, reading the cache in place (no gathered copy, no
-mask), or returns None when the kernel does not apply -- not bf16 CPU tensors, a head size that
-is not a multiple of 16 (or above 512), more than 16 query heads per KV head, the kernel disabled
+mask; bf16 or fp8 caches, a bf16 query), or returns None when the kernel does not apply -- not
+bf16 CPU tensors (fp8 caches aside), a head size that is not a multiple of 16 (or above 512),
+more than 16 query heads per KV head, the kernel disabled
 (`PAGEDSERVE_DISABLE_CPU_KERNELS=1`) or unavailable -- and the caller runs the torch path.
 """
 
@@ -17,9 +18,14 @@ from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
 from pagedserve.kernels.cpu_isa import ISA_LEVELS
 
 
+# The decode kernel's caches: bf16, or fp8 blocks (kv_cache_dtype: 16 values widened exactly to
+# fp32 as they are loaded, csrc/vec16.h v_load_e4m3 / v_load_e5m2)
+_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def decode_attention(
     query: torch.Tensor,  # [S, Hq, D] one query token per sequence
-    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16 or fp8
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
     block_tables: torch.Tensor,  # [S, max_blocks] int64
     seq_lens: torch.Tensor,  # [S] int64, the new token included (its K/V already written)
@@ -27,8 +33,8 @@ def decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor | None:  # [S, Hq, D] bf16, or None: use the torch path
     """See the module docstring."""
-    if (query.dtype is not torch.bfloat16 or k_cache.dtype is not torch.bfloat16
-            or not query.is_cpu or not k_cache.is_cpu):
+    if (query.dtype is not torch.bfloat16 or k_cache.dtype not in _CACHE_DTYPES
+            or v_cache.dtype is not k_cache.dtype or not query.is_cpu or not k_cache.is_cpu):
         return None
     s, hq, d = query.shape
     hkv = k_cache.shape[2]

@@ -26,6 +26,9 @@ from pagedserve.kernels.cpu_gemm import MAX_M_FUSED, linear_isa
 from pagedserve.kernels.cpu_qlinear import gemm_rows
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
+# the caches the fused layer writes and reads: bf16, or fp8 blocks (as kernels.cpu_attention's)
+_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
@@ -50,9 +53,10 @@ def weight_formats(weights: list[torch.Tensor]) -> list[int] | None:
     return formats
 
 
-def _applies(x: torch.Tensor, tensors: tuple, norm_mode: int,
+def _applies(x: torch.Tensor, tensors: tuple, caches: tuple, norm_mode: int,
              num_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """The ISA level for a fused call on these operands, or 0: the call does not apply."""
+    """The ISA level for a fused call on these operands (`tensors`: bf16 or None; `caches`: the
+    K and V caches), or 0: the call does not apply."""
     if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
         raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
     if not 0 < x.shape[0] <= MAX_M_FUSED:
@@ -65,6 +69,11 @@ def _applies(x: torch.Tensor, tensors: tuple, norm_mode: int,
     for t in (x, *tensors):
         if t is not None and (t.dtype is not torch.bfloat16 or not t.is_cpu or not t.is_contiguous()):
             return 0
+    # the KV caches: bf16, or fp8 blocks (kv_cache_dtype: converted when written, widened when read)
+    k_cache = caches[0]
+    if not all(c.dtype in _CACHE_DTYPES and c.dtype is k_cache.dtype and c.is_cpu
+               and c.is_contiguous() for c in caches):
+        return 0
     return isa
 
 
@@ -78,7 +87,7 @@ def decoder_layer(
     eps: float,
     cos: torch.Tensor,  # [T, D] bf16
     sin: torch.Tensor,  # [T, D] bf16
-    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16, written at slot_mapping
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16 or fp8, written at slot_mapping
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
     block_tables: torch.Tensor,  # [T, max_blocks] int64
@@ -96,7 +105,7 @@ def decoder_layer(
     tokens' adapters' low-rank products (csrc/lora_bgmv.cpp) added after its base product, as
     the LoRA hooks add them to the modules'."""
     lora_tensors = () if lora is None else (*lora[1], *lora[2])
-    isa = _applies(x, (cos, sin, k_cache, v_cache, *biases, *lora_tensors), norm_mode,
+    isa = _applies(x, (cos, sin, *biases, *lora_tensors), (k_cache, v_cache), norm_mode,
                    num_heads, num_kv_heads, head_dim)
     if not isa:
         return None
@@ -120,7 +129,7 @@ def decoder_layer_attn(
     eps: float,
     cos: torch.Tensor,  # [T, D] bf16
     sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16, written at slot_mapping
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] bf16 or fp8, written at slot_mapping
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
     block_tables: torch.Tensor,  # [T, max_blocks] int64
@@ -133,7 +142,7 @@ def decoder_layer_attn(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # r [T, H], h [T, H] bf16
     """The attention half of `decoder_layer` (see the module docstring): `(r, h)`, or None when
     the call does not apply."""
-    isa = _applies(x, (cos, sin, k_cache, v_cache, *biases), norm_mode, num_heads,
+    isa = _applies(x, (cos, sin, *biases), (k_cache, v_cache), norm_mode, num_heads,
                    num_kv_heads, head_dim)
     if not isa:
         return None

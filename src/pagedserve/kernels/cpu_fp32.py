@@ -114,9 +114,14 @@ def _kernel_activation(x: torch.Tensor, name: str, isa: str = "auto") -> torch.T
     return torch.ops.pagedserve_fp32.fp32_activation.default(x, ACTIVATIONS[name], ISAS[isa])
 
 
+# The attention kernel's caches: float32, or fp8 blocks (kv_cache_dtype; each row widened
+# exactly to fp32 as it is read: a token's bits are a float32 cache's holding the same values)
+_CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def invariant_attention(
     query: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [N, B, Hkv, D], the step's K/V already written
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] float32 or fp8, the step's K/V already written
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
     block_tables: torch.Tensor,  # [S, max_blocks] int64
     seq_lens: torch.Tensor,  # [S] int64: context length after this step's tokens
@@ -131,8 +136,8 @@ def invariant_attention(
     as `softcap * tanh(s / softcap)` when `softcap` is set, with a sink logit per query head in
     each softmax's denominator when `sinks` is given; None where the kernel does not apply (see
     the module docstring; sinks and a softcap together: no model has both, the torch path)."""
-    if (query.dtype is not torch.float32 or k_cache.dtype is not torch.float32
-            or v_cache.dtype is not torch.float32 or not query.is_cpu or not k_cache.is_cpu
+    if (query.dtype is not torch.float32 or k_cache.dtype not in _CACHE_DTYPES
+            or v_cache.dtype is not k_cache.dtype or not query.is_cpu or not k_cache.is_cpu
             or _needs_grad(query)):
         return None
     hq, hkv = query.shape[1], k_cache.shape[2]

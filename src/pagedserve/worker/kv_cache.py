@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.kv_dtype import as_bytes, fill_value
 from pagedserve.core.kv_spec import KVLayout
 from pagedserve.models.base import KVCacheSpec
 from pagedserve.platforms import Platform, platform_for
@@ -37,7 +38,8 @@ def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype,
                     draft: KVCacheSpec | None = None, hybrid: bool = True) -> int:
     """Bytes one pool block takes on one worker: `block_size` tokens of the layers one block
     holds (every layer with one group; a lane of a group with several, see `kv_layout`; with
-    pipeline stages, those of the stage holding the most slots, see `held_slots`); with a draft
+    pipeline stages, those of the stage holding the most slots, see `held_slots`) in the cache's
+    storage `dtype` (fp8: one byte per value, `attention.kv_dtype`); with a draft
     model's KV spec (`draft`, speculative decoding: its cache has the same blocks,
     worker/spec_draft.py), its part too."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -109,7 +111,8 @@ def preemption_costs(num_params: int, block_bytes: int, device: torch.device | P
 
 class KVCache:
     """The pool's blocks as tensors: per layer slot of a block (`layout.slots`) one K and one V
-    tensor of `[num_blocks + 1, block_size, num_kv_heads, head_dim]` (a latent-attention model:
+    tensor of `[num_blocks + 1, block_size, num_kv_heads, head_dim]` in the storage `dtype` (the
+    model's, or fp8 with `kv_cache_dtype`: `attention.kv_dtype`) (a latent-attention model:
     one tensor `[num_blocks + 1, block_size, 1, latent_dim]`, V None). `layers[l]` is model
     layer `l`'s pair: its slot's tensors, read through its column of the block tables
     (`layout.layer_column`). One group (`hybrid=False`, or a uniform model): one slot per layer,
@@ -195,6 +198,7 @@ class KVCache:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         for t in _tensors(self.slots):
+            t = as_bytes(t)  # fp8: torch has no index_copy_ for it (the bytes are the same)
             t.index_copy_(0, dst, t.index_select(0, src))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -212,6 +216,7 @@ class KVCache:
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         non_blocking = src_dev.type == "cuda" or dst_dev.type == "cuda"
         for s, d in zip(_tensors(src_slots), _tensors(dst_slots)):
+            s, d = as_bytes(s), as_bytes(d)
             d.index_copy_(0, dst, s.index_select(0, src).to(dst_dev, non_blocking=non_blocking))
 
     def fill_blocks(self, blocks: list[int], value: float) -> None:
@@ -220,7 +225,7 @@ class KVCache:
             return
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for t in _tensors(self.slots):
-            t.index_fill_(0, idx, value)
+            as_bytes(t).index_fill_(0, idx, fill_value(t.dtype, value))
 
 
 def _tensors(slots):

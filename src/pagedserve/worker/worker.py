@@ -77,6 +77,9 @@ class CacheConfig:
     # Layer groups of their own block tables (sliding-window, full, latent attention: the
     # driver's `KVLayout`); False: one group of full attention (core/kv_spec.py)
     hybrid: bool = True
+    # the blocks' storage dtype (fp8 with EngineArgs.kv_cache_dtype: attention/kv_dtype.py);
+    # None: the model's dtype
+    kv_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,9 @@ class Worker:
     def init_cache(self, cache: CacheConfig) -> None:
         """(Re)allocate the KV cache of this rank's heads; forget every request."""
         self.runner = self.kv_cache = None  # free the old tensors before allocating new ones
+        kv_dtype = cache.kv_dtype or self.dtype
         self.kv_cache = KVCache(self.model.kv_cache_spec, cache.num_blocks, cache.block_size,
-                                self.dtype, self.device,
+                                kv_dtype, self.device,
                                 num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform,
                                 hybrid=cache.hybrid)
         drafter = None
@@ -197,7 +201,7 @@ class Worker:
 
             # the same block layout as the target's: the same tables index both
             draft_cache = KVCache(self.draft_model.kv_cache_spec, cache.num_blocks,
-                                  cache.block_size, self.dtype, self.device,
+                                  cache.block_size, kv_dtype, self.device,
                                   num_cpu_blocks=cache.num_cpu_blocks, platform=self.platform,
                                   hybrid=False)
             drafter = DraftProposer(self.draft_model, draft_cache,

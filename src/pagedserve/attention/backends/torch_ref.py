@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backends.base import AttentionBackend
+from pagedserve.attention.kv_dtype import as_bytes, is_fp8, to_cache
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms import DEFAULT_OPS
 
@@ -23,10 +24,13 @@ def write_kv(
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    """Store each new token's K and V at its slot."""
+    """Store each new token's K and V at its slot, in the cache's dtype (fp8: rounded and
+    saturated, `attention.kv_dtype.to_cache`)."""
     n, b, h, d = k_cache.shape
-    k_cache.view(n * b, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(n * b, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    as_bytes(k_cache.view(n * b, h, d)).index_copy_(
+        0, slot_mapping, as_bytes(to_cache(key, k_cache.dtype)))
+    as_bytes(v_cache.view(n * b, h, d)).index_copy_(
+        0, slot_mapping, as_bytes(to_cache(value, v_cache.dtype)))
 
 
 def paged_attention(
@@ -162,11 +166,16 @@ def _attend_prompts(
             # cache's dtype as reading them back from it would; any other reads its context
             # through its slots.
             if chunk_ctx == chunk_n:  # (positions 0 .. ctx - 1 are all the chunk's own)
-                k = key[chunk_start + first : start + n].to(flat_k.dtype)  # [ctx - first, Hkv, D]
-                v = value[chunk_start + first : start + n].to(flat_v.dtype)
+                k = to_cache(key[chunk_start + first : start + n], flat_k.dtype)  # [ctx - first, Hkv, D]
+                v = to_cache(value[chunk_start + first : start + n], flat_v.dtype)
             else:
                 slots = group.kv_slots[g, first:ctx]  # [ctx - first]
                 k, v = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+            if is_fp8(k.dtype):
+                # NOTE: fp8 blocks: the chunk's context widened in torch (exact: every fp8 value
+                # is a bf16 / fp16 / fp32 value), then the model dtype's kernel or SDPA; the
+                # context is a gathered copy here anyway (the decode kernels widen in place)
+                k, v = k.to(query.dtype), v.to(query.dtype)
             qs = query[start : start + n]
             if softcap:  # positions relative to the first key read
                 out[start : start + n] = _attend_capped(qs, k, v, ctx - first, scale,
@@ -321,6 +330,7 @@ def copy_blocks(
 ) -> None:
     """Copy whole blocks `src[i] -> dst[i]` in every layer's K and V cache (copy-on-write)."""
     for k, v in kv_caches:
+        k, v = as_bytes(k), as_bytes(v)  # fp8: no index_copy_ in torch (the same bytes)
         k.index_copy_(0, dst, k.index_select(0, src))
         v.index_copy_(0, dst, v.index_select(0, src))
 

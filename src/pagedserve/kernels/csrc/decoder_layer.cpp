@@ -18,7 +18,8 @@
 // The kernels are called through the dispatcher (torch.ops.pagedserve_cpu.*, registered by the
 // other files of this extension). Registered as torch.ops.pagedserve_cpu.decoder_layer; the Python
 // side (kernels/cpu_decoder_layer.py) decides when it applies and checks every precondition the
-// kernels do not (decode-only batch, M within the GEMV limit, single rank, bf16 everywhere).
+// kernels do not (decode-only batch, M within the GEMV limit, single rank, bf16 everywhere but
+// the KV caches: bf16 or fp8, see write_kv).
 // decoder_layer_lora is the same layer with a step's LoRA adapters added after each projection
 // (see Lora below).
 
@@ -135,6 +136,25 @@ at::Tensor activate(const at::Tensor& x, int64_t act) {
   return op.call(x, act - 2, 0);
 }
 
+// The step's K/V written at their slots in the caches' dtype: bf16 as they are, or fp8
+// (kv_cache_dtype) rounded and saturated to the format's largest finite value as
+// attention/kv_dtype.py's to_cache does, through byte views (index_copy_ takes no float8).
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_kv_heads,
+              int64_t head_dim) {
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const auto type = k_cache.scalar_type();
+  if (type == at::kBFloat16) {
+    k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
+    v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+    return;
+  }
+  const double limit = type == at::ScalarType::Float8_e4m3fn ? 448.0 : 57344.0;
+  for (const auto& [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}})
+    cache->view({slots, num_kv_heads, head_dim}).view(at::kByte).index_copy_(
+        0, slot_mapping, src->clamp(-limit, limit).to(type).view(at::kByte));
+}
+
 // The attention half of a layer: h = norm_in(x), q/k/v, q/k norm + RoPE, K/V write, paged decode
 // attention, o; then the residual r and the feed-forward's input h:
 //   Llama:  r = x + o;                h = norm_post_attn(r)
@@ -179,9 +199,7 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
   at::Tensor k = qkv[1].view({T, num_kv_heads, head_dim});
   at::Tensor v = qkv[2].view({T, num_kv_heads, head_dim});
   qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0, isa);
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
-  k_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
-  v_cache.view({slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+  write_kv(k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim);
   at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa);
   const at::Tensor attn = a.view({T, num_heads * head_dim});
   at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows);

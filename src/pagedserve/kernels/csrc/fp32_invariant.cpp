@@ -18,7 +18,9 @@
 //     start = max(0, ctx - window) for a sliding window (0: none); softcap > 0 caps each score as
 //     softcap * tanh(score / softcap) before the softmax (Gemma 2). So its bits depend only on its
 //     own query and context, not on how the prompt was chunked or what else is in the step. The
-//     step's new K/V must already be in the cache. fp32_paged_attention_sinks(..., sinks [Hq], isa):
+//     step's new K/V must already be in the cache. The caches are float32, or fp8 (float8_e4m3fn /
+//     float8_e5m2, kv_cache_dtype): each row widened exactly to fp32 as it is read (attend_fp8),
+//     the same bits as a float32 cache holding the same values. fp32_paged_attention_sinks(..., sinks [Hq], isa):
 //     the same with a sink logit per query head in each softmax's denominator (gpt-oss).
 //
 //   fp32_activation(x, act) -> silu(x) (act 0), gelu_tanh(x) (act 1) or sigmoid(x) (act 2), every element by one
@@ -118,6 +120,28 @@ struct V {
     h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
   }
+  // 16 fp8 values (E5M2, else E4M3FN) widened exactly to fp32 by integer operations: the sign,
+  // a normal value's exponent and mantissa rebiased in place, a subnormal as mantissa x
+  // 2^(1 - bias - M), the formats' NaN / infinity codes (the same bits as torch's conversion and
+  // as csrc/vec16.h's v_load_fp8).
+  template <bool E5M2>
+  static V load_fp8(const uint8_t* p) {
+    constexpr int M = E5M2 ? 2 : 3, BIAS = E5M2 ? 15 : 7;
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 23 - M), _mm512_set1_epi32((127 - BIAS) << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / float(1 << (BIAS + M - 1))));
+    __m512i mag = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(1 << M)), normal,
+                                          _mm512_castps_si512(sub));
+    if (E5M2) {
+      mag = _mm512_mask_mov_epi32(mag, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7C)), _mm512_set1_epi32(0x7F800000));
+      mag = _mm512_mask_mov_epi32(mag, _mm512_cmpgt_epi32_mask(em, _mm512_set1_epi32(0x7C)), _mm512_set1_epi32(0x7FC00000));
+    } else {
+      mag = _mm512_mask_mov_epi32(mag, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7FC00000));
+    }
+    return {_mm512_castsi512_ps(_mm512_or_si512(mag, sign))};
+  }
   // ((((l0..7 + l8..15) -> 8) lo4 + hi4) -> 4) then (0+2, 1+3) then (0 + 1)
   float hsum() const {
     const __m256 lo = _mm512_castps512_ps256(r);
@@ -190,6 +214,30 @@ struct V {
     const __m256i packed = _mm256_packus_epi32(round_half(a), round_half(b));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
   }
+  // 16 fp8 values widened exactly to fp32 (as the AVX-512 struct's load_fp8, 8 lanes at a time)
+  template <bool E5M2>
+  static __m256 fp8_half(__m128i raw) {
+    constexpr int M = E5M2 ? 2 : 3, BIAS = E5M2 ? 15 : 7;
+    const __m256i x = _mm256_cvtepu8_epi32(raw);
+    const __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 23 - M), _mm256_set1_epi32((127 - BIAS) << 23));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / float(1 << (BIAS + M - 1))));
+    __m256i mag = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub),
+                                     _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << M), em));
+    if (E5M2) {
+      mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7F800000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7C)));
+      mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7FC00000), _mm256_cmpgt_epi32(em, _mm256_set1_epi32(0x7C)));
+    } else {
+      mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F)));
+    }
+    return _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
+  }
+  template <bool E5M2>
+  static V load_fp8(const uint8_t* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {fp8_half<E5M2>(raw), fp8_half<E5M2>(_mm_srli_si128(raw, 8))};
+  }
   float hsum() const {
     return hsum8(_mm256_add_ps(a, b));
   }
@@ -260,9 +308,11 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cac
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                 double scale, int64_t window, double softcap, int64_t isa,
                                 const float* sinks) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "fp32_paged_attention: float32 query and caches only");
+  const auto cache_type = k_cache.scalar_type();
+  const bool fp8 = cache_type == at::ScalarType::Float8_e4m3fn || cache_type == at::ScalarType::Float8_e5m2;
+  TORCH_CHECK(query.scalar_type() == at::kFloat && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || fp8),
+              "fp32_paged_attention: a float32 query; float32 or fp8 (e4m3fn / e5m2) caches");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "fp32_paged_attention: query [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -302,12 +352,13 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cac
   at::Tensor out = at::empty({T, Hq, D}, query.options());
   if (T == 0) return out;
   const float* qp = query.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
+  const bool e5m2 = cache_type == at::ScalarType::Float8_e5m2;
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> qs(G * D), acc(G * D), scores;
+    std::vector<float> qs(G * D), acc(G * D), scores, rows;  // rows: fp8 rows widened
     std::vector<const float*> ptrs;
     for (int64_t pair = b; pair < e; ++pair) {
       const int64_t t = pair / Hkv, h = pair % Hkv;
@@ -317,14 +368,29 @@ at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cac
       ptrs.resize(size_t(ctx - start));
       const float* q = qp + (t * Hq + h * G) * D;
       float* o = op + (t * Hq + h * G) * D;
+      const float* sink = sinks ? sinks + h * G : nullptr;
+      if (fp8) {  // the convert-on-load path (attend_fp8 in fp32_invariant_isa.h)
+        rows.resize(size_t((ctx - start) * D));
+        const auto* k8 = static_cast<const uint8_t*>(kp) + h * D;
+        const auto* v8 = static_cast<const uint8_t*>(vp) + h * D;
+        if (use == kIsaAvx512)
+          isa_avx512::attend_fp8(e5m2, q, k8, v8, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
+                                 cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(),
+                                 rows.data(), sink);
+        else
+          isa_avx2::attend_fp8(e5m2, q, k8, v8, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
+                               cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(),
+                               rows.data(), sink);
+        continue;
+      }
+      const float* kf = static_cast<const float*>(kp) + h * D;
+      const float* vf = static_cast<const float*>(vp) + h * D;
       if (use == kIsaAvx512)
-        isa_avx512::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D,
-                           sc, cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(),
-                           sinks ? sinks + h * G : nullptr);
+        isa_avx512::attend(q, kf, vf, bt + s * MB, ctx, start, B, Hkv * D, G, D,
+                           sc, cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(), sink);
       else
-        isa_avx2::attend(q, kp + h * D, vp + h * D, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
-                         cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(),
-                         sinks ? sinks + h * G : nullptr);
+        isa_avx2::attend(q, kf, vf, bt + s * MB, ctx, start, B, Hkv * D, G, D, sc,
+                         cap, o, qs.data(), scores.data(), acc.data(), ptrs.data(), sink);
     }
   });
   return out;

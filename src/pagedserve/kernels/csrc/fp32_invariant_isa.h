@@ -178,16 +178,18 @@ void value_tile(const float* p, int64_t L, const float* const* vals, int64_t i0,
 // t in [start, len) of its sequence (block table `table`), in increasing t; softcap > 0 caps
 // each score s as softcap * tanh(s / softcap) (Gemma 2) before the softmax. `sink` (or null): a
 // logit per query head of the group, one more term in the softmax's denominator (gpt-oss).
-void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
-            int64_t len, int64_t start, int64_t block_size, int64_t row, int64_t G, int64_t D,
-            float scale, float softcap, float* out, float* qs, float* scores, float* acc,
-            const float** ptrs, const float* sink = nullptr) {
-  const int64_t L = len - start;
+//
+// `rows(which, ptrs)` points ptrs[0 .. L) at the L rows of fp32 keys (which 0) or values (1):
+// the cache's own rows (`attend`), or fp8 rows widened into a buffer (`attend_fp8`); the
+// arithmetic is the same either way.
+template <class Rows>
+void attend_rows(const float* q, const Rows& rows, int64_t L, int64_t G, int64_t D, float scale,
+                 float softcap, float* out, float* qs, float* scores, float* acc,
+                 const float** ptrs, const float* sink) {
   const int64_t nfull = D / 16, rem = D % 16;
   for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * scale;
   // Pass 1: scores[g, t] = hsum(lanes of q_s[g] * k_t).
-  for (int64_t t = start; t < len; ++t)
-    ptrs[t - start] = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+  rows(0, ptrs);
   for (int64_t g = 0; g < G; g += ATT_GH) {
     const bool full = g + ATT_GH <= G;
     int64_t j = 0;
@@ -218,8 +220,7 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     sums[g] = sum;
   }
   // Pass 2: acc[g] = sum_t p[g, t] v_t.
-  for (int64_t t = start; t < len; ++t)
-    ptrs[t - start] = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+  rows(1, ptrs);
   for (int64_t g = 0; g < G; g += ATT_GH) {
     const int64_t heads = std::min<int64_t>(ATT_GH, G - g);
     for (int64_t h = g; h < g + heads; h += heads == ATT_GH ? ATT_GH : 1) {
@@ -244,4 +245,58 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] / sums[g];
+}
+
+// One query token, one KV head over float32 caches (see attend_rows).
+void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+            int64_t len, int64_t start, int64_t block_size, int64_t row, int64_t G, int64_t D,
+            float scale, float softcap, float* out, float* qs, float* scores, float* acc,
+            const float** ptrs, const float* sink = nullptr) {
+  const auto rows = [&](int which, const float** p) {
+    const float* cache = which ? v_cache : k_cache;
+    for (int64_t t = start; t < len; ++t)
+      p[t - start] = cache + (table[t / block_size] * block_size + t % block_size) * row;
+  };
+  attend_rows(q, rows, len - start, G, D, scale, softcap, out, qs, scores, acc, ptrs, sink);
+}
+
+// The same over fp8 caches (E5M2 true: float8_e5m2, else float8_e4m3fn; attention/kv_dtype.py):
+// the convert-on-load path. Each key / value row is widened exactly to fp32 into `buf` ([L][D])
+// as it is read (V::load_fp8, 16 values at a time), then attended as float32 rows: a token's bits
+// are those of a float32 cache holding the same values.
+template <bool E5M2>
+void attend_fp8_rows(const float* q, const uint8_t* k_cache, const uint8_t* v_cache,
+                const int64_t* table, int64_t len, int64_t start, int64_t block_size, int64_t row,
+                int64_t G, int64_t D, float scale, float softcap, float* out, float* qs,
+                float* scores, float* acc, const float** ptrs, float* buf,
+                const float* sink = nullptr) {
+  const int64_t nfull = D / 16, rem = D % 16;
+  const auto rows = [&](int which, const float** p) {
+    const uint8_t* cache = which ? v_cache : k_cache;
+    for (int64_t t = start; t < len; ++t) {
+      const uint8_t* src = cache + (table[t / block_size] * block_size + t % block_size) * row;
+      float* dst = buf + (t - start) * D;
+      for (int64_t i = 0; i < nfull; ++i) V::load_fp8<E5M2>(src + 16 * i).store(dst + 16 * i);
+      if (rem) {  // the last D % 16 values through a zero-padded copy
+        alignas(64) uint8_t tail[16] = {};
+        std::memcpy(tail, src + 16 * nfull, size_t(rem));
+        V::load_fp8<E5M2>(tail).store_tail(dst + 16 * nfull, int(rem));
+      }
+      p[t - start] = dst;
+    }
+  };
+  attend_rows(q, rows, len - start, G, D, scale, softcap, out, qs, scores, acc, ptrs, sink);
+}
+
+// attend_fp8_rows for the cache's format, instantiated here (inside the ISA's target region).
+void attend_fp8(bool e5m2, const float* q, const uint8_t* k_cache, const uint8_t* v_cache,
+                const int64_t* table, int64_t len, int64_t start, int64_t block_size, int64_t row,
+                int64_t G, int64_t D, float scale, float softcap, float* out, float* qs,
+                float* scores, float* acc, const float** ptrs, float* buf, const float* sink) {
+  if (e5m2)
+    attend_fp8_rows<true>(q, k_cache, v_cache, table, len, start, block_size, row, G, D, scale,
+                          softcap, out, qs, scores, acc, ptrs, buf, sink);
+  else
+    attend_fp8_rows<false>(q, k_cache, v_cache, table, len, start, block_size, row, G, D, scale,
+                           softcap, out, qs, scores, acc, ptrs, buf, sink);
 }

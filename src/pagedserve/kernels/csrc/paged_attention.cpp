@@ -7,7 +7,9 @@
 //
 // with start = max(0, seq_len - window) for a sliding window of `window` keys (0: none). All
 // arithmetic in fp32 (q and the cache read as fp32), one rounding of the output to bf16. The new
-// token's K/V must already be in the cache (the caller writes them first).
+// token's K/V must already be in the cache (the caller writes them first). The caches are bf16,
+// or fp8 (float8_e4m3fn / float8_e5m2: kv_cache_dtype, one byte a value), each 16 values widened
+// to fp32 as they are loaded (v_load_kv in paged_attention_impl.h); the query is bf16 either way.
 //
 // Parallel over (sequence, KV head) pairs on torch's OpenMP pool. Registered as
 // torch.ops.pagedserve_cpu.decode_attention; the Python wrapper is kernels/cpu_attention.py.
@@ -41,9 +43,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& seq_lens, double scale, int64_t window,
                             int64_t isa) {
   ps_isa::check_isa("decode_attention", isa);
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "decode_attention: bfloat16 query and caches only");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kBFloat16 || cache_type == at::ScalarType::Float8_e4m3fn ||
+                   cache_type == at::ScalarType::Float8_e5m2),
+              "decode_attention: a bfloat16 query; bfloat16 or fp8 (e4m3fn / e5m2) caches");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "decode_attention: query [S, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -63,11 +67,21 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * B, "decode_attention: seq_lens out of range");
   at::Tensor out = at::empty({S, Hq, D}, query.options());
   const auto* qp = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const auto* bt = block_tables.data_ptr<int64_t>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto attend = ps_isa::use_avx512(isa) ? vec_avx512::attend_one : vec_avx2::attend_one;
+  const bool avx512 = ps_isa::use_avx512(isa);
+  // The kernel for the caches' format (0 bf16, 1 e4m3, 2 e5m2: KvElem in paged_attention_impl.h),
+  // called with the caches' data as bytes (each instance reads its own element type).
+  using Attend = void (*)(const uint16_t*, const void*, const void*, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
+                          int64_t, float*);
+  const int fmt = cache_type == at::kBFloat16 ? 0 : cache_type == at::ScalarType::Float8_e4m3fn ? 1 : 2;
+  const Attend kernels[2][3] = {
+      {vec_avx2::attend_bf16, vec_avx2::attend_e4m3, vec_avx2::attend_e5m2},
+      {vec_avx512::attend_bf16, vec_avx512::attend_e4m3, vec_avx512::attend_e5m2}};
+  const Attend attend = kernels[avx512][fmt];
+  const void* kp = k_cache.data_ptr();
+  const void* vp = v_cache.data_ptr();
   // Work units: (sequence, KV head) pairs, each split into `parts` runs of its query heads when
   // there are fewer pairs than threads (one sequence of a model with one KV head: Gemma 3 270M
   // at batch 1). NOTE: every query head's arithmetic is its own (the heads of a run share only

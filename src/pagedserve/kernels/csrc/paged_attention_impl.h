@@ -6,26 +6,39 @@
 constexpr int64_t kChunks = PS_VEC == 512 ? 4 : 2;
 constexpr int64_t kPrefetch = 8;  // keys ahead
 
+// The caches' element type by format FMT: 0 bf16, 1 fp8 E4M3FN, 2 fp8 E5M2 (one byte each,
+// attention/kv_dtype.py), and its load of 16 values widened to fp32 (exact for all three): the
+// fp8 caches' convert-on-load path; every other operation is the bf16 cache's.
+template <int FMT> struct KvElem { using type = uint8_t; };
+template <> struct KvElem<0> { using type = uint16_t; };
+template <int FMT>
+inline V16 v_load_kv(const typename KvElem<FMT>::type* p) {
+  if constexpr (FMT == 0) return v_load_bf16(p);
+  else if constexpr (FMT == 1) return v_load_e4m3(p);
+  else return v_load_e5m2(p);
+}
+
 // Where pass 2 reads values: one sequence's blocks, one KV head.
+template <int FMT>
 struct Pv {
-  const uint16_t* v_cache;
+  const typename KvElem<FMT>::type* v_cache;
   const int64_t* table;
   int64_t start, seq_len, block_size, row, head_off, L;
 };
 
 // out[g, chunks i0 .. i0 + NC) = inv_sum[g] * sum_t w[g, t] v[t] for GN query heads (weights w
 // at sc + g * L).
-template <int GN, int NC>
-inline void pv_tile(const Pv& p, const float* sc, int64_t i0, const float* inv_sum, uint16_t* out,
+template <int FMT, int GN, int NC>
+inline void pv_tile(const Pv<FMT>& p, const float* sc, int64_t i0, const float* inv_sum, uint16_t* out,
                     int64_t out_stride) {
   V16 acc[GN][NC];
   for (int g = 0; g < GN; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = v_zero();
   for (int64_t t = p.start; t < p.seq_len; ++t) {
     const int64_t slot = p.table[t / p.block_size] * p.block_size + t % p.block_size;
-    const uint16_t* v = p.v_cache + slot * p.row + p.head_off + i0 * 16;
+    const auto* v = p.v_cache + slot * p.row + p.head_off + i0 * 16;
     V16 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = v_load_bf16(v + c * 16);
+    for (int c = 0; c < NC; ++c) vv[c] = v_load_kv<FMT>(v + c * 16);
     for (int g = 0; g < GN; ++g) {
       const V16 w = v_set1(sc[g * p.L + (t - p.start)]);
       for (int c = 0; c < NC; ++c) acc[g][c] = v_fmadd(w, vv[c], acc[g][c]);
@@ -36,15 +49,18 @@ inline void pv_tile(const Pv& p, const float* sc, int64_t i0, const float* inv_s
 }
 
 // The G query heads of one KV head of one sequence over keys [start, seq_len): out [G, D].
+// FMT: the caches' format (KvElem); the query and out are bf16 whatever it is.
+template <int FMT>
 inline void attend_one(const uint16_t* q,        // [G, D] the query heads of this KV head
-                       const uint16_t* k_cache,  // [N, B, Hkv, D]
-                       const uint16_t* v_cache,
+                       const typename KvElem<FMT>::type* k_cache,  // [N, B, Hkv, D]
+                       const typename KvElem<FMT>::type* v_cache,
                        const int64_t* table,     // [max_blocks]
                        int64_t seq_len, int64_t start, int64_t block_size, int64_t num_kv_heads,
                        int64_t kv_head, int64_t G, int64_t D, float scale, uint16_t* out,
                        int64_t out_stride, float* scores /* [G * (seq_len - start)] */) {
   const int64_t L = seq_len - start;
   const int64_t nv = D / 16;
+  const int64_t row_bytes = D * int64_t(sizeof(typename KvElem<FMT>::type));
   // q in fp32, pre-scaled: [G][D]
   alignas(64) float qf[kMaxGroup * kMaxDim];
   for (int64_t g = 0; g < G; ++g)
@@ -56,24 +72,24 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
   // Pass 1: scores.
   for (int64_t t = start; t < seq_len; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const uint16_t* k = k_cache + slot * row + kv_head * D;
+    const auto* k = k_cache + slot * row + kv_head * D;
     // NOTE: prefetch: the keys of a sequence sit in blocks scattered over the cache, and read
     // from memory as they came this loop ran at ~5 GB/s (2.6 ms for 64 sequences of 210 tokens on
     // a Zen 4 core, against 1.0 ms from cache). The key kPrefetch ahead and this key's values
     // (pass 2 reads them from L2 then) are requested now.
     if (t + kPrefetch < seq_len) {
       const int64_t ahead = t + kPrefetch;
-      const uint16_t* kn = k_cache + (table[ahead / block_size] * block_size + ahead % block_size) * row + kv_head * D;
-      for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kn) + b, _MM_HINT_T0);
+      const auto* kn = k_cache + (table[ahead / block_size] * block_size + ahead % block_size) * row + kv_head * D;
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(kn) + b, _MM_HINT_T0);
     }
     {
       const char* vt = reinterpret_cast<const char*>(v_cache + slot * row + kv_head * D);
-      for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(vt + b, _MM_HINT_T1);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(vt + b, _MM_HINT_T1);
     }
     V16 acc[kMaxGroup];
     for (int64_t g = 0; g < G; ++g) acc[g] = v_zero();
     for (int64_t i = 0; i < nv; ++i) {
-      const V16 kv = v_load_bf16(k + i * 16);
+      const V16 kv = v_load_kv<FMT>(k + i * 16);
       for (int64_t g = 0; g < G; ++g) acc[g] = v_fmadd(v_load(qf + g * D + i * 16), kv, acc[g]);
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -109,21 +125,38 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
     const int64_t gn = std::min<int64_t>(4, G - g0);
     for (int64_t i0 = 0; i0 < nv; i0 += kChunks) {
       const int64_t nc = std::min<int64_t>(kChunks, nv - i0);
-      const Pv pv{v_cache, table, start, seq_len, block_size, row, kv_head * D, L};
+      const Pv<FMT> pv{v_cache, table, start, seq_len, block_size, row, kv_head * D, L};
       const float* sc = scores + g0 * L;
       uint16_t* o = out + g0 * out_stride + i0 * 16;
       if (nc == kChunks) {
         switch (gn) {
-          case 4: pv_tile<4, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
-          case 3: pv_tile<3, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
-          case 2: pv_tile<2, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
-          default: pv_tile<1, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          case 4: pv_tile<FMT, 4, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          case 3: pv_tile<FMT, 3, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          case 2: pv_tile<FMT, 2, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+          default: pv_tile<FMT, 1, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
         }
       } else {
         for (int64_t g = 0; g < gn; ++g)
           for (int64_t c = 0; c < nc; ++c)
-            pv_tile<1, 1>(pv, sc + g * L, i0 + c, inv_sum + g0 + g, o + g * out_stride + c * 16, out_stride);
+            pv_tile<FMT, 1, 1>(pv, sc + g * L, i0 + c, inv_sum + g0 + g, o + g * out_stride + c * 16, out_stride);
       }
     }
   }
 }
+
+// The host code's entry points, one per cache format, on type-erased cache pointers (instantiated
+// here, inside the ISA's target region).
+#define PS_ATTEND_FMT(NAME, FMT)                                                                \
+  inline void NAME(const uint16_t* q, const void* k_cache, const void* v_cache,                \
+                   const int64_t* table, int64_t seq_len, int64_t start, int64_t block_size,    \
+                   int64_t num_kv_heads, int64_t kv_head, int64_t G, int64_t D, float scale,     \
+                   uint16_t* out, int64_t out_stride, float* scores) {                          \
+    using T = typename KvElem<FMT>::type;                                                       \
+    attend_one<FMT>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table,   \
+                    seq_len, start, block_size, num_kv_heads, kv_head, G, D, scale, out,        \
+                    out_stride, scores);                                                        \
+  }
+PS_ATTEND_FMT(attend_bf16, 0)
+PS_ATTEND_FMT(attend_e4m3, 1)
+PS_ATTEND_FMT(attend_e5m2, 2)
+#undef PS_ATTEND_FMT

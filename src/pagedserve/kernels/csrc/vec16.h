@@ -53,6 +53,25 @@ inline V16 v_pow2i(V16 n) {  // 2^n for integer-valued n in [-126, 127]
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
 }
 
+// 16 fp8 values widened exactly to fp32 (see v_load_e4m3 below): M mantissa bits, exponent BIAS.
+template <int M, int BIAS>
+inline V16 v_load_fp8(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i em = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 23 - M), _mm512_set1_epi32((127 - BIAS) << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / float(1 << (BIAS + M - 1))));
+  __m512i mag = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(1 << M)), normal,
+                                        _mm512_castps_si512(sub));
+  if (M == 3) {  // E4M3FN: S.1111.111 is NaN, no infinities
+    mag = _mm512_mask_mov_epi32(mag, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7FC00000));
+  } else {  // E5M2: exponent 11111 is inf (mantissa 0) or NaN
+    mag = _mm512_mask_mov_epi32(mag, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7C)), _mm512_set1_epi32(0x7F800000));
+    mag = _mm512_mask_mov_epi32(mag, _mm512_cmpgt_epi32_mask(em, _mm512_set1_epi32(0x7C)), _mm512_set1_epi32(0x7FC00000));
+  }
+  return {_mm512_castsi512_ps(_mm512_or_si512(mag, sign))};
+}
+
 #elif PS_VEC == 256
 
 struct V16 {
@@ -138,9 +157,41 @@ inline __m256 pow2i8(__m256 n) {
 }
 inline V16 v_pow2i(V16 n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
 
+// 8 fp8 values (the low 8 bytes of raw) widened exactly to fp32: see v_load_e4m3 below.
+template <int M, int BIAS>
+inline __m256 fp8x8_to_f32(__m128i raw) {
+  const __m256i x = _mm256_cvtepu8_epi32(raw);
+  const __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 23 - M), _mm256_set1_epi32((127 - BIAS) << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / float(1 << (BIAS + M - 1))));
+  __m256i mag = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub),
+                                   _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << M), em));
+  if (M == 3) {
+    mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7FC00000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F)));
+  } else {
+    mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7F800000), _mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7C)));
+    mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(0x7FC00000), _mm256_cmpgt_epi32(em, _mm256_set1_epi32(0x7C)));
+  }
+  return _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
+}
+template <int M, int BIAS>
+inline V16 v_load_fp8(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {fp8x8_to_f32<M, BIAS>(raw), fp8x8_to_f32<M, BIAS>(_mm_srli_si128(raw, 8))};
+}
+
 #else
 #error "define PS_VEC as 512 or 256 before including vec16.h"
 #endif
+
+// 16 fp8 KV cache values (attention/kv_dtype.py) widened exactly to fp32, by integer operations
+// (the same bits at both widths; no F16C / AVX10 conversions needed): sign, then a normal value's
+// exponent and mantissa moved into place and rebiased, a subnormal as mantissa x 2^(1 - bias - M)
+// (exact), the formats' NaN / infinity codes as torch reads them. E4M3FN: 3 mantissa bits, bias
+// 7, S.1111.111 NaN; E5M2: 2 mantissa bits, bias 15, IEEE-style infinities and NaNs.
+inline V16 v_load_e4m3(const uint8_t* p) { return v_load_fp8<3, 7>(p); }
+inline V16 v_load_e5m2(const uint8_t* p) { return v_load_fp8<2, 15>(p); }
 
 // The first n (0..16) lanes from p, the others `fill`; and the first n lanes stored.
 inline V16 v_load_n(const float* p, int64_t n, float fill = 0.0f) {
