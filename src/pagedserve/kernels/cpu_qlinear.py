@@ -81,13 +81,17 @@ class QuantSpec:
     `int8_activations` (ggml formats): False multiplies x as it is (bf16 or fp32) with the
     blocks dequantized 16 rows at a time, for every row count (batch-invariant too): what the
     dequantized checkpoint computes, without its memory; True (default): llama.cpp's numerics,
-    x quantized to 8-bit blocks, faster."""
+    x quantized to 8-bit blocks, faster.
+
+    `perm` (int64 `[in_features]` or None): the rows hold the input features in this order (GPTQ
+    act-order, `layers.hf_quant`); products gather x's features in it first."""
 
     format: QuantFormat
     in_features: int
     dtype: torch.dtype = torch.bfloat16
     batch_invariant: bool = False
     int8_activations: bool = True
+    perm: torch.Tensor | None = None
 
 
 # Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
@@ -158,6 +162,8 @@ def qlinear(
         raise RuntimeError("the compiled CPU linear kernel is unavailable (disabled, not x86-64 "
                            "with AVX2, or the build failed)")
     out_fp32 = out_dtype == torch.float32 and x.dtype != torch.float32
+    if spec is not None and spec.perm is not None:  # features in the rows' order
+        x = x.index_select(-1, spec.perm)  # [..., K]
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, fmt.code, k, bias, out_fp32, level,
                                                  gemm_rows(spec, x.dtype, level))
@@ -186,6 +192,8 @@ def qlinear_argmax(
     level = linear_isa()
     if level == ISA_NONE:
         raise RuntimeError("the compiled CPU linear kernel is unavailable")
+    if spec.perm is not None:  # features in the rows' order
+        x = x.index_select(-1, spec.perm)  # [M, K]
     return torch.ops.pagedserve_cpu.qlinear_argmax.default(
         x.contiguous(), weight, spec.format.code, spec.in_features, bias, level,
         gemm_rows(spec, x.dtype, level))
@@ -202,6 +210,8 @@ def qembedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the compiled CPU kernels are unavailable")
     flat = ids.reshape(-1).to(torch.long)
     y = torch.ops.pagedserve_cpu.qrows.default(weight, spec.format.code, spec.in_features, flat, level)
+    if spec.perm is not None:  # back to the features' own order
+        y = torch.empty_like(y).index_copy_(-1, spec.perm, y)
     return y.to(spec.dtype).reshape(*ids.shape, spec.in_features)
 
 

@@ -22,7 +22,8 @@
 //   ggml    the GGUF type name (gguf.GGMLQuantizationType) whose blocks these are, "" for none.
 //
 // Adding a format: a row here, its block struct in qlinear_blocks.h (`head`, `block` and the
-// constants the kernels read, see there), and its tests. Nothing else changes.
+// constants the kernels read, see there; a DENSE format: its row loop `dq_<Name>` there), and its
+// tests. Nothing else changes.
 
 #pragma once
 
@@ -40,7 +41,8 @@
   X(Mxfp4, 8,  32,  17, 0, DOT8,  NONE, "MXFP4")         \
   X(Q4_1,  9,  32,  20, 0, DOT8,  VNNI, "Q4_1")          \
   X(Q4_Z, 10,  32,  21, 0, DOT8,  VNNI, "")              \
-  X(Q8_F, 11,  32,  36, 0, DOT8,  VNNI, "")
+  X(Q8_F, 11,  32,  36, 0, DOT8,  VNNI, "")              \
+  X(F8_E4M3, 12, 32, 36, 0, DENSE, NONE, "")
 
 namespace ps_fmt {
 

@@ -258,6 +258,42 @@ struct Q8_F {
 };
 
 // ---------------------------------------------------------------------------------------------
+// DENSE formats' row loops (`dq_<Name>`: a row of K values -> dst, fp32 or bf16 via `put`)
+// ---------------------------------------------------------------------------------------------
+
+// OCP FP8 E4M3 (float8_e4m3fn) -> fp32, exactly: (8 + m) * 2^(e - 10) for e >= 1, m * 2^-9 for
+// e == 0, NaN for S.1111.111 (no infinities).
+inline float e4m3_to_float(uint8_t b) {
+  const uint32_t e = (b >> 3) & 0xF, m = b & 7;
+  uint32_t bits;
+  if (e == 15 && m == 7) {
+    bits = 0x7FC00000u;
+  } else if (e) {  // fp32 exponent e - 7 + 127, the 3 mantissa bits on top
+    bits = ((e + 120) << 23) | (m << 20);
+  } else {  // subnormal: m / 512, exact
+    const float v = float(m) * 0.001953125f;
+    std::memcpy(&bits, &v, 4);
+  }
+  bits |= uint32_t(b & 0x80) << 24;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// F8_E4M3: FP8 checkpoints' block-scaled weights (DeepSeek V3's, Qwen3's: a float32
+// weight_scale_inv per 128 x 128 tile, layers.hf_quant): per block of 32 values an fp32 scale d
+// (bytes 0-3: the tile's), then 32 E4M3 bytes; value = d * e4m3. DENSE: x multiplied as it is
+// with the rows dequantized (the values are not integers times one scale: no 8-bit product).
+template <typename T>
+void dq_F8_E4M3(const uint8_t* row, int64_t K, T* dst) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 36;
+    const float d = load_f32(blk);
+    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * e4m3_to_float(blk[4 + l]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Generated from the table: the checks of each struct against its row, and the dispatch.
 // ---------------------------------------------------------------------------------------------
 
