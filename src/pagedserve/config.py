@@ -28,7 +28,8 @@ CONVERTS = ("auto", "none", "embed", "classify")
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ATTENTION_BACKENDS = BACKEND_CHOICES  # owned by the attention layer's (torch-free) registry
-QUANTIZATIONS = ("none", "gguf", "int8")  # as layers.quantization.QUANTIZATIONS (no torch here)
+# as layers.quantization.QUANTIZATIONS (no torch here; tests/models/test_hf_quant.py checks)
+QUANTIZATIONS = ("none", "gguf", "int8", "awq", "gptq", "compressed-tensors", "fp8")
 GGUF_ACTIVATIONS = ("auto", "int8", "dtype")  # as layers.quantization.GGUF_ACTIVATIONS
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
@@ -154,7 +155,9 @@ class EngineArgs:
     quantization: str | None = option(
         None, "CPU weights: none (dequantize to --dtype), gguf (keep a GGUF file's quantized "
         "tensors; the default for GGUF files on CPU with one worker) or int8 (weight-only, "
-        "per-channel, computed at load)", choices=QUANTIZATIONS, aliases=("-q",))
+        "per-channel, computed at load); awq / gptq / compressed-tensors / fp8 (an HF checkpoint's "
+        "packed weights kept as stored; the default for such checkpoints)", choices=QUANTIZATIONS,
+        aliases=("-q",))
     gguf_activations: str = option(
         "auto", "products over kept GGUF blocks (--quantization gguf): int8 quantizes x to 8-bit "
         "blocks (llama.cpp's numerics, the fastest), dtype multiplies x as it is with the blocks "

@@ -83,3 +83,35 @@ def test_the_digest_changes_with_a_source_a_header_or_a_flag(tmp_path):
     hdr.write_text("#pragma once\n")
     second = build.content_digest([src], [hdr], ["-O3"])
     assert second != first and build.content_digest([src], [hdr], []) != second
+
+
+def test_the_python_formats_are_the_csrc_table_and_the_kernel_agrees():
+    """kernels.cpu_qlinear.FORMATS is generated from csrc/qformats.h (no second list): the same
+    rows, and the compiled dispatch (generated from the same table) sizes every row as Python
+    does; an unknown code is refused by both."""
+    import torch
+
+    from pagedserve.kernels.cpu_qlinear import FORMATS, GGML_FORMATS, quantized_available
+
+    rows = build.quant_formats()
+    assert [(r.name, r.code, r.block, r.block_bytes) for r in rows] == \
+        [(f.name, f.code, f.block, f.block_bytes) for f in FORMATS.values()]
+    assert GGML_FORMATS["Q4_K"] == "q4_k" and "q4_z" in FORMATS and not FORMATS["q4_z"].ggml
+    if not quantized_available():
+        pytest.skip("compiled CPU kernels unavailable")
+    for f in FORMATS.values():
+        for k in (256, 512):
+            assert torch.ops.pagedserve_cpu.qrow_bytes(f.code, k) == f.row_bytes(k), f.name
+    assert torch.ops.pagedserve_cpu.qrow_bytes(max(f.code for f in FORMATS.values()) + 1, 256) == -1
+
+
+def test_a_malformed_table_row_is_refused_naming_its_line(tmp_path):
+    text = (build.CSRC / build.QFORMATS_HEADER).read_text()
+    broken = text.replace("X(Q8_0,  1,", "X(Q8_0,  one,", 1)
+    assert broken != text
+    (tmp_path / build.QFORMATS_HEADER).write_text(broken)
+    with pytest.raises(ValueError, match=r"qformats.h:\d+: not a table row"):
+        build.quant_formats(tmp_path)
+    (tmp_path / build.QFORMATS_HEADER).write_text(text.replace("X(Q5_K,  3,", "X(Q5_K,  2,", 1))
+    with pytest.raises(ValueError, match="a code appears twice"):
+        build.quant_formats(tmp_path)

@@ -272,12 +272,12 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
 # The ggml formats whose GEMM is an 8-bit one: every ggml format on AVX2 (csrc/qlinear_q8_gemm.h),
 # all but Q6_K at the AVX512-BF16 level (csrc/qlinear_vnni.h): x quantized as the small-batch
 # kernel quantizes it, exact integer block sums.
-VNNI_FMTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k")
+VNNI_FMTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q4_z", "q8_f")
 
 
 def _int8_gemm(fmt: str, isa: int) -> bool:
     if isa == ISA_LEVELS["avx2"]:
-        return fmt in GGML
+        return fmt in GGML or fmt in ("q4_z", "q8_f")
     return fmt in VNNI_FMTS and isa == ISA_LEVELS["avx512bf16"]
 
 
@@ -423,3 +423,79 @@ def test_ggml_blocks_times_x_as_it_is_without_int8_activations(fmt, isa):
     want = xf.double() @ ref_w.double().T
     scale = xf.double().abs() @ ref_w.double().abs().T
     assert ((qlinear(xf, w).double() - want).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+# The HF checkpoints' formats (layers.hf_quant): Q4_Z (4-bit codes less a zero point of 0..16, as
+# GPTQ v1's asymmetric zeros read), Q8_F (int8 with an fp32 scale) on the 8-bit kernels.
+HF_DOT8 = ("q4_z", "q8_f")
+
+
+def hf_rows(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of `fmt` marked with their QuantSpec, float32 [n, k] values d * (q - z) / d * q)."""
+    from pagedserve.layers.hf_quant import q4z_rows, q8f_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).to(torch.float16).float()  # [n, B]
+    if fmt == "q4_z":
+        q = torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8)
+        z = torch.randint(0, 17, (n, k // 32), generator=gen).to(torch.uint8)
+        z[:, 0] = 16
+        raw, values = q4z_rows(q, z, d), q.float().view(n, -1, 32) - z.float().unsqueeze(-1)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+        q[:, :8] = -128
+        raw, values = q8f_rows(q, d), q.float().view(n, -1, 32)
+    ref = (values * d.unsqueeze(-1)).reshape(n, k)
+    return set_quant(raw, QuantSpec(FORMATS[fmt], k)), ref
+
+
+@pytest.mark.parametrize("fmt", HF_DOT8)
+def test_hf_formats_on_the_8bit_kernel_the_gemm_and_embedding_rows(fmt, isa):
+    n, k = 37, 160  # an odd number of blocks
+    w, ref_w = hf_rows(fmt, n, k)
+    bias = torch.randn(n)
+    for m in (1, 6):  # fp32 x: the 8-bit kernel
+        x = torch.randn(m, k) * torch.logspace(-2, 1, k)
+        check_ggml_product(qlinear(x, w, bias), x, ref_w, bias)
+    xb = torch.randn(20, k).to(torch.bfloat16)  # the blocked GEMM, forced from row 1
+    check_gemm_product(_op(xb, w, isa, 1), xb, ref_w, None, fmt, isa)
+    ids = torch.tensor([[0, 36], [5, 5]])
+    rows = qembedding(ids, set_quant(w, QuantSpec(w.quant.format, k, torch.float32)))
+    assert torch.equal(rows, ref_w[ids])
+
+
+def test_permuted_features_gather_x_first(isa):
+    """QuantSpec.perm (GPTQ act-order rows): the product is that of x's features in the rows'
+    order, the embedding rows come back in the features' own order."""
+    w, ref_w = hf_rows("q4_z", 16, 64, seed=5)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    wp = set_quant(w.clone(), dataclasses.replace(w.quant, perm=perm))
+    x = torch.randn(3, 64)
+    assert torch.equal(qlinear(x, wp), qlinear(x[:, perm].contiguous(), w))
+    rows = qembedding(torch.tensor([2]), set_quant(wp, dataclasses.replace(wp.quant, dtype=torch.float32)))
+    assert torch.equal(rows[0, perm], ref_w[2])
+
+
+def test_f8_e4m3_rows_dense_product_and_embedding_rows(isa):
+    """F8_E4M3 (FP8 checkpoints' block-scaled weights): every E4M3 byte (subnormals, +-448, the
+    zeros; no NaN) decoded exactly, times its block's scale; the product multiplies x as it is
+    (a DENSE row: dequantized weights, rounded to bf16 on the bf16 levels)."""
+    from pagedserve.layers.hf_quant import f8_rows
+
+    n, k = 24, 256
+    codes = torch.arange(256, dtype=torch.int64).reshape(1, 256).repeat(n, 1)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # NaN -> 1.0
+    codes = codes[:, torch.randperm(256, generator=torch.Generator().manual_seed(0))]
+    w8 = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    d = (torch.rand(n, k // 32, generator=torch.Generator().manual_seed(1)) + 0.5) * 1e-3
+    w = set_quant(f8_rows(w8, d), QuantSpec(FORMATS["f8_e4m3"], k))
+    ref_w = (w8.float().view(n, -1, 32) * d.unsqueeze(-1)).reshape(n, k)
+    rows = qembedding(torch.tensor([[3, 0]]), set_quant(w, QuantSpec(w.quant.format, k, torch.float32)))
+    assert torch.equal(rows[0], ref_w[[3, 0]])
+    for m in (1, 9):
+        x = torch.randn(m, k)
+        torch.testing.assert_close(qlinear(x, w), x @ ref_w.T, rtol=1e-4, atol=1e-5)
+        xb = x.to(torch.bfloat16)
+        wq = _bf16_round(ref_w) if isa >= ISA_LEVELS["avx512bf16"] else ref_w
+        torch.testing.assert_close(qlinear(xb, w, out_dtype=torch.float32), xb.float() @ wq.T,
+                                   rtol=1e-4, atol=1e-5)

@@ -62,7 +62,7 @@ REASONS = {
     'tokenizer-mode': "tokenizers are HF fast tokenizers (tokenizer.json) here; 'auto' and 'hf' are the same",
     'hf-config-path': "the config is read from the model's own folder or GGUF here",
     'code-revision': 'no model code is ever run here (see --trust-remote-code)',
-    'quantization-config': "vLLM's quantization methods are not here: --quantization none | gguf | int8",
+    'quantization-config': "no per-method settings: --quantization none | gguf | int8 | awq | gptq | compressed-tensors | fp8",
     'allow-deprecated-quantization': 'no deprecated quantization method here',
     'return-sampling-mask': 'sampling masks are not returned here',
     'logprobs-mode': "logprobs are the model's raw log-softmax here (vLLM's default)",

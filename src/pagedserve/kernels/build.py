@@ -8,6 +8,8 @@ build (`setup.py`) and the run time share it.
   wheel. The arguments must be literals (or names bound to literals at module level).
 - `content_digest()`: a hash of an extension's files and flags; a prebuilt library is used only
   when the digest recorded at wheel build equals the one of the sources installed beside it.
+- `quant_formats()`: the rows of csrc/qformats.h, the one table of weight formats (the C++
+  dispatch is generated from it by macros; `kernels.cpu_qlinear.FORMATS` from this).
 - `PREBUILT_DIR`, `BUILD_INFO`: where the wheel puts the compiled libraries and what it records
   about their build (the torch version they were compiled against, the compiler, each library's
   file and digest).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,3 +154,52 @@ def read_build_info(prebuilt_dir: Path = PREBUILT_DIR) -> dict | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text())
+
+
+QFORMATS_HEADER = "qformats.h"
+
+
+@dataclass(frozen=True)
+class FormatRow:
+    """One row of csrc/qformats.h's `PS_QFORMATS` table (see the header for the columns)."""
+
+    name: str  # lower-cased: the Python name ("q4_k")
+    code: int
+    block: int
+    block_bytes: int
+    head: int
+    kernel: str  # "DENSE" | "DOT8"
+    gemm: str  # "NONE" | "Q8" | "VNNI"
+    ggml: str  # the GGUF type name, "" for none
+
+
+_ROW = re.compile(r'^\s*X\(\s*(\w+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*,'
+                  r'\s*(DENSE|DOT8)\s*,\s*(NONE|Q8|VNNI)\s*,\s*"(\w*)"\s*\)\s*\\?\s*$')
+
+
+def quant_formats(csrc: Path = CSRC) -> list[FormatRow]:
+    """The rows of the `PS_QFORMATS` X-macro of csrc/qformats.h, in table order. ValueError naming
+    the line for a row that does not parse, or a repeated name or code. NOTE: the table is the
+    one source of truth: the C++ dispatch is generated from the same rows by the preprocessor."""
+    lines = (csrc / QFORMATS_HEADER).read_text().splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("#define PS_QFORMATS(X)"))
+    except StopIteration:
+        raise ValueError(f"{QFORMATS_HEADER}: no `#define PS_QFORMATS(X)` table") from None
+    rows: list[FormatRow] = []
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if not line.strip():
+            break
+        m = _ROW.match(line)
+        if m is None:
+            raise ValueError(f"{QFORMATS_HEADER}:{i + 1}: not a table row: {line.strip()!r}")
+        name, code, block, nbytes, head, kernel, gemm, ggml = m.groups()
+        rows.append(FormatRow(name.lower(), int(code), int(block), int(nbytes), int(head), kernel, gemm, ggml))
+        if not line.rstrip().endswith("\\"):
+            break
+    for attr in ("name", "code"):
+        values = [getattr(r, attr) for r in rows]
+        if len(set(values)) != len(values):
+            raise ValueError(f"{QFORMATS_HEADER}: a {attr} appears twice in the table: {values}")
+    return rows

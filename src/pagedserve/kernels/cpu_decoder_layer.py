@@ -41,13 +41,15 @@ def _act_code(act: int) -> int:
 
 def weight_formats(weights: list[torch.Tensor]) -> list[int] | None:
     """The kernel's format code of each weight (0: bf16; else its `QuantSpec`), or None when one
-    cannot be taken (not a contiguous CPU tensor, neither bf16 nor quantized). NOTE: a loaded
-    model's weights keep their dtype and layout (loading copies in place), so callers compute this
-    once per layer (models.llama's fused plan)."""
+    cannot be taken (not a contiguous CPU tensor, neither bf16 nor quantized, rows in a permuted
+    feature order). NOTE: a loaded model's weights keep their dtype and layout (loading copies in
+    place), so callers compute this once per layer (models.llama's fused plan)."""
     formats = []
     for w in weights:
         spec = getattr(w, "quant", None)  # kernels.cpu_qlinear.QuantSpec
         if not (w.is_cpu and w.is_contiguous() and (spec is not None or w.dtype is torch.bfloat16)):
+            return None
+        if spec is not None and spec.perm is not None:  # x gathered first (GPTQ act-order)
             return None
         formats.append(spec.format.code if spec is not None else 0)
     return formats

@@ -32,18 +32,20 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.cpu_isa import ISA_AVX2, ISA_AVX512
 from pagedserve.kernels.extension import LazyExtension
 
 
-# isa codes of the C++ ops: 0 = the best this CPU has
-ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
+# isa codes of the C++ ops: 0 = the best this CPU has; else kernels.cpu_isa's levels (csrc/cpu_isa.h's
+# one enum and detection, shared by every extension; the levels above AVX-512 add nothing here)
+ISAS = {"auto": 0, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 
 # NOTE: -ffp-contract=off: the compiler must not fuse a multiply and an add the source keeps
 # apart (scalar code inside the AVX2/AVX-512 regions could otherwise differ between them).
 _EXTENSION = LazyExtension(
     "pagedserve_fp32_kernels",
     ["fp32_invariant.cpp"],
-    ["fp32_invariant_isa.h", "act_formula.h"],
+    ["fp32_invariant_isa.h", "act_formula.h", "cpu_isa.h"],
     cflags=["-ffp-contract=off"],
     probe=lambda: torch.ops.pagedserve_fp32.fp32_isa(),
     describe=lambda isa: "AVX-512" if isa == ISAS["avx512"] else "AVX2",

@@ -55,7 +55,7 @@ _EXTENSION = LazyExtension(
     ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
      "sampling.cpp", "qlinear.cpp", "threads.cpp", "prefill_attention.cpp", "lora_bgmv.cpp",
      "moe.cpp"],
-    ["cpu_isa.h", "qlinear_impl.h", "qlinear_q8.h", "qlinear_q8_gemm.h", "qlinear_mxfp4.h", "qlinear_bcast.h", "qlinear_vnni.h", "vec16.h",
+    ["cpu_isa.h", "qformats.h", "qlinear_blocks.h", "qlinear_impl.h", "qlinear_q8.h", "qlinear_q8_gemm.h", "qlinear_bcast.h", "qlinear_vnni.h", "vec16.h",
      "vec16_build.h", "argmax_impl.h", "argmax_best.h", "argmax_rows.h",
      "rms_norm_impl.h", "paged_attention_impl.h", "rotary_impl.h", "lora_bgmv_impl.h",
      "qlinear_api.h", "moe_impl.h", "act_formula.h"],

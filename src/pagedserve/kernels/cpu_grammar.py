@@ -27,7 +27,7 @@ from pagedserve.kernels.extension import LazyExtension
 
 # probe codes: 1 = scalar code, 2 = AVX2 (grammar_isa() + 1: LazyExtension reads 0 as unusable)
 _EXTENSION = LazyExtension(
-    "pagedserve_grammar_kernels", ["grammar_mask.cpp"], [], cflags=[],
+    "pagedserve_grammar_kernels", ["grammar_mask.cpp"], ["cpu_isa.h"], cflags=[],
     probe=lambda: int(torch.ops.pagedserve_grammar.grammar_isa()) + 1,
     describe=lambda code: "avx2" if code == 2 else "scalar",
     fallback_cost="structured-output masks ~30x slower (35 ms vs 1.2 ms per greedy step of 16 "

@@ -5,7 +5,10 @@ the format lays them out (GGUF's ggml blocks, or our INT8 rows: an fp32 scale th
 `QuantSpec` attached as its `quant` attribute (`set_quant`); `kernels.cpu_gemm.bf16_linear` routes
 such weights here.
 
-- ggml block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), at every ISA level: as llama.cpp does,
+The formats are the rows of csrc/qformats.h (`FORMATS`, read from it).
+
+- DOT8 formats (ggml's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4; Q4_Z / Q8_F, the HF
+  checkpoints' AWQ / GPTQ / compressed-tensors weights of `layers.hf_quant`), at every ISA level: as llama.cpp does,
   each row of x is quantized to 8-bit blocks of 32 (scale amax / 127, fp32) and multiplied with
   the weight blocks as stored, by AVX2 integer dot products, one fp32 FMA per block
   (csrc/qlinear_q8.h). So the result carries the activations' rounding (at most half a step of
@@ -27,47 +30,43 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.build import quant_formats
 from pagedserve.kernels.cpu_gemm import linear_isa
 from pagedserve.kernels.cpu_isa import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_NONE
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A weight format: its code for the kernel, values per block and bytes per block."""
+    """A weight format, one row of csrc/qformats.h: its code for the kernel, values per block,
+    bytes per block, bytes before a row's blocks (`head`: INT8's scale), its kernel ("DOT8": 8-bit
+    x times the stored blocks; "DENSE": rows dequantized), the GEMM it takes from `gemm_rows`
+    rows on ("NONE": the 8-bit kernel at every row count) and its GGUF type name ("" for none)."""
 
     name: str
     code: int
     block: int
     block_bytes: int
+    head: int = 0
+    kernel: str = "DOT8"
+    gemm: str = "Q8"
+    ggml: str = ""
 
     def row_bytes(self, k: int) -> int:
         """Bytes of one row of k values; ValueError if k is not whole blocks."""
-        if self.name == "int8":
-            return 4 + k
         if k % self.block:
             raise ValueError(f"{self.name} rows need a multiple of {self.block} values, got {k}")
-        return k // self.block * self.block_bytes
+        return self.head + k // self.block * self.block_bytes
 
 
+# NOTE: generated from the one table (csrc/qformats.h, parsed by kernels.build.quant_formats): a
+# new format is a row there, never an entry here.
 FORMATS = {
-    f.name: f
-    for f in (
-        QuantFormat("bf16", 0, 1, 2),
-        QuantFormat("q8_0", 1, 32, 34),
-        QuantFormat("q4_k", 2, 256, 144),
-        QuantFormat("q5_k", 3, 256, 176),
-        QuantFormat("q6_k", 4, 256, 210),
-        QuantFormat("int8", 5, 1, 1),  # per row: fp32 scale, then K int8
-        QuantFormat("q5_0", 6, 32, 22),
-        QuantFormat("q4_0", 7, 32, 18),
-        QuantFormat("mxfp4", 8, 32, 17),  # E8M0 scale + 16 bytes of E2M1 pairs (csrc/qlinear_mxfp4.h)
-        QuantFormat("q4_1", 9, 32, 20),  # Q4_0 plus a per-block min: d * q + m
-    )
+    r.name: QuantFormat(r.name, r.code, r.block, r.block_bytes, r.head, r.kernel, r.gemm, r.ggml)
+    for r in quant_formats()
 }
 
 # ggml type names (gguf.GGMLQuantizationType) the kernel takes as they are
-GGML_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0",
-                "Q4_0": "q4_0", "MXFP4": "mxfp4", "Q4_1": "q4_1"}
+GGML_FORMATS = {f.ggml: f.name for f in FORMATS.values() if f.ggml}
 
 
 @dataclass(frozen=True)
@@ -82,13 +81,17 @@ class QuantSpec:
     `int8_activations` (ggml formats): False multiplies x as it is (bf16 or fp32) with the
     blocks dequantized 16 rows at a time, for every row count (batch-invariant too): what the
     dequantized checkpoint computes, without its memory; True (default): llama.cpp's numerics,
-    x quantized to 8-bit blocks, faster."""
+    x quantized to 8-bit blocks, faster.
+
+    `perm` (int64 `[in_features]` or None): the rows hold the input features in this order (GPTQ
+    act-order, `layers.hf_quant`); products gather x's features in it first."""
 
     format: QuantFormat
     in_features: int
     dtype: torch.dtype = torch.bfloat16
     batch_invariant: bool = False
     int8_activations: bool = True
+    perm: torch.Tensor | None = None
 
 
 # Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
@@ -109,7 +112,7 @@ def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
     if spec is not None and not spec.int8_activations:
         return -1
     if (spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16
-            or spec.format.name == "mxfp4"):  # MXFP4: the 8-bit kernel only
+            or spec.format.gemm == "NONE"):  # its row takes no GEMM (MXFP4): the 8-bit kernel only
         return 0
     return GEMM_ROWS.get(isa, 0)
 
@@ -159,6 +162,8 @@ def qlinear(
         raise RuntimeError("the compiled CPU linear kernel is unavailable (disabled, not x86-64 "
                            "with AVX2, or the build failed)")
     out_fp32 = out_dtype == torch.float32 and x.dtype != torch.float32
+    if spec is not None and spec.perm is not None:  # features in the rows' order
+        x = x.index_select(-1, spec.perm)  # [..., K]
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
     y = torch.ops.pagedserve_cpu.qlinear.default(x2, weight, fmt.code, k, bias, out_fp32, level,
                                                  gemm_rows(spec, x.dtype, level))
@@ -187,6 +192,8 @@ def qlinear_argmax(
     level = linear_isa()
     if level == ISA_NONE:
         raise RuntimeError("the compiled CPU linear kernel is unavailable")
+    if spec.perm is not None:  # features in the rows' order
+        x = x.index_select(-1, spec.perm)  # [M, K]
     return torch.ops.pagedserve_cpu.qlinear_argmax.default(
         x.contiguous(), weight, spec.format.code, spec.in_features, bias, level,
         gemm_rows(spec, x.dtype, level))
@@ -203,6 +210,8 @@ def qembedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the compiled CPU kernels are unavailable")
     flat = ids.reshape(-1).to(torch.long)
     y = torch.ops.pagedserve_cpu.qrows.default(weight, spec.format.code, spec.in_features, flat, level)
+    if spec.perm is not None:  # back to the features' own order
+        y = torch.empty_like(y).index_copy_(-1, spec.perm, y)
     return y.to(spec.dtype).reshape(*ids.shape, spec.in_features)
 
 

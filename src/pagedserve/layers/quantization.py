@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,27 +35,47 @@ from pagedserve.kernels.cpu_qlinear import (  # the weight formats (FORMATS: by 
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "gguf", "int8")
-"""`EngineArgs.quantization` values (None: "gguf" for a GGUF file on CPU, else "none")."""
+HF_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8")
+"""HF checkpoints' packed methods (`quantization_config.quant_method`) `layers.hf_quant` reads."""
+
+QUANTIZATIONS = ("none", "gguf", "int8", *HF_QUANTIZATIONS)
+"""`EngineArgs.quantization` values (None: "gguf" for a GGUF file on CPU, the checkpoint's
+`quantization_config.quant_method` for an HF one that has one (`layers.hf_quant`), else
+"none")."""
 
 
 class QuantizedTensor:
     """A 2-D checkpoint tensor `[N, K]` kept as `data`, uint8 `[N, row_bytes]` rows of `format`
     blocks (or 3-D `[E, N, K]` as `[E, N, row_bytes]`: an MoE layer's stacked experts).
-    `dequantize()` gives the float32 values (for parameters that cannot stay quantized)."""
+    `dequantize()` gives the float32 values (for parameters that cannot stay quantized): gguf's
+    dequantizer for `ggml_type`, else `dequantizer(data, K)` (a format of no GGUF type,
+    `layers.hf_quant`'s: `ggml_type` -1). `perm` (int64 `[K]` or None): the rows hold the input
+    features in that order (GPTQ act-order, see `layers.hf_quant`)."""
 
-    def __init__(self, data: torch.Tensor, format: QuantFormat, shape: tuple[int, ...], ggml_type: int):
+    def __init__(self, data: torch.Tensor, format: QuantFormat, shape: tuple[int, ...], ggml_type: int,
+                 perm: torch.Tensor | None = None,
+                 dequantizer: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
         if data.dtype != torch.uint8 or data.dim() != len(shape) or data.dim() not in (2, 3) \
                 or tuple(data.shape[:-1]) != tuple(shape[:-1]):
             raise ValueError(f"quantized tensor data must be uint8 [{', '.join(map(str, shape[:-1]))}, row_bytes]")
         if data.shape[-1] != format.row_bytes(shape[-1]):
             raise ValueError(f"{format.name} rows of {shape[-1]} values take {format.row_bytes(shape[-1])} bytes")
+        if perm is not None and tuple(perm.shape) != (shape[-1],):
+            raise ValueError(f"perm must hold the {shape[-1]} input features, got {tuple(perm.shape)}")
         self.data, self.format, self.shape, self.ggml_type = data, format, tuple(shape), ggml_type
+        if ggml_type < 0 and dequantizer is None:
+            raise ValueError("a quantized tensor of no GGUF type needs its dequantizer")
+        self.perm, self.dequantizer = perm, dequantizer
 
     def get_shape(self) -> tuple[int, ...]:
         return self.shape
 
     def dequantize(self) -> torch.Tensor:  # float32 [N, K]
+        if self.ggml_type < 0:
+            values = self.dequantizer(self.data, self.shape[-1])  # [N, K]
+            if self.perm is not None:  # back to the checkpoint's feature order
+                values = torch.empty_like(values).index_copy_(-1, self.perm, values)
+            return values
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -98,7 +119,7 @@ def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tenso
 
 def install_quantized_tensor(model: nn.Module, param: torch.Tensor, source: QuantizedTensor) -> None:
     """Install checkpoint blocks `source` in place of `param` (its shape already checked)."""
-    spec = QuantSpec(source.format, source.shape[-1], param.dtype)
+    spec = QuantSpec(source.format, source.shape[-1], param.dtype, perm=source.perm)
     install_quantized(model, param, set_quant(source.data, spec))
 
 
@@ -164,14 +185,24 @@ def resolve_gguf_activations(requested: str, model_default: str | None) -> bool:
     return choice != "dtype"
 
 
-def resolve_quantization(requested: str | None, source_kind: str, device_type: str, world_size: int) -> str:
-    """What to load: "none", "gguf" (keep a GGUF file's quantized tensors) or "int8".
+def resolve_quantization(requested: str | None, source_kind: str, device_type: str, world_size: int,
+                         checkpoint_method: str | None = None) -> str:
+    """What to load: "none", "gguf" (keep a GGUF file's quantized tensors), "int8", or an HF
+    checkpoint's packed method ("awq", "gptq", "compressed-tensors", "fp8": `layers.hf_quant`).
 
-    None picks "gguf" for a GGUF file on one CPU worker when the kernels are available, else
-    "none". ValueError for an explicit choice that cannot apply (GPU, tensor parallel, "gguf" on a
-    non-GGUF model, kernels unavailable)."""
+    `checkpoint_method`: an HF checkpoint's `quantization_config.quant_method` (None for none).
+    None picks it when it is one of `HF_QUANTIZATIONS` (other methods, e.g.
+    gpt-oss's mxfp4, are their model's business), "gguf" for a GGUF file on one CPU worker when
+    the kernels are available, else "none". ValueError for an explicit choice that cannot apply
+    (GPU, tensor parallel, "gguf" on a non-GGUF model, "awq" on a checkpoint of another method,
+    kernels unavailable)."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {requested!r}")
+    if requested in HF_QUANTIZATIONS and requested != checkpoint_method:
+        raise ValueError(f"quantization={requested!r} needs a checkpoint whose config.json "
+                         f"quantization_config.quant_method is {requested!r}, got {checkpoint_method!r}")
+    if requested is None and checkpoint_method in HF_QUANTIZATIONS:
+        requested = checkpoint_method
     if requested is None:
         if source_kind != "gguf" or device_type != "cpu" or world_size != 1:
             return "none"

@@ -197,7 +197,8 @@ def split_rows(source: TensorSource, sizes: list[int]) -> list[TensorSource]:
             parts.append(source[start:start + n])
         elif _is_quantized(source):
             parts.append(type(source)(source.data[start:start + n], source.format,
-                                      (n, *source.shape[1:]), source.ggml_type))
+                                      (n, *source.shape[1:]), source.ggml_type, perm=source.perm,
+                                      dequantizer=source.dequantizer))
         else:
             parts.append(_RowSlice(source, start, start + n))
         start += n

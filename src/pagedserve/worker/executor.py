@@ -237,10 +237,11 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
         cpu_bind = tuple(parse_cpu_list(args.cpu_threads_bind, limit=getattr(args, "cpu_threads", None)))
         cpu_threads = len(cpu_bind)
     threads = None if device.type == "cuda" else max(1, cpu_threads // world_size)
+    from pagedserve.layers.hf_quant import checkpoint_method
     from pagedserve.layers.quantization import resolve_gguf_activations, resolve_quantization
 
     quantization = resolve_quantization(getattr(args, "quantization", None), source.kind, device.type,
-                                        world_size)
+                                        world_size, checkpoint_method(source.config))
     if args.load_format == "dummy" and quantization == "gguf":
         quantization = "none"  # random weights: nothing to keep
     if getattr(args, "enable_expert_parallel", False) and world_size > 1:

@@ -35,7 +35,7 @@ class WorkerConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs
-    quantization: str = "none"  # "none" | "gguf" | "int8" (layers.quantization.resolve_quantization)
+    quantization: str = "none"  # one of layers.quantization.QUANTIZATIONS (resolve_quantization)
     batch_invariant: bool = False  # quantized products on one kernel for every row count
     # GGUF blocks times 8-bit x (llama.cpp's numerics), or x as it is (EngineArgs.gguf_activations)
     int8_activations: bool = True
@@ -153,6 +153,13 @@ class Worker:
         source = config.source
         weights = None if config.load_format == "dummy" else source.iter_weights(
             lazy=config.world_size > 1, keep_quantized=config.quantization == "gguf")
+        if weights is not None:  # an HF checkpoint's packed layers (layers.hf_quant), kept or dequantized
+            from pagedserve.layers.hf_quant import HF_QUANTIZATIONS, checkpoint_method, hf_quantized_weights
+
+            method = checkpoint_method(source.config) if source.kind == "hf" else None
+            if method in HF_QUANTIZATIONS:
+                weights = hf_quantized_weights(weights, source.config, method,
+                                               keep=config.quantization == method)
         self.model = load_model(source.config, weights=weights, dtype=config.dtype,
                                 device=self.device, seed=config.seed, tp=self.tp,
                                 quantization=config.quantization,

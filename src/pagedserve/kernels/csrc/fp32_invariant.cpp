@@ -29,7 +29,8 @@
 //
 // Same machine => same ISA => same bits; the two ISAs also agree with each other (the AVX2 vector
 // is two 8-lane halves of the same 16 lanes). Compiled without -m flags: the SIMD code sits in
-// `#pragma GCC target` regions and runs only after `fp32_isa()` says the CPU has it; and with
+// `#pragma GCC target` regions and runs only after `fp32_isa()` (cpu_isa.h's detection, one for
+// every extension) says the CPU has it; and with
 // -ffp-contract=off, so the compiler fuses nothing the source does not. Registered as
 // torch.ops.pagedserve_fp32.*; the Python wrapper is pagedserve/kernels/cpu_fp32.py.
 
@@ -38,6 +39,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#include "cpu_isa.h"
 
 #include <immintrin.h>
 
@@ -52,19 +55,13 @@ namespace {
 constexpr int kMaxGroup = 64;  // query heads per KV head
 // The linear splits K into blocks of kBlockK (a multiple of 16) above kSplitK (see linear_block).
 constexpr int64_t kBlockK = 512, kSplitK = 768;
-constexpr int64_t kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+using ps_isa::kIsaAvx2;
+using ps_isa::kIsaAvx512;
+using ps_isa::kIsaNone;
 
-int64_t detect_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return kIsaAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
-  return kIsaNone;
-}
-
-int64_t best_isa() {
-  static const int64_t isa = detect_isa();
-  return isa;
-}
+// The best of this file's two ISAs the CPU runs: cpu_isa.h's one detection (every extension's),
+// capped at AVX-512 (the levels above add nothing used here).
+int64_t best_isa() { return std::min<int64_t>(ps_isa::cpu_isa(), kIsaAvx512); }
 
 // The end of both ISAs' horizontal sums, from 8 lanes: (lo4 + hi4) -> 4, then (0+2, 1+3), then
 // (0 + 1). NOTE: one order for both, so that AVX2 and AVX-512 give the same bits.

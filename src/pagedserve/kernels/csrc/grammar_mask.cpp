@@ -22,6 +22,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,10 +37,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #define PG_AVX2 __attribute__((target("avx2,fma")))
 
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
+// cpu_isa.h's detection (one for every extension): AVX2 + FMA, with the OS saving the AVX state.
+bool has_avx2() { return ps_isa::cpu_isa() >= ps_isa::kIsaAvx2; }
 
 inline bool allowed(const int32_t* mask, int64_t j) {
   return (uint32_t(mask[j >> 5]) >> (j & 31)) & 1u;

@@ -1,11 +1,13 @@
 // Linear layers over bf16 or quantized weights on x86-64 CPUs, one kernel for every batch size:
 //     y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias[N]),  fp32 accumulation.
 //
-// Weight formats (W's rows as raw bytes, see `row_bytes`): bf16, and the ggml blocks Q8_0, Q4_0,
-// Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4 (as in GGUF files; MXFP4 on the 8-bit kernel only:
-// qlinear_mxfp4.h), and our INT8 (per row: fp32 scale, then K int8).
+// Weight formats: the rows of the table in qformats.h (W's rows as raw bytes, `row_bytes`): bf16,
+// the ggml blocks Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4 (as in GGUF files), our INT8
+// (per row: fp32 scale, then K int8), and Q4_Z / Q8_F (HF checkpoints' AWQ / GPTQ /
+// compressed-tensors weights repacked losslessly). Every dispatch over formats below is
+// generated from that table.
 //
-// The ggml formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
+// The DOT8 formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
 // dot products with the weight blocks as they are stored (AVX2 maddubs/madd, one fp32 FMA per
 // block), as llama.cpp computes them: qlinear_q8.h, compiled once, for AVX2.
 //
@@ -16,11 +18,11 @@
 //   3 AVX512-BF16  W rows dequantized to bf16, vdpbf16ps dot products
 //   2 AVX512F      W rows dequantized to fp32, fp32 FMA (16 lanes); x converted to fp32
 //   1 AVX2+FMA     the same with 8 lanes
-// From gemm_rows rows on (bf16 x), the ggml formats take a blocked GEMM instead: on AVX2 the
-// 8-bit one for every ggml format (qlinear_q8_gemm.h: 16 weight rows unpacked once into
-// column-interleaved bytes, maddubs on the 8-bit x); on AVX512-BF16 the 8-bit one for Q8_0 /
-// Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for Q6_K
-// (qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 on AVX512F.
+// From gemm_rows rows on (bf16 x), the DOT8 formats whose row names a GEMM take a blocked GEMM
+// instead: on AVX2 the 8-bit one (qlinear_q8_gemm.h: 16 weight rows unpacked once into
+// column-interleaved bytes, maddubs on the 8-bit x); on AVX512-BF16 the 8-bit one for the VNNI
+// rows (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for the others (Q6_K:
+// qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 on AVX512F.
 // qlinear_argmax: the greedy LM head, the product scanned chunk by chunk (no logits in memory).
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
 // NOTEs in qlinear_impl.h and qlinear_q8.h). Registered as
@@ -33,6 +35,7 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "qformats.h"
 #include "qlinear_api.h"
 
 #include <immintrin.h>
@@ -46,31 +49,11 @@
 #include <memory>
 #include <vector>
 
+using namespace ps_fmt;  // the format codes (kFmt*) and their table, in every ISA namespace
+
 namespace {
 
 using namespace ps_isa;
-
-enum Fmt : int64_t {
-  kFmtBf16 = 0, kFmtQ8_0 = 1, kFmtQ4_K = 2, kFmtQ5_K = 3, kFmtQ6_K = 4, kFmtInt8 = 5, kFmtQ5_0 = 6,
-  kFmtQ4_0 = 7, kFmtMxfp4 = 8, kFmtQ4_1 = 9,
-};
-
-// Bytes of one row of K values in format fmt; -1 if K does not fit the format's blocks.
-int64_t row_bytes(int64_t fmt, int64_t K) {
-  switch (fmt) {
-    case kFmtBf16: return 2 * K;
-    case kFmtInt8: return 4 + K;
-    case kFmtQ8_0: return K % 32 ? -1 : K / 32 * 34;
-    case kFmtQ4_0: return K % 32 ? -1 : K / 32 * 18;
-    case kFmtQ4_1: return K % 32 ? -1 : K / 32 * 20;
-    case kFmtQ5_0: return K % 32 ? -1 : K / 32 * 22;
-    case kFmtQ4_K: return K % 256 ? -1 : K / 256 * 144;
-    case kFmtQ5_K: return K % 256 ? -1 : K / 256 * 176;
-    case kFmtQ6_K: return K % 256 ? -1 : K / 256 * 210;
-    case kFmtMxfp4: return K % 32 ? -1 : K / 32 * 17;
-  }
-  return -1;
-}
 
 // Where results go: y[m, n] = v + bias[n], rounded once to y's dtype (`put_out` in
 // qlinear_impl.h), at y + m * ldy + (n - n0): n0 is the first column y holds (0 for the result
@@ -208,7 +191,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
     p->range = [](const Out&, int64_t, int64_t) {};
     return p;
   }
-  if (fmt == kFmtMxfp4 && gemm_rows > 0) gemm_rows = 0;  // no GEMM takes MXFP4 (qlinear_mxfp4.h)
+  if (dot8_format(fmt) && !gemm_format(fmt) && gemm_rows > 0) gemm_rows = 0;  // its row takes no GEMM (MXFP4)
   // ggml formats below gemm_rows rows (or always, gemm_rows == 0): 8-bit x, integer block
   // products on the stored blocks (qlinear_q8.h), at every level. From gemm_rows rows on, the
   // blocked GEMM below: 16 weight rows dequantized once into L1/L2, every row of x over them.
@@ -216,12 +199,12 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   // bf16 levels, fp32 below) and multiplied with x as it is, by dot_block (batch-invariant at
   // every M), as bf16 / INT8 weights are: what the dequantized checkpoint computes.
   const bool x8 = gemm_rows >= 0;
-  if (isa_avx2::q8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows)) {
+  if (dot8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows)) {
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
     p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
     return p;
   }
-  if (isa == kIsaAvx2 && isa_avx2::q8_format(fmt) && x8) {  // the AVX2 8-bit GEMM (qlinear_q8_gemm.h)
+  if (isa == kIsaAvx2 && dot8_format(fmt) && x8) {  // the AVX2 8-bit GEMM (qlinear_q8_gemm.h)
     // NOTE: offset 0 -- the quantization (q, d, s) is the same for every offset
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, 0);
     if (!sx.xu_ready) isa_avx2::gemm_x(*q, M, sx.xu, sx.xsum);
@@ -239,7 +222,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       sx.amx_ready = true;
       const isa_amx::RunPrep* prep = &sx.amx;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, out, *prep, nb, ne); };
-    } else if (isa_avx512bf16::vnni_format(fmt) && x8) {  // the 8-bit GEMM: vnni_range
+    } else if (vnni_format(fmt) && x8) {  // the 8-bit GEMM: vnni_range
       if (!sx.vnni_ready) {
         // NOTE: offset 0 -- the quantization (q, d) is the same for every offset
         const isa_avx2::XQ& q = quantized_x(sx, x, M, K, 0);
@@ -248,7 +231,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       sx.vnni_ready = true;
       const isa_avx512bf16::VnniX* vx = &sx.vnni;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512bf16::vnni_range(fmt, *vx, M, K, wp, rb, out, nb, ne); };
-    } else if (isa_avx2::q8_format(fmt) && x8) {  // the GEMM over ggml blocks: bcast_block
+    } else if (dot8_format(fmt) && x8) {  // the GEMM over ggml blocks: bcast_block
       if (!sx.pairs_ready) isa_avx512bf16::run_prepare(xp, M, K, sx.pairs, true);
       sx.pairs_ready = true;
       const isa_avx512bf16::RunPrep* prep = &sx.pairs;

@@ -115,148 +115,11 @@ struct Stage {
 inline void put(float* dst, int64_t i, float v) { dst[i] = v; }
 inline void put(uint16_t* dst, int64_t i, float v) { dst[i] = bf16_round(v); }
 
-// 32 bits -> 32 bytes: 0xFF where the bit is set (llama.cpp's bytes_from_bits_32).
-inline __m256i bits_to_bytes(uint32_t bits) {
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                         0x0101010101010101, 0x0000000000000000);
-  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf);
-  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
-}
-
-// 16 bytes of nibble pairs -> 32 bytes: the low nibbles, then the high nibbles (ggml's order).
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0xF));
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0xF));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-}
-
 #if PS_ISA == 1  // the format loops: built once, for AVX2 (see dequant_to)
-template <typename T>
-void dq_q8_0(const uint8_t* row, int64_t K, T* dst) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 34;
-    const float d = half_to_float(load_u16(blk));
-    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
-    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * float(qs[l]));
-  }
-}
+#include "qlinear_blocks.h"
 
 template <typename T>
-inline void scale32(const int8_t* q, float d, T* y) {
-  for (int l = 0; l < 32; ++l) put(y, l, d * float(q[l]));
-}
-
-template <typename T>
-void dq_q5_0(const uint8_t* row, int64_t K, T* dst) {
-  alignas(32) int8_t q[32];
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 22;
-    const float d = half_to_float(load_u16(blk));
-    uint32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
-    const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nibbles(blk + 6), hb), _mm256_set1_epi8(16));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q), v);
-    scale32(q, d, dst + b * 32);
-  }
-}
-
-template <typename T>
-void dq_q4_0(const uint8_t* row, int64_t K, T* dst) {
-  alignas(32) int8_t q[32];
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 18;
-    const float d = half_to_float(load_u16(blk));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8)));
-    scale32(q, d, dst + b * 32);
-  }
-}
-
-// Q4_1: value = d * q + m (q the unsigned nibble), as ggml's dequantize_row_q4_1.
-template <typename T>
-void dq_q4_1(const uint8_t* row, int64_t K, T* dst) {
-  alignas(32) uint8_t q[32];
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 20;
-    const float d = half_to_float(load_u16(blk)), m = half_to_float(load_u16(blk + 2));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(q), nibbles(blk + 4));
-    for (int l = 0; l < 32; ++l) put(dst, b * 32 + l, d * float(q[l]) + m);
-  }
-}
-
-// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
-inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 8; ++j) {
-    if (j < 4) {
-      sc[j] = q[j] & 63;
-      mn[j] = q[j + 4] & 63;
-    } else {
-      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-  }
-}
-
-// Q4_K (kFive = false: 144-byte super-blocks) and Q5_K (kFive: 176 bytes, a fifth bit per value
-// in qh): 8 sub-blocks of 32 values, each d * scale * q - dmin * min.
-template <bool kFive, typename T>
-void dq_k_quant(const uint8_t* row, int64_t K, T* dst) {
-  constexpr int64_t kBytes = kFive ? 176 : 144;
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * kBytes;
-    const float d = half_to_float(load_u16(blk)), dmin = half_to_float(load_u16(blk + 2));
-    uint8_t sc[8], mn[8];
-    k4_scales(blk + 4, sc, mn);
-    const uint8_t* qh = blk + 16;  // Q5_K only
-    const uint8_t* qs = blk + (kFive ? 48 : 16);
-    T* y = dst + b * 256;
-    for (int j = 0; j < 4; ++j) {
-      const float d1 = d * sc[2 * j], m1 = dmin * mn[2 * j];
-      const float d2 = d * sc[2 * j + 1], m2 = dmin * mn[2 * j + 1];
-      for (int l = 0; l < 32; ++l) {
-        const int hi1 = kFive ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
-        const int hi2 = kFive ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
-        put(y, 64 * j + l, d1 * float(int(qs[32 * j + l] & 0xF) | hi1) - m1);
-        put(y, 64 * j + 32 + l, d2 * float(int(qs[32 * j + l] >> 4) | hi2) - m2);
-      }
-    }
-  }
-}
-
-template <typename T>
-void dq_q6_k(const uint8_t* row, int64_t K, T* dst) {
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * 210;
-    const uint8_t* ql = blk;
-    const uint8_t* qh = blk + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = half_to_float(load_u16(blk + 208));
-    T* y = dst + b * 256;
-    for (int h = 0; h < 2; ++h) {  // two halves of 128
-      const uint8_t* l0 = ql + 64 * h;
-      const uint8_t* hh = qh + 32 * h;
-      const int8_t* s = sc + 8 * h;
-      for (int i = 0; i < 2; ++i) {  // l in [16 i, 16 i + 16): scale index i
-        const float a0 = d * s[i], a1 = d * s[i + 2], a2 = d * s[i + 4], a3 = d * s[i + 6];
-        for (int l = 16 * i; l < 16 * i + 16; ++l) {
-          const int q1 = int((l0[l] & 0xF) | (((hh[l] >> 0) & 3) << 4)) - 32;
-          const int q2 = int((l0[l + 32] & 0xF) | (((hh[l] >> 2) & 3) << 4)) - 32;
-          const int q3 = int((l0[l] >> 4) | (((hh[l] >> 4) & 3) << 4)) - 32;
-          const int q4 = int((l0[l + 32] >> 4) | (((hh[l] >> 6) & 3) << 4)) - 32;
-          put(y, 128 * h + l, a0 * float(q1));
-          put(y, 128 * h + l + 32, a1 * float(q2));
-          put(y, 128 * h + l + 64, a2 * float(q3));
-          put(y, 128 * h + l + 96, a3 * float(q4));
-        }
-      }
-    }
-  }
-}
-
-template <typename T>
-void dq_int8(const uint8_t* row, int64_t K, T* dst) {
+void dq_Int8(const uint8_t* row, int64_t K, T* dst) {
   float s;
   std::memcpy(&s, row, 4);
   const int8_t* q = reinterpret_cast<const int8_t*>(row + 4);
@@ -264,36 +127,27 @@ void dq_int8(const uint8_t* row, int64_t K, T* dst) {
 }
 
 template <typename T>
-void dq_bf16(const uint8_t* row, int64_t K, T* dst) {
+void dq_Bf16(const uint8_t* row, int64_t K, T* dst) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
   for (int64_t k = 0; k < K; ++k) put(dst, k, bf16_to_float(w[k]));
 }
 
-#include "qlinear_mxfp4.h"
-
+// One row of format fmt (every row of the table: qformats.h) -> dst.
 template <typename T>
 void dequant_row(int64_t fmt, const uint8_t* row, int64_t K, T* dst) {
-  switch (fmt) {
-    case kFmtBf16: return dq_bf16(row, K, dst);
-    case kFmtQ8_0: return dq_q8_0(row, K, dst);
-    case kFmtQ4_K: return dq_k_quant<false>(row, K, dst);
-    case kFmtQ5_K: return dq_k_quant<true>(row, K, dst);
-    case kFmtQ6_K: return dq_q6_k(row, K, dst);
-    case kFmtInt8: return dq_int8(row, K, dst);
-    case kFmtQ5_0: return dq_q5_0(row, K, dst);
-    case kFmtQ4_0: return dq_q4_0(row, K, dst);
-    case kFmtMxfp4: return dq_mxfp4(row, K, dst);
-    case kFmtQ4_1: return dq_q4_1(row, K, dst);
-  }
+#define PS_FMT_CALL_DENSE(Name) return dq_##Name(row, K, dst)
+#define PS_FMT_CALL_DOT8(Name) return dq_blocks<Name>(row, K, dst)
+  switch (fmt) { PS_QFORMATS(PS_FMT_CASE) }
+#undef PS_FMT_CALL_DOT8
+#undef PS_FMT_CALL_DENSE
 }
 
 #endif
 
 #if PS_ISA >= 3  // kIsaAvx512Bf16
-// One row of ggml blocks straight to bf16, 32 values at a time, with the block unpackers of the
-// 8-bit kernel (qlinear_q8.h's format structs, AVX2, inlined here): the same fp32 operations as
-// the format loops above (d * q; d * sc * q - dmin * mn; Q4_1's d * q - (-m); (d * sc) * q), then
-// vcvtne2ps2bf16.
+// One row of DOT8 blocks straight to bf16, 32 values at a time, with the block routines of
+// qlinear_blocks.h (AVX2, inlined here): the same fp32 operations as its `dq_blocks` (d * q;
+// d * sc * q - dmin * mn; Q4_1's d * q - (-m); (d * sc) * q), then vcvtne2ps2bf16.
 template <class F>
 inline void dequant_blocks_bf16(const uint8_t* row, int64_t K, uint16_t* dst) {
   for (int64_t u = 0; u < K / F::kUnit; ++u) {
@@ -303,19 +157,24 @@ inline void dequant_blocks_bf16(const uint8_t* row, int64_t K, uint16_t* dst) {
     if constexpr (F::kMins) _mm256_store_ps(mins, h.mins);
     for (int t = 0; t < F::kBlocks; ++t) {
       float d;
-      __m256i mul;
+      __m256i mul = _mm256_setzero_si256();
       const __m256i q = F::block(h, wu, t, &d, &mul);
-      __m512i lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
-      __m512i hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
+      __m512i lo, hi;
+      if constexpr (F::kUnsigned) {
+        lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q));
+        hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1));
+      } else {
+        lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
+        hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
+      }
       if constexpr (F::kOffset != 0) {
         lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(F::kOffset));
         hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(F::kOffset));
       }
       __m512 dlo = _mm512_set1_ps(d), dhi = dlo;
-      if constexpr (F::kMul16) {  // Q6_K: an int8 scale per 16 values, times d first
-        const int8_t* sc = reinterpret_cast<const int8_t*>(wu + 192);
-        dlo = _mm512_set1_ps(d * float(sc[2 * t]));
-        dhi = _mm512_set1_ps(d * float(sc[2 * t + 1]));
+      if constexpr (F::kMul16) {  // Q6_K: an int16 multiplier per 16 values, times d first
+        dlo = _mm512_set1_ps(d * float(int16_t(_mm256_extract_epi16(mul, 0))));
+        dhi = _mm512_set1_ps(d * float(int16_t(_mm256_extract_epi16(mul, 8))));
       }
       __m512 flo = _mm512_mul_ps(dlo, _mm512_cvtepi32_ps(lo));
       __m512 fhi = _mm512_mul_ps(dhi, _mm512_cvtepi32_ps(hi));
@@ -328,18 +187,9 @@ inline void dequant_blocks_bf16(const uint8_t* row, int64_t K, uint16_t* dst) {
   }
 }
 
-// Whether dequant_blocks_bf16 takes fmt; if so, row to dst.
+// Whether fmt is a DOT8 format (dequant_blocks_bf16 takes it); if so, row to dst.
 inline bool dequant_ggml_bf16(int64_t fmt, const uint8_t* row, int64_t K, uint16_t* dst) {
-  switch (fmt) {
-    case kFmtQ8_0: dequant_blocks_bf16<::isa_avx2::Q8_0>(row, K, dst); return true;
-    case kFmtQ4_0: dequant_blocks_bf16<::isa_avx2::Q4_0>(row, K, dst); return true;
-    case kFmtQ4_1: dequant_blocks_bf16<::isa_avx2::Q4_1>(row, K, dst); return true;
-    case kFmtQ5_0: dequant_blocks_bf16<::isa_avx2::Q5_0>(row, K, dst); return true;
-    case kFmtQ4_K: dequant_blocks_bf16<::isa_avx2::Q4_K>(row, K, dst); return true;
-    case kFmtQ5_K: dequant_blocks_bf16<::isa_avx2::Q5_K>(row, K, dst); return true;
-    case kFmtQ6_K: dequant_blocks_bf16<::isa_avx2::Q6_K>(row, K, dst); return true;
-  }
-  return false;
+  return ::isa_avx2::visit_dot8(fmt, [&](auto f) { dequant_blocks_bf16<typename decltype(f)::type>(row, K, dst); });
 }
 #endif
 

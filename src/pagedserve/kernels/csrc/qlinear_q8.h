@@ -1,13 +1,14 @@
-// Integer dot products of ggml weight blocks with 8-bit activations (AVX2), as llama.cpp computes
-// its quantized products: included once by qlinear.cpp, inside `namespace isa_avx2` after
-// qlinear_impl.h (whose helpers it uses), and run for the ggml formats at every ISA level.
+// Integer dot products of weight blocks (the DOT8 formats of qformats.h) with 8-bit activations
+// (AVX2), as llama.cpp computes its quantized products: included once by qlinear.cpp, inside
+// `namespace isa_avx2` after qlinear_impl.h (whose helpers and block routines, qlinear_blocks.h,
+// it uses), and run for the DOT8 formats at every ISA level.
 //
 //   y[m, n] = sum_b  dx[m, b] * dw[n, b] * (qx[m, b] . qw[n, b])   (- the K-quants' mins term)
 //
 // Each row of x is quantized first (`quantize_x`) to blocks of 32: qx int8 in [-127, 127] and an
 // fp32 scale dx = amax / 127 (Q8_0-style, with an fp32 scale; also for the K-quants, whose
 // sub-blocks are 32 wide, or 16 wide for Q6_K with an int16 multiplier per half). Each weight block
-// of 32 is unpacked to 8 bits (`Q8_0`, `Q4_0`, ... below) and multiplied with _mm256_maddubs_epi16
+// of 32 is unpacked to 8 bits (`Q8_0`, `Q4_0`, ... of qlinear_blocks.h) and multiplied with _mm256_maddubs_epi16
 // -- on |qw| and sign(qx, qw) for signed values (Q8_0, Q6_K), on the stored unsigned values as
 // they are for the others (Q4_0 / Q5_0 then subtract offset * sum(qx), precomputed per block of x)
 // -- then _mm256_madd_epi16: exact int32 sums (the same either way), one fp32 FMA per block.
@@ -75,140 +76,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
   }
 }
 
-// fp16 block scale -> fp32 (F16C; exact, as half_to_float).
-inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-
-// ---------------------------------------------------------------------------------------------
-// Weight formats. A unit is what a row is made of (one block of 32, or a K-quant super-block of
-// 8 x 32); `head` reads a unit's scales once per tile, `block(h, u, t, ...)` unpacks its 32-value
-// block t: int8 values, their fp32 scale, and (kMul16) int16 multipliers per 16-value half.
-// ---------------------------------------------------------------------------------------------
-
-struct Q8_0 {
-  static constexpr int kUnit = 32, kBytes = 34, kBlocks = 1, kOffset = 0;
-  static constexpr bool kMins = false, kMul16 = false, kUnsigned = false;
-  struct Head {};
-  static Head head(const uint8_t*) { return {}; }
-  static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
-    *dw = h2f(u);
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 2));
-  }
-};
-
-struct Q4_0 {  // value = d * (q - 8): block() returns q, the kernel subtracts 8 * sum(qx)
-  static constexpr int kUnit = 32, kBytes = 18, kBlocks = 1, kOffset = 8;
-  static constexpr bool kMins = false, kMul16 = false, kUnsigned = true;
-  struct Head {};
-  static Head head(const uint8_t*) { return {}; }
-  static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
-    *dw = h2f(u);
-    return nibbles(u + 2);
-  }
-};
-
-struct Q5_0 {  // value = d * (q - 16): block() returns q, the kernel subtracts 16 * sum(qx)
-  static constexpr int kUnit = 32, kBytes = 22, kBlocks = 1, kOffset = 16;
-  static constexpr bool kMins = false, kMul16 = false, kUnsigned = true;
-  struct Head {};
-  static Head head(const uint8_t*) { return {}; }
-  static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
-    *dw = h2f(u);
-    uint32_t qh;
-    std::memcpy(&qh, u + 2, 4);
-    const __m256i hb = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
-    return _mm256_or_si256(nibbles(u + 6), hb);
-  }
-};
-
-// Q4_1: value = d * q + m, q the unsigned nibble: Q4_0's layout with a per-block min m (an fp16
-// after d). The min is carried as the K-quants' mins are (kMins: value = d * q - mins[t]), with
-// mins = -m in lane 0 (one block per unit; the other lanes zero).
-struct Q4_1 {
-  static constexpr int kUnit = 32, kBytes = 20, kBlocks = 1, kOffset = 0;
-  static constexpr bool kMins = true, kMul16 = false, kUnsigned = true;
-  struct Head {
-    __m256 mins;
-  };
-  static Head head(const uint8_t* u) { return {_mm256_setr_ps(-h2f(u + 2), 0, 0, 0, 0, 0, 0, 0)}; }
-  static __m256i block(const Head&, const uint8_t* u, int, float* dw, __m256i*) {
-    *dw = h2f(u);
-    return nibbles(u + 4);
-  }
-};
-
-// Q4_K / Q5_K: value = d * sc[t] * q - dmin * mn[t] for the 8 blocks t of a super-block.
-struct KHead {
-  float dsc[8];  // d * sc[t]
-  __m256 mins;   // dmin * mn[t]
-};
-
-inline KHead k4_head(const uint8_t* u) {
-  uint8_t sc[8], mn[8];
-  k4_scales(u + 4, sc, mn);
-  KHead h;
-  const float d = h2f(u), dmin = h2f(u + 2);
-  for (int t = 0; t < 8; ++t) h.dsc[t] = d * float(sc[t]);
-  uint64_t m8;
-  std::memcpy(&m8, mn, 8);
-  h.mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))),
-                         _mm256_set1_ps(dmin));
-  return h;
-}
-
-// Block t of 32 nibbles: qs[32 (t / 2) + l], low nibbles for even t, high for odd.
-inline __m256i k4_nibbles(const uint8_t* qs, int t) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (t / 2)));
-  return _mm256_and_si256(t & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0xF));
-}
-
-struct Q4_K {
-  static constexpr int kUnit = 256, kBytes = 144, kBlocks = 8, kOffset = 0;
-  static constexpr bool kMins = true, kMul16 = false, kUnsigned = true;
-  using Head = KHead;
-  static Head head(const uint8_t* u) { return k4_head(u); }
-  static __m256i block(const Head& h, const uint8_t* u, int t, float* dw, __m256i*) {
-    *dw = h.dsc[t];
-    return k4_nibbles(u + 16, t);
-  }
-};
-
-struct Q5_K {
-  static constexpr int kUnit = 256, kBytes = 176, kBlocks = 8, kOffset = 0;
-  static constexpr bool kMins = true, kMul16 = false, kUnsigned = true;
-  using Head = KHead;
-  static Head head(const uint8_t* u) { return k4_head(u); }
-  static __m256i block(const Head& h, const uint8_t* u, int t, float* dw, __m256i*) {
-    *dw = h.dsc[t];
-    // the fifth bit of value l is bit t of qh[l]
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 16));
-    const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, t), _mm256_set1_epi8(1));
-    return _mm256_or_si256(k4_nibbles(u + 48, t), _mm256_slli_epi16(bit, 4));
-  }
-};
-
-// Q6_K: value = d * sc[i] * (q - 32), one int8 scale sc per 16 values. Block t = 4 h + j of the
-// super-block: ql[64 h + 32 (j & 1) + l] (low nibble for j < 2, high otherwise) and bits
-// 2 j, 2 j + 1 of qh[32 h + l]; its scales are sc[2 t] (l < 16) and sc[2 t + 1].
-struct Q6_K {
-  static constexpr int kUnit = 256, kBytes = 210, kBlocks = 8, kOffset = 0;
-  static constexpr bool kMins = false, kMul16 = true, kUnsigned = false;
-  struct Head {
-    float d;
-  };
-  static Head head(const uint8_t* u) { return {h2f(u + 208)}; }
-  static __m256i block(const Head& h, const uint8_t* u, int t, float* dw, __m256i* mul) {
-    *dw = h.d;
-    const int hh = t / 4, j = t % 4;
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * hh + 32 * (j & 1)));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 128 + 32 * hh));
-    const __m256i lo = _mm256_and_si256(j < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0xF));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), _mm256_set1_epi8(3));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(u + 192);
-    *mul = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(sc[2 * t])),
-                                   _mm_set1_epi16(sc[2 * t + 1]), 1);
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-  }
-};
+// The weight formats' block routines (Q8_0, Q4_0, ..., `head` / `block`) are in qlinear_blocks.h.
 
 // ---------------------------------------------------------------------------------------------
 // Tiles: MB rows of x (from row m0) times NB weight rows (w, stride rb), over all of K.
@@ -329,18 +197,6 @@ void q8_product_range(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, cons
   }
 }
 
-// Whether fmt is a ggml block format (the ones this file multiplies).
-inline bool q8_format(int64_t fmt) {
-  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ4_1 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K ||
-         fmt == kFmtQ5_K || fmt == kFmtQ6_K || fmt == kFmtMxfp4;
-}
-
-// The offset a format stores its values with (Q4_0: q + 8, Q5_0: q + 16), which the quantized x
-// carries sums for; 0 for the others.
-inline int q8_offset(int64_t fmt) {
-  return fmt == kFmtQ4_0 ? Q4_0::kOffset : fmt == kFmtQ5_0 ? Q5_0::kOffset : 0;
-}
-
 // x [M, K] quantized to 8-bit blocks of 32 for formats of `offset` (the buffers it points into).
 struct QuantizedX {
   std::vector<int8_t> q;
@@ -370,17 +226,8 @@ void quantize_x(const X* x, int64_t M, int64_t K, int offset, QuantizedX& out) {
   out.xq = XQ{out.q.data(), out.ds.data(), out.ds.data() + M * nbx, out.os.data(), K};
 }
 
-// Output columns [nb, ne) of the product of x quantized for fmt's offset with ggml format fmt.
+// Output columns [nb, ne) of the product of x quantized for fmt's offset with DOT8 format fmt.
 inline void q8_range_fmt(int64_t fmt, const XQ& xq, int64_t M, const uint8_t* w, int64_t rb,
                          const Out& out, int64_t nb, int64_t ne) {
-  switch (fmt) {
-    case kFmtQ8_0: return q8_product_range<Q8_0>(xq, M, w, rb, out, nb, ne);
-    case kFmtQ4_0: return q8_product_range<Q4_0>(xq, M, w, rb, out, nb, ne);
-    case kFmtQ4_1: return q8_product_range<Q4_1>(xq, M, w, rb, out, nb, ne);
-    case kFmtQ5_0: return q8_product_range<Q5_0>(xq, M, w, rb, out, nb, ne);
-    case kFmtQ4_K: return q8_product_range<Q4_K>(xq, M, w, rb, out, nb, ne);
-    case kFmtQ5_K: return q8_product_range<Q5_K>(xq, M, w, rb, out, nb, ne);
-    case kFmtQ6_K: return q8_product_range<Q6_K>(xq, M, w, rb, out, nb, ne);
-    case kFmtMxfp4: return q8_product_range<MXFP4>(xq, M, w, rb, out, nb, ne);
-  }
+  visit_dot8(fmt, [&](auto f) { q8_product_range<typename decltype(f)::type>(xq, M, w, rb, out, nb, ne); });
 }

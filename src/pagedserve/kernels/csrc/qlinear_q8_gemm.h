@@ -1,4 +1,4 @@
-// The 8-bit GEMM over ggml blocks on AVX2 (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), from gemm_rows
+// The 8-bit GEMM over DOT8 blocks on AVX2 (the formats whose gemm is Q8 or VNNI in qformats.h), from gemm_rows
 // rows of x on: included once by qlinear.cpp, inside `namespace isa_avx2` after qlinear_q8.h
 // (whose x quantization and format unpacking it uses).
 //
@@ -49,14 +49,16 @@ struct GTile {
 // <= 2 * 127 * 31, and no per-column correction (Q4_0 / Q5_0 subtract offset * sum(qx) per row
 // and block instead; the K-quants' q have no offset). Q6_K: x + 128 against q - 32 (its
 // sub-scales multiply whole halves, so the offset is corrected per column, with them).
-template <class F> struct GemmTraits;
-template <> struct GemmTraits<Q8_0> { static constexpr int kGroup = 1; static constexpr bool kSign = true, kSub = false, kStored = false; };
-template <> struct GemmTraits<Q4_0> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
-template <> struct GemmTraits<Q4_1> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
-template <> struct GemmTraits<Q5_0> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false, kStored = true; };
-template <> struct GemmTraits<Q4_K> { static constexpr int kGroup = 8; static constexpr bool kSign = false, kSub = false, kStored = true; };
-template <> struct GemmTraits<Q5_K> { static constexpr int kGroup = 4; static constexpr bool kSign = false, kSub = false, kStored = true; };
-template <> struct GemmTraits<Q6_K> { static constexpr int kGroup = 2; static constexpr bool kSign = false, kSub = true, kStored = false; };
+// Derived from the block struct (qlinear_blocks.h): signed values without sub-scales take the
+// sign trick (Q8_0, Q4_Z, Q8_F), sub-scaled ones x + 128 (Q6_K), unsigned ones stay as stored;
+// kGroup is the most quads (8, 4, 2 or 1) whose int16 pair sums stay exact.
+template <class F>
+struct GemmTraits {
+  static constexpr bool kSign = !F::kUnsigned && !F::kMul16, kSub = F::kMul16, kStored = F::kUnsigned;
+  static constexpr int kPairMax = 2 * (kSub ? 255 : 127) * F::kMaxQ;  // |int16 pair sum| of one quad
+  static constexpr int kGroup = 8 * kPairMax <= 32767 ? 8 : 4 * kPairMax <= 32767 ? 4 : 2 * kPairMax <= 32767 ? 2 : 1;
+  static_assert(kPairMax <= 32767, "a format's values must fit maddubs' int16 pairs");
+};
 
 // log2 of a stored format's offset (Q4_0: 8, Q5_0: 16), -1 for none.
 template <class F> constexpr int offset_shift() { return F::kOffset == 8 ? 3 : F::kOffset == 16 ? 4 : -1; }
@@ -282,18 +284,10 @@ void g_product_range(const XQ& x, const uint8_t* xu, const int32_t* xsum, int64_
   }
 }
 
-// Output columns [nb, ne) of the GEMM with ggml format fmt; xu = x.q as unsigned x + 128.
+// Output columns [nb, ne) of the GEMM with DOT8 format fmt; xu = x.q as unsigned x + 128.
 inline void g_range_fmt(int64_t fmt, const XQ& x, const uint8_t* xu, const int32_t* xsum, int64_t M, const uint8_t* w, int64_t rb,
                         const Out& out, int64_t nb, int64_t ne) {
-  switch (fmt) {
-    case kFmtQ8_0: return g_product_range<Q8_0>(x, xu, xsum, M, w, rb, out, nb, ne);
-    case kFmtQ4_0: return g_product_range<Q4_0>(x, xu, xsum, M, w, rb, out, nb, ne);
-    case kFmtQ4_1: return g_product_range<Q4_1>(x, xu, xsum, M, w, rb, out, nb, ne);
-    case kFmtQ5_0: return g_product_range<Q5_0>(x, xu, xsum, M, w, rb, out, nb, ne);
-    case kFmtQ4_K: return g_product_range<Q4_K>(x, xu, xsum, M, w, rb, out, nb, ne);
-    case kFmtQ5_K: return g_product_range<Q5_K>(x, xu, xsum, M, w, rb, out, nb, ne);
-    case kFmtQ6_K: return g_product_range<Q6_K>(x, xu, xsum, M, w, rb, out, nb, ne);
-  }
+  visit_dot8(fmt, [&](auto f) { g_product_range<typename decltype(f)::type>(x, xu, xsum, M, w, rb, out, nb, ne); });
 }
 
 // x.q [M][K] as unsigned bytes x + 128 (the GEMM's x for Q6_K), and each block's sum(qx)

@@ -1,4 +1,4 @@
-// The 8-bit GEMM over ggml blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K) on AVX512-VNNI: rows of x in
+// The 8-bit GEMM over DOT8 blocks (the formats whose gemm is VNNI in qformats.h) on AVX512-VNNI: rows of x in
 // the vector lanes, weights broadcast, integer products by vpdpbusd (64 per instruction: twice
 // vdpbf16ps's 32). Included by qlinear_impl.h at the AVX512-BF16 level (every CPU of that level
 // has AVX512-VNNI: detect_isa requires it), used from gemm_rows rows on for these formats.
@@ -25,11 +25,6 @@
 #if PS_ISA != 3
 #error "qlinear_vnni.h is the AVX512-BF16 (+ VNNI) build only"
 #endif
-
-inline bool vnni_format(int64_t fmt) {
-  return fmt == kFmtQ8_0 || fmt == kFmtQ4_0 || fmt == kFmtQ4_1 || fmt == kFmtQ5_0 || fmt == kFmtQ4_K ||
-         fmt == kFmtQ5_K;
-}
 
 // x quantized and packed for the tiles: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16],
 // nsum [MBk][KB][16] = -sum(qx).
@@ -68,14 +63,10 @@ inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M
 }
 
 // The offset a format's unpacked bytes carry (value = byte - offset, times the scale): log2 of
-// it, or -1 for none. Q8_0 is stored signed: unpacked as q + 128.
-inline int vnni_offset_shift(int64_t fmt) {
-  switch (fmt) {
-    case kFmtQ8_0: return 7;
-    case kFmtQ4_0: return 3;
-    case kFmtQ5_0: return 4;
-  }
-  return -1;
+// it, or -1 for none. Signed formats (Q8_0, Q4_Z, Q8_F) are unpacked as q + 128.
+template <class F>
+constexpr int vnni_offset_shift() {
+  return !F::kUnsigned ? 7 : F::kOffset == 8 ? 3 : F::kOffset == 16 ? 4 : -1;
 }
 
 // One row of W (K values, format F) -> unsigned bytes wq [K] (see vnni_offset_shift) and, per
@@ -96,17 +87,6 @@ inline void vnni_weight_row(const uint8_t* row, int64_t K, uint8_t* wq, float* d
       dw[b] = d;
       mw[b] = mins[t];
     }
-  }
-}
-
-inline void vnni_weight_row(int64_t fmt, const uint8_t* row, int64_t K, uint8_t* wq, float* dw, float* mw) {
-  switch (fmt) {
-    case kFmtQ8_0: return vnni_weight_row<::isa_avx2::Q8_0>(row, K, wq, dw, mw);
-    case kFmtQ4_0: return vnni_weight_row<::isa_avx2::Q4_0>(row, K, wq, dw, mw);
-    case kFmtQ4_1: return vnni_weight_row<::isa_avx2::Q4_1>(row, K, wq, dw, mw);
-    case kFmtQ5_0: return vnni_weight_row<::isa_avx2::Q5_0>(row, K, wq, dw, mw);
-    case kFmtQ4_K: return vnni_weight_row<::isa_avx2::Q4_K>(row, K, wq, dw, mw);
-    case kFmtQ5_K: return vnni_weight_row<::isa_avx2::Q5_K>(row, K, wq, dw, mw);
   }
 }
 
@@ -223,23 +203,24 @@ inline void vnni_tile2x4(const uint8_t* xb0, const uint8_t* xb1, const float* dx
 // Output columns [nb, ne) (whole 16-row blocks of W, format fmt) of the product with packed x.
 // NOTE: blocked for the caches as bcast_range is: kCols columns unpacked at once (they stay in
 // L2) and multiplied by slabs of kSlab row groups of x (a slab stays in L2 across them).
-inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const uint8_t* w,
-                       int64_t row_bytes, const Out& out, int64_t nb, int64_t ne) {
+template <class F>
+inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                       const Out& out, int64_t nb, int64_t ne) {
   constexpr int64_t kCols = 64, kSlab = 4;
   const int64_t KB = K / 32, MBk = (M + 15) / 16;
   const int64_t ldq = K + 64;  // bytes: 8 columns read side by side stay out of one L1 set
   std::vector<uint8_t> buf(size_t(kCols * ldq + 64));
   uint8_t* wq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   std::vector<float> dw(size_t(kCols * KB)), mw(size_t(kCols * KB));
-  const VnniW wv{wq, ldq, dw.data(), mw.data(), vnni_offset_shift(fmt)};
-  const bool mins = fmt == kFmtQ4_K || fmt == kFmtQ5_K || fmt == kFmtQ4_1;
+  const VnniW wv{wq, ldq, dw.data(), mw.data(), vnni_offset_shift<F>()};
+  constexpr bool mins = F::kMins;
   Stage st(out, M, nb);
   for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
     const int64_t g1 = std::min(ne, g0 + kCols);
     if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
     for (int64_t n = g0; n < g1; ++n) {
       const int64_t c = n - g0;
-      vnni_weight_row(fmt, w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB);
+      vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB);
     }
     const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
     if (filled < padded) {  // missing columns: zeros (never stored)
@@ -287,4 +268,13 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
       }
   }
   if (nb < ne) st.flush_and_move(ne);
+}
+
+// The same for DOT8 format fmt (its table row's gemm is VNNI: ps_fmt::vnni_format).
+inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const uint8_t* w,
+                       int64_t row_bytes, const Out& out, int64_t nb, int64_t ne) {
+  ::isa_avx2::visit_dot8(fmt, [&](auto f) {
+    using F = typename decltype(f)::type;
+    if constexpr (!F::kMul16) vnni_range<F>(vx, M, K, w, row_bytes, out, nb, ne);  // Q6_K: never VNNI
+  });
 }
