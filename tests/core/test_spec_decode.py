@@ -33,7 +33,7 @@ def make(num_blocks=16, block_size=4, caching=False, **cfg):
 def step(sched, spec, emit):
     """Propose, schedule, and pretend the model ran: `emit(s)` gives the tokens a row emits
     (for a speculative row: its accepted drafts and the next token)."""
-    spec.propose(sched)
+    spec.propose(sched.running, sched.max_model_len)
     out = sched.schedule()
     results = [SeqStepOutput(s.seq.seq_id, [SampleResult(t, None, None, None) for t in emit(s)]
                              if s.do_sample else []) for s in out.scheduled]

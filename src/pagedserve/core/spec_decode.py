@@ -28,12 +28,11 @@ from __future__ import annotations
 import json
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable
 
-if TYPE_CHECKING:
-    from pagedserve.core.sched_types import ScheduledSequence
-    from pagedserve.core.scheduler import Scheduler
-    from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.core.sched_types import ScheduledSequence
+from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.sequence import SequenceGroup
 
 SPEC_METHODS = ("ngram", "draft_model")
 
@@ -163,14 +162,16 @@ class SpecDecoder:
         # per sequence: (drafts, accepted) so far, for the acceptance rule
         self._seq_stats: dict[int, list[int]] = {}
 
-    def propose(self, scheduler: "Scheduler", grammar=None) -> None:
-        """Set `spec_token_ids` of every running decoding sequence (see the module docstring).
+    def propose(self, running: Iterable[SequenceGroup], max_model_len: int,
+                grammar=None) -> None:
+        """Set `spec_token_ids` of every decoding sequence of the `running` groups (the
+        scheduler's, in queue order; see the module docstring).
         `grammar(group, seq, drafts)`: the prefix of the n-gram drafts a structured-output
         sequence's grammar allows (`StructuredOutputManager.valid_drafts`); without it such a
         sequence does not speculate (nor with a draft model)."""
         cfg = self.config
         decoding = []
-        for group in scheduler.running:
+        for group in running:
             if group.beam is not None or group.pooling is not None or group.fork_pending:
                 for seq in group.seqs:  # (a forking parent's next token is its children's too)
                     seq.spec_token_ids = []
@@ -186,7 +187,7 @@ class SpecDecoder:
                 seq.spec_token_ids = []
             self.num_steps_off += 1
             return
-        max_len = scheduler.config.max_model_len
+        max_len = max_model_len
         k = cfg.num_speculative_tokens
         for group, seq in decoding:
             params = group.sampling_params
@@ -253,17 +254,16 @@ class SpecDecoder:
         }
 
 
-def rewind(scheduler: "Scheduler", s: "ScheduledSequence", r: "SeqStepOutput") -> int:
+def rewind(s: ScheduledSequence, r: SeqStepOutput) -> int:
     """After a speculative row: set the sequence's computed tokens to the real token plus the
-    accepted drafts and give back the rejected drafts' slots (whole blocks freed, see
-    `KVCacheManager.truncate`). Returns the number of accepted drafts.
+    accepted drafts. Returns the number of accepted drafts. The caller then gives back the
+    rejected drafts' slots (`Scheduler.truncate`: whole blocks freed, see
+    `KVCacheManager.truncate`).
 
     NOTE: before the prefix cache sees the row's blocks: only accepted tokens are ever cached."""
     num_spec = len(s.spec_token_ids)
     accepted = max(0, min(num_spec, len(r.samples) - 1))
-    seq = s.seq
-    seq.num_computed_tokens = s.end - num_spec + accepted
-    scheduler.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+    s.seq.num_computed_tokens = s.end - num_spec + accepted
     return accepted
 
 
