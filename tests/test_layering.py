@@ -192,3 +192,21 @@ def test_no_import_cycles_in_src():
     """No module of src/pagedserve reaches itself through its imports (lazy and TYPE_CHECKING
     imports included): a shared piece moves below both users, or a caller passes it down."""
     assert import_cycles(_module_graph()) == []
+
+
+def test_the_step_update_reaches_the_scheduler_only_through_its_interface():
+    """core/step_update.py uses of `scheduler.<name>` are members of its `StepTarget` (no
+    reaching into the scheduler's queues, block manager or config); spec_decode and the
+    proposers never see the scheduler."""
+    tree = ast.parse((SRC / "core" / "step_update.py").read_text())
+    target = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepTarget")
+    members = {n.name for n in target.body if isinstance(n, ast.FunctionDef)}
+    members |= {n.target.id for n in target.body if isinstance(n, ast.AnnAssign)}
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "scheduler"}
+    assert used and used <= members, sorted(used - members)
+    speculation = [SRC / "core" / "spec_decode.py"] + _modules("core", "proposers")
+    assert _offenders(speculation, "pagedserve.core.scheduler") == []
+    assert [p.name for p in speculation if any(
+        isinstance(n, ast.arg) and n.arg == "scheduler"
+        for n in ast.walk(ast.parse(p.read_text())))] == []
