@@ -96,3 +96,117 @@ def test_no_device_type_checks_in_models_layers_or_attention_layers():
             if needle in text and path.name != "quantization.py":
                 found.append(f"{path.relative_to(SRC)}: {needle}")
     assert found == []
+
+
+# --- the module graph (issue 39): no import cycles, no upward imports --------------------------
+
+
+def test_the_engine_imports_no_entrypoints():
+    # Chat rendering lives in engine/chat_template.py, below both the server and `LLM.chat`.
+    assert _offenders(_modules("engine"), "pagedserve.entrypoints") == []
+
+
+def test_platforms_import_no_worker():
+    # A platform describes its device; the worker runs on it (and measures through it).
+    assert _offenders(_modules("platforms"), "pagedserve.worker") == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the pagedserve modules it imports, every import statement counted: top level,
+    lazy ones inside functions and `TYPE_CHECKING` ones alike. `from a import b` is an edge to
+    the module `a.b` when there is one, else to `a` (a package's `__init__`)."""
+    names = {}
+    for path in _modules():
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in names.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                assert node.level == 0, f"{path.relative_to(SRC)}: a relative import"
+                targets.update(known(f"{node.module}.{a.name}") if f"{node.module}.{a.name}"
+                               in names else known(node.module) for a in node.names)
+        graph[module] = targets - {None, module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative):
+    each is one import cycle, however many loops run through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_import_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}, "g": set()}
+    assert sorted(import_cycles(graph)) == [["a", "b", "c"], ["e", "f"]]
+
+
+def test_no_import_cycles_in_src():
+    """No module of src/pagedserve reaches itself through its imports (lazy and TYPE_CHECKING
+    imports included): a shared piece moves below both users, or a caller passes it down."""
+    assert import_cycles(_module_graph()) == []
+
+
+def test_the_step_update_reaches_the_scheduler_only_through_its_interface():
+    """core/step_update.py uses of `scheduler.<name>` are members of its `StepTarget` (no
+    reaching into the scheduler's queues, block manager or config); spec_decode and the
+    proposers never see the scheduler."""
+    tree = ast.parse((SRC / "core" / "step_update.py").read_text())
+    target = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepTarget")
+    members = {n.name for n in target.body if isinstance(n, ast.FunctionDef)}
+    members |= {n.target.id for n in target.body if isinstance(n, ast.AnnAssign)}
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "scheduler"}
+    assert used and used <= members, sorted(used - members)
+    speculation = [SRC / "core" / "spec_decode.py"] + _modules("core", "proposers")
+    assert _offenders(speculation, "pagedserve.core.scheduler") == []
+    assert [p.name for p in speculation if any(
+        isinstance(n, ast.arg) and n.arg == "scheduler"
+        for n in ast.walk(ast.parse(p.read_text())))] == []

@@ -9,7 +9,6 @@ once, here, with ValueError.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from pagedserve.attention.backends import BACKEND_CHOICES
 from pagedserve.core.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
 from pagedserve.core.spec_decode import SpeculativeConfig
+from pagedserve.json_option import json_object as _json_object
 from pagedserve.pooling_params import RUNNERS, PoolerConfig
 from pagedserve.reasoning import REASONING_PARSERS  # the registry's names (no parser imported)
 
@@ -98,18 +98,6 @@ def _flag_type(annotation: Any) -> type:
     if name not in types:
         raise TypeError(f"EngineArgs field of type {annotation!r}: no CLI flag type for it")
     return types[name]
-
-
-def _json_object(name: str, value: Any) -> dict[str, Any]:
-    """A dict, or a string holding a JSON object, as a dict; ValueError naming `name` else."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"{name} must be a JSON object, got {value!r}: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
-    return value
 
 
 @dataclass

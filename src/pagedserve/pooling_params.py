@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.json_option import json_object
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # vLLM's pooling tasks we serve: one vector per prompt, one per prompt token, class probabilities
 # (`*ForSequenceClassification` checkpoints).
@@ -83,9 +85,7 @@ class PoolerConfig:
         base = sentence_transformers_pooling(model_dir) or cls()
         if not option:
             return base
-        from pagedserve.config import _json_object  # (config imports this module)
-
-        option = _json_object("pooler_config", option)
+        option = json_object("pooler_config", option)
         known = {"pooling_type", "seq_pooling_type", "normalize", "use_activation"}
         unknown = sorted(set(option) - known)
         if unknown:

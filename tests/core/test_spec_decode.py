@@ -33,7 +33,7 @@ def make(num_blocks=16, block_size=4, caching=False, **cfg):
 def step(sched, spec, emit):
     """Propose, schedule, and pretend the model ran: `emit(s)` gives the tokens a row emits
     (for a speculative row: its accepted drafts and the next token)."""
-    spec.propose(sched)
+    spec.propose(sched.running, sched.max_model_len)
     out = sched.schedule()
     results = [SeqStepOutput(s.seq.seq_id, [SampleResult(t, None, None, None) for t in emit(s)]
                              if s.do_sample else []) for s in out.scheduled]
@@ -180,3 +180,38 @@ def test_a_prompts_last_token_never_carries_drafts():
     step(sched, spec, lambda s: [])
     out = step(sched, spec, lambda s: [5])
     assert [(s.num_tokens, s.spec_token_ids) for s in out.scheduled] == [(1, [])]
+
+
+def test_a_method_is_its_registry_entry_with_its_hooks(monkeypatch):
+    """A new speculative method is a `Proposer` and its registry line: the decoder hands it the
+    rows that may speculate (with their limits), takes its drafts, and calls its hooks."""
+    from pagedserve.core.proposers import PROPOSERS, Proposer
+
+    calls = []
+
+    class Echo(Proposer):  # drafts: the sequence's last token, repeated
+        name = "echo"
+
+        def propose(self, batch):
+            calls.append([(seq.seq_id, limit) for seq, limit in batch])
+            return [[seq.token_ids[-1]] * (limit + 1) for seq, limit in batch]  # (cut to limit)
+
+        def on_verified(self, seq_id, num_drafts, num_accepted):
+            calls.append(("verified", seq_id, num_drafts, num_accepted))
+
+        def on_finished(self, seq_ids):
+            calls.append(("finished", sorted(seq_ids)))
+
+    monkeypatch.setitem(PROPOSERS, "echo", Echo)
+    spec = SpecDecoder(SpeculativeConfig.parse({"method": "echo", "num_speculative_tokens": 2}))
+    sched = make()
+    g = group("a", [5, 6, 7], max_tokens=5)
+    sched.add(g)
+    step(sched, spec, lambda s: [9])  # the prompt: no drafts
+    seq = g.seqs[0]
+    step(sched, spec, lambda s: [9, 9, 4])  # both drafts accepted, then 4
+    assert calls[0] == [(seq.seq_id, 2)] and calls[1] == ("verified", seq.seq_id, 2, 2)
+    spec.forget([seq.seq_id])
+    assert calls[-1] == ("finished", [seq.seq_id])
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        SpeculativeConfig.parse({"method": "nope"})

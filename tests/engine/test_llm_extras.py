@@ -71,7 +71,7 @@ def test_chat_refuses_bad_conversations_before_running_any(llm):
 def test_chat_adds_the_default_gemma_formats_end_of_turn_stop(llm, monkeypatch):
     # NOTE: the stop tokens of the server's chat format (Gemma's <end_of_turn> for the
     # embedded GGUF) join the request's, as /v1/chat/completions adds them.
-    from pagedserve.entrypoints.openai.chat_template import PLAIN_TEMPLATE, ChatFormat
+    from pagedserve.engine.chat_template import PLAIN_TEMPLATE, ChatFormat
 
     monkeypatch.setattr(llm, "_chat_format_cache", ChatFormat("test", PLAIN_TEMPLATE, [7]),
                         raising=False)

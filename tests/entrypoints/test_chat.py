@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from pagedserve import SamplingParams
-from pagedserve.entrypoints.openai.chat_template import PLAIN_TEMPLATE
+from pagedserve.engine.chat_template import PLAIN_TEMPLATE
 from server_utils import sse_events
 
 pytestmark = pytest.mark.timeout(60)

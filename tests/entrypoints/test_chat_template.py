@@ -4,7 +4,7 @@ with `<end_of_turn>` as a stop token; a plain format otherwise), and errors as V
 import pytest
 
 import tiny
-from pagedserve.entrypoints.openai.chat_template import (
+from pagedserve.engine.chat_template import (
     default_chat_format,
     flatten_content,
     render_chat,

@@ -224,7 +224,7 @@ def test_classify_and_cross_encoder_score_routes(tmp_path):
 
 
 def test_chat_embeddings_render_the_conversation_without_a_generation_prompt(pooling_llm):
-    from pagedserve.entrypoints.openai.chat_template import default_chat_format, render_chat
+    from pagedserve.engine.chat_template import default_chat_format, render_chat
 
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
     tok = pooling_llm.get_tokenizer()

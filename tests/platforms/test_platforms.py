@@ -42,7 +42,7 @@ def test_each_platform_owns_its_choices():
     assert not cpu.use_cuda_graphs(False, torch_backend)
     assert not cuda.use_cuda_graphs(False, torch_backend)  # host-side groups: no graphs
     with pytest.raises(ValueError, match="GPU memory profiling"):
-        cpu.profile_peak_memory(None, None)
+        cpu.measure_peak_memory(lambda: None)
     with pytest.raises(ValueError, match="unknown attention backend"):
         cpu.attention_backend("flash")
     # the torch backend runs its platform's kernels

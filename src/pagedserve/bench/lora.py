@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.bench.throughput import run_pagedserve
 from pagedserve.lora.adapter import target_dims
 
 
@@ -34,10 +33,11 @@ def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
     return path
 
 
-def compare(llm, trace, num_adapters: int, rounds: int = 2, **sampling) -> str:
+def compare(llm, trace, num_adapters: int, run, rounds: int = 2, **sampling) -> str:
     """Throughput of `trace` on the base model and with `num_adapters` adapters round-robin over
     its requests, alternated for `rounds` rounds (the machine may be noisy: the best run of each
-    is compared); the report."""
+    is compared); the report. `run`: one timed run (`bench.throughput.run_pagedserve`, passed in
+    by its caller)."""
     from pagedserve.lora.request import LoRARequest
 
     engine = llm.engine
@@ -52,7 +52,7 @@ def compare(llm, trace, num_adapters: int, rounds: int = 2, **sampling) -> str:
                      lora_request=loras, use_tqdm=False)
         for _ in range(rounds):
             for name, chosen in zip(runs, (None, per_request)):
-                result = run_pagedserve(llm, trace, lora_requests=chosen, **sampling)
+                result = run(llm, trace, lora_requests=chosen, **sampling)
                 result.name = name
                 runs[name].append(result)
     lines = [r.line() for pair in zip(*runs.values()) for r in pair]

@@ -43,6 +43,14 @@ from pagedserve.bench.contiguous import (
     ContiguousKVCacheManager,
     reservation_tokens,
 )
+from pagedserve.bench.memory_paper import (  # noqa: F401 (re-exported)
+    CATEGORIES,
+    LABELS,
+    PAPER_BEAM_SAVINGS,
+    PAPER_PARALLEL_SAVINGS,
+    PAPER_TOKEN_SHARE,
+)
+from pagedserve.bench.memory_plots import plot_breakdown, plot_sharing
 from pagedserve.bench.trace import lognormal_lengths
 from pagedserve.config import EngineArgs
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
@@ -50,20 +58,13 @@ from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-CATEGORIES = ("token states", "reservation", "internal frag", "external frag")
 ALLOCATORS = ("paged",) + CONTIGUOUS_POLICIES
-LABELS = {"paged": "pagedserve", "max": "Orca (Max)", "pow2": "Orca (Pow2)",
-          "oracle": "Orca (Oracle)"}
 
 # (mean input, mean output) of the paper's workloads; sigmas as in `bench.trace`.
 TRACES = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}
 DEFAULT_REQUESTS = {"sharegpt": 600, "alpaca": 2000}
 _TRACE_SEED_OFFSET = {"sharegpt": 0, "alpaca": 1000}
 
-# The paper's numbers (token-state share, Fig. 2; parallel-sampling savings, Fig. 15).
-PAPER_TOKEN_SHARE = {"paged": "96.3%", "max": "20.4%", "pow2": "20.4-38.2%", "oracle": "38.2%"}
-PAPER_PARALLEL_SAVINGS = {("alpaca", 2): "6.1%", ("alpaca", 6): "9.8%",
-                          ("sharegpt", 2): "16.2%", ("sharegpt", 6): "30.5%"}
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,6 @@ class LengthRequest:
     @property
     def total_len(self) -> int:
         return self.prompt_len + self.output_len
-
-
-PAPER_BEAM_SAVINGS = {("alpaca", 2): "37.6%", ("alpaca", 6): "55.2%",
-                      ("sharegpt", 2): "44.3%", ("sharegpt", 6): "66.3%"}
 
 
 def length_trace(name: str, num_requests: int, seed: int = 0,
@@ -594,8 +591,6 @@ def main(args) -> int:
               "ShareGPT")
     if args.kv_groups:
         _print_layer_groups(args)
-    from pagedserve.bench.memory_plots import plot_breakdown, plot_sharing  # (imports this module)
-
     plot_breakdown(all_shares, args.breakdown_plot)
     plot_sharing(all_savings, args.sharing_plot)
     print(f"charts written to {args.breakdown_plot} and {args.sharing_plot}")

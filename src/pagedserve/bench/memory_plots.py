@@ -3,7 +3,7 @@ Fig. 2) and the sharing savings of parallel sampling and beam search (Fig. 15)."
 
 from __future__ import annotations
 
-from pagedserve.bench.memory import (
+from pagedserve.bench.memory_paper import (
     CATEGORIES,
     LABELS,
     PAPER_BEAM_SAVINGS,

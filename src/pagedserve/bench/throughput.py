@@ -125,8 +125,8 @@ def main(args) -> int:
     if lora:
         from pagedserve.bench.lora import compare as compare_lora
 
-        print(compare_lora(llm, trace, lora, seed=args.seed, temperature=args.temperature,
-                           top_p=args.top_p, top_k=args.top_k))
+        print(compare_lora(llm, trace, lora, run_pagedserve, seed=args.seed,
+                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k))
         engine.shutdown()
         return 0
     if getattr(args, "structured", None) == "json":

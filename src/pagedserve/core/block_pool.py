@@ -39,7 +39,7 @@ class BlockPool:
         # NOTE (step cost): an OrderedDict, not a dict: a dict's first key is found by scanning
         # past the slots its deleted keys left at the head of its entry table (until a resize
         # compacts it), so taking blocks from the head of a dict cost O(blocks taken since) each:
-        # ~65 us per block after 20k allocations (`tests/core/test_block_pool.py` compares).
+        # ~65 us per block after 20k allocations (`tests/core/test_block_pool.py` counts the pops).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(order)
         # Called with a free block about to be handed out again (the prefix cache forgets it).
         self._on_reuse = on_reuse

@@ -179,6 +179,33 @@ class Scheduler(Turns):
         if self.num_running_seqs > self.config.max_num_seqs:
             raise RuntimeError(f"{self.num_running_seqs} running sequences > max_num_seqs")
 
+    # --- the interface of the step update (core.step_update.StepTarget) ------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.kv.enable_prefix_caching
+
+    @property
+    def sliding_window(self) -> bool:
+        return self.kv.has_sliding_window
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the slots past `seq.num_computed_tokens` (a speculative row's rejected
+        drafts: whole blocks freed, `KVCacheManager.truncate`)."""
+        self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """Give back the blocks no query of the sequence reaches any more (sliding windows)."""
+        self.kv.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
+
     # --- after the step ----------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, results: list,

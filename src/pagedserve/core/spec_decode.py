@@ -1,11 +1,13 @@
 """Speculative decoding, the scheduler's side: the configuration (vLLM's `speculative_config`),
-the n-gram proposer (prompt lookup over a sequence's own tokens), the per-batch on/off rule and
-the step update's rollback of rejected tokens. Pure Python, no torch.
+the proposals before each schedule (the method's `Proposer`, from the registry in
+core/proposers/: n-gram, draft model), the per-batch on/off rule and the step update's rollback
+of rejected tokens. Pure Python, no torch.
 
 How a speculative step goes:
 
 1. Before `Scheduler.schedule`, `SpecDecoder.propose` gives every running decoding sequence (one
-   output token left to compute: never a prompt's last token) up to k draft tokens (`Sequence.spec_token_ids`): the tokens that
+   output token left to compute: never a prompt's last token) up to k draft tokens
+   (`Sequence.spec_token_ids`), from its method's proposer: for "ngram", the tokens that
    followed the latest earlier occurrence of the sequence's last n tokens (n from
    `prompt_lookup_max` down to `prompt_lookup_min`). Proposals are capped so that accepting all
    of them plus the bonus token never passes `max_tokens` or `max_model_len`.
@@ -26,20 +28,16 @@ every scheduled sequence (tokens change only there).
 from __future__ import annotations
 
 import json
-from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable
 
-if TYPE_CHECKING:
-    from pagedserve.core.sched_types import ScheduledSequence
-    from pagedserve.core.scheduler import Scheduler
-    from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.core.proposers import DRAFT_SLOT, PROPOSERS, DraftRow, Proposer  # noqa: F401
+from pagedserve.core.proposers.ngram import ngram_propose  # noqa: F401 (re-exported)
+from pagedserve.core.sched_types import ScheduledSequence
+from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.sequence import SequenceGroup
 
-SPEC_METHODS = ("ngram", "draft_model")
-
-# A draft-model proposal's placeholder: the scheduler plans the slot, the worker's draft model
-# fills it in (worker/spec_draft.py) before the target verifies the row.
-DRAFT_SLOT = -1
+SPEC_METHODS = tuple(PROPOSERS)  # the registry's names (core/proposers/__init__.py)
 
 
 @dataclass(frozen=True)
@@ -94,12 +92,9 @@ class SpeculativeConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"speculative_config.{name}: {why}, got {getattr(self, name)!r}")
 
-        if self.method not in SPEC_METHODS:
-            raise bad("method", f"must be one of {SPEC_METHODS}")
-        if self.method == "draft_model" and not self.model:
-            raise bad("model", "a draft model needs its path")
-        if self.method == "ngram" and self.model:
-            raise bad("model", "the ngram method takes no model")
+        if self.method not in PROPOSERS:  # (the registry as it is now: SPEC_METHODS is a copy)
+            raise bad("method", f"must be one of {tuple(PROPOSERS)}")
+        PROPOSERS[self.method].check_config(self)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,40 +114,15 @@ class SpeculativeConfig:
             raise bad("min_acceptance_rate", "must be in [0, 1]")
 
 
-def ngram_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-    `tokens`, for the longest n in `max_n .. min_n` that occurs earlier; [] when none does.
-
-    The search runs on the tokens' bytes (`bytes.rfind`, in C): a hit must start on a token
-    boundary, else the search goes on to the left."""
-    num = len(tokens)
-    if num < min_n + 1 or k < 1:
-        return []
-    data = array("i", tokens).tobytes()
-    width = array("i").itemsize
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        pattern = data[(num - n) * width:]
-        # The suffix itself is the occurrence at num - n: look strictly before it.
-        end = (num - 1) * width
-        while True:
-            pos = data.rfind(pattern, 0, end)
-            if pos < 0:
-                break
-            if pos % width == 0:
-                first = pos // width + n
-                return tokens[first : first + k]
-            end = pos + len(pattern) - 1
-    return []
-
-
 class SpecDecoder:
-    """The engine's speculative decoding: proposals before each schedule (the n-gram method's
-    tokens; for a draft model, `DRAFT_SLOT` placeholders that the worker's draft model fills in),
-    the on/off rule, and the counters behind the metrics
-    (vLLM's names: drafts, draft tokens, accepted tokens, and accepted per draft position)."""
+    """The engine's speculative decoding: proposals before each schedule (its method's
+    `Proposer`: real tokens, or `DRAFT_SLOT` placeholders that the workers' draft model fills
+    in), the on/off rule, and the counters behind the metrics (vLLM's names: drafts, draft
+    tokens, accepted tokens, and accepted per draft position)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.proposer: Proposer = PROPOSERS[config.method](config)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -163,14 +133,16 @@ class SpecDecoder:
         # per sequence: (drafts, accepted) so far, for the acceptance rule
         self._seq_stats: dict[int, list[int]] = {}
 
-    def propose(self, scheduler: "Scheduler", grammar=None) -> None:
-        """Set `spec_token_ids` of every running decoding sequence (see the module docstring).
-        `grammar(group, seq, drafts)`: the prefix of the n-gram drafts a structured-output
-        sequence's grammar allows (`StructuredOutputManager.valid_drafts`); without it such a
-        sequence does not speculate (nor with a draft model)."""
+    def propose(self, running: Iterable[SequenceGroup], max_model_len: int,
+                grammar=None) -> None:
+        """Set `spec_token_ids` of every decoding sequence of the `running` groups (the
+        scheduler's, in queue order; see the module docstring). `grammar(group, seq, drafts)`:
+        the prefix of the drafts a structured-output sequence's grammar allows
+        (`StructuredOutputManager.valid_drafts`); without it, or with a proposer whose drafts
+        are placeholders, such a sequence does not speculate."""
         cfg = self.config
         decoding = []
-        for group in scheduler.running:
+        for group in running:
             if group.beam is not None or group.pooling is not None or group.fork_pending:
                 for seq in group.seqs:  # (a forking parent's next token is its children's too)
                     seq.spec_token_ids = []
@@ -186,26 +158,35 @@ class SpecDecoder:
                 seq.spec_token_ids = []
             self.num_steps_off += 1
             return
-        max_len = scheduler.config.max_model_len
+        proposer = self.proposer
         k = cfg.num_speculative_tokens
+        batch: list[DraftRow] = []
+        groups: list[SequenceGroup] = []
         for group, seq in decoding:
             params = group.sampling_params
             limit = k
             if params.max_tokens is not None:
                 limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
-            limit = min(limit, max_len - seq.num_tokens - 1)
+            limit = min(limit, max_model_len - seq.num_tokens - 1)
             structured = params.structured_outputs is not None
             if limit < 1 or not self._worth_it(seq.seq_id) or structured and (
-                    grammar is None or cfg.method == "draft_model"):
+                    grammar is None or not proposer.supports_grammar):
                 seq.spec_token_ids = []
                 continue
-            if cfg.method == "draft_model":  # slots only: the worker's draft model fills them
-                seq.spec_token_ids = [DRAFT_SLOT] * limit
-                continue
-            drafts = ngram_propose(seq.token_ids, limit, cfg.prompt_lookup_max,
-                                   cfg.prompt_lookup_min)
+            batch.append(DraftRow(seq, limit))
+            groups.append(group)
+        if not batch:
+            return
+        drafts = proposer.propose(batch)
+        if len(drafts) != len(batch):
+            raise RuntimeError(f"the {cfg.method!r} proposer gave {len(drafts)} drafts for "
+                               f"{len(batch)} rows")
+        for group, (seq, limit), tokens in zip(groups, batch, drafts):
+            tokens = tokens[:limit]
             # NOTE: a grammar only ever sees drafts it allows (bitmask_for accepts them all)
-            seq.spec_token_ids = grammar(group, seq, drafts) if structured else drafts
+            if group.sampling_params.structured_outputs is not None:
+                tokens = grammar(group, seq, tokens)
+            seq.spec_token_ids = tokens
 
     def _worth_it(self, seq_id: int) -> bool:
         rate = self.config.min_acceptance_rate
@@ -225,11 +206,14 @@ class SpecDecoder:
             stats = self._seq_stats.setdefault(seq_id, [0, 0])
             stats[0] += num_drafts
             stats[1] += num_accepted
+        self.proposer.on_verified(seq_id, num_drafts, num_accepted)
 
     def forget(self, seq_ids) -> None:
-        """Drop the per-sequence statistics of finished sequences."""
+        """Drop the per-sequence statistics of finished sequences (the proposer's too)."""
+        seq_ids = list(seq_ids)
         for seq_id in seq_ids:
             self._seq_stats.pop(seq_id, None)
+        self.proposer.on_finished(seq_ids)
 
     def totals(self) -> tuple:
         """Cumulative counters (drafts, draft tokens, accepted tokens, accepted per position,
@@ -253,17 +237,16 @@ class SpecDecoder:
         }
 
 
-def rewind(scheduler: "Scheduler", s: "ScheduledSequence", r: "SeqStepOutput") -> int:
+def rewind(s: ScheduledSequence, r: SeqStepOutput) -> int:
     """After a speculative row: set the sequence's computed tokens to the real token plus the
-    accepted drafts and give back the rejected drafts' slots (whole blocks freed, see
-    `KVCacheManager.truncate`). Returns the number of accepted drafts.
+    accepted drafts. Returns the number of accepted drafts. The caller then gives back the
+    rejected drafts' slots (`Scheduler.truncate`: whole blocks freed, see
+    `KVCacheManager.truncate`).
 
     NOTE: before the prefix cache sees the row's blocks: only accepted tokens are ever cached."""
     num_spec = len(s.spec_token_ids)
     accepted = max(0, min(num_spec, len(r.samples) - 1))
-    seq = s.seq
-    seq.num_computed_tokens = s.end - num_spec + accepted
-    scheduler.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+    s.seq.num_computed_tokens = s.end - num_spec + accepted
     return accepted
 
 

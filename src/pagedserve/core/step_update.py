@@ -13,28 +13,64 @@ blocks; finished groups leave `running`; a sliding-window group gives back the b
 left behind (`KVCacheManager.free_out_of_window`).
 
 The engine plugs in what needs a tokenizer through a `StepObserver`: prompt logprob entries,
-token logprob entries, incremental detokenization and stop strings.
+token logprob entries, incremental detokenization and stop strings. The scheduler is reached
+only through `StepTarget`, the small interface it implements for this module (its limits, its
+KV decisions, forks and finishes): nothing here reads its queues, block manager or config.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pagedserve.core.beam_search import Extension, final_hypotheses, select
+from pagedserve.core.sched_types import ScheduledSequence, SchedulerOutput
 from pagedserve.core.spec_decode import rewind
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-if TYPE_CHECKING:
-    from pagedserve.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+
+class StepTarget(Protocol):
+    """What the step update asks of the scheduler (`core.scheduler.Scheduler` implements it)."""
+
+    max_model_len: int  # (read-only properties on the scheduler)
+    eos_token_ids: tuple[int, ...]
+    prefix_caching: bool  # `cache_computed_blocks` has work to do
+    sliding_window: bool  # `free_out_of_window` has work to do
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly computed full blocks to the prefix cache."""
+
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """Give back the blocks no query of the sequence reaches any more."""
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the slots past `seq.num_computed_tokens` (rejected drafts)."""
+
+    def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
+        """A forking group's sequences share its parent's computed prompt (once it is)."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares the parent's blocks and computed tokens."""
+
+    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Remove a pruned beam from its group, freeing its blocks."""
+
+    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End one sequence and free its blocks."""
+
+    def remove_finished(self, candidates: list[SequenceGroup]) -> list[SequenceGroup]:
+        """Finished groups among `candidates` leave the running queue."""
+
+    def new_seq_id(self) -> int:
+        """An id for a forked beam."""
 
 
 class StepObserver(Protocol):
     """The engine's part of a step update (text and logprob formatting)."""
 
-    def on_prompt_logprobs(self, scheduled: "ScheduledSequence", output: SeqStepOutput) -> None:
+    def on_prompt_logprobs(self, scheduled: ScheduledSequence, output: SeqStepOutput) -> None:
         """Record the prompt logprobs a prompt chunk produced (`group.prompt_logprobs`)."""
 
     def on_token(self, group: SequenceGroup, seq: Sequence, sample: SampleResult,
@@ -55,7 +91,7 @@ class StepUpdate:
     spec_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[SeqStepOutput],
+def apply_step(scheduler: StepTarget, sched: SchedulerOutput, results: list[SeqStepOutput],
                observer: StepObserver | None) -> StepUpdate:
     """Apply one step's results; see the module docstring."""
     update = StepUpdate()
@@ -64,16 +100,18 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     # that may end several): the only ones `remove_finished` looks at.
     ended: dict[str, SequenceGroup] = {}
     beams: dict[str, SequenceGroup] = {}
-    caching = scheduler.kv.enable_prefix_caching
+    caching = scheduler.prefix_caching
     # A sliding-window group gives back the blocks no query of the sequence reaches any more.
-    sliding = scheduler.kv.has_sliding_window
+    sliding = scheduler.sliding_window
+    eos_ids, max_len = scheduler.eos_token_ids, scheduler.max_model_len  # token-level stops
     # NOTE (step cost): counted in locals, and a row's one sampled token (the common case)
     # appended without building a list of sequences.
     num_prompt = num_generated = 0
     for s, r in zip(sched.scheduled, results):
         group, seq = s.group, s.seq
         if s.spec_token_ids:  # drafts verified: computed up to the accepted ones, rest given back
-            update.spec_rows.append((seq.seq_id, len(s.spec_token_ids), rewind(scheduler, s, r)))
+            update.spec_rows.append((seq.seq_id, len(s.spec_token_ids), rewind(s, r)))
+            scheduler.truncate(seq)
         else:
             seq.num_computed_tokens = s.end
         if seq.spec_token_ids:
@@ -81,7 +119,7 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
         if caching:
             scheduler.cache_computed_blocks(seq)
         if sliding:  # (after the prefix cache took the newly full blocks)
-            scheduler.kv.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
+            scheduler.free_out_of_window(seq)
         if s.start < seq.num_prompt_tokens:
             num_prompt += min(s.end, seq.num_prompt_tokens) - s.start
         if r.prompt_logprobs is not None:
@@ -99,19 +137,19 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
         elif samples:
             if s.spec_token_ids:  # the accepted drafts and the next token, until a stop
                 for sample in samples:
-                    _append_token(scheduler, group, seq, sample, observer)
+                    _append_token(scheduler, group, seq, sample, observer, eos_ids, max_len)
                     num_generated += 1
                     if seq.is_finished:
                         break
                 ended[group.request_id] = group
             elif len(samples) == 1:
-                _append_token(scheduler, group, seq, samples[0], observer)
+                _append_token(scheduler, group, seq, samples[0], observer, eos_ids, max_len)
                 num_generated += 1
                 if seq.is_finished:
                     ended[group.request_id] = group
             else:
                 for q, sample in zip(forked, samples):
-                    _append_token(scheduler, group, q, sample, observer)
+                    _append_token(scheduler, group, q, sample, observer, eos_ids, max_len)
                     num_generated += 1
                 ended[group.request_id] = group
             touched[group.request_id] = group
@@ -134,8 +172,9 @@ def apply_step(scheduler: "Scheduler", sched: "SchedulerOutput", results: list[S
     return update
 
 
-def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
-                  sample: SampleResult, observer: StepObserver | None) -> None:
+def _append_token(scheduler: StepTarget, group: SequenceGroup, seq: Sequence,
+                  sample: SampleResult, observer: StepObserver | None,
+                  eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
     params = group.sampling_params
     token = sample.token_id
     token_ids = seq.token_ids
@@ -148,7 +187,7 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
     status = None
     past_min = n_out >= params.min_tokens
     if past_min:
-        if not params.ignore_eos and token in scheduler.config.eos_token_ids:
+        if not params.ignore_eos and token in eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
         elif params.stop_token_ids and token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
@@ -159,13 +198,13 @@ def _append_token(scheduler: "Scheduler", group: SequenceGroup, seq: Sequence,
     if status is None:
         max_tokens = params.max_tokens
         if ((max_tokens is not None and n_out >= max_tokens)
-                or num_tokens >= scheduler.config.max_model_len):
+                or num_tokens >= max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
     if status is not None:
         scheduler.finish_seq(seq, status)
 
 
-def _beam_step(scheduler: "Scheduler", group: SequenceGroup) -> int:
+def _beam_step(scheduler: StepTarget, group: SequenceGroup) -> int:
     """Select the next beams from every live beam's candidates; fork, extend and prune.
     Returns the number of tokens appended."""
     state = group.beam
@@ -174,7 +213,7 @@ def _beam_step(scheduler: "Scheduler", group: SequenceGroup) -> int:
         state,
         [(q.cumulative_logprob, q.num_output_tokens, q.output_token_ids) for q in live],
         [q.beam_candidates for q in live],
-        set(scheduler.config.eos_token_ids),
+        set(scheduler.eos_token_ids),
     )
     extended: list[tuple[Sequence, Extension]] = []
     taken: set[int] = set()
@@ -200,7 +239,7 @@ def _beam_step(scheduler: "Scheduler", group: SequenceGroup) -> int:
     if group.first_token_time is None:
         group.first_token_time = time.monotonic()
     beams = [seq for seq, _ in extended]
-    if state.done or not beams or beams[0].num_tokens >= scheduler.config.max_model_len:
+    if state.done or not beams or beams[0].num_tokens >= scheduler.max_model_len:
         group.extra["beam_final"] = final_hypotheses(
             state, [(q.cumulative_logprob, q.output_token_ids) for q in beams])
         for q in beams:

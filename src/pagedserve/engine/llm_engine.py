@@ -516,7 +516,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         started = time.perf_counter()
         if self.spec is not None:
             # draft tokens for the decoding sequences (the grammar's prefix of them)
-            self.spec.propose(self.scheduler, self.structured.valid_drafts)
+            self.spec.propose(self.scheduler.running, self.scheduler.max_model_len,
+                            self.structured.valid_drafts)
             self.spec.draft_seconds += time.perf_counter() - started
         sched = self.scheduler.schedule()
         # NOTE: recorded before the model runs, so that a step that raises can be pinned on the

@@ -2,7 +2,7 @@
 `reset_prefix_cache`, `get_metrics`, `sleep` / `wake_up` / `is_sleeping` and `collective_rpc`.
 
 `chat` renders each conversation with the same code as the server's /v1/chat/completions
-(`entrypoints/openai/chat_template.py`: the tokenizer's template, a request's own, or the
+(`engine/chat_template.py`: the tokenizer's template, a request's own, or the
 documented defaults), tokenizes it without adding special tokens a second time, adds the chat
 format's stop tokens (Gemma's `<end_of_turn>` for the default Gemma format) and calls `generate`
 on the token ids: its outputs are exactly `generate`'s on the rendered prompt.
@@ -92,7 +92,7 @@ class LLMExtras:
     def _chat_format(self):
         fmt = getattr(self, "_chat_format_cache", None)
         if fmt is None:
-            from pagedserve.entrypoints.openai.chat_template import default_chat_format
+            from pagedserve.engine.chat_template import default_chat_format
 
             fmt = self._chat_format_cache = default_chat_format(self._chat_tokenizer())
         return fmt
@@ -107,7 +107,7 @@ class LLMExtras:
                              add_generation_prompt, continue_final_message,
                              template_kwargs) -> dict[str, Any]:
         """`{"prompt", "prompt_token_ids"}` of one conversation, as the server renders it."""
-        from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
+        from pagedserve.engine.chat_template import flatten_content, render_chat
 
         tokenizer = self._chat_tokenizer()
         if not isinstance(conversation, (list, tuple)) or not conversation:

@@ -1,9 +1,10 @@
 """The front end's input processor: a request's text -> the token ids and parameters an engine
 core takes (vLLM v1's Processor).
 
-It tokenizes prompts (chat templates are rendered before: the server's `chat_template.py`,
-`LLM.chat`), resolves what needs the tokenizer (`bad_words` -> token ids), checks what only text
-can break (stop strings without a tokenizer), and builds the `CoreRequest`: the sampling
+It tokenizes prompts (chat templates are rendered before, by `engine/chat_template.py`, for
+the server and `LLM.chat`), resolves what needs the tokenizer (`bad_words` -> token ids),
+checks what only text can break (stop strings without a tokenizer), and builds the
+`CoreRequest`: the sampling
 parameters without their stop strings, which stay with the output processor. Everything that
 needs the engine's sizes (prompt length, logprobs, blocks) is checked by the core when it takes
 the request; its refusal comes back as the same ValueError.

@@ -6,12 +6,19 @@ only the event loop's thread touches a stream.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedserve.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from pagedserve.engine.async_engine import AsyncLLMEngine
+
+class StreamOwner(Protocol):
+    """What a stream asks of the engine that made it (`AsyncLLMEngine`)."""
+
+    def _forget(self, request_id: str) -> None:
+        """The consumer is done with the request: drop its stream."""
+
+    def _abort(self, request_id: str) -> None:
+        """Abort the request (the consumer closed its stream before it finished)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -44,7 +51,7 @@ class RequestStream:
     finished. Only the event loop's thread may use a stream.
     """
 
-    def __init__(self, request_id: str, owner: AsyncLLMEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, owner: StreamOwner, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._owner = owner
         self._accepted: asyncio.Future[None] = loop.create_future()

@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model, the engine's side: finding the draft model
+"""Speculative decoding with a draft model, the engine's side: for a method whose proposer uses
+one (`Proposer.uses_draft_model`: core/proposers/draft_model.py), finding the draft model
 (`speculative_config.model`) and checking that it shares the target's vocabulary, before any
 worker loads it. The workers load and run it (worker/spec_draft.py)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pagedserve.core.proposers import PROPOSERS
 from pagedserve.core.spec_decode import SpeculativeConfig
 from pagedserve.models.source import ModelSource, resolve_model
 
@@ -23,7 +25,7 @@ def resolve_draft(args: Any, target: ModelSource) -> ModelSource | None:
     vocabulary size is not the target's, or when the engine cannot run one (tensor parallelism,
     the pooling runner)."""
     config = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
-    if config is None or config.method != "draft_model":
+    if config is None or not PROPOSERS[config.method].uses_draft_model:
         return None
     if getattr(args, "tensor_parallel_size", 1) > 1:
         raise ValueError("speculative_config.model: a draft model runs with "

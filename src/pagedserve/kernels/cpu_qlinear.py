@@ -93,6 +93,12 @@ class QuantSpec:
     int8_activations: bool = True
     perm: torch.Tensor | None = None
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`qlinear(x, weight, bias, out_dtype)` for a weight carrying this spec: how
+        `kernels.cpu_gemm.bf16_linear` routes it (cpu_gemm sits below this module)."""
+        return qlinear(x, weight, bias, out_dtype)
+
 
 # Rows of x from which a bf16 product over ggml blocks runs the blocked GEMM (16 weight rows
 # unpacked once, every row of x over them: the 8-bit GEMMs of csrc/qlinear_q8_gemm.h on AVX2 and

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedserve.models.gguf_reader import _read_quantized, _read_tensor_f32
+
 ARCHITECTURES = ("deepseek2", "gpt-oss")
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -215,8 +217,6 @@ def hf_name(architecture: str, gguf_name: str) -> str | None:
 def iter_weights(header, config, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     """`(name, tensor)` for every tensor of the file (see `models.gguf_loader.iter_gguf_weights`):
     float32 in HF layout, or kept blocks (`keep_quantized`: the formats the kernel reads)."""
-    from pagedserve.models.gguf_loader import _read_quantized, _read_tensor_f32
-
     arch = header.architecture
     names = {}
     for info in header.tensors:  # map everything first: fail before yielding anything

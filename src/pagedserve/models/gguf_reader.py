@@ -223,6 +223,25 @@ def _read_tensor_f32(blob: np.memmap, info: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
+def _read_quantized(blob: np.memmap, info: GGUFTensorInfo):
+    """The tensor's blocks as a `QuantizedTensor` (a copy: the model does not pin the file), or
+    None if it is not a 2-D tensor (or 3-D: an MoE layer's stacked experts) in a format the
+    kernel reads."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pagedserve.layers.quantization import FORMATS, GGML_FORMATS, QuantizedTensor
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    name = GGML_FORMATS.get(qtype.name)
+    if name is None or len(info.shape) not in (2, 3):
+        return None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    *rows, cols = info.shape
+    raw = blob[info.offset : info.offset + info.nbytes].reshape(*rows, cols // block_size * type_size)
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # [(E,) rows, row_bytes]
+    return QuantizedTensor(data, FORMATS[name], tuple(info.shape), int(info.ggml_type))
+
+
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------

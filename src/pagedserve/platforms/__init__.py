@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.platforms.base import TORCH_OPS, LayerOps, Platform
+from pagedserve.platforms.base import TORCH_OPS, BindsOps, LayerOps, Platform
 from pagedserve.platforms.cpu import CPU_OPS, CpuOps, CpuPlatform
 from pagedserve.platforms.cuda import CudaPlatform
 
@@ -22,7 +22,7 @@ __all__ = ["CPU_OPS", "DEFAULT_OPS", "TORCH_OPS", "CpuOps", "CpuPlatform", "Cuda
 DEFAULT_OPS: LayerOps = CPU_OPS
 
 
-class OpsUser:
+class OpsUser(BindsOps):
     """Mixin of the layers whose forward calls device-specific ops (`self.ops`, a `LayerOps`).
     `Platform.bind(model)` sets each one's `ops` to its platform's; a layer built outside any
     platform (tests, tools) runs the CPU platform's ops, which fall back to torch off a CPU --

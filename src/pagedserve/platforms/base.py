@@ -11,7 +11,7 @@ device / dtype checks:
 - the layers' ops (`ops`, a `LayerOps`): linear products, quantized embedding rows, the greedy
   argmax, fused RMSNorm, q/k norm + RoPE, float32 activations, the fused decode layer, the torch
   attention backend's decode and float32 kernels;
-- CUDA graph capture (`use_cuda_graphs`), GPU memory profiling (`profile_peak_memory`),
+- CUDA graph capture (`use_cuda_graphs`), GPU memory measurement (`measure_peak_memory`),
   pinned host memory, the allocator's cache, device figures for KV sizing and preemption.
 
 This module is the base: plain torch, valid on any device. Models stay plain torch and import no
@@ -24,6 +24,15 @@ import torch
 import torch.nn.functional as F
 
 BACKEND_AUTO = "auto"
+
+
+class BindsOps:
+    """What `Platform.bind` looks for: a layer whose forward calls device-specific ops
+    (`self.ops`, a `LayerOps`). The layers use the `platforms.OpsUser` mixin, which also gives
+    `ops` its default: the CPU platform's ops, which this module cannot name (platforms/cpu.py
+    builds on it)."""
+
+    ops: LayerOps
 
 
 class LayerOps:
@@ -129,7 +138,7 @@ class Platform:
     device_figures = (10e9, 2e-6, 1e11)
     is_host = True  # the device is the host's memory: a step's results need no transfer back
     pin_memory = False  # host buffers (swap pool, what a step brings back) pinned
-    can_profile_memory = False  # `profile_peak_memory` sizes the KV cache from a profiled peak
+    can_profile_memory = False  # `measure_peak_memory` sizes the KV cache from a profiled peak
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device if device is not None else self.device_type)
@@ -141,12 +150,10 @@ class Platform:
     # --- models -------------------------------------------------------------------------------
 
     def bind(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Give every layer of `model` that calls device-specific ops (`platforms.OpsUser`) this
-        platform's `ops`; returns `model`."""
-        from pagedserve.platforms import OpsUser
-
+        """Give every layer of `model` that calls device-specific ops (`BindsOps`: the
+        `platforms.OpsUser` mixin) this platform's `ops`; returns `model`."""
         for module in model.modules():
-            if isinstance(module, OpsUser):
+            if isinstance(module, BindsOps):
                 module.ops = self.ops
         return model
 
@@ -193,8 +200,10 @@ class Platform:
         """Whether decode steps replay captured graphs (`worker.cuda_graphs`)."""
         return False
 
-    def profile_peak_memory(self, model, spec, **kwargs):
-        """The peak memory of the largest step (`worker.model_runner.MemoryProfile`)."""
+    def measure_peak_memory(self, run) -> tuple[int, int]:
+        """Run `run()` (the worker's largest step) and measure it: (the device's total memory,
+        the peak it reached); see `CudaPlatform`. The platform measures, the worker runs: a
+        platform describes its device and imports nothing of what runs on it."""
         raise ValueError("GPU memory profiling needs a CUDA device")
 
     def empty_cache(self) -> None:

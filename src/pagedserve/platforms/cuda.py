@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import Callable
 
 import torch
 
@@ -62,30 +63,23 @@ class CudaPlatform(Platform):
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def profile_peak_memory(self, model, spec, *, dtype: torch.dtype, block_size: int, backend,
-                            max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
-        """Profile the peak GPU memory of the largest step (`worker.model_runner.profile_forward`)
-        on this device: torch's peak allocation plus the memory outside its allocator."""
-        from pagedserve.worker.kv_cache import KVCache
-        from pagedserve.worker.model_runner import MemoryProfile, profile_forward
-
+    def measure_peak_memory(self, run: Callable[[], object]) -> tuple[int, int]:
+        """`run()` (the worker's largest step, `worker.worker.profile_memory`) on this device,
+        measured: (the device's total memory, torch's peak allocation during it plus the memory
+        outside torch's allocator)."""
         device = self.device
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        scratch = KVCache(spec, 1, block_size, dtype, device, platform=self)
-        profile_forward(model, scratch, device=device, backend=backend,
-                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len)
+        run()  # (what it allocated is freed when it returns)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         free, total = torch.cuda.mem_get_info(device)
         # Memory outside torch's allocator (CUDA context, cuBLAS/NCCL buffers, other processes).
         outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
-        del scratch
         gc.collect()
         torch.cuda.empty_cache()
         logger.info("memory profile on %s: peak %.2f GiB in torch + %.2f GiB outside it, of %.2f GiB",
                     device, peak / 2**30, outside / 2**30, total / 2**30)
-        return MemoryProfile(total=int(total), peak=int(peak + outside))
+        return int(total), int(peak + outside)

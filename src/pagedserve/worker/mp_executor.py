@@ -24,7 +24,7 @@ from typing import Any
 
 from pagedserve.core.step_input import StepInput
 from pagedserve.distributed.process_group import free_port
-from pagedserve.worker.executor import CommStats, Executor, WorkerDiedError
+from pagedserve.worker.executor_base import CommStats, Executor, WorkerDiedError
 from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.worker.step_message import StepEncoder
 from pagedserve.worker.worker import CacheConfig, Worker, WorkerConfig

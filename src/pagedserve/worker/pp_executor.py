@@ -45,7 +45,7 @@ import torch
 
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
-from pagedserve.worker.executor import CommStats, Executor, WorkerDiedError
+from pagedserve.worker.executor_base import CommStats, Executor, WorkerDiedError
 from pagedserve.worker.step_message import StepEncoder
 from pagedserve.worker.worker import CacheConfig, ModelInfo, Worker, WorkerConfig
 

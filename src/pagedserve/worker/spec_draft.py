@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model, the worker's side: a small model sharing the target's
+"""Speculative decoding with a draft model, the worker's side of the "draft_model" proposer
+(core/proposers/draft_model.py plans the slots): a small model sharing the target's
 tokenizer proposes each speculative row's draft tokens (greedy, autoregressively) over its own
 paged KV cache, just before the target verifies the row (worker/spec_verify.py).
 
@@ -25,7 +26,7 @@ import time
 import torch
 
 from pagedserve.attention.backends.base import AttentionBackend, AttentionBatch
-from pagedserve.core.spec_decode import DRAFT_SLOT
+from pagedserve.core.proposers import DRAFT_SLOT
 from pagedserve.core.step_input import StepInput, StepRow
 from pagedserve.worker.kv_cache import KVCache
 

@@ -15,7 +15,7 @@ from pagedserve.models.loader import load_model
 from pagedserve.models.source import ModelSource
 from pagedserve.platforms import Platform, platform_for
 from pagedserve.worker.kv_cache import KVCache
-from pagedserve.worker.model_runner import MemoryProfile, ModelRunner
+from pagedserve.worker.model_runner import MemoryProfile, ModelRunner, profile_forward
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.worker.step_message import StepDecoder, StepMessage
@@ -126,12 +126,20 @@ def make_runner(model, kv_cache: KVCache, cache: CacheConfig, platform: Platform
 
 def profile_memory(model, dtype: torch.dtype, platform: Platform, attention_backend: str,
                    prof: ProfileConfig) -> MemoryProfile:
-    """Peak memory of the largest step on this worker (a platform that profiles: CUDA)."""
-    return platform.profile_peak_memory(
-        model, model.kv_cache_spec, dtype=dtype, block_size=prof.block_size,
-        backend=platform.attention_backend(attention_backend),
-        max_num_batched_tokens=prof.max_num_batched_tokens, max_num_seqs=prof.max_num_seqs,
-        max_model_len=prof.max_model_len)
+    """Peak memory of the largest step on this worker (a platform that profiles: CUDA): the
+    worker runs the step (`profile_forward` over a one-block scratch cache), the platform
+    measures it."""
+    backend = platform.attention_backend(attention_backend)
+
+    def largest_step() -> None:
+        scratch = KVCache(model.kv_cache_spec, 1, prof.block_size, dtype, platform.device,
+                          platform=platform)
+        profile_forward(model, scratch, device=platform.device, backend=backend,
+                        max_num_batched_tokens=prof.max_num_batched_tokens,
+                        max_num_seqs=prof.max_num_seqs, max_model_len=prof.max_model_len)
+
+    total, peak = platform.measure_peak_memory(largest_step)
+    return MemoryProfile(total=total, peak=peak)
 
 
 class Worker:

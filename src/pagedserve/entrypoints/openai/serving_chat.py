@@ -13,7 +13,7 @@ from pagedserve.engine.async_engine import (
     EngineShutdownError,
     EngineStepError,
 )
-from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
+from pagedserve.engine.chat_template import flatten_content, render_chat
 from pagedserve.entrypoints.openai.errors import APIError, error_body
 from pagedserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from pagedserve.entrypoints.openai.offload import json_response

@@ -15,7 +15,7 @@ from pagedserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from pagedserve.entrypoints.openai.chat_template import ChatFormat, default_chat_format
+from pagedserve.engine.chat_template import ChatFormat, default_chat_format
 from pagedserve.entrypoints.openai.errors import APIError, bad_request
 from pagedserve.entrypoints.openai.offload import CPUPool
 from pagedserve.entrypoints.openai.protocol import (

@@ -24,8 +24,9 @@ from pydantic import BaseModel, Field
 
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.offload import json_response
-from pagedserve.entrypoints.openai.chat_template import flatten_content, render_chat
+from pagedserve.engine.chat_template import flatten_content, render_chat
 from pagedserve.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel, random_id
+from pagedserve.entrypoints.openai.request_io import parse_body, respond
 from pagedserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from pagedserve.entrypoints.openai.streaming import final_output
 from pagedserve.models.base import head_kind
@@ -413,8 +414,6 @@ class OpenAIServingPooling(OpenAIServing):
 
 def add_pooling_routes(app: FastAPI, engine, settings, pool) -> None:
     """Register the routes of the module docstring on `app`."""
-    from pagedserve.entrypoints.openai.api_server import parse_body, respond
-
     serving = OpenAIServingPooling(engine, settings, pool)
     routes = [
         (("/v1/embeddings",), EmbeddingRequest, serving.embeddings),

@@ -29,6 +29,7 @@ from pagedserve.entrypoints.openai.protocol import (
     ModelCard,
     OpenAIBaseModel,
 )
+from pagedserve.entrypoints.openai.request_io import parse_json, respond, validation_error
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -137,8 +138,6 @@ def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
 def add_vllm_routes(app: FastAPI, engine, settings, completions, chat, pool: CPUPool, *,
                     tokenizer_info_endpoint: bool = False) -> None:
     """Register the routes of the module docstring on `app`."""
-    from pagedserve.entrypoints.openai.api_server import respond
-
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
         if model_id not in settings.served_model_names:
@@ -192,8 +191,6 @@ def batch_chat_requests(body: bytes) -> list[ChatCompletionRequest]:
     field shared); APIError 400 naming the field otherwise."""
     from pydantic import ValidationError
 
-    from pagedserve.entrypoints.openai.api_server import parse_json, validation_error
-
     batch = parse_json(body, _BatchBody)
     if not batch.messages or not all(batch.messages):
         raise APIError("messages must be a non-empty list of non-empty conversations (lists "
@@ -210,8 +207,6 @@ def batch_chat_requests(body: bytes) -> list[ChatCompletionRequest]:
 
 
 def _invocation_request(body: bytes) -> ChatCompletionRequest | CompletionRequest:
-    from pagedserve.entrypoints.openai.api_server import parse_json
-
     try:
         data = json.loads(body)
     except ValueError:
