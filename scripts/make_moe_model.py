@@ -5,7 +5,7 @@ docs/benchmarks.md (issue 35).
 
 Default shape: Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of
 width 768, 8 routed per token, renormalized), 4 layers, Qwen3's 151,936-token vocabulary (the
-tokenizer itself is small; the embedding rows beyond it are never produced).
+tokenizer itself is small; the LM head's rows beyond it are zero, so never produced).
 
     python scripts/make_moe_model.py /tmp/moe-hf                        # the HF folder
     python scripts/make_moe_model.py /tmp/moe-hf --llama-cpp /work/llama.cpp
@@ -101,8 +101,13 @@ def write_model(folder: Path, args) -> None:
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
 
+    # NOTE: the LM head's rows past the tokenizer are zero: their logit is 0 while the max of
+    # the tokenizer's thousands of N(0, ~1) logits is far above it, so no engine ever produces a
+    # token that has no text (a benchmark's streamed text would be empty).
+    head = rand(args.vocab_size, h)
+    head[1 + max(tok["model"]["vocab"].values()):] = 0  # (the specials are in the vocab)
     save({"model.embed_tokens.weight": rand(args.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-          "lm_head.weight": rand(args.vocab_size, h)}, "model-embed.safetensors")
+          "lm_head.weight": head}, "model-embed.safetensors")
     for i in range(args.layers):
         p = f"model.layers.{i}."
         t = {p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
