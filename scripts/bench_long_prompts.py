@@ -36,6 +36,9 @@ def main() -> int:
     from pagedserve.bench.trace import corpus_text
     from pagedserve.config import EngineArgs
 
+    if args.model is None:  # NOTE: not None: no model now means the default chat model (SmolLM2)
+        from pagedserve.models.embedded import embedded_model_path
+        args.model = str(embedded_model_path())
     options = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.prompt_len + args.output_len,
