@@ -99,6 +99,13 @@ def _norm_args(plan: _FusedPlan) -> tuple[list, float] | None:
     return plan.norm_cache[1]
 
 
+def _fusable_step(x: torch.Tensor, meta) -> bool:
+    """A bf16 CPU step of the torch backend whose one KV group covers every layer (the fused
+    calls' preconditions on the step; the layer's are its plan's)."""
+    return (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
+            and len(meta.groups) == 1 and meta.groups[0].covers_all)
+
+
 def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache,
                        meta) -> torch.Tensor | None:  # [T, H]
     """`layer` (a `models.llama.FusableDecoderLayer`) in one compiled call on a decode-only bf16
@@ -108,8 +115,7 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     among them): decode attention then counts as "forward (rest)". The LoRA hooks' products
     (`lora.layers`) it adds itself, on a step with adapters.
     """
-    if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
-            and len(meta.groups) == 1 and meta.groups[0].covers_all):
+    if not _fusable_step(x, meta):
         return None
     stacks = layer.__dict__.get("lora_stacks")  # lora.layers.LoRAStacks (engine's enable_lora)
     lora = None
@@ -138,8 +144,7 @@ def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, tor
     one rank: `(r, h)` = (x + attention, the post-attention norm of that), the layer's output
     being `r + layer.mlp(h)`; None elsewhere (and on a step with LoRA adapters: the hooked
     modules add them). Bypasses the submodules' forward hooks as `fused_decode_layer` does."""
-    if not (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
-            and len(meta.groups) == 1 and meta.groups[0].covers_all):
+    if not _fusable_step(x, meta):
         return None
     stacks = layer.__dict__.get("lora_stacks")
     if stacks is not None and stacks.mapping is not None:
