@@ -505,14 +505,7 @@ class AsyncLLMEngine:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in _completions(out))
-            if num_tokens > tracked.num_tokens:
-                if tracked.last_token_time is None:
-                    ttft.append(now - tracked.arrival_time)
-                else:
-                    itl.append(now - tracked.last_token_time)
-                tracked.last_token_time = now
-                tracked.num_tokens = num_tokens
+            _note_tokens(tracked, out, now, ttft, itl)
             deliveries.append((tracked.stream, out))
             if out.finished:
                 del self._tracked[out.request_id]
@@ -591,6 +584,19 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream._fail(exc)
+
+
+def _note_tokens(tracked, out, now: float, ttft: list, itl: list) -> None:
+    """Advance `tracked` (its `num_tokens`, `last_token_time`, `arrival_time`) to `out`'s token
+    count; when `out` brought new tokens, the wait goes to `ttft` (the first) or `itl`."""
+    num_tokens = sum(len(c.token_ids) for c in _completions(out))
+    if num_tokens > tracked.num_tokens:
+        if tracked.last_token_time is None:
+            ttft.append(now - tracked.arrival_time)
+        else:
+            itl.append(now - tracked.last_token_time)
+        tracked.last_token_time = now
+        tracked.num_tokens = num_tokens
 
 
 def _completions(out) -> list:

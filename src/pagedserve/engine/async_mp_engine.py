@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import _completions, _request_timings
+from pagedserve.engine.async_engine import _completions, _note_tokens, _request_timings
 from pagedserve.engine.core_client import EngineCoreDiedError
 from pagedserve.engine.mp_engine import FrontEnd
 from pagedserve.engine.request_stream import (
@@ -315,14 +315,7 @@ class AsyncMPEngine:
                 tracked = self._tracked.get(out.request_id)
                 if tracked is None:
                     continue
-                num = sum(len(c.token_ids) for c in _completions(out))
-                if num > tracked.num_tokens:
-                    if tracked.last_token_time is None:
-                        ttft.append(now - tracked.arrival_time)
-                    else:
-                        itl.append(now - tracked.last_token_time)
-                    tracked.last_token_time = now
-                    tracked.num_tokens = num
+                _note_tokens(tracked, out, now, ttft, itl)
                 deliveries.append((tracked.stream, out))
                 if out.finished:
                     del self._tracked[out.request_id]
