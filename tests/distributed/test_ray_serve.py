@@ -95,3 +95,29 @@ def test_serve_app_routes_a_shared_prefix_to_its_replica_and_matches_llm(checkpo
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_serve_flags_make_the_app_and_refuse_what_does_not_apply():
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.ray_serve import build_app
+    from pagedserve.entrypoints.ray_serve.run import app_from_args, engine_kwargs_from_args
+
+    def parse(*flags):
+        args = build_parser().parse_args(["serve", "some/model", "--ray-serve", *flags])
+        args.model = args.model_tag
+        return args
+
+    args = parse("--dtype", "float32", "--block-size", "4", "--ray-serve-autoscaling",
+                 '{"min_replicas": 1, "max_replicas": 3}', "--data-parallel-routing",
+                 "least-load")
+    assert engine_kwargs_from_args(args) == {"dtype": "float32", "block_size": 4}
+    assert type(app_from_args(args)).__name__ == "Application"
+    for flags, message in ((["--ray-serve-autoscaling", "[1]"], "--ray-serve-autoscaling"),
+                           (["--data-parallel-size", "2"], "--ray-serve-replicas"),
+                           (["--ray-serve-cpus-per-replica", "0"], "cpus-per-replica")):
+        with pytest.raises(ValueError, match=message):
+            app_from_args(parse(*flags))
+    with pytest.raises(ValueError, match="not both"):
+        build_app("some/model", num_replicas=2, autoscaling_config={"max_replicas": 2})
+    with pytest.raises(ValueError, match="routing"):
+        build_app("some/model", routing="random")

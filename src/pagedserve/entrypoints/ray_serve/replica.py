@@ -82,6 +82,10 @@ class EngineReplica:
         except Exception:  # outside Serve (a unit test)
             self.replica_id = f"local-{id(self)}"
         self._index = cache_index_actor(app_name, **(routing or {}))
+        wanted = (routing or {}).get("block_size")
+        if wanted is not None and wanted != llm.kv_manager.block_size:
+            logger.warning("the cache index keys blocks of %d tokens, this engine's are %d: "
+                           "prefix routing will find nothing", wanted, llm.kv_manager.block_size)
         self._load = 0  # tokens of the requests this replica holds (event loop writes)
         self._report_lock = threading.Lock()
 
