@@ -4,7 +4,8 @@ model and two engine replicas, through its HTTP ingress:
 - requests sharing a long prefix land on the replica that cached it (each replica's own
   prefix-cache counters, as reported to the cache index), an unrelated one on the other;
 - a completion equals the in-process `LLM`'s greedy tokens; chat completions and streaming
-  answer; a bad parameter is a 400 naming it.
+  answer; a bad parameter is a 400 naming it, whether the ingress or the replica's engine
+  refuses it.
 
 Skips when `ray.serve` is not importable (`pip install 'pagedserve[serve]'`). Serve starts
 slowly (a Ray instance, its controller and proxy, three replicas): one test, marked slow."""
@@ -92,6 +93,10 @@ def test_serve_app_routes_a_shared_prefix_to_its_replica_and_matches_llm(checkpo
         r = client.post("/v1/completions", json={"model": path, "prompt": "x",
                                                   "max_tokens": 2, "temperature": -1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        # the replica's engine refuses it (its scheduling policy): the same 400
+        r = client.post("/v1/completions", json={"model": path, "prompt": "x",
+                                                  "max_tokens": 2, "priority": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     finally:
         serve.shutdown()
         ray.shutdown()

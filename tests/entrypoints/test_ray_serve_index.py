@@ -63,3 +63,15 @@ def test_round_robin_and_least_load_ignore_the_cache():
     ll.sync_replicas(["a", "b"])
     ll.report("a", _stored(PREFIX + [1]), load=30)
     assert ll.choose(PREFIX + [2]) == "b"
+
+
+def test_a_redeploy_reconfigures_the_routing():
+    index = CacheIndex("prefix", BS)
+    index.sync_replicas(["a", "b"])
+    index.report("a", _stored(PREFIX + [1]), load=0)
+    index.configure("round-robin", BS, 10)
+    assert [index.choose(PREFIX + [i]) for i in range(2)] == ["a", "b"]
+    index.configure("prefix", 2 * BS, 10)  # another block size: the old blocks mean nothing
+    assert index.router.index.match(PREFIX + [3]) == {}
+    with pytest.raises(ValueError, match="routing"):
+        index.configure("random", BS, 10)

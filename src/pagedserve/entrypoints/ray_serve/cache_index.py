@@ -30,6 +30,18 @@ class CacheIndex:
         self._gone: set[str] = set()  # replicas that left (their late reports are ignored)
         self._counters: dict[str, tuple[int, int]] = {}  # replica id -> (hits, queries)
 
+    def configure(self, policy: str, block_size: int, threshold: int) -> None:
+        """The routing settings of a (re)deployed app; the actor outlives a redeploy under the
+        same name. A new block size forgets the index (the replicas' blocks differ)."""
+        from pagedserve.engine.dp_router import ROUTING_POLICIES, PrefixIndex
+
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {policy!r}")
+        self.router.policy = policy
+        self.router.threshold = threshold
+        if block_size != self.router.index.block_size:
+            self.router.index = PrefixIndex(block_size)
+
     # --- the replica set -----------------------------------------------------------------------
 
     def _core(self, replica_id: str) -> int | None:

@@ -116,7 +116,7 @@ class ServeEngineClient:
             raise
         except Exception as e:  # the replica died, or Serve could not reach one
             logger.warning("request %s failed in its replica: %s", stream.request_id, e)
-            stream._fail(EngineStepError(f"the engine replica failed: {e}"))
+            stream._fail(EngineStepError(f"the engine replica failed: {_short(e)}"))
         finally:
             self._calls.pop(stream.request_id, None)
 
@@ -131,6 +131,13 @@ class ServeEngineClient:
             task, call = entry
             call.cancel()  # the replica's generator is cancelled: it aborts the request
             task.cancel()
+
+
+def _short(exc: BaseException) -> str:
+    """A Ray error in one line for the client (a task error's cause, not its traceback)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
 def build_ingress_app(client: ServeEngineClient, server_options: dict, cache_index=None):

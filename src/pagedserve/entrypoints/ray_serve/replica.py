@@ -10,14 +10,15 @@ message) in place of either (kind: "value" for a refusal, a 400 at the ingress; 
 
 After every engine step (a stats listener, in the engine thread) the replica sends the index the
 step's KV cache events (vLLM's msgpack batch), its load (the prompt and output tokens of the
-requests it holds) and its cumulative prefix-cache counters; after each request ends, its load
-again (no step may follow).
+requests it holds) and its cumulative prefix-cache counters (a step without events: at most
+every `REPORT_INTERVAL_S`); after each request ends, its load again (no step may follow).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from pagedserve.engine.kv_events import KVEventCollector, encode_batch
 from pagedserve.engine.request_stream import (
@@ -28,6 +29,8 @@ from pagedserve.engine.request_stream import (
 )
 
 logger = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 0.05  # the most often a step without KV events reports the replica's load
 
 ERROR_KINDS = ((ValueError, "value"), (QueueFullError, "queue_full"),
                (EngineShutdownError, "shutdown"), (EngineDeadError, "dead"),
@@ -88,11 +91,19 @@ class EngineReplica:
                            "prefix routing will find nothing", wanted, llm.kv_manager.block_size)
         self._load = 0  # tokens of the requests this replica holds (event loop writes)
         self._report_lock = threading.Lock()
+        self._last_report = 0.0
 
     def _report(self, from_step: bool = False) -> None:
         kv = self.engine.engine.kv_manager
         with self._report_lock:  # NOTE: the engine thread and the event loop both report
             batch = self._events.take() if from_step else None
+            now = time.monotonic()
+            # NOTE: a step without events reports its load at most every REPORT_INTERVAL_S (a
+            # remote call per decode step would cost the engine thread); a request's end always
+            # reports (from the event loop), so an idle replica's load reads 0.
+            if batch is None and from_step and now - self._last_report < REPORT_INTERVAL_S:
+                return
+            self._last_report = now
             self._index.report.remote(
                 self.replica_id, None if batch is None else encode_batch(batch), self._load,
                 getattr(kv, "prefix_hits", 0), getattr(kv, "prefix_queries", 0))
@@ -136,14 +147,6 @@ class EngineReplica:
             stream.close()
             self._load -= held
             self._report()
-
-    def stats(self) -> dict:
-        """This replica's cumulative prefix-cache counters (tokens) and blocks in use."""
-        llm = self.engine.engine
-        kv = llm.kv_manager
-        return {"replica_id": self.replica_id, "prefix_hits": getattr(kv, "prefix_hits", 0),
-                "prefix_queries": getattr(kv, "prefix_queries", 0),
-                "num_used_blocks": llm.num_used_blocks()}
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine fails it (Serve replaces the replica)."""

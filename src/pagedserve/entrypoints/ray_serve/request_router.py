@@ -37,6 +37,8 @@ class CacheAffinityRouter(RequestRouter):
     def initialize_state(self, app_name: str = "pagedserve", policy: str = "prefix",
                          block_size: int = 16, threshold: int | None = None, **_) -> None:
         self._index = cache_index_actor(app_name, policy, block_size, threshold)
+        if threshold is not None:  # a redeploy may change them: the actor outlives it
+            self._index.configure.remote(policy, block_size, threshold)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
