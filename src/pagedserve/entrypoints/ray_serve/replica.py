@@ -109,10 +109,12 @@ class EngineReplica:
                 getattr(kv, "prefix_hits", 0), getattr(kv, "prefix_queries", 0))
 
     def info(self) -> dict:
-        """What the ingress needs to know of the engine."""
+        """What the ingress needs to know of the engine (and, for checks, its KV blocks in use
+        and requests held)."""
         llm = self.engine.engine
         return {"max_model_len": llm.max_model_len, "vocab_size": llm.vocab_size,
-                "block_size": llm.kv_manager.block_size, "replica_id": self.replica_id}
+                "block_size": llm.kv_manager.block_size, "replica_id": self.replica_id,
+                "num_used_blocks": llm.num_used_blocks(), "load": self._load}
 
     async def generate(self, request: dict):
         """Stream one request's outputs (see the module docstring)."""
