@@ -131,10 +131,12 @@ class EngineReplica:
                 raise
             yield ("error", kind, str(e))
             return
-        yield ("accepted",)
         held = len(ids)
         self._load += held
+        # NOTE: from here on the request runs in the engine: a cancel at any yield (the accepted
+        # mark too) must reach `finally`, which aborts it.
         try:
+            yield ("accepted",)
             async for out in stream:
                 grown = len(ids) + sum(len(c.token_ids) for c in out.outputs)
                 self._load += grown - held
@@ -149,6 +151,16 @@ class EngineReplica:
             stream.close()
             self._load -= held
             self._report()
+
+    async def __del__(self) -> None:
+        """Serve stops the replica (scaled down, redeployed, shut down): its blocks leave the
+        index at once, its engine stops."""
+        index = getattr(self, "_index", None)
+        if index is not None:
+            index.remove_replica.remote(self.replica_id)
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.started:
+            await engine.shutdown(timeout=10.0)
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine fails it (Serve replaces the replica)."""
