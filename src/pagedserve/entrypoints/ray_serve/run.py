@@ -63,12 +63,16 @@ def run_ray_serve(args: Namespace) -> int:
 
     app = app_from_args(args)  # the flags' ValueErrors before anything starts
     ray.init(ignore_reinit_error=True)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    logger.info("serving %s on Ray Serve at http://%s:%d", args.model, args.host, args.port)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        logger.info("serving %s on Ray Serve at http://%s:%d", args.model, args.host, args.port)
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        stop.wait()
+    except KeyboardInterrupt:  # SIGINT while Serve was starting
+        pass
+    finally:
+        serve.shutdown()
     return 0
