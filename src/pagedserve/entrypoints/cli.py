@@ -188,7 +188,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve on Ray Serve (needs `pip install 'pagedserve[serve]'`): an ingress "
                         "plus engine replicas routed by their cached prefixes "
                         "(--data-parallel-routing, --data-parallel-load-threshold); on the Ray "
-                        "cluster at $RAY_ADDRESS, else a local one")
+                        "cluster at --ray-address or $RAY_ADDRESS, else a local one")
     p.add_argument("--ray-serve-replicas", type=int, default=None, metavar="N",
                    help="--ray-serve: a fixed number of engine replicas (default 1)")
     p.add_argument("--ray-serve-autoscaling", default=None, metavar="JSON",

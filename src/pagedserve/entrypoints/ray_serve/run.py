@@ -1,5 +1,5 @@
 """`pagedserve serve MODEL --ray-serve`: the Serve app of `build_app` from the serve flags, run on
-the Ray cluster at $RAY_ADDRESS (else a local one) until SIGINT / SIGTERM."""
+the Ray cluster at --ray-address or $RAY_ADDRESS (else a local one) until SIGINT / SIGTERM."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def engine_kwargs_from_args(args: Namespace) -> dict:
 
     ours = EngineArgs.from_namespace(args)
     default = EngineArgs()
-    skip = {"model", "data_parallel_size", "data_parallel_backend", "data_parallel_routing",
+    skip = {"model", "ray_address", "data_parallel_size", "data_parallel_backend", "data_parallel_routing",
             "data_parallel_load_threshold", "data_parallel_restart_lost"}
     return {name: getattr(ours, name) for name in EngineArgs.field_names()
             if name not in skip and getattr(ours, name) != getattr(default, name)}
@@ -62,7 +62,7 @@ def run_ray_serve(args: Namespace) -> int:
     from ray import serve
 
     app = app_from_args(args)  # the flags' ValueErrors before anything starts
-    ray.init(ignore_reinit_error=True)
+    ray.init(address=getattr(args, "ray_address", None), ignore_reinit_error=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
