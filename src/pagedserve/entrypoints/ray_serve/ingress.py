@@ -5,7 +5,9 @@ request to an engine replica through a Serve handle (the request router picks th
 the cache index).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming too), GET /v1/models,
-GET /health, GET /version, GET /v1/cache_index (the index's per-replica counters). LoRA
+GET /health, GET /version, GET /v1/cache_index (the index's per-replica counters). A replica
+that dies: the requests on it that produced nothing move to another replica, the others end
+with `EngineDeadError` (a 503) saying so. LoRA
 adapters are not served through this app (a request naming one is a 404 as for any unknown
 model).
 """
@@ -29,6 +31,8 @@ from pagedserve.engine.request_stream import (
 )
 
 logger = logging.getLogger(__name__)
+
+MAX_MOVES = 2  # times a request that produced nothing moves on from replicas that died
 
 _ERRORS = {"value": ValueError, "queue_full": QueueFullError, "shutdown": EngineShutdownError,
            "dead": EngineDeadError, "step": EngineStepError}
@@ -89,7 +93,7 @@ class ServeEngineClient:
                    "cache_salt": getattr(params, "cache_salt", None), "lora_id": None}
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         call = self._handle.options(stream=True).generate.remote(request)
-        task = asyncio.ensure_future(self._pump(stream, call))
+        task = asyncio.ensure_future(self._pump(stream, call, request))
         self._calls[request_id] = (task, call)
         try:
             await stream.wait_accepted()
@@ -98,27 +102,54 @@ class ServeEngineClient:
             raise
         return stream
 
-    async def _pump(self, stream: RequestStream, call) -> None:
-        """The replica's items into the stream."""
+    async def _pump(self, stream: RequestStream, call, request: dict) -> None:
+        """The replica's items into the stream. A replica that dies before the request produced
+        anything: the request goes to another replica (nobody saw its loss), at most
+        `MAX_MOVES` times; after its first output: `EngineDeadError` (a 503) saying so."""
+        from ray.exceptions import RayActorError
+
+        moves = 0
         try:
-            async for item in call:
-                if isinstance(item, tuple):
-                    if item[0] == "accepted":
-                        stream._accept()
-                    else:
-                        stream._fail(_ERRORS.get(item[1], EngineStepError)(item[2]))
+            while True:
+                try:
+                    await self._drain(stream, call)
+                    return
+                except RayActorError as e:
+                    if stream._closed:  # the client left meanwhile
                         return
-                else:
-                    stream._put(item)
-            if not stream.finished:
-                stream._fail(EngineStepError("the engine replica ended the request early"))
+                    if stream.started or moves >= MAX_MOVES:
+                        logger.warning("request %s lost with its replica: %s",
+                                       stream.request_id, e)
+                        stream._fail(EngineDeadError(
+                            f"the engine replica running the request died ({_short(e)}); the "
+                            "request is lost"))
+                        return
+                    moves += 1
+                    logger.warning("request %s moved from a replica that died (%s)",
+                                   stream.request_id, _short(e))
+                    call = self._handle.options(stream=True).generate.remote(request)
+                    self._calls[stream.request_id] = (asyncio.current_task(), call)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the replica died, or Serve could not reach one
+        except Exception as e:  # Serve could not reach a replica, or the replica's own failure
             logger.warning("request %s failed in its replica: %s", stream.request_id, e)
             stream._fail(EngineStepError(f"the engine replica failed: {_short(e)}"))
         finally:
             self._calls.pop(stream.request_id, None)
+
+    @staticmethod
+    async def _drain(stream: RequestStream, call) -> None:
+        async for item in call:
+            if isinstance(item, tuple):
+                if item[0] == "accepted":
+                    stream._accept()
+                else:
+                    stream._fail(_ERRORS.get(item[1], EngineStepError)(item[2]))
+                    return
+            else:
+                stream._put(item)
+        if not stream.finished:
+            stream._fail(EngineStepError("the engine replica ended the request early"))
 
     # RequestStream's owner calls ------------------------------------------------------------
 
