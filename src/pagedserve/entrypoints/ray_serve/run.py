@@ -21,8 +21,8 @@ def engine_kwargs_from_args(args: Namespace) -> dict:
 
     ours = EngineArgs.from_namespace(args)
     default = EngineArgs()
-    skip = {"model", "ray_address", "data_parallel_size", "data_parallel_backend", "data_parallel_routing",
-            "data_parallel_load_threshold", "data_parallel_restart_lost"}
+    skip = {"model", "ray_address", "data_parallel_size", "data_parallel_backend",
+            "data_parallel_routing", "data_parallel_load_threshold", "data_parallel_restart_lost"}
     return {name: getattr(ours, name) for name in EngineArgs.field_names()
             if name not in skip and getattr(ours, name) != getattr(default, name)}
 
