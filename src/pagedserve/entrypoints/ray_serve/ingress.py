@@ -7,9 +7,8 @@ the cache index).
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming too), GET /v1/models,
 GET /health, GET /version, GET /v1/cache_index (the index's per-replica counters). A replica
 that dies: the requests on it that produced nothing move to another replica, the others end
-with `EngineDeadError` (a 503) saying so. LoRA
-adapters are not served through this app (a request naming one is a 404 as for any unknown
-model).
+with `EngineDeadError` (a 503) saying so. LoRA adapters are not served through this app (a
+request naming one is a 404 as for any unknown model).
 """
 
 from __future__ import annotations
@@ -65,9 +64,7 @@ class ServeEngineClient:
             reasoner=make_reasoning_parser(name, tokenizer) if name else None,
             default_sampling_params=diff_sampling_params(
                 source, args.generation_config, args.override_generation_config))
-        self._calls: dict[str, tuple[asyncio.Task, object]] = {}
-        self.accepting = True
-        self.errored = False
+        self._calls: dict[str, tuple[asyncio.Task, object]] = {}  # request id -> pump, call
 
     @property
     def tokenizer(self):
