@@ -14,8 +14,8 @@ request the front end has in flight on it, kept current by the front end as requ
 advance and end (`add_load`), so routing between two steps already sees the requests routed
 a moment ago. Lost cores (`mark_dead`) are never chosen.
 
-Pure Python (no torch), so that a Ray Serve request router could reuse it (not built yet:
-docs/architecture.md).
+Pure Python (no torch), so that the Ray Serve request router reuses it
+(`entrypoints/ray_serve/cache_index.py`: replicas come and go there, `add_engine`).
 """
 
 from __future__ import annotations
@@ -194,3 +194,18 @@ class Router:
 
     def mark_alive(self, core: int) -> None:
         self.alive[core] = True
+
+    def add_engine(self) -> int:
+        """A new core (a Ray Serve replica that started): its index. NOTE: indices are never
+        reused; a core that left is `mark_dead` for good."""
+        self.num_engines += 1
+        self.load.append(0)
+        self.alive.append(True)
+        self.routed.append(0)
+        self._loras.append(OrderedDict())
+        self._rr = itertools.cycle(range(self.num_engines))
+        return self.num_engines - 1
+
+    def set_load(self, core: int, tokens: int) -> None:
+        """A core's own count of its queued plus running tokens (replaces the front end's)."""
+        self.load[core] = tokens

@@ -44,6 +44,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              f"{1 if name == 'max_n' else 0}, got {getattr(args, name)}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.ray_serve:
+        from pagedserve.entrypoints.ray_serve.run import run_ray_serve
+
+        return run_ray_serve(args)
     from pagedserve.entrypoints.openai.api_server import run_server
 
     return run_server(args)
@@ -180,6 +184,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "num_speculative_tokens)")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=10.0,
                    help="seconds to wait for connections to close on SIGINT/SIGTERM")
+    p.add_argument("--ray-serve", action="store_true",
+                   help="serve on Ray Serve (needs `pip install 'pagedserve[serve]'`): an ingress "
+                        "plus engine replicas routed by their cached prefixes "
+                        "(--data-parallel-routing, --data-parallel-load-threshold); on the Ray "
+                        "cluster at --ray-address or $RAY_ADDRESS, else a local one")
+    p.add_argument("--ray-serve-replicas", type=int, default=None, metavar="N",
+                   help="--ray-serve: a fixed number of engine replicas (default 1)")
+    p.add_argument("--ray-serve-autoscaling", default=None, metavar="JSON",
+                   help="--ray-serve: Serve's autoscaling_config for the engine replicas, e.g. "
+                        "'{\"min_replicas\": 1, \"max_replicas\": 4, "
+                        "\"target_ongoing_requests\": 16}'")
+    p.add_argument("--ray-serve-cpus-per-replica", type=float, default=1.0,
+                   help="--ray-serve: the CPUs Ray reserves for each engine replica")
     from pagedserve.entrypoints.openai.cli_args import add_openai_server_args
 
     add_openai_server_args(p)

@@ -446,8 +446,10 @@ def run_server(args: Namespace) -> int:
                                                  "ssl_ciphers") if getattr(args, name, None)}
     if tls:
         tls["ssl_cert_reqs"] = getattr(args, "ssl_cert_reqs", 0)
-    extra = {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size} \
-        if getattr(args, "h11_max_incomplete_event_size", None) else {}
+    # NOTE: http="h11" with it: uvicorn's "auto" picks httptools when installed (ray[serve]
+    # brings it), which ignores the h11 limit
+    extra = {"h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
+             "http": "h11"} if getattr(args, "h11_max_incomplete_event_size", None) else {}
     config = uvicorn.Config(
         app, host=args.host, port=args.port, lifespan="on", uds=getattr(args, "uds", None),
         log_level=getattr(args, "uvicorn_log_level", "info"),
