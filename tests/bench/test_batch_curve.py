@@ -85,12 +85,16 @@ def test_two_of_our_configs_get_a_ratio_column_each_and_old_rows_say_not_recorde
 
 def test_from_results_renders_the_table_and_the_png_without_engines(tmp_path):
     pytest.importorskip("matplotlib")
-    results = tmp_path / "results.json"
-    results.write_text(json.dumps(_rows()))
+    # The curve run in two parts (by concurrency), rendered together.
+    low, high = tmp_path / "low.json", tmp_path / "high.json"
+    low.write_text(json.dumps([r for r in _rows() if r["concurrency"] < 64]))
+    high.write_text(json.dumps([r for r in _rows() if r["concurrency"] >= 64]))
     plot = tmp_path / "figures" / "curve.png"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vs_peers.py"),
-                          "--from-results", str(results), "--plot", str(plot)],
+                          "--from-results", str(low), str(high), "--plot", str(plot)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+    assert "| 16 | 160.0 | 80.0 | 80.0* | 2.00x | 2.00x |" in res.stdout
     assert "| 64 | 200.0 | - | 100.0 | - | 2.00x |" in res.stdout
+    assert f"Growth C=64 / C=16 (median tok/s): {OURS} 1.25x" in res.stdout
     assert plot.read_bytes().startswith(PNG)

@@ -5,7 +5,7 @@ run without starting any engine (`--from-results`).
 
 A row (one engine, one concurrency, one round) carries at least `engine` (its display name),
 `kind` ("ours", "vllm" or "llama-server"), `concurrency`, `round` and `output_throughput`; and,
-when present, `exact_lengths` (every request got exactly its tokens), `path` (what was asked of
+when present, `exact_lengths` (every request succeeded with exactly its tokens), `path` (what was asked of
 the engine), `isa_path` (the ISA level our kernels ran at) and `cpu` (the CPU model).
 
 Figures per (engine, C) are medians over rounds; a ratio is the median of the rounds' ratios
@@ -135,7 +135,7 @@ def report(rows: Sequence[dict], concurrency: Iterable[int] | None = None,
     """The whole text: description, table, footnote and growth line."""
     text = [describe(rows, cpu), "", curve_table(rows, concurrency), ""]
     if any(r.get("exact_lengths") is False for r in rows):
-        text.append("* some requests of that run did not produce exactly the requested tokens")
+        text.append("* some requests there failed or did not produce exactly the requested tokens")
     text.append(growth_line(rows))
     return "\n".join(text)
 
