@@ -66,7 +66,8 @@ def test_table_gives_medians_round_ratios_growth_and_dashes():
     assert batch_curve.growth(rows, VLLM) is None
     text = batch_curve.report(rows)
     assert f"{OURS} 1.25x, {VLLM} -, {LLAMA} 1.25x" in text
-    assert "CPU: AMD EPYC 7B13; 3 round(s)" in text
+    assert ("CPU: AMD EPYC 7B13; output tokens/s, medians over rounds "
+            "(most rounds at each C: C=1 3, C=16 3, C=64 3)") in text
     assert f"{OURS}: ISA path avx2; avx2 path, gguf weights\n{VLLM}: peer\n" in text
     assert "* some requests" in text
 

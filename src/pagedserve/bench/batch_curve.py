@@ -119,8 +119,13 @@ def describe(rows: Sequence[dict], cpu: str | None = None) -> str:
     """The lines above the table: the CPU model, then each engine with what it ran (`path`) and,
     for our configs, the ISA path."""
     cpu_text = _cpu_text(rows, cpu)
-    rounds = max((r["round"] for r in rows), default=0)
-    lines = [f"CPU: {cpu_text}; {rounds} round(s), medians over rounds; output tokens/s"]
+    # NOTE: a curve run in parts may have a different number of rounds per C.
+    rounds = {}
+    for r in rows:
+        rounds[r["concurrency"]] = max(rounds.get(r["concurrency"], 0), r["round"])
+    per_c = ", ".join(f"C={c} {n}" for c, n in sorted(rounds.items()))
+    lines = [f"CPU: {cpu_text}; output tokens/s, medians over rounds "
+             f"(most rounds at each C: {per_c})"]
     isas = _isa_paths(rows)
     for n in _engines(rows):
         path = next(r.get("path") for r in rows if r["engine"] == n)
