@@ -351,6 +351,8 @@ def main() -> int:
             if not path.is_file():
                 p.error(f"--from-results {path}: no such file")
             rows += json.loads(path.read_text())
+        if not rows:
+            p.error("--from-results: no runs in " + ", ".join(map(str, args.from_results)))
         return render_curve(rows, args.plot, None)
     if args.concurrency is None:
         args.concurrency = list(batch_curve.CURVE_CONCURRENCY) if args.curve else [1, 16, 64]

@@ -5,8 +5,8 @@ run without starting any engine (`--from-results`).
 
 A row (one engine, one concurrency, one round) carries at least `engine` (its display name),
 `kind` ("ours", "vllm" or "llama-server"), `concurrency`, `round` and `output_throughput`; and,
-when present, `exact_lengths` (every request succeeded with exactly its tokens), `path` (what was asked of
-the engine), `isa_path` (the ISA level our kernels ran at) and `cpu` (the CPU model).
+when present, `exact_lengths` (every request succeeded with exactly its tokens), `path` (what was
+asked of the engine), `isa_path` (the ISA level our kernels ran at) and `cpu` (the CPU model).
 
 Figures per (engine, C) are medians over rounds; a ratio is the median of the rounds' ratios
 (ours / that peer in the same round), as in bench_vs_peers' own table. A cell with no run is "-".
@@ -23,14 +23,19 @@ GROWTH_FROM, GROWTH_TO = 16, 64
 MISSING = "-"
 
 
+def _ours(rows: Sequence[dict]) -> set[str]:
+    """The engine names of our configs."""
+    return {r["engine"] for r in rows if r["kind"] == "ours"}
+
+
 def _engines(rows: Sequence[dict]) -> list[str]:
     """Engine names, ours first, each group in order of first appearance."""
-    names = list(dict.fromkeys(r["engine"] for r in rows))
-    kind = {r["engine"]: r["kind"] for r in rows}
-    return [n for n in names if kind[n] == "ours"] + [n for n in names if kind[n] != "ours"]
+    names, ours = list(dict.fromkeys(r["engine"] for r in rows)), _ours(rows)
+    return [n for n in names if n in ours] + [n for n in names if n not in ours]
 
 
 def _runs(rows: Sequence[dict], engine: str, c: int) -> list[dict]:
+    """`engine`'s rows at concurrency `c`, one per round it ran."""
     return [r for r in rows if r["engine"] == engine and r["concurrency"] == c]
 
 
@@ -55,7 +60,9 @@ def growth(rows: Sequence[dict], engine: str, low: int = GROWTH_FROM,
     """`engine`'s median tokens/s at `high` streams over its median at `low`; None if either is
     missing."""
     a, b = median_throughput(rows, engine, low), median_throughput(rows, engine, high)
-    return b / a if a and b is not None else None
+    if a is None or b is None or a <= 0:
+        return None
+    return b / a
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -71,7 +78,7 @@ def curve_table(rows: Sequence[dict], concurrency: Iterable[int] | None = None) 
     "*" when some run there did not produce exactly the requested tokens), then ours / each peer
     (median of the rounds' ratios). `concurrency` defaults to every C the rows have."""
     engines = _engines(rows)
-    ours = [n for n in engines if any(r["kind"] == "ours" for r in rows if r["engine"] == n)]
+    ours = [n for n in engines if n in _ours(rows)]
     peers = [n for n in engines if n not in ours]
     cs = sorted(set(concurrency) if concurrency is not None else {r["concurrency"] for r in rows})
     ratio_cols = [(o, p) for o in ours for p in peers]
@@ -107,12 +114,10 @@ def _cpu_text(rows: Sequence[dict], cpu: str | None) -> str:
 
 def _isa_paths(rows: Sequence[dict]) -> dict[str, str]:
     """Each of our configs' ISA path ("not recorded" when no row has one)."""
-    out = {}
-    for n in _engines(rows):
-        runs = [r for r in rows if r["engine"] == n]
-        if runs[0]["kind"] == "ours":
-            out[n] = next((r["isa_path"] for r in runs if r.get("isa_path")), "not recorded")
-    return out
+    ours = _ours(rows)
+    return {n: next((r["isa_path"] for r in rows if r["engine"] == n and r.get("isa_path")),
+                    "not recorded")
+            for n in _engines(rows) if n in ours}
 
 
 def describe(rows: Sequence[dict], cpu: str | None = None) -> str:
@@ -157,9 +162,8 @@ def plot_curve(rows: Sequence[dict], path: str, cpu: str | None = None) -> None:
         points = [(c, median_throughput(rows, n, c)) for c in cs]
         points = [(c, y) for c, y in points if y is not None]
         if points:
-            ours = any(r["kind"] == "ours" for r in rows if r["engine"] == n)
             ax.plot([c for c, _ in points], [y for _, y in points], marker="o",
-                    linewidth=2.2 if ours else 1.4, label=n)
+                    linewidth=2.2 if n in _ours(rows) else 1.4, label=n)
     ax.set_xscale("log", base=2)
     ax.set_xticks(cs, [str(c) for c in cs])
     ax.set_ylim(bottom=0)
