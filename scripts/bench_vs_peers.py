@@ -39,6 +39,16 @@ tokenizer every engine's text is compared with, and our server uses):
         --gguf /tmp/moe-hf/moe-Q4_K_M.gguf --hf-model /tmp/moe-hf \
         --concurrency 1 16 64 --ours avx512bf16:gguf --peers vllm q4km --out /tmp/vs-moe
     # AVX2 (vLLM's bf16 path falls back there): --ours avx2:gguf --vllm-args "--dtype float32"
+
+`--curve` (issue 40): the batch-size curve, C = 1 4 16 32 64 128 unless --concurrency says
+otherwise; after the runs a markdown table of output tok/s per C and engine (medians over rounds),
+ours / each peer (median of the rounds' ratios) and each engine's C=64 / C=16 growth, with the CPU
+model and the ISA path each of our configs ran at (asked of our kernels), and a PNG of tok/s
+against streams at --plot (default docs/figures/batch_curve.png). An engine that fails at some C
+is left out there ("-") instead of stopping the run, and a run where some requests failed is kept
+and marked ("*"); results.json is saved after every run. `--from-results A/results.json
+[B/results.json ...]` renders the table and plot again from the rows of those files without
+running anything (pagedserve.bench.batch_curve), e.g. of a curve run in parts on an idle machine.
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from pagedserve.bench import batch_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -139,16 +151,32 @@ def bf16_gguf(llama_cpp: Path, out_dir: Path, source: Path) -> Path:
     return target
 
 
+def ours_isa_path(isa: str) -> str:
+    """The ISA level our kernels run at under `$PAGEDSERVE_CPU_ISA=isa` on this CPU (the CPU's
+    best, capped), asked of the kernels themselves in a subprocess; "unknown" if that fails."""
+    code = ("from pagedserve.kernels.cpu_gemm import linear_isa\n"
+            "from pagedserve.kernels.cpu_isa import ISA_NAMES\nprint(ISA_NAMES[linear_isa()])")
+    res = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=False,
+                         env={**os.environ, "PAGEDSERVE_CPU_ISA": isa})
+    lines = res.stdout.split()
+    return lines[-1] if res.returncode == 0 and lines else "unknown"
+
+
 def bench(url: str, concurrency: int, num_prompts: int, args, out: Path, extra: list[str]) -> dict:
     cmd = [PY, "-m", "pagedserve.entrypoints.cli", "bench", "serve", "--base-url", url,
            "--num-prompts", str(num_prompts), "--input-len-mean", str(args.input_len_mean),
            "--output-len-fixed", str(args.output_len), "--max-concurrency", str(concurrency),
            "--result-json", str(out), *extra]
+    out.unlink(missing_ok=True)  # a file left by an earlier run in the same --out is not this run's
     res = subprocess.run(cmd, check=False, capture_output=True, text=True)
     print(res.stdout)
     if res.returncode != 0:
         print(res.stderr[-3000:])
-        raise RuntimeError(f"bench serve failed against {url}")
+        # NOTE: bench serve exits 1 when a request failed but still writes its figures; --curve
+        # keeps them (exact_lengths is then False: a "*" in the curve's table).
+        if not (args.curve and out.exists() and json.loads(out.read_text())["num_ok"] > 0):
+            raise RuntimeError(f"bench serve failed against {url}")
+        print(f"bench serve against {url}: some requests failed; kept, marked not exact")
     return json.loads(out.read_text())
 
 
@@ -222,6 +250,8 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
             cmd.append("--enable-debug-endpoints")
             extra.append("--profile")
         name, path = f"pagedserve {cfg}", f"{isa} path, {quant or 'gguf'} weights"
+        if isa not in args.isa_paths:
+            args.isa_paths[isa] = ours_isa_path(isa)
     elif kind == "vllm":
         cmd = ["bash", str(args.vllm_tools / "serve.sh"), str(args.vllm_model), str(port),
                str(args.vllm_venv)]
@@ -230,7 +260,8 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
         extra = ["--served-model-name", "gemma-3-270m"]
         if args.request_body:
             extra += ["--extra-body", json.dumps(args.request_body)]
-        name, path = "vLLM CPU", f"vLLM {args.vllm_version()} bf16"
+        dtype = args.vllm_args.split("--dtype", 1)[1].split()[:1] if "--dtype" in args.vllm_args else []
+        name, path = "vLLM CPU", f"vLLM {args.vllm_version()} {(dtype or ['bf16'])[0].lstrip('=')}"
     else:
         slot_ctx = 1024 + args.output_len + 64
         cmd = [str(args.llama_cpp / "build" / "bin" / "llama-server"), "-m", str(ggufs[cfg]),
@@ -251,14 +282,28 @@ def run_engine(kind: str, cfg: str, c: int, num_prompts: int, rnd: int, ggufs: d
         server.stop()
     result.update(engine=name, kind=kind, path=path, concurrency=c, round=rnd,
                   peak_rss_mib=server.peak_rss / 2**20, idle_rss_mib=idle_rss / 2**20,
-                  exact_lengths=exact_lengths(result))
+                  exact_lengths=exact_lengths(result), cpu=cpu_model(),
+                  **({"isa_path": args.isa_paths[cfg.partition(":")[0]]} if kind == "ours" else {}))
     return result
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp", type=Path, default=Path("/tmp/llama.cpp"))
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="streams in flight, one run each (default 1 16 64; with --curve 1 4 16 "
+                        "32 64 128)")
+    p.add_argument("--curve", action="store_true",
+                   help="issue 40's batch-size curve: after the runs, a markdown table of output "
+                        "tok/s per C and engine with ours / each peer and our C=64 / C=16 growth, "
+                        "and a plot (--plot); an engine failing at some C is recorded and skipped "
+                        "(a '-' in the table) instead of stopping the run")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "batch_curve.png",
+                   help="where --curve / --from-results write the curve's PNG")
+    p.add_argument("--from-results", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="render the --curve table and plot again from saved results.json files "
+                        "(their rows together: e.g. one run per part of the curve); starts no "
+                        "engine, every other flag but --plot is ignored")
     p.add_argument("--min-prompts", type=int, default=8, help="requests per run: max(this, C)")
     p.add_argument("--input-len-mean", type=float, default=161.0)
     p.add_argument("--output-len", type=int, default=96)
@@ -300,7 +345,19 @@ def main() -> int:
                    help='JSON fields added to every request of both engines, e.g. sampling: '
                         '\'{"temperature": 1.0, "top_p": 0.95}\' (default: greedy)')
     args = p.parse_args()
+    if args.from_results is not None:
+        rows = []
+        for path in args.from_results:
+            if not path.is_file():
+                p.error(f"--from-results {path}: no such file")
+            rows += json.loads(path.read_text())
+        if not rows:
+            p.error("--from-results: no runs in " + ", ".join(map(str, args.from_results)))
+        return render_curve(rows, args.plot, None)
+    if args.concurrency is None:
+        args.concurrency = list(batch_curve.CURVE_CONCURRENCY) if args.curve else [1, 16, 64]
     args.out.mkdir(parents=True, exist_ok=True)
+    args.isa_paths = {}
     from pagedserve.models.embedded import embedded_model_path
     from pagedserve.models.source import resolve_model
 
@@ -332,8 +389,16 @@ def main() -> int:
             for kind, cfg in engines:
                 if kind == "vllm" and args.vllm_rounds is not None and rnd > args.vllm_rounds:
                     continue
-                result = run_engine(kind, cfg, c, num_prompts, rnd, ggufs, args)
+                try:
+                    result = run_engine(kind, cfg, c, num_prompts, rnd, ggufs, args)
+                except (RuntimeError, TimeoutError) as e:
+                    if not args.curve:
+                        raise
+                    print(f"{kind} {cfg} C={c} round {rnd} FAILED, left out: {e}", flush=True)
+                    continue
                 rows.append(result)
+                # NOTE: saved after every run, so that a later failure keeps what was measured.
+                (args.out / "results.json").write_text(json.dumps(rows, indent=2))
                 print(f"{result['engine']} C={c} round {rnd}: {result['output_throughput']:.1f} "
                       f"tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, idle/peak RSS "
                       f"{result['idle_rss_mib']:.0f}/{result['peak_rss_mib']:.0f} MiB, exact lengths "
@@ -372,19 +437,33 @@ def main() -> int:
                     continue
                 ratios, rss_ratios, ttft = [], [], []
                 for rnd in range(1, args.rounds + 1):
-                    ours = next(r for r in by_engine[n] if r["round"] == rnd)
+                    ours = next((r for r in by_engine[n] if r["round"] == rnd), None)
                     peers = [r for p in group_peers for r in by_engine[p] if r["round"] == rnd]
-                    if not peers:  # a round the peer sat out (--vllm-rounds)
+                    if not peers or ours is None:  # a round the peer sat out (--vllm-rounds)
                         continue
                     best = max(peers, key=lambda r: r["output_throughput"])
                     ratios.append(ours["output_throughput"] / best["output_throughput"])
                     rss_ratios.append(ours["idle_rss_mib"] / best["idle_rss_mib"])
                     ttft.append(ours["ttft_p50_ms"] / best["ttft_p50_ms"])
+                if not ratios:  # ours ran in no round a peer ran in (--curve keeps failures out)
+                    continue
                 each = ", ".join(f"{x:.2f}" for x in ratios)
                 print(f"  C={c}: {n} ({by_engine[n][0]['path']}) / {label} of each round = "
                       f"{statistics.median(ratios):.2f}x output tok/s (rounds: {each}); TTFT p50 "
                       f"{statistics.median(ttft):.2f}x; idle RSS {statistics.median(rss_ratios):.2f}x")
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+    if args.curve:
+        return render_curve(rows, args.plot, cpu_model(), args.concurrency)
+    return 0
+
+
+def render_curve(rows: list[dict], plot: Path, cpu: str | None,
+                 concurrency: list[int] | None = None) -> int:
+    """Print the batch-size curve's table (pagedserve.bench.batch_curve) and write its plot."""
+    print("\n" + batch_curve.report(rows, concurrency, cpu=cpu))
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    batch_curve.plot_curve(rows, str(plot), cpu=cpu)
+    print(f"plot: {plot}")
     return 0
 
 
