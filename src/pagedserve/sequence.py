@@ -91,6 +91,8 @@ class Sequence(PromptThenOutput):
         # Speculative decoding: draft tokens proposed to follow `token_ids` (core/spec_decode.py);
         # valid only for the current tokens (the step update clears them).
         self.spec_token_ids: list[int] = []
+        # The tokens the workers' mirror holds (core/step_delta.py); -1: they do not know it.
+        self.sent_tokens = -1
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +160,8 @@ class SequenceGroup:
     priority: int = 0
     # Set by `Scheduler.add`: the order requests were queued in (ties of the queue keys).
     queue_no: int = 0
+    # The workers hold the request (its parameters travelled: core/step_delta.py).
+    sent: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:

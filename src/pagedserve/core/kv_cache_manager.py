@@ -50,6 +50,16 @@ class BlockTable:
     # Per sliding-window group: its leading logical blocks given back (null entries); None
     # when the model has no sliding-window group.
     low: list[int] | None = None
+    # The workers' copy (core/step_delta.py): its leading entries that are still these, and its
+    # length. NOTE: every change of an entry below the end, or cut of the list, lowers `synced`
+    # to the first entry it changed (`changed_from`); appending changes neither.
+    synced: int = 0
+    sent_len: int = 0
+
+    def changed_from(self, index: int) -> None:
+        """Entries from `index` on no longer match the workers' copy."""
+        if index < self.synced:
+            self.synced = index
 
 
 @dataclass(frozen=True)
@@ -287,6 +297,7 @@ class KVCacheManager:
                 pool.decref(old)
                 blocks[-1] = new
                 copies.append((old, new))
+                table.changed_from(len(blocks) - 1)
             need = -(-num_tokens // bs) - len(blocks)
             for _ in range(need):
                 blocks.append(pool.allocate())
@@ -303,6 +314,7 @@ class KVCacheManager:
                     pool.decref(old)
                     blocks[base + c] = new
                     copies.append((old, new))
+                    table.changed_from(base + c)
         need = -(-num_tokens // bs) - len(blocks) // w
         for _ in range(need):
             for c in range(w):
@@ -336,6 +348,7 @@ class KVCacheManager:
                     if b != null:
                         pool.decref(b)
                         blocks[c] = null
+                        table.changed_from(c)
             low[gi] = lo
 
     def snapshot(self, seq_id: int) -> tuple | None:
@@ -373,6 +386,7 @@ class KVCacheManager:
                 pool.acquire(last)
                 pool.decref(blocks[count - 1])
                 blocks[count - 1] = last
+                table.changed_from(count - 1)
         elif count:
             base = count - len(last)
             for c, old in enumerate(last):
@@ -380,9 +394,11 @@ class KVCacheManager:
                     pool.acquire(old, self._col_tag[c])
                     pool.decref(blocks[base + c])
                     blocks[base + c] = old
+                    table.changed_from(base + c)
         for block in reversed(blocks[count:]):  # (new blocks: never null)
             pool.decref(block)
         del blocks[count:]
+        table.changed_from(count)
         table.num_tokens = num_tokens
         del table.hashes[num_hashes:]
 
@@ -401,6 +417,7 @@ class KVCacheManager:
         blocks = table.blocks
         self._release(blocks[keep:], self.pool, self.null)
         del blocks[keep:]
+        table.changed_from(keep)
         table.num_tokens = num_tokens
         del table.hashes[num_tokens // self.block_size:]
 

@@ -54,6 +54,7 @@ from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
     StepPlan,
 )
 from pagedserve.core.spec_decode import drop_lookahead
+from pagedserve.core.step_delta import StepDelta, take_delta
 from pagedserve.core.step_update import StepObserver, StepUpdate, apply_step
 from pagedserve.core.turns import Turns
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -87,6 +88,9 @@ class Scheduler(Turns):
         self._num_queued = 0
         self._finished_ids: list[str] = []
         self._freed_seq_ids: list[int] = []
+        # The next step's delta for the workers (core/step_delta.py): its freed sequences and
+        # finished requests gather here; `schedule` adds the rows' changes.
+        self._delta = StepDelta()
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_turns = 0
@@ -149,6 +153,8 @@ class Scheduler(Turns):
         for seq in group.seqs:
             self.kv.free(seq.seq_id)
         self._finished_ids.append(group.request_id)
+        if group.sent:  # the workers hold it
+            self._delta.finished_requests.append(group.request_id)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError unless the queues and the block tables agree: the KV manager's own
@@ -234,6 +240,8 @@ class Scheduler(Turns):
         self.kv.free(seq.seq_id)
         group.seqs.remove(seq)
         self._freed_seq_ids.append(seq.seq_id)
+        if seq.sent_tokens >= 0:  # the workers hold it
+            self._delta.freed_seqs.append(seq.seq_id)
 
     def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
         """Once the parent of a forking group has computed its prompt, give the other sequences
@@ -261,6 +269,7 @@ class Scheduler(Turns):
         out = SchedulerOutput(finished_request_ids=self._finished_ids,
                               freed_seq_ids=self._freed_seq_ids)
         self._finished_ids, self._freed_seq_ids = [], []
+        delta, self._delta = self._delta, StepDelta()
         step = StepPlan(self.config.max_num_batched_tokens)
 
         decoding, prefilling = [], []
@@ -344,7 +353,9 @@ class Scheduler(Turns):
             self._set_running(group)
             slots += group.max_width_left
             self._commit(plan, group, step, out)
-        return step.finish(out)
+        out = step.finish(out)
+        out.delta = take_delta(out, self.kv, delta)
+        return out
 
     def _lora_blocked(self, group: SequenceGroup) -> bool:
         """Whether `group`'s adapter would be one more than `max_loras` distinct adapters among
