@@ -370,7 +370,9 @@ class KVCacheManager:
         held then is held again.
 
         NOTE: only for undoing this step's `allocate_slots` of a group before the step runs;
-        the snapshot's blocks must not have been handed to another sequence in between.
+        the snapshot's blocks must not have been handed to another sequence in between. It
+        moves no mark of the workers' copy (`BlockTable.synced`): the entries it puts back were
+        marked when they were replaced, and the ones it removes were appended past `sent_len`.
         """
         pool = self.pool
         if snapshot is None:
@@ -386,7 +388,6 @@ class KVCacheManager:
                 pool.acquire(last)
                 pool.decref(blocks[count - 1])
                 blocks[count - 1] = last
-                table.changed_from(count - 1)
         elif count:
             base = count - len(last)
             for c, old in enumerate(last):
@@ -394,11 +395,9 @@ class KVCacheManager:
                     pool.acquire(old, self._col_tag[c])
                     pool.decref(blocks[base + c])
                     blocks[base + c] = old
-                    table.changed_from(base + c)
         for block in reversed(blocks[count:]):  # (new blocks: never null)
             pool.decref(block)
         del blocks[count:]
-        table.changed_from(count)
         table.num_tokens = num_tokens
         del table.hashes[num_hashes:]
 

@@ -34,7 +34,7 @@ from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.core.kv_cache_manager import KVCacheManager
+    from pagedserve.core.kv_cache_manager import BlockTable, KVCacheManager
     from pagedserve.core.sched_types import SchedulerOutput
     from pagedserve.sequence import Sequence
 
@@ -109,12 +109,16 @@ def take_delta(sched: "SchedulerOutput", kv: "KVCacheManager", delta: StepDelta)
                 if q is not seq:
                     _sync_tokens(q, group.request_id, delta)
         table = tables[seq.seq_id]
-        blocks = table.blocks
-        n = len(blocks)
-        if fresh:  # (a sequence new to the workers: its table travels whole)
-            table.synced = 0
-        synced = table.synced
-        if fresh or synced != n or table.sent_len != n:
-            delta.tables.append((seq.seq_id, synced, blocks[synced:]))
-            table.synced = table.sent_len = n
+        n = len(table.blocks)
+        if fresh or table.synced != n or table.sent_len != n:
+            sync_table(seq.seq_id, table, fresh, delta)
     return delta
+
+
+def sync_table(seq_id: int, table: "BlockTable", fresh: bool, delta: StepDelta) -> None:
+    """The entries of `seq_id`'s table that changed since the workers last saw it (all of it
+    for a sequence new to them): `(seq_id, keep, entries[keep:])`; the marks move."""
+    blocks = table.blocks
+    keep = 0 if fresh else table.synced
+    delta.tables.append((seq_id, keep, blocks[keep:]))
+    table.synced = table.sent_len = len(blocks)
