@@ -75,7 +75,7 @@ def test_random_table_changes_keep_the_workers_copy_equal(seed):
     w = Workers(kv)
     live, next_id = {}, 0  # seq id -> tokens
     for _ in range(300):
-        op = rng.randrange(7)
+        op = rng.choices(range(7), weights=(1, 4, 1, 1, 2, 1, 1))[0]
         if op == 0 or not live:
             if kv.num_free_blocks > 12:
                 live[next_id] = 0
