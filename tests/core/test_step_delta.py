@@ -22,11 +22,7 @@ class Workers:
         """Send what changed in these sequences' tables (`take_delta`'s rule for a row)."""
         delta = StepDelta()
         for seq_id in seq_ids:
-            table = self.kv.tables[seq_id]
-            fresh = seq_id not in self.tables
-            n = len(table.blocks)
-            if fresh or table.synced != n or table.sent_len != n:
-                sync_table(seq_id, table, fresh, delta)
+            sync_table(seq_id, self.kv.tables[seq_id], seq_id not in self.tables, delta)
         for seq_id, keep, new in delta.tables:
             mirror = self.tables.setdefault(seq_id, [])
             del mirror[keep:]

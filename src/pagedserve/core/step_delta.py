@@ -108,17 +108,21 @@ def take_delta(sched: "SchedulerOutput", kv: "KVCacheManager", delta: StepDelta)
             for q in group.seqs[: s.num_samples]:
                 if q is not seq:
                     _sync_tokens(q, group.request_id, delta)
-        table = tables[seq.seq_id]
-        n = len(table.blocks)
-        if fresh or table.synced != n or table.sent_len != n:
-            sync_table(seq.seq_id, table, fresh, delta)
+        sync_table(seq.seq_id, tables[seq.seq_id], fresh, delta)
     return delta
 
 
 def sync_table(seq_id: int, table: "BlockTable", fresh: bool, delta: StepDelta) -> None:
-    """The entries of `seq_id`'s table that changed since the workers last saw it (all of it
-    for a sequence new to them): `(seq_id, keep, entries[keep:])`; the marks move."""
+    """The entries of `seq_id`'s table that changed since the workers last saw it, if any (all
+    of it for a sequence new to them, `fresh`): `(seq_id, keep, entries[keep:])`; the marks
+    move. O(1) when nothing changed."""
     blocks = table.blocks
-    keep = 0 if fresh else table.synced
+    n = len(blocks)
+    if fresh:
+        keep = 0
+    else:
+        keep = table.synced
+        if keep == n and table.sent_len == n:
+            return
     delta.tables.append((seq_id, keep, blocks[keep:]))
-    table.synced = table.sent_len = len(blocks)
+    table.synced = table.sent_len = n
