@@ -354,7 +354,7 @@ class Scheduler(Turns):
             slots += group.max_width_left
             self._commit(plan, group, step, out)
         out = step.finish(out)
-        out.delta = take_delta(out, self.kv, delta)
+        out.delta = take_delta(out.scheduled, self.kv, delta)
         return out
 
     def _lora_blocked(self, group: SequenceGroup) -> bool:

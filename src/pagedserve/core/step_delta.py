@@ -35,7 +35,6 @@ from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.core.kv_cache_manager import BlockTable, KVCacheManager
-    from pagedserve.core.sched_types import SchedulerOutput
     from pagedserve.sequence import Sequence
 
 # (seq_id, keep, appended): the workers' list becomes `list[:keep] + appended`.
@@ -79,16 +78,17 @@ def _sync_tokens(seq: "Sequence", request_id: str, delta: StepDelta) -> None:
     seq.sent_tokens = n
 
 
-def take_delta(sched: "SchedulerOutput", kv: "KVCacheManager", delta: StepDelta) -> StepDelta:
+def take_delta(scheduled: list, kv: "KVCacheManager", delta: StepDelta) -> StepDelta:
     """Complete `delta` (the step's freed sequences and finished requests, already recorded)
-    with what the step's rows changed, and move their marks: the workers hold it once the step
-    is sent. O(rows), each row O(1) plus what it sends.
+    with what the step's rows (`SchedulerOutput.scheduled`: `ScheduledSequence`s) changed, and
+    move their marks: the workers hold it once the step is sent. O(rows), each row O(1) plus
+    what it sends.
 
     NOTE (step cost): one pass over the scheduled rows; the common row (a known sequence with
     one new token, its table unchanged) costs a few attribute reads."""
     tables = kv.tables
     new_seq = -1
-    for s in sched.scheduled:
+    for s in scheduled:
         group, seq = s.group, s.seq
         if not group.sent:
             group.sent = True
