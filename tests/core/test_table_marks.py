@@ -1,7 +1,7 @@
-"""The block-table marks behind the scheduler's step delta (core/step_delta.py): whatever the
-block manager does to a table (growth, copy-on-write, truncation, a sliding window's null
-entries, forks, swaps, undone allocations), the workers' copy rebuilt from the deltas equals the
-table, and each delta sends only what changed."""
+"""The marks behind the scheduler's step delta (core/step_delta.py): whatever the block manager
+does to a table (growth, copy-on-write, truncation, a sliding window's null entries, forks, swaps,
+undone allocations), the workers' copy rebuilt from the deltas equals the table, and each delta
+sends only what changed; a row's delta carries a request and a sequence once, then new tokens."""
 
 import random
 
@@ -9,7 +9,10 @@ import pytest
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_spec import FullAttentionSpec, KVLayout, SlidingWindowSpec
-from pagedserve.core.step_delta import StepDelta, sync_table
+from pagedserve.core.sched_types import ScheduledSequence
+from pagedserve.core.step_delta import StepDelta, sync_table, take_delta
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import Sequence, SequenceGroup
 
 
 class Workers:
@@ -109,3 +112,27 @@ def test_random_table_changes_keep_the_workers_copy_equal(seed):
     # the run made each kind of change: whole tables, entries from an index, cuts
     assert all(any(kind(keep, new) for step in w.sent for _, keep, new in step)
                for kind in (lambda k, n: k == 0, lambda k, n: k and n, lambda k, n: not n))
+
+
+def test_a_rows_delta_carries_new_requests_new_sequences_and_only_new_tokens():
+    kv = KVCacheManager(16, 4)
+    params = SamplingParams(n=2, max_tokens=4)
+    group = SequenceGroup("r", [Sequence(1, [5, 6, 7]), Sequence(2, [5, 6, 7], 1)], params, 0.0)
+
+    def step(end, num_samples=1):
+        seq = group.seqs[0]
+        kv.allocate_slots(1, end)
+        row = ScheduledSequence(group, seq, 0, end, kv.tables[1].blocks, True, False,
+                                num_samples)
+        return take_delta([row], kv, StepDelta())
+
+    first = step(3, num_samples=2)  # the parent's prompt, sampling for both sequences
+    assert [r for r, _, _ in first.new_requests] == ["r"]
+    assert first.new_seqs == [(1, "r", 3, 0), (2, "r", 3, 1)]
+    assert first.tokens == [(1, 0, [5, 6, 7]), (2, 0, [5, 6, 7])]
+    group.seqs[0].token_ids.append(9)
+    second = step(4)
+    assert (second.new_requests, second.new_seqs, second.tokens) == ([], [], [(1, 3, [9])])
+    assert second.tables == []  # the same block
+    del group.seqs[0].token_ids[3:]  # a list cut back (none is today): cut back on the workers
+    assert step(4).tokens == [(1, 3, [])]
