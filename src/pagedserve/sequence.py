@@ -52,7 +52,8 @@ class Sequence(PromptThenOutput):
 
     NOTE: `token_ids` is prompt + output in one list (appended in place every step); the tokens
     still to be computed are `token_ids[num_computed_tokens:]`. After preemption by recomputation
-    `num_computed_tokens` drops to 0 and the whole list is prefilled again.
+    `num_computed_tokens` drops to 0 and the whole list is prefilled again. The workers' mirror
+    of it is kept by appending (`sent_tokens`, core/step_delta.py): only ever append to it.
 
     NOTE (step cost): `prompt_token_ids` is one list built once (do not mutate it), and
     `is_finished` a plain attribute kept by the `status` setter: both are read every step.

@@ -19,6 +19,10 @@ a parked sequence comes back, its prompt's full blocks shared with a resident si
 in the prefix cache), when the blocks for its tokens are free with one to spare per resident
 sibling, or at once when no sibling of it needs to compute.
 
+Each step's output carries its `StepDelta` (core/step_delta.py): what the workers' mirrors must
+change (new requests and sequences, new tokens, changed block-table entries, freed sequences and
+finished requests), read from the marks the core sets as it changes things, nothing compared.
+
 After the model ran, `update_from_output` applies the step: computed tokens, prefix-cache
 registration, forks, appended tokens, token-level stops (EOS, stop token ids, lengths), beam
 steps, finishes and frees. The engine plugs text-level work (detokenizing, stop strings, logprob
