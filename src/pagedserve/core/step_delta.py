@@ -15,9 +15,10 @@ The marks:
   shorter than what they hold is cut back (`keep` = its length).
 - `BlockTable.synced` / `BlockTable.sent_len` (core/kv_cache_manager.py): the leading entries
   the workers hold unchanged, and how many they hold. Appending a block changes neither; a
-  copy-on-write replacement, a sliding window's null entry, an undone allocation or a truncation
-  lowers `synced` to the first entry it changed ("replace from index i"); a new table (first
-  allocation, prefix hit, fork, swap-in, recomputation) starts at 0: it travels whole.
+  copy-on-write replacement, a sliding window's null entry or a truncation (rejected drafts'
+  slots) lowers `synced` to the first entry it changed ("replace from index i"); a new table
+  (first allocation, prefix hit, fork, swap-in, recomputation, a parked sequence's turn) starts
+  at 0: it travels whole.
 
 NOTE: a sequence's marks move only when a row of it is in the step (the workers read only the
 scheduled rows); an unscheduled one keeps its marks until it is scheduled again. The marks

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.pooling_params import PoolingSpec
 from pagedserve.core.step_delta import StepDelta
+from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import PromptThenOutput
 

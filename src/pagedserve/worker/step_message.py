@@ -37,6 +37,7 @@ DO_SAMPLE = 1
 PROMPT_LOGPROBS = 2
 NEED_LOGPROB = 4
 
+
 @dataclass
 class StepMessage:
     """One step's input for every worker, as plain picklable data (see the module docstring)."""
