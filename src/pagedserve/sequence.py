@@ -52,7 +52,8 @@ class Sequence(PromptThenOutput):
 
     NOTE: `token_ids` is prompt + output in one list (appended in place every step); the tokens
     still to be computed are `token_ids[num_computed_tokens:]`. After preemption by recomputation
-    `num_computed_tokens` drops to 0 and the whole list is prefilled again.
+    `num_computed_tokens` drops to 0 and the whole list is prefilled again. The workers' mirror
+    of it is kept by appending (`sent_tokens`, core/step_delta.py): only ever append to it.
 
     NOTE (step cost): `prompt_token_ids` is one list built once (do not mutate it), and
     `is_finished` a plain attribute kept by the `status` setter: both are read every step.
@@ -91,6 +92,8 @@ class Sequence(PromptThenOutput):
         # Speculative decoding: draft tokens proposed to follow `token_ids` (core/spec_decode.py);
         # valid only for the current tokens (the step update clears them).
         self.spec_token_ids: list[int] = []
+        # The tokens the workers' mirror holds (core/step_delta.py); -1: they do not know it.
+        self.sent_tokens = -1
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +161,8 @@ class SequenceGroup:
     priority: int = 0
     # Set by `Scheduler.add`: the order requests were queued in (ties of the queue keys).
     queue_no: int = 0
+    # The workers hold the request (its parameters travelled: core/step_delta.py).
+    sent: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -50,6 +50,16 @@ class BlockTable:
     # Per sliding-window group: its leading logical blocks given back (null entries); None
     # when the model has no sliding-window group.
     low: list[int] | None = None
+    # The workers' copy (core/step_delta.py): its leading entries that are still these, and its
+    # length. NOTE: every change of an entry below the end, or cut of the list, lowers `synced`
+    # to the first entry it changed (`changed_from`); appending changes neither.
+    synced: int = 0
+    sent_len: int = 0
+
+    def changed_from(self, index: int) -> None:
+        """Entries from `index` on no longer match the workers' copy."""
+        if index < self.synced:
+            self.synced = index
 
 
 @dataclass(frozen=True)
@@ -287,6 +297,7 @@ class KVCacheManager:
                 pool.decref(old)
                 blocks[-1] = new
                 copies.append((old, new))
+                table.changed_from(len(blocks) - 1)
             need = -(-num_tokens // bs) - len(blocks)
             for _ in range(need):
                 blocks.append(pool.allocate())
@@ -303,6 +314,7 @@ class KVCacheManager:
                     pool.decref(old)
                     blocks[base + c] = new
                     copies.append((old, new))
+                    table.changed_from(base + c)
         need = -(-num_tokens // bs) - len(blocks) // w
         for _ in range(need):
             for c in range(w):
@@ -336,6 +348,7 @@ class KVCacheManager:
                     if b != null:
                         pool.decref(b)
                         blocks[c] = null
+                        table.changed_from(c)
             low[gi] = lo
 
     def snapshot(self, seq_id: int) -> tuple | None:
@@ -357,7 +370,9 @@ class KVCacheManager:
         held then is held again.
 
         NOTE: only for undoing this step's `allocate_slots` of a group before the step runs;
-        the snapshot's blocks must not have been handed to another sequence in between.
+        the snapshot's blocks must not have been handed to another sequence in between. It
+        moves no mark of the workers' copy (`BlockTable.synced`): the entries it puts back were
+        marked when they were replaced, and the ones it removes were appended past `sent_len`.
         """
         pool = self.pool
         if snapshot is None:
@@ -401,6 +416,7 @@ class KVCacheManager:
         blocks = table.blocks
         self._release(blocks[keep:], self.pool, self.null)
         del blocks[keep:]
+        table.changed_from(keep)
         table.num_tokens = num_tokens
         del table.hashes[num_tokens // self.block_size:]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.step_delta import StepDelta
 from pagedserve.sequence import Sequence, SequenceGroup
 
 
@@ -128,6 +129,8 @@ class SchedulerOutput:
     freed_seq_ids: list[int] = field(default_factory=list)
     # Groups that could not grow even alone in the cache: finished with "length" this step.
     length_capped: list[SequenceGroup] = field(default_factory=list)
+    # What the workers' mirrors must change this step (core/step_delta.py), set by `schedule`.
+    delta: StepDelta | None = None
 
     @property
     def num_batched_tokens(self) -> int:

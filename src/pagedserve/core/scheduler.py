@@ -19,6 +19,10 @@ a parked sequence comes back, its prompt's full blocks shared with a resident si
 in the prefix cache), when the blocks for its tokens are free with one to spare per resident
 sibling, or at once when no sibling of it needs to compute.
 
+Each step's output carries its `StepDelta` (core/step_delta.py): what the workers' mirrors must
+change (new requests and sequences, new tokens, changed block-table entries, freed sequences and
+finished requests), read from the marks the core sets as it changes things, nothing compared.
+
 After the model ran, `update_from_output` applies the step: computed tokens, prefix-cache
 registration, forks, appended tokens, token-level stops (EOS, stop token ids, lengths), beam
 steps, finishes and frees. The engine plugs text-level work (detokenizing, stop strings, logprob
@@ -54,6 +58,7 @@ from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
     StepPlan,
 )
 from pagedserve.core.spec_decode import drop_lookahead
+from pagedserve.core.step_delta import StepDelta, take_delta
 from pagedserve.core.step_update import StepObserver, StepUpdate, apply_step
 from pagedserve.core.turns import Turns
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -87,6 +92,9 @@ class Scheduler(Turns):
         self._num_queued = 0
         self._finished_ids: list[str] = []
         self._freed_seq_ids: list[int] = []
+        # The next step's delta for the workers (core/step_delta.py): its freed sequences and
+        # finished requests gather here; `schedule` adds the rows' changes.
+        self._delta = StepDelta()
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_turns = 0
@@ -149,6 +157,8 @@ class Scheduler(Turns):
         for seq in group.seqs:
             self.kv.free(seq.seq_id)
         self._finished_ids.append(group.request_id)
+        if group.sent:  # the workers hold it
+            self._delta.finished_requests.append(group.request_id)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError unless the queues and the block tables agree: the KV manager's own
@@ -234,6 +244,8 @@ class Scheduler(Turns):
         self.kv.free(seq.seq_id)
         group.seqs.remove(seq)
         self._freed_seq_ids.append(seq.seq_id)
+        if seq.sent_tokens >= 0:  # the workers hold it
+            self._delta.freed_seqs.append(seq.seq_id)
 
     def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
         """Once the parent of a forking group has computed its prompt, give the other sequences
@@ -261,6 +273,7 @@ class Scheduler(Turns):
         out = SchedulerOutput(finished_request_ids=self._finished_ids,
                               freed_seq_ids=self._freed_seq_ids)
         self._finished_ids, self._freed_seq_ids = [], []
+        delta, self._delta = self._delta, StepDelta()
         step = StepPlan(self.config.max_num_batched_tokens)
 
         decoding, prefilling = [], []
@@ -344,7 +357,9 @@ class Scheduler(Turns):
             self._set_running(group)
             slots += group.max_width_left
             self._commit(plan, group, step, out)
-        return step.finish(out)
+        out = step.finish(out)
+        out.delta = take_delta(out.scheduled, self.kv, delta)
+        return out
 
     def _lora_blocked(self, group: SequenceGroup) -> bool:
         """Whether `group`'s adapter would be one more than `max_loras` distinct adapters among

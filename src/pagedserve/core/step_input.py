@@ -2,9 +2,10 @@
 
 `StepInput.from_schedule` turns the scheduler's `SchedulerOutput` (which refers to its own
 `SequenceGroup` / `Sequence` objects) into rows of token ids, positions, block tables and
-sampling specs; every executor hands this to its `Worker`s (in process, or encoded as a
-`worker.step_message.StepMessage` delta for worker processes and Ray actors), and the model
-runner reads nothing else.
+sampling specs, with the scheduler's `StepDelta` (what the workers' mirrors must change,
+core/step_delta.py); every executor packs the delta and the rows' spans into a
+`worker.step_message.StepMessage` for its `Worker`s (in process too), and the model runner reads
+nothing else.
 
 NOTE: for the in-process executor the token and block-table lists are the scheduler's own
 (no copies): the runner must only read them, and only during the step.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.core.step_delta import StepDelta
 from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import PromptThenOutput
@@ -100,6 +102,9 @@ class StepInput:
     # Structured outputs: the constrained sequences' token bitmasks (a
     # `structured_output.bitmask.GrammarBitmask`, plain data), set by the engine.
     grammar_bitmask: object | None = None
+    # What the workers' mirrors must change for this step (the scheduler's `StepDelta`, which
+    # the executors' `StepEncoder` packs); None for a step built by hand (not sent to workers).
+    delta: StepDelta | None = None
 
     @classmethod
     def from_schedule(cls, sched: "SchedulerOutput") -> "StepInput":
@@ -129,4 +134,4 @@ class StepInput:
                 s.wants_prompt_logprobs, samples, beam_width, group.needs_logprobs,
                 group.pooling, s.spec_token_ids, group.lora_request))
         return cls(rows, sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
-                   sched.finished_request_ids, sched.freed_seq_ids)
+                   sched.finished_request_ids, sched.freed_seq_ids, None, sched.delta)

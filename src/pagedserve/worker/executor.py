@@ -2,9 +2,9 @@
 
 The engine calls `executor.execute(StepInput) -> list[SeqStepOutput]` every step, whatever the
 backend (`EngineArgs.distributed_executor_backend`); every backend runs the same `Worker`, and
-every one speaks the same step protocol: the driver's `StepEncoder` turns the step into a
-`StepMessage` delta, the worker's `StepDecoder` applies it to its persistent per-request batch
-(`worker.step_message`):
+every one speaks the same step protocol: the driver's `StepEncoder` packs the scheduler's delta
+(`core.step_delta.StepDelta`) and the rows into a `StepMessage`, the worker's `StepDecoder`
+applies it to its persistent per-request batch (`worker.step_message`):
 
 - "uni" (`UniExecutor`): one `Worker` in this process, handed the message directly: no
   serialization, no process (tensor_parallel_size = 1).
@@ -36,8 +36,9 @@ class UniExecutor(Executor):
     """One `Worker` (rank 0 of 1) in this process; `execute` encodes the step as the other
     executors do (`StepEncoder`) and hands the message to the worker, unpickled.
 
-    NOTE: the encoder and the worker's decoder are reset together (`init_cache`, `free_cache`),
-    as the multi-process executors' are."""
+    NOTE: the worker's decoder is reset with the KV cache (`init_cache`, `free_cache`), as the
+    multi-process executors' are; the encoder holds no state (the scheduler's delta says what
+    the workers hold)."""
 
     def __init__(self, config: WorkerConfig, device: torch.device) -> None:
         super().__init__()
@@ -54,7 +55,6 @@ class UniExecutor(Executor):
 
     def init_cache(self, cache: CacheConfig) -> None:
         self.kv_cache = None
-        self.encoder.reset()
         self.worker.init_cache(cache)  # resets the worker's decoder
         self.kv_cache = self.worker.kv_cache
 
@@ -69,7 +69,6 @@ class UniExecutor(Executor):
 
     def free_cache(self) -> None:
         self.kv_cache = None
-        self.encoder.reset()
         self.worker.free_cache()
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:

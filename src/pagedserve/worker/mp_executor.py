@@ -145,14 +145,12 @@ class MultiprocExecutor(Executor):
 
     def init_cache(self, cache: CacheConfig) -> None:
         self._call("init_cache", cache)
-        self.encoder.reset()
 
     def profile_memory(self, prof):
         return self._call("profile_memory", prof)
 
     def free_cache(self) -> None:
         self._call("free_cache", None)
-        self.encoder.reset()
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         # NOTE: `method` crosses a pipe: a name, or a function importable by the workers.

@@ -237,7 +237,6 @@ class PipelineExecutor(Executor):
 
     def init_cache(self, cache: CacheConfig) -> None:
         self._get([actor.init_cache.remote(cache) for actor in self._actors])
-        self.encoder.reset()
 
     def execute(self, step: StepInput) -> list[SeqStepOutput]:
         super().check_health()

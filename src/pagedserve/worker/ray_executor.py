@@ -115,7 +115,6 @@ class RayExecutor(Executor):
     def init_cache(self, cache: CacheConfig) -> None:
         self.check_health()
         self._get([actor.init_cache.remote(cache) for actor in self._actors])
-        self.encoder.reset()
 
     def profile_memory(self, prof):
         self.check_health()

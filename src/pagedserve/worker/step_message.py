@@ -1,20 +1,25 @@
 """What travels from the driver to the tensor-parallel workers each step, and the mirrors that keep
 it small.
 
-The driver's `StepEncoder` turns a `StepInput` into a `StepMessage` holding only what changed
-since the previous step: requests and sequences the workers have not seen (sampling parameters
-travel once per request), the tokens each sequence gained (one per decode step), the entries of
-its block table that changed (a new block every `block_size` tokens, a copy-on-write target, a
-whole new table after swap-in or recomputation), the freed sequences and finished requests, and
-the step's swap / copy block lists. Each worker's `StepDecoder` applies it to its mirror (plain
-lists per sequence and request) and gives the same `StepInput` the driver encoded. Every executor
-speaks it, the in-process one too (`worker.executor.UniExecutor`).
+The scheduler emits the step's delta itself (`core.step_delta.StepDelta`, built from marks the
+core sets as it changes things, nothing compared): requests and sequences the workers have not
+seen (sampling parameters travel once per request), the tokens each scheduled sequence gained
+(one per decode step), the entries of its block table that changed (a new block every
+`block_size` tokens, a copy-on-write target, a whole new table after swap-in or recomputation),
+the freed sequences and finished requests. The driver's `StepEncoder` packs it, with each row's
+span and flags and the step's swap / copy block lists, into a `StepMessage`; each worker's
+`StepDecoder` applies it to its mirror (plain lists per sequence and request) and gives the same
+`StepInput` the driver encoded. Every executor speaks it, the in-process one too
+(`worker.executor.UniExecutor`).
 
 The mirror is the worker's persistent input batch: one `StepRow` per sequence, kept from step to
 step with its token list and block table (both updated in place by the deltas) and its sample
 specs; a step only moves each scheduled row's span and flags, nothing is rebuilt.
+`StepDecoder.mismatches` checks a mirror against the driver's rows (tests).
 
-NOTE: both mirrors must see every message, in order; `reset()` both when the KV cache is rebuilt.
+NOTE: the mirror must see every message, in order; it is reset with the KV cache, which happens
+only with no request in flight (core/step_delta.py: the core's marks assume the mirror lives as
+long as the sequences it holds).
 NOTE: a decoded step's rows are the mirror's own objects: the runner reads them during the step
 only (the next message changes them in place).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.core.step_delta import Delta, StepDelta
 from pagedserve.core.step_input import SampleSpec, StepInput, StepRow
 from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
@@ -30,9 +36,6 @@ from pagedserve.sampling_params import SamplingParams
 DO_SAMPLE = 1
 PROMPT_LOGPROBS = 2
 NEED_LOGPROB = 4
-
-# (seq_id, keep, appended): the list becomes `list[:keep] + appended`.
-Delta = tuple[int, int, list[int]]
 
 
 @dataclass
@@ -64,121 +67,38 @@ class StepMessage:
 
 
 class StepEncoder:
-    """The driver's side: remembers what the workers hold and encodes each step as a delta."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget everything (the workers' mirrors are reset at the same time)."""
-        self._seqs_of: dict[str, set[int]] = {}  # request id -> seq ids the workers hold
-        self._num_tokens: dict[int, int] = {}  # seq id -> tokens the workers hold
-        self._tables: dict[int, list[int]] = {}  # seq id -> block table as the workers hold it
+    """The driver's side: packs the scheduler's `StepDelta` and the rows' spans into a
+    `StepMessage`. It remembers nothing: the core's marks say what the workers hold
+    (core/step_delta.py)."""
 
     def encode(self, step: StepInput) -> StepMessage:
-        """The message for this step; updates the remembered worker state."""
+        """The message for this step. ValueError for a step without its scheduler's delta."""
+        delta = step.delta
+        if delta is None:
+            raise ValueError("step.delta is None: a step sent to workers must come from "
+                             "StepInput.from_schedule (the scheduler's StepDelta)")
+        rows: list = []
         msg = StepMessage(
-            blocks_to_swap_out=step.blocks_to_swap_out,
-            blocks_to_swap_in=step.blocks_to_swap_in,
-            blocks_to_copy=step.blocks_to_copy,
-            grammar_bitmask=step.grammar_bitmask,
-        )
-        for request_id in step.finished_request_ids:
-            held = self._seqs_of.pop(request_id, None)
-            if held is not None:
-                msg.finished_requests.append(request_id)
-                for seq_id in held:
-                    self._forget(seq_id)
-        for seq_id in step.freed_seq_ids:
-            if seq_id in self._num_tokens:
-                for held in self._seqs_of.values():
-                    held.discard(seq_id)
-                self._forget(seq_id)
-                msg.freed_seqs.append(seq_id)
-        # NOTE (step cost): one row per scheduled sequence every step; the common row (a known
-        # sequence that gained tokens, its table unchanged or grown by a block, its own one
-        # sample) is encoded inline, the rest through `_sync_tokens` / `_sync_table`.
-        seqs_of, num_tokens, tables = self._seqs_of, self._num_tokens, self._tables
-        deltas, rows = msg.tokens, msg.rows
+            delta.new_requests, delta.new_pooling, delta.new_loras, delta.new_seqs,
+            delta.tokens, delta.tables, rows, delta.freed_seqs, delta.finished_requests,
+            step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy,
+            step.grammar_bitmask)
+        # NOTE (step cost): one tuple per scheduled row every step, nothing compared.
+        append = rows.append
         for row in step.rows:
             seq_id = row.seq_id
-            held = seqs_of.get(row.request_id)
-            if held is None:
-                held = seqs_of[row.request_id] = set()
-                msg.new_requests.append((row.request_id, row.params, row.beam_width))
-                if row.pooling is not None:
-                    msg.new_pooling[row.request_id] = row.pooling
-                if row.lora_request is not None:
-                    msg.new_loras[row.request_id] = row.lora_request
-            token_ids = row.token_ids
-            sent = num_tokens.get(seq_id)
-            n = len(token_ids)
-            if sent is not None and n > sent:  # (_sync_tokens: the tokens it gained)
-                deltas.append((seq_id, sent, token_ids[sent:]))
-                num_tokens[seq_id] = n
-            elif sent is None or n != sent:
-                self._sync_tokens(seq_id, token_ids, row.num_prompt_tokens, 0, row.request_id,
-                                  held, msg)
             samples = row.samples
             if len(samples) == 1 and samples[0].seq_id == seq_id:
                 sampled = None  # (its own sequence alone: see StepMessage.rows)
             else:
-                for spec in samples:
-                    if spec.seq_id != seq_id:  # (the row's own sequence: just synced)
-                        self._sync_tokens(spec.seq_id, spec.token_ids, spec.num_prompt_tokens,
-                                          spec.index, row.request_id, held, msg)
                 sampled = [spec.seq_id for spec in samples]
-            table = row.block_table
-            old = tables.get(seq_id)
-            if old is None or old != table:
-                self._sync_table(seq_id, table, msg)
             flags = ((DO_SAMPLE if row.do_sample else 0)
                      | (PROMPT_LOGPROBS if row.prompt_logprobs else 0)
                      | (NEED_LOGPROB if row.need_logprob else 0))
-            rows.append((seq_id, row.start, row.end, flags, sampled))
+            append((seq_id, row.start, row.end, flags, sampled))
             if row.spec_token_ids:
                 msg.spec_tokens[seq_id] = row.spec_token_ids
         return msg
-
-    def _forget(self, seq_id: int) -> None:
-        self._num_tokens.pop(seq_id, None)
-        self._tables.pop(seq_id, None)
-
-    def _sync_tokens(self, seq_id: int, token_ids: list[int], num_prompt_tokens: int, index: int,
-                     request_id: str, held: set[int], msg: StepMessage) -> None:
-        sent = self._num_tokens.get(seq_id)
-        if sent is None:
-            msg.new_seqs.append((seq_id, request_id, num_prompt_tokens, index))
-            held.add(seq_id)
-            sent = 0
-        n = len(token_ids)
-        if n != sent:
-            # NOTE: a sequence's tokens only grow (`Sequence.token_ids` is append-only); a
-            # shorter list than the workers hold would be resent whole.
-            keep = sent if n > sent else 0
-            msg.tokens.append((seq_id, keep, token_ids[keep:]))
-            self._num_tokens[seq_id] = n
-
-    def _sync_table(self, seq_id: int, table: list[int], msg: StepMessage) -> None:
-        old = self._tables.get(seq_id)
-        if old is None:
-            msg.tables.append((seq_id, 0, list(table)))
-            self._tables[seq_id] = list(table)
-            return
-        if old == table:
-            return
-        keep = len(old) if table[: len(old)] == old else _common_prefix(old, table)
-        msg.tables.append((seq_id, keep, table[keep:]))
-        del old[keep:]
-        old.extend(table[keep:])
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -259,8 +179,33 @@ class StepDecoder:
                     specs.append(SampleSpec(q, other.index, other.token_ids, other.num_prompt_tokens))
                 row.samples = specs
             rows.append(row)
+        # (the delta as it came: a step decoded here can be sent on, e.g. by a test's loopback)
+        delta = StepDelta(msg.new_requests, msg.new_pooling, msg.new_loras, msg.new_seqs,
+                          msg.tokens, msg.tables, msg.freed_seqs, msg.finished_requests)
         return StepInput(rows, msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy,
-                         msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask)
+                         msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask, delta)
+
+    def mismatches(self, step: StepInput) -> list[str]:
+        """Debug check (tests): where this mirror, having decoded `step`'s message, differs from
+        the driver's rows of `step` (token lists, block tables, sampled sequences' tokens): []
+        when it holds exactly the scheduler's state for every scheduled sequence."""
+        found = []
+        for row in step.rows:
+            seq_id = row.seq_id
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                found.append(f"sequence {seq_id}: not in the mirror")
+                continue
+            if seq.token_ids != row.token_ids:
+                found.append(f"sequence {seq_id}: tokens {seq.token_ids} != {row.token_ids}")
+            table = self.tables.get(seq_id)
+            if table != row.block_table:
+                found.append(f"sequence {seq_id}: block table {table} != {row.block_table}")
+            for spec in row.samples:
+                other = self.seqs.get(spec.seq_id)
+                if other is None or other.token_ids != spec.token_ids:
+                    found.append(f"sequence {spec.seq_id} (sampled by {seq_id}): tokens differ")
+        return found
 
     def _new_row(self, seq_id: int) -> StepRow:
         """The sequence's row of the persistent batch: its mirror token list and block table."""
