@@ -9,7 +9,9 @@
 //
 // The DOT8 formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
 // dot products with the weight blocks as they are stored (AVX2 maddubs/madd, one fp32 FMA per
-// block), as llama.cpp computes them: qlinear_q8.h, compiled once, for AVX2.
+// block), as llama.cpp computes them: qlinear_q8.h, compiled once, for AVX2; on the AVX512-BF16
+// and AMX levels the same kernel on AVX512-VNNI (qlinear_q8_vnni.h: two blocks per vpdpbusd, the
+// same integer sums and fp32 operations, so the same bits).
 //
 // bf16 and INT8 weights: ISA levels, compiled side by side (qlinear_impl.h included once per level
 // under `#pragma GCC target`) and picked at run time from cpuid (capped by the caller, so each is
@@ -98,6 +100,7 @@ namespace isa_avx512 {
 namespace isa_avx512bf16 {
 #define PS_ISA 3
 #include "qlinear_impl.h"
+#include "qlinear_q8_vnni.h"
 #undef PS_ISA
 }  // namespace isa_avx512bf16
 #pragma GCC pop_options
@@ -199,6 +202,12 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   // bf16 levels, fp32 below) and multiplied with x as it is, by dot_block (batch-invariant at
   // every M), as bf16 / INT8 weights are: what the dequantized checkpoint computes.
   const bool x8 = gemm_rows >= 0;
+  if (dot8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows) && isa >= kIsaAvx512Bf16) {
+    // the same kernel on AVX512-VNNI, bit for bit (qlinear_q8_vnni.h)
+    const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx512bf16::q8v_offset);
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512bf16::q8v_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
+    return p;
+  }
   if (dot8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows)) {
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
     p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
