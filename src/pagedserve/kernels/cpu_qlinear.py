@@ -16,7 +16,7 @@ The formats are the rows of csrc/qformats.h (`FORMATS`, read from it).
   their block per value), as llama.cpp's does, also for float32 x.
   From `gemm_rows` rows of x on (bf16 x, outside the batch-invariant mode) a blocked GEMM takes
   over: 16 weight rows unpacked once, every row of x over them -- the 8-bit GEMMs on AVX2
-  (csrc/qlinear_q8_gemm.h) and AVX512-BF16 (csrc/qlinear_vnni.h; Q6_K there in bf16), AMX tiles.
+  (csrc/qlinear_q8_gemm.h) and AVX512-BF16 (csrc/qlinear_vnni.h, Q6_K's halves summed apart), AMX tiles.
 - bf16 and INT8 weights: 16 rows of W at a time are dequantized into a buffer in L1/L2 and every
   row of x is multiplied by them (AMX, AVX512-BF16, AVX512F or AVX2 FMA: `kernels.cpu_isa`).
 

@@ -23,8 +23,9 @@
 // From gemm_rows rows on (bf16 x), the DOT8 formats whose row names a GEMM take a blocked GEMM
 // instead: on AVX2 the 8-bit one (qlinear_q8_gemm.h: 16 weight rows unpacked once into
 // column-interleaved bytes, maddubs on the 8-bit x); on AVX512-BF16 the 8-bit one for the VNNI
-// rows (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for the others (Q6_K:
-// qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 on AVX512F.
+// rows (qlinear_vnni.h: vpdpbusd on the 8-bit x; every ggml format with a GEMM, Q6_K included),
+// the bf16 one (qlinear_bcast.h) for a row naming the Q8 GEMM; AMX tiles on level 4; dequantized
+// fp32 on AVX512F.
 // qlinear_argmax: the greedy LM head, the product scanned chunk by chunk (no logits in memory).
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
 // NOTEs in qlinear_impl.h and qlinear_q8.h). Registered as
