@@ -270,9 +270,9 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
 
 
 # The ggml formats whose GEMM is an 8-bit one: every ggml format on AVX2 (csrc/qlinear_q8_gemm.h),
-# all but Q6_K at the AVX512-BF16 level (csrc/qlinear_vnni.h): x quantized as the small-batch
-# kernel quantizes it, exact integer block sums.
-VNNI_FMTS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q4_z", "q8_f")
+# the table's VNNI rows at the AVX512-BF16 level (csrc/qlinear_vnni.h): x quantized as the
+# small-batch kernel quantizes it, exact integer block sums.
+VNNI_FMTS = tuple(name for name, f in FORMATS.items() if f.gemm == "VNNI")
 
 
 def _int8_gemm(fmt: str, isa: int) -> bool:

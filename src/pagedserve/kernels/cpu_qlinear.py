@@ -11,11 +11,12 @@ The formats are the rows of csrc/qformats.h (`FORMATS`, read from it).
   checkpoints' AWQ / GPTQ / compressed-tensors weights of `layers.hf_quant`), at every ISA level: as llama.cpp does,
   each row of x is quantized to 8-bit blocks of 32 (scale amax / 127, fp32) and multiplied with
   the weight blocks as stored, by AVX2 integer dot products, one fp32 FMA per block
-  (csrc/qlinear_q8.h). So the result carries the activations' rounding (at most half a step of
+  (csrc/qlinear_q8.h; on AVX512-BF16 / AMX CPUs the same operations with two blocks per VNNI
+  vpdpbusd, csrc/qlinear_q8_vnni.h: the same bits). So the result carries the activations' rounding (at most half a step of
   their block per value), as llama.cpp's does, also for float32 x.
   From `gemm_rows` rows of x on (bf16 x, outside the batch-invariant mode) a blocked GEMM takes
   over: 16 weight rows unpacked once, every row of x over them -- the 8-bit GEMMs on AVX2
-  (csrc/qlinear_q8_gemm.h) and AVX512-BF16 (csrc/qlinear_vnni.h; Q6_K there in bf16), AMX tiles.
+  (csrc/qlinear_q8_gemm.h) and AVX512-BF16 (csrc/qlinear_vnni.h, Q6_K's halves summed apart), AMX tiles.
 - bf16 and INT8 weights: 16 rows of W at a time are dequantized into a buffer in L1/L2 and every
   row of x is multiplied by them (AMX, AVX512-BF16, AVX512F or AVX2 FMA: `kernels.cpu_isa`).
 

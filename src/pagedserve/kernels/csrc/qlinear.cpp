@@ -9,7 +9,9 @@
 //
 // The DOT8 formats, at every ISA level: each row of x quantized to 8-bit blocks of 32, integer
 // dot products with the weight blocks as they are stored (AVX2 maddubs/madd, one fp32 FMA per
-// block), as llama.cpp computes them: qlinear_q8.h, compiled once, for AVX2.
+// block), as llama.cpp computes them: qlinear_q8.h, compiled once, for AVX2; on the AVX512-BF16
+// and AMX levels the same kernel on AVX512-VNNI (qlinear_q8_vnni.h: two blocks per vpdpbusd, the
+// same integer sums and fp32 operations, so the same bits).
 //
 // bf16 and INT8 weights: ISA levels, compiled side by side (qlinear_impl.h included once per level
 // under `#pragma GCC target`) and picked at run time from cpuid (capped by the caller, so each is
@@ -21,8 +23,9 @@
 // From gemm_rows rows on (bf16 x), the DOT8 formats whose row names a GEMM take a blocked GEMM
 // instead: on AVX2 the 8-bit one (qlinear_q8_gemm.h: 16 weight rows unpacked once into
 // column-interleaved bytes, maddubs on the 8-bit x); on AVX512-BF16 the 8-bit one for the VNNI
-// rows (qlinear_vnni.h: vpdpbusd on the 8-bit x), the bf16 one for the others (Q6_K:
-// qlinear_bcast.h); AMX tiles on level 4; dequantized fp32 on AVX512F.
+// rows (qlinear_vnni.h: vpdpbusd on the 8-bit x; every ggml format with a GEMM, Q6_K included),
+// the bf16 one (qlinear_bcast.h) for a row naming the Q8 GEMM; AMX tiles on level 4; dequantized
+// fp32 on AVX512F.
 // qlinear_argmax: the greedy LM head, the product scanned chunk by chunk (no logits in memory).
 // A level-3/4 call with fp32 x runs level 2. Within a level, results do not depend on M (see the
 // NOTEs in qlinear_impl.h and qlinear_q8.h). Registered as
@@ -98,6 +101,7 @@ namespace isa_avx512 {
 namespace isa_avx512bf16 {
 #define PS_ISA 3
 #include "qlinear_impl.h"
+#include "qlinear_q8_vnni.h"
 #undef PS_ISA
 }  // namespace isa_avx512bf16
 #pragma GCC pop_options
@@ -199,6 +203,12 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
   // bf16 levels, fp32 below) and multiplied with x as it is, by dot_block (batch-invariant at
   // every M), as bf16 / INT8 weights are: what the dequantized checkpoint computes.
   const bool x8 = gemm_rows >= 0;
+  if (dot8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows) && isa >= kIsaAvx512Bf16) {
+    // the same kernel on AVX512-VNNI, bit for bit (qlinear_q8_vnni.h)
+    const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx512bf16::q8v_offset);
+    p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512bf16::q8v_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };
+    return p;
+  }
   if (dot8_format(fmt) && x8 && (gemm_rows == 0 || M < gemm_rows)) {
     const isa_avx2::XQ* q = &quantized_x(sx, x, M, K, isa_avx2::q8_offset(fmt));
     p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx2::q8_range_fmt(fmt, *q, M, wp, rb, out, nb, ne); };

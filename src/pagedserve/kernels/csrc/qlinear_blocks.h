@@ -105,19 +105,6 @@ struct Q4_1 {
   }
 };
 
-// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
-inline void k4_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 8; ++j) {
-    if (j < 4) {
-      sc[j] = q[j] & 63;
-      mn[j] = q[j + 4] & 63;
-    } else {
-      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-  }
-}
-
 // Q4_K / Q5_K: value = d * sc[t] * q - dmin * mn[t] for the 8 blocks t of a super-block.
 struct KHead {
   float dsc[8];  // d * sc[t]
@@ -125,15 +112,18 @@ struct KHead {
 };
 
 inline KHead k4_head(const uint8_t* u) {
-  uint8_t sc[8], mn[8];
-  k4_scales(u + 4, sc, mn);
+  // The 8 (scale, min) pairs of 6 bits packed in 12 bytes (ggml's get_scale_min_k4: sc[j] = q[j] & 63,
+  // mn[j] = q[j + 4] & 63 for j < 4; sc[j] = (q[j + 4] & 15) | (q[j - 4] >> 6) << 4, mn[j] =
+  // (q[j + 4] >> 4) | (q[j] >> 6) << 4 above), four bytes at a time in 32-bit words
+  uint32_t q[3];
+  std::memcpy(q, u + 4, 12);
+  const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+  const uint64_t sc = uint64_t(q[0] & m6) | uint64_t((q[2] & m4) | (((q[0] >> 6) & m2) << 4)) << 32;
+  const uint64_t mn = uint64_t(q[1] & m6) | uint64_t(((q[2] >> 4) & m4) | (((q[1] >> 6) & m2) << 4)) << 32;
   KHead h;
-  const float d = h2f(u), dmin = h2f(u + 2);
-  for (int t = 0; t < 8; ++t) h.dsc[t] = d * float(sc[t]);
-  uint64_t m8;
-  std::memcpy(&m8, mn, 8);
-  h.mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(m8)))),
-                         _mm256_set1_ps(dmin));
+  const __m256 d = _mm256_set1_ps(h2f(u)), dmin = _mm256_set1_ps(h2f(u + 2));
+  _mm256_storeu_ps(h.dsc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc)))), d));
+  h.mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))), dmin);
   return h;
 }
 

@@ -1,7 +1,7 @@
 // Integer dot products of weight blocks (the DOT8 formats of qformats.h) with 8-bit activations
 // (AVX2), as llama.cpp computes its quantized products: included once by qlinear.cpp, inside
 // `namespace isa_avx2` after qlinear_impl.h (whose helpers and block routines, qlinear_blocks.h,
-// it uses), and run for the DOT8 formats at every ISA level.
+// it uses), and run for the DOT8 formats at every ISA level (qlinear_q8_vnni.h: its twin on VNNI).
 //
 //   y[m, n] = sum_b  dx[m, b] * dw[n, b] * (qx[m, b] . qw[n, b])   (- the K-quants' mins term)
 //
@@ -19,6 +19,8 @@
 // (`acc_sum`), + bias and one rounding, whatever the tile (MB rows x NB columns) it sits in; the
 // int32 block sums are exact. So a row's result does not depend on M or its neighbours. Keep it
 // so: every tile shape instantiates the one `q8_tile` template, and nothing depends on M.
+// NOTE: qlinear_q8_vnni.h performs these very operations on AVX512-VNNI CPUs (bit for bit, tested
+// against this body): a change to the order or the scales here is a change there too.
 
 #if PS_ISA != 1
 #error "qlinear_q8.h is the AVX2 build only"

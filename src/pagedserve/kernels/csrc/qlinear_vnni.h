@@ -13,8 +13,9 @@
 // of columns are unpacked once per call into unsigned bytes as the formats store them (Q4_0 /
 // Q5_0 / the K-quants: q; Q8_0: q + 128), broadcast four at a time; each block's integer sum
 // starts at -offset * sum(qx) (offset 8, 16, 0, 128), which cancels the stored offset exactly, so
-// it is exact; then one fp32 FMA per block and row (and one for the mins). Q6_K (a scale per 16
-// values) keeps the bf16 GEMM (qlinear_bcast.h).
+// it is exact; then one fp32 FMA per block and row (and one for the mins). Q6_K (an int8 scale per
+// 16 values: kMul16) sums each half of a block apart, from -128 * that half's sum(qx), and its
+// block's integer sum is sc0 * lo + sc1 * hi, exact in int32 too.
 //
 // NOTE: batch invariance. y[m, n] is one lane that walks the blocks of K in order, whatever M is
 // and wherever row m sits (a padding row is zeros and is never stored), so results do not
@@ -27,11 +28,11 @@
 #endif
 
 // x quantized and packed for the tiles: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16],
-// nsum [MBk][KB][16] = -sum(qx).
+// nsum [MBk][KB][16] = -sum(qx), nsum_lo the same over a block's first 16 values (Q6_K's halves).
 struct VnniX {
   std::vector<uint8_t> buf;
   std::vector<float> dx, sx;
-  std::vector<int32_t> nsum;
+  std::vector<int32_t> nsum, nsum_lo;
   const uint8_t* xq = nullptr;
 };
 
@@ -43,17 +44,20 @@ inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M
   out.dx.assign(size_t(MBk * KB * 16), 0.0f);
   out.sx.assign(size_t(MBk * KB * 16), 0.0f);
   out.nsum.assign(size_t(MBk * KB * 16), 0);
+  out.nsum_lo.assign(size_t(MBk * KB * 16), 0);
   at::parallel_for(0, MBk, 4, [&](int64_t g0, int64_t g1) {  // row groups of 16
     for (int64_t m = g0 * 16; m < std::min(M, g1 * 16); ++m) {
       const int64_t mb = m / 16, mi = m % 16;
       for (int64_t b = 0; b < KB; ++b) {
         uint8_t* dst = base + (mb * KB + b) * 512 + mi * 4;
         const int8_t* src = q + m * K + b * 32;
-        int32_t sum = 0;
+        int32_t sum = 0, lo = 0;
         for (int p = 0; p < 8; ++p) std::memcpy(dst + p * 64, src + 4 * p, 4);
         for (int i = 0; i < 32; ++i) sum += src[i];
+        for (int i = 0; i < 16; ++i) lo += src[i];
         const size_t at = size_t((mb * KB + b) * 16 + mi);
         out.nsum[at] = -sum;
+        out.nsum_lo[at] = -lo;
         out.dx[at] = d[m * KB + b];
         out.sx[at] = s[m * KB + b];
       }
@@ -70,9 +74,10 @@ constexpr int vnni_offset_shift() {
 }
 
 // One row of W (K values, format F) -> unsigned bytes wq [K] (see vnni_offset_shift) and, per
-// block of 32, its scale dw and min term mw (0 without mins).
+// block of 32, its scale dw and min term mw (0 without mins); Q6_K: sc [K / 32][2], the int8
+// scales of each block's halves.
 template <typename F>
-inline void vnni_weight_row(const uint8_t* row, int64_t K, uint8_t* wq, float* dw, float* mw) {
+inline void vnni_weight_row(const uint8_t* row, int64_t K, uint8_t* wq, float* dw, float* mw, int32_t* sc) {
   for (int64_t u = 0; u < K / F::kUnit; ++u) {
     const uint8_t* up = row + u * F::kBytes;
     const typename F::Head h = F::head(up);
@@ -81,11 +86,16 @@ inline void vnni_weight_row(const uint8_t* row, int64_t K, uint8_t* wq, float* d
     for (int t = 0; t < F::kBlocks; ++t) {
       const int64_t b = u * F::kBlocks + t;
       float d;
-      __m256i v = F::block(h, up, t, &d, nullptr);
+      __m256i mul = _mm256_setzero_si256();
+      __m256i v = F::block(h, up, t, &d, &mul);
       if constexpr (!F::kUnsigned) v = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // q + 128
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * 32), v);
       dw[b] = d;
       mw[b] = mins[t];
+      if constexpr (F::kMul16) {
+        sc[2 * b] = int16_t(_mm256_extract_epi16(mul, 0));
+        sc[2 * b + 1] = int16_t(_mm256_extract_epi16(mul, 8));
+      }
     }
   }
 }
@@ -96,7 +106,8 @@ struct VnniW {
   int64_t ldq;
   const float* dw;
   const float* mw;
-  int shift;  // vnni_offset_shift
+  const int32_t* sc;  // Q6_K: [columns][KB][2], the halves' int8 scales
+  int shift;          // vnni_offset_shift
 };
 
 // A block's integer sums start at -offset * sum(qx) (zero without an offset).
@@ -104,11 +115,52 @@ inline __m512i vnni_start(const int32_t* nsum, int shift) {
   return shift < 0 ? _mm512_setzero_si512() : _mm512_sll_epi32(_mm512_loadu_si512(nsum), _mm_cvtsi32_si128(shift));
 }
 
+// A block's integer sums over 16 rows of x: s[j] for the NB columns of w (wcol(j, p): the 4 bytes
+// of quad p of the column's block), xv the block's 8 quads of 16 rows. kMul16 (Q6_K): each half
+// (quads 0-3, 4-7) from its own start, then sc0 * lo + sc1 * hi (sc[j]: the column's scale pair).
+template <bool kMul16, int NB, class W>
+__attribute__((always_inline)) inline void vnni_sums(const __m512i* xv, const int32_t* nsb, const int32_t* nlb,
+                                                     int shift, W wcol, const int32_t* const* sc, __m512i* s) {
+  if constexpr (!kMul16) {
+    const __m512i z = vnni_start(nsb, shift);
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) s[j] = z;
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512i x = _mm512_load_si512(xv + p);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) s[j] = _mm512_dpbusd_epi32(s[j], _mm512_set1_epi32(wcol(j, p)), x);
+    }
+  } else {
+    const __m512i nl = _mm512_loadu_si512(nlb);
+    const __m512i zl = _mm512_sll_epi32(nl, _mm_cvtsi32_si128(shift));
+    const __m512i zh = _mm512_sll_epi32(_mm512_sub_epi32(_mm512_loadu_si512(nsb), nl), _mm_cvtsi32_si128(shift));
+    __m512i lo[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) lo[j] = zl, s[j] = zh;
+#pragma GCC unroll 8
+    for (int p = 0; p < 8; ++p) {
+      const __m512i x = _mm512_load_si512(xv + p);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const __m512i wb = _mm512_set1_epi32(wcol(j, p));
+        if (p < 4) lo[j] = _mm512_dpbusd_epi32(lo[j], wb, x);
+        else s[j] = _mm512_dpbusd_epi32(s[j], wb, x);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      s[j] = _mm512_add_epi32(_mm512_mullo_epi32(lo[j], _mm512_set1_epi32(sc[j][0])),
+                              _mm512_mullo_epi32(s[j], _mm512_set1_epi32(sc[j][1])));
+  }
+}
+
+
 // 16 rows of x (one packed group: xb, dxb, sxb) times 8 weight columns from column c of w:
 // r[j] = column c + j over the 16 rows.
-template <bool kMins>
-inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, const int32_t* nsb, int64_t KB,
-                       const VnniW& w, int64_t c, __m512* r) {
+template <bool kMins, bool kMul16>
+inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, const int32_t* nsb,
+                       const int32_t* nlb, int64_t KB, const VnniW& w, int64_t c, __m512* r) {
   const uint8_t* wq = w.wq + c * w.ldq;
   const int64_t ldq = w.ldq;
   const float* dw = w.dw + c * KB;
@@ -119,19 +171,15 @@ inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, co
   for (int64_t b = 0; b < KB; ++b) {
     const __m512i* xv = reinterpret_cast<const __m512i*>(xb + b * 512);
     __m512i s[8];
-    const __m512i s0 = vnni_start(nsb + b * 16, w.shift);
+    const int32_t* sc[8];
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) s[j] = s0;
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) {
-      const __m512i x = _mm512_load_si512(xv + p);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        int32_t wv;
-        std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
-        s[j] = _mm512_dpbusd_epi32(s[j], _mm512_set1_epi32(wv), x);
-      }
-    }
+    for (int j = 0; j < 8; ++j) sc[j] = kMul16 ? w.sc + ((c + j) * KB + b) * 2 : nullptr;
+    const auto wcol = [&](int j, int p) {
+      int32_t wv;
+      std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
+      return wv;
+    };
+    vnni_sums<kMul16, 8>(xv, nsb + b * 16, nlb + b * 16, w.shift, wcol, sc, s);
     const __m512 d = _mm512_loadu_ps(dxb + b * 16);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
@@ -149,10 +197,11 @@ inline void vnni_tile8(const uint8_t* xb, const float* dxb, const float* sxb, co
 // Two groups of 16 rows (xb0 / xb1, 32 rows) times 4 weight columns from column c: r0[j], r1[j]
 // = column c + j over each group's rows. The same per-lane steps as vnni_tile8 (so the same
 // bits), with half the weight broadcasts per product.
-template <bool kMins>
+template <bool kMins, bool kMul16>
 inline void vnni_tile2x4(const uint8_t* xb0, const uint8_t* xb1, const float* dx0, const float* dx1,
                          const float* sx0, const float* sx1, const int32_t* ns0, const int32_t* ns1,
-                         int64_t KB, const VnniW& w, int64_t c, __m512* r0, __m512* r1) {
+                         const int32_t* nl0, const int32_t* nl1, int64_t KB, const VnniW& w, int64_t c,
+                         __m512* r0, __m512* r1) {
   const uint8_t* wq = w.wq + c * w.ldq;
   const int64_t ldq = w.ldq;
   const float* dw = w.dw + c * KB;
@@ -164,20 +213,33 @@ inline void vnni_tile2x4(const uint8_t* xb0, const uint8_t* xb1, const float* dx
     const __m512i* xv0 = reinterpret_cast<const __m512i*>(xb0 + b * 512);
     const __m512i* xv1 = reinterpret_cast<const __m512i*>(xb1 + b * 512);
     __m512i s0[4], s1[4];
-    const __m512i z0 = vnni_start(ns0 + b * 16, w.shift), z1 = vnni_start(ns1 + b * 16, w.shift);
+    if constexpr (!kMul16) {
+      const __m512i z0 = vnni_start(ns0 + b * 16, w.shift), z1 = vnni_start(ns1 + b * 16, w.shift);
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) s0[j] = z0, s1[j] = z1;
+      for (int j = 0; j < 4; ++j) s0[j] = z0, s1[j] = z1;
 #pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) {
-      const __m512i x0 = _mm512_load_si512(xv0 + p), x1 = _mm512_load_si512(xv1 + p);
+      for (int p = 0; p < 8; ++p) {
+        const __m512i x0 = _mm512_load_si512(xv0 + p), x1 = _mm512_load_si512(xv1 + p);
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < 4; ++j) {
+          int32_t wv;
+          std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
+          const __m512i wb = _mm512_set1_epi32(wv);
+          s0[j] = _mm512_dpbusd_epi32(s0[j], wb, x0);
+          s1[j] = _mm512_dpbusd_epi32(s1[j], wb, x1);
+        }
+      }
+    } else {  // Q6_K: one row group after the other (its halves take twice the registers)
+      const int32_t* sc[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) sc[j] = w.sc + ((c + j) * KB + b) * 2;
+      const auto wcol = [&](int j, int p) {
         int32_t wv;
         std::memcpy(&wv, wq + j * ldq + b * 32 + 4 * p, 4);
-        const __m512i wb = _mm512_set1_epi32(wv);
-        s0[j] = _mm512_dpbusd_epi32(s0[j], wb, x0);
-        s1[j] = _mm512_dpbusd_epi32(s1[j], wb, x1);
-      }
+        return wv;
+      };
+      vnni_sums<true, 4>(xv0, ns0 + b * 16, nl0 + b * 16, w.shift, wcol, sc, s0);
+      vnni_sums<true, 4>(xv1, ns1 + b * 16, nl1 + b * 16, w.shift, wcol, sc, s1);
     }
     const __m512 d0 = _mm512_loadu_ps(dx0 + b * 16), d1 = _mm512_loadu_ps(dx1 + b * 16);
 #pragma GCC unroll 4
@@ -212,21 +274,24 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
   std::vector<uint8_t> buf(size_t(kCols * ldq + 64));
   uint8_t* wq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   std::vector<float> dw(size_t(kCols * KB)), mw(size_t(kCols * KB));
-  const VnniW wv{wq, ldq, dw.data(), mw.data(), vnni_offset_shift<F>()};
-  constexpr bool mins = F::kMins;
+  std::vector<int32_t> sc(F::kMul16 ? size_t(kCols * KB * 2) : 0);
+  const VnniW wv{wq, ldq, dw.data(), mw.data(), sc.data(), vnni_offset_shift<F>()};
+  constexpr bool mins = F::kMins, mul16 = F::kMul16;
   Stage st(out, M, nb);
   for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
     const int64_t g1 = std::min(ne, g0 + kCols);
     if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
     for (int64_t n = g0; n < g1; ++n) {
       const int64_t c = n - g0;
-      vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB);
+      vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB,
+                         mul16 ? sc.data() + c * KB * 2 : nullptr);
     }
     const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
     if (filled < padded) {  // missing columns: zeros (never stored)
       std::memset(wq + filled * ldq, 0, size_t((padded - filled) * ldq));
       std::fill(dw.begin() + filled * KB, dw.begin() + padded * KB, 0.0f);
       std::fill(mw.begin() + filled * KB, mw.begin() + padded * KB, 0.0f);
+      if (mul16) std::fill(sc.begin() + filled * KB * 2, sc.begin() + padded * KB * 2, 0);
     }
     for (int64_t s0 = 0; s0 < MBk; s0 += kSlab)
       for (int64_t n0 = g0; n0 < g1; n0 += 16) {
@@ -239,14 +304,10 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
           const float* dx0 = vx.dx.data() + mb * KB * 16;
           const float* sx0 = vx.sx.data() + mb * KB * 16;
           const int32_t* ns0 = vx.nsum.data() + mb * KB * 16;
-          for (int64_t q = 0; q < 16; q += 4) {
-            if (mins)
-              vnni_tile2x4<true>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, ns0, ns0 + KB * 16,
-                                 KB, wv, c + q, acc0 + q, acc1 + q);
-            else
-              vnni_tile2x4<false>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, ns0, ns0 + KB * 16,
-                                  KB, wv, c + q, acc0 + q, acc1 + q);
-          }
+          const int32_t* nl0 = vx.nsum_lo.data() + mb * KB * 16;
+          for (int64_t q = 0; q < 16; q += 4)
+            vnni_tile2x4<mins, mul16>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, ns0,
+                                      ns0 + KB * 16, nl0, nl0 + KB * 16, KB, wv, c + q, acc0 + q, acc1 + q);
           bcast_store(st.out, M, mb, acc0, n0, std::min<int64_t>(16, g1 - n0));
           bcast_store(st.out, M, mb + 1, acc1, n0, std::min<int64_t>(16, g1 - n0));
         }
@@ -256,13 +317,9 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
           const float* dxb = vx.dx.data() + mb * KB * 16;
           const float* sxb = vx.sx.data() + mb * KB * 16;
           const int32_t* nsb = vx.nsum.data() + mb * KB * 16;
-          if (mins) {
-            vnni_tile8<true>(xb, dxb, sxb, nsb, KB, wv, c, acc);
-            vnni_tile8<true>(xb, dxb, sxb, nsb, KB, wv, c + 8, acc + 8);
-          } else {
-            vnni_tile8<false>(xb, dxb, sxb, nsb, KB, wv, c, acc);
-            vnni_tile8<false>(xb, dxb, sxb, nsb, KB, wv, c + 8, acc + 8);
-          }
+          const int32_t* nlb = vx.nsum_lo.data() + mb * KB * 16;
+          vnni_tile8<mins, mul16>(xb, dxb, sxb, nsb, nlb, KB, wv, c, acc);
+          vnni_tile8<mins, mul16>(xb, dxb, sxb, nsb, nlb, KB, wv, c + 8, acc + 8);
           bcast_store(st.out, M, mb, acc, n0, std::min<int64_t>(16, g1 - n0));
         }
       }
@@ -275,6 +332,6 @@ inline void vnni_range(int64_t fmt, const VnniX& vx, int64_t M, int64_t K, const
                        int64_t row_bytes, const Out& out, int64_t nb, int64_t ne) {
   ::isa_avx2::visit_dot8(fmt, [&](auto f) {
     using F = typename decltype(f)::type;
-    if constexpr (!F::kMul16) vnni_range<F>(vx, M, K, w, row_bytes, out, nb, ne);  // Q6_K: never VNNI
+    vnni_range<F>(vx, M, K, w, row_bytes, out, nb, ne);
   });
 }
