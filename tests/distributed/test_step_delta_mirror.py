@@ -33,13 +33,13 @@ class MirrorCheck:
     def execute(self, step):
         msg = self.encoder.encode(step)
         known = set(self.decoder.tables)
-        for seq_id, keep, new in msg.tables:
+        for seq_id, keep, new in msg.delta.tables:
             held = len(self.decoder.tables.get(seq_id, ()))
             kind = "whole" if keep == 0 and seq_id in known else \
                 "append" if keep == held else "replace"
             self.kinds[kind] += 1
-        self.kinds["tokens"] += len(msg.tokens)
-        self.kinds["freed"] += len(msg.freed_seqs)
+        self.kinds["tokens"] += len(msg.delta.tokens)
+        self.kinds["freed"] += len(msg.delta.freed_seqs)
         decoded = self.decoder.decode(pickle.loads(pickle.dumps(msg)))
         assert self.decoder.mismatches(step) == [], self.steps
         assert decoded.rows == step.rows

@@ -107,16 +107,16 @@ def test_decode_steps_send_a_few_bytes_per_sequence_and_tables_only_when_they_ch
     while engine.has_unfinished_requests():
         engine.step()
     prefill, decodes = messages[0], messages[1:]
-    assert len(prefill.new_requests) == 16 and sum(len(t) for _, _, t in prefill.tokens) == 16 * 30
+    assert len(prefill.delta.new_requests) == 16 and sum(len(t) for _, _, t in prefill.delta.tokens) == 16 * 30
     for msg in decodes:
-        assert not msg.new_requests and not msg.new_seqs
-        assert [len(t) for _, _, t in msg.tokens] == [1] * len(msg.rows)  # just the new token
+        assert not msg.delta.new_requests and not msg.delta.new_seqs
+        assert [len(t) for _, _, t in msg.delta.tokens] == [1] * len(msg.rows)  # just the new token
         # Blocks of 4 tokens: positions 32 and 36 open the 9th and the 10th block; the table
         # delta is that one block, appended.
         start = msg.rows[0][1]
-        assert [(keep, len(new)) for _, keep, new in msg.tables] == \
+        assert [(keep, len(new)) for _, keep, new in msg.delta.tables] == \
             ([(start // 4, 1)] * 16 if start % 4 == 0 else [])
-    assert sum(1 for m in decodes if m.tables) == 2
+    assert sum(1 for m in decodes if m.delta.tables) == 2
     per_seq = [size / n for n, size in executor.sizes[1:]]
     assert max(per_seq) < 64, per_seq  # bytes per decoding sequence, pickled (~40 measured)
 

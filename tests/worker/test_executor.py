@@ -27,8 +27,8 @@ def test_uni_executor_steps_through_the_delta_into_a_persistent_batch(checkpoint
     assert all(decoder.rows[seq_id] is row for seq_id, row in rows.items())
     assert all(row.end - row.start == 1 for row in rows.values())
     # a decode step sends one token a sequence and no table unless a block was added
-    assert all(len(new) == 1 for _, _, new in messages[-1].tokens)
-    assert messages[-1].new_requests == [] and messages[-1].new_seqs == []
+    assert all(len(new) == 1 for _, _, new in messages[-1].delta.tokens)
+    assert messages[-1].delta.new_requests == [] and messages[-1].delta.new_seqs == []
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]

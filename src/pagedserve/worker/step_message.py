@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.core.step_delta import Delta, StepDelta
+from pagedserve.core.step_delta import StepDelta
 from pagedserve.core.step_input import SampleSpec, StepInput, StepRow
 from pagedserve.pooling_params import PoolingSpec
 from pagedserve.sampling_params import SamplingParams
@@ -42,21 +42,11 @@ NEED_LOGPROB = 4
 class StepMessage:
     """One step's input for every worker, as plain picklable data (see the module docstring)."""
 
-    # (request id, sampling parameters, beam width or 0)
-    new_requests: list[tuple[str, SamplingParams, int]] = field(default_factory=list)
-    # The pooling of the new requests that pool (runner="pooling"), by request id
-    new_pooling: dict[str, PoolingSpec] = field(default_factory=dict)
-    # The adapter (`lora.request.LoRARequest`) of the new requests that have one, by request id
-    new_loras: dict[str, object] = field(default_factory=dict)
-    # (seq id, request id, prompt length, sample index)
-    new_seqs: list[tuple[int, str, int, int]] = field(default_factory=list)
-    tokens: list[Delta] = field(default_factory=list)
-    tables: list[Delta] = field(default_factory=list)
+    # The scheduler's changes to the workers' mirrors, as it made them (core/step_delta.py)
+    delta: StepDelta = field(default_factory=StepDelta)
     # One per row, in batch order: (seq_id, start, end, flags, seq ids sampled at its end; None
     # for the row's own sequence alone).
     rows: list[tuple[int, int, int, int, list[int] | None]] = field(default_factory=list)
-    freed_seqs: list[int] = field(default_factory=list)
-    finished_requests: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -78,11 +68,8 @@ class StepEncoder:
             raise ValueError("step.delta is None: a step sent to workers must come from "
                              "StepInput.from_schedule (the scheduler's StepDelta)")
         rows: list = []
-        msg = StepMessage(
-            delta.new_requests, delta.new_pooling, delta.new_loras, delta.new_seqs,
-            delta.tokens, delta.tables, rows, delta.freed_seqs, delta.finished_requests,
-            step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy,
-            step.grammar_bitmask)
+        msg = StepMessage(delta, rows, step.blocks_to_swap_out, step.blocks_to_swap_in,
+                          step.blocks_to_copy, step.grammar_bitmask)
         # NOTE (step cost): one tuple per scheduled row every step, nothing compared.
         append = rows.append
         for row in step.rows:
@@ -129,33 +116,34 @@ class StepDecoder:
 
     def decode(self, msg: StepMessage) -> StepInput:
         """Apply `msg` to the mirror; return the step as the runner reads it."""
-        for request_id in msg.finished_requests:
+        delta = msg.delta
+        for request_id in delta.finished_requests:
             self.requests.pop(request_id, None)
             self.pooling.pop(request_id, None)
             self.loras.pop(request_id, None)
             for seq_id in self._seqs_of.pop(request_id, ()):
                 self._drop(seq_id)
-        for seq_id in msg.freed_seqs:
+        for seq_id in delta.freed_seqs:
             seq = self.seqs.get(seq_id)
             if seq is not None:
                 self._seqs_of[seq.request_id].discard(seq_id)
                 self._drop(seq_id)
-        for request_id, params, beam_width in msg.new_requests:
+        for request_id, params, beam_width in delta.new_requests:
             self.requests[request_id] = (params, beam_width)
             self._seqs_of[request_id] = set()
-        self.pooling.update(msg.new_pooling)
-        self.loras.update(msg.new_loras)
-        for seq_id, request_id, num_prompt_tokens, index in msg.new_seqs:
+        self.pooling.update(delta.new_pooling)
+        self.loras.update(delta.new_loras)
+        for seq_id, request_id, num_prompt_tokens, index in delta.new_seqs:
             self.seqs[seq_id] = _MirrorSeq(request_id, num_prompt_tokens, index)
             self._seqs_of[request_id].add(seq_id)
         seqs = self.seqs
-        for seq_id, keep, appended in msg.tokens:
+        for seq_id, keep, appended in delta.tokens:
             target = seqs[seq_id].token_ids
             if keep == len(target):  # (_apply: the common delta, tokens appended)
                 target += appended
             else:
                 _apply(target, keep, appended)
-        for seq_id, keep, appended in msg.tables:
+        for seq_id, keep, appended in delta.tables:
             _apply(self.tables.setdefault(seq_id, []), keep, appended)
         rows = []
         mirror_rows, spec_tokens = self.rows, msg.spec_tokens
@@ -180,10 +168,8 @@ class StepDecoder:
                 row.samples = specs
             rows.append(row)
         # (the delta as it came: a step decoded here can be sent on, e.g. by a test's loopback)
-        delta = StepDelta(msg.new_requests, msg.new_pooling, msg.new_loras, msg.new_seqs,
-                          msg.tokens, msg.tables, msg.freed_seqs, msg.finished_requests)
         return StepInput(rows, msg.blocks_to_swap_out, msg.blocks_to_swap_in, msg.blocks_to_copy,
-                         msg.finished_requests, msg.freed_seqs, msg.grammar_bitmask, delta)
+                         delta.finished_requests, delta.freed_seqs, msg.grammar_bitmask, delta)
 
     def mismatches(self, step: StepInput) -> list[str]:
         """Debug check (tests): where this mirror, having decoded `step`'s message, differs from
