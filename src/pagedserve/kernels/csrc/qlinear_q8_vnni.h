@@ -35,16 +35,14 @@ constexpr int q8v_shift() {
   return !F::kUnsigned ? 7 : F::kOffset == 8 ? 3 : F::kOffset == 16 ? 4 : -1;
 }
 
-// Block t of unit u as the unsigned bytes vpdpbusd takes, its scale dw and (Q6_K) the int32
-// multipliers of its 8 lanes.
+// Block t of unit u as the unsigned bytes vpdpbusd takes, and its scale dw. (Q6_K, the one
+// format with int16 multipliers, has its own unpacking: Unit<Q6_K> below.)
 template <class F>
 __attribute__((always_inline)) inline __m256i q8v_block(const typename F::Head& h, const uint8_t* u, int t,
-                                                        float* dw, __m256i* mul32) {
-  __m256i mul16;
-  __m256i v = F::block(h, u, t, dw, &mul16);
+                                                        float* dw) {
+  static_assert(!F::kMul16, "Q6_K is unpacked by Unit<Q6_K>");
+  __m256i v = F::block(h, u, t, dw, nullptr);
   if constexpr (!F::kUnsigned) v = _mm256_xor_si256(v, _mm256_set1_epi8(char(0x80)));  // q + 128
-  // the int16 pairs (m, m) -> int32 lanes m: what madd(p16, mul16) multiplies each lane's sum by
-  if constexpr (F::kMul16) *mul32 = _mm256_srai_epi32(mul16, 16);
   return v;
 }
 
@@ -63,17 +61,11 @@ template <class F>
 struct Unit {
   static constexpr int kShift = q8v_shift<F>();
   struct Prep {};
-  static __m256 dsc(const typename F::Head& h, const uint8_t* u) {
-    if constexpr (F::kMul16) return _mm256_set1_ps(h.d);
-    else return _mm256_loadu_ps(h.dsc);
-  }
+  static __m256 dsc(const typename F::Head& h, const uint8_t*) { return _mm256_loadu_ps(h.dsc); }
   static Prep prep(const typename F::Head&, const uint8_t*) { return {}; }
-  static __m512i pair(const typename F::Head& h, const Prep&, const uint8_t* u, int t, __m512i* mul) {
+  static __m512i pair(const typename F::Head& h, const Prep&, const uint8_t* u, int t, __m512i*) {
     float dw;
-    __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
-    const __m256i v0 = q8v_block<F>(h, u, t, &dw, &m0), v1 = q8v_block<F>(h, u, t + 1, &dw, &m1);
-    if constexpr (F::kMul16) *mul = q8v_join(m0, m1);
-    return q8v_join(v0, v1);
+    return q8v_join(q8v_block<F>(h, u, t, &dw), q8v_block<F>(h, u, t + 1, &dw));
   }
 };
 
@@ -143,14 +135,13 @@ __attribute__((always_inline)) inline __m256 q8v_pair(const ::isa_avx2::XQ& x, i
 // One block b alone (the last of an odd count): as the AVX2 body, on 256-bit vpdpbusd.
 template <class F>
 __attribute__((always_inline)) inline __m256 q8v_single(const ::isa_avx2::XQ& x, int64_t m, int64_t b,
-                                                        __m256i v, __m256i mul, __m256 s, __m256 acc) {
+                                                        __m256i v, __m256 s, __m256 acc) {
   const int64_t nbx = x.K / 32;
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * x.K + b * 32));
   __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v, xv);
   constexpr int sh = q8v_shift<F>();
   if constexpr (sh >= 0)
     p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.o + (m * nbx + b) * 8)), sh));
-  if constexpr (F::kMul16) p = _mm256_mullo_epi32(p, mul);
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc);
 }
 
@@ -219,7 +210,8 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
     static_assert(F::kBlocks == 1, "a unit is one block or a K-quant super-block");
     int64_t b = 0;
     for (; b + 2 <= nbx; b += 2) {
-      __m512i v[NB], mul[NB];
+      __m512i v[NB];
+      const __m512i no_mul = _mm512_setzero_si512();
       float dw0[NB], dw1[NB];
       typename F::Head h1[NB];
 #pragma GCC unroll 4
@@ -229,7 +221,6 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         if (2 * F::kBytes > 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchRows * rb + 64), _MM_HINT_T0);
         const typename F::Head h0 = F::head(wb);
         h1[j] = F::head(wb + F::kBytes);
-        __m256i m0v = _mm256_setzero_si256(), m1v = _mm256_setzero_si256();
         if constexpr (F::kMins) {
 #pragma GCC unroll 4
           for (int i = 0; i < MB; ++i) {
@@ -237,10 +228,7 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
             acc[i * NB + j] = _mm256_fnmadd_ps(h0.mins, _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), acc[i * NB + j]);
           }
         }
-        const __m256i v0 = q8v_block<F>(h0, wb, 0, &dw0[j], &m0v);
-        const __m256i v1 = q8v_block<F>(h1[j], wb + F::kBytes, 0, &dw1[j], &m1v);
-        v[j] = q8v_join(v0, v1);
-        if constexpr (F::kMul16) mul[j] = q8v_join(m0v, m1v);
+        v[j] = q8v_join(q8v_block<F>(h0, wb, 0, &dw0[j]), q8v_block<F>(h1[j], wb + F::kBytes, 0, &dw1[j]));
       }
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i)
@@ -248,7 +236,7 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         for (int j = 0; j < NB; ++j) {
           __m256 mins1 = no_mins;
           if constexpr (F::kMins) mins1 = h1[j].mins;
-          acc[i * NB + j] = q8v_pair<F>(x, m0 + i, b, v[j], mul[j], q8v_scale(x, m0 + i, b, dw0[j]),
+          acc[i * NB + j] = q8v_pair<F>(x, m0 + i, b, v[j], no_mul, q8v_scale(x, m0 + i, b, dw0[j]),
                                         q8v_scale(x, m0 + i, b + 1, dw1[j]), acc[i * NB + j], F::kMins, mins1);
         }
     }
@@ -258,15 +246,14 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         const uint8_t* wb = w + j * rb + b * F::kBytes;
         const typename F::Head h0 = F::head(wb);
         float dw;
-        __m256i mv = _mm256_setzero_si256();
-        const __m256i v0 = q8v_block<F>(h0, wb, 0, &dw, &mv);
+        const __m256i v0 = q8v_block<F>(h0, wb, 0, &dw);
 #pragma GCC unroll 4
         for (int i = 0; i < MB; ++i) {
           if constexpr (F::kMins) {
             const float* sp = x.s + (m0 + i) * nbx + b;
             acc[i * NB + j] = _mm256_fnmadd_ps(h0.mins, _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), acc[i * NB + j]);
           }
-          acc[i * NB + j] = q8v_single<F>(x, m0 + i, b, v0, mv, q8v_scale(x, m0 + i, b, dw), acc[i * NB + j]);
+          acc[i * NB + j] = q8v_single<F>(x, m0 + i, b, v0, q8v_scale(x, m0 + i, b, dw), acc[i * NB + j]);
         }
       }
     }
