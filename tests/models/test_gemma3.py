@@ -6,6 +6,9 @@ import torch
 import transformers
 from utils import PagedRunner
 
+import pagedserve.platforms.cpu as cpu_platform
+from pagedserve.kernels.cpu_gemm import kernel_available, linear_isa
+from pagedserve.kernels.cpu_isa import ISA_LEVELS
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
 VOCAB = 512
@@ -132,7 +135,7 @@ def test_embedded_gemma3_270m_matches_hf(paged_runner, embedded_gguf_path, embed
         torch.testing.assert_close(out[0], ref_long[len(rows) + i - prefill], atol=2e-3, rtol=0)
 
 
-def test_gemma3_bfloat16_with_fused_cpu_kernels_tracks_hf_bfloat16(hf_pair, check_hf, prompts):
+def test_gemma3_bfloat16_with_fused_cpu_kernels_tracks_hf_bfloat16(hf_pair, check_hf, prompts, monkeypatch):
     """bf16 on CPU runs the fused kernels (q/k norm + RoPE, RMSNorm, decode attention, GEMV where
     the CPU has them); HF bf16 runs the eager ops. Same roundings, so logits agree to bf16 noise
     through prefill, chunked prefill and decode steps."""
@@ -140,11 +143,25 @@ def test_gemma3_bfloat16_with_fused_cpu_kernels_tracks_hf_bfloat16(hf_pair, chec
                                dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     ps = prompts(VOCAB, lengths=(13, 5, 10))
-    # Prefill: the same roundings as HF's eager ops (bit-identical on the CPU we tried; an extra
-    # rounding in the q/k norm alone moves logits by ~0.09).
-    for i, (out, p) in enumerate(zip(PagedRunner(model).step(list(enumerate(ps))), ps)):
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([p])).logits[0].float()
-        assert (out - ref).abs().max() < 0.02, f"prompt {i}"
+    with torch.no_grad():
+        refs = [hf(input_ids=torch.tensor([p])).logits[0].float() for p in ps]
+
+    def prefill_error():
+        outs = PagedRunner(model).step(list(enumerate(ps)))
+        return max(float((out - ref).abs().max()) for out, ref in zip(outs, refs))
+
+    # Prefill: the same roundings as HF's eager ops (an extra rounding in the q/k norm alone
+    # moves logits by ~0.09). NOTE: this tiny model (std 0.15) turns one flipped bf16 rounding
+    # into ~0.06 of logits. Our prefill attention kernel sums q.k and p.v as oneDNN's bf16 dot
+    # products do on AVX512-BF16 (bit-identical to HF's SDPA there), but in another fp32 order on
+    # AVX2 CPUs: there the strict bound holds for the other fused kernels with SDPA's prefill
+    # attention, and the kernel itself stays within a few flipped roundings.
+    if linear_isa() >= ISA_LEVELS["avx512bf16"] or not kernel_available():
+        assert prefill_error() < 0.02
+    else:
+        assert prefill_error() < 0.1
+        monkeypatch.setattr(cpu_platform, "prefill_attention", lambda *args: False)
+        assert prefill_error() < 0.02
+        monkeypatch.undo()
     # Decode steps attend in fp32 (HF: bf16 SDPA): a few bf16 steps of difference.
     check_hf(hf, model, ps, tol=0.1)

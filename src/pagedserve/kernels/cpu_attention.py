@@ -60,9 +60,9 @@ def prefill_attention(
     tensors, a CPU without AVX2 + FMA (or capped below it), a head size that is not a multiple
     of 32 (or above 512), the kernel disabled or unavailable -- and the caller runs SDPA.
 
-    Scores and softmax in fp32, one rounding of the output. On AVX512-BF16 the weights are
-    rounded to bf16 for the product with V (as a bf16 flash kernel does, on vdpbf16ps); on
-    AVX2 every value is widened to fp32 (csrc/prefill_attention.cpp, `avx2::`). Either way a
+    Scores and softmax in fp32, one rounding of the output. The weights are rounded to bf16
+    for the product with V (as a bf16 flash kernel does: on vdpbf16ps on AVX512-BF16, widened
+    back to fp32 on AVX2, csrc/prefill_attention.cpp `avx2::`). Either way a
     row's result does not depend on the rows computed with it (chunking keeps every bit); the
     two ISAs' bits differ."""
     if not (query.dtype is key.dtype is value.dtype is out.dtype is torch.bfloat16) or not query.is_cpu:

@@ -202,7 +202,8 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
 // The same attention on AVX2 + FMA CPUs (no BF16 dot products): every value widened to fp32.
 // For each query head and block of 16 query rows (rows in the lanes of a V16): scores of 4 keys
 // at a time (each key's dimensions broadcast against the rows' q, FMA in dimension order), an
-// exact softmax per lane over the keys the row sees, then the fp32 weights times V (16
+// exact softmax per lane over the keys the row sees, then the weights, rounded to bf16 as the
+// AVX512-BF16 kernel and torch's bf16 SDPA round them (their sum is not), times V (16
 // dimensions of 4 rows at a time, keys in order). Every lane accumulates its row's sums key by
 // key from the block's first key, and keys a row does not see add exact zeros: a row's result
 // does not depend on the rows, chunk or tile beside it (chunked prefill is exact here as on
@@ -292,8 +293,8 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
   for (int64_t j = 0; j < nkeys; ++j) {
     const V16 e = select(visible(lo + j, p0, r, s.window),
                          v_exp_neg(v_sub(v_mul(v_load(st + j * 16), sc), mx)), v_zero());
-    v_store(st + j * 16, e);
-    sum = v_add(sum, e);
+    v_store(st + j * 16, v_round_bf16(e));  // the weights times V rounded to bf16, as on AVX512-BF16
+    sum = v_add(sum, e);                     // (and torch's bf16 SDPA); their sum unrounded
   }
   alignas(64) float inv[16];
   {
