@@ -260,3 +260,40 @@ def test_the_flag_choices_are_the_loaders_methods():
     from pagedserve.layers import quantization
 
     assert QUANTIZATIONS == quantization.QUANTIZATIONS
+
+
+MOE_CASES = {  # id: (method, sym, act_order, FP8 block): packed experts of a Qwen3-MoE checkpoint
+    "awq": ("awq", False, False, None),
+    "gptq-sym-act-order": ("gptq", True, True, None),
+    "fp8-block-32x64": ("fp8", True, False, (32, 64)),
+}
+EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_packed_moe_experts_stay_packed_and_match_the_dequantized_model(case, checkpoints, tmp_path):
+    """An MoE checkpoint quantized expert by expert (`...experts.<e>.gate_proj.qweight`, ...) keeps
+    each layer's experts as one uint8 stack `[E, N, row_bytes]` of the checkpoint's format (no
+    float copy), and generates the float32 reference's greedy tokens by the tie rule. GPTQ
+    act-order gives every expert its own input order, which one stack cannot hold: the gate / up
+    stacks (K = 64: two groups, shuffled) become floats (dequantized) and still match; the down
+    stacks (K = 32: one group, nothing to reorder) stay packed."""
+    method, sym, act_order, block = MOE_CASES[case]
+    packed, dense, _ = _write(checkpoints("qwen3_moe"), tmp_path, method, sym, act_order,
+                              block=block or (128, 128))
+    llm, ours = _run(packed)
+    model = llm.engine.executor.model
+    stacks = [getattr(m, n) for name, m in model.named_modules() if name.endswith("mlp.experts")
+              for n in EXPERTS]
+    assert len(stacks) == 2 * len(EXPERTS)
+    floats = [w for w, n in zip(stacks, EXPERTS * 2) if act_order and n != "down_proj"]
+    assert all(getattr(w, "quant", None) is None and w.dtype is torch.float32 and w.dim() == 3
+               for w in floats)
+    kept = [w for w in stacks if all(w is not f for f in floats)]
+    assert len(kept) == (2 if act_order else 6)
+    assert all(w.dtype is torch.uint8 and w.dim() == 3 and w.shape[0] == 8 for w in kept)
+    assert {w.quant.format.name for w in kept} == {FORMAT[method]}
+    assert all(w.quant.perm is None for w in kept)
+    ref = _run(dense)[1]
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert_tie_rule(a, b, f"prompt {i}")

@@ -172,7 +172,7 @@ def q4z_rows(q: torch.Tensor, z: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     qb = q.reshape(n, k // BLOCK, BLOCK)
     pairs = qb[..., :16] | (qb[..., 16:] << 4)  # [N, B, 16]
-    scale = d.to(torch.float32).contiguous().view(torch.uint8).reshape(n, k // BLOCK, 4)
+    scale = d.to(torch.float32).contiguous().flatten().view(torch.uint8).reshape(n, k // BLOCK, 4)
     return torch.cat((scale, z.to(torch.uint8).unsqueeze(-1), pairs), dim=-1).reshape(n, -1).contiguous()
 
 
@@ -211,7 +211,7 @@ def q8f_rows(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """int8 values `q` `[N, K]` and fp32 scales `d` `[N, K / 32]` -> Q8_F rows uint8
     `[N, K / 32 * 36]`: per block d (4 bytes), then the 32 int8."""
     n, k = q.shape
-    scale = d.to(torch.float32).contiguous().view(torch.uint8).reshape(n, k // BLOCK, 4)
+    scale = d.to(torch.float32).contiguous().flatten().view(torch.uint8).reshape(n, k // BLOCK, 4)
     values = q.to(torch.int8).view(torch.uint8).reshape(n, k // BLOCK, BLOCK)
     return torch.cat((scale, values), dim=-1).reshape(n, -1).contiguous()
 
@@ -277,7 +277,7 @@ def f8_rows(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """E4M3 weights `w` `[N, K]` (float8_e4m3fn) and fp32 scales `d` `[N, K / 32]` -> F8_E4M3 rows
     uint8 `[N, K / 32 * 36]`: per block d (4 bytes), then the 32 bytes as stored."""
     n, k = w.shape
-    scale = d.to(torch.float32).contiguous().view(torch.uint8).reshape(n, k // BLOCK, 4)
+    scale = d.to(torch.float32).contiguous().flatten().view(torch.uint8).reshape(n, k // BLOCK, 4)
     values = w.contiguous().view(torch.uint8).reshape(n, k // BLOCK, BLOCK)
     return torch.cat((scale, values), dim=-1).reshape(n, -1).contiguous()
 

@@ -109,18 +109,21 @@ def can_quantize(model: nn.Module, param: torch.Tensor) -> bool:
     )
 
 
-def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tensor) -> None:
-    """Replace `param` by `weight` (uint8, marked by `set_quant`) in every module holding it."""
+def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tensor) -> nn.Parameter:
+    """Replace `param` by `weight` (uint8, marked by `set_quant`) in every module holding it;
+    returns the new parameter."""
     new = nn.Parameter(weight, requires_grad=False)
     new.quant = weight.quant
     for module, key in _owners(model, param):
         module._parameters[key] = new
+    return new
 
 
-def install_quantized_tensor(model: nn.Module, param: torch.Tensor, source: QuantizedTensor) -> None:
-    """Install checkpoint blocks `source` in place of `param` (its shape already checked)."""
+def install_quantized_tensor(model: nn.Module, param: torch.Tensor, source: QuantizedTensor) -> nn.Parameter:
+    """Install checkpoint blocks `source` in place of `param` (its shape already checked);
+    returns the new parameter."""
     spec = QuantSpec(source.format, source.shape[-1], param.dtype, perm=source.perm)
-    install_quantized(model, param, set_quant(source.data, spec))
+    return install_quantized(model, param, set_quant(source.data, spec))
 
 
 @torch.no_grad()

@@ -84,6 +84,7 @@ def load_named_weights(
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     slices: dict[str, set[int]] = {}  # stacked parameters loaded slice by slice
+    packed: dict[int, Any] = {}  # id(stacked parameter kept as blocks) -> its first slice
     unexpected: list[str] = []
     for hf_name, source in weights:
         name = rename(hf_name)
@@ -97,7 +98,7 @@ def load_named_weights(
             unexpected.append(hf_name)
             continue
         if isinstance(part, int):
-            _copy_slice(hf_name, param, part, source)
+            params[name] = _copy_slice(module, hf_name, param, part, source, slices.get(name, set()), packed)
             slices.setdefault(name, set()).add(part)
             if len(slices[name]) == param.shape[0]:
                 loaded.add(name)
@@ -127,21 +128,74 @@ def load_named_weights(
         raise ValueError(f"weights missing from checkpoint: {_names(missing)}")
 
 
-def _copy_slice(hf_name: str, param: torch.Tensor, index: int, source: TensorSource) -> None:
+def _copy_slice(module: nn.Module, hf_name: str, param: torch.Tensor, index: int, source: TensorSource,
+                filled: set[int], packed: dict[int, Any]) -> torch.Tensor:
     """Copy checkpoint tensor `source` into slice `index` (dim 0) of the stacked `param`, reading
-    only the part its `shard` (a `ShardSpec` of the stacked parameter, dim >= 1) names."""
+    only the part its `shard` (a `ShardSpec` of the stacked parameter, dim >= 1) names; returns
+    the parameter now holding the stack (`module`'s, which may have replaced `param`).
+
+    Quantized slices (an AWQ / GPTQ / compressed-tensors / FP8 checkpoint's experts, one by one)
+    keep their blocks when the stack may stay quantized (`layers.quantization.can_quantize`: an
+    MoE layer's experts on one rank): the first one replaces `param` by a uint8 stack
+    `[E, N, row_bytes]` of its format and input order (`perm`), the others fill its slices.
+    `filled`: the slices already loaded; `packed`: the stacks kept so far (id -> first slice).
+
+    NOTE: one stack has one format and one input order. A slice that does not fit the stack's
+    (another format, another GPTQ act-order permutation, a float tensor) turns the stack back
+    into floats: the slices loaded so far dequantized, the rest copied as they come."""
     from pagedserve.layers.linear import ShardSpec
 
-    spec = getattr(param, "shard", None)
-    want = expected_shape(param)[1:]
+    qspec = getattr(param, "quant", None)
+    want = (param.shape[1], qspec.in_features) if qspec is not None else expected_shape(param)[1:]
     if source_shape(source) != want:
         raise ValueError(f"weight {hf_name!r} has shape {source_shape(source)}, the model expects {want}")
+    if qspec is not None:
+        if _is_quantized(source) and source.format == qspec.format and _same_order(source.perm, qspec.perm):
+            param[index].copy_(source.data)
+            return param
+        param = _unpack_stack(module, param, filled, packed.pop(id(param)))
+    elif _is_quantized(source) and not filled:
+        from pagedserve.layers.quantization import can_quantize, install_quantized_tensor
+
+        if can_quantize(module, param):
+            stack = type(source)(torch.zeros(param.shape[0], *source.data.shape, dtype=torch.uint8), source.format,
+                                 (param.shape[0], *source.shape), source.ggml_type, perm=source.perm,
+                                 dequantizer=source.dequantizer)
+            stack.data[index].copy_(source.data)
+            new = install_quantized_tensor(module, param, stack)
+            packed[id(new)] = source
+            return new
     if _is_quantized(source):
         source = source.dequantize()
+    spec = getattr(param, "shard", None)
     target = param[index]
     if spec is not None:
         target.shard = ShardSpec(spec.dim - 1, spec.ranges, spec.full_size)
     copy_into(target, source)
+    return param
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two input-feature orders (`QuantizedTensor.perm`, None: the checkpoint's) agree."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@torch.no_grad()
+def _unpack_stack(module: nn.Module, stack: torch.Tensor, filled: set[int], first: Any) -> nn.Parameter:
+    """Replace the quantized stack `stack` (in every module holding it) by a float parameter of
+    its model dtype with slices `filled` dequantized; returns the new parameter."""
+    spec = stack.quant
+    n, k = stack.shape[1], spec.in_features
+    dense = nn.Parameter(torch.zeros(stack.shape[0], n, k, dtype=spec.dtype))
+    for e in filled:
+        part = type(first)(stack.data[e], spec.format, (n, k), first.ggml_type, perm=spec.perm,
+                           dequantizer=first.dequantizer)
+        dense[e].copy_(part.dequantize())
+    for owner in module.modules():
+        for key, p in owner._parameters.items():
+            if p is stack:
+                owner._parameters[key] = dense
+    return dense
 
 
 def _rows(hf_name: str, source: TensorSource, rows: slice, param: torch.Tensor) -> TensorSource:
