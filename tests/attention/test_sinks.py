@@ -34,20 +34,24 @@ def _dense_with_sinks(q, k, v, scale, window, sinks):  # q [L, Hq, D]: the last 
 
 
 class Seqs:
-    """Sequences on one paged cache, fed step by step: full K/V/Q drawn up front."""
+    """Sequences on one paged cache, fed step by step: full K/V/Q drawn up front (head size
+    `d`, caches and activations of `dtype`)."""
 
-    def __init__(self, lengths, ops, seed=0):
+    def __init__(self, lengths, ops, seed=0, d=D, dtype=torch.float32):
         self.impl = TorchAttentionBackend(ops=ops)
         gen = torch.Generator().manual_seed(seed)
-        self.k_cache = torch.full((NUM_BLOCKS + 1, BLOCK, HKV, D), float("nan"))
+        self.k_cache = torch.full((NUM_BLOCKS + 1, BLOCK, HKV, d), float("nan"), dtype=dtype)
         self.v_cache = torch.full_like(self.k_cache, float("nan"))
         self.k_cache[NUM_BLOCKS] = 0
         self.v_cache[NUM_BLOCKS] = 0
         free = list(range(NUM_BLOCKS))
         random.Random(seed).shuffle(free)
         self.tables = [[free.pop() for _ in range(math.ceil(n / BLOCK))] for n in lengths]
-        self.kvq = [(torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen),
-                     torch.randn(n, HQ, D, generator=gen)) for n in lengths]
+        self.kvq = [tuple(t.to(dtype) for t in (torch.randn(n, HKV, d, generator=gen),
+                                                 torch.randn(n, HKV, d, generator=gen),
+                                                 torch.randn(n, HQ, d, generator=gen)))
+                    for n in lengths]
+        self.d = d
         self.done = [0] * len(lengths)
 
     def step(self, attn, counts, sinks):
@@ -60,7 +64,7 @@ class Seqs:
                                        null_block=NUM_BLOCKS)
         meta.impl = self.impl
         out = attn(torch.cat(q), torch.cat(k), torch.cat(v), (self.k_cache, self.v_cache), meta,
-                   sinks=sinks).view(-1, HQ, D)
+                   sinks=sinks).view(-1, HQ, self.d)
         for i in rows:
             self.done[i] += counts[i]
         return list(out.split([counts[i] for i in rows]))
@@ -99,3 +103,41 @@ def test_sinks_match_dense_attention_and_do_not_depend_on_chunking(window, ops):
     c = Seqs(lengths, ops)
     plain = c.step(attn, [lengths[0], 0, 0], None)[0]
     assert not torch.allclose(plain, torch.cat(outs_a[0]))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_bf16_sinks_run_on_the_decode_kernel_for_prompt_and_decode_tokens_alike(window, monkeypatch):
+    """bf16 caches on the CPU platform: every token (prompt chunk or decode row) is one decode
+    row of the compiled decode kernel with the sinks (never `_attend_one`'s torch loop): close
+    to the dense formula, and the same bits whether its sequence came in chunks or token by
+    token."""
+    from pagedserve.attention.backends import torch_ref
+    from pagedserve.kernels.cpu_gemm import kernel_available
+
+    if not kernel_available():
+        pytest.skip("compiled CPU kernels unavailable")
+
+    def no_torch_loop(*args, **kwargs):
+        raise AssertionError("the torch loop ran")
+
+    monkeypatch.setattr(torch_ref, "_attend_one", no_torch_loop)
+    d = 16  # the kernel's head sizes are multiples of 16
+    attn = PagedAttention(HQ, HKV, d, scale=0.4, sliding_window=window)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    lengths = [11, 6, 9]
+    a = Seqs(lengths, CPU_OPS, d=d, dtype=torch.bfloat16)
+    outs_a = [[] for _ in lengths]
+    for counts in ([7, 1, 3], [1, 2, 4], [3, 1, 1], [0, 1, 1], [0, 1, 0]):
+        for i, o in zip([i for i, c in enumerate(counts) if c], a.step(attn, counts, sinks)):
+            outs_a[i].append(o)
+    for i, (k, v, q) in enumerate(a.kvq):
+        ref = _dense_with_sinks(q.float(), k.float(), v.float(), 0.4, window, sinks)
+        torch.testing.assert_close(torch.cat(outs_a[i]).float(), ref, atol=2e-2, rtol=2e-2)
+    b = Seqs(lengths, CPU_OPS, d=d, dtype=torch.bfloat16)
+    outs_b = [[] for _ in lengths]
+    for _ in range(max(lengths)):
+        counts = [1 if b.done[i] < n else 0 for i, n in enumerate(lengths)]
+        for i, o in zip([i for i, c in enumerate(counts) if c], b.step(attn, counts, sinks)):
+            outs_b[i].append(o)
+    for x, y in zip(outs_a, outs_b):
+        assert torch.equal(torch.cat(x), torch.cat(y))

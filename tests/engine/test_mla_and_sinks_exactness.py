@@ -48,13 +48,17 @@ def _beams(llm: LLM) -> list:
     return [output_key(o) for o in outs]
 
 
-@pytest.mark.parametrize("arch,mode", [("deepseek_v2", "recompute"), ("gpt_oss", "swap")])
-def test_tight_cache_chunked_prefill_and_prefix_hits_equal_a_roomy_run(checkpoints, arch, mode):
+@pytest.mark.parametrize("arch,mode,dtype", [("deepseek_v2", "recompute", "float32"),
+                                              ("gpt_oss", "swap", "float32"),
+                                              ("gpt_oss", "recompute", "bfloat16")])
+def test_tight_cache_chunked_prefill_and_prefix_hits_equal_a_roomy_run(checkpoints, arch, mode, dtype):
+    """(gpt-oss in bf16: its sinks' attention is the bf16 decode kernel for every token, prompt
+    or decode, so recompute and chunking keep every bit there too.)"""
     path = str(checkpoints(arch))
-    roomy = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22,
+    roomy = LLM(path, dtype=dtype, block_size=4, kv_cache_memory=1 << 22,
                 enable_chunked_prefill=False, enable_prefix_caching=False)
     ref, ref_beams = _run(roomy), _beams(roomy)
-    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=12, num_cpu_blocks=64,
+    llm = LLM(path, dtype=dtype, block_size=4, num_kv_blocks=12, num_cpu_blocks=64,
               preemption_mode=mode, enable_chunked_prefill=True, max_num_batched_tokens=5,
               enable_prefix_caching=True)
     assert _run(llm) == ref, mode

@@ -130,3 +130,27 @@ def test_decode_attention_declines_what_it_does_not_cover(kernel):
     assert decode_attention(q72, kc72, kc72, group.block_tables, group.seq_lens, 0.1) is None
     out = decode_attention(q, kc, vc, group.block_tables, group.seq_lens, 0.1)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(8, 2, 64, 4, None), (4, 1, 64, 16, 9)])
+def test_decode_attention_with_sinks_matches_the_torch_formula(kernel, hq, hkv, d, bs, window):
+    """gpt-oss's sinks on the bf16 decode kernel: softmax([scores, sink])[:-1] V per query head,
+    against `_attend_one`'s float32 torch products; a sink of -inf is no sink, bit for bit."""
+    q, _, _, kc, vc, meta = _random_decode_batch(hq, hkv, d, bs, seed=hq + d)
+    group = meta.groups[0]
+    sinks = torch.linspace(-2.0, 3.0, hq)
+    out = decode_attention(q, kc, vc, group.block_tables, group.seq_lens, 0.1, window, sinks)
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    for s, ctx in enumerate(group.seq_lens.tolist()):
+        first = max(0, ctx - window) if window else 0
+        ref = torch_ref._attend_one(q[s], flat_k, flat_v, group.kv_slots[s, first:ctx], 0.1, sinks)
+        torch.testing.assert_close(out[s].float(), ref, atol=1e-2, rtol=1e-2)
+    plain = decode_attention(q, kc, vc, group.block_tables, group.seq_lens, 0.1, window)
+    none = decode_attention(q, kc, vc, group.block_tables, group.seq_lens, 0.1, window,
+                            torch.full((hq,), float("-inf")))
+    assert torch.equal(none, plain)
+    assert not torch.allclose(out.float(), plain.float(), atol=1e-2)  # the sinks take weight
+    with pytest.raises(RuntimeError, match="sinks"):
+        torch.ops.pagedserve_cpu.decode_attention.default(
+            q, kc, vc, group.block_tables, group.seq_lens, 0.1, 0, cpu_gemm.linear_isa(),
+            torch.zeros(hq + 1))

@@ -31,8 +31,10 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [S] int64, the new token included (its K/V already written)
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] sink logits (gpt-oss), or None
 ) -> torch.Tensor | None:  # [S, Hq, D] bf16, or None: use the torch path
-    """See the module docstring."""
+    """See the module docstring. `sinks`: one logit per query head in each softmax's
+    denominator, with no value (gpt-oss's sinks)."""
     if (query.dtype is not torch.bfloat16 or k_cache.dtype not in _CACHE_DTYPES
             or v_cache.dtype is not k_cache.dtype or not query.is_cpu or not k_cache.is_cpu):
         return None
@@ -42,9 +44,11 @@ def decode_attention(
         return None
     if not kernel_available():
         return None
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
     return torch.ops.pagedserve_cpu.decode_attention.default(
         query.contiguous(), k_cache, v_cache, block_tables, seq_lens, float(scale),
-        int(sliding_window or 0), linear_isa())
+        int(sliding_window or 0), linear_isa(), sinks)
 
 
 def prefill_attention(

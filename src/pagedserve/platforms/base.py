@@ -107,7 +107,7 @@ class LayerOps:
         return None
 
     def decode_attention(self, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                         sliding_window) -> torch.Tensor | None:
+                         sliding_window, *, sinks=None) -> torch.Tensor | None:
         """The torch attention backend's decode rows on a kernel, or None: torch's."""
         return None
 

@@ -108,9 +108,9 @@ class CpuOps(LayerOps):
                            experts.up_proj, experts.down_proj, act, biases, params)
 
     def decode_attention(self, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                         sliding_window):
+                         sliding_window, *, sinks=None):
         return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                sliding_window)
+                                sliding_window, sinks)
 
     def invariant_attention(self, query, k_cache, v_cache, block_tables, seq_lens,
                             query_start_loc, scale, sliding_window, softcap=None, *, sinks=None):

@@ -65,11 +65,11 @@ def paged_attention(
     run the torch paths here (decode rows one by one, prompt chunks with explicit scores: SDPA
     cannot cap).
 
-    NOTE: with `sinks` only the float32 kernel runs (it takes them); elsewhere -- bf16, no
-    kernels -- every query token, decode row or prompt token alike, is attended alone by
-    `_attend_one`'s torch products, so its bits still do not depend on chunking or on the rest
-    of the step, at the cost of a Python loop over prompt tokens (bf16 decode and prefill
-    kernels take no sinks yet)."""
+    NOTE: with `sinks` every query token, decode row or prompt token alike, is attended alone
+    over its own context, so its bits do not depend on chunking or on the rest of the step: on
+    the float32 kernel, or (bf16 caches) the decode kernel with each prompt token taken as a
+    decode row (`_sinks_on_decode_kernel`), else by `_attend_one`'s torch products (a Python
+    loop over the tokens)."""
     if ops is None:
         ops = DEFAULT_OPS
     if meta.num_tokens and not meta.groups:
@@ -79,6 +79,10 @@ def paged_attention(
         o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, scale, sliding_window, softcap,
                                     sinks=sinks) if meta.num_tokens else None
+        if o is not None:  # [T, Hq, D]
+            return o
+        o = None if softcap else _sinks_on_decode_kernel(query, k_cache, v_cache, meta, scale,
+                                                         sliding_window, sinks, ops)
         if o is not None:  # [T, Hq, D]
             return o
         return _attend_with_sinks(query, k_cache, v_cache, meta, scale, sliding_window, sinks,
@@ -253,6 +257,34 @@ def _attend_one(
         sink = sinks.float().view(hkv, num_heads // hkv, 1)  # [Hkv, g, 1]
         p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]  # [Hkv, g, n]
     return torch.bmm(p, v).view(num_heads, head_dim)  # [Hq, D]
+
+
+def _sinks_on_decode_kernel(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D] the step's K/V written
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor,  # [Hq]
+    ops,
+) -> torch.Tensor | None:  # [T, Hq, D], or None: the platform has no such kernel here
+    """Every query token of the step as one decode row of the platform's decode kernel (with
+    the sinks): token j of a sequence's chunk of q tokens attends over its first
+    `seq_len - q + j + 1` positions through the sequence's block table.
+    NOTE: a prompt token and the same token decoded take the same call on the same context, so
+    recompute, chunking and batch composition change no bit."""
+    if meta.max_query_len == 1:  # decode rows only: one token per sequence
+        tables, lens = meta.block_tables, meta.seq_lens
+    else:
+        qsl = meta.query_start_loc
+        counts = qsl[1:] - qsl[:-1]  # [S] tokens per sequence
+        seq = torch.repeat_interleave(torch.arange(len(counts), device=qsl.device), counts)  # [T]
+        pos = torch.arange(len(seq), device=qsl.device) - qsl[seq]  # [T] index in its chunk
+        lens = meta.seq_lens[seq] - counts[seq] + pos + 1  # [T] each token's context length
+        tables = meta.block_tables.index_select(0, seq)  # [T, max_blocks]
+    return ops.decode_attention(query, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
+                                scale, sliding_window, sinks=sinks)
 
 
 def _attend_with_sinks(

@@ -83,8 +83,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
                        .findSchemaOrThrow("pagedserve_cpu::decode_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const at::Tensor&, const at::Tensor&, double, int64_t,
-                                         int64_t)>();
-  return op.call(q, kc, vc, tables, lens, scale, window, isa);
+                                         int64_t, const c10::optional<at::Tensor>&)>();
+  return op.call(q, kc, vc, tables, lens, scale, window, isa, c10::nullopt);
 }
 
 enum Weight { kQ, kK, kV, kO, kGate, kUp, kDown, kNumWeights };

@@ -5,6 +5,8 @@
 //
 //   out[s, h] = sum_t softmax_t(scale * q[s, h] . k[s, t]) v[s, t],   t in [start, seq_len[s])
 //
+// (`sinks`, gpt-oss: a logit per query head in each softmax's denominator, with no value.)
+//
 // with start = max(0, seq_len - window) for a sliding window of `window` keys (0: none). All
 // arithmetic in fp32 (q and the cache read as fp32), one rounding of the output to bf16. The new
 // token's K/V must already be in the cache (the caller writes them first). The caches are bf16,
@@ -41,7 +43,7 @@ namespace {
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
-                            int64_t isa) {
+                            int64_t isa, const c10::optional<at::Tensor>& sinks) {
   ps_isa::check_isa("decode_attention", isa);
   const auto cache_type = k_cache.scalar_type();
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == cache_type &&
@@ -62,6 +64,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "decode_attention: heads");
   TORCH_CHECK(block_tables.size(0) == S && seq_lens.size(0) == S, "decode_attention: rows");
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const float* sp = nullptr;  // the sink logits [Hq] (gpt-oss), or none
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->is_contiguous() &&
+                    sinks->size(0) == Hq,
+                "decode_attention: sinks must be a contiguous float32 [Hq]");
+    sp = sinks->data_ptr<float>();
+  }
   const auto* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * B, "decode_attention: seq_lens out of range");
@@ -74,7 +83,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   // called with the caches' data as bytes (each instance reads its own element type).
   using Attend = void (*)(const uint16_t*, const void*, const void*, const int64_t*, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
-                          int64_t, float*);
+                          int64_t, float*, const float*);
   const int fmt = cache_type == at::kBFloat16 ? 0 : cache_type == at::ScalarType::Float8_e4m3fn ? 1 : 2;
   const Attend kernels[2][3] = {
       {vec_avx2::attend_bf16, vec_avx2::attend_e4m3, vec_avx2::attend_e5m2},
@@ -99,7 +108,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
       scores.resize(size_t((g1 - g0) * (len - start)));
       const int64_t first = s * Hq + h * G + g0;  // the run's first query head
       attend(qp + first * D, kp, vp, bt + s * max_blocks, len, start, B, Hkv, h, g1 - g0, D,
-             static_cast<float>(scale), op + first * D, D, scores.data());
+             static_cast<float>(scale), op + first * D, D, scores.data(), sp ? sp + first - s * Hq : nullptr);
     }
   });
   return out;
@@ -110,7 +119,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def(
       "decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, int isa) -> Tensor");
+      "Tensor seq_lens, float scale, int window, int isa, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

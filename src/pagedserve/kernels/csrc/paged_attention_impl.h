@@ -57,7 +57,8 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
                        const int64_t* table,     // [max_blocks]
                        int64_t seq_len, int64_t start, int64_t block_size, int64_t num_kv_heads,
                        int64_t kv_head, int64_t G, int64_t D, float scale, uint16_t* out,
-                       int64_t out_stride, float* scores /* [G * (seq_len - start)] */) {
+                       int64_t out_stride, float* scores /* [G * (seq_len - start)] */,
+                       const float* sink /* [G] sink logits (gpt-oss), or null */) {
   const int64_t L = seq_len - start;
   const int64_t nv = D / 16;
   const int64_t row_bytes = D * int64_t(sizeof(typename KvElem<FMT>::type));
@@ -98,7 +99,10 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
       maxs[g] = std::max(maxs[g], sc);
     }
   }
-  // Softmax weights, 16 at a time.
+  // Softmax weights, 16 at a time. A sink logit (gpt-oss) joins the max and the denominator,
+  // its weight dropped: softmax([scores, sink])[:-1].
+  if (sink)
+    for (int64_t g = 0; g < G; ++g) maxs[g] = std::max(maxs[g], sink[g]);
   float inv_sum[kMaxGroup];
   alignas(64) static const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   for (int64_t g = 0; g < G; ++g) {
@@ -116,7 +120,9 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
       v_store_n(sg + j, e, L - j);
       sum = v_add(sum, e);
     }
-    inv_sum[g] = 1.0f / v_sum(sum);
+    float total = v_sum(sum);
+    if (sink) total += std::exp(sink[g] - maxs[g]);
+    inv_sum[g] = 1.0f / total;
   }
   // Pass 2: weighted sum of values, accumulated in fp32 in registers: up to 4 query heads x
   // kChunks chunks of 16 dimensions over all keys, then the next. NOTE: each lane still adds
@@ -150,11 +156,11 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
   inline void NAME(const uint16_t* q, const void* k_cache, const void* v_cache,                \
                    const int64_t* table, int64_t seq_len, int64_t start, int64_t block_size,    \
                    int64_t num_kv_heads, int64_t kv_head, int64_t G, int64_t D, float scale,     \
-                   uint16_t* out, int64_t out_stride, float* scores) {                          \
+                   uint16_t* out, int64_t out_stride, float* scores, const float* sink) {       \
     using T = typename KvElem<FMT>::type;                                                       \
     attend_one<FMT>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table,   \
                     seq_len, start, block_size, num_kv_heads, kv_head, G, D, scale, out,        \
-                    out_stride, scores);                                                        \
+                    out_stride, scores, sink);                                                  \
   }
 PS_ATTEND_FMT(attend_bf16, 0)
 PS_ATTEND_FMT(attend_e4m3, 1)
