@@ -207,6 +207,9 @@ def moe_configs():
         decoder_sparse_step=2)
     yield "qwen2_moe (qkv bias, shared expert)", transformers.Qwen2MoeConfig(
         **COMMON, **moe, num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    yield "gpt_oss (sinks, fp32-weight norms, biases, windows)", transformers.GptOssConfig(
+        **COMMON, **moe, head_dim=32, num_local_experts=4, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"])
 
 
 @pytest.mark.parametrize("name,config", list(moe_configs()), ids=[n for n, _ in moe_configs()])

@@ -31,6 +31,12 @@ _CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
+# The layer's norm_mode beyond kernels.cpu_rotary's NORM_GEMMA (sandwich norms, Gemma numerics)
+# and NORM_LLAMA (pre-norms, Llama numerics): pre-norms with Gemma's numerics -- the fp32 weight
+# multiplied before one rounding (`layers.norms.Fp32WeightRMSNorm`, gpt-oss)
+NORM_PRE_FP32W = 3
+NORM_MODES = (NORM_GEMMA, NORM_LLAMA, NORM_PRE_FP32W)
+
 
 def _act_code(act: int) -> int:
     """The kernel's activation code: torch's op (ACT_*), or + 2 for the fp32 extension's kernel.
@@ -59,8 +65,8 @@ def _applies(x: torch.Tensor, tensors: tuple, caches: tuple, norm_mode: int,
              num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """The ISA level for a fused call on these operands (`tensors`: bf16 or None; `caches`: the
     K and V caches), or 0: the call does not apply."""
-    if norm_mode not in (NORM_GEMMA, NORM_LLAMA):
-        raise ValueError(f"norm_mode must be NORM_GEMMA or NORM_LLAMA, got {norm_mode}")
+    if norm_mode not in NORM_MODES:
+        raise ValueError(f"norm_mode must be one of NORM_MODES {NORM_MODES}, got {norm_mode}")
     if not 0 < x.shape[0] <= MAX_M_FUSED:
         return 0
     isa = linear_isa()
@@ -85,7 +91,7 @@ def decoder_layer(
     formats: list[int],  # their `weight_formats`
     biases: list[torch.Tensor | None],  # q, k, v, o
     norms: list[torch.Tensor | None],  # fp32 [H]/[D]: input, post-attn, pre-ff, post-ff, q, k
-    norm_mode: int,  # NORM_GEMMA (sandwich norms) or NORM_LLAMA (of kernels.cpu_rotary)
+    norm_mode: int,  # NORM_GEMMA (sandwich norms), NORM_LLAMA (of kernels.cpu_rotary), NORM_PRE_FP32W
     eps: float,
     cos: torch.Tensor,  # [T, D] bf16
     sin: torch.Tensor,  # [T, D] bf16
@@ -141,16 +147,20 @@ def decoder_layer_attn(
     head_dim: int,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,  # [Hq] sink logits (gpt-oss), or None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # r [T, H], h [T, H] bf16
     """The attention half of `decoder_layer` (see the module docstring): `(r, h)`, or None when
-    the call does not apply."""
+    the call does not apply. `sinks`: as `kernels.cpu_attention.decode_attention`'s (widened to
+    float32 as it does)."""
     isa = _applies(x, (cos, sin, *biases), (k_cache, v_cache), norm_mode, num_heads,
                    num_kv_heads, head_dim)
     if not isa:
         return None
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
     spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     r, h = torch.ops.pagedserve_cpu.decoder_layer_attn.default(
         x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0),
-        formats, isa, gemm_rows(spec, torch.bfloat16, isa))
+        formats, isa, gemm_rows(spec, torch.bfloat16, isa), sinks)
     return r, h

@@ -92,6 +92,13 @@ class Fp32WeightRMSNorm(OpsUser, nn.Module):
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * w32).to(x.dtype)
 
+    def kernel_args(self, dtype: torch.dtype) -> tuple[torch.Tensor, float, str] | None:
+        """(fp32 weight, eps, numerics "gemma") for fused kernels on `dtype` activations, or
+        None (not bf16): the kernel `forward` runs on bf16 x."""
+        if dtype != torch.bfloat16:
+            return None
+        return _weight_f32(self, lambda w: w.float()), self.eps, "gemma"
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 

@@ -103,8 +103,10 @@ def gpt_oss_moe(config: Any, *, tp: TPContext = SINGLE, expert_parallel: bool = 
                     act=act, expert_bias=True, tp=tp, expert_parallel=expert_parallel)
 
 
-class GptOssDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + moe(norm(x))."""
+class GptOssDecoderLayer(OpsUser, nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + moe(norm(x)). A decode step's attention half
+    may run as one call of the platform (`self.ops.decoder_attention`: on CPU the fused decode
+    kernel's attention half with the sinks, bit-identical to the modules), then the MoE block."""
 
     def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE):
         super().__init__()
@@ -114,8 +116,17 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = Fp32WeightRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Fp32WeightRMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def layer_norms(self) -> tuple:
+        """(input, post-attention, pre-feedforward, post-feedforward) norms, as
+        `models.llama.FusableDecoderLayer` names them (for the fused attention half)."""
+        return (self.input_layernorm, self.post_attention_layernorm, None, None)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
+        fused = self.ops.decoder_attention(self, x, rope, kv_cache, meta)
+        if fused is not None:
+            r, h = fused  # [T, H] x + attention, its post-attention norm
+            return r + self.mlp(h)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.cpu_decoder_layer import (
-    ACT_GELU_TANH, ACT_SILU, decoder_layer, decoder_layer_attn, weight_formats)
+    ACT_GELU_TANH, ACT_SILU, NORM_PRE_FP32W, decoder_layer, decoder_layer_attn, weight_formats)
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
 
 # HF activation names -> the fused layer's activation codes
@@ -37,8 +37,9 @@ class _FusedPlan:
     biases: list  # q, k, v, o Parameters or None
     norms: tuple  # input, post-attn, pre-ff, post-ff, q, k norm modules or None
     norm_weights: list  # the present norms' weight Parameters
-    mode: int  # the norms' numerics the layer needs: NORM_GEMMA (sandwich norms) or NORM_LLAMA
+    mode: int  # the layer's structure: NORM_GEMMA (sandwich norms) or NORM_LLAMA (pre-norms)
     consts: tuple  # num_heads, num_kv_heads, head_dim, scale, sliding_window, activation code
+    sinks: torch.Tensor | None  # the attention's sink logits (gpt-oss) or None
     # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps) or None)
     norm_cache: tuple | None = None
 
@@ -79,22 +80,24 @@ def _fused_plan(layer, attn_only: bool = False) -> _FusedPlan:
             NORM_GEMMA if norms[2] is not None else NORM_LLAMA,
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
              attn.attn.sliding_window, act),
+            getattr(attn, "sinks", None),
         )
         layer.__dict__["_fused_plan"] = plan
     return plan
 
 
-def _norm_args(plan: _FusedPlan) -> tuple[list, float] | None:
-    """The norms' fp32 weights (None where absent) and eps for the fused call, rebuilt only when
-    a norm weight changes; None when a norm is one the kernels do not take, or eps / numerics are
-    mixed."""
+def _norm_args(plan: _FusedPlan) -> tuple[list, float, int] | None:
+    """The norms' fp32 weights (None where absent), eps and their numerics (NORM_LLAMA or
+    NORM_GEMMA) for the fused call, rebuilt only when a norm weight changes; None when a norm is
+    one the kernels do not take, or eps / numerics are mixed."""
     key = tuple((w.data_ptr(), w._version) for w in plan.norm_weights)
     if plan.norm_cache is None or plan.norm_cache[0] != key:
         args = [None if m is None else m.kernel_args(torch.bfloat16) for m in plan.norms]
         present = [a for a, m in zip(args, plan.norms) if m is not None]
         ok = all(a is not None for a in present) and len({a[1:] for a in present}) == 1
-        ok = ok and _MODES.get(present[0][2]) == plan.mode
-        value = ([None if a is None else a[0] for a in args], present[0][1]) if ok else None
+        ok = ok and present[0][2] in _MODES
+        value = ([None if a is None else a[0] for a in args], present[0][1],
+                 _MODES[present[0][2]]) if ok else None
         plan.norm_cache = (key, value)
     return plan.norm_cache[1]
 
@@ -127,7 +130,7 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     if not plan.usable or rope[0].shape[-1] != plan.consts[2]:  # partial RoPE: the modules
         return None
     norm_args = _norm_args(plan)
-    if norm_args is None:
+    if norm_args is None or norm_args[2] != plan.mode or plan.sinks is not None:
         return None
     group = meta.groups[0]
     return decoder_layer(
@@ -140,10 +143,11 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
 def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache,
                            meta) -> tuple[torch.Tensor, torch.Tensor] | None:  # r, h [T, H]
     """The attention half of `layer` (a `models.mixtral.MoEDecoderLayer` with Llama's attention,
-    Llama numerics) in one compiled call on a decode-only bf16 CPU step of the torch backend on
-    one rank: `(r, h)` = (x + attention, the post-attention norm of that), the layer's output
-    being `r + layer.mlp(h)`; None elsewhere (and on a step with LoRA adapters: the hooked
-    modules add them). Bypasses the submodules' forward hooks as `fused_decode_layer` does."""
+    or `models.gpt_oss.GptOssDecoderLayer`: pre-norms of Llama or fp32-weight numerics, sinks)
+    in one compiled call on a decode-only bf16 CPU step of the torch backend on one rank:
+    `(r, h)` = (x + attention, the post-attention norm of that), the layer's output being
+    `r + layer.mlp(h)`; None elsewhere (and on a step with LoRA adapters: the hooked modules add
+    them). Bypasses the submodules' forward hooks as `fused_decode_layer` does."""
     if not _fusable_step(x, meta):
         return None
     stacks = layer.__dict__.get("lora_stacks")
@@ -155,8 +159,10 @@ def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, tor
     norm_args = _norm_args(plan)
     if norm_args is None:
         return None
+    mode = NORM_LLAMA if norm_args[2] == NORM_LLAMA else NORM_PRE_FP32W  # pre-norms either way
     group = meta.groups[0]
     return decoder_layer_attn(
-        x, plan.weights, plan.formats, plan.biases, norm_args[0], plan.mode, norm_args[1],
+        x, plan.weights, plan.formats, plan.biases, norm_args[0], mode, norm_args[1],
         *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts[:5],
+        sinks=plan.sinks,
     )

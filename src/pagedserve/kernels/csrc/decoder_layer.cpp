@@ -78,13 +78,13 @@ void qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& co
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                      const at::Tensor& tables, const at::Tensor& lens, double scale,
-                     int64_t window, int64_t isa) {
+                     int64_t window, int64_t isa, const std::optional<at::Tensor>& sinks) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::decode_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const at::Tensor&, const at::Tensor&, double, int64_t,
                                          int64_t, const c10::optional<at::Tensor>&)>();
-  return op.call(q, kc, vc, tables, lens, scale, window, isa, c10::nullopt);
+  return op.call(q, kc, vc, tables, lens, scale, window, isa, sinks);
 }
 
 enum Weight { kQ, kK, kV, kO, kGate, kUp, kDown, kNumWeights };
@@ -159,6 +159,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 // attention, o; then the residual r and the feed-forward's input h:
 //   Llama:  r = x + o;                h = norm_post_attn(r)
 //   Gemma:  r = x + norm_post_attn(o); h = norm_pre_ff(r)
+// (norm_mode 3: Llama's structure with Gemma's norm numerics -- the fp32 weight multiplied before
+// one rounding, gpt-oss's norms; `sinks`, gpt-oss: a logit per query head in the attention's
+// softmax denominators.)
 struct AttnHalf {
   at::Tensor r, h;
 };
@@ -171,7 +174,8 @@ void check_layer_args(const std::vector<at::Tensor>& w, const std::vector<OptTen
               " weights and formats expected");
   TORCH_CHECK(b.size() == kNumBiases && n.size() == kNumNorms,
               "decoder_layer: 4 biases and 6 norm weights expected");
-  TORCH_CHECK(norm_mode == 1 || norm_mode == 2, "decoder_layer: norm_mode 1 (Gemma) or 2 (Llama)");
+  TORCH_CHECK(norm_mode >= 1 && norm_mode <= 3,
+              "decoder_layer: norm_mode 1 (Gemma), 2 (Llama) or 3 (Llama, fp32-weight norms)");
   for (int i : {kInput, kPostAttn}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
   if (norm_mode == 1)
     for (int i : {kPreFf, kPostFf}) TORCH_CHECK(n[i].has_value(), "decoder_layer: norm ", i);
@@ -187,8 +191,9 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                         int64_t window, const std::vector<int64_t>& fmts, int64_t isa,
-                        int64_t gemm_rows, const Lora* lora) {
-  const bool gemma = norm_mode == 1, llama = !gemma;
+                        int64_t gemm_rows, const Lora* lora, const OptTensor& sinks) {
+  // gemma: the sandwich structure; llama: Llama's norm numerics (bf16 weight product)
+  const bool gemma = norm_mode == 1, llama = norm_mode == 2;
   const int64_t T = x.size(0);
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
   // q, k, v share h: one parallel region, h quantized once
@@ -198,9 +203,9 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
   at::Tensor q = qkv[0].view({T, num_heads, head_dim});
   at::Tensor k = qkv[1].view({T, num_kv_heads, head_dim});
   at::Tensor v = qkv[2].view({T, num_kv_heads, head_dim});
-  qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? norm_mode : 0, isa);
+  qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? (llama ? 2 : 1) : 0, isa);
   write_kv(k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim);
-  at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa);
+  at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa, sinks);
   const at::Tensor attn = a.view({T, num_heads * head_dim});
   at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows);
   add_lora(lora, kGroupO, attn, {kO}, {&o}, isa);
@@ -210,13 +215,13 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
     out.h = rmsnorm(out.r, *n[kPreFf], eps, false, isa);
   } else {
     out.r = at::add(x, o);
-    out.h = rmsnorm(out.r, *n[kPostAttn], eps, true, isa);
+    out.h = rmsnorm(out.r, *n[kPostAttn], eps, llama, isa);
   }
   return out;
 }
 
 // norm_mode: 1 Gemma numerics (sandwich norms: post-attention and pre/post-feed-forward),
-// 2 Llama numerics (pre-norms only). act: see `activate`.
+// 2 Llama numerics (pre-norms only), 3 pre-norms with Gemma numerics. act: see `activate`.
 // lora: the step's adapters (nullptr: none).
 at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
                      const std::vector<OptTensor>& b, const std::vector<OptTensor>& n,
@@ -232,7 +237,7 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const bool gemma = norm_mode == 1;
   const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
-                                     head_dim, scale, window, fmts, isa, gemm_rows, lora);
+                                     head_dim, scale, window, fmts, isa, gemm_rows, lora, std::nullopt);
   const at::Tensor& h = ah.h;
   // gate and up share h: one parallel region
   std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
@@ -257,11 +262,11 @@ std::vector<at::Tensor> decoder_layer_attn(const at::Tensor& x, const std::vecto
                                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                            double scale, int64_t window, const std::vector<int64_t>& fmts,
-                                           int64_t isa, int64_t gemm_rows) {
+                                           int64_t isa, int64_t gemm_rows, const OptTensor& sinks) {
   check_layer_args(w, b, n, norm_mode, fmts, x, kO + 1);
   const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
-                                     head_dim, scale, window, fmts, isa, gemm_rows, nullptr);
+                                     head_dim, scale, window, fmts, isa, gemm_rows, nullptr, sinks);
   return {ah.r, ah.h};
 }
 
@@ -336,7 +341,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "decoder_layer_attn(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, "
       "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, int window, int[] formats, int isa, int gemm_rows) -> Tensor[]");
+      "int head_dim, float scale, int window, int[] formats, int isa, int gemm_rows, "
+      "Tensor? sinks=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
