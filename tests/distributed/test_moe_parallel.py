@@ -109,6 +109,20 @@ def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
             assert torch.equal(experts.down_proj, whole.down_proj[:, :, inter * rank:inter * (rank + 1)])
 
 
+@pytest.mark.parametrize("family", ["olmo2"])
+def test_two_ranks_give_one_ranks_logits_with_whole_projection_qk_norms(family, checkpoints):
+    """OLMo 2's q/k norms span every head of a token: each rank normalizes its heads' slice by
+    the mean of squares over both ranks' slices."""
+    path = checkpoints(family)
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    ref = PagedRunner(_load(path)).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    q_norm = models[1].model.layers[0].self_attn.q_norm
+    assert q_norm.weight.shape[0] * 2 == q_norm.full_size  # its half of the heads
+
+
 def test_enable_expert_parallel_reaches_the_workers_model_config(checkpoints, monkeypatch):
     """The engine flag travels in the workers' config (their models read it); the engine's own
     config is left as it was. (The numerics: the threaded test above. An end-to-end mp run of

@@ -122,10 +122,12 @@ def test_impossible_tensor_parallel_settings_are_value_errors_before_any_worker(
         LLM(str(checkpoints("llama")), dtype="float32", kv_cache_memory=1 << 22, **options)
 
 
-def test_olmo2_is_refused_on_several_ranks_before_any_worker_starts():
-    """Its q/k norms span every head of a token: one rank only."""
+def test_olmo2_shards_unless_a_kv_head_would_be_replicated():
+    """Its k norm spans every KV head of a token: the ranks' slices must tile them (2 KV heads
+    over 2 ranks), never repeat one (over 4 ranks); refused before any worker starts."""
     from pagedserve.worker.executor import check_shardable
 
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        check_shardable(config_for("olmo2"), 2)
     check_shardable(config_for("olmo2"), 1)
+    check_shardable(config_for("olmo2"), 2)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) divisible by tensor_parallel_size \(4\)"):
+        check_shardable(config_for("olmo2"), 4)

@@ -118,3 +118,11 @@ def _weight_f32(norm: nn.Module, make) -> torch.Tensor:
             cached = (key, make(w.detach()).contiguous())
         norm.__dict__["_w32"] = cached
     return cached[1]
+
+
+def sharded_mean_square(x32: torch.Tensor, tp, full_size: int) -> torch.Tensor:  # [..., 1]
+    """The mean of squares over the last dimension of float32 `x32` when that dimension is this
+    rank's slice of `full_size` features split over `tp`'s ranks: the slices' sums of squares
+    summed over the ranks (one all-reduce), over `full_size` (whole-projection q/k norms under
+    tensor parallelism: OLMoE, OLMo 2)."""
+    return tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / full_size

@@ -7,9 +7,10 @@ Differences from Llama, as in HF 5.x:
   num_heads * head_dim, `k_norm` of num_kv_heads * head_dim) before they are split into heads
   and rotated;
 - OLMo's RMSNorm multiplies the weight in float32 before casting back (Llama's casts first).
-NOTE: the whole-projection q/k norms need every head of a token: one rank only (a
-tensor-parallel shard would need the other ranks' sums of squares). The layer runs its modules
-(the fused decode layer has per-head q/k norms only).
+Under tensor parallelism each rank holds its heads' slice of the q/k projections: the q/k norms
+sum their slices' squares over the ranks (one all-reduce of `[T, 1]` each, as OLMoE's), and need
+num_key_value_heads divisible by tensor_parallel_size (a replicated KV head would count twice).
+The layer runs its modules (the fused decode layer has per-head q/k norms only).
 """
 
 from __future__ import annotations
@@ -21,22 +22,36 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.layers.linear import ShardSpec, set_shard
+from pagedserve.layers.norms import sharded_mean_square
 from pagedserve.layers.rotary import apply_rotary
 from pagedserve.models.base import KVCache
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class Olmo2RMSNorm(nn.Module):
-    """`(weight * (x / rms(x)))` in float32, cast back to the input dtype (HF's `Olmo2RMSNorm`)."""
+    """`(weight * (x / rms(x)))` in float32, cast back to the input dtype (HF's `Olmo2RMSNorm`).
+    With `full_size` and a parallel `tp`, x is this rank's slice of `full_size` features (the
+    q/k projections' heads): the mean of squares spans every rank's slice, the weight is this
+    rank's slice."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, full_size: int | None = None,
+                 tp: TPContext = SINGLE):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.full_size, self.tp = full_size or hidden_size, tp
+        if tp.is_parallel:
+            start = tp.rank * hidden_size
+            set_shard(self.weight, ShardSpec(0, ((start, start + hidden_size),), self.full_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.tp.is_parallel:
+            ms = sharded_mean_square(x32, self.tp, self.full_size)  # [..., 1] over every rank
+        else:  # NOTE: one rank keeps torch's mean (its own summation order)
+            ms = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(ms + self.eps)
         return (self.weight * x32).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -52,8 +67,14 @@ class Olmo2Attention(LlamaAttention):
             scale=head_dim**-0.5, sliding_window=sliding_window, qkv_bias=config.attention_bias,
             o_bias=config.attention_bias, tp=tp,
         )
-        self.q_norm = Olmo2RMSNorm(config.num_attention_heads * head_dim, config.rms_norm_eps)
-        self.k_norm = Olmo2RMSNorm(config.num_key_value_heads * head_dim, config.rms_norm_eps)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if tp.is_parallel and kv_heads % tp.world_size:
+            raise ValueError(f"OLMo 2's k norm needs num_key_value_heads ({kv_heads}) divisible by "
+                             f"tensor_parallel_size ({tp.world_size})")
+        self.q_norm = Olmo2RMSNorm(self.num_heads * head_dim, config.rms_norm_eps,
+                                   full_size=heads * head_dim, tp=tp)
+        self.k_norm = Olmo2RMSNorm(self.num_kv_heads * head_dim, config.rms_norm_eps,
+                                   full_size=kv_heads * head_dim, tp=tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -70,9 +91,6 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: Any, sliding_window: int | None, *, qkv_bias: bool, qk_norm: bool,
                  tp: TPContext = SINGLE):
-        if tp.is_parallel:
-            raise ValueError("OLMo 2 runs with tensor_parallel_size=1 only (its q/k norms span "
-                             "every head of a token)")
         super().__init__(config, sliding_window, qkv_bias=qkv_bias, qk_norm=False, tp=tp)
         head_dim = self.self_attn.head_dim
         self.self_attn = Olmo2Attention(config, head_dim, sliding_window, tp)

@@ -15,7 +15,7 @@ from pagedserve.distributed.tp import TPContext
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedserve.layers.moe import FusedMoE, MoERouting
-from pagedserve.layers.norms import RMSNorm
+from pagedserve.layers.norms import RMSNorm, sharded_mean_square
 from pagedserve.layers.rotary import norm_and_rotate
 from pagedserve.models.base import KVCache
 from pagedserve.models.llama import head_dim_of
@@ -41,8 +41,7 @@ class ShardedRMSNorm(RMSNorm):
             return super().forward(x)
         dtype = x.dtype
         x32 = x.float()
-        sq = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))  # [T, 1]
-        x32 = x32 * torch.rsqrt(sq / self.full_size + self.eps)
+        x32 = x32 * torch.rsqrt(sharded_mean_square(x32, self.tp, self.full_size) + self.eps)  # [T, n]
         return self.weight * x32.to(dtype)
 
 
