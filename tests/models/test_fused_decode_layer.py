@@ -207,6 +207,8 @@ def moe_configs():
         decoder_sparse_step=2)
     yield "qwen2_moe (qkv bias, shared expert)", transformers.Qwen2MoeConfig(
         **COMMON, **moe, num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+    yield "olmoe (whole-projection q/k norms, clip_qkv)", transformers.OlmoeConfig(
+        **COMMON, **moe, num_experts=4, clip_qkv=0.3)
     yield "gpt_oss (sinks, fp32-weight norms, biases, windows)", transformers.GptOssConfig(
         **COMMON, **moe, head_dim=32, num_local_experts=4, sliding_window=5,
         layer_types=["sliding_attention", "full_attention"])
@@ -235,12 +237,17 @@ def test_moe_layers_attention_half_fused_equals_the_modules_bit_for_bit(kernel, 
         assert torch.equal(a, b), f"{name}: decode step {step} differs"
 
 
-def test_moe_layers_without_llama_attention_run_their_modules(kernel, monkeypatch):
-    """OLMoE's q/k norms span the whole projections: its attention is not the fused half's."""
+def test_moe_layers_whose_attention_does_not_declare_the_fused_half_run_their_modules(kernel, monkeypatch):
+    """An attention module other than Llama's runs fused only when it declares that the fused
+    half computes its forward (`fused_attention_half`): without the flag, OLMoE's layers run
+    their modules."""
+    from pagedserve.models.olmoe import OlmoeAttention
+
+    monkeypatch.setattr(OlmoeAttention, "fused_attention_half", False)
     config = transformers.OlmoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                       num_experts=4, num_experts_per_tok=2)
     model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
     calls = []
-    monkeypatch.setattr(cpu_decode, "decoder_layer_attn", lambda *a: calls.append(1))
+    monkeypatch.setattr(cpu_decode, "decoder_layer_attn", lambda *a, **k: calls.append(1))
     _run(model, [[1, 2, 3], [4, 5]], steps=2)
     assert not calls

@@ -148,10 +148,14 @@ def decoder_layer_attn(
     scale: float,
     window: int | None,
     sinks: torch.Tensor | None = None,  # [Hq] sink logits (gpt-oss), or None
+    whole_qk: bool = False,
+    clip_qkv: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # r [T, H], h [T, H] bf16
     """The attention half of `decoder_layer` (see the module docstring): `(r, h)`, or None when
     the call does not apply. `sinks`: as `kernels.cpu_attention.decode_attention`'s (widened to
-    float32 as it does)."""
+    float32 as it does). `whole_qk` (OLMoE): the q / k norms (`norms[4:]`, [Hq * D] / [Hkv * D])
+    normalize the whole projections before the heads are split; `clip_qkv`: q, k, v clamped to
+    [-clip_qkv, clip_qkv] after that."""
     isa = _applies(x, (cos, sin, *biases), (k_cache, v_cache), norm_mode, num_heads,
                    num_kv_heads, head_dim)
     if not isa:
@@ -162,5 +166,5 @@ def decoder_layer_attn(
     r, h = torch.ops.pagedserve_cpu.decoder_layer_attn.default(
         x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0),
-        formats, isa, gemm_rows(spec, torch.bfloat16, isa), sinks)
+        formats, isa, gemm_rows(spec, torch.bfloat16, isa), sinks, bool(whole_qk), float(clip_qkv or 0.0))
     return r, h

@@ -54,9 +54,10 @@ class MoEDecoderLayer(OpsUser, nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        # NOTE: exactly Llama's attention: a subclass or another module (OLMoE's whole-projection
-        # q/k norms, gpt-oss's sinks) computes what the fused attention half does not
-        self.fusable_attention = type(self.self_attn) is LlamaAttention
+        # NOTE: exactly Llama's attention, or a module that declares the fused half computes it
+        # (`fused_attention_half`: OLMoE's); another subclass may compute what the half does not
+        self.fusable_attention = (type(self.self_attn) is LlamaAttention
+                                  or getattr(type(self.self_attn), "fused_attention_half", False))
 
     def layer_norms(self) -> tuple:
         """(input, post-attention, pre-feedforward, post-feedforward) norms, as

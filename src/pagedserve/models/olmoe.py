@@ -47,7 +47,13 @@ class ShardedRMSNorm(RMSNorm):
 
 class OlmoeAttention(OpsUser, nn.Module):
     """q/k/v/o projections; RMSNorm over the full q and k projections (not per head); q/k/v
-    clipped to `clip_qkv` when set; RoPE; paged attention."""
+    clipped to `clip_qkv` when set; RoPE; paged attention. A decode step may run it as the
+    fused attention half (`platforms.cpu_decode`, its `whole_qk` / `clip_qkv` options)."""
+
+    # the fused decode attention half computes exactly this forward (one rank, bf16: the plan
+    # reads q/k/v/o_proj, q_norm / k_norm, attn, clip_qkv and the flag below)
+    fused_attention_half = True
+    whole_projection_qk_norm = True
 
     def __init__(self, config: Any, tp: TPContext):
         super().__init__()

@@ -40,6 +40,8 @@ class _FusedPlan:
     mode: int  # the layer's structure: NORM_GEMMA (sandwich norms) or NORM_LLAMA (pre-norms)
     consts: tuple  # num_heads, num_kv_heads, head_dim, scale, sliding_window, activation code
     sinks: torch.Tensor | None  # the attention's sink logits (gpt-oss) or None
+    whole_qk: bool  # the q/k norms span the whole projections (OLMoE)
+    clip_qkv: float | None  # q, k, v clamped to +-clip_qkv after them (OLMoE), or None
     # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps) or None)
     norm_cache: tuple | None = None
 
@@ -81,6 +83,8 @@ def _fused_plan(layer, attn_only: bool = False) -> _FusedPlan:
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
              attn.attn.sliding_window, act),
             getattr(attn, "sinks", None),
+            bool(getattr(attn, "whole_projection_qk_norm", False)),
+            getattr(attn, "clip_qkv", None),
         )
         layer.__dict__["_fused_plan"] = plan
     return plan
@@ -130,7 +134,8 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     if not plan.usable or rope[0].shape[-1] != plan.consts[2]:  # partial RoPE: the modules
         return None
     norm_args = _norm_args(plan)
-    if norm_args is None or norm_args[2] != plan.mode or plan.sinks is not None:
+    if norm_args is None or norm_args[2] != plan.mode or plan.sinks is not None or plan.whole_qk \
+            or plan.clip_qkv is not None:
         return None
     group = meta.groups[0]
     return decoder_layer(
@@ -142,8 +147,9 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
 
 def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache,
                            meta) -> tuple[torch.Tensor, torch.Tensor] | None:  # r, h [T, H]
-    """The attention half of `layer` (a `models.mixtral.MoEDecoderLayer` with Llama's attention,
-    or `models.gpt_oss.GptOssDecoderLayer`: pre-norms of Llama or fp32-weight numerics, sinks)
+    """The attention half of `layer` (a `models.mixtral.MoEDecoderLayer` with Llama's or OLMoE's
+    attention -- whole-projection q/k norms, clip_qkv --, or `models.gpt_oss.GptOssDecoderLayer`:
+    pre-norms of Llama or fp32-weight numerics, sinks)
     in one compiled call on a decode-only bf16 CPU step of the torch backend on one rank:
     `(r, h)` = (x + attention, the post-attention norm of that), the layer's output being
     `r + layer.mlp(h)`; None elsewhere (and on a step with LoRA adapters: the hooked modules add
@@ -164,5 +170,5 @@ def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, tor
     return decoder_layer_attn(
         x, plan.weights, plan.formats, plan.biases, norm_args[0], mode, norm_args[1],
         *rope, *kv_cache, meta.slot_mapping, group.block_tables, group.seq_lens, *plan.consts[:5],
-        sinks=plan.sinks,
+        sinks=plan.sinks, whole_qk=plan.whole_qk, clip_qkv=plan.clip_qkv,
     )

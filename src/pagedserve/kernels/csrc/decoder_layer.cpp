@@ -161,7 +161,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 //   Gemma:  r = x + norm_post_attn(o); h = norm_pre_ff(r)
 // (norm_mode 3: Llama's structure with Gemma's norm numerics -- the fp32 weight multiplied before
 // one rounding, gpt-oss's norms; `sinks`, gpt-oss: a logit per query head in the attention's
-// softmax denominators.)
+// softmax denominators; `whole_qk`, OLMoE: the q/k norms span the whole projections -- one norm
+// of [T, Hq * D] / [T, Hkv * D] before the heads are split and rotated -- and `clip` > 0 clamps
+// q, k, v to [-clip, clip] after them.)
 struct AttnHalf {
   at::Tensor r, h;
 };
@@ -191,7 +193,8 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                         int64_t window, const std::vector<int64_t>& fmts, int64_t isa,
-                        int64_t gemm_rows, const Lora* lora, const OptTensor& sinks) {
+                        int64_t gemm_rows, const Lora* lora, const OptTensor& sinks,
+                        bool whole_qk, double clip) {
   // gemma: the sandwich structure; llama: Llama's norm numerics (bf16 weight product)
   const bool gemma = norm_mode == 1, llama = norm_mode == 2;
   const int64_t T = x.size(0);
@@ -200,10 +203,18 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
   std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
                                               {fmts[kQ], fmts[kK], fmts[kV]}, isa, gemm_rows);
   add_lora(lora, kGroupQkv, h, {kQ, kK, kV}, {&qkv[0], &qkv[1], &qkv[2]}, isa);
+  OptTensor qn = n[kQNorm], kn = n[kKNorm];  // per-head norms, in the RoPE kernel
+  if (whole_qk) {
+    qkv[0] = rmsnorm(qkv[0], *qn, eps, llama, isa);
+    qkv[1] = rmsnorm(qkv[1], *kn, eps, llama, isa);
+    qn = kn = std::nullopt;
+  }
+  if (clip > 0)
+    for (auto& t : qkv) t = at::clamp(t, -clip, clip);
   at::Tensor q = qkv[0].view({T, num_heads, head_dim});
   at::Tensor k = qkv[1].view({T, num_kv_heads, head_dim});
   at::Tensor v = qkv[2].view({T, num_kv_heads, head_dim});
-  qk_norm_rope(q, k, cos, sin, n[kQNorm], n[kKNorm], eps, n[kQNorm].has_value() ? (llama ? 2 : 1) : 0, isa);
+  qk_norm_rope(q, k, cos, sin, qn, kn, eps, qn.has_value() ? (llama ? 2 : 1) : 0, isa);
   write_kv(k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim);
   at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa, sinks);
   const at::Tensor attn = a.view({T, num_heads * head_dim});
@@ -237,7 +248,8 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const bool gemma = norm_mode == 1;
   const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
-                                     head_dim, scale, window, fmts, isa, gemm_rows, lora, std::nullopt);
+                                     head_dim, scale, window, fmts, isa, gemm_rows, lora, std::nullopt,
+                                     false, 0.0);
   const at::Tensor& h = ah.h;
   // gate and up share h: one parallel region
   std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
@@ -262,11 +274,14 @@ std::vector<at::Tensor> decoder_layer_attn(const at::Tensor& x, const std::vecto
                                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                            double scale, int64_t window, const std::vector<int64_t>& fmts,
-                                           int64_t isa, int64_t gemm_rows, const OptTensor& sinks) {
+                                           int64_t isa, int64_t gemm_rows, const OptTensor& sinks,
+                                           bool whole_qk, double clip) {
   check_layer_args(w, b, n, norm_mode, fmts, x, kO + 1);
+  TORCH_CHECK(!whole_qk || n[kQNorm].has_value(), "decoder_layer_attn: whole_qk needs the q/k norms");
   const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
-                                     head_dim, scale, window, fmts, isa, gemm_rows, nullptr, sinks);
+                                     head_dim, scale, window, fmts, isa, gemm_rows, nullptr, sinks,
+                                     whole_qk, clip);
   return {ah.r, ah.h};
 }
 
@@ -342,7 +357,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, int window, int[] formats, int isa, int gemm_rows, "
-      "Tensor? sinks=None) -> Tensor[]");
+      "Tensor? sinks=None, bool whole_qk=False, float clip=0.0) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
