@@ -85,7 +85,7 @@ def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 3)])
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (3, 3), (34, 1)])
 def test_decode_attention_is_bit_identical_alone_and_in_a_batch_at_any_thread_count(
         kernel, hq, hkv, threads):
     """Alone, a sequence's query heads are split across threads (fewer KV heads than threads);
@@ -110,6 +110,8 @@ def test_decode_attention_is_bit_identical_alone_and_in_a_batch_at_any_thread_co
     (8, 2, 64, 4, None),
     (6, 3, 80, 8, None),
     (2, 2, 128, 1, 7),
+    (32, 1, 576, 16, None),  # MLA (DeepSeek V2): one latent "head" of 512 + 64 for 32 query heads
+    (40, 2, 64, 4, 9),  # 20 query heads per KV head: runs of 16 and 4
 ])
 def test_decode_attention_kernel_matches_gather_and_sdpa(kernel, hq, hkv, d, bs, window,
                                                         monkeypatch):

@@ -45,6 +45,7 @@ def _reference(q, k, v, scale, window):
     (160, 160, 4, 1, 256, 0), (33, 100, 4, 1, 64, 0), (5, 64, 2, 2, 32, 0),
     (70, 70, 4, 1, 64, 8), (40, 101, 2, 1, 32, 17), (200, 200, 4, 1, 256, 512),
     (3, 50, 8, 2, 128, 4),
+    (20, 45, 16, 1, 576, 0),  # MLA (DeepSeek V2): one latent "head" of 512 + 64
 ])
 def test_prefill_attention_matches_exact_attention(n, ctx, hq, hkv, d, window, isa):
     """Causal by position (the chunk is the context's tail: cached context before it), sliding

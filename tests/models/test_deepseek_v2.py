@@ -88,3 +88,42 @@ def test_deepseek_v3_dense_rotate_half_rope(hf_pair, check_hf, prompts):
     hf, model, _ = hf_pair(config)
     assert isinstance(model, DeepseekV3ForCausalLM) and not model.model.layers[0].self_attn.rope_interleave
     check_hf(hf, model, prompts(VOCAB, lengths=(11, 5)))
+
+
+def test_v2_lite_latent_width_bf16_runs_on_the_attention_kernels(hf_pair, monkeypatch):
+    """V2-Lite's real latent width (512 + a 64-wide rope key = one 576-wide cache row) and 16
+    query heads on the one latent "head": bf16 prompts and decode steps run on the compiled
+    attention kernels (never the torch per-row loop), and their logits track the float32
+    model's within bf16 rounding."""
+    from utils import PagedRunner
+
+    from pagedserve.attention.backends import torch_ref
+    from pagedserve.kernels.cpu_gemm import kernel_available
+
+    if not kernel_available():
+        pytest.skip("compiled CPU kernels unavailable")
+    config = transformers.DeepseekV2Config(**_mla(
+        q_lora_rank=None, first_k_dense_replace=2, num_attention_heads=16, num_key_value_heads=16,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32))
+    _, model32, folder = hf_pair(config, std=0.05)
+    model16 = load_model(transformers.AutoConfig.from_pretrained(folder), weights=iter_safetensors(folder),
+                         dtype=torch.bfloat16)
+    assert model16.kv_cache_spec.head_dim == 576
+
+    def steps(model):
+        runner = PagedRunner(model)
+        outs = [runner.step([(0, [1, 17, 250, 3, 99, 42, 7]), (1, [5, 8])])]
+        for tok in (11, 12, 13):
+            outs.append(runner.step([(0, [tok]), (1, [tok + 100])]))
+        return [torch.cat([o[-1:].float() for o in out]) for out in outs]  # last position's logits
+
+    ref = steps(model32)
+
+    def no_torch_loop(*args, **kwargs):
+        raise AssertionError("the torch per-row attention ran")
+
+    monkeypatch.setattr(torch_ref, "_attend_decode_rows", no_torch_loop)
+    got = steps(model16)
+    for step, (a, b) in enumerate(zip(got, ref)):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() < 0.05 * scale, f"step {step}"

@@ -4,9 +4,10 @@ AVX2 builds).
 
 `decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)` attends
 one query token per sequence over its blocks, reading the cache in place (no gathered copy, no
-mask; bf16 or fp8 caches, a bf16 query), or returns None when the kernel does not apply -- not
-bf16 CPU tensors (fp8 caches aside), a head size that is not a multiple of 16 (or above 512),
-more than 16 query heads per KV head, the kernel disabled
+mask; bf16 or fp8 caches, a bf16 query; any number of query heads per KV head, in runs of 16),
+or returns None when the kernel does not apply -- not bf16 CPU tensors (fp8 caches aside), a
+head size that is not a multiple of 16 (or above 1024: MLA's latent + rope key, 576, fits), the
+kernel disabled
 (`PAGEDSERVE_DISABLE_CPU_KERNELS=1`) or unavailable -- and the caller runs the torch path.
 """
 
@@ -40,7 +41,7 @@ def decode_attention(
         return None
     s, hq, d = query.shape
     hkv = k_cache.shape[2]
-    if d % 16 or d > 512 or hq % hkv or hq // hkv > 16 or s == 0:
+    if d % 16 or d > 1024 or hq % hkv or s == 0:
         return None
     if not kernel_available():
         return None
@@ -62,7 +63,8 @@ def prefill_attention(
     """Causal attention of a prompt chunk (the last n positions of a context of ctx) over its
     context, written into `out`: True, or False when the kernel does not apply -- not bf16 CPU
     tensors, a CPU without AVX2 + FMA (or capped below it), a head size that is not a multiple
-    of 32 (or above 512), the kernel disabled or unavailable -- and the caller runs SDPA.
+    of 32 (or above 1024: MLA's 576 fits), the kernel disabled or unavailable -- and the caller
+    runs SDPA.
 
     Scores and softmax in fp32, one rounding of the output. The weights are rounded to bf16
     for the product with V (as a bf16 flash kernel does: on vdpbf16ps on AVX512-BF16, widened
@@ -72,7 +74,7 @@ def prefill_attention(
     if not (query.dtype is key.dtype is value.dtype is out.dtype is torch.bfloat16) or not query.is_cpu:
         return False
     d = query.shape[2]
-    if d % 32 or d > 512 or query.shape[1] % key.shape[1] or query.shape[0] == 0:
+    if d % 32 or d > 1024 or query.shape[1] % key.shape[1] or query.shape[0] == 0:
         return False
     isa = linear_isa()
     if not kernel_available() or isa < ISA_LEVELS["avx2"]:

@@ -30,8 +30,8 @@
 
 namespace {
 
-constexpr int kMaxGroup = 16;   // query heads per KV head handled in one pass
-constexpr int kMaxDim = 512;    // head_dim limit (multiple of 16)
+constexpr int kMaxGroup = 16;   // query heads per KV head handled in one pass (more: in runs)
+constexpr int kMaxDim = 1024;   // head_dim limit (multiple of 16; MLA's latent + rope key: 576)
 
 }  // namespace
 
@@ -61,7 +61,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t S = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t B = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && D <= kMaxDim, "decode_attention: head_dim");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "decode_attention: heads");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "decode_attention: heads");
   TORCH_CHECK(block_tables.size(0) == S && seq_lens.size(0) == S, "decode_attention: rows");
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   const float* sp = nullptr;  // the sink logits [Hq] (gpt-oss), or none
@@ -91,12 +91,14 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const Attend attend = kernels[avx512][fmt];
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
-  // Work units: (sequence, KV head) pairs, each split into `parts` runs of its query heads when
-  // there are fewer pairs than threads (one sequence of a model with one KV head: Gemma 3 270M
-  // at batch 1). NOTE: every query head's arithmetic is its own (the heads of a run share only
-  // the K/V reads), so the split changes no bit.
+  // Work units: (sequence, KV head) pairs, each split into `parts` runs of its query heads: runs
+  // of at most kMaxGroup heads (MLA's one latent "head" serves 16-128 query heads), and more
+  // when there are fewer pairs than threads (one sequence of a model with one KV head: Gemma 3
+  // 270M at batch 1). NOTE: every query head's arithmetic is its own (the heads of a run share
+  // only the K/V reads), so the split changes no bit.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t parts = std::min<int64_t>(G, (threads + S * Hkv - 1) / (S * Hkv));
+  const int64_t parts = std::max<int64_t>((G + kMaxGroup - 1) / kMaxGroup,
+                                          std::min<int64_t>(G, (threads + S * Hkv - 1) / (S * Hkv)));
   at::parallel_for(0, S * Hkv * parts, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     for (int64_t unit = b; unit < e; ++unit) {

@@ -109,7 +109,7 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
   lo &= ~int64_t(1);                               // pairs start at even keys
   const int64_t P2 = s.D / 2;
   // q rows packed as pairs: qp[p][lane]
-  alignas(64) uint32_t qp[256 * 16];
+  alignas(64) uint32_t qp[512 * 16];  // D <= 1024
   for (int64_t p = 0; p < P2; ++p)
     for (int64_t i = 0; i < 16; ++i) {
       uint32_t val = 0;
@@ -352,7 +352,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   Shape s{q.size(0), k.size(0), q.size(1), k.size(1), q.size(2),
           q.stride(0), k.stride(0), out.stride(0), float(scale), window};
   TORCH_CHECK(v.stride(0) == s.sk, "prefill_attention: k and v with the same row stride");
-  TORCH_CHECK(s.D % 32 == 0 && s.D <= 512, "prefill_attention: head_dim a multiple of 32, <= 512");
+  TORCH_CHECK(s.D % 32 == 0 && s.D <= 1024, "prefill_attention: head_dim a multiple of 32, <= 1024");
   TORCH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, "prefill_attention: Hq a multiple of Hkv");
   TORCH_CHECK(s.n <= s.ctx && window >= 0, "prefill_attention: n <= ctx, window >= 0");
   if (s.n == 0) return;
