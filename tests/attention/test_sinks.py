@@ -69,6 +69,23 @@ class Seqs:
             self.done[i] += counts[i]
         return list(out.split([counts[i] for i in rows]))
 
+    def run(self, attn, schedule, sinks):
+        """Feed the steps of `schedule` (counts per sequence); each sequence's outputs joined."""
+        outs = [[] for _ in self.kvq]
+        for counts in schedule:
+            for i, o in zip([i for i, c in enumerate(counts) if c], self.step(attn, counts, sinks)):
+                outs[i].append(o)
+        return [torch.cat(o) for o in outs]
+
+    def run_token_by_token(self, attn, sinks):
+        """Every token alone: decode rows only, all sequences side by side until each is done."""
+        lengths = [len(k) for k, _, _ in self.kvq]
+        return self.run(attn, ([1 if t < n else 0 for n in lengths] for t in range(max(lengths))), sinks)
+
+
+# mixed prompt chunks and decode rows in the same steps, for sequences of 11, 6 and 9 tokens
+MIXED = ([7, 1, 3], [1, 2, 4], [3, 1, 1], [0, 1, 1], [0, 1, 0])
+
 
 @pytest.mark.parametrize("ops", ["cpu", "torch"])
 @pytest.mark.parametrize("window", [None, 5])
@@ -82,27 +99,18 @@ def test_sinks_match_dense_attention_and_do_not_depend_on_chunking(window, ops):
     lengths = [11, 6, 9]
     # one run: mixed prompt chunks and decode rows in the same steps
     a = Seqs(lengths, ops)
-    outs_a = [[] for _ in lengths]
-    for counts in ([7, 1, 3], [1, 2, 4], [3, 1, 1], [0, 1, 1], [0, 1, 0]):
-        for i, o in zip([i for i, c in enumerate(counts) if c], a.step(attn, counts, sinks)):
-            outs_a[i].append(o)
+    outs_a = a.run(attn, MIXED, sinks)
     assert a.done == lengths
     for i, (k, v, q) in enumerate(a.kvq):
         ref = _dense_with_sinks(q, k, v, 0.4, window, sinks)
-        torch.testing.assert_close(torch.cat(outs_a[i]), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs_a[i], ref, atol=1e-5, rtol=1e-5)
     # every token alone (decode rows only): the same bits, token for token
-    b = Seqs(lengths, ops)
-    outs_b = [[] for _ in lengths]
-    for _ in range(max(lengths)):
-        counts = [1 if b.done[i] < n else 0 for i, n in enumerate(lengths)]
-        for i, o in zip([i for i, c in enumerate(counts) if c], b.step(attn, counts, sinks)):
-            outs_b[i].append(o)
-    for x, y in zip(outs_a, outs_b):
-        assert torch.equal(torch.cat(x), torch.cat(y))
+    for x, y in zip(outs_a, Seqs(lengths, ops).run_token_by_token(attn, sinks)):
+        assert torch.equal(x, y)
     # sinks change the result (they take weight from the keys)
     c = Seqs(lengths, ops)
     plain = c.step(attn, [lengths[0], 0, 0], None)[0]
-    assert not torch.allclose(plain, torch.cat(outs_a[0]))
+    assert not torch.allclose(plain, outs_a[0])
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -126,18 +134,10 @@ def test_bf16_sinks_run_on_the_decode_kernel_for_prompt_and_decode_tokens_alike(
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     lengths = [11, 6, 9]
     a = Seqs(lengths, CPU_OPS, d=d, dtype=torch.bfloat16)
-    outs_a = [[] for _ in lengths]
-    for counts in ([7, 1, 3], [1, 2, 4], [3, 1, 1], [0, 1, 1], [0, 1, 0]):
-        for i, o in zip([i for i, c in enumerate(counts) if c], a.step(attn, counts, sinks)):
-            outs_a[i].append(o)
+    outs_a = a.run(attn, MIXED, sinks)
     for i, (k, v, q) in enumerate(a.kvq):
         ref = _dense_with_sinks(q.float(), k.float(), v.float(), 0.4, window, sinks)
-        torch.testing.assert_close(torch.cat(outs_a[i]).float(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(outs_a[i].float(), ref, atol=2e-2, rtol=2e-2)
     b = Seqs(lengths, CPU_OPS, d=d, dtype=torch.bfloat16)
-    outs_b = [[] for _ in lengths]
-    for _ in range(max(lengths)):
-        counts = [1 if b.done[i] < n else 0 for i, n in enumerate(lengths)]
-        for i, o in zip([i for i, c in enumerate(counts) if c], b.step(attn, counts, sinks)):
-            outs_b[i].append(o)
-    for x, y in zip(outs_a, outs_b):
-        assert torch.equal(torch.cat(x), torch.cat(y))
+    for x, y in zip(outs_a, b.run_token_by_token(attn, sinks)):
+        assert torch.equal(x, y)
