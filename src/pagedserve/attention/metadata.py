@@ -11,7 +11,7 @@ that sequence's context of `seq_lens[i]` tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +86,24 @@ class AttentionMetadata:
     # Several KV groups: each model layer's metadata (its column's block tables and slots;
     # `AttentionBatch.width`), read by `models.base.DecoderStack`; None: every layer reads this.
     per_layer: list[AttentionMetadata] | None = None
+    _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:  # [T, max_blocks], [T] int64
+        """Every query token of the step as a decode row: its sequence's block table and its own
+        context length (token j of a chunk of q tokens sees the first `seq_len - q + j + 1`
+        positions). For kernels that attend each token alone (attention sinks on the decode
+        kernel). NOTE: built on first use, then shared by every layer reading this metadata."""
+        if self._token_rows is None:
+            if self.max_query_len == 1:  # decode rows only: one token per sequence
+                self._token_rows = (self.block_tables, self.seq_lens)
+            else:
+                qsl = self.query_start_loc
+                counts = qsl[1:] - qsl[:-1]  # [S] tokens per sequence
+                seq = torch.repeat_interleave(torch.arange(len(counts), device=qsl.device), counts)  # [T]
+                pos = torch.arange(len(seq), device=qsl.device) - qsl[seq]  # [T] index in its chunk
+                lens = self.seq_lens[seq] - counts[seq] + pos + 1  # [T]
+                self._token_rows = (self.block_tables.index_select(0, seq), lens.contiguous())
+        return self._token_rows
 
     @classmethod
     def build(

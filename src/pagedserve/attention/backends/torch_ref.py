@@ -270,21 +270,12 @@ def _sinks_on_decode_kernel(
     ops,
 ) -> torch.Tensor | None:  # [T, Hq, D], or None: the platform has no such kernel here
     """Every query token of the step as one decode row of the platform's decode kernel (with
-    the sinks): token j of a sequence's chunk of q tokens attends over its first
-    `seq_len - q + j + 1` positions through the sequence's block table.
+    the sinks; `AttentionMetadata.token_rows`).
     NOTE: a prompt token and the same token decoded take the same call on the same context, so
     recompute, chunking and batch composition change no bit."""
-    if meta.max_query_len == 1:  # decode rows only: one token per sequence
-        tables, lens = meta.block_tables, meta.seq_lens
-    else:
-        qsl = meta.query_start_loc
-        counts = qsl[1:] - qsl[:-1]  # [S] tokens per sequence
-        seq = torch.repeat_interleave(torch.arange(len(counts), device=qsl.device), counts)  # [T]
-        pos = torch.arange(len(seq), device=qsl.device) - qsl[seq]  # [T] index in its chunk
-        lens = meta.seq_lens[seq] - counts[seq] + pos + 1  # [T] each token's context length
-        tables = meta.block_tables.index_select(0, seq)  # [T, max_blocks]
-    return ops.decode_attention(query, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
-                                scale, sliding_window, sinks=sinks)
+    tables, lens = meta.token_rows()  # [T, max_blocks], [T]: built once a step
+    return ops.decode_attention(query, k_cache, v_cache, tables, lens, scale, sliding_window,
+                                sinks=sinks)
 
 
 def _attend_with_sinks(
