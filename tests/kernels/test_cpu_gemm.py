@@ -299,3 +299,19 @@ def test_extension_build_folder_is_named_by_a_hash_of_the_sources(tmp_path, monk
     # a second source tree with the same sources gets its own folder too (build.ninja holds paths)
     monkeypatch.setattr(extension, "CSRC", tmp_path / "other_checkout")
     assert ext.build_name() != second
+
+
+@pytest.mark.parametrize("t,heads,k,n", [(1, 16, 128, 512), (3, 4, 64, 130), (17, 5, 512, 96), (70, 2, 32, 64)])
+def test_linear_heads_equals_the_loop_over_heads_bit_for_bit(kernel, t, heads, k, n):
+    """MLA's per-head products in one call: each head's result is `bf16_linear`'s for that head
+    (a strided x[:, h], its weight), whatever the row count and the column tiles."""
+    g = torch.Generator().manual_seed(t * heads + n)
+    x = torch.randn(t, heads, k, generator=g).bfloat16()
+    w = torch.randn(heads, n, k, generator=g).bfloat16()
+    got = cpu_gemm.linear_heads(x, w)
+    want = torch.stack([cpu_gemm.bf16_linear(x[:, h], w[h]) for h in range(heads)], dim=1)
+    assert got is not None and got.shape == (t, heads, n)
+    assert torch.equal(got, want)
+    assert cpu_gemm.linear_heads(x.float(), w.float()) is None  # not bf16: the caller's loop
+    with pytest.raises(ValueError, match="Hh"):
+        cpu_gemm.linear_heads(x, w[:1])

@@ -127,3 +127,35 @@ def test_v2_lite_latent_width_bf16_runs_on_the_attention_kernels(hf_pair, monkey
     for step, (a, b) in enumerate(zip(got, ref)):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() < 0.05 * scale, f"step {step}"
+
+
+def test_mla_heads_in_one_call_equal_the_loop_over_heads(hf_pair, monkeypatch):
+    """bf16 MLA: the absorbed per-head products in one compiled call (`ops.linear_heads`) give
+    exactly the logits of the per-head loop, in prompts and decode steps."""
+    from utils import PagedRunner
+
+    from pagedserve.kernels.cpu_gemm import kernel_available
+    from pagedserve.platforms.cpu import CpuOps
+
+    if not kernel_available():
+        pytest.skip("compiled CPU kernels unavailable")
+    config = transformers.DeepseekV2Config(**_mla(q_lora_rank=None, first_k_dense_replace=2))
+    _, _, folder = hf_pair(config, std=0.05)
+    model = load_model(transformers.AutoConfig.from_pretrained(folder), weights=iter_safetensors(folder),
+                       dtype=torch.bfloat16)
+
+    def steps():
+        runner = PagedRunner(model)
+        outs = [runner.step([(0, [1, 17, 250, 3, 99, 42, 7]), (1, [5, 8])])]
+        for tok in (11, 12, 13):
+            outs.append(runner.step([(0, [tok]), (1, [tok + 100])]))
+        return [torch.cat(out) for out in outs]
+
+    calls = []
+    real = CpuOps.linear_heads
+    monkeypatch.setattr(CpuOps, "linear_heads", lambda self, x, w: calls.append(1) or real(self, x, w))
+    fused = steps()
+    assert calls
+    monkeypatch.setattr(CpuOps, "linear_heads", lambda self, x, w: None)
+    for step, (a, b) in enumerate(zip(fused, steps())):
+        assert torch.equal(a, b), f"step {step}"

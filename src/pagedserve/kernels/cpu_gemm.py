@@ -54,7 +54,7 @@ _EXTENSION = LazyExtension(
     "pagedserve_cpu_kernels",
     ["argmax.cpp", "rms_norm.cpp", "paged_attention.cpp", "rotary.cpp", "decoder_layer.cpp",
      "sampling.cpp", "qlinear.cpp", "threads.cpp", "prefill_attention.cpp", "lora_bgmv.cpp",
-     "moe.cpp"],
+     "moe.cpp", "linear_heads.cpp"],
     ["cpu_isa.h", "qformats.h", "qlinear_blocks.h", "qlinear_impl.h", "qlinear_q8.h", "qlinear_q8_vnni.h", "qlinear_q8_gemm.h", "qlinear_bcast.h", "qlinear_vnni.h",
      "vec16.h",
      "vec16_build.h", "argmax_impl.h", "argmax_best.h", "argmax_rows.h",
@@ -168,6 +168,21 @@ def bf16_linear(
     else:
         y = F.linear(x, weight, bias)
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+def linear_heads(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:  # [T, Hh, N]
+    """`y[:, h] = x[:, h] @ weight[h].T` for x `[T, Hh, K]` and bf16 weights `[Hh, N, K]` (a
+    different weight per head: MLA's absorbed projections) in one compiled call, bit-identical
+    to `bf16_linear(x[:, h], weight[h])` head by head; None where that loop would not take the
+    kernel (not bf16 CPU tensors, a gradient needed, kernels unavailable) -- run the loop."""
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: [T, Hh, K] and [Hh, N, K]")
+    if getattr(weight, "quant", None) is not None or not _use_kernel(x, weight, None, x.shape[0]):
+        return None
+    isa = linear_isa()
+    if not isa:
+        return None
+    return torch.ops.pagedserve_cpu.qlinear_heads.default(x, weight, 0, x.shape[2], isa, 0)
 
 
 def _padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int) -> torch.Tensor:

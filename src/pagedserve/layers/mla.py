@@ -188,11 +188,19 @@ class MLAttention(OpsUser, nn.Module):
         latent = torch.cat((c, k_pe[:, 0]), dim=-1)  # [T, r + dr]
 
         w_uk_t, w_uv = self.absorbed_weights()
-        q_lat = torch.stack([self.ops.linear(q_nope[:, i], w_uk_t[i]) for i in range(h)], dim=1)
+        q_lat = self._per_head(q_nope, w_uk_t)  # [T, Hq, r]
         query = torch.cat((q_lat.to(q_pe.dtype), q_pe), dim=-1)  # [T, Hq, r + dr]
         o_lat = self._attend(query, latent, kv_cache, meta)  # [T, Hq, r]
-        out = torch.stack([self.ops.linear(o_lat[:, i], w_uv[i]) for i in range(h)], dim=1)
+        out = self._per_head(o_lat, w_uv)  # [T, Hq, v_head_dim]
         return self.o_proj(out.reshape(t, h * self.v_head_dim))  # [T, H]
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [T, Hq, K] -> [T, Hq, N]
+        """`linear(x[:, i], w[i])` for every head i: in one call where the platform has one
+        (bit-identical to the loop), else the loop."""
+        y = self.ops.linear_heads(x, w)
+        if y is None:
+            y = torch.stack([self.ops.linear(x[:, i], w[i]) for i in range(x.shape[1])], dim=1)
+        return y
 
     def _attend(
         self,

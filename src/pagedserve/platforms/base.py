@@ -51,6 +51,11 @@ class LayerOps:
         through here, so a platform can keep a row's bits independent of its batch."""
         return F.linear(x, weight, bias)
 
+    def linear_heads(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """`y[:, h] = linear(x[:, h], weight[h])` for x `[T, Hh, K]`, weight `[Hh, N, K]` in one
+        call, bit-identical to `linear` head by head; or None: the caller loops over the heads."""
+        return None
+
     def lora_bgmv(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `lora_shrink` / `lora_expand_` (per-token LoRA products, Punica's BGMV) run
         here for adapters of `dtype` on `device`; False: `lora.layers` runs its torch paths."""

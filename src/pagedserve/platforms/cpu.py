@@ -44,6 +44,13 @@ class CpuOps(LayerOps):
                 return y
         return cpu_gemm.bf16_linear(x, weight, bias)
 
+    def linear_heads(self, x, weight):
+        """bf16 heads in one call of the kernel `linear` runs for each (`cpu_gemm.linear_heads`);
+        None for float32 (its products are the batch-invariant fp32 kernel's) and elsewhere."""
+        if x.dtype is not torch.bfloat16:
+            return None
+        return cpu_gemm.linear_heads(x, weight)
+
     def quantized_embedding(self, input_ids, weight):
         return qembedding(input_ids, weight)
 
