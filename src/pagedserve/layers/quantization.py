@@ -93,7 +93,8 @@ def _quantizable_classes() -> tuple[type, ...]:
     return ColumnParallelLinear, RowParallelLinear, ParallelLMHead, VocabParallelEmbedding
 
 
-def _owners(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str]]:
+def owners_of(model: nn.Module, param: torch.Tensor) -> list[tuple[nn.Module, str]]:
+    """(module, name) of every place `param` is registered in `model` (a tied weight: several)."""
     return [(m, k) for m in model.modules() for k, p in m._parameters.items() if p is param]
 
 
@@ -101,7 +102,7 @@ def can_quantize(model: nn.Module, param: torch.Tensor) -> bool:
     """Whether `param` may be replaced by a quantized weight: the `weight` of linear layers, LM
     heads and embeddings, and the stacked expert weights of MoE layers (a module's
     `quantizable` names), on one rank, in a CPU model."""
-    owners = _owners(model, param)
+    owners = owners_of(model, param)
     classes = _quantizable_classes()
     return bool(owners) and param.device.type == "cpu" and all(
         ((isinstance(m, classes) and k == "weight") or k in getattr(m, "quantizable", ()))
@@ -114,7 +115,7 @@ def install_quantized(model: nn.Module, param: torch.Tensor, weight: torch.Tenso
     returns the new parameter."""
     new = nn.Parameter(weight, requires_grad=False)
     new.quant = weight.quant
-    for module, key in _owners(model, param):
+    for module, key in owners_of(model, param):
         module._parameters[key] = new
     return new
 

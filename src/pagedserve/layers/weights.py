@@ -191,10 +191,10 @@ def _unpack_stack(module: nn.Module, stack: torch.Tensor, filled: set[int], firs
         part = type(first)(stack.data[e], spec.format, (n, k), first.ggml_type, perm=spec.perm,
                            dequantizer=first.dequantizer)
         dense[e].copy_(part.dequantize())
-    for owner in module.modules():
-        for key, p in owner._parameters.items():
-            if p is stack:
-                owner._parameters[key] = dense
+    from pagedserve.layers.quantization import owners_of
+
+    for owner, key in owners_of(module, stack):
+        owner._parameters[key] = dense
     return dense
 
 
