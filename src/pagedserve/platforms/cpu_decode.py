@@ -42,7 +42,8 @@ class _FusedPlan:
     sinks: torch.Tensor | None  # the attention's sink logits (gpt-oss) or None
     whole_qk: bool  # the q/k norms span the whole projections (OLMoE)
     clip_qkv: float | None  # q, k, v clamped to +-clip_qkv after them (OLMoE), or None
-    # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps) or None)
+    # (the norm weights' (data_ptr, version) when built, ([fp32 weight or None] x 6, eps,
+    # numerics) or None)
     norm_cache: tuple | None = None
 
 
@@ -69,7 +70,13 @@ def _fused_plan(layer, attn_only: bool = False) -> _FusedPlan:
         # csrc/decoder_layer.cpp would be the modules' op), nor partial RoPE (Phi-4-mini: the
         # check on the rope width below): such layers run their modules. OLMo 2's layer is not
         # a fusable one (post-norms, whole-projection q/k norms).
+        sinks = getattr(attn, "sinks", None)
+        whole_qk = bool(getattr(attn, "whole_projection_qk_norm", False))
+        clip_qkv = getattr(attn, "clip_qkv", None)
+        # (the whole layer's call takes none of the attention half's options)
+        extras = sinks is not None or whole_qk or clip_qkv is not None
         usable = not (formats is None or act is None or attn.o_proj.tp.is_parallel
+                      or (not attn_only and extras)
                       or (not attn_only and mlp.down_proj.tp.is_parallel)
                       or attn.attn.softcap is not None
                       or getattr(attn, "rope_interleaved", False)
@@ -82,9 +89,7 @@ def _fused_plan(layer, attn_only: bool = False) -> _FusedPlan:
             NORM_GEMMA if norms[2] is not None else NORM_LLAMA,
             (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
              attn.attn.sliding_window, act),
-            getattr(attn, "sinks", None),
-            bool(getattr(attn, "whole_projection_qk_norm", False)),
-            getattr(attn, "clip_qkv", None),
+            sinks, whole_qk, clip_qkv,
         )
         layer.__dict__["_fused_plan"] = plan
     return plan
@@ -134,8 +139,7 @@ def fused_decode_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.T
     if not plan.usable or rope[0].shape[-1] != plan.consts[2]:  # partial RoPE: the modules
         return None
     norm_args = _norm_args(plan)
-    if norm_args is None or norm_args[2] != plan.mode or plan.sinks is not None or plan.whole_qk \
-            or plan.clip_qkv is not None:
+    if norm_args is None or norm_args[2] != plan.mode:
         return None
     group = meta.groups[0]
     return decoder_layer(
@@ -149,11 +153,11 @@ def fused_decode_attention(layer, x: torch.Tensor, rope: tuple[torch.Tensor, tor
                            meta) -> tuple[torch.Tensor, torch.Tensor] | None:  # r, h [T, H]
     """The attention half of `layer` (a `models.mixtral.MoEDecoderLayer` with Llama's or OLMoE's
     attention -- whole-projection q/k norms, clip_qkv --, or `models.gpt_oss.GptOssDecoderLayer`:
-    pre-norms of Llama or fp32-weight numerics, sinks)
-    in one compiled call on a decode-only bf16 CPU step of the torch backend on one rank:
-    `(r, h)` = (x + attention, the post-attention norm of that), the layer's output being
-    `r + layer.mlp(h)`; None elsewhere (and on a step with LoRA adapters: the hooked modules add
-    them). Bypasses the submodules' forward hooks as `fused_decode_layer` does."""
+    pre-norms of Llama or fp32-weight numerics, sinks) in one compiled call on a decode-only
+    bf16 CPU step of the torch backend on one rank: `(r, h)` = (x + attention, the
+    post-attention norm of that), the layer's output being `r + layer.mlp(h)`; None elsewhere
+    (and on a step with LoRA adapters: the hooked modules add them). Bypasses the submodules'
+    forward hooks as `fused_decode_layer` does."""
     if not _fusable_step(x, meta):
         return None
     stacks = layer.__dict__.get("lora_stacks")
