@@ -164,10 +164,9 @@ def test_fused_decode_layer_follows_norm_weights_changed_in_place(kernel, monkey
         assert torch.equal(a, b), f"{name}: decode step {step} differs after the norm change"
 
 
-@pytest.mark.parametrize("batch", [3, 9])  # 9 >= GEMM_ROWS on AVX512-BF16: the blocked GEMM too
-def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kernel, batch, monkeypatch):
-    """The fused layer's q / k / v and gate / up products run as one call each (qlinear_fused):
-    with Q8_0 / Q5_0 weights as a GGUF file stores them, the logits still equal the modules'."""
+def _quantize_projections(model, mlp: bool) -> None:
+    """Each layer's q / k / v / o (and gate / up / down: `mlp`) as GGUF blocks, Q8_0 and Q5_0
+    alternating."""
     import numpy as np
     from gguf import GGMLQuantizationType as T
     from gguf.quants import quantize
@@ -175,17 +174,26 @@ def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kern
     from pagedserve.kernels.cpu_qlinear import FORMATS
     from pagedserve.layers.quantization import QuantizedTensor, install_quantized_tensor
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2)
-    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        for j, mod in enumerate([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                 mlp.gate_proj, mlp.up_proj, mlp.down_proj]):
+        attn = layer.self_attn
+        mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if mlp:
+            mods += [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        for j, mod in enumerate(mods):
             fmt, qtype = (("q8_0", T.Q8_0), ("q5_0", T.Q5_0))[(i + j) % 2]
             w = mod.weight.float().numpy()
             blocks = torch.from_numpy(np.ascontiguousarray(quantize(w, qtype)))
             install_quantized_tensor(model, mod.weight, QuantizedTensor(blocks, FORMATS[fmt], w.shape, int(qtype)))
+
+
+@pytest.mark.parametrize("batch", [3, 9])  # 9 >= GEMM_ROWS on AVX512-BF16: the blocked GEMM too
+def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kernel, batch, monkeypatch):
+    """The fused layer's q / k / v and gate / up products run as one call each (qlinear_fused):
+    with Q8_0 / Q5_0 weights as a GGUF file stores them, the logits still equal the modules'."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    _quantize_projections(model, mlp=True)
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in range(3, 3 + batch)]
     calls = _count_fused_calls(monkeypatch)
     fused = _run(model, prompts, steps=4)
@@ -214,13 +222,18 @@ def moe_configs():
         layer_types=["sliding_attention", "full_attention"])
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "gguf-attention"])
 @pytest.mark.parametrize("name,config", list(moe_configs()), ids=[n for n, _ in moe_configs()])
-def test_moe_layers_attention_half_fused_equals_the_modules_bit_for_bit(kernel, name, config, monkeypatch):
+def test_moe_layers_attention_half_fused_equals_the_modules_bit_for_bit(kernel, name, config, quantized,
+                                                                       monkeypatch):
     """Decode steps of MoE models: the attention half in one call, then the MoE block; logits
-    (so tokens and logprobs) equal the modules' exactly."""
+    (so tokens and logprobs) equal the modules' exactly, with bf16 attention projections or
+    GGUF blocks (Q8_0 / Q5_0) of them, over 3 and (quantized) 9 sequences."""
     torch.manual_seed(0)
     model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
-    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (7, 3, 11)]
+    if quantized:
+        _quantize_projections(model, mlp=False)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in ((7, 3, 11) + ((5, 2, 8, 4, 6, 9) if quantized else ()))]
     calls, real = [], cpu_decoder_layer.decoder_layer_attn
 
     def counting(*args, **kwargs):
