@@ -1,0 +1,303 @@
+"""A GGUF header's metadata as the HF config a checkpoint of the same model would carry.
+
+`build_gguf_config_dict(header)`: the `AutoConfig.for_model` kwargs (sizes, rope and its scaling,
+MoE routing, the dense families' extras) from llama.cpp's metadata keys, for the architectures in
+`SUPPORTED_ARCHITECTURES`. `models.gguf_loader` caches the result per file with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
+from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
+
+SUPPORTED_ARCHITECTURES = (
+    "gemma3", "llama", "qwen2", "qwen3",
+    "qwen2moe", "qwen3moe", "olmoe",  # mixture of experts (Mixtral is "llama" with experts)
+    "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
+) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
+"""GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
+
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")})
+_HF_ARCHITECTURE = {
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+# NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
+# it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
+_MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
+
+
+def _check_supported(header: GGUFHeader) -> None:
+    if header.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {header.architecture!r} ({header.path.name}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def _require(header: GGUFHeader, key: str) -> Any:
+    value = header.arch_key(key)
+    if value is None:
+        raise ValueError(f"{header.path.name}: metadata key {header.architecture}.{key} is missing")
+    return value
+
+
+def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
+    """The HF config kwargs (for `AutoConfig.for_model`) a GGUF header describes.
+
+    Mirrors what transformers' GGUF loader reads (`GGUF_CONFIG_MAPPING`), plus what it misses:
+    `head_dim` from `attention.key_length`, rope scaling (including Llama 3's `rope_freqs` tensor),
+    Gemma 3's `query_pre_attn_scalar` for the 27B model, `attention_bias`, `architectures`.
+
+    Raises:
+        ValueError: unsupported architecture or missing/unsupported metadata.
+    """
+    _check_supported(header)
+    arch = header.architecture
+    if arch in FAMILY_ARCHITECTURES:  # deepseek2, gpt-oss: models/gguf_families.py
+        from pagedserve.models.gguf_families import config_dict
+
+        return config_dict(header)
+    md = header.metadata
+    tensor_names = {t.name for t in header.tensors}
+
+    hidden = int(_require(header, "embedding_length"))
+    n_heads = int(_require(header, "attention.head_count"))
+    n_kv = header.arch_key("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer counts (not used by our architectures)
+        raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
+    head_dim = header.arch_key("attention.key_length")
+    if not head_dim and arch not in _PARTIAL_ROPE_ARCHS:  # there rope.dimension_count is the rotated part
+        head_dim = header.arch_key("rope.dimension_count")
+    head_dim = int(head_dim) if head_dim else hidden // n_heads
+
+    model_type = _HF_MODEL_TYPE[arch]
+    name = md.get("general.name")
+    if arch == "llama" and isinstance(name, str) and "mistral" in name.lower():
+        model_type = "mistral"  # llama.cpp writes Mistral models as "llama"
+    if arch == "llama" and header.arch_key("expert_count"):
+        model_type = "mixtral"  # llama.cpp writes Mixtral as "llama" with experts
+
+    # NOTE: the embedding's row count is what the weights need; the token list can be shorter.
+    token_embd = header.tensor("token_embd.weight")
+    vocab_size = header.arch_key("vocab_size") or (token_embd.shape[0] if token_embd is not None else None)
+    vocab_size = vocab_size or md.get("tokenizer.ggml.tokens")
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [_HF_ARCHITECTURE[model_type]],
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(header, "feed_forward_length")),
+        "num_hidden_layers": int(_require(header, "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(_require(header, "context_length")),
+        "rms_norm_eps": float(_require(header, "attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(vocab_size) if vocab_size is not None else None,
+        # NOTE: llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+    }
+    if cfg["vocab_size"] is None:
+        raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
+    if (unk := md.get("tokenizer.ggml.unknown_token_id")) is not None:
+        cfg["unk_token_id"] = unk
+    if (theta := header.arch_key("rope.freq_base")) is not None:
+        cfg["rope_theta"] = float(theta)
+    rope_scaling = None if arch == "phi3" else _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0))
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
+    if arch in _DENSE_FAMILY_CONFIG:
+        _DENSE_FAMILY_CONFIG[arch](header, cfg)
+
+    if model_type == "mistral":
+        # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"
+        # GGUFs with full attention and stores no window, so neither do we.
+        cfg["sliding_window"] = None
+    if model_type in _MOE_RENORMALIZE:
+        cfg.update(_moe_config(header, model_type, cfg))
+    if arch == "llama":
+        cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in tensor_names)
+        cfg["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in tensor_names)
+    if arch == "gemma3":
+        if (window := header.arch_key("attention.sliding_window")) is not None:
+            cfg["sliding_window"] = int(window)
+        # NOTE: without this key llama.cpp (and HF's default) use 5 sliding layers then 1 full.
+        pattern = header.arch_key("attention.sliding_window_pattern")
+        if isinstance(pattern, int) and pattern > 0:
+            cfg["layer_types"] = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])
+            ]
+        elif isinstance(pattern, list):  # one flag per layer, True = sliding window
+            cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+        if (swa_theta := header.arch_key("rope.freq_base_swa")) is not None:
+            cfg["rope_local_base_freq"] = float(swa_theta)
+        # NOTE: llama.cpp scales queries by 1/sqrt(head_dim), except for the 27B model (62 layers)
+        # which uses 1/sqrt(hidden/heads); HF states this as query_pre_attn_scalar.
+        cfg["query_pre_attn_scalar"] = hidden // n_heads if cfg["num_hidden_layers"] == 62 else head_dim
+    return cfg
+
+
+def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of the HF config (experts, routed per token, expert widths) from llama.cpp's
+    `expert_*` keys."""
+    experts = int(_require(header, "expert_count"))
+    out: dict[str, Any] = {
+        "num_local_experts" if model_type == "mixtral" else "num_experts": experts,
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "norm_topk_prob": _MOE_RENORMALIZE[model_type],
+    }
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        width = header.arch_key("expert_feed_forward_length") or cfg["intermediate_size"]
+        out["moe_intermediate_size"] = int(width)
+        out["decoder_sparse_step"], out["mlp_only_layers"] = 1, []  # every layer has experts
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(_require(header, "expert_shared_feed_forward_length"))
+        out["qkv_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+    if model_type == "olmoe" and (clip := header.arch_key("attention.clamp_kqv")) is not None:
+        out["clip_qkv"] = float(clip)
+    if model_type == "mixtral":
+        out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
+    return out
+_PARTIAL_ROPE_ARCHS = ("phi3", "glm4")
+
+
+def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """`partial_rotary_factor` from `rope.dimension_count` (the rotated part of each head)."""
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None:
+        cfg["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
+
+
+def _phi3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Phi-3: partial RoPE, LongRoPE from the `rope_factors_long` / `rope_factors_short` tensors
+    and `rope.scaling.original_context_length`; `sliding_window` (0: none), kept as HF keeps it
+    (NOTE: llama.cpp disables Phi-3's sliding window; HF applies it)."""
+    _partial_rotary(header, cfg)
+    if (original := header.arch_key("rope.scaling.original_context_length")) is not None:
+        cfg["original_max_position_embeddings"] = int(original)
+    long, short = header.tensor("rope_factors_long.weight"), header.tensor("rope_factors_short.weight")
+    if long is not None and short is not None:
+        blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _read_tensor_f32(blob, long).tolist(),
+            "short_factor": _read_tensor_f32(blob, short).tolist(),
+        }
+    window = header.arch_key("attention.sliding_window")
+    cfg["sliding_window"] = int(window) if window else None
+
+
+def _gemma2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Gemma 2: soft-capping values, the window of its every-other sliding layers, and the query
+    scale llama.cpp uses (1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B's 46 layers)."""
+    cfg["attn_logit_softcapping"] = header.arch_key("attn_logit_softcapping")
+    cfg["final_logit_softcapping"] = header.arch_key("final_logit_softcapping")
+    if (window := header.arch_key("attention.sliding_window")) is not None:
+        cfg["sliding_window"] = int(window)
+    n_heads = cfg["num_attention_heads"]
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // n_heads if cfg["num_hidden_layers"] == 46
+                                    else cfg["head_dim"])
+
+
+def _granite_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Granite's four multipliers (llama.cpp names them scales)."""
+    for key, name in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                      ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+        if (value := header.arch_key(key)) is not None:
+            cfg[name] = float(value)
+
+
+def _glm4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """GLM-4: partial (interleaved) RoPE; q/k/v biases when the file has them."""
+    _partial_rotary(header, cfg)
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
+def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
+def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """SmolLM3: llama.cpp fixes no RoPE on every fourth layer (as HF's default interval)."""
+    cfg["no_rope_layer_interval"] = 4
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
+_DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
+                        "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config}
+
+
+def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `<arch>.rope.scaling.*` keys or a Llama 3 `rope_freqs` tensor."""
+    kind = header.arch_key("rope.scaling.type")
+    factor = header.arch_key("rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        if kind == "yarn" and (orig := header.arch_key("rope.scaling.original_context_length")):
+            scaling["original_max_position_embeddings"] = int(orig)
+        return scaling
+    if kind not in (None, "none") and factor not in (None, 1.0):
+        raise ValueError(f"{header.path.name}: rope scaling type {kind!r} is not supported")
+
+    info = header.tensor("rope_freqs.weight")
+    if info is None:
+        return None
+    blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+    factors = _read_tensor_f32(blob, info).double()  # [head_dim // 2]
+    return _llama3_rope_scaling_from_factors(factors, head_dim, theta, header.path.name)
+
+
+def _llama3_rope_scaling_from_factors(
+    factors: torch.Tensor, head_dim: int, theta: float, file_name: str
+) -> dict[str, Any]:
+    """Recover HF's llama3 rope parameters from llama.cpp's per-frequency `rope_freqs` factors.
+
+    llama.cpp's converter bakes Llama 3.x's rope scaling into one divisor per frequency; the four
+    parameters it was computed from are not stored. Meta's released models all use low/high
+    frequency factors 1 and 4 and an original context of 8192, with `factor` the largest divisor:
+    try those, and accept them only if they reproduce the stored factors.
+    """
+    factor = float(factors.max())
+    candidate = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [head_dim // 2]
+    wavelen = 2 * math.pi / inv_freq
+    old_ctx, low, high = 8192.0, 1.0, 4.0
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    expected = torch.where(
+        wavelen < old_ctx / high,
+        torch.ones_like(wavelen),
+        torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), 1 / ((1 - smooth) / factor + smooth)),
+    )  # [head_dim // 2]
+    if factors.shape != expected.shape or not torch.allclose(factors, expected, rtol=1e-4, atol=1e-4):
+        raise ValueError(f"{file_name}: rope_freqs.weight does not match Llama 3 rope scaling; not supported")
+    return candidate
