@@ -16,20 +16,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <omp.h>
 
 #include "cpu_isa.h"
+#include "omp_region.h"
 #include "qlinear_api.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 namespace {
@@ -61,39 +58,30 @@ at::Tensor qlinear_heads(const at::Tensor& x, const at::Tensor& w, int64_t fmt, 
   std::vector<std::shared_ptr<ps_qlinear::XShare>> share(nh);
   std::vector<ps_qlinear::Prepared> prepared(nh);
   const int64_t tiles = (N + kTile - 1) / kTile;
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex error_mu;
-  auto fail = [&]() {
-    std::lock_guard<std::mutex> lock(error_mu);
-    if (!error) error = std::current_exception();
-    failed = true;
-  };
-  const at::ThreadLocalState tls;  // grad / inference mode of the caller, in every thread
-  const int threads = int(std::max<int64_t>(1, at::get_num_threads()));
+  ps_omp::Region region;
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(region.threads)
   {
-    at::ThreadLocalStateGuard tls_guard(tls);
+    at::ThreadLocalStateGuard tls_guard(region.tls);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t h = 0; h < Hh; ++h) {
-      if (failed) continue;
+      if (region.failed) continue;
       try {
         share[size_t(h)] = ps_qlinear::new_x_share();
         prepared[size_t(h)] = ps_qlinear::prepare(*share[size_t(h)], xt.select(0, h), w.select(0, h), fmt, K,
                                                   c10::nullopt, false, isa, gemm_rows);
       } catch (...) {
-        fail();
+        region.capture();
       }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < Hh * tiles; ++item) {
-      if (failed) continue;
+      if (region.failed) continue;
       const int64_t h = item / tiles, nb = item % tiles * kTile, ne = std::min(N, nb + kTile);
       prepared[size_t(h)].run(y_p + h * N * es, Hh * N, 0, nb, ne);
     }
   }
-  if (error) std::rethrow_exception(error);
+  region.rethrow();
   return y;
 }
 

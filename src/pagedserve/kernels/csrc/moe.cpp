@@ -26,21 +26,18 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <omp.h>
 
 #include "cpu_isa.h"
+#include "omp_region.h"
 #include "qlinear_api.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #define PS_VEC_KERNEL "moe_impl.h"
@@ -152,25 +149,16 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
   const int64_t i_tiles = (I + kTile - 1) / kTile, h_tiles = (H + kTile - 1) / kTile;
   const bool wide = ps_isa::use_avx512(isa);
 
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex error_mu;
-  auto fail = [&]() {
-    std::lock_guard<std::mutex> lock(error_mu);
-    if (!error) error = std::current_exception();
-    failed = true;
-  };
-  const at::ThreadLocalState tls;  // grad / inference mode of the caller, in every thread
-  const int threads = int(std::max<int64_t>(1, at::get_num_threads()));
+  ps_omp::Region region;
 
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(region.threads)
   {
-    at::ThreadLocalStateGuard tls_guard(tls);
+    at::ThreadLocalStateGuard tls_guard(region.tls);
     std::vector<char> buf(size_t(max_n * kTile * es));  // a tile of down's result
     // 1. gather, set up gate / up
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < A; ++i) {
-      if (failed) continue;
+      if (region.failed) continue;
       try {
         const int64_t e = active[size_t(i)], lo = count[size_t(e)], n = count[size_t(e) + 1] - lo;
         for (int64_t r = 0; r < n; ++r)
@@ -182,13 +170,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
         p_up[size_t(i)] = ps_qlinear::prepare(*x_share[size_t(i)], xe, w_up.select(0, e), fmts[1], H,
                                               bias_of(b_up, e), false, isa, gemm_rows[1]);
       } catch (...) {
-        fail();
+        region.capture();
       }
     }
     // 2. gate / up tiles and the activation
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < A * i_tiles; ++item) {
-      if (failed) continue;
+      if (region.failed) continue;
       const int64_t i = item / i_tiles, nb = item % i_tiles * kTile, ne = std::min(I, nb + kTile);
       const int64_t e = active[size_t(i)], lo = count[size_t(e)], n = count[size_t(e) + 1] - lo;
       p_gate[size_t(i)].run(gate_p + lo * I * es, I, 0, nb, ne);
@@ -203,20 +191,20 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
     // 3. set up down
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < A; ++i) {
-      if (failed) continue;
+      if (region.failed) continue;
       try {
         const int64_t e = active[size_t(i)], lo = count[size_t(e)], n = count[size_t(e) + 1] - lo;
         h_share[size_t(i)] = ps_qlinear::new_x_share();
         p_down[size_t(i)] = ps_qlinear::prepare(*h_share[size_t(i)], h.narrow(0, lo, n), w_down.select(0, e),
                                                 fmts[2], I, bias_of(b_down, e), false, isa, gemm_rows[2]);
       } catch (...) {
-        fail();
+        region.capture();
       }
     }
     // 4. down tiles, each expert's added into its tokens' rows in ascending expert order
 #pragma omp for schedule(dynamic, 1)
     for (int64_t tile = 0; tile < h_tiles; ++tile) {
-      if (failed) continue;
+      if (region.failed) continue;
       const int64_t nb = tile * kTile, ne = std::min(H, nb + kTile), w = ne - nb;
       for (int64_t i = 0; i < A; ++i) {
         const int64_t e = active[size_t(i)], lo = count[size_t(e)], n = count[size_t(e) + 1] - lo;
@@ -230,7 +218,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
       }
     }
   }
-  if (error) std::rethrow_exception(error);
+  region.rethrow();
   return out;
 }
 
