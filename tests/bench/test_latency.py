@@ -65,3 +65,16 @@ def test_bench_latency_runs_a_dummy_model(tmp_path, capsys):
     for word in ("latency: mean", "prefill:", "decode:", "tok/s", "bandwidth roofline",
                  "% of peak"):
         assert word in out, out
+
+
+def test_bench_latency_profile_kernels_prints_the_top_ops(tmp_path, capsys):
+    model = write_llama_config(tmp_path / "m")
+    rc = main(["bench", "latency", "--model", str(model), "--load-format", "dummy",
+               "--dtype", "float32", "--batch-size", "2", "--input-len", "5",
+               "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+               "--kv-cache-memory", str(1 << 22), "--no-roofline", "--profile-kernels", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "kernel profile: one run of batch 2, input 5, output 2" in out
+    table = out.split("kernel profile:", 1)[1]
+    assert "Self CPU" in table and "aten::" in table, table

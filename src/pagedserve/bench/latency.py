@@ -10,6 +10,10 @@ The roofline report sets the decode step beside two bounds: the memory-bandwidth
 weight byte read once per step: `weight_bytes / --bandwidth`, default 4.8e12 B/s, an H200) and
 the compute bound (2 FLOPs per parameter per token: `2 * params * B / step`, against
 `--peak-tflops`, default 790, the H200's dense bf16).
+
+`--profile-kernels N` then runs the batch once more for N tokens under torch.profiler and prints
+the top operators and kernels by self time on the device (CUDA kernels on a GPU, ops on CPU):
+where a missed roofline target goes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def add_bench_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=790.0,
                    help="peak dense TFLOP/s for the roofline (default: H200 bf16, 790)")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline report")
+    p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                   help="after the timed runs, profile one run of N output tokens with "
+                        "torch.profiler and print the top kernels by self time (0: off)")
 
 
 @dataclass
@@ -171,6 +178,29 @@ def run_latency(llm, *, batch_size: int, input_len: int, output_len: int, num_it
     return LatencyResult(batch_size, input_len, output_len, latencies, prefill)
 
 
+def kernel_profile(llm, *, batch_size: int, input_len: int, output_len: int, seed: int = 0,
+                   rows: int = 15) -> str:
+    """One run of the batch under torch.profiler: the table of the `rows` operators and kernels
+    with the most self time on the engine's device (CUDA time on a GPU, CPU time otherwise)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedserve.sampling_params import SamplingParams
+
+    if min(batch_size, input_len, output_len, rows) < 1:
+        raise ValueError("--profile-kernels needs a batch and at least one output token")
+    engine = llm.engine
+    cuda = engine.device.type == "cuda"
+    prompts = random_prompts(batch_size, input_len, engine.vocab_size, seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(engine)
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        _sync(engine)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def _sync(engine) -> None:
     import torch
 
@@ -206,5 +236,10 @@ def main(args: argparse.Namespace) -> int:
                             args.bandwidth, args.peak_tflops)
             for line in roof.lines():
                 print(line)
+    if args.profile_kernels > 0:
+        print(f"kernel profile: one run of batch {args.batch_size}, input {args.input_len}, "
+              f"output {args.profile_kernels}")
+        print(kernel_profile(llm, batch_size=args.batch_size, input_len=args.input_len,
+                             output_len=args.profile_kernels, seed=args.seed))
     llm.engine.shutdown()
     return 0
