@@ -25,7 +25,8 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 echo "== pytest -m gpu"
 timeout ${PYTEST_TIMEOUT:-200} $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 90 \
-    tests/gpu tests/attention tests/worker 2>&1 | tee "$LOGS/pytest_gpu.log"
+    tests/gpu tests/attention tests/worker tests/kernels/test_triton_layers.py \
+    2>&1 | tee "$LOGS/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== ceilings"

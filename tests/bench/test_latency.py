@@ -75,6 +75,6 @@ def test_bench_latency_profile_kernels_prints_the_top_ops(tmp_path, capsys):
                "--kv-cache-memory", str(1 << 22), "--no-roofline", "--profile-kernels", "2"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "kernel profile: one run of batch 2, input 5, output 2" in out
+    assert "kernel profile: batch 2, input 5, the 1 decode steps of 2 output tokens" in out
     table = out.split("kernel profile:", 1)[1]
     assert "Self CPU" in table and "aten::" in table, table

@@ -34,7 +34,12 @@ def test_platform_for_picks_the_class_from_the_device():
 
 def test_each_platform_owns_its_choices():
     cpu, cuda = CpuPlatform(), CudaPlatform("cuda")
-    assert cpu.ops is CPU_OPS and cuda.ops is TORCH_OPS
+    from pagedserve.attention.backends import triton_available
+    from pagedserve.platforms.cuda import CudaLayerOps
+
+    assert cpu.ops is CPU_OPS
+    # CUDA: Triton's norms and RoPE where triton imports, else torch's ops
+    assert type(cuda.ops) is (CudaLayerOps if triton_available() else LayerOps)
     assert cpu.resolve_attention_backend("auto") == "torch"
     assert (cpu.pin_memory, cpu.can_profile_memory, cpu.is_host) == (False, False, True)
     assert (cuda.pin_memory, cuda.can_profile_memory, cuda.is_host) == (True, True, False)
@@ -47,7 +52,7 @@ def test_each_platform_owns_its_choices():
         cpu.attention_backend("flash")
     # the torch backend runs its platform's kernels
     assert cpu.attention_backend("torch").ops is CPU_OPS
-    assert cuda.attention_backend("torch").ops is TORCH_OPS
+    assert cuda.attention_backend("torch").ops is cuda.ops
 
 
 def test_cuda_graphs_need_a_graph_safe_backend_and_no_enforce_eager():

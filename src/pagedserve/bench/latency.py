@@ -11,9 +11,9 @@ weight byte read once per step: `weight_bytes / --bandwidth`, default 4.8e12 B/s
 the compute bound (2 FLOPs per parameter per token: `2 * params * B / step`, against
 `--peak-tflops`, default 790, the H200's dense bf16).
 
-`--profile-kernels N` then runs the batch once more for N tokens under torch.profiler and prints
-the top operators and kernels by self time on the device (CUDA kernels on a GPU, ops on CPU):
-where a missed roofline target goes.
+`--profile-kernels N` then runs the batch once more for N tokens and prints the top operators and
+kernels of its N - 1 decode steps (the prefill runs unprofiled) by self time on the device (CUDA
+kernels on a GPU, ops on CPU) from torch.profiler: where a missed roofline target goes.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def add_bench_latency_args(p: argparse.ArgumentParser) -> None:
                    help="peak dense TFLOP/s for the roofline (default: H200 bf16, 790)")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline report")
     p.add_argument("--profile-kernels", type=int, default=0, metavar="N",
-                   help="after the timed runs, profile one run of N output tokens with "
-                        "torch.profiler and print the top kernels by self time (0: off)")
+                   help="after the timed runs, profile the decode steps of one run of N output "
+                        "tokens (N >= 2) with torch.profiler and print the top kernels by self "
+                        "time (0: off)")
 
 
 @dataclass
@@ -180,22 +181,29 @@ def run_latency(llm, *, batch_size: int, input_len: int, output_len: int, num_it
 
 def kernel_profile(llm, *, batch_size: int, input_len: int, output_len: int, seed: int = 0,
                    rows: int = 15) -> str:
-    """One run of the batch under torch.profiler: the table of the `rows` operators and kernels
-    with the most self time on the engine's device (CUDA time on a GPU, CPU time otherwise)."""
+    """The batch's decode steps under torch.profiler (its prompts run first, unprofiled): the
+    table of the `rows` operators and kernels with the most self time on the engine's device
+    (CUDA time on a GPU, CPU time otherwise) over the `output_len - 1` decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagedserve.sampling_params import SamplingParams
 
-    if min(batch_size, input_len, output_len, rows) < 1:
-        raise ValueError("--profile-kernels needs a batch and at least one output token")
+    if min(batch_size, input_len, rows) < 1 or output_len < 2:
+        raise ValueError("--profile-kernels needs a batch and at least 2 output tokens")
     engine = llm.engine
     cuda = engine.device.type == "cuda"
-    prompts = random_prompts(batch_size, input_len, engine.vocab_size, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch_size, input_len, engine.vocab_size, seed)):
+        engine.add_request(f"kernel-profile-{i}", None, params,
+                           prompt_token_ids=prompt["prompt_token_ids"])
+    started: set[str] = set()
+    while len(started) < batch_size:  # the prompts (prefill), not profiled
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync(engine)
     with profile(activities=activities) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        while engine.has_unfinished_requests():
+            engine.step()
         _sync(engine)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
@@ -237,8 +245,8 @@ def main(args: argparse.Namespace) -> int:
             for line in roof.lines():
                 print(line)
     if args.profile_kernels > 0:
-        print(f"kernel profile: one run of batch {args.batch_size}, input {args.input_len}, "
-              f"output {args.profile_kernels}")
+        print(f"kernel profile: batch {args.batch_size}, input {args.input_len}, the "
+              f"{args.profile_kernels - 1} decode steps of {args.profile_kernels} output tokens")
         print(kernel_profile(llm, batch_size=args.batch_size, input_len=args.input_len,
                              output_len=args.profile_kernels, seed=args.seed))
     llm.engine.shutdown()

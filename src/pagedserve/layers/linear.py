@@ -102,6 +102,57 @@ class ColumnParallelLinear(OpsUser, nn.Linear):
         return self.ops.linear(x, self.weight, self.bias)
 
 
+def fuse_linears(linears: Sequence[nn.Module]) -> bool:
+    """Re-home the weights (and biases) of `ColumnParallelLinear`s that read one input (q, k, v;
+    gate, up) into one buffer, each keeping a view of its rows, so that `linear_outputs` runs
+    them as one product: one launch and one wider GEMM (the CUDA platform does this after
+    loading; `Platform.bind`). Returns False, touching nothing, where they cannot share one
+    (another layer type, e.g. a LoRA wrapper; mixed dtypes, devices, input widths or biases).
+
+    NOTE: no memory is added: the old tensors are freed once the views replace them. The
+    buffer is remembered with the views' addresses: a later load that replaces a parameter
+    (rather than copying into it) silently turns the group back into separate products."""
+    if len(linears) < 2 or any(type(m) is not ColumnParallelLinear for m in linears):
+        return False
+    first = linears[0].weight
+    if any(m.weight.dtype != first.dtype or m.weight.device != first.device
+           or m.weight.shape[1] != first.shape[1] for m in linears):
+        return False
+    with_bias = [m.bias is not None for m in linears]
+    if any(with_bias) and not all(with_bias):
+        return False
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])  # [sum N, K]
+        bias = torch.cat([m.bias.detach() for m in linears]) if all(with_bias) else None
+    sizes, start = [], 0
+    for m in linears:
+        n = m.weight.shape[0]
+        for name, buf in (("weight", weight), ("bias", bias)):
+            old = getattr(m, name)
+            if old is None:
+                continue
+            new = nn.Parameter(buf[start:start + n], requires_grad=False)
+            new.__dict__.update(old.__dict__)  # the shard spec
+            setattr(m, name, new)
+        sizes.append(n)
+        start += n
+    linears[0].__dict__["_fused"] = (weight, bias, tuple(sizes),
+                                     tuple(m.weight.data_ptr() for m in linears))
+    return True
+
+
+def linear_outputs(x: torch.Tensor, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """Each of `linears`' output for `x` (`[T, K]` -> `[T, N_i]` each): one product over their
+    shared buffer where `fuse_linears` made one (the outputs are then column views of one
+    `[T, sum N]` tensor), else one product each."""
+    fused = linears[0].__dict__.get("_fused")
+    if fused is not None and all(type(m) is ColumnParallelLinear for m in linears) and (
+            fused[3] == tuple(m.weight.data_ptr() for m in linears)):
+        weight, bias, sizes, _ = fused
+        return linears[0].ops.linear(x, weight, bias).split(sizes, dim=-1)
+    return tuple(m(x) for m in linears)
+
+
 class RowParallelLinear(OpsUser, nn.Linear):
     """`y = x W^T + b` where this rank holds a slice of the input features: the partial products
     are summed over the ranks, then the bias is added (once)."""

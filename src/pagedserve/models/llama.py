@@ -20,6 +20,7 @@ from pagedserve.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    linear_outputs,
 )
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
@@ -93,6 +94,11 @@ class LlamaAttention(OpsUser, nn.Module):
                                    softcap=softcap)
         self.rope_interleaved = rope_interleaved
 
+    def fusable_linears(self) -> tuple[tuple[nn.Module, ...], ...]:
+        """The projections that read one input, which a platform may put in one buffer
+        (`layers.linear.fuse_linears`): q, k and v."""
+        return ((self.q_proj, self.k_proj, self.v_proj),)
+
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
@@ -101,15 +107,16 @@ class LlamaAttention(OpsUser, nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = linear_outputs(x, self.fusable_linears()[0])  # one product where fused
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm, self.ops,
                                self.rope_interleaved)  # fused in place on CPU
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(OpsUser, nn.Module):
     """Gated MLP: `down(act(gate(x)) * up(x))` (gate/up column-parallel, down row-parallel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,
@@ -121,8 +128,17 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_activation(act)
         self.act_name, self.mlp_bias = act, bias  # for a fused decode layer (`LayerOps`)
 
+    def fusable_linears(self) -> tuple[tuple[nn.Module, ...], ...]:
+        """The projections that read one input, which a platform may put in one buffer
+        (`layers.linear.fuse_linears`): gate and up."""
+        return ((self.gate_proj, self.up_proj),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_outputs(x, self.fusable_linears()[0])  # [T, I] each
+        h = None
+        if self.act_fn.kernel is not None and gate.dim() == 2:  # one kernel where the ops have it
+            h = self.ops.gated_activation(gate, up, self.act_fn.kernel)
+        return self.down_proj(self.act_fn(gate) * up if h is None else h)
 
 
 class FusableDecoderLayer(OpsUser, nn.Module):

@@ -95,6 +95,12 @@ class LayerOps:
         torch's."""
         return None
 
+    def gated_activation(self, gate: torch.Tensor, up: torch.Tensor,
+                         name: str) -> torch.Tensor | None:
+        """`act(gate) * up` (a gated MLP's middle; `name` as `activation`'s) in one kernel, or
+        None: the activation, then the product."""
+        return None
+
     def decoder_layer(self, layer, x, rope, kv_cache, meta) -> torch.Tensor | None:
         """A whole decoder layer (`models.llama.FusableDecoderLayer`) in one call, or None: the
         layer runs its modules."""

@@ -1,5 +1,6 @@
-"""The CUDA platform: plain torch layers (cuBLAS), the Triton attention backend when triton
-imports, CUDA graphs for decode steps, GPU memory profiling, pinned host buffers."""
+"""The CUDA platform: torch layers (cuBLAS) with Triton's RMSNorm and q/k norm + RoPE kernels
+(`CudaLayerOps`), the Triton attention backend when triton imports, CUDA graphs for decode
+steps, GPU memory profiling, pinned host buffers."""
 
 from __future__ import annotations
 
@@ -9,9 +10,42 @@ from typing import Callable
 
 import torch
 
-from pagedserve.platforms.base import TORCH_OPS, Platform
+from pagedserve.platforms.base import TORCH_OPS, LayerOps, Platform
 
 logger = logging.getLogger(__name__)
+
+
+class CudaLayerOps(LayerOps):
+    """torch's ops, except bf16 RMSNorm, q/k norm + RoPE and a gated MLP's silu(gate) * up on
+    CUDA tensors, which run on `kernels.triton_layers` (one launch each instead of ~7, ~10 and 2
+    torch kernels).
+
+    NOTE: the kernels round as the eager formulas do (see that module), so a CUDA run keeps the
+    tokens of torch's ops up to an ulp of a norm's statistic; float32 stays on torch."""
+
+    name = "cuda"
+
+    def rms_norm(self, x, weight_f32, eps, numerics):
+        if not x.is_cuda:
+            return None
+        from pagedserve.kernels import triton_layers
+
+        return triton_layers.rms_norm(x, weight_f32, eps, numerics)
+
+    def gated_activation(self, gate, up, name):
+        if name != "silu" or not gate.is_cuda:
+            return None
+        from pagedserve.kernels import triton_layers
+
+        return triton_layers.silu_and_mul(gate, up)
+
+    def qk_norm_rope_(self, query, key, cos, sin, q_weight, k_weight, eps, numerics):
+        if not query.is_cuda:
+            return False
+        from pagedserve.kernels import triton_layers
+
+        return triton_layers.qk_norm_rope_(query, key, cos, sin, q_weight, k_weight, eps,
+                                           numerics)
 
 
 class CudaPlatform(Platform):
@@ -25,7 +59,23 @@ class CudaPlatform(Platform):
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__(device)
-        self.ops = TORCH_OPS
+        from pagedserve.attention.backends import triton_available
+
+        self.ops = CudaLayerOps() if triton_available() else TORCH_OPS
+
+    def bind(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The ops (`Platform.bind`), then the projections that read one input (a layer's
+        `fusable_linears()`: q/k/v, gate/up) re-homed into one buffer each, so that each group
+        is one GEMM (`layers.linear.fuse_linears`; no memory added)."""
+        from pagedserve.layers.linear import fuse_linears
+
+        super().bind(model)
+        for module in model.modules():
+            groups = getattr(module, "fusable_linears", None)
+            if callable(groups):
+                for group in groups():
+                    fuse_linears(group)
+        return model
 
     def auto_dtype(self, checkpoint_dtype):
         """The checkpoint's dtype; bfloat16 where it names none and the GPU supports it, else
