@@ -134,3 +134,17 @@ def test_metadata_remembers_the_backend_that_built_it_and_layers_call_it():
     cache = (torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8))
     out = attn(torch.randn(2, 2, 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8), cache, meta)
     assert calls == [1] and out.shape == (2, 16)
+
+
+def test_workers_ask_the_platform_for_threads_bundles_and_the_process_group():
+    from pagedserve.platforms import default_device
+
+    cpu, cuda = CpuPlatform(), CudaPlatform("cuda:1")
+    assert (cpu.dist_backend, cuda.dist_backend) == ("gloo", "nccl")
+    assert cpu.process_group_options() == {}
+    assert cuda.process_group_options() == {"device_id": torch.device("cuda", 1)}
+    assert cpu.worker_bundle() == {"CPU": 1.0}
+    assert cuda.worker_bundle() == {"CPU": 1.0, "GPU": 1.0}
+    assert cpu.threads_per_worker(8, 3) == 2 and cpu.threads_per_worker(2, 4) == 1
+    assert cuda.threads_per_worker(8, 3) is None  # the GPU does the work: torch's default
+    assert default_device() == ("cuda" if torch.cuda.is_available() else "cpu")

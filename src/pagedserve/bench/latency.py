@@ -191,7 +191,7 @@ def kernel_profile(llm, *, batch_size: int, input_len: int, output_len: int, see
     if min(batch_size, input_len, rows) < 1 or output_len < 2:
         raise ValueError("--profile-kernels needs a batch and at least 2 output tokens")
     engine = llm.engine
-    cuda = engine.device.type == "cuda"
+    cuda = not engine.platform.is_host  # a GPU: its kernels' time, not the host's
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch_size, input_len, engine.vocab_size, seed)):
         engine.add_request(f"kernel-profile-{i}", None, params,
@@ -210,10 +210,7 @@ def kernel_profile(llm, *, batch_size: int, input_len: int, output_len: int, see
 
 
 def _sync(engine) -> None:
-    import torch
-
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    engine.platform.synchronize()
 
 
 def main(args: argparse.Namespace) -> int:

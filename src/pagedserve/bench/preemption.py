@@ -20,8 +20,9 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    from pagedserve.platforms import platform_for
+
+    platform_for(device).synchronize()
 
 
 def swap_vs_recompute(engine, block_size: int, prompts: list[list[int]], repeats: int = 3):

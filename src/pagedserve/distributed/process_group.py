@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.distributed.tp import TPContext
+from pagedserve.platforms import platform_for
 
 # A collective waiting longer than this for a peer fails instead of waiting forever. The driver
 # notices a dead worker itself within a step; this bounds how long the survivors can linger.
@@ -41,8 +42,8 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.de
     """
     if world_size == 1:
         return TPContext()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    platform = platform_for(device)
+    backend, kwargs = platform.dist_backend, platform.process_group_options()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT, **kwargs)
     return TPContext(rank, world_size, dist.group.WORLD, reduce_in_float32=backend == "gloo")

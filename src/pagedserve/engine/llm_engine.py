@@ -31,7 +31,7 @@ from pagedserve.engine.output_builder import OutputBuilder
 from pagedserve.engine.spec_draft import check_draft_tokenizer, resolve_draft
 from pagedserve.lora.engine import LoRAChecker, LoRAEngineMixin, cache_key
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
-from pagedserve.platforms import platform_for
+from pagedserve.platforms import default_device, platform_for
 from pagedserve.models.source import resolve_model
 from pagedserve.models.tokenizer import bad_words_token_ids, eos_token_ids
 from pagedserve.outputs import RequestOutput
@@ -99,9 +99,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
                         "files, with or without it (its own model classes only)")
         config = self.source.config
         self.model_config = _text_config(config)
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-        )
+        self.device = torch.device(default_device() if args.device == "auto" else args.device)
         self.platform = platform_for(self.device)  # the driver's view of the workers' device
         self.dtype = resolve_dtype(args.dtype, config, self.device, self.platform)
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)  # the blocks' storage

@@ -65,9 +65,9 @@ class StepProfiler:
         if runner is None:
             raise ValueError("--profile needs the model in this process (tensor_parallel_size 1)")
         model = runner.model
-        device = getattr(runner, "device", torch.device("cpu"))
-        if torch.device(device).type == "cuda":
-            self._sync = torch.cuda.synchronize
+        platform = getattr(runner, "platform", None)
+        if platform is not None and not platform.is_host:
+            self._sync = platform.synchronize
 
         self._wrap(engine, "step", self._timed_step)
         self._wrap(engine.scheduler, "schedule", self._section("schedule"))

@@ -84,6 +84,7 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     from pagedserve.kernels.cpu_gemm import linear_isa
     from pagedserve.kernels.cpu_isa import ISA_ENV, ISA_NAMES
     from pagedserve.kernels.extension import all_extensions
+    from pagedserve.platforms import accelerator_name
 
     model, flags = _cpuinfo()
     try:
@@ -100,7 +101,7 @@ def collect() -> list[tuple[str, list[tuple[str, str]]]]:
     cpu = [("model", model), ("machine", platform.machine()),
            ("cores", f"{os.cpu_count()} ({usable} usable by this process)"),
            ("ISA flags", " ".join(f if f in flags else f"-{f}" for f in ISA_FLAGS)),
-           ("cuda", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")]
+           ("cuda", accelerator_name())]
     info = read_build_info(PREBUILT_DIR)
     if info is None:
         prebuilt = "none (a source checkout or a pure wheel: built on first use, JIT)"

@@ -141,6 +141,19 @@ def fuse_linears(linears: Sequence[nn.Module]) -> bool:
     return True
 
 
+class FusableLinears:
+    """Mixin of a module whose projections read one input in groups (`fusable_linears()`:
+    q/k/v, gate/up): `fuse_linear_groups()` re-homes each group into one buffer, which a platform
+    calls after loading (`platforms.cuda.CudaPlatform.bind`) without knowing the module."""
+
+    def fusable_linears(self) -> tuple[tuple[nn.Module, ...], ...]:
+        raise NotImplementedError
+
+    def fuse_linear_groups(self) -> None:
+        for group in self.fusable_linears():
+            fuse_linears(group)
+
+
 def linear_outputs(x: torch.Tensor, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
     """Each of `linears`' output for `x` (`[T, K]` -> `[T, N_i]` each): one product over their
     shared buffer where `fuse_linears` made one (the outputs are then column views of one

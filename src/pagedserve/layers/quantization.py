@@ -32,6 +32,7 @@ from pagedserve.kernels.cpu_qlinear import (  # the weight formats (FORMATS: by 
     quantized_available,
     set_quant,
 )
+from pagedserve.platforms import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def can_quantize(model: nn.Module, param: torch.Tensor) -> bool:
     `quantizable` names), on one rank, in a CPU model."""
     owners = owners_of(model, param)
     classes = _quantizable_classes()
-    return bool(owners) and param.device.type == "cpu" and all(
+    return bool(owners) and platform_for(param.device).is_host and all(
         ((isinstance(m, classes) and k == "weight") or k in getattr(m, "quantizable", ()))
         and not m.tp.is_parallel for m, k in owners
     )

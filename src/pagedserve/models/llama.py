@@ -18,6 +18,7 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.layers.linear import (
     ColumnParallelLinear,
+    FusableLinears,
     RowParallelLinear,
     VocabParallelEmbedding,
     linear_outputs,
@@ -51,7 +52,7 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-class LlamaAttention(OpsUser, nn.Module):
+class LlamaAttention(OpsUser, FusableLinears, nn.Module):
     """Self-attention with separate q/k/v/o projections, optional per-head q/k norm before RoPE,
     grouped KV heads, paged KV cache.
 
@@ -116,7 +117,7 @@ class LlamaAttention(OpsUser, nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
 
 
-class LlamaMLP(OpsUser, nn.Module):
+class LlamaMLP(OpsUser, FusableLinears, nn.Module):
     """Gated MLP: `down(act(gate(x)) * up(x))` (gate/up column-parallel, down row-parallel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False,

@@ -16,7 +16,7 @@ from pagedserve.platforms.cpu import CPU_OPS, CpuOps, CpuPlatform
 from pagedserve.platforms.cuda import CudaPlatform
 
 __all__ = ["CPU_OPS", "DEFAULT_OPS", "TORCH_OPS", "CpuOps", "CpuPlatform", "CudaPlatform", "LayerOps",
-           "OpsUser", "Platform", "platform_for"]
+           "OpsUser", "Platform", "accelerator_name", "default_device", "platform_for"]
 
 # The ops of layers (and of the torch attention backend) built outside any platform.
 DEFAULT_OPS: LayerOps = CPU_OPS
@@ -32,6 +32,16 @@ class OpsUser(BindsOps):
 
 
 _PLATFORMS = {"cpu": CpuPlatform, "cuda": CudaPlatform}
+
+
+def default_device() -> str:
+    """The device `device="auto"` means: "cuda" where torch sees a GPU, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def accelerator_name() -> str:
+    """The first GPU's name, or "none" (for `collect-env`)."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 
 
 def platform_for(device: torch.device | str) -> Platform:

@@ -150,6 +150,9 @@ class Platform:
     is_host = True  # the device is the host's memory: a step's results need no transfer back
     pin_memory = False  # host buffers (swap pool, what a step brings back) pinned
     can_profile_memory = False  # `measure_peak_memory` sizes the KV cache from a profiled peak
+    dist_backend = "gloo"  # torch.distributed's backend between this device's workers
+    gpus_per_worker = 0  # accelerators one worker holds (Ray bundles)
+    shares_host_threads = True  # workers split the host's CPU threads (and may bind to CPUs)
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device if device is not None else self.device_type)
@@ -222,6 +225,22 @@ class Platform:
 
     def synchronize(self) -> None:
         """Wait for the device's queued work."""
+
+    def process_group_options(self) -> dict:
+        """Extra keyword arguments of `torch.distributed.init_process_group` for this device."""
+        return {}
+
+    def worker_bundle(self) -> dict[str, float]:
+        """The Ray resources one worker on this device asks for."""
+        bundle = {"CPU": 1.0}
+        if self.gpus_per_worker:
+            bundle["GPU"] = float(self.gpus_per_worker)
+        return bundle
+
+    def threads_per_worker(self, cpu_threads: int, workers: int) -> int | None:
+        """Torch threads for each of `workers` workers on this device out of the host's
+        `cpu_threads` (None: leave torch's default, the device does the work)."""
+        return max(1, cpu_threads // workers) if self.shares_host_threads else None
 
     def warm_up_host_kernels(self, sample: bool) -> None:
         """Build (or load) the compiled CPU kernels now rather than in the first request's step:

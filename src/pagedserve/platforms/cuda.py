@@ -56,6 +56,9 @@ class CudaPlatform(Platform):
     is_host = False
     pin_memory = True
     can_profile_memory = True
+    dist_backend = "nccl"
+    gpus_per_worker = 1
+    shares_host_threads = False
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__(device)
@@ -64,17 +67,14 @@ class CudaPlatform(Platform):
         self.ops = CudaLayerOps() if triton_available() else TORCH_OPS
 
     def bind(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The ops (`Platform.bind`), then the projections that read one input (a layer's
-        `fusable_linears()`: q/k/v, gate/up) re-homed into one buffer each, so that each group
-        is one GEMM (`layers.linear.fuse_linears`; no memory added)."""
-        from pagedserve.layers.linear import fuse_linears
-
+        """The ops (`Platform.bind`), then the projections that read one input (q/k/v,
+        gate/up of a `layers.linear.FusableLinears` module) re-homed into one buffer each, so
+        that each group is one GEMM (`layers.linear.fuse_linears`; no memory added)."""
         super().bind(model)
         for module in model.modules():
-            groups = getattr(module, "fusable_linears", None)
-            if callable(groups):
-                for group in groups():
-                    fuse_linears(group)
+            fuse = getattr(module, "fuse_linear_groups", None)
+            if callable(fuse):
+                fuse()
         return model
 
     def auto_dtype(self, checkpoint_dtype):
@@ -111,6 +111,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def process_group_options(self) -> dict:
+        return {"device_id": self.device}
 
     @torch.inference_mode()
     def measure_peak_memory(self, run: Callable[[], object]) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import torch
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.models.source import ModelSource
+from pagedserve.platforms import platform_for
 from pagedserve.worker.executor_base import (  # noqa: F401 (re-exported)
     CommStats,
     Executor,
@@ -104,12 +105,13 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
     backend = executor_backend(world_size, args.distributed_executor_backend)
     cpu_threads = getattr(args, "cpu_threads", None) or torch.get_num_threads()
     cpu_bind: tuple[int, ...] = ()
-    if device.type == "cpu" and getattr(args, "cpu_threads_bind", None):
+    platform = platform_for(device)
+    if platform.shares_host_threads and getattr(args, "cpu_threads_bind", None):
         from pagedserve.config import parse_cpu_list
 
         cpu_bind = tuple(parse_cpu_list(args.cpu_threads_bind, limit=getattr(args, "cpu_threads", None)))
         cpu_threads = len(cpu_bind)
-    threads = None if device.type == "cuda" else max(1, cpu_threads // world_size)
+    threads = platform.threads_per_worker(cpu_threads, world_size)
     from pagedserve.layers.hf_quant import checkpoint_method
     from pagedserve.layers.quantization import resolve_gguf_activations, resolve_quantization
 
@@ -141,8 +143,9 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
 
         from pagedserve.worker.pp_executor import PipelineExecutor
 
-        if device.type == "cpu":  # the CPUs shared among the stages
-            config = dataclasses.replace(config, num_threads=max(1, cpu_threads // num_stages))
+        if platform.shares_host_threads:  # the CPUs shared among the stages
+            config = dataclasses.replace(
+                config, num_threads=platform.threads_per_worker(cpu_threads, num_stages))
         return PipelineExecutor(config, num_stages, args.ray_address)
     if backend == "uni":
         return UniExecutor(config, device)

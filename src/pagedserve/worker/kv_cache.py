@@ -214,7 +214,8 @@ class KVCache:
         src_dev, dst_dev = _tensors(src_slots)[0].device, _tensors(dst_slots)[0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
-        non_blocking = src_dev.type == "cuda" or dst_dev.type == "cuda"
+        # asynchronous where a device's queue orders the copy (pinned host blocks on one side)
+        non_blocking = not (platform_for(src_dev).is_host and platform_for(dst_dev).is_host)
         for s, d in zip(_tensors(src_slots), _tensors(dst_slots)):
             s, d = as_bytes(s), as_bytes(d)
             d.index_copy_(0, dst, s.index_select(0, src).to(dst_dev, non_blocking=non_blocking))

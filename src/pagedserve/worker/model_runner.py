@@ -146,7 +146,7 @@ class ModelRunner:
         self.attention = self.platform.attention_backend(attention_backend)
         self.attention_backend = self.attention.name  # "torch" | "triton"
         # Off the host (CUDA), tokens and logits come back through pinned buffers, grown on demand.
-        self.on_cuda = not self.platform.is_host
+        self.off_host = not self.platform.is_host
         self._host_logits: torch.Tensor | None = None
         self._host_tokens: torch.Tensor | None = None
         self.platform.warm_up_host_kernels(sample)
@@ -290,7 +290,7 @@ class ModelRunner:
         greedy = plain_greedy_rows(step, row_owner)
         if greedy == []:  # nothing to sample (prompt chunks short of their end): no LM head
             return self._greedy_outputs(step, [], torch.empty(0)) if self.sample else []
-        if greedy is not None and not self.on_cuda:
+        if greedy is not None and not self.off_host:
             # NOTE: decided from the step alone, so every tensor-parallel rank takes the same
             # branch (a model that gathers logits returns None on every rank).
             tokens = self.model.greedy_tokens(hidden_rows)  # [R] int64, or None
@@ -300,7 +300,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_rows)  # [R, V]
         if not self.sample:
             return []
-        if self.on_cuda:
+        if self.off_host:
             if greedy is not None:
                 return accept_plain_greedy(step, self._greedy_on_device(step, greedy, logits))
             logits = self._to_host(logits)  # [R, V] float32, pinned
@@ -396,7 +396,7 @@ class ModelRunner:
                                                   pin_memory=True)
         out = buf[:r]
         out.copy_(logits, non_blocking=True)  # casts to float32 on the way
-        torch.cuda.current_stream(self.device).synchronize()
+        self.platform.synchronize()
         return out
 
     def _greedy_on_device(self, step: StepInput, owners: list[int],
@@ -410,7 +410,7 @@ class ModelRunner:
         tokens = buf[:r]
         # NOTE: argmax of the float32 logits, as the host sampler takes them (same tie rule).
         tokens.copy_(logits.float().argmax(dim=-1), non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        self.platform.synchronize()
         return self._greedy_outputs(step, owners, tokens)
 
     @staticmethod

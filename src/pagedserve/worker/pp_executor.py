@@ -45,6 +45,7 @@ import torch
 
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.platforms import platform_for
 from pagedserve.worker.executor_base import CommStats, Executor, WorkerDiedError
 from pagedserve.worker.step_message import StepEncoder
 from pagedserve.worker.worker import CacheConfig, ModelInfo, Worker, WorkerConfig
@@ -175,8 +176,7 @@ class PipelineExecutor(Executor):
         if self._owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
         self._setup(num_stages, num_micro)
-        gpu = config.device_type == "cuda"
-        bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+        bundle = platform_for(config.device_type).worker_bundle()
         self._pg = placement_group([bundle] * num_stages, strategy="PACK")
         try:
             try:
@@ -190,7 +190,7 @@ class PipelineExecutor(Executor):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=stage)
                 self._actors.append(actor_class.options(
-                    num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=1,
+                    num_cpus=1, num_gpus=bundle.get("GPU", 0), max_concurrency=1,
                     scheduling_strategy=strategy).remote())
             infos = self._get([actor.start.remote(config, stage, num_stages)
                                for stage, actor in enumerate(self._actors)])

@@ -18,6 +18,7 @@ from pagedserve.core.step_input import StepInput
 from pagedserve.distributed.process_group import free_port
 from pagedserve.worker.executor_base import CommStats, Executor, WorkerDiedError
 from pagedserve.core.step_output import SeqStepOutput
+from pagedserve.platforms import platform_for
 from pagedserve.worker.step_message import StepEncoder
 from pagedserve.worker.worker import CacheConfig, ModelInfo, StepReply, Worker, WorkerConfig
 
@@ -84,8 +85,7 @@ class RayExecutor(Executor):
         self.stats = CommStats()
         self._closed = False
         self._actors: list[Any] = []
-        gpu = config.device_type == "cuda"
-        bundle = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+        bundle = platform_for(config.device_type).worker_bundle()
         self._pg = placement_group([bundle] * config.world_size, strategy="PACK")
         try:
             try:
@@ -99,7 +99,7 @@ class RayExecutor(Executor):
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank)
                 self._actors.append(actor_class.options(
-                    num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=2,
+                    num_cpus=1, num_gpus=bundle.get("GPU", 0), max_concurrency=2,
                     scheduling_strategy=strategy, name=None,
                 ).remote())
             ip, port = ray.get(self._actors[0].rendezvous_address.remote())
