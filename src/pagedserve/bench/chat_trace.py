@@ -15,6 +15,10 @@ cores: it depends on where each turn went, not on timing), TTFT percentiles, out
 `main` compares, on one trace: a single engine; data parallelism with prefix routing, least-load
 and round-robin; DP=2 with one thread per core against DP=1 with two threads; and, with
 `--kill-core`, a core killed mid-run (every request completes or fails naming the engine).
+`--kv-cache-memory B` sizes each core of the DP=2 runs; the DP=1 runs then get 2B, so every run
+holds the same total KV memory. A budget the trace's live histories outgrow on one core but not
+on half of them is where routing by cache matters most: round-robin sends every conversation to
+both cores, so each core must hold all of them, while prefix routing keeps each on one.
 """
 
 from __future__ import annotations
@@ -211,9 +215,16 @@ def main(args: argparse.Namespace) -> int:
           f"{trace.num_requests} requests, concurrency {args.concurrency}")
     print("| run | prefix-cache hit rate | TTFT p50 (ms) | output tok/s | completed | failed |")
     print("| --- | --- | --- | --- | --- | --- |")
+    budget = getattr(args, "kv_cache_memory", None)
+    if budget:
+        print(f"KV cache: {budget} bytes per core of the DP=2 runs; the DP=1 runs get "
+              f"{2 * budget} (the same total)")
     for name, changes in runs:
         if only is not None and name not in only:
             continue
+        if budget and changes["data_parallel_size"] == 1:
+            # NOTE: one engine against two compares equal memory: a fixed budget is per core
+            changes = dict(changes, kv_cache_memory=2 * budget)
         engine = _engine(args, **changes)
         try:
             run_chat_trace(engine, chat_trace(2, 1, 1, 16, reply_tokens=2, seed=99), 2)  # warm
