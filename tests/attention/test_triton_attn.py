@@ -4,17 +4,14 @@ Llama end to end. On CUDA the kernels are compiled; without CUDA they run under 
 interpreter (`TRITON_INTERPRET=1`, set before triton is imported), so shapes stay tiny."""
 
 import math
-import os
 import random
+
+from triton_tests import DEVICE, triton_marks  # noqa: I001 (first: before triton is imported)
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # NOTE: must happen before triton (and our kernels' @triton.jit) is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+pytestmark = triton_marks()
 
 import tiny
 from utils import PagedRunner
@@ -24,13 +21,6 @@ from pagedserve.platforms import platform_for
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.loader import load_model
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# On a GPU these are CUDA tests too (`pytest -m gpu`, scripts/gpu_check.sh); on CPU they run
-# under the interpreter with the rest of the suite.
-pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
-if DEVICE == "cpu" and not triton_attn._interpreting():
-    pytest.skip("triton_attn was imported before TRITON_INTERPRET=1 was set: its kernels need a GPU",
-                allow_module_level=True)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 

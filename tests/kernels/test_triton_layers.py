@@ -2,29 +2,18 @@
 layers.norms and layers.rotary: RMSNorm (Llama and Gemma numerics) and per-head q/k norm + RoPE
 in place. On CUDA compiled (`pytest -m gpu`); without it under Triton's interpreter on CPU."""
 
-import os
+from triton_tests import DEVICE, triton_marks  # noqa: I001 (first: before triton is imported)
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # NOTE: must happen before triton (and our kernels' @triton.jit) is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytestmark = triton_marks()
 
-pytest.importorskip("triton")
-
-from pagedserve.attention.backends import triton_attn
 from pagedserve.kernels import triton_layers
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
 from pagedserve.layers.rotary import apply_rotary
 from pagedserve.platforms import TORCH_OPS
 from pagedserve.platforms.cuda import CudaLayerOps
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
-if DEVICE == "cpu" and not triton_attn._interpreting():
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: the kernels need a GPU",
-                allow_module_level=True)
 
 
 def _norm(cls, h, dtype, seed):
