@@ -219,6 +219,7 @@ def main(args: argparse.Namespace) -> int:
     if budget:
         print(f"KV cache: {budget} bytes per core of the DP=2 runs; the DP=1 runs get "
               f"{2 * budget} (the same total)")
+    notes: list[str] = []
     for name, changes in runs:
         if only is not None and name not in only:
             continue
@@ -228,9 +229,19 @@ def main(args: argparse.Namespace) -> int:
         engine = _engine(args, **changes)
         try:
             run_chat_trace(engine, chat_trace(2, 1, 1, 16, reply_tokens=2, seed=99), 2)  # warm
+            router = getattr(engine, "router", None)
+            before = (router.prefix_routed, router.overloaded) if router else None
             print(_row(name, run_chat_trace(engine, trace, args.concurrency)), flush=True)
+            if router is not None and router.policy == "prefix":
+                # where prefix routing gave way to load (each such turn rebuilds its history
+                # on the other core): the first thing to look at when its hit rate falls short
+                notes.append(f"{name}: {router.prefix_routed - before[0]} turns sent to the "
+                             f"core holding their longest prefix, {router.overloaded - before[1]}"
+                             f" to the least loaded instead (threshold {router.threshold} tokens)")
         finally:
             getattr(engine, "shutdown", lambda: None)()
+    for note in notes:
+        print(note)
     if args.kill_core:
         engine = _engine(args, data_parallel_size=2, data_parallel_routing="prefix")
         try:
