@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
+from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
 SUPPORTED_ARCHITECTURES = (
@@ -57,10 +58,7 @@ def _check_supported(header: GGUFHeader) -> None:
 
 
 def _require(header: GGUFHeader, key: str) -> Any:
-    value = header.arch_key(key)
-    if value is None:
-        raise ValueError(f"{header.path.name}: metadata key {header.architecture}.{key} is missing")
-    return value
+    return header.require_arch_key(key)
 
 
 def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
@@ -112,14 +110,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
         "head_dim": head_dim,
-        "max_position_embeddings": int(_require(header, "context_length")),
-        "rms_norm_eps": float(_require(header, "attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(vocab_size) if vocab_size is not None else None,
-        # NOTE: llama.cpp writes output.weight only when the LM head is not the embedding matrix.
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+        **common_config_fields(header, tensor_names, vocab_size),
     }
     if cfg["vocab_size"] is None:
         raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")

@@ -66,15 +66,27 @@ _SKIPPED = {"rope_freqs.weight"}
 
 
 def _req(header, key: str) -> Any:
-    value = header.arch_key(key)
-    if value is None:
-        raise ValueError(f"{header.path.name}: metadata key {header.architecture}.{key} is missing")
-    return value
+    return header.require_arch_key(key)
+
+
+def common_config_fields(header, tensor_names, vocab_size) -> dict[str, Any]:
+    """The HF config kwargs every GGUF family reads alike: context length, RMS epsilon,
+    vocabulary, tied embeddings and the special token ids."""
+    md = header.metadata
+    return {
+        "max_position_embeddings": int(_req(header, "context_length")),
+        "rms_norm_eps": float(_req(header, "attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(vocab_size) if vocab_size is not None else None,
+        # NOTE: llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+    }
 
 
 def config_dict(header) -> dict[str, Any]:
     """The HF config kwargs (for `AutoConfig.for_model`) of a deepseek2 / gpt-oss GGUF."""
-    md = header.metadata
     names = {t.name for t in header.tensors}
     token_embd = header.tensor("token_embd.weight")
     vocab = header.arch_key("vocab_size") or (token_embd.shape[0] if token_embd is not None else None)
@@ -82,13 +94,7 @@ def config_dict(header) -> dict[str, Any]:
         "hidden_size": int(_req(header, "embedding_length")),
         "num_hidden_layers": int(_req(header, "block_count")),
         "num_attention_heads": int(_req(header, "attention.head_count")),
-        "max_position_embeddings": int(_req(header, "context_length")),
-        "rms_norm_eps": float(_req(header, "attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(vocab) if vocab is not None else None,
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+        **common_config_fields(header, names, vocab),
         "rope_theta": float(header.arch_key("rope.freq_base", 10000.0)),
     }
     if cfg["vocab_size"] is None:

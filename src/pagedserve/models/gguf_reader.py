@@ -83,6 +83,13 @@ class GGUFHeader:
         """Metadata `<architecture>.<key>`, e.g. `arch_key("block_count")`."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
+    def require_arch_key(self, key: str) -> Any:
+        """`arch_key(key)`, or ValueError naming the file and the missing key."""
+        value = self.arch_key(key)
+        if value is None:
+            raise ValueError(f"{self.path.name}: metadata key {self.architecture}.{key} is missing")
+        return value
+
 
 def read_gguf_header(path: str | os.PathLike[str], string_arrays: tuple[str, ...] = ()) -> GGUFHeader:
     """Parse a GGUF file's metadata and tensor table (little-endian GGUF v2/v3).
