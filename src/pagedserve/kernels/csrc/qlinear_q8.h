@@ -13,11 +13,11 @@
 // they are for the others (Q4_0 / Q5_0 then subtract offset * sum(qx), precomputed per block of x)
 // -- then _mm256_madd_epi16: exact int32 sums (the same either way), one fp32 FMA per block.
 //
-// NOTE: batch invariance. y[m, n] is one 8-lane fp32 accumulator that walks the blocks of K in
-// order with the same instructions (mins term of a super-block, then its blocks' FMAs with the
-// scale dw * dx computed the same way), then the fixed horizontal sum of qlinear_impl.h
-// (`acc_sum`), + bias and one rounding, whatever the tile (MB rows x NB columns) it sits in; the
-// int32 block sums are exact. So a row's result does not depend on M or its neighbours. Keep it
+// NOTE: batch invariance. y[m, n] is two 8-lane fp32 accumulators (the even and the odd blocks)
+// that walk the blocks of K in order with the same instructions (mins term of a super-block, then
+// its blocks' FMAs with the scale dw * dx computed the same way), then their lane-wise sum and the
+// fixed horizontal sum of qlinear_impl.h (`acc_sum`), + bias and one rounding, whatever the tile
+// (MB rows x NB columns) it sits in (q8_tile's NOTE); the int32 block sums are exact. So a row's result does not depend on M or its neighbours. Keep it
 // so: every tile shape instantiates the one `q8_tile` template, and nothing depends on M.
 // NOTE: qlinear_q8_vnni.h performs these very operations on AVX512-VNNI CPUs (bit for bit, tested
 // against this body): a change to the order or the scales here is a change there too.
@@ -84,68 +84,94 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 // Tiles: MB rows of x (from row m0) times NB weight rows (w, stride rb), over all of K.
 // ---------------------------------------------------------------------------------------------
 
+// One unit u (a K-quant super-block of 8 blocks, or one block) of MB rows of x times NB weight
+// rows: the unit's mins term into acc0, then block t's FMA into acc0 (t even) or acc1 (t odd).
+// (One-block formats: the caller passes the chain of the block's parity as both.)
 template <class F, int MB, int NB>
-__attribute__((always_inline)) inline void q8_tile(const XQ& x, int64_t m0, const uint8_t* w, int64_t rb,
-                                                   float* res) {
+__attribute__((always_inline)) inline void q8_unit(const XQ& x, int64_t m0, const uint8_t* w, int64_t rb,
+                                                   int64_t u, __m256* acc0, __m256* acc1) {
   const int64_t nbx = x.K / 32;  // blocks of 32 per row
-  __m256 acc[MB * NB];
-#pragma GCC unroll 16
-  for (int t = 0; t < MB * NB; ++t) acc[t] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int64_t u = 0; u < x.K / F::kUnit; ++u) {
-    typename F::Head h[NB];
-    const uint8_t* wu[NB];
+  typename F::Head h[NB];
+  const uint8_t* wu[NB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    wu[j] = w + j * rb + u * F::kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb), _MM_HINT_T0);
+    if (F::kBytes > 64) _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb + 64), _MM_HINT_T0);
+    if (F::kBytes > 128) _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb + 128), _MM_HINT_T0);
+    h[j] = F::head(wu[j]);
+  }
+  if constexpr (F::kMins) {  // - mins[t] * dx[t] * sum(qx[t]) for the unit's blocks t (8, or Q4_1's 1)
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const float* sp = x.s + (m0 + i) * nbx + u * F::kBlocks;
+      const __m256 xs = F::kBlocks == 8 ? _mm256_loadu_ps(sp) : _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc0[i * NB + j] = _mm256_fnmadd_ps(h[j].mins, xs, acc0[i * NB + j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < F::kBlocks; ++t) {
+    const int64_t b = u * F::kBlocks + t;
+    __m256* acc = (t & 1) ? acc1 : acc0;
+    __m256i qw[NB], aw[NB], mul[NB];
+    __m256 dw[NB];
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      wu[j] = w + j * rb + u * F::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb), _MM_HINT_T0);
-      if (F::kBytes > 64) _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb + 64), _MM_HINT_T0);
-      if (F::kBytes > 128) _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb + 128), _MM_HINT_T0);
-      h[j] = F::head(wu[j]);
+      float d;
+      qw[j] = F::block(h[j], wu[j], t, &d, &mul[j]);
+      dw[j] = _mm256_set1_ps(d);
+      if constexpr (!F::kUnsigned) aw[j] = _mm256_sign_epi8(qw[j], qw[j]);  // |qw| (-128: 128 unsigned)
     }
-    if constexpr (F::kMins) {  // - mins[t] * dx[t] * sum(qx[t]) for the unit's blocks t (8, or Q4_1's 1)
 #pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) {
-        const float* sp = x.s + (m0 + i) * nbx + u * F::kBlocks;
-        const __m256 xs = F::kBlocks == 8 ? _mm256_loadu_ps(sp) : _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0);
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm256_fnmadd_ps(h[j].mins, xs, acc[i * NB + j]);
-      }
-    }
-    for (int t = 0; t < F::kBlocks; ++t) {
-      const int64_t b = u * F::kBlocks + t;
-      __m256i qw[NB], aw[NB], mul[NB];
-      __m256 dw[NB];
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + i) * x.K + b * 32));
+      const __m256 dx = _mm256_broadcast_ss(x.d + (m0 + i) * nbx + b);
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
-        float d;
-        qw[j] = F::block(h[j], wu[j], t, &d, &mul[j]);
-        dw[j] = _mm256_set1_ps(d);
-        if constexpr (!F::kUnsigned) aw[j] = _mm256_sign_epi8(qw[j], qw[j]);  // |qw| (-128: 128 unsigned)
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + i) * x.K + b * 32));
-        const __m256 dx = _mm256_broadcast_ss(x.d + (m0 + i) * nbx + b);
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) {
-          // u8 * s8 pairs fit int16: |qw| * sign(qx, qw) (|qx| <= 127, |qw| <= 128), or unsigned
-          // qw <= 63 times qx as they are
-          const __m256i p16 = F::kUnsigned ? _mm256_maddubs_epi16(qw[j], xv)
-                                           : _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, qw[j]));
-          __m256i p32 = _mm256_madd_epi16(p16, F::kMul16 ? mul[j] : ones16);
-          if constexpr (F::kOffset != 0)  // sum((q - offset) qx) = sum(q qx) - offset sum(qx), exactly
-            p32 = _mm256_sub_epi32(p32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.o + ((m0 + i) * nbx + b) * 8)));
-          acc[i * NB + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dw[j], dx), acc[i * NB + j]);
-        }
+        // u8 * s8 pairs fit int16: |qw| * sign(qx, qw) (|qx| <= 127, |qw| <= 128), or unsigned
+        // qw <= 63 times qx as they are
+        const __m256i p16 = F::kUnsigned ? _mm256_maddubs_epi16(qw[j], xv)
+                                         : _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xv, qw[j]));
+        __m256i p32 = _mm256_madd_epi16(p16, F::kMul16 ? mul[j] : ones16);
+        if constexpr (F::kOffset != 0)  // sum((q - offset) qx) = sum(q qx) - offset sum(qx), exactly
+          p32 = _mm256_sub_epi32(p32, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.o + ((m0 + i) * nbx + b) * 8)));
+        acc[i * NB + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_mul_ps(dw[j], dx), acc[i * NB + j]);
       }
     }
   }
-#pragma GCC unroll 16
-  for (int t = 0; t < MB * NB; ++t) res[t] = acc_sum(acc[t]);
 }
 
-template <class F, int MB, int NB = (MB <= 2 ? 4 : 2)>
+// NOTE: the order of the sum, which qlinear_q8_vnni.h repeats lane for lane: two 8-lane chains
+// per output, acc0 the even blocks of K (and every mins term of a K-quant super-block; Q4_1's
+// of its even blocks), acc1 the odd ones (Q4_1: each block's min term just before it), each in
+// the order of K; then acc_sum(acc0 + acc1). Two chains, not one: a single accumulator made the
+// one-row product wait on the FMA latency (see docs/benchmarks.md, issue 35's MoE section).
+template <class F, int MB, int NB>
+__attribute__((always_inline)) inline void q8_tile(const XQ& x, int64_t m0, const uint8_t* w, int64_t rb,
+                                                   float* res) {
+  __m256 acc0[MB * NB], acc1[MB * NB];
+#pragma GCC unroll 16
+  for (int t = 0; t < MB * NB; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  const int64_t nu = x.K / F::kUnit;
+  if constexpr (F::kBlocks == 8) {
+    for (int64_t u = 0; u < nu; ++u) q8_unit<F, MB, NB>(x, m0, w, rb, u, acc0, acc1);
+  } else {
+    static_assert(F::kBlocks == 1, "a unit is one block or a K-quant super-block");
+    int64_t u = 0;
+    for (; u + 2 <= nu; u += 2) {
+      q8_unit<F, MB, NB>(x, m0, w, rb, u, acc0, acc0);
+      q8_unit<F, MB, NB>(x, m0, w, rb, u + 1, acc1, acc1);
+    }
+    if (u < nu) q8_unit<F, MB, NB>(x, m0, w, rb, u, acc0, acc0);
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < MB * NB; ++t) res[t] = acc_sum(_mm256_add_ps(acc0[t], acc1[t]));
+}
+
+// Tile widths: two accumulators per output, at most 4 outputs a tile (8 of AVX2's 16 registers).
+template <class F, int MB, int NB = (MB == 1 ? 4 : 2)>
 inline void q8_rows(const XQ& x, int64_t m0, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1,
                     const Out& out) {
   float res[MB * NB];

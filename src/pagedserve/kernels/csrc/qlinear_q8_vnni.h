@@ -16,12 +16,12 @@
 // (Q6_K: times its int16 multiplier, exact too).
 //
 // NOTE: bit-identical to qlinear_q8.h, which is what keeps batch invariance and the ISA levels'
-// agreement: per (row, column) one 8-lane fp32 accumulator gets, per unit, the mins FNMADD (the
-// K-quants, Q4_1), then one FMA per block in the order of K, with fl(dw * dx) as its scale; then
-// `::isa_avx2::acc_sum` and `::isa_avx2::put_out`. Lanes 8-15 of a pair are FMA'd after lanes 0-7,
-// into the same 8-lane accumulator: never into a 16-lane one (another sum order). Any change here
-// must keep tests/kernels/test_qlinear_vnni1.py (this kernel against the AVX2 body, every DOT8
-// format) green.
+// agreement: per (row, column) two 8-lane fp32 chains, the even blocks' (with the K-quants' mins
+// FNMADD per unit) and the odd blocks' (Q4_1: each block's min just before it), one FMA per block
+// in the order of K with fl(dw * dx) as its scale; then acc_sum(even + odd) (`::isa_avx2::acc_sum`)
+// and `::isa_avx2::put_out`. Here the two chains are the halves of one 16-lane accumulator: a
+// pair of blocks is one 512-bit FMA. Any change here must keep tests/kernels/test_qlinear_vnni1.py
+// (this kernel against the AVX2 body, every DOT8 format) green.
 
 #if PS_ISA != 3
 #error "qlinear_q8_vnni.h is the AVX512-BF16 (+ VNNI) build only"
@@ -110,29 +110,23 @@ struct Unit<::isa_avx2::Q6_K> {
   }
 };
 
-// One pair of blocks (b, b + 1) of a row of x against one weight column's pair (v: the two
-// blocks' bytes, mul: their lanes' multipliers), into acc: block b's FMA, then (between them,
-// Q4_1's second unit: `mins1`) block b + 1's.
+// One pair of blocks (b, b + 1; b even) of a row of x against one weight column's pair (v: the
+// two blocks' bytes, mul: their lanes' multipliers), into acc: lanes 0-7 the even chain (block
+// b's FMA), lanes 8-15 the odd chain (block b + 1's), s their scales.
 template <class F, int kShift = q8v_shift<F>()>
-__attribute__((always_inline)) inline __m256 q8v_pair(const ::isa_avx2::XQ& x, int64_t m, int64_t b,
-                                                      __m512i v, __m512i mul, __m256 s0, __m256 s1,
-                                                      __m256 acc, bool mins1, __m256 h1mins) {
+__attribute__((always_inline)) inline __m512 q8v_pair(const ::isa_avx2::XQ& x, int64_t m, int64_t b,
+                                                      __m512i v, __m512i mul, __m512 s, __m512 acc) {
   const int64_t nbx = x.K / 32;
   const __m512i xv = _mm512_loadu_si512(x.q + m * x.K + b * 32);
   __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xv);
   if constexpr (kShift >= 0)  // x.o: the sums of 4 qx (quantized with offset 1), 8 per block
     p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512(x.o + (m * nbx + b) * 8), kShift));
   if constexpr (F::kMul16) p = _mm512_mullo_epi32(p, mul);
-  const __m512 pf = _mm512_cvtepi32_ps(p);
-  acc = _mm256_fmadd_ps(_mm512_castps512_ps256(pf), s0, acc);
-  if (mins1) {  // Q4_1: the second unit's min term comes before its block
-    const float* sp = x.s + m * nbx + b + 1;
-    acc = _mm256_fnmadd_ps(h1mins, _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), acc);
-  }
-  return _mm256_fmadd_ps(_mm512_extractf32x8_ps(pf, 1), s1, acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
 }
 
-// One block b alone (the last of an odd count): as the AVX2 body, on 256-bit vpdpbusd.
+// One block b alone (the last of an odd count, so an even one): as the AVX2 body, on 256-bit
+// vpdpbusd, into the even chain.
 template <class F>
 __attribute__((always_inline)) inline __m256 q8v_single(const ::isa_avx2::XQ& x, int64_t m, int64_t b,
                                                         __m256i v, __m256 s, __m256 acc) {
@@ -150,16 +144,20 @@ inline __m256 q8v_scale(const ::isa_avx2::XQ& x, int64_t m, int64_t b, float dw)
   return _mm256_mul_ps(_mm256_set1_ps(dw), _mm256_broadcast_ss(x.d + m * (x.K / 32) + b));
 }
 
-// Tiles: MB rows of x (from row m0) times NB weight rows (w, stride rb), over all of K.
+inline __m512 q8v_join_ps(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+
+// Tiles: MB rows of x (from row m0) times NB weight rows (w, stride rb), over all of K. Each
+// output is one 16-lane accumulator: lanes 0-7 the AVX2 body's acc0 (even blocks, the K-quants'
+// mins), lanes 8-15 its acc1 (odd blocks), lane for lane the same operations (qlinear_q8.h's
+// q8_tile NOTE).
 template <class F, int MB, int NB>
 __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int64_t m0, const uint8_t* w,
                                                     int64_t rb, float* res) {
   using ::isa_avx2::kPrefetchRows;
   const int64_t nbx = x.K / 32;
-  __m256 acc[MB * NB];
+  __m512 acc[MB * NB];
 #pragma GCC unroll 16
-  for (int t = 0; t < MB * NB; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256 no_mins = _mm256_setzero_ps();
+  for (int t = 0; t < MB * NB; ++t) acc[t] = _mm512_setzero_ps();
   if constexpr (F::kBlocks == 8) {  // K-quant super-blocks: pairs (t, t + 1) within a unit
     for (int64_t u = 0; u < x.K / F::kUnit; ++u) {
       typename F::Head h[NB];
@@ -173,16 +171,17 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         if (F::kBytes > 192) _mm_prefetch(reinterpret_cast<const char*>(wu[j] + kPrefetchRows * rb + 192), _MM_HINT_T0);
         h[j] = F::head(wu[j]);
       }
-      if constexpr (F::kMins) {
+      if constexpr (F::kMins) {  // the even chain (lanes 0-7) only
 #pragma GCC unroll 4
         for (int i = 0; i < MB; ++i) {
-          const __m256 xs = _mm256_loadu_ps(x.s + (m0 + i) * nbx + u * 8);
+          const __m512 xs = _mm512_castps256_ps512(_mm256_loadu_ps(x.s + (m0 + i) * nbx + u * 8));
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm256_fnmadd_ps(h[j].mins, xs, acc[i * NB + j]);
+          for (int j = 0; j < NB; ++j)
+            acc[i * NB + j] = _mm512_mask3_fnmadd_ps(_mm512_castps256_ps512(h[j].mins), xs, acc[i * NB + j], __mmask16(0x00FF));
         }
       }
       // fl(dw * dx) of the unit's 8 blocks at once, lane t: the AVX2 body's per-block product
-      alignas(32) float sc[MB * NB][8];
+      __m512 sc[MB * NB];
       typename Unit<F>::Prep prep[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
@@ -190,11 +189,12 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         const __m256 dw = Unit<F>::dsc(h[j], wu[j]);
 #pragma GCC unroll 4
         for (int i = 0; i < MB; ++i)
-          _mm256_store_ps(sc[i * NB + j], _mm256_mul_ps(dw, _mm256_loadu_ps(x.d + (m0 + i) * nbx + u * 8)));
+          sc[i * NB + j] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(x.d + (m0 + i) * nbx + u * 8)));
       }
 #pragma GCC unroll 4
       for (int t = 0; t < 8; t += 2) {
         const int64_t b = u * 8 + t;
+        const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(t), _mm256_set1_epi32(t + 1), 1);
         __m512i v[NB], mul[NB];
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) v[j] = Unit<F>::pair(h[j], prep[j], wu[j], t, &mul[j]);
@@ -202,10 +202,13 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 4
           for (int j = 0; j < NB; ++j)
-            acc[i * NB + j] = q8v_pair<F, Unit<F>::kShift>(x, m0 + i, b, v[j], mul[j], _mm256_broadcast_ss(&sc[i * NB + j][t]),
-                                                           _mm256_broadcast_ss(&sc[i * NB + j][t + 1]), acc[i * NB + j], false, no_mins);
+            acc[i * NB + j] = q8v_pair<F, Unit<F>::kShift>(x, m0 + i, b, v[j], mul[j],
+                                                           _mm512_permutexvar_ps(pick, sc[i * NB + j]), acc[i * NB + j]);
       }
     }
+#pragma GCC unroll 16
+    for (int t = 0; t < MB * NB; ++t)
+      res[t] = ::isa_avx2::acc_sum(_mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1)));
   } else {  // one block per unit: pairs of units (u, u + 1)
     static_assert(F::kBlocks == 1, "a unit is one block or a K-quant super-block");
     int64_t b = 0;
@@ -213,34 +216,35 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
       __m512i v[NB];
       const __m512i no_mul = _mm512_setzero_si512();
       float dw0[NB], dw1[NB];
-      typename F::Head h1[NB];
+      __m512 mins[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
         const uint8_t* wb = w + j * rb + b * F::kBytes;
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchRows * rb), _MM_HINT_T0);
         if (2 * F::kBytes > 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchRows * rb + 64), _MM_HINT_T0);
-        const typename F::Head h0 = F::head(wb);
-        h1[j] = F::head(wb + F::kBytes);
-        if constexpr (F::kMins) {
-#pragma GCC unroll 4
-          for (int i = 0; i < MB; ++i) {
-            const float* sp = x.s + (m0 + i) * nbx + b;
-            acc[i * NB + j] = _mm256_fnmadd_ps(h0.mins, _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), acc[i * NB + j]);
-          }
-        }
-        v[j] = q8v_join(q8v_block<F>(h0, wb, 0, &dw0[j]), q8v_block<F>(h1[j], wb + F::kBytes, 0, &dw1[j]));
+        const typename F::Head h0 = F::head(wb), h1 = F::head(wb + F::kBytes);
+        if constexpr (F::kMins) mins[j] = q8v_join_ps(h0.mins, h1.mins);
+        v[j] = q8v_join(q8v_block<F>(h0, wb, 0, &dw0[j]), q8v_block<F>(h1, wb + F::kBytes, 0, &dw1[j]));
       }
 #pragma GCC unroll 4
-      for (int i = 0; i < MB; ++i)
+      for (int i = 0; i < MB; ++i) {
+        if constexpr (F::kMins) {  // Q4_1: each block's min term just before it, in its chain
+          const float* sp = x.s + (m0 + i) * nbx + b;
+          const __m512 xs = q8v_join_ps(_mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), _mm256_setr_ps(sp[1], 0, 0, 0, 0, 0, 0, 0));
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) {
-          __m256 mins1 = no_mins;
-          if constexpr (F::kMins) mins1 = h1[j].mins;
-          acc[i * NB + j] = q8v_pair<F>(x, m0 + i, b, v[j], no_mul, q8v_scale(x, m0 + i, b, dw0[j]),
-                                        q8v_scale(x, m0 + i, b + 1, dw1[j]), acc[i * NB + j], F::kMins, mins1);
+          for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm512_fnmadd_ps(mins[j], xs, acc[i * NB + j]);
         }
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j)
+          acc[i * NB + j] = q8v_pair<F>(x, m0 + i, b, v[j], no_mul,
+                                        q8v_join_ps(q8v_scale(x, m0 + i, b, dw0[j]), q8v_scale(x, m0 + i, b + 1, dw1[j])),
+                                        acc[i * NB + j]);
+      }
     }
-    if (b < nbx) {  // the last block alone
+    __m256 lo[MB * NB];
+#pragma GCC unroll 16
+    for (int t = 0; t < MB * NB; ++t) lo[t] = _mm512_castps512_ps256(acc[t]);
+    if (b < nbx) {  // the last block alone: the even chain
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
         const uint8_t* wb = w + j * rb + b * F::kBytes;
@@ -251,15 +255,15 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         for (int i = 0; i < MB; ++i) {
           if constexpr (F::kMins) {
             const float* sp = x.s + (m0 + i) * nbx + b;
-            acc[i * NB + j] = _mm256_fnmadd_ps(h0.mins, _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), acc[i * NB + j]);
+            lo[i * NB + j] = _mm256_fnmadd_ps(h0.mins, _mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), lo[i * NB + j]);
           }
-          acc[i * NB + j] = q8v_single<F>(x, m0 + i, b, v0, q8v_scale(x, m0 + i, b, dw), acc[i * NB + j]);
+          lo[i * NB + j] = q8v_single<F>(x, m0 + i, b, v0, q8v_scale(x, m0 + i, b, dw), lo[i * NB + j]);
         }
       }
     }
-  }
 #pragma GCC unroll 16
-  for (int t = 0; t < MB * NB; ++t) res[t] = ::isa_avx2::acc_sum(acc[t]);
+    for (int t = 0; t < MB * NB; ++t) res[t] = ::isa_avx2::acc_sum(_mm256_add_ps(lo[t], _mm512_extractf32x8_ps(acc[t], 1)));
+  }
 }
 
 template <class F, int MB, int NB = (MB <= 2 ? 4 : 2)>
