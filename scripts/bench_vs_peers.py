@@ -44,7 +44,8 @@ tokenizer every engine's text is compared with, and our server uses):
 otherwise; after the runs a markdown table of output tok/s per C and engine (medians over rounds),
 ours / each peer (median of the rounds' ratios) and each engine's C=64 / C=16 growth, with the CPU
 model and the ISA path each of our configs ran at (asked of our kernels), and a PNG of tok/s
-against streams at --plot (default docs/figures/batch_curve.png). An engine that fails at some C
+against streams at --plot (default: batch_curve.png in --out, or beside the first --from-results
+file; the docs' figure only when --plot names it). An engine that fails at some C
 is left out there ("-") instead of stopping the run, and a run where some requests failed is kept
 and marked ("*"); results.json is saved after every run. `--from-results A/results.json
 [B/results.json ...]` renders the table and plot again from the rows of those files without
@@ -298,8 +299,10 @@ def main() -> int:
                         "tok/s per C and engine with ours / each peer and our C=64 / C=16 growth, "
                         "and a plot (--plot); an engine failing at some C is recorded and skipped "
                         "(a '-' in the table) instead of stopping the run")
-    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "batch_curve.png",
-                   help="where --curve / --from-results write the curve's PNG")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="where --curve / --from-results write the curve's PNG (default: "
+                        "batch_curve.png in --out, or beside the first --from-results file; the "
+                        "docs' figure is docs/figures/batch_curve.png, written only when named)")
     p.add_argument("--from-results", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                    help="render the --curve table and plot again from saved results.json files "
                         "(their rows together: e.g. one run per part of the curve); starts no "
@@ -353,7 +356,7 @@ def main() -> int:
             rows += json.loads(path.read_text())
         if not rows:
             p.error("--from-results: no runs in " + ", ".join(map(str, args.from_results)))
-        return render_curve(rows, args.plot, None)
+        return render_curve(rows, args.plot or args.from_results[0].parent / "batch_curve.png", None)
     if args.concurrency is None:
         args.concurrency = list(batch_curve.CURVE_CONCURRENCY) if args.curve else [1, 16, 64]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -453,7 +456,7 @@ def main() -> int:
                       f"{statistics.median(ttft):.2f}x; idle RSS {statistics.median(rss_ratios):.2f}x")
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
     if args.curve:
-        return render_curve(rows, args.plot, cpu_model(), args.concurrency)
+        return render_curve(rows, args.plot or Path(args.out) / "batch_curve.png", cpu_model(), args.concurrency)
     return 0
 
 

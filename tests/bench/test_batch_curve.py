@@ -99,3 +99,18 @@ def test_from_results_renders_the_table_and_the_png_without_engines(tmp_path):
     assert "| 64 | 200.0 | - | 100.0 | - | 2.00x |" in res.stdout
     assert f"Growth C=64 / C=16 (median tok/s): {OURS} 1.25x" in res.stdout
     assert plot.read_bytes().startswith(PNG)
+
+
+def test_the_plot_defaults_beside_the_results_not_over_the_docs_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    # A curve of another model must not overwrite docs/figures/batch_curve.png unless asked.
+    docs_figure = ROOT / "docs" / "figures" / "batch_curve.png"
+    before = docs_figure.read_bytes() if docs_figure.exists() else None
+    results = tmp_path / "run" / "results.json"
+    results.parent.mkdir()
+    results.write_text(json.dumps(_rows()))
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vs_peers.py"),
+                          "--from-results", str(results)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "run" / "batch_curve.png").read_bytes().startswith(PNG)
+    assert (docs_figure.read_bytes() if docs_figure.exists() else None) == before
