@@ -21,16 +21,26 @@
 #error "qlinear_bcast.h needs AVX512-BF16"
 #endif
 
-// x [M, K] bf16 -> xpk [ceil(M / 16)][K / 32][16 pairs][16 rows][2], zero-padded rows.
+// r[j] = column j over 16 rows  ->  r[i] = row i over 16 columns.
+inline void transpose16(__m512* r);
+
+// x [M, K] bf16 -> xpk [ceil(M / 16)][K / 32][16 pairs][16 rows][2], zero-padded rows: each
+// 1 KiB tile (16 rows x 16 pairs) one 32-bit transpose, the tiles in parallel (a bit-exact move:
+// shuffles only).
 inline void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint16_t* xpk) {
   const int64_t KC = K / 32, MBk = (M + 15) / 16;
-  std::memset(xpk, 0, size_t(MBk * KC * 512) * 2);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mb = m / 16, mi = m % 16;
-    const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + m * K);
-    uint32_t* t = reinterpret_cast<uint32_t*>(xpk + mb * KC * 512) + mi;
-    for (int64_t p = 0; p < K / 2; ++p) t[p * 16] = xr[p];  // pair p of row m
-  }
+  at::parallel_for(0, MBk * KC, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t mb = t / KC, kc = t % KC, rows = std::min<int64_t>(16, M - mb * 16);
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = i < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(x + (mb * 16 + i) * K + kc * 32))
+                        : _mm512_setzero_ps();
+      transpose16(r);  // r[p]: pair p of the 16 rows
+      float* dst = reinterpret_cast<float*>(xpk + t * 512);
+      for (int p = 0; p < 16; ++p) _mm512_store_ps(dst + p * 16, r[p]);
+    }
+  });
 }
 
 // r[j] = column j over 16 rows  ->  r[i] = row i over 16 columns.

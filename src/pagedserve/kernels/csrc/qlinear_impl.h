@@ -365,45 +365,122 @@ inline void dot_block(const XT* x, int64_t M, int64_t K, const WT* w, int64_t ld
 #endif
 
 #if PS_ISA >= 4  // kIsaAmx
-// AMX: C (16 rows of W x 16 rows of x) += A (16 rows of W x 32 k, bf16) . B (x packed: 16 k-pairs
-// x 16 rows x 2). Two C tiles share each A tile load.
+// AMX: C (16 rows of W x 16 rows of x, fp32) += A (16 rows of W x 32 k, bf16) . B (x packed: 16
+// k-pairs x 16 rows x 2). Two blocks of W (A tiles 4, 5) times two row groups of x (B tiles 6,
+// 7) into four C tiles (0-3): each tile load feeds two products, and four independent
+// accumulators keep the tile unit busy (one C tile's products wait on each other).
+// NOTE: a C element walks K in chunks of 32, in order, from zero, whichever tiles run beside it:
+// the same bits for any M, any blocking and any row of the batch.
 inline void amx_config() {
   alignas(64) uint8_t cfg[64] = {0};
   cfg[0] = 1;  // palette 1
-  for (int t : {0, 1, 4, 6, 7}) {
+  for (int t = 0; t < 8; ++t) {
     cfg[16 + 2 * t] = 64;  // colsb
     cfg[48 + t] = 16;      // rows
   }
   _tile_loadconfig(cfg);
 }
 
-inline void amx_block(const uint16_t* xpk, int64_t M, int64_t K, const WT* w, int64_t ldw,
-                      int64_t nr, const Out& out, int64_t n0) {
-  const int64_t KC = K / 32, MBk = (M + 15) / 16;
-  alignas(64) float c[2][256];
-  for (int64_t mb = 0; mb < MBk; mb += 2) {
-    const bool two = mb + 1 < MBk;
-    _tile_zero(0);
-    _tile_zero(1);
-    const uint16_t* b0 = xpk + mb * KC * 512;
-    const uint16_t* b1 = b0 + KC * 512;
-    for (int64_t kc = 0; kc < KC; ++kc) {
-      _tile_loadd(4, w + kc * 32, ldw * 2);
-      _tile_loadd(6, b0 + kc * 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (two) {
-        _tile_loadd(7, b1 + kc * 512, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
+// C tiles 0-3 over K: TW / TX say whether the second W block / the second x group is there.
+template <bool TW, bool TX>
+inline void amx_kloop(const uint16_t* w0, const uint16_t* w1, int64_t ldw, const uint16_t* b0,
+                      const uint16_t* b1, int64_t KC) {
+  for (int64_t kc = 0; kc < KC; ++kc) {
+    _tile_loadd(4, w0 + kc * 32, ldw * 2);
+    _tile_loadd(6, b0 + kc * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TX) {
+      _tile_loadd(7, b1 + kc * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
     }
-    _tile_stored(0, c[0], 64);
-    if (two) _tile_stored(1, c[1], 64);
-    for (int h = 0; h < (two ? 2 : 1); ++h) {
-      const int64_t mbase = (mb + h) * 16, mn = std::min<int64_t>(16, M - mbase);
-      for (int64_t i = 0; i < nr; ++i)
-        for (int64_t j = 0; j < mn; ++j) put_out(out, mbase + j, n0 + i, c[h][i * 16 + j]);
+    if constexpr (TW) {
+      _tile_loadd(5, w1 + kc * 32, ldw * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (TX) _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+// A stored C tile (row i: column n0 + i over the 16 rows of group mb) into y's rows.
+inline void amx_put(const float* c, const Out& out, int64_t M, int64_t mb, int64_t n0, int64_t nr) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + i * 16);
+  bcast_store(out, M, mb, r, n0, nr);  // transposed, a vector store per row of x
+}
+
+// Row groups [mb0, mb1) of packed x times one or two dequantized W blocks: w0 (columns n0 ..,
+// nr0 rows) and w1 (columns n0 + 16 .., nr1 rows; nullptr: none). Rows past nr are zeros.
+inline void amx_pair(const uint16_t* xpk, int64_t M, int64_t K, int64_t mb0, int64_t mb1,
+                     const uint16_t* w0, const uint16_t* w1, int64_t ldw, int64_t nr0, int64_t nr1,
+                     const Out& out, int64_t n0) {
+  const int64_t KC = K / 32;
+  alignas(64) float c[4][256];
+  const bool tw = w1 != nullptr;
+  for (int64_t mb = mb0; mb < mb1; mb += 2) {
+    const bool tx = mb + 1 < mb1;
+    const uint16_t* b0 = xpk + mb * KC * 512;
+    const uint16_t* b1 = b0 + KC * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (tw && tx) amx_kloop<true, true>(w0, w1, ldw, b0, b1, KC);
+    else if (tw) amx_kloop<true, false>(w0, w1, ldw, b0, b1, KC);
+    else if (tx) amx_kloop<false, true>(w0, w1, ldw, b0, b1, KC);
+    else amx_kloop<false, false>(w0, w1, ldw, b0, b1, KC);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    amx_put(c[0], out, M, mb, n0, nr0);
+    if (tx) amx_put(c[1], out, M, mb + 1, n0, nr0);
+    if (tw) amx_put(c[2], out, M, mb, n0 + 16, nr1);
+    if (tw && tx) amx_put(c[3], out, M, mb + 1, n0 + 16, nr1);
+  }
+}
+
+// Output columns [nb, ne) (whole 16-row blocks of W, format fmt) of the product with x packed
+// for the B tiles. Blocked for the caches as bcast_range is: kBlocks weight blocks dequantized
+// at once (their bf16 rows stay in L2), multiplied by slabs of kSlab row groups of x (a slab
+// stays in L2 across the blocks). bf16 weights are read in place (a partial block is copied).
+// NOTE: the blocks are all dequantized before the first product: AMX tile loads of lines just
+// written stall on the store buffer, and the first pair's rows were written kBlocks blocks ago.
+inline void amx_range(int64_t fmt, const uint16_t* xpk, int64_t M, int64_t K, const uint8_t* w,
+                      int64_t row_bytes, int64_t N, const Out& out, int64_t nb, int64_t ne) {
+  constexpr int64_t kBlocks = 4, kSlab = 4;
+  (void)N;
+  const bool bf16_w = fmt == kFmtBf16;
+  const int64_t MBk = (M + 15) / 16;
+  const int64_t ldb = K + 32;  // see the NOTE on ldw in run_range
+  // uninitialized: the rows a tile reads are written (dequantized, or zeros past N) before use
+  std::unique_ptr<uint16_t[]> buf(new uint16_t[size_t(kBlocks * 16 * ldb + 32)]);
+  std::vector<float> tmp(static_cast<size_t>(K));
+  uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t(63));
+  amx_config();
+  Stage st(out, M, nb);
+  for (int64_t g0 = nb; g0 < ne; g0 += kBlocks * 16) {
+    const int64_t g1 = std::min(ne, g0 + kBlocks * 16);
+    if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
+    const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
+    const uint16_t* blk = wb;
+    int64_t ldw = ldb;
+    if (bf16_w && filled == padded) {
+      blk = reinterpret_cast<const uint16_t*>(w + g0 * row_bytes);
+      ldw = K;
+    } else {
+      for (int64_t n = g0; n < g1; ++n) dequant_to(fmt, w + n * row_bytes, K, wb + (n - g0) * ldb, tmp.data());
+      if (filled < padded) std::memset(wb + filled * ldb, 0, size_t((padded - filled) * ldb) * 2);
+    }
+    for (int64_t s0 = 0; s0 < MBk; s0 += kSlab)
+      for (int64_t n0 = g0; n0 < g1; n0 += 32) {
+        const bool two = n0 + 16 < g1;
+        amx_pair(xpk, M, K, s0, std::min(MBk, s0 + kSlab), blk + (n0 - g0) * ldw,
+                 two ? blk + (n0 + 16 - g0) * ldw : nullptr, ldw, std::min<int64_t>(16, g1 - n0),
+                 two ? std::min<int64_t>(16, g1 - n0 - 16) : 0, st.out, n0);
+      }
+  }
+  if (nb < ne) st.flush_and_move(ne);
+  _tile_release();
 }
 #endif
 
@@ -411,15 +488,15 @@ inline void amx_block(const uint16_t* xpk, int64_t M, int64_t K, const WT* w, in
 // the AVX512-BF16 level for `bcast_block` when asked (`pack`: the ggml formats' GEMM); nothing
 // on other levels.
 struct RunPrep {
-  std::vector<uint16_t> packed;
+  std::unique_ptr<uint16_t[]> packed;  // uninitialized: pack_x_pairs writes every element
   const uint16_t* xpk = nullptr;
 };
 
 inline void run_prepare(const XT* x, int64_t M, int64_t K, RunPrep& prep, bool pack) {
 #if PS_ISA >= 3  // kIsaAvx512Bf16
   if (K % 32 == 0 && pack) {
-    prep.packed.resize(size_t(((M + 15) / 16) * (K / 32) * 512 + 32));
-    uint16_t* xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(prep.packed.data()) + 63) & ~uintptr_t(63));
+    prep.packed.reset(new uint16_t[size_t(((M + 15) / 16) * (K / 32) * 512 + 32)]);
+    uint16_t* xpk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(prep.packed.get()) + 63) & ~uintptr_t(63));
     pack_x_pairs(x, M, K, xpk);
     prep.xpk = xpk;
   }
@@ -436,17 +513,13 @@ inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint
 #if PS_ISA == 3  // kIsaAvx512Bf16: x packed for the ggml formats' GEMM
   if (prep.xpk) return bcast_range(fmt, prep.xpk, M, K, w, row_bytes, N, out, nb, ne);
 #endif
-#if PS_ISA >= 4  // kIsaAmx
-  const bool amx = prep.xpk != nullptr;
-  const uint16_t* xpk = prep.xpk;
-#else
-  (void)prep;
+#if PS_ISA >= 4  // kIsaAmx: x packed for the B tiles
+  if (prep.xpk) return amx_range(fmt, prep.xpk, M, K, w, row_bytes, N, out, nb, ne);
 #endif
   // bf16 weights on the bf16 levels are used in place (no buffer)
   const bool in_place = fmt == kFmtBf16 && sizeof(WT) == 2;
-  // NOTE: two buffers: block i + 1 is dequantized before block i is multiplied, so the
-  // products read stores that have long left the store buffer (AMX tile loads of just-written
-  // lines stall). A partial block's missing rows are zeros (the A tile reads 16 rows).
+  // Two buffers: block i + 1 is dequantized before block i is multiplied, so the products
+  // read stores that have left the store buffer. A partial block's missing rows are zeros.
   // NOTE: the buffer's rows are 64 bytes longer than K values: at K = 2048 bf16 (4 KiB) rows
   // of 16 columns read side by side (bcast_block reads one pair of each per step) otherwise
   // share one L1 set and evict each other (half the speed).
@@ -463,9 +536,6 @@ inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint
     for (int64_t r = 0; r < nr; ++r) dequant_to(fmt, w + (n0 + r) * row_bytes, K, dst + r * ldw, tmp.data());
     if (nr < 16) std::memset(dst + nr * ldw, 0, size_t((16 - nr) * ldw) * sizeof(WT));
   };
-#if PS_ISA >= 4  // kIsaAmx
-  if (amx) amx_config();
-#endif
   Stage st(out, M, nb);
   if (!in_place && nb < ne) fill(nb, wb[0]);
   for (int64_t n0 = nb, i = 0; n0 < ne; n0 += 16, ++i) {
@@ -478,25 +548,9 @@ inline void run_range(int64_t fmt, const XT* x, int64_t M, int64_t K, const uint
       if (n0 + 16 < ne) fill(n0 + 16, wb[(i + 1) & 1]);
       blk = wb[i & 1];
     }
-#if PS_ISA >= 4  // kIsaAmx
-    if (amx) {
-      std::vector<WT> pad;
-      if (nr < 16 && in_place) {  // a partial block of bf16 weights read in place: pad a copy
-        pad.assign(size_t(16 * K + 64), 0);
-        WT* p = reinterpret_cast<WT*>((reinterpret_cast<uintptr_t>(pad.data()) + 63) & ~uintptr_t(63));
-        std::memcpy(p, blk, size_t(nr * K) * sizeof(WT));
-        blk = p;
-      }
-      amx_block(xpk, M, K, blk, ldw, nr, st.out, n0);
-      continue;
-    }
-#endif
     dot_block(x, M, K, blk, ldw, nr, st.out, n0);
   }
   if (nb < ne) st.flush_and_move(ne);
-#if PS_ISA >= 4  // kIsaAmx
-  if (amx) _tile_release();
-#endif
 }
 
 // Rows `ids` of W dequantized to fp32 (embedding lookups).
