@@ -52,7 +52,7 @@ def _attention(args) -> None:
     """One Gemma 3 270M attention layer (4 query heads, 1 KV head, head_dim 256, blocks of 16):
     a 512-token prompt (fresh), a 64-token chunk over 448 cached, 16 decode rows at 512."""
     from pagedserve.attention.backends import torch_ref
-    from pagedserve.attention.metadata import AttentionMetadata
+    from pagedserve.attention.backends.base import AttentionBatch
 
     hq, hkv, d, bs = 4, 1, 256, 16
     cases = {"prefill 512": ([512], [512]), "chunk 64 @ 448": ([512], [64]),
@@ -63,8 +63,8 @@ def _attention(args) -> None:
         nb = per * len(lens)
         kc, vc = torch.randn(nb + 1, bs, hkv, d), torch.randn(nb + 1, bs, hkv, d)
         tables = [list(range(i * per, (i + 1) * per)) for i in range(len(lens))]
-        meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=qlens,
-                                       block_size=bs, null_block=nb)
+        meta = torch_ref.TorchAttentionBackend().build_metadata(AttentionBatch(
+            block_tables=tables, seq_lens=lens, query_lens=qlens, block_size=bs, null_block=nb))
         t = sum(qlens)
         q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
         times = [_time(lambda: torch_ref.paged_attention(q, k, v, kc, vc, meta, 0.06, None, use_cpu_kernel=flag),

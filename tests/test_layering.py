@@ -69,6 +69,12 @@ def test_attention_backends_import_no_config():
     assert _offenders(_modules("attention"), "pagedserve.config") == []
 
 
+def test_the_common_attention_metadata_imports_no_backend():
+    # Each backend builds its own metadata subclass (attention/backends/): the common part names
+    # none of them (and importing it would be a cycle: the backends import it).
+    assert _offenders([SRC / "attention" / "metadata.py"], "pagedserve.attention.backends") == []
+
+
 def test_the_attention_backend_registry_imports_no_torch():
     # config.py imports it (BACKEND_CHOICES) and must stay torch-free.
     assert _offenders([SRC / "attention" / "backends" / "__init__.py"], "torch") == []

@@ -1,5 +1,6 @@
-"""Helpers shared by tests: the HF greedy reference, vLLM's tie rule for comparing greedy runs, and
-`PagedRunner` (a model stepped on paged KV caches without the engine)."""
+"""Helpers shared by tests: the HF greedy reference, vLLM's tie rule for comparing greedy runs,
+`attention_metadata` (a step's metadata built by a backend) and `PagedRunner` (a model stepped on
+paged KV caches without the engine)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import random
 
 import torch
 
+from pagedserve.attention.backends import make_backend
+from pagedserve.attention.backends.base import AttentionBatch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.kv_cache_manager import KVCacheManager
+
+
+def attention_metadata(backend: str = "torch", **batch) -> AttentionMetadata:
+    """One step's attention metadata as a default instance of `backend` ("torch" | "triton")
+    builds it; `batch`: the `AttentionBatch` fields (block_tables, seq_lens, query_lens,
+    block_size, null_block; device, decode_rows, num_splits, ...)."""
+    return make_backend(backend).build_metadata(AttentionBatch(**batch))
 
 
 def shuffled_free_blocks(llm, seed: int):
@@ -113,7 +123,7 @@ class PagedRunner:
         # the caches' storage dtype: the model's, or `kv_dtype` (fp8 blocks: kv_cache_dtype)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
-        self.device, self.backend = device, backend
+        self.device, self.attention = device, make_backend(backend)
         shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = []
         for _ in range(spec.num_layers):
@@ -145,15 +155,14 @@ class PagedRunner:
             tables.append(list(table))
             seq_lens.append(end)
             query_lens.append(len(tokens))
-        meta = AttentionMetadata.build(
+        meta = self.attention.build_metadata(AttentionBatch(
             block_tables=tables,
             seq_lens=seq_lens,
             query_lens=query_lens,
             block_size=self.block_size,
             null_block=self.num_blocks,
             device=self.device,
-            backend=self.backend,
-        )
+        ))
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(pos, device=self.device), self.kv_caches, meta)
         assert hidden.shape[0] == len(ids)

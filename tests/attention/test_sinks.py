@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from pagedserve.attention.backends.base import AttentionBatch
 from pagedserve.attention.backends.torch_ref import TorchAttentionBackend
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels.cpu_fp32 import fp32_kernels_available
 from pagedserve.layers.attention import PagedAttention
 from pagedserve.platforms.base import TORCH_OPS
@@ -58,11 +58,10 @@ class Seqs:
         """Feed `counts[i]` more tokens of sequence i (0: not in the step); the outputs."""
         rows = [i for i, c in enumerate(counts) if c]
         q, k, v = ([self.kvq[i][j][self.done[i]:self.done[i] + counts[i]] for i in rows] for j in (2, 0, 1))
-        meta = AttentionMetadata.build(block_tables=[self.tables[i] for i in rows],
-                                       seq_lens=[self.done[i] + counts[i] for i in rows],
-                                       query_lens=[counts[i] for i in rows], block_size=BLOCK,
-                                       null_block=NUM_BLOCKS)
-        meta.impl = self.impl
+        meta = self.impl.build_metadata(AttentionBatch(
+            block_tables=[self.tables[i] for i in rows],
+            seq_lens=[self.done[i] + counts[i] for i in rows],
+            query_lens=[counts[i] for i in rows], block_size=BLOCK, null_block=NUM_BLOCKS))
         out = attn(torch.cat(q), torch.cat(k), torch.cat(v), (self.k_cache, self.v_cache), meta,
                    sinks=sinks).view(-1, HQ, self.d)
         for i in rows:

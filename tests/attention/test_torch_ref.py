@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.attention.backends.torch_ref import paged_attention
-from pagedserve.attention.metadata import AttentionMetadata
+from utils import attention_metadata
 
 
 def _dense(q, k, v, scale, window, softcap=None):  # q [L, Hq, D] for the last len(q) positions of k/v [S, Hkv, D]
@@ -75,7 +75,7 @@ def _check_against_dense(window, block_size, shapes, softcap=None, dtype=torch.f
             k_cache[table[p // block_size], p % block_size] = k_all[p]
             v_cache[table[p // block_size], p % block_size] = v_all[p]
         seqs.append((table, total, new, k_all, v_all, torch.randn(new, hq, d)))
-    meta = AttentionMetadata.build(
+    meta = attention_metadata(
         block_tables=[s[0] for s in seqs],
         seq_lens=[s[1] for s in seqs],
         query_lens=[s[2] for s in seqs],
@@ -107,7 +107,7 @@ def _check_against_dense(window, block_size, shapes, softcap=None, dtype=torch.f
 )
 def test_only_decode_only_steps_mark_their_group_as_covering_the_batch(query_lens, covers_all):
     n = len(query_lens)
-    meta = AttentionMetadata.build(
+    meta = attention_metadata(
         block_tables=[[i] for i in range(n)], seq_lens=[5] * n, query_lens=query_lens,
         block_size=8, null_block=n,
     )
@@ -117,13 +117,13 @@ def test_only_decode_only_steps_mark_their_group_as_covering_the_batch(query_len
 
 
 def test_decode_only_metadata_equals_the_general_build():
-    from pagedserve.attention.metadata import _group
+    from pagedserve.attention.backends.torch_meta import _group
 
     tables = [[7, 3, 9], [2], [5, 6], [8, 1, 4, 0]]
     lens = [10, 1, 8, 13]
     bs, null = 4, 11
-    meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=[1] * 4,
-                                   block_size=bs, null_block=null)
+    meta = attention_metadata(block_tables=tables, seq_lens=lens, query_lens=[1] * 4,
+                              block_size=bs, null_block=null)
     n = len(lens)
     bt = torch.tensor([t + [null] * (4 - len(t)) for t in tables])
     sl = torch.tensor(lens)
@@ -140,8 +140,8 @@ def test_decode_only_metadata_equals_the_general_build():
 
     assert group.kv_slots[1].tolist() == [2 * bs] + [null * bs] * 12  # padding -> the null block
     with pytest.raises(ValueError, match="seq_len"):
-        AttentionMetadata.build(block_tables=[[1]], seq_lens=[5], query_lens=[1], block_size=4,
-                                null_block=9)
+        attention_metadata(block_tables=[[1]], seq_lens=[5], query_lens=[1], block_size=4,
+                           null_block=9)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -159,9 +159,9 @@ def test_a_decode_row_is_bit_identical_alone_and_beside_longer_rows(monkeypatch,
     k_new, v_new = torch.randn(3, hkv, d).to(dtype), torch.randn(3, hkv, d).to(dtype)
 
     def attend(rows):
-        meta = AttentionMetadata.build(block_tables=[tables[i] for i in rows],
-                                       seq_lens=[lens[i] for i in rows], query_lens=[1] * len(rows),
-                                       block_size=bs, null_block=nblocks)
+        meta = attention_metadata(block_tables=[tables[i] for i in rows],
+                                  seq_lens=[lens[i] for i in rows], query_lens=[1] * len(rows),
+                                  block_size=bs, null_block=nblocks)
         return paged_attention(q[rows], k_new[rows], v_new[rows], k_cache.clone(), v_cache.clone(),
                                meta, scale=0.25, sliding_window=window)
 
@@ -194,8 +194,8 @@ def test_a_decode_row_of_several_tokens_is_attended_token_by_token(monkeypatch, 
     total = sum(qlens)
     q = torch.randn(total, hq, d).to(dtype)
     k_new, v_new = torch.randn(total, hkv, d).to(dtype), torch.randn(total, hkv, d).to(dtype)
-    meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=qlens,
-                                   block_size=bs, null_block=nblocks, decode_rows=decode_rows)
+    meta = attention_metadata(block_tables=tables, seq_lens=lens, query_lens=qlens,
+                              block_size=bs, null_block=nblocks, decode_rows=decode_rows)
     decode = [g for g in meta.groups if not g.is_prompt][0]
     assert decode.covers_all == all(decode_rows)
     kc, vc = k_cache.clone(), v_cache.clone()
@@ -205,8 +205,8 @@ def test_a_decode_row_of_several_tokens_is_attended_token_by_token(monkeypatch, 
     for i, (c, n) in enumerate(shapes):
         if decode_rows[i]:
             for t in range(n):
-                one = AttentionMetadata.build(block_tables=[tables[i]], seq_lens=[c + t + 1],
-                                              query_lens=[1], block_size=bs, null_block=nblocks)
+                one = attention_metadata(block_tables=[tables[i]], seq_lens=[c + t + 1],
+                                         query_lens=[1], block_size=bs, null_block=nblocks)
                 ref = paged_attention(q[start + t:start + t + 1], k_new[start + t:start + t + 1],
                                       v_new[start + t:start + t + 1], kc.clone(), vc.clone(),
                                       one, scale=0.25, sliding_window=window)

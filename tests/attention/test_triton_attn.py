@@ -14,11 +14,11 @@ import torch
 pytestmark = triton_marks()
 
 import tiny
-from utils import PagedRunner
+from utils import PagedRunner, attention_metadata
 
 from pagedserve.attention.backends import torch_ref, triton_attn
+from pagedserve.attention.backends.torch_meta import TorchAttentionMetadata
 from pagedserve.platforms import platform_for
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.models.loader import load_model
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -55,9 +55,9 @@ def _batch(shapes, hq, hkv, d, block_size, dtype, seed):
     t = sum(query_lens)
     q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype).to(DEVICE) for h in (hq, hkv, hkv))
     metas = {
-        b: AttentionMetadata.build(
-            block_tables=tables, seq_lens=seq_lens, query_lens=query_lens, block_size=block_size,
-            null_block=num_blocks, device=DEVICE, backend=b,
+        b: attention_metadata(
+            b, block_tables=tables, seq_lens=seq_lens, query_lens=query_lens,
+            block_size=block_size, null_block=num_blocks, device=DEVICE,
         )
         for b in ("torch", "triton")
     }
@@ -179,16 +179,21 @@ def test_copy_blocks_matches_torch_ref(dtype):
         triton_attn.copy_blocks(layers_tri, src, dst[:2])
 
 
-def test_metadata_for_triton_skips_groups_and_backend_selection():
+def test_each_backend_builds_its_own_metadata_and_backend_selection():
     kw = {"block_tables": [[0, 1], [2]], "seq_lens": [5, 1], "query_lens": [2, 1], "block_size": 4, "null_block": 3}
-    torch_meta = AttentionMetadata.build(**kw)
-    tri_meta = AttentionMetadata.build(**kw, backend="triton")
-    assert torch_meta.backend == "torch" and torch_meta.groups
-    assert tri_meta.backend == "triton" and tri_meta.groups == []
+    torch_meta = attention_metadata("torch", **kw)
+    tri_meta = attention_metadata("triton", **kw, num_splits=2)
+    assert isinstance(torch_meta, TorchAttentionMetadata) and torch_meta.groups
+    assert isinstance(torch_meta.impl, torch_ref.TorchAttentionBackend)
+    assert isinstance(tri_meta, triton_attn.TritonAttentionMetadata)
+    assert isinstance(tri_meta.impl, triton_attn.TritonAttentionBackend)
+    assert not hasattr(tri_meta, "groups") and tri_meta.num_splits == 2
+    assert not hasattr(torch_meta, "num_splits")
     assert (tri_meta.max_seq_len, tri_meta.max_query_len) == (5, 2)
-    assert AttentionMetadata.build(**kw, backend="triton", build_groups=True).groups
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        assert torch.equal(getattr(tri_meta, name), getattr(torch_meta, name)), name
     with pytest.raises(ValueError):
-        AttentionMetadata.build(**kw, backend="flash")
+        attention_metadata("flash", **kw)
     q = torch.zeros(3, 2, 8)
     kv = torch.zeros(3, 1, 8)
     cache = torch.zeros(4, 4, 1, 8)

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backends import torch_ref
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import cpu_fp32
 from pagedserve.layers import linear as linear_layers
+from utils import attention_metadata
 
 ROW_COUNTS = [1, 2, 3, 5, 16, 17, 64, 300]
 
@@ -166,7 +166,7 @@ def _run_steps(seqs, steps, hq, hkv, d, bs, window, seed, softcap=None):
     tables = {i: [free.pop() for _ in range(-(-s.length // bs))] for i, s in enumerate(seqs)}
     outs = {i: torch.full((s.length, hq, d), float("nan")) for i, s in enumerate(seqs)}
     for step in steps:
-        meta = AttentionMetadata.build(
+        meta = attention_metadata(
             block_tables=[tables[i][: -(-stop // bs)] for i, _, stop in step],
             seq_lens=[stop for _, _, stop in step], query_lens=[stop - start for _, start, stop in step],
             block_size=bs, null_block=nb)

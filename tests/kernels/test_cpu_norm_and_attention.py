@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pagedserve.attention.backends import torch_ref
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.kernels import cpu_gemm
 from pagedserve.kernels.cpu_gemm import DISABLE_ENV
 from pagedserve.kernels.cpu_attention import decode_attention
@@ -17,6 +16,7 @@ from pagedserve.kernels.cpu_norm import rms_norm
 from pagedserve.platforms import TORCH_OPS
 from pagedserve.layers.norms import GemmaRMSNorm, RMSNorm
 from pagedserve.kernels.extension import kernels_disabled
+from utils import attention_metadata
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800):
         used = -(-n // bs)
         tables.append(perm[i : i + used])
         i += used
-    meta = AttentionMetadata.build(block_tables=tables, seq_lens=lens, query_lens=[1] * num_seqs,
-                                   block_size=bs, null_block=nb)
+    meta = attention_metadata(block_tables=tables, seq_lens=lens, query_lens=[1] * num_seqs,
+                              block_size=bs, null_block=nb)
     q = torch.randn(num_seqs, hq, d, generator=g).bfloat16()
     k = torch.randn(num_seqs, hkv, d, generator=g).bfloat16()
     v = torch.randn(num_seqs, hkv, d, generator=g).bfloat16()

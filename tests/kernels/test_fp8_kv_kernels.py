@@ -147,8 +147,8 @@ def test_fp8_prefill_and_decode_attention_equal_a_quantize_dequantize_reference(
     # arithmetic: errors seen ~7e-7); bf16 4e-3 + 2^-8 |x| (the output rounded to bf16, softmax
     # weights rounded to bf16 for the product with V on AVX512-BF16).
     from pagedserve.attention.backends.torch_ref import paged_attention, write_kv
-    from pagedserve.attention.metadata import AttentionMetadata
     from pagedserve.platforms import CPU_OPS
+    from utils import attention_metadata
 
     torch.manual_seed(4 * FP8.index(dtype) + 2 * (model_dtype is torch.bfloat16) + bool(window))
     bs, nb, hq, hkv, d = 4, 16, 4, 2, 64
@@ -167,9 +167,9 @@ def test_fp8_prefill_and_decode_attention_equal_a_quantize_dequantize_reference(
         ctx_k.append(k), ctx_v.append(v)
         new_k.append(k[before:]), new_v.append(v[before:])
         queries.append(torch.randn(n, hq, d).to(model_dtype))
-    meta = AttentionMetadata.build(block_tables=tables, seq_lens=[b + n for b, n in _STEP],
-                                   query_lens=[n for _, n in _STEP], block_size=bs,
-                                   null_block=nb)
+    meta = attention_metadata(block_tables=tables, seq_lens=[b + n for b, n in _STEP],
+                              query_lens=[n for _, n in _STEP], block_size=bs,
+                              null_block=nb)
     scale = d ** -0.5
     out = paged_attention(torch.cat(queries), torch.cat(new_k), torch.cat(new_v), k_cache,
                           v_cache, meta, scale, window, ops=CPU_OPS)

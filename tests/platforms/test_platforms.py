@@ -10,6 +10,7 @@ import tiny
 from utils import PagedRunner
 
 from pagedserve.attention.backends.base import AttentionBatch
+from pagedserve.attention.backends.torch_meta import TorchAttentionMetadata
 from pagedserve.attention.backends.torch_ref import TorchAttentionBackend
 from pagedserve.models.loader import load_model
 from pagedserve.platforms import (
@@ -127,7 +128,7 @@ def test_metadata_remembers_the_backend_that_built_it_and_layers_call_it():
     backend = Recording(ops=TORCH_OPS)
     meta = backend.build_metadata(AttentionBatch(block_tables=[[0]], seq_lens=[2],
                                                  query_lens=[2], block_size=4, null_block=3))
-    assert meta.impl is backend and meta.backend == "torch"
+    assert meta.impl is backend and isinstance(meta, TorchAttentionMetadata)
     from pagedserve.layers.attention import PagedAttention
 
     attn = PagedAttention(2, 1, 8, 0.5)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.backends.base import backend_of
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -55,7 +54,7 @@ class PagedAttention(nn.Module):
         *,
         sinks: torch.Tensor | None = None,  # [Hq] learned sink logits (gpt-oss), or None
     ) -> torch.Tensor:  # [T, Hq * D]
-        impl = meta.impl or backend_of(meta)
+        impl = meta.impl  # the backend that built the metadata
         if sinks is None:  # (backends without sinks keep their signature)
             out = impl.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
                                softcap=self.softcap)  # [T, Hq, D]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.backends.base import backend_of
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
@@ -212,7 +211,7 @@ class MLAttention(OpsUser, nn.Module):
         """Write each new token's latent at its slot, then attend every query over its context's
         latents: multi-query attention with the latent as key and (its first r values) value."""
         cache = latent_cache(kv_cache)  # [N + 1, B, 1, r + dr]
-        impl = meta.impl or backend_of(meta)
+        impl = meta.impl  # the backend that built the metadata
         kv = latent.unsqueeze(1)  # [T, 1, r + dr]
         outs = []
         # NOTE: each slice writes the same latents at the same slots again (idempotent).

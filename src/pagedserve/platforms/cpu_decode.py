@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention.backends.torch_meta import TorchAttentionMetadata
 from pagedserve.kernels.cpu_decoder_layer import (
     ACT_GELU_TANH, ACT_SILU, NORM_PRE_FP32W, decoder_layer, decoder_layer_attn, weight_formats)
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA
@@ -113,8 +114,9 @@ def _norm_args(plan: _FusedPlan) -> tuple[list, float, int] | None:
 
 def _fusable_step(x: torch.Tensor, meta) -> bool:
     """A bf16 CPU step of the torch backend whose one KV group covers every layer (the fused
-    calls' preconditions on the step; the layer's are its plan's)."""
-    return (x.dtype is torch.bfloat16 and x.is_cpu and meta.backend == "torch"
+    calls' preconditions on the step; the layer's are its plan's): its metadata is the torch
+    backend's, with one decode group over the whole batch, which the fused calls read."""
+    return (x.dtype is torch.bfloat16 and x.is_cpu and isinstance(meta, TorchAttentionMetadata)
             and len(meta.groups) == 1 and meta.groups[0].covers_all)
 
 

@@ -13,7 +13,8 @@ from pagedserve.attention.metadata import AttentionMetadata
 @dataclass
 class AttentionBatch:
     """One step's sequences as host lists, in flat-batch order (see `AttentionMetadata.build`):
-    block tables, context lengths after the step, query lengths; the cache's geometry."""
+    block tables, context lengths after the step, query lengths; the cache's geometry; what a
+    backend's own metadata takes from the step (`num_splits`, the Triton backend's)."""
 
     block_tables: list[list[int]]
     seq_lens: list[int]
@@ -21,7 +22,7 @@ class AttentionBatch:
     block_size: int
     null_block: int
     device: torch.device | str = "cpu"
-    num_splits: int | None = None  # triton split-K parts (fixed for CUDA graphs)
+    num_splits: int | None = None  # Triton split-K parts (fixed for CUDA graphs); others ignore it
     decode_rows: list[bool] | None = None  # which rows decode (default: the rows of one token)
     # Several KV groups (core/kv_spec.py): block ids per logical block in a table row (the
     # tables are flat rows: column c of logical block i at [i * width + c]), and each model
@@ -33,11 +34,12 @@ class AttentionBatch:
 
 
 class AttentionBackend:
-    """Paged attention for one device family: builds each step's metadata and runs every
-    attention layer of the step over it. Subclasses: `torch_ref.TorchAttentionBackend`,
-    `triton_attn.TritonAttentionBackend`."""
+    """Paged attention for one device family: builds each step's metadata (its own subclass of
+    `AttentionMetadata`, `metadata_class`) and runs every attention layer of the step over it.
+    Subclasses: `torch_ref.TorchAttentionBackend`, `triton_attn.TritonAttentionBackend`."""
 
     name = ""
+    metadata_class: type[AttentionMetadata] = AttentionMetadata  # what `build_metadata` builds
     supports_graphs = False  # its metadata is all tensors (no host-side groups): CUDA graphs
 
     def __init__(self, ops=None) -> None:
@@ -47,8 +49,8 @@ class AttentionBackend:
         return f"{type(self).__name__}()"
 
     def build_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
-        """The step's metadata (`AttentionMetadata.build` for this backend), remembering its
-        backend (`meta.impl`). With several KV groups (`batch.width > 1`) one metadata per
+        """The step's metadata, a `metadata_class` (`AttentionMetadata.build`), remembering its
+        backend (`meta.impl`: this one). With several KV groups (`batch.width > 1`) one metadata per
         column (its block tables and slots), the first's `per_layer` naming each layer's."""
         w, windows = batch.width, batch.column_windows
         if w == 1 and not (windows and windows[0]):
@@ -70,12 +72,12 @@ class AttentionBackend:
 
     def _build(self, batch: AttentionBatch, block_tables: list[list[int]],
                seq_lens: list[int]) -> AttentionMetadata:
-        meta = AttentionMetadata.build(
-            block_tables=block_tables, seq_lens=seq_lens, query_lens=batch.query_lens,
+        """One column's metadata (`build_metadata`); a backend whose metadata takes more of the
+        batch than its tables sets it here."""
+        return self.metadata_class.build(
+            impl=self, block_tables=block_tables, seq_lens=seq_lens, query_lens=batch.query_lens,
             block_size=batch.block_size, null_block=batch.null_block, device=batch.device,
-            backend=self.name, num_splits=batch.num_splits, decode_rows=batch.decode_rows)
-        meta.impl = self
-        return meta
+            decode_rows=batch.decode_rows)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, scale: float,
@@ -113,13 +115,3 @@ def window_tail(block_tables: list[list[int]], width: int, column: int, seq_lens
         lens.append(n - first * block_size)
     return tables, lens
 
-
-def backend_of(meta: AttentionMetadata) -> AttentionBackend:
-    """The backend that runs `meta`: the one that built it, or (metadata built directly with
-    `AttentionMetadata.build(backend=name)`) a default instance of that name."""
-    impl = meta.impl
-    if impl is None:
-        from pagedserve.attention.backends import make_backend
-
-        impl = meta.impl = make_backend(meta.backend)
-    return impl

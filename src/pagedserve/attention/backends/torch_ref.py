@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: the CPU path and the reference for faster kernels.
 
 K/V caches are per layer, shaped `[num_blocks + 1, block_size, num_kv_heads, head_dim]` (the last
-block is the never-written null block, see `AttentionMetadata.build`).
+block is the never-written null block, see `AttentionMetadata.build`). The step's metadata is a
+`torch_meta.TorchAttentionMetadata` (the common tensors and the host-side groups of its rows).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backends.base import AttentionBackend
 from pagedserve.attention.kv_dtype import as_bytes, is_fp8, to_cache
+from pagedserve.attention.backends.torch_meta import AttentionGroup, TorchAttentionMetadata
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.platforms import DEFAULT_OPS
 
@@ -39,7 +41,7 @@ def paged_attention(
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
-    meta: AttentionMetadata,
+    meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     ops=None,
@@ -72,8 +74,9 @@ def paged_attention(
     loop over the tokens)."""
     if ops is None:
         ops = DEFAULT_OPS
-    if meta.num_tokens and not meta.groups:
-        raise ValueError("the torch backend needs metadata built with groups (backend='torch')")
+    if meta.num_tokens and not isinstance(meta, TorchAttentionMetadata):
+        raise ValueError(f"the torch backend needs its own metadata, with groups (built by "
+                         f"TorchAttentionBackend.build_metadata), got {type(meta).__name__}")
     write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     if sinks is not None:
         o = ops.invariant_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -139,7 +142,7 @@ def _attend_prompts(
     value: torch.Tensor,  # [T, Hkv, D]
     flat_k: torch.Tensor,  # [N * B, Hkv, D] the cache, new K/V already written
     flat_v: torch.Tensor,
-    group,  # AttentionGroup with spans
+    group: AttentionGroup,  # the prompt group (with spans)
     scale: float,
     sliding_window: int | None,
     ops,  # the platform's LayerOps
@@ -210,7 +213,7 @@ def _attend_decode_rows(
     q: torch.Tensor,  # [G, Hq, D] one query per member
     flat_k: torch.Tensor,  # [N * B, Hkv, D] the cache, new K/V already written
     flat_v: torch.Tensor,
-    group,  # the decode AttentionGroup
+    group: AttentionGroup,  # the decode group
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
@@ -282,7 +285,7 @@ def _attend_with_sinks(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, B, Hkv, D] the step's K/V written
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: TorchAttentionMetadata,
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor,  # [Hq]
@@ -359,10 +362,12 @@ def copy_blocks(
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The torch backend (any device): metadata with host-side groups, `paged_attention` with
-    the platform's kernels (`ops`) where they apply."""
+    """The torch backend (any device): metadata with host-side groups
+    (`torch_meta.TorchAttentionMetadata`), `paged_attention` with the platform's kernels (`ops`)
+    where they apply."""
 
     name = "torch"
+    metadata_class = TorchAttentionMetadata
 
     def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None,
                 *, sinks=None):

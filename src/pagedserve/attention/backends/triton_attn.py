@@ -15,6 +15,8 @@ Kernels:
   into `num_splits` parts written as partial (max, sum, unnormalised out) in fp32, then
   `_reduce_kernel` combines them. The heuristic turns it on for decode-only batches of few
   (sequence, KV head) pairs over long contexts; `num_splits=` (or `meta.num_splits`) forces it.
+- The step's metadata is a `TritonAttentionMetadata`: the common tensors (the kernels read the
+  block tables, lengths and query offsets directly: no host-side groups) and `num_splits`.
 - `copy_blocks`: whole-block copies inside the device pool (copy-on-write).
 
 Under `TRITON_INTERPRET=1` (set before triton is imported) the kernels run on CPU tensors; that is
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,6 +43,19 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(-inf - _NEG_BIG) == 0, no NaN
+
+
+# ----------------------------------------------------------------------------------------------
+# metadata
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """The Triton backend's metadata (`TritonAttentionBackend.build_metadata`): the common
+    tensors, every one of which a CUDA graph can capture, and the split-K count."""
+
+    # split-K parts (`AttentionBatch.num_splits`; fixed for CUDA graphs); None: `choose_num_splits`
+    num_splits: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +298,7 @@ SPLIT_MIN_KEYS = 256  # keep at least this many keys per split
 SPLIT_MAX = 64
 
 
-def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int) -> int:
+def choose_num_splits(meta: TritonAttentionMetadata, num_kv_heads: int) -> int:
     """How many key-range splits `paged_attention` uses for this step (1 = no split-K)."""
     if meta.num_splits is not None:
         return meta.num_splits
@@ -302,7 +318,7 @@ def paged_attention(
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
-    meta: AttentionMetadata,
+    meta: TritonAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     *,
@@ -431,10 +447,17 @@ def copy_blocks(
 
 class TritonAttentionBackend(AttentionBackend):
     """The Triton backend (CUDA; CPU tensors under TRITON_INTERPRET=1): metadata without
-    host-side groups (every tensor of it can be captured in a CUDA graph), the kernels above."""
+    host-side groups (`TritonAttentionMetadata`: every tensor of it can be captured in a CUDA
+    graph), the kernels above."""
 
     name = "triton"
+    metadata_class = TritonAttentionMetadata
     supports_graphs = True
+
+    def _build(self, batch, block_tables, seq_lens) -> TritonAttentionMetadata:
+        meta = super()._build(batch, block_tables, seq_lens)
+        meta.num_splits = batch.num_splits
+        return meta
 
     def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, softcap=None,
                 *, sinks=None):
