@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not kernel_available() or linear_isa() < ISA_LEV
                                 reason="needs the CPU kernels on an AVX2 CPU")
 
 
-@pytest.fixture(params=["avx2", "avx512bf16"])
+@pytest.fixture(params=["avx2", "avx512bf16", "amx"])
 def isa(request, monkeypatch):
-    """Each build of the kernel: AVX2 (fp32 widening) and AVX512-BF16 (PAGEDSERVE_CPU_ISA caps
-    the level the wrapper asks for)."""
+    """Each build of the kernel: AVX2 (fp32 widening), AVX512-BF16 and AMX tiles
+    (PAGEDSERVE_CPU_ISA caps the level the wrapper asks for)."""
     if linear_isa() < ISA_LEVELS[request.param]:
         pytest.skip(f"the CPU has no {request.param}")
     monkeypatch.setenv("PAGEDSERVE_CPU_ISA", request.param)
@@ -44,7 +44,7 @@ def _reference(q, k, v, scale, window):
     (1, 1, 1, 1, 32, 0), (7, 7, 2, 1, 32, 0), (16, 16, 4, 1, 64, 0), (37, 37, 4, 2, 96, 0),
     (160, 160, 4, 1, 256, 0), (33, 100, 4, 1, 64, 0), (5, 64, 2, 2, 32, 0),
     (70, 70, 4, 1, 64, 8), (40, 101, 2, 1, 32, 17), (200, 200, 4, 1, 256, 512),
-    (3, 50, 8, 2, 128, 4),
+    (3, 50, 8, 2, 128, 4), (45, 80, 6, 2, 64, 0), (30, 70, 5, 1, 64, 20),
     (20, 45, 16, 1, 576, 0),  # MLA (DeepSeek V2): one latent "head" of 512 + 64
 ])
 def test_prefill_attention_matches_exact_attention(n, ctx, hq, hkv, d, window, isa):
@@ -86,21 +86,22 @@ def test_prefill_attention_declines_what_it_does_not_cover():
     assert not prefill_attention(q16, q16, q16, torch.empty_like(q16), 1.0)
 
 
-@pytest.mark.parametrize("window", [0, 9])
-def test_a_row_is_the_same_whatever_chunk_or_trimmed_context_it_is_computed_in(isa, window):
+@pytest.mark.parametrize("n,window", [(53, 0), (53, 9), (150, 0), (150, 40)])
+def test_a_row_is_the_same_whatever_chunk_or_trimmed_context_it_is_computed_in(isa, n, window):
     """Chunked prefill is exact on either ISA: each row's bits do not depend on the rows computed
     with it, and a sliding-window chunk given only the keys its queries reach (from an even
     position: attention/backends/torch_ref.py trims so) gives the same bits."""
     g = torch.Generator().manual_seed(9)
-    n, hq, hkv, d = 53, 4, 2, 64
+    hq, hkv, d = 4, 2, 64
     q = torch.randn(n, hq, d, generator=g).to(torch.bfloat16)
     k = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
     v = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
     whole = torch.empty(n, hq, d, dtype=torch.bfloat16)
     assert prefill_attention(q, k, v, whole, 0.3, window or None)
-    for cuts in ([0, 1, 17, 18, 40, n], [0, 5, 29, n], [0, n - 1, n]):
+    for cuts in ([0, 1, 17, 18, 40, n], [0, 5, 29, n], [0, n - 1, n], [c for c in (0, 37, 38, 101) if c < n] + [n]):
         for a, b in zip(cuts, cuts[1:]):
             first = (max(0, a - window + 1) & ~1) if window else 0
             part = torch.empty(b - a, hq, d, dtype=torch.bfloat16)
-            assert prefill_attention(q[a:b], k[first:b], v[first:b], part, 0.3, window or None)
+            assert prefill_attention(q[a:b], k[first:b], v[first:b], part, 0.3, window or None,
+                                     key_start=first)
             assert torch.equal(part, whole[a:b]), (cuts, a, b)

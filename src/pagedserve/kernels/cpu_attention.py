@@ -59,6 +59,7 @@ def prefill_attention(
     out: torch.Tensor,  # [n, Hq, D] written
     scale: float,
     sliding_window: int | None = None,
+    key_start: int = 0,
 ) -> bool:
     """Causal attention of a prompt chunk (the last n positions of a context of ctx) over its
     context, written into `out`: True, or False when the kernel does not apply -- not bf16 CPU
@@ -67,10 +68,17 @@ def prefill_attention(
     runs SDPA.
 
     Scores and softmax in fp32, one rounding of the output. The weights are rounded to bf16
-    for the product with V (as a bf16 flash kernel does: on vdpbf16ps on AVX512-BF16, widened
-    back to fp32 on AVX2, csrc/prefill_attention.cpp `avx2::`). Either way a
-    row's result does not depend on the rows computed with it (chunking keeps every bit); the
-    two ISAs' bits differ."""
+    for the product with V (as a bf16 flash kernel does: on AMX tiles with AMX, vdpbf16ps on
+    AVX512-BF16, widened back to fp32 on AVX2, csrc/prefill_attention.cpp `amx::`, `avx2::`).
+    Either way a row's result does not depend on the rows computed with it (chunking keeps
+    every bit); the ISAs' bits differ.
+
+    `key_start`: the sequence position of key 0 when the caller trimmed the context's head (a
+    sliding window: keys before it are never read). It must be even (the AVX512-BF16 kernel
+    pairs keys from key 0); the AMX kernel tiles keys by 32 from position 0 of the sequence,
+    so that any trim gives the same bits."""
+    if key_start < 0 or key_start % 2:
+        raise ValueError(f"prefill_attention: key_start must be even and >= 0, got {key_start}")
     if not (query.dtype is key.dtype is value.dtype is out.dtype is torch.bfloat16) or not query.is_cpu:
         return False
     d = query.shape[2]
@@ -85,5 +93,5 @@ def prefill_attention(
         if not (query.stride(2) == 1 and query.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d):
             return False
     torch.ops.pagedserve_cpu.prefill_attention.default(query, key, value, out, float(scale),
-                                                       int(sliding_window or 0), isa)
+                                                       int(sliding_window or 0), isa, int(key_start))
     return True

@@ -130,9 +130,10 @@ class LayerOps:
         given), or None."""
         return None
 
-    def prefill_attention(self, query, key, value, out, scale, sliding_window) -> bool:
-        """A prompt chunk's attention over its context written into `out` on a kernel; False:
-        the torch backend runs SDPA."""
+    def prefill_attention(self, query, key, value, out, scale, sliding_window, key_start=0) -> bool:
+        """A prompt chunk's attention over its context written into `out` on a kernel (key 0 of
+        `key` / `value` at position `key_start` of the sequence); False: the torch backend runs
+        SDPA."""
         return False
 
 

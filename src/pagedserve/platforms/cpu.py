@@ -124,8 +124,8 @@ class CpuOps(LayerOps):
         return invariant_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                    query_start_loc, scale, sliding_window, softcap, sinks)
 
-    def prefill_attention(self, query, key, value, out, scale, sliding_window):
-        return prefill_attention(query, key, value, out, scale, sliding_window)
+    def prefill_attention(self, query, key, value, out, scale, sliding_window, key_start=0):
+        return prefill_attention(query, key, value, out, scale, sliding_window, key_start)
 
 
 CPU_OPS = CpuOps()

@@ -189,7 +189,8 @@ def _attend_prompts(
                                                         sliding_window, softcap)
                 continue
             # the kernel (bf16): causal and windowed by position, no mask tensor
-            if ops.prefill_attention(qs, k, v, out[start : start + n], scale, sliding_window):
+            if ops.prefill_attention(qs, k, v, out[start : start + n], scale, sliding_window,
+                                     first):
                 continue
             q = qs.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             span_keys = ctx - first

@@ -14,7 +14,7 @@
 // Zen 4, docs/benchmarks.md).
 //
 // Registered as torch.ops.pagedserve_cpu.prefill_attention; the Python wrapper is
-// kernels/cpu_attention.py (it falls back to SDPA below AVX512-BF16).
+// kernels/cpu_attention.py (AMX, AVX512-BF16 and AVX2 builds below; SDPA without AVX2).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -199,6 +199,313 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
 
 #pragma GCC pop_options
 
+// The same attention on AMX tiles (Intel Xeon with AMX-BF16): each task (up to 4 query heads of
+// one KV head, block of 16 rows) is two tile products per 32 keys, in the transposed forms that
+// keep the AVX512-BF16 kernel's per-lane softmax (lanes = the block's 16 query rows):
+//
+//   S^T [16 keys][16 rows] (fp32)  += K [16 keys][32 dims] (bf16, rows of k read in place)
+//                                      . Q^T as pairs [16 dim pairs][16 rows][2]
+//   O^T [16 dims][16 rows] (fp32)  += V^T [16 dims][32 keys] (bf16, V transposed once per call)
+//                                      . P^T as pairs [16 key pairs][16 rows][2] (the weights)
+//
+// Scores and softmax as above (exact per lane, weights rounded to bf16, their sum not), then one
+// 16 x 16 transpose per 16 dimensions puts O^T's columns in out's rows. The heads of a task share
+// each K and V^T tile load (GQA), so a long context is read once per block of rows, not once per
+// head (2,048 rows over 8,192 keys, Gemma 3's 4 heads of 256: ~10x the AVX512-BF16 kernel).
+// NOTE: chunking keeps every bit. A score walks the head's dimensions in chunks of 32 from
+// zero; a row's output walks the keys in chunks of 32 from a multiple of 32 of the sequence's
+// positions (`key_start`: the position of key 0 when the caller trimmed the context's head, a
+// sliding window's): a row's keys outside its window or past its position weigh exactly 0, so
+// the chunks a block adds for its other rows, or a trim adds or removes, add exact zeros.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+namespace {
+namespace amx {
+namespace v16 {
+#define PS_VEC 512
+#include "vec16.h"
+#undef PS_VEC
+}  // namespace v16
+#include "transpose16.h"
+
+constexpr int64_t kChunk = 32;  // keys per P^T tile (and the alignment of every key range)
+
+inline void tile_config() {
+  alignas(64) uint8_t cfg[64] = {0};
+  cfg[0] = 1;  // palette 1: all 8 tiles 16 rows x 64 bytes
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = 64;
+    cfg[48 + t] = 16;
+  }
+  _tile_loadconfig(cfg);
+}
+
+// v [ctx, Hkv, D] -> vt [Hkv][D][ctxp]: key j at column off + j (off = key_start % 32), zeros
+// before it and past ctx (ctxp: off + ctx rounded up to 32). Each 16 x 16 tile of 32-bit pairs
+// of keys is one transpose of the pairs (2p, 2p + 1) interleaved per dim.
+void pack_vt(const uint16_t* v, const Shape& s, int64_t off, int64_t ctxp, uint16_t* vt) {
+  const int64_t PB = ctxp / kChunk, DB = s.D / 16;  // 32-key chunks, 16-dim blocks
+  at::parallel_for(0, s.Hkv * PB * DB, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t g = t / (PB * DB), pb = (t / DB) % PB, db = t % DB;
+      __m512 r[16];
+      for (int p = 0; p < 16; ++p) {  // pair p: keys 32 pb + 2p, + 1; dims 16 db .. + 15
+        const int64_t k0 = pb * kChunk + 2 * p - off;
+        const __m256i a = k0 >= 0 && k0 < s.ctx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + k0 * s.sk + g * s.D + db * 16))
+                                     : _mm256_setzero_si256();
+        const __m256i c = k0 + 1 >= 0 && k0 + 1 < s.ctx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (k0 + 1) * s.sk + g * s.D + db * 16))
+                                         : _mm256_setzero_si256();
+        r[p] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16)));
+      }
+      transpose16(r);  // r[d]: dim 16 db + d over the 16 pairs (32 keys)
+      uint16_t* dst = vt + (g * s.D + db * 16) * ctxp + pb * kChunk;
+      for (int d = 0; d < 16; ++d) _mm512_storeu_ps(reinterpret_cast<float*>(dst + d * ctxp), r[d]);
+    }
+  });
+}
+
+// C (fp32, NH heads x NA A tiles, at most 4 tiles) over nk steps of 32:
+//   C[x * NH + h] += A_x (16 rows of lda at a0 + s * a_kstep + x * a_step) . B_h (b[h] + s * 256)
+// Scores: A = 16 keys' rows of k (x: key blocks), B = a head's Q^T chunk of 32 dims. Weighted
+// sums: A = 16 dims' rows of V^T (x: dim tiles), B = a head's P^T chunk of 32 keys. Heads of a
+// KV head share every A load (GQA), A tiles of one head share its B load.
+// NOTE: the tile macros take literal tile numbers, hence the branches per shape.
+template <int NH, int NA>
+inline void tile_mm(const uint16_t* a0, int64_t lda, int64_t a_kstep, int64_t a_step,
+                    const uint32_t* const* b, int64_t nk, float* const* c) {
+  static_assert(NH >= 1 && NA >= 1 && NH * NA <= 4 && (NH <= 2 || NA == 1), "tile shape");
+  constexpr int NC = NH * NA;
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  const int64_t ldb = lda * 2;
+  for (int64_t s = 0; s < nk; ++s) {
+    const uint16_t* a = a0 + s * a_kstep;
+    if constexpr (NH >= 3) {  // one A tile, three or four heads' B tiles
+      _tile_loadd(4, a, ldb);
+      _tile_loadd(5, b[0] + s * 256, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b[1] + s * 256, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, b[2] + s * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if constexpr (NH > 3) {
+        _tile_loadd(5, b[3] + s * 256, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    } else if constexpr (NH == 2) {  // B tiles 6, 7; A tiles 4, 5
+      _tile_loadd(6, b[0] + s * 256, 64);
+      _tile_loadd(7, b[1] + s * 256, 64);
+      _tile_loadd(4, a, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (NA > 1) {
+        _tile_loadd(5, a + a_step, ldb);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    } else {  // one head: B tile 6; A tiles 4, 5 alternating
+      _tile_loadd(6, b[0] + s * 256, 64);
+      _tile_loadd(4, a, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NA > 1) {
+        _tile_loadd(5, a + a_step, ldb);
+        _tile_dpbf16ps(1, 5, 6);
+      }
+      if constexpr (NA > 2) {
+        _tile_loadd(4, a + 2 * a_step, ldb);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if constexpr (NA > 3) {
+        _tile_loadd(5, a + 3 * a_step, ldb);
+        _tile_dpbf16ps(3, 5, 6);
+      }
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (NC > 1) _tile_stored(1, c[1], 64);
+  if constexpr (NC > 2) _tile_stored(2, c[2], 64);
+  if constexpr (NC > 3) _tile_stored(3, c[3], 64);
+}
+
+// tile_mm for nh heads and na A tiles (nh * na <= 4; na == 1 from 3 heads on).
+inline void tile_mm_n(int64_t nh, int64_t na, const uint16_t* a0, int64_t lda, int64_t a_kstep,
+                      int64_t a_step, const uint32_t* const* b, int64_t nk, float* const* c) {
+  switch (nh * 8 + na) {
+    case 8 + 1: return tile_mm<1, 1>(a0, lda, a_kstep, a_step, b, nk, c);
+    case 8 + 2: return tile_mm<1, 2>(a0, lda, a_kstep, a_step, b, nk, c);
+    case 8 + 3: return tile_mm<1, 3>(a0, lda, a_kstep, a_step, b, nk, c);
+    case 8 + 4: return tile_mm<1, 4>(a0, lda, a_kstep, a_step, b, nk, c);
+    case 16 + 1: return tile_mm<2, 1>(a0, lda, a_kstep, a_step, b, nk, c);
+    case 16 + 2: return tile_mm<2, 2>(a0, lda, a_kstep, a_step, b, nk, c);
+    case 24 + 1: return tile_mm<3, 1>(a0, lda, a_kstep, a_step, b, nk, c);
+    default: return tile_mm<4, 1>(a0, lda, a_kstep, a_step, b, nk, c);
+  }
+}
+
+// A thread's scratch for one task: per head, Q^T pairs, scores and weights; a zero-padded copy
+// of a key block reaching past ctx; C tiles for the output.
+struct Scratch {
+  explicit Scratch(const Shape& s, int64_t keys_) : keys(keys_) {
+    // 64-byte aligned: the softmax's vector loads and stores are aligned
+    mem.resize(size_t(4 * s.D / 2 * 16 + 4 * keys * 16 + 4 * (keys / 2) * 16 + 16 * s.D / 2 + 4 * 256) + 64);
+    auto* base = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(mem.data()) + 63) & ~uintptr_t(63));
+    qp = base;
+    st = reinterpret_cast<float*>(qp + 4 * s.D / 2 * 16);
+    pp = reinterpret_cast<uint32_t*>(st + 4 * keys * 16);
+    kz = reinterpret_cast<uint16_t*>(pp + 4 * (keys / 2) * 16);
+    ob = reinterpret_cast<float*>(kz + 16 * s.D);
+  }
+  std::vector<uint32_t> mem;
+  int64_t keys;   // keys a block reads at most (rounded as the loops round)
+  uint32_t* qp;   // [4][D / 2][16]
+  float* st;      // [4][keys][16]
+  uint32_t* pp;   // [4][keys / 2][16]
+  uint16_t* kz;   // [16][D]
+  float* ob;      // [4][16][16]
+};
+
+// One task: heads h0 .. h0 + nh - 1 (nh <= 4, one KV head) x the block of 16 rows from i0.
+// Keys are indexed in k / v (0 .. ctx - 1); vt's columns and pp's pairs are off later.
+void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vt, int64_t off,
+                  int64_t ctxp, uint16_t* out, const Shape& s, int64_t h0, int64_t nh, int64_t i0,
+                  Scratch& w) {
+  const int64_t r = std::min<int64_t>(16, s.n - i0), g = h0 / (s.Hq / s.Hkv);
+  const int64_t q0 = s.ctx - s.n;  // position of query row 0
+  const int64_t hi = q0 + i0 + r;   // keys [lo, hi) seen by some row of the block
+  const int64_t lo = s.window ? std::max<int64_t>(0, q0 + i0 - s.window + 1) : 0;
+  const int64_t c0 = (lo + off) / kChunk * kChunk;  // vt column of the first 32-key chunk read
+  const int64_t D = s.D, P2 = D / 2, DC = D / 32;
+  const uint32_t* qps[4];
+  float* sts[4];
+  uint32_t* pps[4];
+  for (int64_t u = 0; u < nh; ++u) {
+    uint32_t* qp = w.qp + u * P2 * 16;  // Q^T pairs: qp[p][lane]
+    for (int64_t p = 0; p < P2; ++p)
+      for (int64_t i = 0; i < 16; ++i) {
+        uint32_t val = 0;
+        if (i < r) std::memcpy(&val, q + (i0 + i) * s.sq + (h0 + u) * D + 2 * p, 4);
+        qp[p * 16 + i] = val;
+      }
+    qps[u] = qp;
+    sts[u] = w.st + u * w.keys * 16;
+    pps[u] = w.pp + u * (w.keys / 2) * 16;
+  }
+  // Scores of 16-key blocks [lo, hi rounded up to 16): the heads' tiles share each key tile; a
+  // block reaching past ctx reads a zero-padded copy.
+  const int64_t nkb = (hi - lo + 15) / 16, per = 4 / (nh >= 3 ? 4 : nh);  // key blocks per call
+  const uint16_t* kbase = k + g * D;
+  for (int64_t b0 = 0; b0 < nkb;) {
+    const int64_t j0 = lo + b0 * 16;
+    int64_t nb = std::min<int64_t>(per, nkb - b0);
+    const uint16_t* a = kbase + j0 * s.sk;
+    int64_t lda = s.sk;
+    if (j0 + nb * 16 > s.ctx) {  // the last block reaches past ctx: the full blocks first
+      if (nb > 1) {
+        nb -= 1;
+      } else {
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j0 + j < s.ctx) std::memcpy(w.kz + j * D, kbase + (j0 + j) * s.sk, size_t(D) * 2);
+          else std::memset(w.kz + j * D, 0, size_t(D) * 2);
+        }
+        a = w.kz;
+        lda = D;
+      }
+    }
+    float* c[4];
+    for (int64_t x = 0; x < nb; ++x)
+      for (int64_t u = 0; u < nh; ++u) c[x * nh + u] = sts[u] + (b0 + x) * 256;
+    tile_mm_n(nh, nb, a, lda, 32, 16 * lda, qps, DC, c);
+    b0 += nb;
+  }
+  // Softmax per head and lane over the keys its row sees (as the AVX512-BF16 kernel); the
+  // chunks' keys before lo and from hi on weigh 0 in every lane.
+  const int64_t nkeys = hi - lo, nch = (hi + off - c0 + kChunk - 1) / kChunk;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 pad = (__mmask16)~((1u << r) - 1);
+  auto visible = [&](int64_t j) -> __mmask16 {
+    const int64_t d = j - q0 - i0;  // row i sees j iff i >= d (and i < d + window)
+    __mmask16 m = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(int(std::max<int64_t>(-1, std::min<int64_t>(16, d)))));
+    if (s.window) m &= _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(int(std::max<int64_t>(-1, std::min<int64_t>(17, d + s.window)))));
+    return m | pad;
+  };
+  // keys every row sees (most of a long context): no mask to build
+  const int64_t fa = s.window ? std::max<int64_t>(lo, q0 + i0 + r - s.window) : lo, fb = q0 + i0 + 1;
+  auto mask = [&](int64_t j) -> __mmask16 { return j >= fa && j < fb ? __mmask16(0xFFFF) : visible(j); };
+  const __m512 sc = _mm512_set1_ps(s.scale);
+  __m512 inv[4];
+  for (int64_t u = 0; u < nh; ++u) {
+    const float* st = sts[u];
+    uint32_t* pp = pps[u];
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < nkeys; ++j)
+      mx = _mm512_mask_max_ps(mx, mask(lo + j), mx, _mm512_mul_ps(_mm512_load_ps(st + j * 16), sc));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nch * 16; ++t) {
+      __m512 e[2];
+      for (int u2 = 0; u2 < 2; ++u2) {
+        const int64_t j = c0 - off + 2 * t + u2 - lo;  // index into st (keys from lo)
+        if (j >= 0 && j < nkeys) {
+          const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(st + j * 16), sc), mx);
+          e[u2] = _mm512_maskz_mov_ps(mask(lo + j), v16::v_exp_neg(v16::V16{x}).v);
+        } else {
+          e[u2] = _mm512_setzero_ps();
+        }
+        sum = _mm512_add_ps(sum, e[u2]);
+      }
+      const __m512i a32 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e[0]));
+      const __m512i b32 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e[1]));
+      _mm512_store_si512(pp + t * 16, _mm512_or_si512(a32, _mm512_slli_epi32(b32, 16)));
+    }
+    inv[u] = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+  }
+  // O^T: the heads' tiles share each V^T tile (16 dims); each tile transposed into out's rows.
+  const uint16_t* vg = vt + g * D * ctxp + c0;
+  const int64_t DT = D / 16, per_t = 4 / (nh >= 3 ? 4 : nh);  // dim tiles per call
+  for (int64_t t0 = 0; t0 < DT; t0 += per_t) {
+    const int64_t nt = std::min<int64_t>(per_t, DT - t0);
+    float* c[4];
+    for (int64_t x = 0; x < nt * nh; ++x) c[x] = w.ob + x * 256;
+    tile_mm_n(nh, nt, vg + t0 * 16 * ctxp, ctxp, kChunk, 16 * ctxp, pps, nch, c);
+    for (int64_t x = 0; x < nt; ++x)
+      for (int64_t u = 0; u < nh; ++u) {
+        __m512 rr[16];
+        const float* o = c[x * nh + u];
+        for (int d = 0; d < 16; ++d) rr[d] = _mm512_mul_ps(_mm512_load_ps(o + d * 16), inv[u]);
+        transpose16(rr);  // rr[i]: row i's 16 dims
+        for (int64_t i = 0; i < r; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i0 + i) * s.so + (h0 + u) * D + (t0 + x) * 16),
+                              (__m256i)_mm512_cvtneps_pbh(rr[i]));
+      }
+  }
+}
+
+void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const Shape& s,
+         int64_t key_start) {
+  const int64_t off = key_start % kChunk, ctxp = (off + s.ctx + kChunk - 1) / kChunk * kChunk;
+  std::vector<uint16_t> vt(size_t(s.Hkv * s.D * ctxp));
+  pack_vt(v, s, off, ctxp, vt.data());
+  // tasks: (KV head, block of 16 rows, group of up to 4 of its query heads)
+  const int64_t G = s.Hq / s.Hkv, hg = (G + 3) / 4, blocks = (s.n + 15) / 16;
+  at::parallel_for(0, s.Hkv * blocks * hg, 1, [&](int64_t b, int64_t e) {
+    // keys a block reads: its window (or the context) plus its 16 rows, from a multiple of 32
+    Scratch w(s, std::min<int64_t>(ctxp, s.window ? s.window + 16 + 2 * kChunk : ctxp) + 2 * kChunk);
+    tile_config();
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t gi = t / (blocks * hg), blk = (t / hg) % blocks, sub = t % hg;
+      const int64_t h0 = gi * G + sub * 4;
+      attend_block(q, k, vt.data(), off, ctxp, out, s, h0, std::min<int64_t>(4, G - sub * 4),
+                   blk * 16, w);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx
+}  // namespace
+#pragma GCC pop_options
+
 // The same attention on AVX2 + FMA CPUs (no BF16 dot products): every value widened to fp32.
 // For each query head and block of 16 query rows (rows in the lanes of a V16): scores of 4 keys
 // at a time (each key's dimensions broadcast against the rows' q, FMA in dimension order), an
@@ -338,7 +645,8 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
 namespace {
 
 void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& out, double scale, int64_t window, int64_t isa) {
+                       const at::Tensor& out, double scale, int64_t window, int64_t isa,
+                       int64_t key_start) {
   ps_isa::check_isa("prefill_attention", isa);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -354,8 +662,15 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(v.stride(0) == s.sk, "prefill_attention: k and v with the same row stride");
   TORCH_CHECK(s.D % 32 == 0 && s.D <= 1024, "prefill_attention: head_dim a multiple of 32, <= 1024");
   TORCH_CHECK(s.Hkv > 0 && s.Hq % s.Hkv == 0, "prefill_attention: Hq a multiple of Hkv");
-  TORCH_CHECK(s.n <= s.ctx && window >= 0, "prefill_attention: n <= ctx, window >= 0");
+  TORCH_CHECK(s.n <= s.ctx && window >= 0 && key_start >= 0,
+              "prefill_attention: n <= ctx, window >= 0, key_start >= 0");
   if (s.n == 0) return;
+  if (isa >= ps_isa::kIsaAmx) {
+    amx::run(reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(k.data_ptr()),
+             reinterpret_cast<const uint16_t*>(v.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), s,
+             key_start);
+    return;
+  }
   if (!ps_isa::use_avx512(isa)) {
     const avx2::Shape s2{s.n, s.ctx, s.Hq, s.Hkv, s.D, s.sq, s.sk, s.so, s.scale, s.window};
     avx2::run(reinterpret_cast<const uint16_t*>(q.data_ptr()),
@@ -387,7 +702,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, float scale, int window, "
-        "int isa) -> ()");
+        "int isa, int key_start=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

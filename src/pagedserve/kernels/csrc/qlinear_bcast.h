@@ -21,8 +21,7 @@
 #error "qlinear_bcast.h needs AVX512-BF16"
 #endif
 
-// r[j] = column j over 16 rows  ->  r[i] = row i over 16 columns.
-inline void transpose16(__m512* r);
+#include "transpose16.h"
 
 // x [M, K] bf16 -> xpk [ceil(M / 16)][K / 32][16 pairs][16 rows][2], zero-padded rows: each
 // 1 KiB tile (16 rows x 16 pairs) one 32-bit transpose, the tiles in parallel (a bit-exact move:
@@ -41,33 +40,6 @@ inline void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint16_t* xpk)
       for (int p = 0; p < 16; ++p) _mm512_store_ps(dst + p * 16, r[p]);
     }
   });
-}
-
-// r[j] = column j over 16 rows  ->  r[i] = row i over 16 columns.
-inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
 }
 
 // y[m, n0 .. n0 + nr) = v + bias, rounded once to y's dtype (as put_out, 16 at a time).
