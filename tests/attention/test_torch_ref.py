@@ -267,3 +267,46 @@ def test_a_sliding_window_column_reads_only_the_blocks_of_its_window(shapes, pat
         ref = _dense(qs.float(), k_all.float(), v_all.float(), 0.3, window)
         torch.testing.assert_close(out[start:start + new].float(), ref, atol=tol, rtol=tol)
         start += new
+
+
+@pytest.mark.parametrize("window", [None, 45])
+def test_a_bf16_prompt_row_has_the_same_bits_in_any_chunk_on_the_cpu_kernels(window):
+    """Chunked prefill on the CPU platform's prompt kernel (bf16): a prompt attended as one chunk
+    or as chunks cut anywhere, each over its cached context (a window's trimmed to the keys its
+    queries reach, blocks before it given back and holding NaN), gives every row the same bits.
+    The trim starts at an even key, not at the kernel's 32-key tiles: the backend passes the
+    trim's position (`key_start`) so that the AMX kernel's tiles stay where they were."""
+    from pagedserve.attention.backends.base import AttentionBatch
+    from pagedserve.attention.backends.torch_ref import TorchAttentionBackend
+    from pagedserve.platforms import DEFAULT_OPS
+
+    torch.manual_seed(3)
+    bs, hq, hkv, d, total = 4, 4, 2, 64, 300
+    k_all = torch.randn(total, hkv, d).to(torch.bfloat16)
+    v_all = torch.randn(total, hkv, d).to(torch.bfloat16)
+    q_all = torch.randn(total, hq, d).to(torch.bfloat16)
+    backend = TorchAttentionBackend(DEFAULT_OPS)
+
+    def attend(cached, new):  # rows cached .. cached + new - 1 over their context
+        nblocks = math.ceil(total / bs)
+        null = nblocks
+        k_cache = torch.full((nblocks + 1, bs, hkv, d), float("nan"), dtype=torch.bfloat16)
+        v_cache = torch.full_like(k_cache, float("nan"))
+        k_cache[null] = 0
+        v_cache[null] = 0
+        lo = max(0, cached - window + 1) // bs if window else 0  # blocks given back
+        table = [null] * lo + list(range(lo, math.ceil((cached + new) / bs)))
+        for p in range(lo * bs, cached):
+            k_cache[p // bs, p % bs] = k_all[p]
+            v_cache[p // bs, p % bs] = v_all[p]
+        meta = backend.build_metadata(AttentionBatch(
+            block_tables=[table], seq_lens=[cached + new], query_lens=[new], block_size=bs,
+            null_block=null, column_windows=(window,) if window else (None,)))
+        end = cached + new
+        return backend.forward(q_all[cached:end], k_all[cached:end], v_all[cached:end],
+                               (k_cache, v_cache), meta, 0.3, window)
+
+    whole = attend(0, total)
+    for cuts in ([0, 61, 64, 131, 190, total], [0, 7, 100, 102, 233, total]):  # (1-row chunks: decode rows)
+        for a, b in zip(cuts, cuts[1:]):
+            assert torch.equal(attend(a, b - a), whole[a:b]), (cuts, a, b)

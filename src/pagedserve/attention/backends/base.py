@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -96,6 +97,11 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+# The prompt kernels' key tiles (csrc/prefill_attention.cpp): a context is only ever shifted by
+# a multiple of this many positions (window_tail).
+KEY_TILE = 32
+
+
 def window_tail(block_tables: list[list[int]], width: int, column: int, seq_lens: list[int],
                 query_lens: list[int], block_size: int, window: int):
     """A sliding-window column's tables and context lengths as its attention sees them: each
@@ -104,13 +110,15 @@ def window_tail(block_tables: list[list[int]], width: int, column: int, seq_lens
     same order, the same bits). The column's blocks before that were given back (null) and
     are not passed at all, so a long sequence's window column costs its window, not its length.
 
-    NOTE: the shift is even (a block more with an odd block size): the prefill kernel pairs
-    keys from its context's start (kernels/cpu_attention.py)."""
+    NOTE: the shift is a multiple of KEY_TILE positions (a few given-back blocks more, null
+    entries no query reaches): the prefill kernels group keys by their position in the sequence
+    (pairs on AVX512-BF16, tiles of 32 on AMX, kernels/cpu_attention.py), and a shift by whole
+    groups keeps the bits of every chunking the same."""
+    step = KEY_TILE // math.gcd(block_size, KEY_TILE)  # blocks per shift unit
     tables, lens = [], []
     for t, n, q in zip(block_tables, seq_lens, query_lens):
         first = max(0, n - q - window + 1) // block_size
-        if first & 1 and block_size & 1:
-            first -= 1
+        first -= first % step
         tables.append(t[column + first * width :: width])
         lens.append(n - first * block_size)
     return tables, lens

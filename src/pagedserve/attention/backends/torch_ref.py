@@ -158,8 +158,10 @@ def _attend_prompts(
     With a sliding window a chunk reads only the keys its queries reach (from its first query's
     window on: blocks a sliding-window group gave back are never read), and a chunk longer
     than the window is attended in tiles of queries (`_prompt_pieces`).
-    NOTE: the first key read is even: the kernel pairs keys from its context's start, and an
-    even offset keeps the pairs (hence the bits) of every chunking the same."""
+    NOTE: the first key read is even and passed to the kernel (`key_start`): the AVX512-BF16
+    kernel pairs keys from its context's start, the AMX kernel tiles them by 32 from the
+    context's position 0 (a window column's context starts at a multiple of 32, `window_tail`),
+    so that every chunking and trim gives the same bits."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = query.new_empty(num_tokens, num_heads, head_dim)
