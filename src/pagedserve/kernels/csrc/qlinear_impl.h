@@ -89,20 +89,42 @@ inline void put_out(const Out& o, int64_t m, int64_t n, float v) {
 // 262,144-column LM head) the 16 columns of every row a block writes share one cache set:
 // written in place they evicted each other (a product 3-5x slower at N = 16,384, M = 64 than at
 // N = 4,096). Staging moves no arithmetic: the same values land in y.
+// `allow_direct` (kernels that write whole 64-byte lines of a row at a time, the AMX epilogue):
+// where 16 consecutive rows of y fall in at least 2 distinct L1 sets (8 rows a set, of 12 ways), the tiles write y in
+// place (`direct`: `out` is y, flush_and_move does nothing): the copy cost ~10% of a prefill.
 struct Stage {
   static constexpr int64_t kCols = 128;  // a multiple of the 16-column blocks
   const Out& dst;
   int64_t M;
+  bool direct;
   std::vector<uint8_t> buf;
   Out out;
-  Stage(const Out& result, int64_t rows, int64_t n0)
-      : dst(result), M(rows), buf(size_t(rows * kCols) * (result.fp32 ? 4 : 2)),
-        out{buf.data(), kCols, result.fp32, result.bias, n0} {}
+  static bool rows_spread(const Out& o) {  // 16 rows of y over >= 2 of 64 L1 sets (4 KiB apart)
+    const int64_t lines = o.ldy * (o.fp32 ? 4 : 2) / 64;
+    bool seen[64] = {false};
+    int distinct = 0;
+    for (int64_t m = 0; m < 16; ++m) {
+      const int64_t set = (m * lines) % 64;
+      if (!seen[set]) seen[set] = true, ++distinct;
+    }
+    return (o.ldy * (o.fp32 ? 4 : 2)) % 64 == 0 && distinct >= 2;
+  }
+  Stage(const Out& result, int64_t rows, int64_t n0, bool allow_direct = false)
+      : dst(result), M(rows), direct(allow_direct && rows_spread(result)),
+        buf(direct ? 0 : size_t(rows * kCols) * (result.fp32 ? 4 : 2)),
+        out(direct ? result : Out{buf.data(), kCols, result.fp32, result.bias, n0}) {}
   void flush_and_move(int64_t n) {
-    const size_t esize = out.fp32 ? 4 : 2;
-    for (int64_t m = 0; m < M; ++m)
-      std::memcpy(static_cast<uint8_t*>(dst.y) + size_t(m * dst.ldy + out.n0 - dst.n0) * esize,
-                  buf.data() + size_t(m * kCols) * esize, size_t(n - out.n0) * esize);
+    if (direct) return;
+    const size_t esize = out.fp32 ? 4 : 2, bytes = size_t(n - out.n0) * esize;
+    uint8_t* d = static_cast<uint8_t*>(dst.y) + size_t(out.n0 - dst.n0) * esize;
+    const uint8_t* s = buf.data();
+    const size_t ld = size_t(dst.ldy) * esize, ls = size_t(kCols) * esize;
+    if (bytes % 64 == 0) {  // whole lines (the usual case): inline vector moves, no call per row
+      for (int64_t m = 0; m < M; ++m, d += ld, s += ls)
+        for (size_t b = 0; b < bytes; b += 64) __builtin_memcpy(d + b, s + b, 64);
+    } else {
+      for (int64_t m = 0; m < M; ++m, d += ld, s += ls) std::memcpy(d, s, bytes);
+    }
     out.n0 = n;
   }
 };
@@ -457,7 +479,7 @@ inline void amx_range(int64_t fmt, const uint16_t* xpk, int64_t M, int64_t K, co
   std::vector<float> tmp(static_cast<size_t>(K));
   uint16_t* wb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t(63));
   amx_config();
-  Stage st(out, M, nb);
+  Stage st(out, M, nb, /*allow_direct=*/true);
   for (int64_t g0 = nb; g0 < ne; g0 += kBlocks * 16) {
     const int64_t g1 = std::min(ne, g0 + kBlocks * 16);
     if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
