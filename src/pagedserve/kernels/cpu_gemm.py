@@ -59,7 +59,7 @@ _EXTENSION = LazyExtension(
      "vec16.h",
      "vec16_build.h", "argmax_impl.h", "argmax_best.h", "argmax_rows.h",
      "rms_norm_impl.h", "paged_attention_impl.h", "rotary_impl.h", "lora_bgmv_impl.h",
-     "qlinear_api.h", "moe_impl.h", "act_formula.h", "omp_region.h", "transpose16.h"],
+     "qlinear_api.h", "moe_impl.h", "act_formula.h", "omp_region.h", "transpose16.h", "amx_tiles.h"],
     # NOTE: -ffp-contract=off: the compiler fuses no multiply and add the source does not, so the
     # AVX2 and AVX-512 builds of the row kernels (csrc/vec16.h) perform the same IEEE operations.
     cflags=["-ffp-contract=off"],

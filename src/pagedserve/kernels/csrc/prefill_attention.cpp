@@ -230,15 +230,7 @@ namespace v16 {
 
 constexpr int64_t kChunk = 32;  // keys per P^T tile (and the alignment of every key range)
 
-inline void tile_config() {
-  alignas(64) uint8_t cfg[64] = {0};
-  cfg[0] = 1;  // palette 1: all 8 tiles 16 rows x 64 bytes
-  for (int t = 0; t < 8; ++t) {
-    cfg[16 + 2 * t] = 64;
-    cfg[48 + t] = 16;
-  }
-  _tile_loadconfig(cfg);
-}
+#include "amx_tiles.h"
 
 // v [ctx, Hkv, D] -> vt [Hkv][D][ctxp]: key j at column off + j (off = key_start % 32), zeros
 // before it and past ctx (ctxp: off + ctx rounded up to 32). Each 16 x 16 tile of 32-bit pairs
@@ -491,7 +483,7 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
   at::parallel_for(0, s.Hkv * blocks * hg, 1, [&](int64_t b, int64_t e) {
     // keys a block reads: its window (or the context) plus its 16 rows, from a multiple of 32
     Scratch w(s, std::min<int64_t>(ctxp, s.window ? s.window + 16 + 2 * kChunk : ctxp) + 2 * kChunk);
-    tile_config();
+    amx_config();
     for (int64_t t = b; t < e; ++t) {
       const int64_t gi = t / (blocks * hg), blk = (t / hg) % blocks, sub = t % hg;
       const int64_t h0 = gi * G + sub * 4;

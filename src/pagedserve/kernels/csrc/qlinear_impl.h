@@ -393,15 +393,7 @@ inline void dot_block(const XT* x, int64_t M, int64_t K, const WT* w, int64_t ld
 // accumulators keep the tile unit busy (one C tile's products wait on each other).
 // NOTE: a C element walks K in chunks of 32, in order, from zero, whichever tiles run beside it:
 // the same bits for any M, any blocking and any row of the batch.
-inline void amx_config() {
-  alignas(64) uint8_t cfg[64] = {0};
-  cfg[0] = 1;  // palette 1
-  for (int t = 0; t < 8; ++t) {
-    cfg[16 + 2 * t] = 64;  // colsb
-    cfg[48 + t] = 16;      // rows
-  }
-  _tile_loadconfig(cfg);
-}
+#include "amx_tiles.h"
 
 // C tiles 0-3 over K: TW / TX say whether the second W block / the second x group is there.
 template <bool TW, bool TX>
