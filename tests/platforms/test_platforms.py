@@ -149,3 +149,31 @@ def test_workers_ask_the_platform_for_threads_bundles_and_the_process_group():
     assert cpu.threads_per_worker(8, 3) == 2 and cpu.threads_per_worker(2, 4) == 1
     assert cuda.threads_per_worker(8, 3) is None  # the GPU does the work: torch's default
     assert default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_cpu_worker_keeps_freed_step_buffers_in_the_heap():
+    """glibc: after a CPU worker's setup, a freed 16 MiB buffer (a prompt step's size) comes from
+    the heap, not from a fresh mmap that the next step would fault in again page by page."""
+    import ctypes
+    import ctypes.util
+
+    from pagedserve.platforms.cpu import CpuPlatform
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    CpuPlatform().worker_device()
+    before = libc.mallinfo2().hblkhd
+    p = libc.malloc(16 << 20)
+    mapped = libc.mallinfo2().hblkhd - before
+    libc.free(p)
+    assert p and mapped == 0
