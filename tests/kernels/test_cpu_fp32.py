@@ -141,6 +141,50 @@ def test_bf16_activation_is_the_fp32_formula_rounded_once_at_every_size_and_isa(
     torch.testing.assert_close(full[5:].float(), ref(x[5:]).float(), rtol=8e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh"])
+def test_gated_activation_has_the_bits_of_the_activation_then_the_product(kernels, dtype, name):
+    """act(gate) * up in one pass equals the activation kernel followed by torch's product, bit
+    for bit, at every row count and width (tails of 1-15), on column views of one fused
+    projection's output, at every ISA; bf16 rounds the activation before the product."""
+    g = torch.Generator().manual_seed(3)
+    for t, n in ((1, 7), (3, 16), (5, 33), (17, 2048), (64, 1000)):
+        fused = (torch.randn(t, 2 * n + 3, generator=g) * 4).to(dtype)
+        fused[0, :4] = torch.tensor([0.0, -0.0, 60.0, -60.0])
+        gate, up = fused[:, :n], fused[:, n : 2 * n]  # strided rows, as linear_outputs' split gives
+        want = kernels.invariant_activation(gate.contiguous(), name) * up
+        got = kernels.invariant_gated_activation(gate, up, name)
+        assert got.dtype is dtype and got.is_contiguous()
+        assert torch.equal(got, want), (t, n)
+        for isa in _isas():
+            op = torch.ops.pagedserve_fp32.fp32_gated_activation.default
+            assert torch.equal(op(gate, up, kernels.ACTIVATIONS[name], kernels.ISAS[isa]), want), (isa, t, n)
+    x = torch.randn(4, 8)
+    assert kernels.invariant_gated_activation(x.half(), x.half(), name) is None
+    assert kernels.invariant_gated_activation(x, x.bfloat16(), name) is None
+    assert kernels.invariant_gated_activation(x.t(), x.t(), name) is None  # columns not contiguous
+
+
+def test_gated_mlp_runs_the_fused_middle_and_keeps_its_bits(kernels, monkeypatch):
+    """A gated MLP on the CPU platform calls the one-pass kernel, and its output is the same bits
+    as the activation then the product (the path before the kernel)."""
+    from pagedserve.models.llama import LlamaMLP
+    from pagedserve.platforms import cpu as cpu_platform
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(64, 160, "gelu_pytorch_tanh").bfloat16()
+    x = torch.randn(9, 64).bfloat16()
+    calls = []
+    real = cpu_platform.invariant_gated_activation
+    monkeypatch.setattr(cpu_platform, "invariant_gated_activation",
+                        lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = mlp(x)
+        monkeypatch.setattr(cpu_platform, "invariant_gated_activation", lambda *a: None)
+        want = mlp(x)
+    assert calls and torch.equal(got, want)
+
+
 # ---- attention ------------------------------------------------------------------------------
 
 

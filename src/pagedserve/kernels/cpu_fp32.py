@@ -109,6 +109,20 @@ def invariant_activation(x: torch.Tensor, name: str) -> torch.Tensor | None:
     return torch.ops.pagedserve_fp32.fp32_activation.default(x.contiguous(), ACTIVATIONS[name], 0)
 
 
+def invariant_gated_activation(gate: torch.Tensor, up: torch.Tensor, name: str) -> torch.Tensor | None:
+    """`act(gate) * up` (a gated MLP's middle) in one pass: the same bits as
+    `invariant_activation(gate, name) * up` (the activation rounded to bf16 first for bf16 inputs,
+    then torch's product), without the activation's tensor; None wherever that pair would not run
+    the kernel (see `invariant_activation`), or for shapes this op does not take (not 2-D, rows
+    not contiguous, dtypes or shapes that differ)."""
+    if (gate.dtype not in (torch.float32, torch.bfloat16) or up.dtype != gate.dtype
+            or gate.dim() != 2 or gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1
+            or not (gate.is_cpu and up.is_cpu) or _needs_grad(gate) or _needs_grad(up)
+            or _get_isa() is None):
+        return None
+    return torch.ops.pagedserve_fp32.fp32_gated_activation.default(gate, up, ACTIVATIONS[name], 0)
+
+
 def _kernel_activation(x: torch.Tensor, name: str, isa: str = "auto") -> torch.Tensor:
     """The activation kernel with no fallback, on a chosen ISA (tests)."""
     if _get_isa() is None:

@@ -21,7 +21,8 @@ import torch
 from pagedserve.kernels import cpu_gemm
 from pagedserve.kernels.cpu_argmax import argmax_bf16
 from pagedserve.kernels.cpu_attention import decode_attention, prefill_attention
-from pagedserve.kernels.cpu_fp32 import invariant_activation, invariant_attention, invariant_linear
+from pagedserve.kernels.cpu_fp32 import (invariant_activation, invariant_attention, invariant_gated_activation,
+                                         invariant_linear)
 from pagedserve.kernels.cpu_moe import moe_experts
 from pagedserve.kernels.cpu_norm import rms_norm
 from pagedserve.kernels.cpu_qlinear import qembedding, qlinear_argmax, quantized_available
@@ -91,6 +92,11 @@ class CpuOps(LayerOps):
 
     def activation(self, x, name):
         return invariant_activation(x, name)
+
+    def gated_activation(self, gate, up, name):
+        """`act(gate) * up` in one pass (`kernels.cpu_fp32.invariant_gated_activation`): the bits
+        of `activation(gate, name) * up`, without the activation's tensor."""
+        return invariant_gated_activation(gate, up, name)
 
     def decoder_layer(self, layer, x, rope, kv_cache, meta):
         return cpu_decode.fused_decode_layer(layer, x, rope, kv_cache, meta)

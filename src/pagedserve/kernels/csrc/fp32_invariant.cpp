@@ -109,14 +109,18 @@ struct V {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
   }
-  void store_bf16(uint16_t* p) const {
+  __m512i bf16_bits() const {  // each lane's bf16, in its low 16 bits
     const __m512i u = _mm512_castps_si512(r);
     const __m512i hi = _mm512_srli_epi32(u, 16);
     const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(h));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    return _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
   }
+  void store_bf16(uint16_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits()));
+  }
+  // the value store_bf16 then load_bf16 give, without the memory round trip
+  V round_bf16() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(), 16))}; }
   // 16 fp8 values (E5M2, else E4M3FN) widened exactly to fp32 by integer operations: the sign,
   // a normal value's exponent and mantissa rebiased in place, a subnormal as mantissa x
   // 2^(1 - bias - M), the formats' NaN / infinity codes (the same bits as torch's conversion and
@@ -205,6 +209,10 @@ struct V {
     const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     return _mm256_blendv_epi8(h, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  }
+  // the value store_bf16 then load_bf16 give, without the memory round trip
+  V round_bf16() const {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(round_half(a), 16)), _mm256_castsi256_ps(_mm256_slli_epi32(round_half(b), 16))};
   }
   void store_bf16(uint16_t* p) const {
     // packus works per 128-bit lane: a0-3 b0-3 a4-7 b4-7, then the quads back in order
@@ -449,6 +457,45 @@ at::Tensor fp32_activation(const at::Tensor& x, int64_t act, int64_t isa) {
   return y;
 }
 
+// act(gate) * up in one pass (a gated MLP's middle): the bits of fp32_activation(gate) then
+// torch's product (`gated` in the isa header), each element by the same vector formula. gate and
+// up: [T, N], rows contiguous (column views of one fused projection's output allowed).
+at::Tensor fp32_gated_activation(const at::Tensor& gate, const at::Tensor& up, int64_t act, int64_t isa) {
+  const bool bf16 = gate.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((gate.scalar_type() == at::kFloat || bf16) && up.scalar_type() == gate.scalar_type(),
+              "fp32_gated_activation: gate and up must both be float32 or both bfloat16");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "fp32_gated_activation: gate and up must be [T, N] with contiguous rows");
+  TORCH_CHECK(act >= 0 && act <= 2, "fp32_gated_activation: act must be 0 (silu), 1 (gelu tanh) or 2 (sigmoid)");
+  const int64_t use = pick_isa(isa, "fp32_gated_activation");
+  const int64_t T = gate.size(0), N = gate.size(1), gs = gate.stride(0), us = up.stride(0);
+  at::Tensor y = at::empty({T, N}, gate.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0 || N == 0) return y;
+  const int64_t grain = std::max<int64_t>(1, 16384 / N);  // rows per task: ~16k elements
+  at::parallel_for(0, T, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (bf16) {
+        const auto* gp = reinterpret_cast<const uint16_t*>(gate.data_ptr()) + r * gs;
+        const auto* upp = reinterpret_cast<const uint16_t*>(up.data_ptr()) + r * us;
+        auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr()) + r * N;
+        if (use == kIsaAvx512)
+          isa_avx512::gated_bf16(gp, upp, yp, N, act);
+        else
+          isa_avx2::gated_bf16(gp, upp, yp, N, act);
+      } else {
+        const float* gp = gate.data_ptr<float>() + r * gs;
+        const float* upp = up.data_ptr<float>() + r * us;
+        float* yp = y.data_ptr<float>() + r * N;
+        if (use == kIsaAvx512)
+          isa_avx512::gated(gp, upp, yp, N, act);
+        else
+          isa_avx2::gated(gp, upp, yp, N, act);
+      }
+    }
+  });
+  return y;
+}
+
 int64_t fp32_isa() { return best_isa(); }
 
 }  // namespace
@@ -456,6 +503,7 @@ int64_t fp32_isa() { return best_isa(); }
 TORCH_LIBRARY(pagedserve_fp32, m) {
   m.def("fp32_isa() -> int", &fp32_isa);  // catch-all: no tensor arguments to dispatch on
   m.def("fp32_activation(Tensor x, int act, int isa) -> Tensor");
+  m.def("fp32_gated_activation(Tensor gate, Tensor up, int act, int isa) -> Tensor");
   m.def("fp32_linear(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
   m.def(
       "fp32_paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -468,6 +516,7 @@ TORCH_LIBRARY(pagedserve_fp32, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve_fp32, CPU, m) {
   m.impl("fp32_activation", &fp32_activation);
+  m.impl("fp32_gated_activation", &fp32_gated_activation);
   m.impl("fp32_linear", &fp32_linear);
   m.impl("fp32_paged_attention", &fp32_paged_attention);
   m.impl("fp32_paged_attention_sinks", &fp32_paged_attention_sinks);

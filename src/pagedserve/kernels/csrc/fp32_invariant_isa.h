@@ -123,6 +123,32 @@ void activation_bf16(const uint16_t* x, uint16_t* y, int64_t n, int64_t act) {
   }
 }
 
+// act(g) * u, the gated MLP's middle, in one pass: the bits of activation(_bf16) then torch's
+// product. bf16: act(g) rounded to bf16 (as activation_bf16 stores it), widened back exactly,
+// times u widened, rounded once more (torch's bf16 mul: fp32 product, one rounding); fp32: the
+// fp32 product.
+void gated(const float* g, const float* u, float* y, int64_t n, int64_t act) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) V::mul(act_v(V::load(g + i), act), V::load(u + i)).store(y + i);
+  if (i < n) {
+    const int t = int(n - i);
+    V::mul(act_v(V::load_tail(g + i, t), act), V::load_tail(u + i, t)).store_tail(y + i, t);
+  }
+}
+
+void gated_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t n, int64_t act) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    V::mul(act_v(V::load_bf16(g + i), act).round_bf16(), V::load_bf16(u + i)).store_bf16(y + i);
+  if (i < n) {
+    alignas(64) uint16_t gin[16] = {}, uin[16] = {}, out[16];
+    std::memcpy(gin, g + i, sizeof(uint16_t) * size_t(n - i));
+    std::memcpy(uin, u + i, sizeof(uint16_t) * size_t(n - i));
+    V::mul(act_v(V::load_bf16(gin), act).round_bf16(), V::load_bf16(uin)).store_bf16(out);
+    std::memcpy(y + i, out, sizeof(uint16_t) * size_t(n - i));
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 // Scores of heads [g0, g0 + GH) against keys t and t + 1 (KT = 2) or t alone (KT = 1): each
