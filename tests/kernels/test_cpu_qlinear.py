@@ -337,6 +337,31 @@ def test_a_rows_gemm_result_does_not_depend_on_its_batch(fmt, isa):
     assert torch.equal(mixed[33:49], alone)
 
 
+@pytest.mark.parametrize("fmt", ["q5_0", "q4_k", "bf16"])
+def test_a_prompt_sized_gemm_has_the_bits_of_its_rows_in_a_small_batch(fmt, isa):
+    """A prompt-sized product (256+ rows: bigger column chunks per thread, and on AMX up to 8
+    blocks of 16 weight rows dequantized per pass over x) gives each row the bits it gets in a
+    small GEMM batch, over many chunks and a partial last block; and matches the reference."""
+    n, k, m = 1000, 768, 300
+    if fmt == "bf16":
+        ref_w = torch.randn(n, k).to(torch.bfloat16)
+        w = ref_w
+    else:
+        w, ref_w = ggml_blocks(fmt, n, k, seed=12)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    if fmt == "bf16":
+        op = torch.ops.pagedserve_cpu.qlinear.default
+        run = lambda xs: op(xs, w, 0, k, None, True, isa, 1)  # noqa: E731
+    else:
+        run = lambda xs: _op(xs, w, isa, 1)  # noqa: E731
+    big = run(x)
+    assert torch.equal(big[100:120], run(x[100:120]))
+    assert torch.equal(big[-16:], run(x[-16:]))
+    if fmt != "bf16":
+        check_gemm_product(big, x, ref_w, None, fmt, isa)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k"])
 def test_the_kernel_is_chosen_by_row_count(fmt, isa):
     """Below `gemm_rows(...)` rows a bf16 product over ggml blocks is the 8-bit-activation kernel's,

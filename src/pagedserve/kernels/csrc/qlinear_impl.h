@@ -455,17 +455,19 @@ inline void amx_pair(const uint16_t* xpk, int64_t M, int64_t K, int64_t mb0, int
 
 // Output columns [nb, ne) (whole 16-row blocks of W, format fmt) of the product with x packed
 // for the B tiles. Blocked for the caches as bcast_range is: kBlocks weight blocks dequantized
-// at once (their bf16 rows stay in L2), multiplied by slabs of kSlab row groups of x (a slab
-// stays in L2 across the blocks). bf16 weights are read in place (a partial block is copied).
+// at once (their bf16 rows stay in L2: 4 to 8 blocks, as many as ~1 MiB holds), multiplied by
+// slabs of kSlab row groups of x (a slab stays in L2 across the blocks); all of x is read once
+// per kBlocks blocks. bf16 weights are read in place (a partial block is copied).
 // NOTE: the blocks are all dequantized before the first product: AMX tile loads of lines just
 // written stall on the store buffer, and the first pair's rows were written kBlocks blocks ago.
 inline void amx_range(int64_t fmt, const uint16_t* xpk, int64_t M, int64_t K, const uint8_t* w,
                       int64_t row_bytes, int64_t N, const Out& out, int64_t nb, int64_t ne) {
-  constexpr int64_t kBlocks = 4, kSlab = 4;
+  constexpr int64_t kSlab = 4;
   (void)N;
   const bool bf16_w = fmt == kFmtBf16;
   const int64_t MBk = (M + 15) / 16;
   const int64_t ldb = K + 32;  // see the NOTE on ldw in run_range
+  const int64_t kBlocks = std::min<int64_t>(8, std::max<int64_t>(4, (int64_t(1) << 20) / (16 * ldb * 2)));
   // uninitialized: the rows a tile reads are written (dequantized, or zeros past N) before use
   std::unique_ptr<uint16_t[]> buf(new uint16_t[size_t(kBlocks * 16 * ldb + 32)]);
   std::vector<float> tmp(static_cast<size_t>(K));
