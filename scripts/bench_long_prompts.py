@@ -7,6 +7,7 @@ last), as one line of JSON too.
     python scripts/bench_long_prompts.py                          # 8 x 8192 + 256, 256 MiB
     python scripts/bench_long_prompts.py --kv-cache-memory 2147483648 --num-prompts 16
     python scripts/bench_long_prompts.py --disable-hybrid-kv-cache-manager   # one group
+    python scripts/bench_long_prompts.py --kv-cache-dtype fp8                # half the KV bytes
 
 Runs against whatever `pagedserve` is importable (PYTHONPATH=/other/src for another checkout;
 flags that checkout lacks are left out). Timings on a shared machine are noise: rerun it quiet.
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     ap.add_argument("--model", default=None, help="default: the embedded Gemma 3 270M")
     args = ap.parse_args()
 
@@ -42,7 +44,7 @@ def main() -> int:
     options = dict(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.prompt_len + args.output_len,
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
     if args.disable_hybrid_kv_cache_manager:
         options["disable_hybrid_kv_cache_manager"] = True
     known = {f for f in EngineArgs.__dataclass_fields__}
@@ -63,6 +65,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     result = dict(
         hybrid=not args.disable_hybrid_kv_cache_manager and "disable_hybrid_kv_cache_manager" in known,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory, num_blocks=engine.num_kv_blocks,
         max_concurrency=getattr(engine, "max_concurrency", None), peak_running=peak,
         preemptions=engine.scheduler.num_preemptions, steps=steps, seconds=round(wall, 1),
