@@ -282,11 +282,13 @@ class EngineArgs:
     data_parallel_routing: str = option(
         "prefix", "which engine core takes a request: prefix (the one holding its longest "
         "cached prefix, from the cores' KV events, unless its load exceeds the least loaded "
-        "core's by --data-parallel-load-threshold tokens), least-load (queued + running "
+        "core's, plus the history that core lacks, by --data-parallel-load-threshold tokens "
+        "and by half), least-load (queued + running "
         "tokens) or round-robin", choices=DATA_PARALLEL_ROUTINGS)
     data_parallel_load_threshold: int = option(
         2048, "prefix routing: the most tokens of load the core holding a request's prefix may "
-        "carry over the least loaded core before the request goes to the least loaded one")
+        "carry over the least loaded core (plus the prompt tokens that core lacks) before the "
+        "request goes to the least loaded one, if it also carries over 1.5x that")
     data_parallel_restart_lost: bool = option(
         False, "start a fresh engine core in place of one that died (mp backend; it takes "
         "requests again once its model is loaded); off: the server serves on without it and "

@@ -126,8 +126,18 @@ def test_routing_policies():
     router.apply_events(1, kv.events.take())
     router.add_load(1, 80)  # within the threshold: the prefix wins
     assert router.choose(prompt + [1]) == 1
-    router.add_load(1, 50)  # 130 > 100 over the least loaded: the least loaded wins
+    router.add_load(1, 35)  # 115 over the least loaded, but core 0 would compute 20 tokens more
+    assert router.choose(prompt + [1]) == 1
+    assert router.choose(prompt[:8] + [1]) == 0  # 115 - 8 > 100: the least loaded wins
+    router.add_load(1, 15)  # 130 - 20 > 100: the least loaded wins
     assert router.choose(prompt + [1]) == 0
+    router.add_load(0, 1000)
+    router.add_load(1, 1000)  # 1130 over 1000 + 20 is past the threshold but within 1.5x
+    assert router.choose(prompt + [1]) == 1
+    router.add_load(1, 500)  # 1630 > 1.5 x 1020 and 610 > 100 past it: the least loaded
+    assert router.choose(prompt + [1]) == 0
+    router.add_load(0, -1000)
+    router.add_load(1, -1500)
     assert router.choose([1, 2, 3]) == 0  # no hit: least loaded
     router.mark_dead(0)
     assert router.choose([1, 2, 3]) == 1

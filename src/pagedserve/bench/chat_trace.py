@@ -10,7 +10,10 @@ tokenizer, no text, the same trace for every engine.
 calls (`add_request` / `step`, the same on an `LLMEngine` and on the data-parallel front end):
 `concurrency` conversations are in flight, each sends its next turn when its reply is complete.
 It reports the prefix-cache hit rate (prompt tokens found cached / looked up, summed over the
-cores: it depends on where each turn went, not on timing), TTFT percentiles, output tokens/s.
+cores: it depends on where each turn went, not on timing), TTFT p50 and mean, output tokens/s.
+NOTE: with two cores round-robin's TTFTs are bimodal (a turn that lands on the core of the
+conversation's previous turn finds all of its history), so its p50 sits between the two modes;
+the mean weighs the turns that rebuild a history.
 
 `main` compares, on one trace: a single engine; data parallelism with prefix routing, least-load
 and round-robin; DP=2 with one thread per core against DP=1 with two threads; and, with
@@ -71,6 +74,10 @@ class TraceResult:
     @property
     def ttft_p50(self) -> float:
         return statistics.median(self.ttft) if self.ttft else float("nan")
+
+    @property
+    def ttft_mean(self) -> float:
+        return statistics.fmean(self.ttft) if self.ttft else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -175,6 +182,8 @@ def add_bench_chat_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-prompts", type=int, default=4)
     parser.add_argument("--system-len", type=int, default=256)
+    parser.add_argument("--user-len", type=int, nargs=2, default=(8, 32), metavar=("MIN", "MAX"),
+                        help="a user message's length in tokens, drawn uniformly in [MIN, MAX]")
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--trace-seed", type=int, default=0)
@@ -198,12 +207,16 @@ def _engine(args, **changes):
 
 def _row(name: str, result: TraceResult) -> str:
     return (f"| {name} | {result.hit_rate:.3f} | {result.ttft_p50 * 1000:.0f} | "
+            f"{result.ttft_mean * 1000:.0f} | "
             f"{result.tokens_per_s:.1f} | {result.completed} | {len(result.failed)} |")
 
 
 def main(args: argparse.Namespace) -> int:
+    if not 1 <= args.user_len[0] <= args.user_len[1]:
+        raise ValueError(f"--user-len must be 1 <= MIN <= MAX, got {args.user_len}")
     trace = chat_trace(args.conversations, args.turns, args.system_prompts, args.system_len,
-                       reply_tokens=args.reply_tokens, seed=args.trace_seed)
+                       user_len=tuple(args.user_len), reply_tokens=args.reply_tokens,
+                       seed=args.trace_seed)
     only = set(args.only.split(",")) if args.only else None
     runs = [("single", dict(data_parallel_size=1)),
             ("prefix", dict(data_parallel_size=2, data_parallel_routing="prefix")),
@@ -213,8 +226,9 @@ def main(args: argparse.Namespace) -> int:
             ("dp2x1", dict(data_parallel_size=2, data_parallel_routing="prefix"))]
     print(f"trace: {args.conversations} conversations x {args.turns} turns, "
           f"{trace.num_requests} requests, concurrency {args.concurrency}")
-    print("| run | prefix-cache hit rate | TTFT p50 (ms) | output tok/s | completed | failed |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| run | prefix-cache hit rate | TTFT p50 (ms) | TTFT mean (ms) | output tok/s | "
+          "completed | failed |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     budget = getattr(args, "kv_cache_memory", None)
     if budget:
         print(f"KV cache: {budget} bytes per core of the DP=2 runs; the DP=1 runs get "

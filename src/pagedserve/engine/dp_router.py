@@ -2,8 +2,9 @@
 
 - `prefix` (default): the core holding the longest cached prefix of the request's prompt, read
   from an exact index of what every core's prefix cache holds (`PrefixIndex`, fed the KV events
-  each core reports every step), unless that core's load exceeds the least loaded core's by more
-  than `threshold` tokens; then the least loaded. Without a hit anywhere: the least loaded core,
+  each core reports every step), unless that core is overloaded: its load exceeds the least
+  loaded core's, plus the history that core lacks (which it would compute again), by more than
+  `threshold` tokens and by more than half (`LOAD_RATIO`); then the least loaded. Without a hit anywhere: the least loaded core,
   preferring, for a request with a LoRA adapter, the cores that served that adapter recently (it
   is loaded there).
 - `least-load`: the least loaded core (ties: the one that took the fewest requests).
@@ -25,6 +26,9 @@ from collections import OrderedDict
 
 ROUTING_POLICIES = ("prefix", "least-load", "round-robin")
 DEFAULT_LOAD_THRESHOLD = 2048  # tokens
+# a prefix core is overloaded only past both the threshold and this ratio (SGLang's router's
+# balance_rel_threshold): with long histories a fixed number of tokens is one conversation
+LOAD_RATIO = 1.5
 
 
 class PrefixIndex:
@@ -157,7 +161,12 @@ class Router:
         matched = {i: n for i, n in matched.items() if i in live}
         if matched:
             best = max(matched, key=lambda i: (matched[i], -self.load[i], -i))
-            if self.load[best] - self.load[least] <= self.threshold:
+            # NOTE: the prompt's tokens that a core lacks join its load there: elsewhere the
+            # whole history is computed again, which is the load the prefix core is spared
+            spared = (matched[best] - matched.get(least, 0)) * self.index.block_size
+            other = self.load[least] + spared
+            if (self.load[best] - other <= self.threshold
+                    or self.load[best] <= LOAD_RATIO * other):
                 self.prefix_routed += 1
                 return self._chosen(best, lora_id)
             self.overloaded += 1
