@@ -110,19 +110,20 @@ struct Unit<::isa_avx2::Q6_K> {
   }
 };
 
-// One pair of blocks (b, b + 1; b even) of a row of x against one weight column's pair (v: the
-// two blocks' bytes, mul: their lanes' multipliers), into acc: lanes 0-7 the even chain (block
-// b's FMA), lanes 8-15 the odd chain (block b + 1's), s their scales.
-template <class F, int kShift = q8v_shift<F>()>
-__attribute__((always_inline)) inline __m512 q8v_pair(const ::isa_avx2::XQ& x, int64_t m, int64_t b,
-                                                      __m512i v, __m512i mul, __m512 s, __m512 acc) {
+// Row m's bytes of blocks b, b + 1 (xv, 64 u8 x s8 products against a weight pair's bytes) and
+// the int32 that pair's vpdpbusd starts from (start): 0, or for formats with an offset (kShift
+// >= 0, q8v_shift) minus x.o's sums of 4 qx times 2^kShift, the AVX2 body's subtracted term.
+// Starting there gives the int32 of product-then-subtract (wrapping arithmetic either way); a
+// tile computes it once per row of x for all its weight rows. Lanes 0-7 block b, 8-15 b + 1;
+// then (Q6_K) times its int16 multipliers, converted, and one FMA with the pair's scales.
+template <int kShift>
+__attribute__((always_inline)) inline void q8v_x_pair(const ::isa_avx2::XQ& x, int64_t m, int64_t b, __m512i* xv,
+                                                      __m512i* start) {
   const int64_t nbx = x.K / 32;
-  const __m512i xv = _mm512_loadu_si512(x.q + m * x.K + b * 32);
-  __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xv);
-  if constexpr (kShift >= 0)  // x.o: the sums of 4 qx (quantized with offset 1), 8 per block
-    p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512(x.o + (m * nbx + b) * 8), kShift));
-  if constexpr (F::kMul16) p = _mm512_mullo_epi32(p, mul);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
+  *xv = _mm512_loadu_si512(x.q + m * x.K + b * 32);
+  *start = _mm512_setzero_si512();
+  if constexpr (kShift >= 0)
+    *start = _mm512_sub_epi32(*start, _mm512_slli_epi32(_mm512_loadu_si512(x.o + (m * nbx + b) * 8), kShift));
 }
 
 // One block b alone (the last of an odd count, so an even one): as the AVX2 body, on 256-bit
@@ -199,11 +200,16 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) v[j] = Unit<F>::pair(h[j], prep[j], wu[j], t, &mul[j]);
 #pragma GCC unroll 4
-        for (int i = 0; i < MB; ++i)
+        for (int i = 0; i < MB; ++i) {
+          __m512i xv, start;
+          q8v_x_pair<Unit<F>::kShift>(x, m0 + i, b, &xv, &start);
 #pragma GCC unroll 4
-          for (int j = 0; j < NB; ++j)
-            acc[i * NB + j] = q8v_pair<F, Unit<F>::kShift>(x, m0 + i, b, v[j], mul[j],
-                                                           _mm512_permutexvar_ps(pick, sc[i * NB + j]), acc[i * NB + j]);
+          for (int j = 0; j < NB; ++j) {
+            __m512i p = _mm512_dpbusd_epi32(start, v[j], xv);
+            if constexpr (F::kMul16) p = _mm512_mullo_epi32(p, mul[j]);
+            acc[i * NB + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, sc[i * NB + j]), acc[i * NB + j]);
+          }
+        }
       }
     }
 #pragma GCC unroll 16
@@ -211,11 +217,12 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
       res[t] = ::isa_avx2::acc_sum(_mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1)));
   } else {  // one block per unit: pairs of units (u, u + 1)
     static_assert(F::kBlocks == 1, "a unit is one block or a K-quant super-block");
+    static_assert(!F::kMul16, "one-block formats have no int16 multipliers");
+    constexpr int kShift = q8v_shift<F>();
     int64_t b = 0;
     for (; b + 2 <= nbx; b += 2) {
       __m512i v[NB];
-      const __m512i no_mul = _mm512_setzero_si512();
-      float dw0[NB], dw1[NB];
+      __m512 dw[NB];  // lanes 0-7 block b's dw, 8-15 block b + 1's
       __m512 mins[NB];
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
@@ -224,21 +231,30 @@ __attribute__((always_inline)) inline void q8v_tile(const ::isa_avx2::XQ& x, int
         if (2 * F::kBytes > 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchRows * rb + 64), _MM_HINT_T0);
         const typename F::Head h0 = F::head(wb), h1 = F::head(wb + F::kBytes);
         if constexpr (F::kMins) mins[j] = q8v_join_ps(h0.mins, h1.mins);
-        v[j] = q8v_join(q8v_block<F>(h0, wb, 0, &dw0[j]), q8v_block<F>(h1, wb + F::kBytes, 0, &dw1[j]));
+        float dw0, dw1;
+        v[j] = q8v_join(q8v_block<F>(h0, wb, 0, &dw0), q8v_block<F>(h1, wb + F::kBytes, 0, &dw1));
+        dw[j] = q8v_join_ps(_mm256_set1_ps(dw0), _mm256_set1_ps(dw1));
       }
 #pragma GCC unroll 4
       for (int i = 0; i < MB; ++i) {
+        const int64_t m = m0 + i;
         if constexpr (F::kMins) {  // Q4_1: each block's min term just before it, in its chain
-          const float* sp = x.s + (m0 + i) * nbx + b;
+          const float* sp = x.s + m * nbx + b;
           const __m512 xs = q8v_join_ps(_mm256_setr_ps(sp[0], 0, 0, 0, 0, 0, 0, 0), _mm256_setr_ps(sp[1], 0, 0, 0, 0, 0, 0, 0));
 #pragma GCC unroll 4
           for (int j = 0; j < NB; ++j) acc[i * NB + j] = _mm512_fnmadd_ps(mins[j], xs, acc[i * NB + j]);
         }
+        // What row m shares across the NB weight rows: its bytes, the start term and dx.
+        // NOTE: fl(dw * dx) is one IEEE product per lane either way: q8v_scale's bits.
+        __m512i xv, start;
+        q8v_x_pair<kShift>(x, m, b, &xv, &start);
+        const float* dp = x.d + m * nbx + b;
+        const __m512 dx = q8v_join_ps(_mm256_broadcast_ss(dp), _mm256_broadcast_ss(dp + 1));
 #pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j)
-          acc[i * NB + j] = q8v_pair<F>(x, m0 + i, b, v[j], no_mul,
-                                        q8v_join_ps(q8v_scale(x, m0 + i, b, dw0[j]), q8v_scale(x, m0 + i, b + 1, dw1[j])),
-                                        acc[i * NB + j]);
+        for (int j = 0; j < NB; ++j) {
+          const __m512i p = _mm512_dpbusd_epi32(start, v[j], xv);
+          acc[i * NB + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[j], dx), acc[i * NB + j]);
+        }
       }
     }
     __m256 lo[MB * NB];
