@@ -362,6 +362,29 @@ def test_a_prompt_sized_gemm_has_the_bits_of_its_rows_in_a_small_batch(fmt, isa)
         check_gemm_product(big, x, ref_w, None, fmt, isa)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0"])
+def test_a_gemm_over_rows_of_4096_values_into_a_staged_output_keeps_every_column(fmt, isa):
+    """K = 4096 (a 7B/8B model's hidden size, Qwen3-MoE's attention output): on AMX the GEMM then
+    dequantizes 7 blocks of 16 weight rows per pass (112 columns), which the 128-column output
+    stage must take whole; N = 2048 fp32 outputs (8 KiB rows of y: staged, not written in place),
+    one thread (chunks of 256 columns: a second group crosses the stage's end).
+    NOTE: a group that ran past the stage wrote beyond its buffer (heap corruption, wrong
+    columns) before the stage was flushed by the group's end."""
+    n, k, m = 2048, 4096, 24
+    w, ref_w = ggml_blocks(fmt, n, k, seed=14)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        y = _op(x, w, isa, 1)
+        rows = _op(x[8:24], w, isa, 1)
+    finally:
+        torch.set_num_threads(threads)
+    check_gemm_product(y, x, ref_w, None, fmt, isa)
+    assert torch.equal(y[8:24], rows)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q4_k", "q6_k"])
 def test_the_kernel_is_chosen_by_row_count(fmt, isa):
     """Below `gemm_rows(...)` rows a bf16 product over ggml blocks is the 8-bit-activation kernel's,

@@ -476,7 +476,9 @@ inline void amx_range(int64_t fmt, const uint16_t* xpk, int64_t M, int64_t K, co
   Stage st(out, M, nb, /*allow_direct=*/true);
   for (int64_t g0 = nb; g0 < ne; g0 += kBlocks * 16) {
     const int64_t g1 = std::min(ne, g0 + kBlocks * 16);
-    if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
+    // NOTE: the stage must hold the whole group: kBlocks (4-8) blocks of 16 columns need not
+    // divide its kCols (K = 4096: 7 blocks, 112 columns; a group that ran past it overflowed).
+    if (g1 - st.out.n0 > Stage::kCols) st.flush_and_move(g0);
     const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
     const uint16_t* blk = wb;
     int64_t ldw = ldb;

@@ -280,7 +280,7 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
   Stage st(out, M, nb);
   for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
     const int64_t g1 = std::min(ne, g0 + kCols);
-    if (g0 - st.out.n0 >= Stage::kCols) st.flush_and_move(g0);
+    if (g1 - st.out.n0 > Stage::kCols) st.flush_and_move(g0);  // the whole group fits
     for (int64_t n = g0; n < g1; ++n) {
       const int64_t c = n - g0;
       vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB,
