@@ -129,7 +129,7 @@ inline void bcast_range(int64_t fmt, const uint16_t* xpk, int64_t M, int64_t K, 
   for (int64_t g0 = nb; g0 < ne; g0 += kBlocks * 16) {
     const int64_t g1 = std::min(ne, g0 + kBlocks * 16);
     if (g1 - st.out.n0 > Stage::kCols) st.flush_and_move(g0);  // the whole group fits
-    for (int64_t n = g0; n < g1; ++n) dequant_to(fmt, w + n * row_bytes, K, wb + (n - g0) * ldw, tmp.data());
+    for (int64_t n = g0; n < g1; ++n) dequant_ahead(fmt, w + n * row_bytes, row_bytes, K, wb + (n - g0) * ldw, tmp.data());
     const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
     if (filled < padded) std::memset(wb + filled * ldw, 0, size_t((padded - filled) * ldw) * 2);
     for (int64_t s0 = 0; s0 < MBk; s0 += kSlab)
