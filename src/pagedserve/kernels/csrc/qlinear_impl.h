@@ -241,7 +241,7 @@ inline void dequant_to(int64_t fmt, const uint8_t* row, int64_t K, WT* dst, floa
 // lines kPrefetchAhead bytes further on asked for first. NOTE: why: the GEMMs' dequantizing loops
 // stream W from memory (the LM head, 178 MB a step) and, left to the hardware prefetchers,
 // stalled on the row's first load and on the stores behind it: a 16-row Gemma 3 decode step
-// 43 -> 34 ms on AMX (2.5 KiB ahead was best of 1-6 KiB). Past W's end the addresses leave it:
+// ~47 -> ~37 ms on AMX (2.5 KiB ahead was best of 1-6 KiB). Past W's end the addresses leave it:
 // prefetches never fault.
 constexpr int64_t kPrefetchAhead = 2560;
 inline void dequant_ahead(int64_t fmt, const uint8_t* row, int64_t row_bytes, int64_t K, WT* dst, float* tmp) {
