@@ -199,3 +199,47 @@ def test_the_loop_runs_where_the_kernel_does_not_apply():
     assert CPU_OPS.moe_experts(m, x, weights, ids, True) is None
     custom = MoEExperts(H, I, ExpertPlacement(E), act=lambda g, u: g * u)
     assert CPU_OPS.moe_experts(custom, x, weights, ids, True) is None
+
+
+def _with_orders(m: MoEExperts, seed: int, up_seed: int | None = None) -> None:
+    """Give each expert its own input order (GPTQ act-order stacks: `QuantSpec.perm` `[E, K]`);
+    gate and up share theirs unless `up_seed` differs."""
+    def orders(k: int, s: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(s)
+        return torch.stack([torch.randperm(k, generator=gen) for _ in range(E)])  # [E, K]
+
+    for name, k, s in (("gate_proj", H, seed), ("up_proj", H, seed if up_seed is None else up_seed),
+                       ("down_proj", I, seed + 1)):
+        p = getattr(m, name)
+        p.quant = dataclasses.replace(p.quant, perm=orders(k, s))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_each_experts_own_input_order_is_gathered_as_the_loop_gathers_it(dtype, isa):
+    """GPTQ act-order experts (each stack's rows hold an expert's input features in its own
+    order): the kernel gathers x's features for gate / up, and h's for down, per expert, and
+    equals the loop (whose products gather them by `QuantSpec.perm`) bit for bit; the orders
+    change the result (so they are not ignored)."""
+    plain = _experts(("q8_0", "q8_0", "q5_0"), dtype)
+    m = _experts(("q8_0", "q8_0", "q5_0"), dtype)
+    _with_orders(m, seed=3)
+    for t in (1, 5, 64):
+        weights, ids = _route(t, seed=t)
+        x = torch.randn(t, H, generator=torch.Generator().manual_seed(t)).to(dtype)
+        fused, loop = _fused_and_loop(m, x, weights, ids)
+        assert torch.equal(fused, loop), f"{t} tokens: max diff {(fused - loop).abs().max()}"
+        assert not torch.equal(fused, _fused_and_loop(plain, x, weights, ids)[0])
+
+
+@torch.no_grad()
+def test_gate_and_up_in_different_orders_run_the_loop_and_a_bad_order_is_refused():
+    m = _experts(("q8_0", "q8_0", "q5_0"), torch.bfloat16)
+    _with_orders(m, seed=3, up_seed=9)
+    weights, ids = _route(5)
+    x = torch.randn(5, H).to(torch.bfloat16)
+    assert CPU_OPS.moe_experts(m, x, weights, ids, True) is None
+    _with_orders(m, seed=3)
+    m.down_proj.quant.perm[:, 0] = I  # past the last feature
+    with pytest.raises(RuntimeError, match="perm names feature"):
+        CPU_OPS.moe_experts(m, x, weights, ids, True)

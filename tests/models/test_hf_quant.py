@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 from utils import assert_tie_rule, ours_as_pairs
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.kernels.cpu_moe import moe_experts
 from pagedserve.kernels.cpu_qlinear import quantized_available
+from pagedserve.platforms import cpu as cpu_platform
 
 pytestmark = pytest.mark.skipif(not quantized_available(), reason="needs the compiled CPU kernels")
 
@@ -119,7 +121,7 @@ def _write(base, tmp_path, method: str, sym: bool = False, act_order: bool = Fal
     """The quantized checkpoint and its dequantized float32 twin, from the tiny Llama at `base`."""
     tensors = load_file(str(base / "model.safetensors"))
     gen = torch.Generator().manual_seed(7)
-    packed, dense = {}, {}
+    packed, dense, orders = {}, {}, {}
     for name, w in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf != "weight" or prefix.rpartition(".")[2] not in PROJS:
@@ -128,8 +130,14 @@ def _write(base, tmp_path, method: str, sym: bool = False, act_order: bool = Fal
         k = w.shape[1]
         groups = torch.arange(k) // GROUP
         if act_order:  # GPTQ's desc_act: groups over a permuted order, g_idx = invperm // group
-            invperm = torch.argsort(torch.randperm(k, generator=gen))
-            groups = invperm // GROUP
+            # one order per input (GPTQ's comes from the input's statistics): q / k / v share
+            # theirs, as do an MLP's (or an expert's) gate and up
+            proj = prefix.rpartition(".")[2]
+            shared = proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+            key = (prefix.rpartition(".")[0], "in" if shared else proj)
+            if key not in orders:
+                orders[key] = torch.argsort(torch.randperm(k, generator=gen))
+            groups = orders[key] // GROUP
         if method == "fp8":
             w8, scale_inv, values = _quantize_fp8(w.float(), *block)
             dense[name] = values
@@ -271,29 +279,37 @@ EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
-def test_packed_moe_experts_stay_packed_and_match_the_dequantized_model(case, checkpoints, tmp_path):
+def test_packed_moe_experts_stay_packed_and_match_the_dequantized_model(case, checkpoints, tmp_path, monkeypatch):
     """An MoE checkpoint quantized expert by expert (`...experts.<e>.gate_proj.qweight`, ...) keeps
     each layer's experts as one uint8 stack `[E, N, row_bytes]` of the checkpoint's format (no
     float copy), and generates the float32 reference's greedy tokens by the tie rule. GPTQ
-    act-order gives every expert its own input order, which one stack cannot hold: the gate / up
-    stacks (K = 64: two groups, shuffled) become floats (dequantized) and still match; the down
-    stacks (K = 32: one group, nothing to reorder) stay packed."""
+    act-order gives every expert its own input order: the gate / up stacks (K = 64: two groups,
+    shuffled) keep one order per expert (`QuantSpec.perm` `[E, K]`, not all alike); the down
+    stacks (K = 32: one group, nothing to reorder) have none. An expert's gate and up share
+    their order (as GPTQ's come from the same input), and the experts run the fused kernel."""
     method, sym, act_order, block = MOE_CASES[case]
     packed, dense, _ = _write(checkpoints("qwen3_moe"), tmp_path, method, sym, act_order,
                               block=block or (128, 128))
+    fused = []
+    monkeypatch.setattr(cpu_platform, "moe_experts", lambda *a: fused.append(moe_experts(*a)) or fused[-1])
     llm, ours = _run(packed)
+    assert fused and all(f is not None for f in fused), "the experts ran the fused kernel"
     model = llm.engine.executor.model
     stacks = [getattr(m, n) for name, m in model.named_modules() if name.endswith("mlp.experts")
               for n in EXPERTS]
     assert len(stacks) == 2 * len(EXPERTS)
-    floats = [w for w, n in zip(stacks, EXPERTS * 2) if act_order and n != "down_proj"]
-    assert all(getattr(w, "quant", None) is None and w.dtype is torch.float32 and w.dim() == 3
-               for w in floats)
-    kept = [w for w in stacks if all(w is not f for f in floats)]
-    assert len(kept) == (2 if act_order else 6)
-    assert all(w.dtype is torch.uint8 and w.dim() == 3 and w.shape[0] == 8 for w in kept)
-    assert {w.quant.format.name for w in kept} == {FORMAT[method]}
-    assert all(w.quant.perm is None for w in kept)
+    assert all(w.dtype is torch.uint8 and w.dim() == 3 and w.shape[0] == 8 for w in stacks)
+    assert {w.quant.format.name for w in stacks} == {FORMAT[method]}
+    for i, (w, n) in enumerate(zip(stacks, EXPERTS * 2)):
+        perm = w.quant.perm
+        if act_order and n != "down_proj":
+            assert perm is not None and perm.shape == (8, 64)
+            assert all(sorted(p.tolist()) == list(range(64)) for p in perm)
+            assert len({tuple(p.tolist()) for p in perm}) > 1, "every expert has its own order"
+            if n == "up_proj":
+                assert torch.equal(perm, stacks[i - 1].quant.perm)
+        else:
+            assert perm is None
     ref = _run(dense)[1]
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert_tie_rule(a, b, f"prompt {i}")

@@ -4,7 +4,9 @@
 the token's experts -- every expert's products over its routed tokens only, on the
 format-generic linear kernel (the 8-bit GEMV for few rows, the 8-bit GEMM for many, the
 dequantized paths), in one parallel region, with the weights kept as they are stacked
-(`[E, N, row_bytes]` blocks with a `QuantSpec`, or bf16 `[E, N, K]`).
+(`[E, N, row_bytes]` blocks with a `QuantSpec`, or bf16 `[E, N, K]`). GPTQ act-order stacks
+(`QuantSpec.perm` `[E, K]`, each expert's input order) gather each expert's rows of x / of the
+activation in its order first, as `qlinear` does for one expert's weight.
 
 NOTE: bit-identical to `layers.moe.MoEExperts`'s loop over experts on the CPU platform (the same
 kernel per product, chosen by the same row counts; the activation by the fp32 extension's formula,
@@ -41,6 +43,12 @@ def _format(w: torch.Tensor, x_dtype: torch.dtype, isa: int) -> tuple[int, int] 
     return None  # fp32 weights: the fp32 extension's products (kernels.cpu_fp32)
 
 
+def _order(w: torch.Tensor) -> torch.Tensor | None:
+    """A stack's input-feature orders (`QuantSpec.perm` `[E, K]`), or None (the checkpoint's)."""
+    spec = getattr(w, "quant", None)
+    return None if spec is None else spec.perm
+
+
 def moe_experts(
     x: torch.Tensor,  # [T, H] bf16 or fp32
     weights: torch.Tensor,  # [T, k] routing weights (fp32)
@@ -55,8 +63,9 @@ def moe_experts(
 ) -> torch.Tensor | None:  # [T, H] fp32
     """See the module docstring. None (the caller runs its loop) when the kernels are unavailable,
     gradients are needed, x is not a bf16 / fp32 CPU matrix, a weight is neither quantized nor
-    bf16 with bf16 x, the activation is not one of ACTS, or the fp32 extension (whose activation
-    the layer's `Activation` runs) is unavailable."""
+    bf16 with bf16 x, the activation is not one of ACTS, the fp32 extension (whose activation
+    the layer's `Activation` runs) is unavailable, or an expert's gate and up take x's features
+    in different orders (GPTQ act-order: the kernel gathers x once for both)."""
     if act not in ACTS or x.dim() != 2 or not x.is_cpu or x.dtype not in (torch.bfloat16, torch.float32):
         return None
     params = (gate, up, down, *[b for b in biases if b is not None])
@@ -68,8 +77,13 @@ def moe_experts(
     formats = [_format(w, x.dtype, isa) for w in (gate, up, down)]
     if any(f is None for f in formats):
         return None
+    perm_x, perm_up, perm_h = _order(gate), _order(up), _order(down)
+    if not (perm_x is perm_up or (perm_x is not None and perm_up is not None and torch.equal(perm_x, perm_up))):
+        return None
+    if any(p is not None and p.dim() != 2 for p in (perm_x, perm_h)):
+        return None
     b32 = [None if b is None else b.detach().float().contiguous() for b in biases]
     return torch.ops.pagedserve_cpu.moe_experts.default(
         x.contiguous(), weights.float().contiguous(), ids.long().contiguous(), int(expert_start),
-        gate, up, down, [f[0] for f in formats], [f[1] for f in formats], *b32, ACTS[act],
+        gate, up, down, [f[0] for f in formats], [f[1] for f in formats], *b32, perm_x, perm_h, ACTS[act],
         float(act_params[0]), float(act_params[1]), isa)

@@ -85,7 +85,9 @@ class QuantSpec:
     x quantized to 8-bit blocks, faster.
 
     `perm` (int64 `[in_features]` or None): the rows hold the input features in this order (GPTQ
-    act-order, `layers.hf_quant`); products gather x's features in it first."""
+    act-order, `layers.hf_quant`); products gather x's features in it first. An MoE layer's
+    stack `[E, N, row_bytes]` has `[E, in_features]`: each expert's order (`kernels.cpu_moe`;
+    `layers.moe.MoEExperts.expert_weight` hands one expert's row to its products)."""
 
     format: QuantFormat
     in_features: int

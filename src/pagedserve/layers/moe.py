@@ -28,6 +28,8 @@ batch-invariant kernels).
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -265,11 +267,14 @@ class MoEExperts(OpsUser, nn.Module):
 
     def expert_weight(self, name: str, index: int) -> torch.Tensor:
         """Local expert `index`'s 2-D weight `name` ("gate_proj" | "up_proj" | "down_proj"): a
-        view of the stacked tensor, carrying its `quant` spec when quantized."""
+        view of the stacked tensor, carrying its `quant` spec when quantized (with the expert's
+        own input order where the stack's `perm` is `[E, K]`: GPTQ act-order)."""
         stacked = getattr(self, name)
         w = stacked[index]
         spec = getattr(stacked, "quant", None)
         if spec is not None:
+            if spec.perm is not None and spec.perm.dim() == 2:
+                spec = dataclasses.replace(spec, perm=spec.perm[index])
             w.quant = spec
         return w
 

@@ -51,7 +51,8 @@ class QuantizedTensor:
     `dequantize()` gives the float32 values (for parameters that cannot stay quantized): gguf's
     dequantizer for `ggml_type`, else `dequantizer(data, K)` (a format of no GGUF type,
     `layers.hf_quant`'s: `ggml_type` -1). `perm` (int64 `[K]` or None): the rows hold the input
-    features in that order (GPTQ act-order, see `layers.hf_quant`)."""
+    features in that order (GPTQ act-order, see `layers.hf_quant`); a stack's is `[E, K]`, each
+    expert's own order."""
 
     def __init__(self, data: torch.Tensor, format: QuantFormat, shape: tuple[int, ...], ggml_type: int,
                  perm: torch.Tensor | None = None,
@@ -61,8 +62,9 @@ class QuantizedTensor:
             raise ValueError(f"quantized tensor data must be uint8 [{', '.join(map(str, shape[:-1]))}, row_bytes]")
         if data.shape[-1] != format.row_bytes(shape[-1]):
             raise ValueError(f"{format.name} rows of {shape[-1]} values take {format.row_bytes(shape[-1])} bytes")
-        if perm is not None and tuple(perm.shape) != (shape[-1],):
-            raise ValueError(f"perm must hold the {shape[-1]} input features, got {tuple(perm.shape)}")
+        if perm is not None and tuple(perm.shape) not in ((shape[-1],), (*shape[:-2], shape[-1])):
+            raise ValueError(f"perm must hold the {shape[-1]} input features (of each expert), "
+                             f"got {tuple(perm.shape)}")
         self.data, self.format, self.shape, self.ggml_type = data, format, tuple(shape), ggml_type
         if ggml_type < 0 and dequantizer is None:
             raise ValueError("a quantized tensor of no GGUF type needs its dequantizer")
@@ -74,13 +76,22 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:  # float32 [N, K]
         if self.ggml_type < 0:
             values = self.dequantizer(self.data, self.shape[-1])  # [N, K]
-            if self.perm is not None:  # back to the checkpoint's feature order
-                values = torch.empty_like(values).index_copy_(-1, self.perm, values)
-            return values
+            return unpermute(values, self.perm)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         return torch.from_numpy(dequantize(self.data.numpy(), GGMLQuantizationType(self.ggml_type)).copy())
+
+
+def unpermute(values: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """Values `[..., N, K]` whose input features are in order `perm` (`[K]`, or `[..., K]`: one
+    order per leading index, an MoE stack's experts) back in the checkpoint's feature order."""
+    if perm is None:
+        return values
+    if perm.dim() == 1:
+        return torch.empty_like(values).index_copy_(-1, perm, values)
+    index = perm.unsqueeze(-2).expand_as(values)  # [..., N, K]
+    return torch.empty_like(values).scatter_(-1, index, values)
 
 
 def _quantizable_classes() -> tuple[type, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Iterable
 
 import torch
@@ -137,12 +139,14 @@ def _copy_slice(module: nn.Module, hf_name: str, param: torch.Tensor, index: int
     Quantized slices (an AWQ / GPTQ / compressed-tensors / FP8 checkpoint's experts, one by one)
     keep their blocks when the stack may stay quantized (`layers.quantization.can_quantize`: an
     MoE layer's experts on one rank): the first one replaces `param` by a uint8 stack
-    `[E, N, row_bytes]` of its format and input order (`perm`), the others fill its slices.
-    `filled`: the slices already loaded; `packed`: the stacks kept so far (id -> first slice).
+    `[E, N, row_bytes]` of its format, the others fill its slices. Each slice keeps its own
+    input order (GPTQ act-order: `perm`), in the stack's `[E, K]` `QuantSpec.perm` (see
+    `_set_order`). `filled`: the slices already loaded; `packed`: the stacks kept so far (id ->
+    first slice).
 
-    NOTE: one stack has one format and one input order. A slice that does not fit the stack's
-    (another format, another GPTQ act-order permutation, a float tensor) turns the stack back
-    into floats: the slices loaded so far dequantized, the rest copied as they come."""
+    NOTE: one stack has one format. A slice that does not fit it (another format, a float
+    tensor) turns the stack back into floats: the slices loaded so far dequantized, the rest
+    copied as they come."""
     from pagedserve.layers.linear import ShardSpec
 
     qspec = getattr(param, "quant", None)
@@ -150,8 +154,9 @@ def _copy_slice(module: nn.Module, hf_name: str, param: torch.Tensor, index: int
     if source_shape(source) != want:
         raise ValueError(f"weight {hf_name!r} has shape {source_shape(source)}, the model expects {want}")
     if qspec is not None:
-        if _is_quantized(source) and source.format == qspec.format and _same_order(source.perm, qspec.perm):
+        if _is_quantized(source) and source.format == qspec.format:
             param[index].copy_(source.data)
+            _set_order(param, index, source.perm)
             return param
         param = _unpack_stack(module, param, filled, packed.pop(id(param)))
     elif _is_quantized(source) and not filled:
@@ -159,10 +164,10 @@ def _copy_slice(module: nn.Module, hf_name: str, param: torch.Tensor, index: int
 
         if can_quantize(module, param):
             stack = type(source)(torch.zeros(param.shape[0], *source.data.shape, dtype=torch.uint8), source.format,
-                                 (param.shape[0], *source.shape), source.ggml_type, perm=source.perm,
-                                 dequantizer=source.dequantizer)
+                                 (param.shape[0], *source.shape), source.ggml_type, dequantizer=source.dequantizer)
             stack.data[index].copy_(source.data)
             new = install_quantized_tensor(module, param, stack)
+            _set_order(new, index, source.perm)
             packed[id(new)] = source
             return new
     if _is_quantized(source):
@@ -175,9 +180,18 @@ def _copy_slice(module: nn.Module, hf_name: str, param: torch.Tensor, index: int
     return param
 
 
-def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether two input-feature orders (`QuantizedTensor.perm`, None: the checkpoint's) agree."""
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+def _set_order(stack: torch.Tensor, index: int, perm: torch.Tensor | None) -> None:
+    """Record slice `index`'s input-feature order (`QuantizedTensor.perm`, None: the
+    checkpoint's) in the quantized stack's spec: its `perm` stays None while every slice is in
+    the checkpoint's order, and becomes `[E, K]` (identity rows for the others) with the first
+    slice that is not."""
+    spec = stack.quant
+    if perm is None and spec.perm is None:
+        return
+    if spec.perm is None:
+        orders = torch.arange(spec.in_features).repeat(stack.shape[0], 1)  # [E, K]
+        stack.quant = spec = dataclasses.replace(spec, perm=orders)
+    spec.perm[index] = torch.arange(spec.in_features) if perm is None else perm
 
 
 @torch.no_grad()
@@ -188,8 +202,8 @@ def _unpack_stack(module: nn.Module, stack: torch.Tensor, filled: set[int], firs
     n, k = stack.shape[1], spec.in_features
     dense = nn.Parameter(torch.zeros(stack.shape[0], n, k, dtype=spec.dtype))
     for e in filled:
-        part = type(first)(stack.data[e], spec.format, (n, k), first.ggml_type, perm=spec.perm,
-                           dequantizer=first.dequantizer)
+        part = type(first)(stack.data[e], spec.format, (n, k), first.ggml_type,
+                           perm=None if spec.perm is None else spec.perm[e], dequantizer=first.dequantizer)
         dense[e].copy_(part.dequantize())
     from pagedserve.layers.quantization import owners_of
 

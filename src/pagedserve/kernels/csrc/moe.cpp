@@ -7,12 +7,16 @@
 // kernel of csrc/qlinear.cpp (qlinear_api.h: the 8-bit GEMV for few rows, the 8-bit GEMM for many,
 // the dequantized paths -- chosen per expert exactly as `qlinear` chooses for its row count), the
 // weights as the layer holds them: stacked [E, N, row_bytes] ggml / INT8 blocks, or bf16 [E, N, K].
+// GPTQ act-order stacks store each expert's input features in its own order: perm_x [E, H] (gate
+// and up share it) and perm_h [E, I] (down); the rows of x / h an expert multiplies are gathered
+// in that order first, as `qlinear` gathers them for one expert's weight.
 //
 // One OpenMP parallel region of torch's threads, four work lists handed out dynamically, each
 // ended by the `omp for` barrier:
-//   1. per expert: gather its tokens' rows of x; set up gate and up (x quantized once for both);
+//   1. per expert: gather its tokens' rows of x (features by perm_x); set up gate and up (x
+//      quantized once for both);
 //   2. per (expert, 64-column tile of I): gate and up over the tile, then h = act(gate) * up;
-//   3. per expert: set up down over its h (quantized once);
+//   3. per expert: set up down over its h (features gathered by perm_h; quantized once);
 //   4. per 64-column tile of H: every expert's down over the tile, ascending, each added into its
 //      tokens' rows of out with the routing weight (so a token's sum runs in ascending expert order).
 //
@@ -67,6 +71,33 @@ const OptTensor& check_bias(const char* name, const OptTensor& b, int64_t E, int
   return b;
 }
 
+// Expert e's order of n features (perm [E, n] int64), or nullptr (none).
+const int64_t* order_of(const OptTensor& perm, int64_t e, int64_t n) {
+  if (!perm.has_value() || !perm->defined()) return nullptr;
+  return perm->data_ptr<int64_t>() + e * n;
+}
+
+void check_perm(const char* name, const OptTensor& perm, int64_t E, int64_t n) {
+  if (perm.has_value() && perm->defined())
+    TORCH_CHECK(perm->device().is_cpu() && perm->dim() == 2 && perm->size(0) == E && perm->size(1) == n &&
+                    perm->scalar_type() == at::kLong && perm->is_contiguous(),
+                "moe_experts: ", name, " must be a contiguous int64 [", E, ", ", n, "] CPU tensor");
+}
+
+// Row src of n elements (es bytes each) with its features in order `order` into dst.
+void gather_row(char* dst, const char* src, const int64_t* order, int64_t n, int64_t es) {
+  if (order == nullptr) {
+    std::memcpy(dst, src, size_t(n * es));
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(uint64_t(order[j]) < uint64_t(n), "moe_experts: a perm names feature ", order[j],
+                " of ", n);
+    if (es == 2) reinterpret_cast<uint16_t*>(dst)[j] = reinterpret_cast<const uint16_t*>(src)[order[j]];
+    else reinterpret_cast<float*>(dst)[j] = reinterpret_cast<const float*>(src)[order[j]];
+  }
+}
+
 OptTensor bias_of(const OptTensor& b, int64_t e) {
   if (!b.has_value() || !b->defined()) return c10::nullopt;
   return b->select(0, e);
@@ -76,7 +107,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
                        int64_t expert_start, const at::Tensor& w_gate, const at::Tensor& w_up,
                        const at::Tensor& w_down, const std::vector<int64_t>& fmts,
                        const std::vector<int64_t>& gemm_rows, const OptTensor& b_gate,
-                       const OptTensor& b_up, const OptTensor& b_down, int64_t act, double alpha,
+                       const OptTensor& b_up, const OptTensor& b_down, const OptTensor& perm_x,
+                       const OptTensor& perm_h, int64_t act, double alpha,
                        double limit, int64_t isa) {
   ps_isa::check_isa("moe_experts", isa);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() &&
@@ -96,6 +128,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
   check_bias("b_gate", b_gate, E, I);
   check_bias("b_up", b_up, E, I);
   check_bias("b_down", b_down, E, H);
+  check_perm("perm_x", perm_x, E, H);
+  check_perm("perm_h", perm_h, E, I);
 
   at::Tensor out = at::zeros({T, H}, x.options().dtype(at::kFloat));
   const int64_t k = topk_ids.size(1);
@@ -136,6 +170,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
   at::Tensor gate = at::empty({S, I}, x.options());  // gate / up results (x's dtype, as qlinear)
   at::Tensor up = at::empty({S, I}, x.options());
   at::Tensor h = at::empty({S, I}, x.options());     // act(gate) * up
+  const bool h_perm = perm_h.has_value() && perm_h->defined();
+  at::Tensor hp = h_perm ? at::empty({S, I}, x.options()) : h;  // h's features in down's orders
   auto* xs_p = static_cast<char*>(xs.data_ptr());
   auto* gate_p = static_cast<char*>(gate.data_ptr());
   auto* up_p = static_cast<char*>(up.data_ptr());
@@ -161,8 +197,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
       if (region.failed) continue;
       try {
         const int64_t e = active[size_t(i)], lo = count[size_t(e)], n = count[size_t(e) + 1] - lo;
+        const int64_t* order = order_of(perm_x, e, H);
         for (int64_t r = 0; r < n; ++r)
-          std::memcpy(xs_p + (lo + r) * H * es, x_p + tok[size_t(lo + r)] * H * es, size_t(H * es));
+          gather_row(xs_p + (lo + r) * H * es, x_p + tok[size_t(lo + r)] * H * es, order, H, es);
         const at::Tensor xe = xs.narrow(0, lo, n);
         x_share[size_t(i)] = ps_qlinear::new_x_share();
         p_gate[size_t(i)] = ps_qlinear::prepare(*x_share[size_t(i)], xe, w_gate.select(0, e), fmts[0], H,
@@ -194,8 +231,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
       if (region.failed) continue;
       try {
         const int64_t e = active[size_t(i)], lo = count[size_t(e)], n = count[size_t(e) + 1] - lo;
+        if (h_perm) {
+          const int64_t* order = order_of(perm_h, e, I);
+          auto* hp_p = static_cast<char*>(hp.data_ptr());
+          for (int64_t r = lo; r < lo + n; ++r) gather_row(hp_p + r * I * es, h_p + r * I * es, order, I, es);
+        }
         h_share[size_t(i)] = ps_qlinear::new_x_share();
-        p_down[size_t(i)] = ps_qlinear::prepare(*h_share[size_t(i)], h.narrow(0, lo, n), w_down.select(0, e),
+        p_down[size_t(i)] = ps_qlinear::prepare(*h_share[size_t(i)], hp.narrow(0, lo, n), w_down.select(0, e),
                                                 fmts[2], I, bias_of(b_down, e), false, isa, gemm_rows[2]);
       } catch (...) {
         region.capture();
@@ -227,7 +269,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, int expert_start, Tensor w_gate, "
         "Tensor w_up, Tensor w_down, int[] fmts, int[] gemm_rows, Tensor? b_gate, Tensor? b_up, "
-        "Tensor? b_down, int act, float alpha, float limit, int isa) -> Tensor");
+        "Tensor? b_down, Tensor? perm_x, Tensor? perm_h, int act, float alpha, float limit, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("moe_experts", &moe_experts); }
