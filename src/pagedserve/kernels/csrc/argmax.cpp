@@ -43,7 +43,7 @@ at::Tensor argmax_bf16(const at::Tensor& x, int64_t isa) {
   constexpr int64_t kPiece = 32768;
   const int64_t pieces = (N + kPiece - 1) / kPiece;
   const auto* xp = reinterpret_cast<const bf16_t*>(x.data_ptr());
-  RowArgmax best(M, ps_isa::use_avx512(isa) ? vec_avx512::scan_bf16 : vec_avx2::scan_bf16);
+  RowArgmax best(M, ps_isa::use_avx512(isa) ? isa_avx512bf16::scan_bf16 : isa_avx2::scan_bf16);
   at::parallel_for(0, M * pieces, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t r = u / pieces, p = u % pieces;

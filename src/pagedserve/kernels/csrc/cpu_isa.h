@@ -14,6 +14,12 @@
 
 namespace ps_isa {
 
+// NOTE: ISA code has one naming scheme in every extension: a namespace `isa_<level>` named by the
+// lowest level above that runs it (isa_avx2, isa_avx512, isa_avx512bf16, isa_amx), inside the
+// file's anonymous namespace and its own `#pragma GCC target` region. Internal linkage is what
+// keeps two files that build the same header for the same level (vec16_build.h, qlinear_impl.h)
+// from clashing at link time: without it the linker may keep one file's copy of an inline function
+// for both, compiled for another level or another kernel header (an ODR violation, silent).
 enum Isa : int64_t { kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3, kIsaAmx = 4 };
 
 inline uint64_t xcr0() {
@@ -62,7 +68,7 @@ inline int64_t check_isa(const char* op, int64_t isa) {
   return isa;
 }
 
-// Whether a row kernel of vec16_build.h runs its vec_avx512 build at `isa` (else vec_avx2).
+// Whether a row kernel of vec16_build.h runs its isa_avx512bf16 build at `isa` (else isa_avx2).
 inline bool use_avx512(int64_t isa) { return isa >= kIsaAvx512Bf16; }
 
 }  // namespace ps_isa

@@ -75,6 +75,7 @@ __attribute__((target("avx"), always_inline)) inline float hsum8(__m256 s8) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
+namespace {
 namespace isa_avx512 {
 constexpr int MR = 4, NR = 6;  // 24 accumulators + 4 x rows + 1 w row of the 32 zmm registers
 constexpr int ATT_GH = 4, ATT_DV = 4;
@@ -152,10 +153,12 @@ struct V {
 };
 #include "fp32_invariant_isa.h"
 }  // namespace isa_avx512
+}  // namespace
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+namespace {
 namespace isa_avx2 {
 constexpr int MR = 2, NR = 3;  // 6 accumulators of 2 ymm + 2 x rows of 2 + 1 w row of 2 = 18 of 16
 constexpr int ATT_GH = 2, ATT_DV = 2;
@@ -249,6 +252,7 @@ struct V {
 };
 #include "fp32_invariant_isa.h"
 }  // namespace isa_avx2
+}  // namespace
 #pragma GCC pop_options
 
 namespace {

@@ -35,8 +35,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-#define PG_AVX2 __attribute__((target("avx2,fma")))
-
 // cpu_isa.h's detection (one for every extension): AVX2 + FMA, with the OS saving the AVX state.
 bool has_avx2() { return ps_isa::cpu_isa() >= ps_isa::kIsaAvx2; }
 
@@ -77,14 +75,27 @@ int64_t masked_argmax_row_scalar(const float* x, int64_t V, const int32_t* mask,
   return b.idx < 0 ? 0 : b.idx;
 }
 
+void apply_row_scalar(float* x, int64_t V, const int32_t* mask, int64_t W) {
+  for (int64_t j = 0; j < V; ++j)
+    if (j >= 32 * W || !allowed(mask, j)) x[j] = kNegInf;
+}
+
+}  // namespace
+
+// The AVX2 + FMA builds of both (cpu_isa.h's NOTE on ISA namespaces).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace {
+namespace isa_avx2 {
+
 // 8 lanes of `bits` (from bit `shift`) as an all-ones / all-zeros lane mask.
-PG_AVX2 inline __m256 lane_mask(uint32_t bits, int shift) {
+inline __m256 lane_mask(uint32_t bits, int shift) {
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i b = _mm256_set1_epi32(int32_t((bits >> shift) & 0xFFu));
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bit), lane_bit));
 }
 
-PG_AVX2 int64_t masked_argmax_row_avx2(const float* x, int64_t V, const int32_t* mask, int64_t W) {
+int64_t masked_argmax_row(const float* x, int64_t V, const int32_t* mask, int64_t W) {
   Best b;
   const __m256 ninf = _mm256_set1_ps(kNegInf);
   const int64_t full = std::min<int64_t>(W, V / 32);  // words whose 32 tokens all exist
@@ -132,12 +143,7 @@ PG_AVX2 int64_t masked_argmax_row_avx2(const float* x, int64_t V, const int32_t*
 
 // ---- in-place mask ----------------------------------------------------------------------------
 
-void apply_row_scalar(float* x, int64_t V, const int32_t* mask, int64_t W) {
-  for (int64_t j = 0; j < V; ++j)
-    if (j >= 32 * W || !allowed(mask, j)) x[j] = kNegInf;
-}
-
-PG_AVX2 void apply_row_avx2(float* x, int64_t V, const int32_t* mask, int64_t W) {
+void apply_row(float* x, int64_t V, const int32_t* mask, int64_t W) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
   const int64_t full = std::min<int64_t>(W, V / 32);
   for (int64_t w = 0; w < full; ++w) {
@@ -156,6 +162,12 @@ PG_AVX2 void apply_row_avx2(float* x, int64_t V, const int32_t* mask, int64_t W)
   for (int64_t j = 32 * full; j < V; ++j)  // the partial word and the padding past the mask
     if (j >= 32 * W || !allowed(mask, j)) x[j] = kNegInf;
 }
+
+}  // namespace isa_avx2
+}  // namespace
+#pragma GCC pop_options
+
+namespace {
 
 void check_args(const char* op, const at::Tensor& logits, const at::Tensor& bitmask) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
@@ -193,7 +205,7 @@ at::Tensor masked_argmax(const at::Tensor& logits, const at::Tensor& bitmask,
   const bool avx2 = has_avx2() && !scalar;
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      op[g] = avx2 ? masked_argmax_row_avx2(xp + rp[g] * ld, V, mp + g * W, W)
+      op[g] = avx2 ? isa_avx2::masked_argmax_row(xp + rp[g] * ld, V, mp + g * W, W)
                    : masked_argmax_row_scalar(xp + rp[g] * ld, V, mp + g * W, W);
   });
   return out;
@@ -210,7 +222,7 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
   at::parallel_for(0, rows.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (avx2)
-        apply_row_avx2(xp + rp[g] * ld, V, mp + g * W, W);
+        isa_avx2::apply_row(xp + rp[g] * ld, V, mp + g * W, W);
       else
         apply_row_scalar(xp + rp[g] * ld, V, mp + g * W, W);
     }

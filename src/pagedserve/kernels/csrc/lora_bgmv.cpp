@@ -67,8 +67,8 @@ at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& at, const at::Tens
   const auto* ap = reinterpret_cast<const uint16_t*>(at.data_ptr());
   float* hp = h.data_ptr<float>();
   at::parallel_for(0, T, grain(K * W), [&](int64_t t0, int64_t t1) {
-    if (ps_isa::use_avx512(isa)) vec_avx512::shrink_rows(xp, K, ap, W, sp, hp, t0, t1);
-    else vec_avx2::shrink_rows(xp, K, ap, W, sp, hp, t0, t1);
+    if (ps_isa::use_avx512(isa)) isa_avx512bf16::shrink_rows(xp, K, ap, W, sp, hp, t0, t1);
+    else isa_avx2::shrink_rows(xp, K, ap, W, sp, hp, t0, t1);
   });
   return h;
 }
@@ -93,8 +93,8 @@ void lora_expand_(const at::Tensor& y, const at::Tensor& h, int64_t col, const a
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t W = h.size(1);
   at::parallel_for(0, T, grain(R * N), [&](int64_t t0, int64_t t1) {
-    if (ps_isa::use_avx512(isa)) vec_avx512::expand_rows(hp, W, col, R, bp, N, sp, yp, t0, t1);
-    else vec_avx2::expand_rows(hp, W, col, R, bp, N, sp, yp, t0, t1);
+    if (ps_isa::use_avx512(isa)) isa_avx512bf16::expand_rows(hp, W, col, R, bp, N, sp, yp, t0, t1);
+    else isa_avx2::expand_rows(hp, W, col, R, bp, N, sp, yp, t0, t1);
   });
 }
 

@@ -219,10 +219,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
       p_gate[size_t(i)].run(gate_p + lo * I * es, I, 0, nb, ne);
       p_up[size_t(i)].run(up_p + lo * I * es, I, 0, nb, ne);
       if (wide)
-        vec_avx512::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act,
+        isa_avx512bf16::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act,
                                      float(alpha), float(limit));
       else
-        vec_avx2::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act,
+        isa_avx2::moe_act_mul(gate_p + lo * I * es, up_p + lo * I * es, h_p + lo * I * es, n, I, nb, ne, bf16, act,
                               float(alpha), float(limit));
     }
     // 3. set up down
@@ -254,8 +254,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
         for (int64_t r = 0; r < n; ++r) {
           float* o = out_p + tok[size_t(lo + r)] * H + nb;
           const char* y = buf.data() + r * w * es;
-          if (wide) vec_avx512::moe_weighted_add(o, y, bf16, wt[size_t(lo + r)], w);
-          else vec_avx2::moe_weighted_add(o, y, bf16, wt[size_t(lo + r)], w);
+          if (wide) isa_avx512bf16::moe_weighted_add(o, y, bf16, wt[size_t(lo + r)], w);
+          else isa_avx2::moe_weighted_add(o, y, bf16, wt[size_t(lo + r)], w);
         }
       }
     }

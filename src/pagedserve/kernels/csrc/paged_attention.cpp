@@ -52,7 +52,7 @@ constexpr int kMaxDim = 1024;   // head_dim limit (multiple of 16; MLA's latent 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 namespace {
-namespace amx_decode {
+namespace isa_amx {
 
 #include "amx_tiles.h"
 
@@ -117,7 +117,7 @@ void scores(const uint16_t* q, const uint16_t* k_cache, const int64_t* table, in
   }
 }
 
-}  // namespace amx_decode
+}  // namespace isa_amx
 }  // namespace
 #pragma GCC pop_options
 
@@ -169,8 +169,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                           int64_t, float*, const float*, bool);
   const int fmt = cache_type == at::kBFloat16 ? 0 : cache_type == at::ScalarType::Float8_e4m3fn ? 1 : 2;
   const Attend kernels[2][3] = {
-      {vec_avx2::attend_bf16, vec_avx2::attend_e4m3, vec_avx2::attend_e5m2},
-      {vec_avx512::attend_bf16, vec_avx512::attend_e4m3, vec_avx512::attend_e5m2}};
+      {isa_avx2::attend_bf16, isa_avx2::attend_e4m3, isa_avx2::attend_e5m2},
+      {isa_avx512bf16::attend_bf16, isa_avx512bf16::attend_e4m3, isa_avx512bf16::attend_e5m2}};
   const Attend attend = kernels[avx512][fmt];
   const void* kp = k_cache.data_ptr();
   const void* vp = v_cache.data_ptr();
@@ -186,7 +186,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const bool tiles = isa >= ps_isa::kIsaAmx && fmt == 0 && B % 16 == 0 && D % 32 == 0;
   at::parallel_for(0, S * Hkv * parts, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
-    if (tiles) amx_decode::amx_config();
+    if (tiles) isa_amx::amx_config();
     for (int64_t unit = b; unit < e; ++unit) {
       const int64_t pair = unit / parts, part = unit % parts;
       const int64_t s = pair / Hkv, h = pair % Hkv;
@@ -196,13 +196,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
       scores.resize(size_t((g1 - g0) * (len - start)));
       const int64_t first = s * Hq + h * G + g0;  // the run's first query head
       if (tiles)
-        amx_decode::scores(qp + first * D, static_cast<const uint16_t*>(kp), bt + s * max_blocks, len,
+        isa_amx::scores(qp + first * D, static_cast<const uint16_t*>(kp), bt + s * max_blocks, len,
                            start, B, Hkv, h, g1 - g0, D, static_cast<float>(scale), scores.data());
       attend(qp + first * D, kp, vp, bt + s * max_blocks, len, start, B, Hkv, h, g1 - g0, D,
              static_cast<float>(scale), op + first * D, D, scores.data(), sp ? sp + first - s * Hq : nullptr,
              tiles);
     }
-    if (tiles) amx_decode::amx_release();
+    if (tiles) isa_amx::amx_release();
   });
   return out;
 }

@@ -33,10 +33,23 @@
 #include <limits>
 #include <vector>
 
+namespace {
+
+// One call's shapes, read by every ISA's kernel below.
+struct Shape {
+  int64_t n, ctx, Hq, Hkv, D;
+  int64_t sq, sk, so;  // row strides (elements) of q, k / v, out
+  float scale;
+  int64_t window;  // 0: none
+};
+
+}  // namespace
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 namespace {
+namespace isa_avx512bf16 {
 
 // The V16 operations (csrc/vec16.h) as one AVX-512 register: its softmax exp (the same
 // polynomial as the decode kernels').
@@ -47,13 +60,6 @@ namespace v16 {
 }  // namespace v16
 
 inline __m512 exp16(__m512 x) { return v16::v_exp_neg(v16::V16{x}).v; }
-
-struct Shape {
-  int64_t n, ctx, Hq, Hkv, D;
-  int64_t sq, sk, so;  // row strides (elements) of q, k / v, out
-  float scale;
-  int64_t window;  // 0: none
-};
 
 // v [ctx, Hkv, D] -> vp [Hkv][ceil(ctx / 2)][D][2]: the pairs of keys 2p, 2p + 1 side by side
 // for each dimension (a missing last key: zeros).
@@ -195,6 +201,24 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
   }
 }
 
+void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const Shape& s) {
+  const int64_t P = (s.ctx + 1) / 2;
+  std::vector<uint16_t> vp(size_t(s.Hkv * P * s.D * 2));
+  pack_v(v, s, vp.data());
+  const int64_t blocks = (s.n + 15) / 16;
+  const std::vector<uint16_t> zeros(size_t(s.D), 0);
+  at::parallel_for(0, s.Hq * blocks, 1, [&](int64_t b, int64_t e) {
+    const int64_t keys = std::min<int64_t>(s.ctx, s.window ? s.window + 16 : s.ctx) + 32;
+    std::vector<float> st_buf(size_t(keys * 16 + 16));
+    std::vector<uint32_t> pp_buf(size_t((keys / 2 + 2) * 16 + 16));
+    float* st = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(st_buf.data()) + 63) & ~uintptr_t(63));
+    uint32_t* pp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pp_buf.data()) + 63) & ~uintptr_t(63));
+    for (int64_t t = b; t < e; ++t)
+      attend_block(q, k, vp.data(), out, s, t % s.Hq, (t / s.Hq) * 16, st, pp, zeros.data());
+  });
+}
+
+}  // namespace isa_avx512bf16
 }  // namespace
 
 #pragma GCC pop_options
@@ -220,7 +244,7 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 namespace {
-namespace amx {
+namespace isa_amx {
 namespace v16 {
 #define PS_VEC 512
 #include "vec16.h"
@@ -494,7 +518,7 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
   });
 }
 
-}  // namespace amx
+}  // namespace isa_amx
 }  // namespace
 #pragma GCC pop_options
 
@@ -510,17 +534,10 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace {
-namespace avx2 {
+namespace isa_avx2 {
 #define PS_VEC 256
 #include "vec16.h"
 #undef PS_VEC
-
-struct Shape {
-  int64_t n, ctx, Hq, Hkv, D;
-  int64_t sq, sk, so;
-  float scale;
-  int64_t window;
-};
 
 inline float bf16_to_f32(uint16_t b) {
   const uint32_t u = uint32_t(b) << 16;
@@ -630,7 +647,7 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
   });
 }
 
-}  // namespace avx2
+}  // namespace isa_avx2
 }  // namespace
 #pragma GCC pop_options
 
@@ -657,37 +674,13 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(s.n <= s.ctx && window >= 0 && key_start >= 0,
               "prefill_attention: n <= ctx, window >= 0, key_start >= 0");
   if (s.n == 0) return;
-  if (isa >= ps_isa::kIsaAmx) {
-    amx::run(reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(k.data_ptr()),
-             reinterpret_cast<const uint16_t*>(v.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), s,
-             key_start);
-    return;
-  }
-  if (!ps_isa::use_avx512(isa)) {
-    const avx2::Shape s2{s.n, s.ctx, s.Hq, s.Hkv, s.D, s.sq, s.sk, s.so, s.scale, s.window};
-    avx2::run(reinterpret_cast<const uint16_t*>(q.data_ptr()),
-              reinterpret_cast<const uint16_t*>(k.data_ptr()),
-              reinterpret_cast<const uint16_t*>(v.data_ptr()),
-              reinterpret_cast<uint16_t*>(out.data_ptr()), s2);
-    return;
-  }
-  const int64_t P = (s.ctx + 1) / 2;
-  std::vector<uint16_t> vp(size_t(s.Hkv * P * s.D * 2));
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  pack_v(reinterpret_cast<const uint16_t*>(v.data_ptr()), s, vp.data());
-  const int64_t blocks = (s.n + 15) / 16;
-  const std::vector<uint16_t> zeros(size_t(s.D), 0);
-  at::parallel_for(0, s.Hq * blocks, 1, [&](int64_t b, int64_t e) {
-    const int64_t keys = std::min<int64_t>(s.ctx, s.window ? s.window + 16 : s.ctx) + 32;
-    std::vector<float> st_buf(size_t(keys * 16 + 16));
-    std::vector<uint32_t> pp_buf(size_t((keys / 2 + 2) * 16 + 16));
-    float* st = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(st_buf.data()) + 63) & ~uintptr_t(63));
-    uint32_t* pp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pp_buf.data()) + 63) & ~uintptr_t(63));
-    for (int64_t t = b; t < e; ++t)
-      attend_block(qp, kp, vp.data(), op, s, t % s.Hq, (t / s.Hq) * 16, st, pp, zeros.data());
-  });
+  if (isa >= ps_isa::kIsaAmx) isa_amx::run(qp, kp, vp, op, s, key_start);
+  else if (ps_isa::use_avx512(isa)) isa_avx512bf16::run(qp, kp, vp, op, s);
+  else isa_avx2::run(qp, kp, vp, op, s);
 }
 
 }  // namespace

@@ -78,6 +78,7 @@ struct Out {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+namespace {
 namespace isa_avx2 {
 #define PS_ISA 1
 #include "qlinear_impl.h"
@@ -85,34 +86,41 @@ namespace isa_avx2 {
 #include "qlinear_q8_gemm.h"
 #undef PS_ISA
 }  // namespace isa_avx2
+}  // namespace
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+namespace {
 namespace isa_avx512 {
 #define PS_ISA 2
 #include "qlinear_impl.h"
 #undef PS_ISA
 }  // namespace isa_avx512
+}  // namespace
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
+namespace {
 namespace isa_avx512bf16 {
 #define PS_ISA 3
 #include "qlinear_impl.h"
 #include "qlinear_q8_vnni.h"
 #undef PS_ISA
 }  // namespace isa_avx512bf16
+}  // namespace
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+namespace {
 namespace isa_amx {
 #define PS_ISA 4
 #include "qlinear_impl.h"
 #undef PS_ISA
 }  // namespace isa_amx
+}  // namespace
 #pragma GCC pop_options
 
 namespace {
@@ -356,7 +364,7 @@ at::Tensor qlinear_argmax(const at::Tensor& x, const at::Tensor& w, int64_t fmt,
   if (M == 0) return at::empty({0}, x.options().dtype(at::kLong));
   constexpr int64_t kCols = 1024;  // a multiple of the 16-column blocks
   const int64_t chunks = (N + kCols - 1) / kCols;
-  RowArgmax best(M, ps_isa::use_avx512(isa) ? vec_avx512::scan_bf16 : vec_avx2::scan_bf16);
+  RowArgmax best(M, ps_isa::use_avx512(isa) ? isa_avx512bf16::scan_bf16 : isa_avx2::scan_bf16);
   const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), chunks);
   std::atomic<int64_t> next{0};
   auto work = [&]() {

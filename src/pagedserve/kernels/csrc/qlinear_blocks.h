@@ -274,6 +274,11 @@ inline float e4m3_to_float(uint8_t b) {
 // weight_scale_inv per 128 x 128 tile, layers.hf_quant): per block of 32 values an fp32 scale d
 // (bytes 0-3: the tile's), then 32 E4M3 bytes; value = d * e4m3. DENSE: x multiplied as it is
 // with the rows dequantized (the values are not integers times one scale: no 8-bit product).
+// NOTE: why not the DOT8 kernels: a block's values are (8 + m) * 2^(e - 10) with 16 exponents;
+// as int8 times one block scale they fit only when the block's exponents span at most 3
+// (15 * 2^3 = 120 <= 127), and real FP8 tiles span more, so an int8 form would round weights the
+// checkpoint stores exactly. E4M3 -> bf16 is exact (3 mantissa bits in 7), so the bf16 kernels
+// (vdpbf16ps, AMX tiles) multiply the stored values themselves.
 template <typename T>
 void dq_F8_E4M3(const uint8_t* row, int64_t K, T* dst) {
   for (int64_t b = 0; b < K / 32; ++b) {

@@ -42,8 +42,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight_f32, double ep
   // NOTE: a decode batch is a few KB: one thread (no pool wake-up); prompts split by rows.
   const int64_t grain = std::max<int64_t>(1, 65536 / H);
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
-    if (ps_isa::use_avx512(isa)) vec_avx512::norm_rows(xp, wp, yp, H, r0, r1, static_cast<float>(eps), llama);
-    else vec_avx2::norm_rows(xp, wp, yp, H, r0, r1, static_cast<float>(eps), llama);
+    if (ps_isa::use_avx512(isa)) isa_avx512bf16::norm_rows(xp, wp, yp, H, r0, r1, static_cast<float>(eps), llama);
+    else isa_avx2::norm_rows(xp, wp, yp, H, r0, r1, static_cast<float>(eps), llama);
   });
   return y;
 }

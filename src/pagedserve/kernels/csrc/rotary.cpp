@@ -78,7 +78,7 @@ void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& c
   const int n = static_cast<int>(norm);
   // NOTE: a decode batch is a few heads a token: one thread (no pool wake-up); prompts by tokens.
   const int64_t grain = std::max<int64_t>(1, 16384 / (heads * D));
-  const auto head_fn = ps_isa::use_avx512(isa) ? vec_avx512::head_norm_rope : vec_avx2::head_norm_rope;
+  const auto head_fn = ps_isa::use_avx512(isa) ? isa_avx512bf16::head_norm_rope : isa_avx2::head_norm_rope;
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* c = cp + t * D;

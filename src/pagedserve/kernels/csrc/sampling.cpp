@@ -18,7 +18,8 @@
 //
 // Registered as torch.ops.pagedserve_cpu.{sample_rows, logprob_rows} (a fragment of the library
 // the GEMV file defines); the Python wrapper is pagedserve/kernels/cpu_sampling.py. As there: no
-// -m flags, the SIMD code carries target attributes; callers check kernels.cpu_gemm.kernel_available() first.
+// -m flags, the SIMD code sits in one `#pragma GCC target` region (namespace isa_avx512); callers
+// check kernels.cpu_gemm.kernel_available() first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,10 +40,24 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-#define PS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+struct RowParams {
+  float temperature;
+  int64_t top_k;  // 0: off
+  float top_p;    // 1: off
+  float min_p;    // 0: off
+  float u;        // uniform in [0, 1)
+};
+
+}  // namespace
+
+// The row kernels: AVX-512 (F/BW/VL/DQ) only (cpu_isa.h's NOTE on ISA namespaces).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace {
+namespace isa_avx512 {
 
 // e^x for x <= 0 (x - max), to ~2 ulp; 0 below -87 (and for -inf).
-PS_AVX512 inline __m512 exp_nonpos(__m512 x) {
+inline __m512 exp_nonpos(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lo);  // (a NaN lane becomes -87: callers mask NaN lanes themselves)
@@ -62,7 +77,7 @@ PS_AVX512 inline __m512 exp_nonpos(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
-PS_AVX512 inline float exp_scalar(float x) {
+inline float exp_scalar(float x) {
   return _mm512_cvtss_f32(exp_nonpos(_mm512_set1_ps(x)));
 }
 
@@ -71,12 +86,12 @@ inline __mmask16 tail_mask(int64_t left) {
 }
 
 // Loads 16 logits (masked) divided by the temperature.
-PS_AVX512 inline __m512 load_scaled(const float* p, __mmask16 m, __m512 temp) {
+inline __m512 load_scaled(const float* p, __mmask16 m, __m512 temp) {
   return _mm512_div_ps(_mm512_maskz_loadu_ps(m, p), temp);
 }
 
 // Appends the lanes of x (the 16 values from index i) selected by `keep` as (value, index).
-PS_AVX512 inline void append_candidates(std::vector<std::pair<float, int32_t>>& cand, __m512 x,
+inline void append_candidates(std::vector<std::pair<float, int32_t>>& cand, __m512 x,
                                         __mmask16 keep, int64_t i) {
   alignas(64) float xs[16];
   alignas(64) int32_t is[16];
@@ -89,15 +104,7 @@ PS_AVX512 inline void append_candidates(std::vector<std::pair<float, int32_t>>& 
   for (int j = 0; j < n; ++j) cand.emplace_back(xs[j], is[j]);
 }
 
-struct RowParams {
-  float temperature;
-  int64_t top_k;  // 0: off
-  float top_p;    // 1: off
-  float min_p;    // 0: off
-  float u;        // uniform in [0, 1)
-};
-
-PS_AVX512 int64_t sample_row(const float* logits, int64_t V, const RowParams& prm,
+int64_t sample_row(const float* logits, int64_t V, const RowParams& prm,
                              std::vector<std::pair<float, int32_t>>& cand) {
   const __m512 temp = _mm512_set1_ps(prm.temperature);
   // Pass 1: the maximum (NaN lanes ignored: max returns the second operand on NaN).
@@ -230,43 +237,7 @@ PS_AVX512 int64_t sample_row(const float* logits, int64_t V, const RowParams& pr
   return cand[size_t(n - 1)].second;
 }
 
-at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
-                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                       const at::Tensor& u) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
-                  logits.dim() == 2 && logits.is_contiguous(),
-              "sample_rows: logits must be a contiguous [R, V] float32 CPU tensor");
-  const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "sample_rows: vocabulary size out of range");
-  for (const at::Tensor* t : {&temperature, &top_p, &min_p, &u})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == R &&
-                    t->is_contiguous(),
-                "sample_rows: per-row parameters must be contiguous float32 [R] tensors");
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.dim() == 1 && top_k.size(0) == R &&
-                  top_k.is_contiguous(),
-              "sample_rows: top_k must be a contiguous int64 [R] tensor");
-  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
-  const float* lp = logits.data_ptr<float>();
-  const float* tp = temperature.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
-  const float* pp = top_p.data_ptr<float>();
-  const float* mp = min_p.data_ptr<float>();
-  const float* up = u.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<std::pair<float, int32_t>> cand;
-    for (int64_t r = r0; r < r1; ++r) {
-      const RowParams prm{tp[r], kp[r], pp[r], mp[r], up[r]};
-      op[r] = sample_row(lp + r * V, V, prm, cand);
-    }
-  });
-  return out;
-}
-
-// Raw logprob and rank of row r's target token, and the row's k largest logprobs (largest first,
-// equal values by index): one pass for the maximum, one for the log-sum-exp and the rank, and for
-// k > 0 one collecting the candidates near the maximum (widened until there are k).
-PS_AVX512 void logprob_row(const float* x, int64_t V, int64_t target, int64_t k, float* lp,
+void logprob_row(const float* x, int64_t V, int64_t target, int64_t k, float* lp,
                            int64_t* rank, float* top_val, int64_t* top_idx,
                            std::vector<std::pair<float, int32_t>>& cand) {
   __m512 vmax = _mm512_set1_ps(kNegInf);
@@ -314,6 +285,48 @@ PS_AVX512 void logprob_row(const float* x, int64_t V, int64_t target, int64_t k,
   }
 }
 
+}  // namespace isa_avx512
+}  // namespace
+#pragma GCC pop_options
+
+namespace {
+
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                       const at::Tensor& u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous(),
+              "sample_rows: logits must be a contiguous [R, V] float32 CPU tensor");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "sample_rows: vocabulary size out of range");
+  for (const at::Tensor* t : {&temperature, &top_p, &min_p, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == R &&
+                    t->is_contiguous(),
+                "sample_rows: per-row parameters must be contiguous float32 [R] tensors");
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.dim() == 1 && top_k.size(0) == R &&
+                  top_k.is_contiguous(),
+              "sample_rows: top_k must be a contiguous int64 [R] tensor");
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<std::pair<float, int32_t>> cand;
+    for (int64_t r = r0; r < r1; ++r) {
+      const RowParams prm{tp[r], kp[r], pp[r], mp[r], up[r]};
+      op[r] = isa_avx512::sample_row(lp + r * V, V, prm, cand);
+    }
+  });
+  return out;
+}
+
+// Raw logprob and rank of row r's target token, and the row's k largest logprobs (largest first,
+// equal values by index): one pass for the maximum, one for the log-sum-exp and the rank, and for
+// k > 0 one collecting the candidates near the maximum (widened until there are k).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_rows(
     const at::Tensor& logits, const at::Tensor& targets, int64_t k) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
@@ -340,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprob_rows(
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<std::pair<float, int32_t>> cand;
     for (int64_t r = r0; r < r1; ++r)
-      logprob_row(xp + r * V, V, tp[r], k, lpp + r, rp + r, tvp + r * k, tip + r * k, cand);
+      isa_avx512::logprob_row(xp + r * V, V, tp[r], k, lpp + r, rp + r, tvp + r * k, tip + r * k, cand);
   });
   return {lp, rank, top_val, top_idx};
 }
