@@ -244,9 +244,12 @@ inline void dequant_to(int64_t fmt, const uint8_t* row, int64_t K, WT* dst, floa
 // ~47 -> ~37 ms on AMX (2.5 KiB ahead was best of 1-6 KiB). Past W's end the addresses leave it:
 // prefetches never fault.
 constexpr int64_t kPrefetchAhead = 2560;
-inline void dequant_ahead(int64_t fmt, const uint8_t* row, int64_t row_bytes, int64_t K, WT* dst, float* tmp) {
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes) {
   const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchAhead;
   for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+}
+inline void dequant_ahead(int64_t fmt, const uint8_t* row, int64_t row_bytes, int64_t K, WT* dst, float* tmp) {
+  prefetch_ahead(row, row_bytes);
   dequant_to(fmt, row, K, dst, tmp);
 }
 

@@ -300,9 +300,7 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
     if (g1 - st.out.n0 > Stage::kCols) st.flush_and_move(g0);  // the whole group fits
     for (int64_t n = g0; n < g1; ++n) {
       const int64_t c = n - g0;
-      // the lines kPrefetchAhead bytes on asked for first, as dequant_ahead does
-      const char* ahead = reinterpret_cast<const char*>(w + n * row_bytes) + kPrefetchAhead;
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      prefetch_ahead(w + n * row_bytes, row_bytes);  // as dequant_ahead does
       vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB,
                          mul16 ? sc.data() + c * KB * 2 : nullptr);
     }
