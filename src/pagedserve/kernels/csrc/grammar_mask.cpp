@@ -75,6 +75,8 @@ int64_t masked_argmax_row_scalar(const float* x, int64_t V, const int32_t* mask,
   return b.idx < 0 ? 0 : b.idx;
 }
 
+// ---- in-place mask, scalar (the AVX2 build is below) ----------------------------------------
+
 void apply_row_scalar(float* x, int64_t V, const int32_t* mask, int64_t W) {
   for (int64_t j = 0; j < V; ++j)
     if (j >= 32 * W || !allowed(mask, j)) x[j] = kNegInf;
@@ -141,7 +143,7 @@ int64_t masked_argmax_row(const float* x, int64_t V, const int32_t* mask, int64_
   return b.idx < 0 ? 0 : b.idx;
 }
 
-// ---- in-place mask ----------------------------------------------------------------------------
+// ---- in-place mask, AVX2 ----------------------------------------------------------------------
 
 void apply_row(float* x, int64_t V, const int32_t* mask, int64_t W) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
