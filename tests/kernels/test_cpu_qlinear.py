@@ -312,6 +312,32 @@ def test_blocked_gemm_matches_dequantize_then_matmul(fmt, m, isa):
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, yb.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("m", [3, 16, 40, 300])  # small-batch kernel, GEMM, GEMM over many row groups
+def test_activation_quantization_rounds_half_to_even_exactly_in_every_kernel(m, isa):
+    """x whose blocks each hold +-127 (so d = 1 and q = round(x)) with many halves, times Q8_0
+    weights of scale 1: every product and sum is an integer below 2^24, so each kernel's fp32
+    result must be the exact integer whatever its order. A quantization that rounds a tie the
+    other way, or loses a value in its packing, moves a result by at least 1 (csrc's
+    vnni_quantize_row repeats quantize_row's steps on 16 lanes: this pins them together)."""
+    n, k = 70, 256
+    rng = np.random.default_rng(21)
+    halves = rng.integers(-200, 200, size=(m, k)) / 2.0  # -100.0 .. 99.5: ties at every .5
+    halves[:, ::32] = np.where(rng.random((m, k // 32)) < 0.5, 127.0, -127.0)  # amax = 127
+    x = torch.from_numpy(halves).float().to(torch.bfloat16)
+    assert torch.equal(x.double(), torch.from_numpy(halves))  # representable in bf16
+    qw = rng.integers(-127, 128, size=(n, k // 32, 32), dtype=np.int8)
+    raw = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    raw[..., :2] = np.ones((n, k // 32, 1), dtype=np.float16).view(np.uint8)
+    raw[..., 2:] = qw.view(np.uint8)
+    w = set_quant(torch.from_numpy(raw.reshape(n, -1)), QuantSpec(FORMATS["q8_0"], k))
+    w64 = torch.from_numpy(qw.reshape(n, k)).double()
+    want = torch.round(x.double()) @ w64.T  # half to even
+    assert not torch.equal(want, x.double() @ w64.T)
+    assert torch.equal(_op(x, w, isa, 0).double(), want)  # the small-batch kernel at every M
+    # the GEMM from row 1 on: 8-bit x where it is an 8-bit GEMM (AVX512F's multiplies x as it is)
+    assert torch.equal(_op(x, w, isa, 1).double(), want if _int8_gemm("q8_0", isa) else x.double() @ w64.T)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q5_0", "q6_k"])
 def test_blocked_gemm_over_many_column_groups_and_long_rows(fmt, isa):
     """Columns in several groups of blocks and output stages (N = 300: a partial last block), rows

@@ -242,11 +242,7 @@ std::unique_ptr<Product> make_product(const char* op, const at::Tensor& x, const
       const isa_amx::RunPrep* prep = &sx.amx;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_amx::run_range(fmt, xp, M, K, wp, rb, N, out, *prep, nb, ne); };
     } else if (vnni_format(fmt) && x8) {  // the 8-bit GEMM: vnni_range
-      if (!sx.vnni_ready) {
-        // NOTE: offset 0 -- the quantization (q, d) is the same for every offset
-        const isa_avx2::XQ& q = quantized_x(sx, x, M, K, 0);
-        isa_avx512bf16::vnni_pack(q.q, q.d, q.s, M, K, sx.vnni);
-      }
+      if (!sx.vnni_ready) isa_avx512bf16::vnni_quantize_pack(xp, M, K, sx.vnni);  // bf16 x (fp32 x: level 2)
       sx.vnni_ready = true;
       const isa_avx512bf16::VnniX* vx = &sx.vnni;
       p->range = [=](const Out& out, int64_t nb, int64_t ne) { isa_avx512bf16::vnni_range(fmt, *vx, M, K, wp, rb, out, nb, ne); };

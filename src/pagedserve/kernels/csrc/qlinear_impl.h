@@ -97,7 +97,7 @@ struct Stage {
   const Out& dst;
   int64_t M;
   bool direct;
-  std::vector<uint8_t> buf;
+  std::unique_ptr<uint8_t[]> buf;  // uninitialized: a column is stored before it is flushed
   Out out;
   static bool rows_spread(const Out& o) {  // 16 rows of y over >= 2 of 64 L1 sets (4 KiB apart)
     const int64_t lines = o.ldy * (o.fp32 ? 4 : 2) / 64;
@@ -111,13 +111,13 @@ struct Stage {
   }
   Stage(const Out& result, int64_t rows, int64_t n0, bool allow_direct = false)
       : dst(result), M(rows), direct(allow_direct && rows_spread(result)),
-        buf(direct ? 0 : size_t(rows * kCols) * (result.fp32 ? 4 : 2)),
-        out(direct ? result : Out{buf.data(), kCols, result.fp32, result.bias, n0}) {}
+        buf(direct ? nullptr : new uint8_t[size_t(rows * kCols) * (result.fp32 ? 4 : 2)]),
+        out(direct ? result : Out{buf.get(), kCols, result.fp32, result.bias, n0}) {}
   void flush_and_move(int64_t n) {
     if (direct) return;
     const size_t esize = out.fp32 ? 4 : 2, bytes = size_t(n - out.n0) * esize;
     uint8_t* d = static_cast<uint8_t*>(dst.y) + size_t(out.n0 - dst.n0) * esize;
-    const uint8_t* s = buf.data();
+    const uint8_t* s = buf.get();
     const size_t ld = size_t(dst.ldy) * esize, ls = size_t(kCols) * esize;
     if (bytes % 64 == 0) {  // whole lines (the usual case): inline vector moves, no call per row
       for (int64_t m = 0; m < M; ++m, d += ld, s += ls)

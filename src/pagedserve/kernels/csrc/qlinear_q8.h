@@ -227,31 +227,39 @@ void q8_product_range(const XQ& x, int64_t M, const uint8_t* w, int64_t rb, cons
 
 // x [M, K] quantized to 8-bit blocks of 32 for formats of `offset` (the buffers it points into).
 struct QuantizedX {
-  std::vector<int8_t> q;
-  std::vector<float> ds;
-  std::vector<int32_t> os;  // 8 int32 per block of 32, for offset formats
+  // NOTE: uninitialized (new T[n], no value-init): quantize_row writes every element, and the
+  // zero fill of a prompt's x (1-4 MB) ran on one thread while the other waited.
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> ds;
+  std::unique_ptr<int32_t[]> os;  // 8 int32 per block of 32, for offset formats
   XQ xq;
 };
+
+// One row of x as fp32 (bf16 widened exactly) into row [K]; fp32 x is read in place.
+inline const float* x_row_f32(const float* xr, int64_t, float*) { return xr; }
+inline const float* x_row_f32(const uint16_t* xr, int64_t K, float* row) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + k)));
+    _mm256_storeu_ps(row + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+  }
+  for (; k < K; ++k) row[k] = bf16_to_float(xr[k]);
+  return row;
+}
 
 template <typename X>
 void quantize_x(const X* x, int64_t M, int64_t K, int offset, QuantizedX& out) {
   const int64_t nbx = K / 32;
-  out.q.resize(size_t(M * K));
-  out.ds.resize(size_t(2 * M * nbx));
-  out.os.resize(offset ? size_t(M * nbx * 8) : 0);
+  out.q.reset(new int8_t[size_t(M * K)]);
+  out.ds.reset(new float[size_t(2 * M * nbx)]);
+  out.os.reset(offset ? new int32_t[size_t(M * nbx * 8)] : nullptr);
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> row(static_cast<size_t>(K));
-    for (int64_t m = b; m < e; ++m) {
-      const X* xr = x + m * K;
-      for (int64_t k = 0; k < K; ++k) {
-        if constexpr (sizeof(X) == 2) row[k] = bf16_to_float(xr[k]);
-        else row[k] = xr[k];
-      }
-      quantize_row(row.data(), K, out.q.data() + m * K, out.ds.data() + m * nbx,
-                   out.ds.data() + (M + m) * nbx, offset ? out.os.data() + m * nbx * 8 : nullptr, offset);
-    }
+    std::unique_ptr<float[]> row(new float[size_t(K)]);
+    for (int64_t m = b; m < e; ++m)
+      quantize_row(x_row_f32(x + m * K, K, row.get()), K, out.q.get() + m * K, out.ds.get() + m * nbx,
+                   out.ds.get() + (M + m) * nbx, offset ? out.os.get() + m * nbx * 8 : nullptr, offset);
   });
-  out.xq = XQ{out.q.data(), out.ds.data(), out.ds.data() + M * nbx, out.os.data(), K};
+  out.xq = XQ{out.q.get(), out.ds.get(), out.ds.get() + M * nbx, out.os.get(), K};
 }
 
 // Output columns [nb, ne) of the product of x quantized for fmt's offset with DOT8 format fmt.

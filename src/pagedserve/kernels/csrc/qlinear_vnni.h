@@ -8,7 +8,7 @@
 // over the blocks b of 32 values: dw the block's scale (the K-quants: d * sc), mw its min term
 // (the K-quants: dmin * mn; Q4_1: -m; else none) and sx[m, b] = dx * sum(qx). x is the 8-bit quantization
 // of the small-batch kernel (qlinear_q8.h `quantize_x`: qx = round(x * 127 / amax), dx = amax /
-// 127), packed once per call (`vnni_pack`) as signed bytes, four k of one row per 32-bit lane:
+// 127), packed once per call (`vnni_quantize_pack`) as signed bytes, four k of one row per 32-bit lane:
 // [M / 16][K / 32][8 quads][16 rows][4], with -sum(qx) per row and block. The weights of a block
 // of columns are unpacked once per call into unsigned bytes as the formats store them (Q4_0 /
 // Q5_0 / the K-quants: q; Q8_0: q + 128), broadcast four at a time; each block's integer sum
@@ -29,41 +29,101 @@
 
 // x quantized and packed for the tiles: xq [MBk][KB][8][16][4] bytes, dx and sx [MBk][KB][16],
 // nsum [MBk][KB][16] = -sum(qx), nsum_lo the same over a block's first 16 values (Q6_K's halves).
+// NOTE: uninitialized storage (no zero fill: a prompt's x is 1-5 MB, which one thread cleared
+// while the other waited); vnni_quantize_pack writes every element, padding rows as zeros.
 struct VnniX {
-  std::vector<uint8_t> buf;
-  std::vector<float> dx, sx;
-  std::vector<int32_t> nsum, nsum_lo;
+  std::unique_ptr<uint8_t[]> buf;
+  std::unique_ptr<float[]> dxsx;        // dx, then sx
+  std::unique_ptr<int32_t[]> sums;      // nsum, then nsum_lo
   const uint8_t* xq = nullptr;
+  const float* dx = nullptr;
+  const float* sx = nullptr;
+  const int32_t* nsum = nullptr;
+  const int32_t* nsum_lo = nullptr;
 };
 
-// q [M][K] int8, d and s [M][K / 32] (quantize_x's) -> the lanes layout; padding rows are zeros.
-inline void vnni_pack(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, VnniX& out) {
-  const int64_t KB = K / 32, MBk = (M + 15) / 16;
-  out.buf.assign(size_t(MBk * KB * 512 + 64), uint8_t(0));
-  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(out.buf.data()) + 63) & ~uintptr_t(63));
-  out.dx.assign(size_t(MBk * KB * 16), 0.0f);
-  out.sx.assign(size_t(MBk * KB * 16), 0.0f);
-  out.nsum.assign(size_t(MBk * KB * 16), 0);
-  out.nsum_lo.assign(size_t(MBk * KB * 16), 0);
-  at::parallel_for(0, MBk, 4, [&](int64_t g0, int64_t g1) {  // row groups of 16
-    for (int64_t m = g0 * 16; m < std::min(M, g1 * 16); ++m) {
-      const int64_t mb = m / 16, mi = m % 16;
+// 16 values of x as fp32 (bf16 widened exactly).
+__attribute__((always_inline)) inline __m512 vnni_load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+__attribute__((always_inline)) inline __m512 vnni_load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// One row of x (K values) to blocks of 32 exactly as ::isa_avx2::quantize_row computes them (the
+// same amax, 127 / amax, products, round-to-nearest-even conversion and int sums: the same qx, d
+// and s, bit for bit), on 16 lanes; with each block's sum(qx) and the sum of its first 16 values.
+template <typename X>
+inline void vnni_quantize_row(const X* x, int64_t KB, int8_t* q, float* d, float* s, int32_t* sum, int32_t* lo) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < KB; ++b) {
+    const __m512 v0 = vnni_load16(x + b * 32), v1 = vnni_load16(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+    const __m512 vid = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(i1));
+    const int32_t l = _mm512_reduce_add_epi32(i0), t = l + _mm512_reduce_add_epi32(i1);
+    d[b] = amax / 127.0f;
+    s[b] = d[b] * float(t);
+    sum[b] = t;
+    lo[b] = l;
+  }
+}
+
+// x [M][K] (bf16 or fp32) quantized as quantize_x quantizes it (vnni_quantize_row: the same qx,
+// dx and sx, bit for bit) and packed into the lanes layout, in one pass: each task takes whole
+// groups of 16 rows, quantizes them into its own buffer and transposes them into place.
+template <typename X>
+inline void vnni_quantize_pack(const X* x, int64_t M, int64_t K, VnniX& out) {
+  const int64_t KB = K / 32, MBk = (M + 15) / 16, n = MBk * KB * 16;
+  out.buf.reset(new uint8_t[size_t(n * 32 + 64)]);
+  out.dxsx.reset(new float[size_t(2 * n)]);
+  out.sums.reset(new int32_t[size_t(2 * n)]);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(out.buf.get()) + 63) & ~uintptr_t(63));
+  float* dx = out.dxsx.get();
+  float* sx = dx + n;
+  int32_t* nsum = out.sums.get();
+  int32_t* nsum_lo = nsum + n;
+  at::parallel_for(0, MBk, 1, [&](int64_t g0, int64_t g1) {
+    std::unique_ptr<int8_t[]> q(new int8_t[size_t(16 * K)]);
+    std::unique_ptr<float[]> ds(new float[size_t(32 * KB)]);     // d, then s: [16][KB] each
+    std::unique_ptr<int32_t[]> ts(new int32_t[size_t(32 * KB)]);  // sum, then lo: [16][KB] each
+    const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(int32_t(K / 4)));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t rows = std::min<int64_t>(16, M - g * 16);
+      for (int64_t mi = 0; mi < rows; ++mi)
+        vnni_quantize_row(x + (g * 16 + mi) * K, KB, q.get() + mi * K, ds.get() + mi * KB,
+                          ds.get() + (16 + mi) * KB, ts.get() + mi * KB, ts.get() + (16 + mi) * KB);
+      if (rows < 16) {  // padding rows: zeros
+        std::memset(q.get() + rows * K, 0, size_t((16 - rows) * K));
+        for (int64_t h = 0; h < 2; ++h) {
+          std::fill(ds.get() + (16 * h + rows) * KB, ds.get() + (16 * h + 16) * KB, 0.0f);
+          std::fill(ts.get() + (16 * h + rows) * KB, ts.get() + (16 * h + 16) * KB, 0);
+        }
+      }
       for (int64_t b = 0; b < KB; ++b) {
-        uint8_t* dst = base + (mb * KB + b) * 512 + mi * 4;
-        const int8_t* src = q + m * K + b * 32;
-        int32_t sum = 0, lo = 0;
-        for (int p = 0; p < 8; ++p) std::memcpy(dst + p * 64, src + 4 * p, 4);
-        for (int i = 0; i < 32; ++i) sum += src[i];
-        for (int i = 0; i < 16; ++i) lo += src[i];
-        const size_t at = size_t((mb * KB + b) * 16 + mi);
-        out.nsum[at] = -sum;
-        out.nsum_lo[at] = -lo;
-        out.dx[at] = d[m * KB + b];
-        out.sx[at] = s[m * KB + b];
+        // dst[p][mi][0..3] = q[mi][b * 32 + 4 p ..]: the 16 rows' 8 dwords transposed, gathered
+        // from the group's buffer (in L1 / L2) one quad p at a time
+        uint8_t* dst = base + (g * KB + b) * 512;
+        const int8_t* qb = q.get() + b * 32;
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p)
+          _mm512_store_si512(dst + p * 64, _mm512_i32gather_epi32(rows_at, qb + 4 * p, 4));
+        const int64_t at = (g * KB + b) * 16;
+        for (int mi = 0; mi < 16; ++mi) {
+          dx[at + mi] = ds[mi * KB + b];
+          sx[at + mi] = ds[(16 + mi) * KB + b];
+          nsum[at + mi] = -ts[mi * KB + b];
+          nsum_lo[at + mi] = -ts[(16 + mi) * KB + b];
+        }
       }
     }
   });
   out.xq = base;
+  out.dx = dx;
+  out.sx = sx;
+  out.nsum = nsum;
+  out.nsum_lo = nsum_lo;
 }
 
 // The offset a format's unpacked bytes carry (value = byte - offset, times the scale): log2 of
@@ -288,11 +348,15 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
   constexpr int64_t kCols = 64, kSlab = 4;
   const int64_t KB = K / 32, MBk = (M + 15) / 16;
   const int64_t ldq = K + 64;  // bytes: 8 columns read side by side stay out of one L1 set
-  std::vector<uint8_t> buf(size_t(kCols * ldq + 64));
-  uint8_t* wq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  std::vector<float> dw(size_t(kCols * KB)), mw(size_t(kCols * KB));
-  std::vector<int32_t> sc(F::kMul16 ? size_t(kCols * KB * 2) : 0);
-  const VnniW wv{wq, ldq, dw.data(), mw.data(), sc.data(), vnni_offset_shift<F>()};
+  // uninitialized: a group's rows are unpacked (or zeroed past ne) before its tiles read them
+  std::unique_ptr<uint8_t[]> buf(new uint8_t[size_t(kCols * ldq + 64)]);
+  uint8_t* wq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t(63));
+  std::unique_ptr<float[]> dwmw(new float[size_t(2 * kCols * KB)]);
+  float* const dw = dwmw.get();
+  float* const mw = dw + kCols * KB;
+  std::unique_ptr<int32_t[]> scb(F::kMul16 ? new int32_t[size_t(kCols * KB * 2)] : nullptr);
+  int32_t* const sc = scb.get();
+  const VnniW wv{wq, ldq, dw, mw, sc, vnni_offset_shift<F>()};
   constexpr bool mins = F::kMins, mul16 = F::kMul16;
   Stage st(out, M, nb);
   for (int64_t g0 = nb; g0 < ne; g0 += kCols) {
@@ -301,15 +365,15 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
     for (int64_t n = g0; n < g1; ++n) {
       const int64_t c = n - g0;
       prefetch_ahead(w + n * row_bytes, row_bytes);  // as dequant_ahead does
-      vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw.data() + c * KB, mw.data() + c * KB,
-                         mul16 ? sc.data() + c * KB * 2 : nullptr);
+      vnni_weight_row<F>(w + n * row_bytes, K, wq + c * ldq, dw + c * KB, mw + c * KB,
+                         mul16 ? sc + c * KB * 2 : nullptr);
     }
     const int64_t filled = g1 - g0, padded = (filled + 15) / 16 * 16;
     if (filled < padded) {  // missing columns: zeros (never stored)
       std::memset(wq + filled * ldq, 0, size_t((padded - filled) * ldq));
-      std::fill(dw.begin() + filled * KB, dw.begin() + padded * KB, 0.0f);
-      std::fill(mw.begin() + filled * KB, mw.begin() + padded * KB, 0.0f);
-      if (mul16) std::fill(sc.begin() + filled * KB * 2, sc.begin() + padded * KB * 2, 0);
+      std::fill(dw + filled * KB, dw + padded * KB, 0.0f);
+      std::fill(mw + filled * KB, mw + padded * KB, 0.0f);
+      if (mul16) std::fill(sc + filled * KB * 2, sc + padded * KB * 2, 0);
     }
     for (int64_t s0 = 0; s0 < MBk; s0 += kSlab)
       for (int64_t n0 = g0; n0 < g1; n0 += 16) {
@@ -332,10 +396,10 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
         for (; mb + 2 <= s1; mb += 2) {  // two row groups at a time
           __m512 acc0[16], acc1[16];
           const uint8_t* xb0 = vx.xq + mb * KB * 512;
-          const float* dx0 = vx.dx.data() + mb * KB * 16;
-          const float* sx0 = vx.sx.data() + mb * KB * 16;
-          const int32_t* ns0 = vx.nsum.data() + mb * KB * 16;
-          const int32_t* nl0 = vx.nsum_lo.data() + mb * KB * 16;
+          const float* dx0 = vx.dx + mb * KB * 16;
+          const float* sx0 = vx.sx + mb * KB * 16;
+          const int32_t* ns0 = vx.nsum + mb * KB * 16;
+          const int32_t* nl0 = vx.nsum_lo + mb * KB * 16;
           for (int64_t q = 0; q < 16; q += 4)
             vnni_tile2x4<mins, mul16>(xb0, xb0 + KB * 512, dx0, dx0 + KB * 16, sx0, sx0 + KB * 16, ns0,
                                       ns0 + KB * 16, nl0, nl0 + KB * 16, KB, wv, c + q, acc0 + q, acc1 + q, pf);
@@ -345,10 +409,10 @@ inline void vnni_range(const VnniX& vx, int64_t M, int64_t K, const uint8_t* w, 
         for (; mb < s1; ++mb) {
           __m512 acc[16];
           const uint8_t* xb = vx.xq + mb * KB * 512;
-          const float* dxb = vx.dx.data() + mb * KB * 16;
-          const float* sxb = vx.sx.data() + mb * KB * 16;
-          const int32_t* nsb = vx.nsum.data() + mb * KB * 16;
-          const int32_t* nlb = vx.nsum_lo.data() + mb * KB * 16;
+          const float* dxb = vx.dx + mb * KB * 16;
+          const float* sxb = vx.sx + mb * KB * 16;
+          const int32_t* nsb = vx.nsum + mb * KB * 16;
+          const int32_t* nlb = vx.nsum_lo + mb * KB * 16;
           vnni_tile8<mins, mul16>(xb, dxb, sxb, nsb, nlb, KB, wv, c, acc, pf);
           vnni_tile8<mins, mul16>(xb, dxb, sxb, nsb, nlb, KB, wv, c + 8, acc + 8, pf);
           bcast_store(st.out, M, mb, acc, n0, std::min<int64_t>(16, g1 - n0));
