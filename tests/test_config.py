@@ -111,6 +111,8 @@ def test_scheduler_config_follows_the_engine_options():
     config = EngineArgs().scheduler_config(max_model_len=4096)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
     assert config.enable_chunked_prefill and config.preemption_mode == "auto"
+    assert config.prompt_budget_per_decode_row == 32
+    assert EngineArgs(prompt_budget_per_decode_row=0).scheduler_config(4096).prompt_budget_per_decode_row == 0
     # Without chunked prefill a whole prompt must fit one step.
     config = EngineArgs(enable_chunked_prefill=False).scheduler_config(max_model_len=4096)
     assert config.max_num_batched_tokens == 4096

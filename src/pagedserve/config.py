@@ -247,6 +247,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = option(
         0, "with chunked prefill, at most this many of a prompt's tokens in one step, so that "
         "long prompts share steps with the others (vLLM's; 0: no limit but the step's budget)")
+    prompt_budget_per_decode_row: int = option(
+        32, "with chunked prefill, a step's token budget grows with its decode rows: this many "
+        "a row, at least 24 times as many, never below the next prompt's remaining tokens, at "
+        "most --max-num-batched-tokens; so that in a burst the first prompts' first tokens do "
+        "not wait for a full-budget step (0: every step takes --max-num-batched-tokens, as vLLM)")
     structured_outputs_config: str | None = option(
         None, "vLLM's structured-outputs config, a JSON object: disable_any_whitespace (as "
         "--structured-outputs-disable-any-whitespace), reasoning_parser, backend (auto or "
@@ -351,6 +356,9 @@ class EngineArgs:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if self.prompt_budget_per_decode_row < 0:
+            raise ValueError(f"prompt_budget_per_decode_row must be >= 0, got "
+                             f"{self.prompt_budget_per_decode_row}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}")
@@ -449,7 +457,8 @@ class EngineArgs:
             recompute_seconds_per_token=recompute_seconds_per_token, eos_token_ids=eos_token_ids,
             scheduling_policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else 0,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            prompt_budget_per_decode_row=self.prompt_budget_per_decode_row)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,

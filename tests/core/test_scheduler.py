@@ -414,6 +414,33 @@ def test_victims_scheduled_by_the_one_sequence_decode_path_are_undone_exactly(mo
     assert undone >= 2 and sum(calls) >= 2 * undone
 
 
+def test_the_step_budget_grows_with_decode_rows_from_a_floor_to_the_cap():
+    """prompt_budget_per_decode_row r: a burst of short prompts starts with 24 r prompt tokens
+    a step, not the whole budget; each later step has its decode rows plus r prompt tokens a
+    row (at least 24 r), up to max_num_batched_tokens. r = 0: every step takes the cap."""
+    def totals(per_row):
+        sched = make(num_blocks=200, block_size=4, max_num_seqs=64,
+                     prompt_budget_per_decode_row=per_row)
+        for i in range(40):
+            sched.add(group(f"r{i}", 2))
+        return [sum(s.num_tokens for s in run_step(sched).scheduled) for _ in range(4)]
+
+    # rows 0, 12, 24, 36: 24, 12 + 24, 24 + 24, then 36 rows + the last 4 prompts (cap 64)
+    assert totals(1) == [24, 36, 48, 36 + 8]
+    assert totals(0) == [64, 32 + 16, 40, 40]  # 32 prompts, then 32 rows + the last 8 prompts
+
+
+def test_the_step_budget_never_splits_the_next_prompt_finer_than_itself():
+    """The next prompt in line takes its whole remaining length in one step (up to the cap):
+    chunking one long prompt finer than the budget would only add steps."""
+    for length, first in ((50, 50), (100, 64)):
+        sched = make(num_blocks=64, block_size=4, max_model_len=128, prompt_budget_per_decode_row=1)
+        sched.add(group("long", length))
+        assert [s.num_tokens for s in run_step(sched).scheduled] == [first]
+    with pytest.raises(ValueError, match="prompt_budget_per_decode_row"):
+        make(prompt_budget_per_decode_row=-1)
+
+
 def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
     """vLLM's --long-prefill-token-threshold: a long prompt takes at most that many tokens a
     step, so a short one admitted after it starts in the same step; decode rows are not capped."""

@@ -44,11 +44,18 @@ class SchedulerConfig:
     max_loras: int = 0
     # With chunked prefill, the most prompt tokens of one sequence in a step (0: no limit)
     long_prefill_token_threshold: int = 0
+    # With chunked prefill, the step's prompt budget grows with its decode rows: this many
+    # tokens a row, at least 24 times as many, at least the next prompt's remaining tokens; the
+    # step's at most max_num_batched_tokens (Scheduler._step_budget). 0: always the latter.
+    prompt_budget_per_decode_row: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_budget_per_decode_row < 0:
+            raise ValueError("prompt_budget_per_decode_row must be >= 0, got "
+                             f"{self.prompt_budget_per_decode_row}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
