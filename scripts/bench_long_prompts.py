@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--prompt-budget-per-decode-row", type=int, default=None,
+                    help="the engine's option (default: the engine's default)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
@@ -45,6 +47,8 @@ def main() -> int:
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.prompt_len + args.output_len,
                    enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
+    if args.prompt_budget_per_decode_row is not None:
+        options["prompt_budget_per_decode_row"] = args.prompt_budget_per_decode_row
     if args.disable_hybrid_kv_cache_manager:
         options["disable_hybrid_kv_cache_manager"] = True
     known = {f for f in EngineArgs.__dataclass_fields__}
@@ -68,6 +72,7 @@ def main() -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory, num_blocks=engine.num_kv_blocks,
         max_concurrency=getattr(engine, "max_concurrency", None), peak_running=peak,
+        prompt_budget_per_decode_row=engine.scheduler.config.prompt_budget_per_decode_row,
         preemptions=engine.scheduler.num_preemptions, steps=steps, seconds=round(wall, 1),
         prompt_tokens_per_s=round(engine.stats["prompt_tokens"] / wall, 1),
         output_tokens_per_s=round(engine.stats["generation_tokens"] / wall, 1))
