@@ -189,3 +189,27 @@ def run_requests(path, requests, max_steps: int = 20000, **options):
             llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
     final = drive(llm.engine, max_steps)
     return [final[rid] for rid, _, _ in requests], llm.engine
+
+
+# byte offsets of the fp16 scales inside a K-quant block (d, and dmin where there is one)
+K_QUANT_SCALES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def ggml_block_bytes(fmt: str, n: int, k: int, seed: int = 0):
+    """uint8 numpy `[n, row_bytes]`: an `[n, k]` weight in ggml format `fmt` ("q8_0", "q4_0",
+    "q4_1", "q5_0", "q4_k", "q5_k", "q6_k"). gguf cannot quantize K-quants: those are random
+    blocks with small scales (valid blocks); the others quantize N(0, 0.05) values."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[fmt.upper()]
+    if fmt in K_QUANT_SCALES:
+        _, block_bytes = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n, k // 256, block_bytes), dtype=np.uint8)
+        for off in K_QUANT_SCALES[fmt]:
+            scales = (rng.random((n, k // 256)) * 0.004 + 0.001).astype(np.float16)
+            raw[..., off:off + 2] = scales.view(np.uint8).reshape(n, k // 256, 2)
+        return raw.reshape(n, -1)
+    return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)

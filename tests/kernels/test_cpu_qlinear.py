@@ -19,6 +19,7 @@ from pagedserve.kernels.cpu_isa import ISA_ENV, ISA_LEVELS, isa_cap
 from pagedserve.kernels.cpu_qlinear import (
     FORMATS,
     GEMM_ROWS,
+    GEMM_ROWS_BY_FORMAT,
     QuantSpec,
     gemm_rows,
     qembedding,
@@ -29,14 +30,14 @@ from pagedserve.kernels.cpu_qlinear import (
 )
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+from utils import K_QUANT_SCALES, ggml_block_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not quantized_available(), reason="compiled CPU kernels unavailable")
 
 GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
-# byte offsets of the fp16 scales inside a K-quant block (d, and dmin where there is one)
-_K_SCALES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+_K_SCALES = K_QUANT_SCALES
 
 
 def _cpu_level() -> int:
@@ -56,17 +57,8 @@ def isa(request, monkeypatch) -> int:
 
 def ggml_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [n, row_bytes] blocks marked with their QuantSpec, float32 [n, k] reference values)."""
-    rng = np.random.default_rng(seed)
     qtype = GGML[fmt]
-    if fmt in _K_SCALES:  # gguf cannot quantize K-quants: random blocks with small scales are valid
-        _, block_bytes = GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(n, k // 256, block_bytes), dtype=np.uint8)
-        for off in _K_SCALES[fmt]:
-            scales = (rng.random((n, k // 256)) * 0.004 + 0.001).astype(np.float16)
-            raw[..., off:off + 2] = scales.view(np.uint8).reshape(n, k // 256, 2)
-        raw = raw.reshape(n, -1)
-    else:
-        raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+    raw = ggml_block_bytes(fmt, n, k, seed)
     ref = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
     w = set_quant(torch.from_numpy(np.ascontiguousarray(raw)), QuantSpec(FORMATS[fmt], k))
     return w, ref
@@ -419,7 +411,7 @@ def test_the_kernel_is_chosen_by_row_count(fmt, isa):
     n, k = 40, 256
     w, _ = ggml_blocks(fmt, n, k, seed=4)
     threshold = gemm_rows(w.quant, torch.bfloat16, isa)
-    assert threshold == GEMM_ROWS.get(isa, 0)
+    assert threshold == GEMM_ROWS_BY_FORMAT.get(isa, {}).get(fmt, GEMM_ROWS.get(isa, 0))
     assert gemm_rows(w.quant, torch.float32, isa) == 0
     assert gemm_rows(dataclasses.replace(w.quant, batch_invariant=True), torch.bfloat16, isa) == 0
     for m in sorted({1, 2, max(1, threshold - 1), threshold, threshold + 7, 64} - {0}):
@@ -431,17 +423,18 @@ def test_the_kernel_is_chosen_by_row_count(fmt, isa):
             assert not torch.equal(y, _op(x, w, isa, 0))
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, 64])
+@pytest.mark.parametrize("m", [1, 5, 7, 10, 16, 64])
 def test_fused_products_equal_the_products_one_by_one(m, isa):
     """qlinear_fused (q / k / v, gate / up of the fused decoder layer: one parallel region, x
     quantized once per format offset) gives each weight's qlinear result bit for bit, for mixed
-    formats, both kernels and with biases."""
+    formats, both kernels (each weight's own row threshold: at some M one weight runs the GEMM
+    and another the small-batch kernel) and with biases."""
     k = 512
     ws = [ggml_blocks("q5_0", 48, k, seed=5)[0], ggml_blocks("q8_0", 16, k, seed=6)[0],
           ggml_blocks("q4_k", 40, k, seed=7)[0], weights("bf16", 24, k, seed=8)[0]]
     biases = [torch.randn(48), None, torch.randn(40), None]
     x = torch.randn(m, k).to(torch.bfloat16)
-    rows = gemm_rows(ws[0].quant, torch.bfloat16, isa)
+    rows = [gemm_rows(getattr(w, "quant", None), torch.bfloat16, isa) for w in ws]
     fmts = [w.quant.format.code if w.dtype == torch.uint8 else 0 for w in ws]
     fused = torch.ops.pagedserve_cpu.qlinear_fused.default(x, ws, fmts, k, biases, isa, rows)
     for w, b, y in zip(ws, biases, fused):

@@ -204,6 +204,56 @@ def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kern
         assert torch.equal(a, b), f"decode step {step} differs"
 
 
+def _mixed_format_projections(model) -> list[str]:
+    """Each layer's seven projections in four ggml formats whose row thresholds differ on
+    AVX512-BF16 (`cpu_qlinear.GEMM_ROWS_BY_FORMAT`): returns the formats used."""
+    from gguf import GGMLQuantizationType
+    from utils import ggml_block_bytes
+
+    from pagedserve.kernels.cpu_qlinear import FORMATS
+    from pagedserve.layers.quantization import QuantizedTensor, install_quantized_tensor
+
+    cycle = ["q8_0", "q5_0", "q4_k", "q6_k", "q4_k", "q5_0", "q6_k"]  # q k v o gate up down
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        for j, (mod, fmt) in enumerate(zip(mods, cycle)):
+            n, k = mod.weight.shape
+            blocks = torch.from_numpy(ggml_block_bytes(fmt, n, k, seed=10 * i + j).copy())
+            install_quantized_tensor(model, mod.weight, QuantizedTensor(
+                blocks, FORMATS[fmt], (n, k), int(GGMLQuantizationType[fmt.upper()])))
+    return cycle
+
+
+@pytest.mark.parametrize("batch", [6, 8])
+def test_fused_decode_layer_takes_each_projections_own_row_threshold(kernel, batch, monkeypatch):
+    """Projections of different formats switch from the small-batch kernel to the GEMM at
+    different row counts (on AVX512-BF16 Q8_0 / Q5_0 from 6, Q4_K / Q6_K from 9): at 6 and 8
+    sequences the fused layer runs some products on one kernel and some on the other,
+    each as its module does, so the logits equal the modules' exactly."""
+    from pagedserve.kernels.cpu_qlinear import gemm_rows
+
+    torch.manual_seed(0)
+    # (wide enough that the two kernels' fp32 roundings show through the bf16 results: K up to
+    # 2048, ~40k outputs a layer and step)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=2048,
+                                      num_hidden_layers=2, max_position_embeddings=256,
+                                      num_attention_heads=8, num_key_value_heads=4)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    _mixed_format_projections(model)
+    attn = model.model.layers[0].self_attn
+    isa = cpu_gemm.linear_isa()
+    thresholds = {gemm_rows(m.weight.quant, torch.bfloat16, isa) for m in (attn.q_proj, attn.v_proj, attn.o_proj)}
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in range(3, 3 + batch)]
+    calls = _count_fused_calls(monkeypatch)
+    fused = _run(model, prompts, steps=3)
+    assert calls and all(calls), "the fused layer did not run on decode steps"
+    monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)
+    modules = _run(model, prompts, steps=3)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"decode step {step} differs (row thresholds {sorted(thresholds)})"
+
+
 def moe_configs():
     """MoE families whose layers have Llama's attention: the attention half runs fused, the MoE
     block (its experts in one call: bf16 weights, format 0) from Python."""

@@ -61,6 +61,13 @@ def weight_formats(weights: list[torch.Tensor]) -> list[int] | None:
     return formats
 
 
+def _gemm_rows(weights: list[torch.Tensor], isa: int) -> list[int]:
+    """Each weight's `gemm_rows` for bf16 x: its format's threshold, as the modules' products
+    (`qlinear`) take it, so a projection runs the same kernel fused or not (0 for bf16 weights,
+    whose kernel takes none)."""
+    return [gemm_rows(getattr(w, "quant", None), torch.bfloat16, isa) for w in weights]
+
+
 def _applies(x: torch.Tensor, tensors: tuple, caches: tuple, norm_mode: int,
              num_heads: int, num_kv_heads: int, head_dim: int) -> int:
     """The ISA level for a fused call on these operands (`tensors`: bf16 or None; `caches`: the
@@ -117,11 +124,9 @@ def decoder_layer(
                    num_heads, num_kv_heads, head_dim)
     if not isa:
         return None
-    # a model's quantized weights share one policy (layers.quantization.set_batch_invariant)
-    spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     args = (x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache,
             slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale),
-            int(window or 0), _act_code(act), formats, isa, gemm_rows(spec, torch.bfloat16, isa))
+            int(window or 0), _act_code(act), formats, isa, _gemm_rows(weights, isa))
     if lora is None:
         return torch.ops.pagedserve_cpu.decoder_layer.default(*args)
     return torch.ops.pagedserve_cpu.decoder_layer_lora.default(*args, *lora)
@@ -162,9 +167,8 @@ def decoder_layer_attn(
         return None
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
-    spec = next((s for s in (getattr(w, "quant", None) for w in weights) if s is not None), None)
     r, h = torch.ops.pagedserve_cpu.decoder_layer_attn.default(
         x, weights, biases, norms, norm_mode, float(eps), cos, sin, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, num_heads, num_kv_heads, head_dim, float(scale), int(window or 0),
-        formats, isa, gemm_rows(spec, torch.bfloat16, isa), sinks, bool(whole_qk), float(clip_qkv or 0.0))
+        formats, isa, _gemm_rows(weights, isa), sinks, bool(whole_qk), float(clip_qkv or 0.0))
     return r, h

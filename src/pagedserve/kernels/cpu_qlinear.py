@@ -112,9 +112,19 @@ class QuantSpec:
 # `QuantSpec.batch_invariant` turns it off.
 GEMM_ROWS = {ISA_AVX2: 8, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
 
+# Per-format thresholds where they were measured to differ from the level's (`scripts/bench_qgemm.py
+# --m 4,5,6,7,8,9,10,12`, the embedded Gemma 3's and the MoE bench model's shapes; docs/benchmarks.md,
+# "The GEMM's row threshold per format"): on AVX512-BF16 the GEMM is ahead from 6 rows on Q8_0 /
+# Q5_0 (1.1-1.5x at 6-7), while on Q4_K / Q6_K the small-batch VNNI kernel keeps up to 8 rows.
+# Levels not measured keep `GEMM_ROWS`.
+# NOTE: a layer's projections may then run different kernels in one step (the fused decode
+# layer passes one threshold per weight, `kernels.cpu_decoder_layer`).
+GEMM_ROWS_BY_FORMAT = {ISA_AVX512BF16: {"q8_0": 6, "q5_0": 6, "q4_k": 9, "q6_k": 9}}
+
 
 def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
-    """The kernel's `gemm_rows` argument for a product with x of `x_dtype` at ISA `isa`: 0 (never
+    """The kernel's `gemm_rows` argument for a product with x of `x_dtype` at ISA `isa` (the
+    format's threshold, `GEMM_ROWS_BY_FORMAT`, else the level's, `GEMM_ROWS`): 0 (never
     the GEMM) for plain weights, batch-invariant specs and float32 x (NOTE: float32 stays
     batch-invariant always: the engine's exactness guarantees are stated in float32); -1 (no
     8-bit x at all: dequantized blocks times x) for specs without `int8_activations`."""
@@ -123,7 +133,7 @@ def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
     if (spec is None or spec.batch_invariant or x_dtype is not torch.bfloat16
             or spec.format.gemm == "NONE"):  # its row takes no GEMM (MXFP4): the 8-bit kernel only
         return 0
-    return GEMM_ROWS.get(isa, 0)
+    return GEMM_ROWS_BY_FORMAT.get(isa, {}).get(spec.format.name, GEMM_ROWS.get(isa, 0))
 
 
 def set_quant(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

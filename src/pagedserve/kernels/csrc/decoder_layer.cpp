@@ -49,12 +49,13 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b,
 // result bit-identical to `project`'s.
 std::vector<at::Tensor> project_fused(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                                       const std::vector<OptTensor>& bs, const std::vector<int64_t>& fmts,
-                                      int64_t isa, int64_t gemm_rows) {
+                                      int64_t isa, const std::vector<int64_t>& gemm_rows) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pagedserve_cpu::qlinear_fused", "")
                        .typed<std::vector<at::Tensor>(const at::Tensor&, const std::vector<at::Tensor>&,
                                                       const std::vector<int64_t>&, int64_t,
-                                                      const std::vector<OptTensor>&, int64_t, int64_t)>();
+                                                      const std::vector<OptTensor>&, int64_t,
+                                                      const std::vector<int64_t>&)>();
   return op.call(x, ws, fmts, x.size(1), bs, isa, gemm_rows);
 }
 
@@ -171,9 +172,10 @@ struct AttnHalf {
 // Checks of the arguments both ops share (weights: q, k, v, o first).
 void check_layer_args(const std::vector<at::Tensor>& w, const std::vector<OptTensor>& b,
                       const std::vector<OptTensor>& n, int64_t norm_mode,
-                      const std::vector<int64_t>& fmts, const at::Tensor& x, size_t num_weights) {
-  TORCH_CHECK(fmts.size() == num_weights && w.size() == num_weights, "decoder_layer: ", num_weights,
-              " weights and formats expected");
+                      const std::vector<int64_t>& fmts, const std::vector<int64_t>& gemm_rows,
+                      const at::Tensor& x, size_t num_weights) {
+  TORCH_CHECK(fmts.size() == num_weights && w.size() == num_weights && gemm_rows.size() == num_weights,
+              "decoder_layer: ", num_weights, " weights, formats and gemm_rows expected");
   TORCH_CHECK(b.size() == kNumBiases && n.size() == kNumNorms,
               "decoder_layer: 4 biases and 6 norm weights expected");
   TORCH_CHECK(norm_mode >= 1 && norm_mode <= 3,
@@ -193,7 +195,7 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                         int64_t window, const std::vector<int64_t>& fmts, int64_t isa,
-                        int64_t gemm_rows, const Lora* lora, const OptTensor& sinks,
+                        const std::vector<int64_t>& gemm_rows, const Lora* lora, const OptTensor& sinks,
                         bool whole_qk, double clip) {
   // gemma: the sandwich structure; llama: Llama's norm numerics (bf16 weight product)
   const bool gemma = norm_mode == 1, llama = norm_mode == 2;
@@ -201,7 +203,8 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
   at::Tensor h = rmsnorm(x, *n[kInput], eps, llama, isa);
   // q, k, v share h: one parallel region, h quantized once
   std::vector<at::Tensor> qkv = project_fused(h, {w[kQ], w[kK], w[kV]}, {b[kBq], b[kBk], b[kBv]},
-                                              {fmts[kQ], fmts[kK], fmts[kV]}, isa, gemm_rows);
+                                              {fmts[kQ], fmts[kK], fmts[kV]}, isa,
+                                              {gemm_rows[kQ], gemm_rows[kK], gemm_rows[kV]});
   add_lora(lora, kGroupQkv, h, {kQ, kK, kV}, {&qkv[0], &qkv[1], &qkv[2]}, isa);
   OptTensor qn = n[kQNorm], kn = n[kKNorm];  // per-head norms, in the RoPE kernel
   if (whole_qk) {
@@ -218,7 +221,7 @@ AttnHalf attention_half(const at::Tensor& x, const std::vector<at::Tensor>& w,
   write_kv(k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim);
   at::Tensor a = attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa, sinks);
   const at::Tensor attn = a.view({T, num_heads * head_dim});
-  at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows);
+  at::Tensor o = project(attn, w[kO], b[kBo], fmts[kO], isa, gemm_rows[kO]);
   add_lora(lora, kGroupO, attn, {kO}, {&o}, isa);
   AttnHalf out;
   if (gemma) {
@@ -242,8 +245,8 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                      int64_t window, int64_t act, const std::vector<int64_t>& fmts,
-                     int64_t isa, int64_t gemm_rows, const Lora* lora) {
-  check_layer_args(w, b, n, norm_mode, fmts, x, kNumWeights);
+                     int64_t isa, const std::vector<int64_t>& gemm_rows, const Lora* lora) {
+  check_layer_args(w, b, n, norm_mode, fmts, gemm_rows, x, kNumWeights);
   TORCH_CHECK(act >= 0 && act <= 3, "decoder_layer: act 0 / 2 (silu), 1 / 3 (gelu tanh)");
   const bool gemma = norm_mode == 1;
   const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
@@ -253,11 +256,12 @@ at::Tensor run_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
   const at::Tensor& h = ah.h;
   // gate and up share h: one parallel region
   std::vector<at::Tensor> gu = project_fused(h, {w[kGate], w[kUp]}, {std::nullopt, std::nullopt},
-                                             {fmts[kGate], fmts[kUp]}, isa, gemm_rows);
+                                             {fmts[kGate], fmts[kUp]}, isa,
+                                             {gemm_rows[kGate], gemm_rows[kUp]});
   add_lora(lora, kGroupGateUp, h, {kGate, kUp}, {&gu[0], &gu[1]}, isa);
   const at::Tensor g = activate(gu[0], act);
   const at::Tensor mid = at::mul(g, gu[1]);
-  at::Tensor m = project(mid, w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows);
+  at::Tensor m = project(mid, w[kDown], std::nullopt, fmts[kDown], isa, gemm_rows[kDown]);
   add_lora(lora, kGroupDown, mid, {kDown}, {&m}, isa);
   return at::add(ah.r, gemma ? rmsnorm(m, *n[kPostFf], eps, false, isa) : m);
 }
@@ -274,9 +278,9 @@ std::vector<at::Tensor> decoder_layer_attn(const at::Tensor& x, const std::vecto
                                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                            double scale, int64_t window, const std::vector<int64_t>& fmts,
-                                           int64_t isa, int64_t gemm_rows, const OptTensor& sinks,
+                                           int64_t isa, const std::vector<int64_t>& gemm_rows, const OptTensor& sinks,
                                            bool whole_qk, double clip) {
-  check_layer_args(w, b, n, norm_mode, fmts, x, kO + 1);
+  check_layer_args(w, b, n, norm_mode, fmts, gemm_rows, x, kO + 1);
   TORCH_CHECK(!whole_qk || n[kQNorm].has_value(), "decoder_layer_attn: whole_qk needs the q/k norms");
   const AttnHalf ah = attention_half(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache,
                                      slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads,
@@ -293,7 +297,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const std::vector<at::Tensor>& w,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                          int64_t window, int64_t act, const std::vector<int64_t>& fmts,
-                         int64_t isa, int64_t gemm_rows) {
+                         int64_t isa, const std::vector<int64_t>& gemm_rows) {
   return run_layer(x, w, b, n, norm_mode, eps, cos, sin, k_cache, v_cache, slot_mapping,
                    block_tables, seq_lens, num_heads, num_kv_heads, head_dim, scale, window, act,
                    fmts, isa, gemm_rows, nullptr);
@@ -309,7 +313,7 @@ at::Tensor decoder_layer_lora(const at::Tensor& x, const std::vector<at::Tensor>
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               double scale, int64_t window, int64_t act,
-                              const std::vector<int64_t>& fmts, int64_t isa, int64_t gemm_rows,
+                              const std::vector<int64_t>& fmts, int64_t isa, const std::vector<int64_t>& gemm_rows,
                               const at::Tensor& token_slots, const std::vector<OptTensor>& lora_a,
                               const std::vector<OptTensor>& lora_b, int64_t r_max) {
   TORCH_CHECK(lora_a.size() == kNumGroups && lora_b.size() == kNumWeights,
@@ -345,18 +349,18 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
       "decoder_layer(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, int norm_mode, "
       "float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows) -> Tensor");
+      "int head_dim, float scale, int window, int act, int[] formats, int isa, int[] gemm_rows) -> Tensor");
   m.def(
       "decoder_layer_lora(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, "
       "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, int window, int act, int[] formats, int isa, int gemm_rows, "
+      "int head_dim, float scale, int window, int act, int[] formats, int isa, int[] gemm_rows, "
       "Tensor token_slots, Tensor?[] lora_a, Tensor?[] lora_b, int r_max) -> Tensor");
   m.def(
       "decoder_layer_attn(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] norms, "
       "int norm_mode, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, int window, int[] formats, int isa, int gemm_rows, "
+      "int head_dim, float scale, int window, int[] formats, int isa, int[] gemm_rows, "
       "Tensor? sinks=None, bool whole_qk=False, float clip=0.0) -> Tensor[]");
 }
 

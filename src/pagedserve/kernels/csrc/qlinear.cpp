@@ -325,16 +325,17 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_
 std::vector<at::Tensor> qlinear_fused(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                                       const std::vector<int64_t>& fmts, int64_t K,
                                       const std::vector<c10::optional<at::Tensor>>& biases,
-                                      int64_t isa, int64_t gemm_rows) {
+                                      int64_t isa, const std::vector<int64_t>& gemm_rows) {
   check_isa("qlinear_fused", isa);
   check_x("qlinear_fused", x, K);
-  TORCH_CHECK(ws.size() == fmts.size() && ws.size() == biases.size() && !ws.empty(),
-              "qlinear_fused: one format and one bias (or None) per weight");
+  TORCH_CHECK(ws.size() == fmts.size() && ws.size() == biases.size() && ws.size() == gemm_rows.size() &&
+                  !ws.empty(),
+              "qlinear_fused: one format, one bias (or None) and one gemm_rows per weight");
   SharedX sx;
   std::vector<std::unique_ptr<Product>> owned;
   std::vector<Product*> ps;
   for (size_t i = 0; i < ws.size(); ++i) {
-    owned.push_back(make_product("qlinear_fused", x, ws[i], fmts[i], K, biases[i], false, isa, gemm_rows, sx));
+    owned.push_back(make_product("qlinear_fused", x, ws[i], fmts[i], K, biases[i], false, isa, gemm_rows[i], sx));
     ps.push_back(owned.back().get());
   }
   run_products(ps);
@@ -426,7 +427,7 @@ int64_t row_bytes_of(int64_t fmt, int64_t K) { return row_bytes(fmt, K); }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("qlinear(Tensor x, Tensor w, int fmt, int K, Tensor? bias, bool out_fp32, int isa, int gemm_rows) -> Tensor");
-  m.def("qlinear_fused(Tensor x, Tensor[] ws, int[] fmts, int K, Tensor?[] biases, int isa, int gemm_rows) -> Tensor[]");
+  m.def("qlinear_fused(Tensor x, Tensor[] ws, int[] fmts, int K, Tensor?[] biases, int isa, int[] gemm_rows) -> Tensor[]");
   m.def("qlinear_argmax(Tensor x, Tensor w, int fmt, int K, Tensor? bias, int isa, int gemm_rows) -> Tensor");
   m.def("qrows(Tensor w, int fmt, int K, Tensor ids, int isa) -> Tensor");
   m.def("cpu_isa() -> int", &cpu_isa);
