@@ -46,7 +46,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # With chunked prefill, the step's prompt budget grows with its decode rows: this many
     # tokens a row, at least 24 times as many, at least the next prompt's remaining tokens; the
-    # step's at most max_num_batched_tokens (Scheduler._step_budget). 0: always the latter.
+    # step's at most max_num_batched_tokens (core.step_budget.step_budget). 0: always the latter.
     prompt_budget_per_decode_row: int = 0
 
     def __post_init__(self) -> None:

@@ -58,6 +58,7 @@ from pagedserve.core.sched_types import (  # noqa: F401 (re-exported)
     StepPlan,
 )
 from pagedserve.core.spec_decode import drop_lookahead
+from pagedserve.core.step_budget import plan_tokens, step_budget
 from pagedserve.core.step_delta import StepDelta, take_delta
 from pagedserve.core.step_update import StepObserver, StepUpdate, apply_step
 from pagedserve.core.turns import Turns
@@ -284,7 +285,8 @@ class Scheduler(Turns):
                  else prefilling).append(g)
             else:
                 (decoding if is_decoding(g) else prefilling).append(g)
-        step = StepPlan(self._step_budget(len(decoding), prefilling))
+        nxt = prefilling[0] if prefilling else self.waiting[0] if self.waiting else None
+        step = StepPlan(step_budget(self.config, len(decoding), nxt))
         decoding.extend(prefilling)
         running = self.running
         for group in decoding:
@@ -303,7 +305,7 @@ class Scheduler(Turns):
         while self.swapped and not out.preempted and step.budget > 0:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs() if not s.parked]
-            plan = self._plan(group, step.budget)
+            plan = plan_tokens(self.config, group, step.budget)
             need = self._blocks_to_swap_in(group, plan) if plan else 0
             if plan is not None and need > self.kv.num_blocks:
                 # It could not come back even into an empty cache: recompute it instead.
@@ -339,7 +341,7 @@ class Scheduler(Turns):
             hits = self._prefix_hits(group)
             for seq, blocks in hits:  # tentatively: the cached tokens need no computing
                 seq.num_computed_tokens = self.kv.hit_tokens(blocks)
-            plan = self._plan(group, step.budget)
+            plan = plan_tokens(self.config, group, step.budget)
             if plan is None or self._blocks_to_admit(plan, dict(
                     (seq.seq_id, blocks) for seq, blocks in hits)) > self.kv.num_free_blocks:
                 for seq, _ in hits:
@@ -417,7 +419,7 @@ class Scheduler(Turns):
         parked = group.parked_seqs()
         if parked:
             self._unpark(group, parked)
-        plan = self._plan(group, step.budget)
+        plan = plan_tokens(self.config, group, step.budget)
         if plan is None and parked:
             # No resident sibling computes (beams holding their candidates, or none left): the
             # first parked sequence that needs to compute comes back now, making room for
@@ -425,7 +427,7 @@ class Scheduler(Turns):
             due = [q for q in parked if q.parked and q.beam_candidates is None]
             if due:
                 self._unpark_one(group, due[0])
-                plan = self._plan(group, step.budget)
+                plan = plan_tokens(self.config, group, step.budget)
         if parked:
             step.note_turns(self.running.key(group))
         if plan is None:
@@ -501,7 +503,7 @@ class Scheduler(Turns):
     @staticmethod
     def _is_decoding(group: SequenceGroup) -> bool:
         """Every unfinished sequence has one real token left to compute (its row may still carry
-        draft tokens after it: 1 .. k + 1 tokens, see `_plan`)."""
+        draft tokens after it: 1 .. k + 1 tokens, see `step_budget.plan_tokens`)."""
         seqs = group.seqs
         if len(seqs) == 1:  # the common case, without a loop
             s = seqs[0]
@@ -516,74 +518,6 @@ class Scheduler(Turns):
             seq.status = SequenceStatus.RUNNING
         # NOTE: `running` stays in queue order: the victim of a preemption is its last entry.
         self.running.add(group)
-
-    def _step_budget(self, decode_rows: int, prefilling: list[SequenceGroup]) -> int:
-        """The step's token budget: max_num_batched_tokens, or with `prompt_budget_per_decode_row`
-        (r) and chunked prefill, min(max_num_batched_tokens, decode_rows + max(r * decode_rows,
-        24 * r, the next prompt's remaining tokens)): every step has room for prompt tokens.
-
-        NOTE: why. Every request whose prompt ends in a step gets its first token when the step
-        ends. In a burst of short prompts a 2,048-token step ends a dozen of them together, and
-        the first ones wait for the last; smaller steps hand them out sooner (a burst of 16
-        prompts of 160 tokens: TTFT p50 ~0.75x, docs/benchmarks.md). A step also pays for its
-        decode rows (the LM head, attention, the weights read once a step), so the budget grows
-        with them, to the full one at 64 rows (r = 32). A step is never smaller than the next
-        prompt: splitting one long prompt finer would only add steps.
-        """
-        cap = self.config.max_num_batched_tokens
-        per_row = self.config.prompt_budget_per_decode_row
-        if not per_row or not self.config.enable_chunked_prefill:
-            return cap
-        prompt = max(per_row * decode_rows, 24 * per_row)
-        if decode_rows + prompt >= cap:
-            return cap
-        nxt = prefilling[0] if prefilling else self.waiting[0] if self.waiting else None
-        if nxt is not None:
-            seq = nxt.seqs[0]
-            prompt = max(prompt, seq.num_tokens - seq.num_computed_tokens)
-        return min(cap, decode_rows + prompt)
-
-    def _plan(self, group: SequenceGroup, budget: int) -> Plan | None:
-        """(seq, start, end) for the group's sequences that can compute within `budget`, or None
-        if none can.
-
-        NOTE: a group need not compute all its sequences in one step: after a recomputation each
-        sequence recomputes its own output, and together they may exceed any token budget. Every
-        sequence stays resident (blocks are all-or-nothing per group); the ones left out this
-        step are taken in later steps.
-        """
-        chunked = self.config.enable_chunked_prefill
-        plan: Plan = []
-        seqs = group.unfinished_seqs()
-        if group.fork_pending:
-            seqs = seqs[:1]
-        for seq in seqs:
-            if budget <= 0:
-                break
-            if seq.parked:  # its turn has not come (see _unpark)
-                continue
-            start = seq.num_computed_tokens
-            # A group that will fork computes the parent's prompt alone, then the others share it.
-            stop = seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
-            want = stop - start
-            if want <= 0:  # a beam waiting for its siblings' candidates: nothing to compute
-                continue
-            if (want == 1 and seq.spec_token_ids and not group.fork_pending
-                    and start >= seq.num_prompt_tokens):
-                # A decode row with draft tokens (speculative decoding): 1 + d tokens, as many
-                # drafts as the budget allows. NOTE: never on a prompt's last token (its row may
-                # want prompt logprobs), nor on a forking parent's (its siblings' first token).
-                take = min(1 + len(seq.spec_token_ids), budget)
-            else:
-                take = min(want, budget) if chunked else want
-                cap = self.config.long_prefill_token_threshold
-                if chunked and cap and start < seq.num_prompt_tokens:  # a prompt's chunk
-                    take = min(take, cap)
-            if take > budget:  # without chunking a sequence computes whole: a later step
-                continue
-            plan.append((seq, start, start + take))
-            budget -= take
-        return plan or None
 
     def _fits(self, plan: Plan) -> bool:
         kv = self.kv

@@ -154,7 +154,8 @@ def select_experts(
         ids = torch.topk(choice, k, dim=-1)[1]  # [T, k]
         weights = scores.gather(1, ids)  # [T, k]
         if routing.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.renormalize_eps)
+            total = weights.sum(dim=-1, keepdim=True)  # [T, 1]
+            weights = weights / (total + routing.renormalize_eps if routing.renormalize_eps else total)
     if routing.routed_scaling_factor != 1.0:
         weights = weights * routing.routed_scaling_factor
     return weights, ids
@@ -290,12 +291,13 @@ class MoEExperts(OpsUser, nn.Module):
         in ascending expert order, accumulated in float32. `down_bias`: add the down projection's
         bias (one rank only, when the result is summed over ranks)."""
         t, k = ids.shape
+        if t:
+            fused = self.ops.moe_experts(self, x, weights, ids, down_bias)
+            if fused is not None:
+                return fused
         out = torch.zeros(t, self.hidden_size, dtype=torch.float32, device=x.device)  # [T, H]
         if t == 0:
             return out
-        fused = self.ops.moe_experts(self, x, weights, ids, down_bias)
-        if fused is not None:
-            return fused
         flat = ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # [T*k] slots by expert, tokens ascending
         counts = torch.bincount(flat, minlength=self.placement.num_experts).tolist()
