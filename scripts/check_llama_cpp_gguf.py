@@ -1,4 +1,5 @@
-"""Check llama.cpp's real converter output for DeepSeek V2 (MLA) and gpt-oss against HF.
+"""Check llama.cpp's real converter output for DeepSeek V2 (MLA), gpt-oss and Granite MoE Shared
+against HF.
 
 Builds the tests' tiny random checkpoints (tests/tiny.py; gpt-oss also with MXFP4 experts as
 OpenAI ships them), converts each with the llama.cpp tree's convert_hf_to_gguf.py (f32, q8_0; the
@@ -7,7 +8,8 @@ loads every GGUF with pagedserve (`LLM(path.gguf)`, float32) and compares greedy
 transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs a llama.cpp
 tree (../shared/tools/build-llama-server.sh); CI does not run it.
 
-    python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check]
+    python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check] \
+        [--archs deepseek_v2 gpt_oss granitemoe]
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
+    parser.add_argument("--archs", nargs="*", default=["deepseek_v2", "gpt_oss", "granitemoe"],
+                        choices=["deepseek_v2", "gpt_oss", "granitemoe"])
     args = parser.parse_args()
     import tiny
     import torch
@@ -77,11 +81,12 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="gguf-check-"))
     prompts = [[1, 17, 200, 33, 5, 90, 41], [1, 300, 2, 7, 77, 150, 9, 11, 12, 13, 400]]
     cases = []  # (name, HF reference folder, folder to convert, outtype)
-    for arch in ("deepseek_v2", "gpt_oss"):
+    for arch in args.archs:
         src = tiny.make_checkpoint(out / arch, arch)
         cases += [(f"{arch}-{t}", src, src, t) for t in ("f32", "q8_0")]
-    ref = mxfp4_checkpoint(out / "gpt_oss", out / "gpt_oss-mxfp4")
-    cases.append(("gpt_oss-mxfp4", ref, out / "gpt_oss-mxfp4", "f32"))
+    if "gpt_oss" in args.archs:
+        ref = mxfp4_checkpoint(out / "gpt_oss", out / "gpt_oss-mxfp4")
+        cases.append(("gpt_oss-mxfp4", ref, out / "gpt_oss-mxfp4", "f32"))
     failures = 0
     for name, ref_dir, folder, outtype in cases:
         gguf_path = out / f"{name}.gguf"

@@ -82,6 +82,13 @@ def config_for(arch: str, **overrides):
         cfg = tf.OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                              num_experts_per_tok=2, max_position_embeddings=512, **common)
+    elif arch == "granitemoe":  # Granite's multipliers, softmax over the top-k logits, a shared MLP
+        cfg = tf.GraniteMoeSharedConfig(hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=8,
+                                        num_experts_per_tok=2, embedding_multiplier=3.0,
+                                        residual_multiplier=0.5, attention_multiplier=0.2,
+                                        logits_scaling=2.5, max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE

@@ -21,7 +21,9 @@ from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
 from pagedserve.models.loader import load_model
 
 ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
-         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE}
+         "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
+         "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE}
+_PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -46,6 +48,40 @@ def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def split_granite(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Granite MoE's fused tensors split as its converter splits them (conversion/granite.py):
+    `block_sparse_moe.input_linear` `[E, 2I, H]` into the gate / up expert stacks (named here
+    `<prefix>.experts.<leaf>.weight`, as the other families' stacks, and written below as
+    `ffn_{gate,up,down}_exps`), `shared_mlp.input_linear` `[2S, H]` into the shared gate / up."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".block_sparse_moe.input_linear.weight"):
+            stem = name[: -len("input_linear.weight")]
+            gate, up = t.split(config.intermediate_size, dim=-2)
+            out[f"{stem}experts.gate_proj.weight"], out[f"{stem}experts.up_proj.weight"] = gate, up
+        elif name.endswith(".block_sparse_moe.output_linear.weight"):
+            out[name[: -len("output_linear.weight")] + "experts.down_proj.weight"] = t
+        elif name.endswith(".shared_mlp.input_linear.weight"):
+            stem = name[: -len("input_linear.weight")]
+            gate, up = t.split(config.shared_intermediate_size, dim=-2)
+            out[f"{stem}shared_gate.weight"], out[f"{stem}shared_up.weight"] = gate, up
+        else:
+            out[name] = t
+    return out
+
+
+_GRANITE_SPLIT = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe\.experts\.(gate|up|down)_proj|"
+                            r"shared_mlp\.shared_(gate|up))$")
+
+
+def _gguf_name(name_map, hf_base: str) -> str | None:
+    m = _GRANITE_SPLIT.match(hf_base)
+    if m is None:
+        return name_map.get_name(hf_base)
+    leaf = f"ffn_{m[3]}_exps" if m[3] else f"ffn_{m[4]}_shexp"
+    return f"blk.{m[1]}.{leaf}"
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
                    types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
@@ -64,7 +100,7 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
 
     writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if family == "mixtral":
+    if family in _PERMUTED:
         writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_key_length(head_dim)
@@ -77,6 +113,15 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if family == "olmoe" and config.clip_qkv is not None:
         writer.add_clamp_kqv(config.clip_qkv)
+    if family == "granitemoe":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+        if getattr(config, "shared_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+        state = split_granite(state, config)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(1)
@@ -85,13 +130,13 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in stack_experts(state).items():
         base, suffix = hf_name.rsplit(".", 1)
-        mapped = name_map.get_name(base)
+        mapped = _gguf_name(name_map, base)
         assert mapped is not None, hf_name
         gguf_name = f"{mapped}.{suffix}"
         data = tensor.detach().float().numpy()
-        if family == "mixtral" and ".q_proj." in hf_name:
+        if family in _PERMUTED and ".q_proj." in hf_name:
             data = _permute(data, config.num_attention_heads)
-        if family == "mixtral" and ".k_proj." in hf_name:
+        if family in _PERMUTED and ".k_proj." in hf_name:
             data = _permute(data, config.num_key_value_heads)
         qtype = next((t for key, t in (types or {}).items() if key in hf_name), gguf.GGMLQuantizationType.F32)
         if data.ndim == 1 or "ffn_gate_inp" in gguf_name:

@@ -28,7 +28,8 @@ EXPECTED = {
     "GptOssForCausalLM",
 }
 # mixture of experts (layers/moe.py)
-EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
+EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"}
 
 
 def test_registry_names():

@@ -19,13 +19,14 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
-    "qwen2moe", "qwen3moe", "olmoe",  # mixture of experts (Mixtral is "llama" with experts)
+    "qwen2moe", "qwen3moe", "olmoe", "granitemoe",  # mixture of experts (Mixtral is "llama" with experts)
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                  "granitemoe": "granitemoe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")})
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
@@ -43,6 +44,8 @@ _HF_ARCHITECTURE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -96,6 +99,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         model_type = "mistral"  # llama.cpp writes Mistral models as "llama"
     if arch == "llama" and header.arch_key("expert_count"):
         model_type = "mixtral"  # llama.cpp writes Mixtral as "llama" with experts
+    if arch == "granitemoe" and header.arch_key("expert_shared_feed_forward_length"):
+        model_type = "granitemoeshared"  # llama.cpp writes both as "granitemoe"
 
     # NOTE: the embedding's row count is what the weights need; the token list can be shorter.
     token_embd = header.tensor("token_embd.weight")
@@ -130,6 +135,12 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["sliding_window"] = None
     if model_type in _MOE_RENORMALIZE:
         cfg.update(_moe_config(header, model_type, cfg))
+    if arch == "granitemoe":
+        _granite_config(header, cfg)
+        cfg["num_local_experts"] = int(_require(header, "expert_count"))
+        cfg["num_experts_per_tok"] = int(_require(header, "expert_used_count"))
+        if model_type == "granitemoeshared":
+            cfg["shared_intermediate_size"] = int(_require(header, "expert_shared_feed_forward_length"))
     if arch == "llama":
         cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in tensor_names)
         cfg["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in tensor_names)

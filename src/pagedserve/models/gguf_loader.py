@@ -244,6 +244,7 @@ _BLOCK_NAMES = {
     "qwen2moe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
     "qwen3moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "olmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
+    "granitemoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
     "qwen2": _LLAMA_BLOCK_NAMES,
     "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
     "gemma3": {
@@ -273,7 +274,7 @@ _BLOCK_NAMES["olmo2"] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3")
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2")
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}

@@ -49,14 +49,11 @@ class GraniteModel(LlamaModel):
         return x * self.embedding_multiplier, extras  # [T, H]
 
 
-class GraniteForCausalLM(LlamaForCausalLM):
-    """Granite decoder-only LM on a paged KV cache; logits divided by `logits_scaling`."""
+class LogitsScaling:
+    """Granite's logits divided by `logits_scaling` (the LM sets `self.logits_scaling`); mixed in
+    before the LM class (Granite, Granite MoE)."""
 
-    model_class = GraniteModel
-
-    def __init__(self, config: Any, **kwargs):
-        super().__init__(config, **kwargs)
-        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
+    logits_scaling: float = 1.0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         logits = super().compute_logits(hidden)  # [S, V]
@@ -66,3 +63,13 @@ class GraniteForCausalLM(LlamaForCausalLM):
         """As `PagedCausalLM.greedy_tokens`, except under a `logits_scaling` != 1: dividing in
         fp32 can round distinct logits to equal ones, which moves ties (see `final_softcap`)."""
         return super().greedy_tokens(hidden) if self.logits_scaling == 1.0 else None
+
+
+class GraniteForCausalLM(LogitsScaling, LlamaForCausalLM):
+    """Granite decoder-only LM on a paged KV cache; logits divided by `logits_scaling`."""
+
+    model_class = GraniteModel
+
+    def __init__(self, config: Any, **kwargs):
+        super().__init__(config, **kwargs)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))

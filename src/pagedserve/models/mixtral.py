@@ -76,8 +76,11 @@ class MoEDecoderLayer(OpsUser, nn.Module):
 
 
 class MoEModel(LlamaModel):
-    """Embeddings, `MoEDecoderLayer`s and final norm (HF's `model.` submodule); `make_mlp(i)`
-    builds layer i's feed-forward, `make_attention(i)` its attention (None: Llama's)."""
+    """Embeddings, `MoEDecoderLayer`s (`layer_class`) and final norm (HF's `model.` submodule);
+    `make_mlp(i)` builds layer i's feed-forward, `make_attention(i)` its attention (None:
+    Llama's)."""
+
+    layer_class: type = MoEDecoderLayer
 
     def __init__(self, config: Any, windows: list[int | None], make_mlp: Callable[[int], nn.Module], *,
                  qkv_bias: bool, qk_norm: bool,
@@ -85,8 +88,8 @@ class MoEModel(LlamaModel):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            MoEDecoderLayer(config, w, make_mlp(i), qkv_bias=qkv_bias, qk_norm=qk_norm,
-                            attention=make_attention(i) if make_attention else None, tp=tp)
+            self.layer_class(config, w, make_mlp(i), qkv_bias=qkv_bias, qk_norm=qk_norm,
+                             attention=make_attention(i) if make_attention else None, tp=tp)
             for i, w in enumerate(windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,6 +106,7 @@ class MoECausalLM(PagedCausalLM):
     tied_by_default = False
     qkv_bias = False
     qk_norm = False
+    model_class: type = MoEModel  # a family's subclass of MoEModel
     # checkpoint names of the MoE block -> ours ("block_sparse_moe." -> "mlp." for Mixtral)
     moe_aliases: dict[str, str] = {}
 
@@ -110,7 +114,7 @@ class MoECausalLM(PagedCausalLM):
         super().__init__()
         self.expert_placement = ExpertPlacement(self.num_experts(config), tp,
                                                 bool(getattr(config, "enable_expert_parallel", False)))
-        self.model = MoEModel(config, self.sliding_windows(config), lambda i: self.make_mlp(config, i, tp),
+        self.model = self.model_class(config, self.sliding_windows(config), lambda i: self.make_mlp(config, i, tp),
                               qkv_bias=self.uses_qkv_bias(config),
                               qk_norm=self.qk_norm, make_attention=self.make_attention(config, tp), tp=tp)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,

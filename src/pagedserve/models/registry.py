@@ -12,6 +12,7 @@ from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGene
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
+from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedserve.models.mixtral import MixtralForCausalLM
@@ -43,6 +44,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
@@ -88,6 +91,8 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
