@@ -120,9 +120,11 @@ def hf_pair(tmp_path: Path):
     """`hf_pair(config, std=0.2, edit_config=None, hf_class=AutoModelForCausalLM, dtype=float32)`.
 
     `edit_config(dict) -> dict` rewrites the saved config.json before both models are loaded back
-    from the folder (to test configs written in older styles)."""
+    from the folder (to test configs written in older styles); `prepare(hf_model)` edits the
+    randomized HF model before it is saved (buffers `randomize_` leaves alone)."""
 
-    def build(config, *, std=0.2, edit_config=None, hf_class=None, dtype=torch.float32, seed=0):
+    def build(config, *, std=0.2, edit_config=None, hf_class=None, dtype=torch.float32, seed=0,
+              prepare=None):
         hf_class = hf_class or transformers.AutoModelForCausalLM
         torch.manual_seed(seed)
         if hasattr(hf_class, "from_config"):  # an Auto class
@@ -130,6 +132,8 @@ def hf_pair(tmp_path: Path):
         else:
             hf_model = hf_class(config).float()
         randomize_(hf_model, std=std, seed=seed)
+        if prepare is not None:
+            prepare(hf_model)
         folder = tmp_path / f"model_{seed}"
         hf_model.save_pretrained(folder)
         assert (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()

@@ -22,7 +22,7 @@ from pagedserve.models.loader import load_model
 
 ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
-         "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE}
+         "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -91,7 +91,9 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     writer.add_name(f"tiny {family}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    # GLM-4.5's converter counts its multi-token-prediction layers in (none in a tiny checkpoint)
+    nextn = getattr(config, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
+    writer.add_block_count(config.num_hidden_layers + nextn)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
@@ -102,6 +104,10 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if family in _PERMUTED:
         writer.add_rope_dimension_count(head_dim)
+    elif family == "glm4_moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 0.5)))
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -113,6 +119,16 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if family == "olmoe" and config.clip_qkv is not None:
         writer.add_clamp_kqv(config.clip_qkv)
+    if family == "glm4_moe":  # conversion/glm.py's Glm4MoeModel and the base's expert keys
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+        writer.add_nextn_predict_layers(nextn)
     if family == "granitemoe":
         writer.add_vocab_size(config.vocab_size)
         writer.add_attention_scale(config.attention_multiplier)
@@ -130,6 +146,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for hf_name, tensor in stack_experts(state).items():
         base, suffix = hf_name.rsplit(".", 1)
+        if suffix == "e_score_correction_bias":  # the converter's exp_probs_b.bias
+            base, suffix = f"{base}.e_score_correction", "bias"
         mapped = _gguf_name(name_map, base)
         assert mapped is not None, hf_name
         gguf_name = f"{mapped}.{suffix}"

@@ -29,7 +29,7 @@ EXPECTED = {
 }
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"}
+             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM"}
 
 
 def test_registry_names():

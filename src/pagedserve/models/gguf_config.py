@@ -19,14 +19,14 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
-    "qwen2moe", "qwen3moe", "olmoe", "granitemoe",  # mixture of experts (Mixtral is "llama" with experts)
+    "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe",  # mixture of experts (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-                  "granitemoe": "granitemoe"}
+                  "granitemoe": "granitemoe", "glm4moe": "glm4_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")})
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
@@ -46,6 +46,7 @@ _HF_ARCHITECTURE = {
     "olmoe": "OlmoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -184,7 +185,7 @@ def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dic
     if model_type == "mixtral":
         out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
     return out
-_PARTIAL_ROPE_ARCHS = ("phi3", "glm4")
+_PARTIAL_ROPE_ARCHS = ("phi3", "glm4", "glm4moe")
 
 
 def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -249,8 +250,36 @@ def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
 
 
+def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """GLM-4.5 MoE: partial RoPE, q/k/v biases and q/k norms when the file has them, DeepSeek-V3's
+    routing keys, and the block count without the multi-token-prediction layers llama.cpp's
+    converter counts in (`nextn_predict_layers`; their tensors are skipped at load)."""
+    _partial_rotary(header, cfg)
+    names = [t.name for t in header.tensors]
+    cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    cfg["use_qk_norm"] = any(n.endswith(".attn_q_norm.weight") for n in names)
+    nextn = int(header.arch_key("nextn_predict_layers") or 0)
+    cfg["num_hidden_layers"] -= nextn
+    cfg["num_nextn_predict_layers"] = 0
+    cfg.update({
+        "n_routed_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "n_shared_experts": int(header.arch_key("expert_shared_count") or 0),
+        "first_k_dense_replace": int(header.arch_key("leading_dense_block_count") or 0),
+        "routed_scaling_factor": float(header.arch_key("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(header.arch_key("expert_weights_norm", False)),
+        "n_group": int(header.arch_key("expert_group_count") or 1),
+        "topk_group": int(header.arch_key("expert_group_used_count") or 1),
+    })
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{header.path.name}: glm4moe expert_gating_func {gating} (only 2, sigmoid, is GLM's)")
+
+
+# per-architecture config hooks (the dense families of issue 35, and GLM-4.5 MoE)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
-                        "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config}
+                        "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
+                        "glm4moe": _glm4moe_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

@@ -245,6 +245,9 @@ _BLOCK_NAMES = {
     "qwen3moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "olmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "granitemoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
+    # GLM-4.5 MoE: its post-attention (pre-MLP) norm is llama.cpp's post_attention_norm
+    "glm4moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES,
+                "post_attention_norm": "post_attention_layernorm"},
     "qwen2": _LLAMA_BLOCK_NAMES,
     "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
     "gemma3": {
@@ -342,8 +345,14 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
     n_kv_head = int(getattr(text_config, "num_key_value_heads", None) or n_head)
 
     hf_names = {}
+    # multi-token-prediction blocks after the model's layers (GLM-4.5's `nextn_predict_layers`):
+    # not run, not loaded
+    n_blocks = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+    mtp = int(header.arch_key("nextn_predict_layers") or 0)
     for info in header.tensors:  # map everything first: fail before yielding anything
         if info.name in _SKIPPED:
+            continue
+        if mtp and info.name.startswith("blk.") and int(info.name.split(".")[1]) >= n_blocks:
             continue
         hf_name = gguf_to_hf_name(arch, info.name)
         if hf_name is None:

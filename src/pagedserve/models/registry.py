@@ -10,6 +10,7 @@ from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
@@ -48,6 +49,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -95,6 +97,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
