@@ -195,13 +195,19 @@ def test_fused_decode_layer_over_gguf_blocks_equals_the_modules_bit_for_bit(kern
     model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
     _quantize_projections(model, mlp=True)
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in range(3, 3 + batch)]
+    _assert_fused_equals_modules(model, prompts, 4, monkeypatch)
+
+
+def _assert_fused_equals_modules(model, prompts, steps: int, monkeypatch, what: str = "") -> None:
+    """Decode steps with the fused layer (which must run on every one) give exactly the logits of
+    the same steps through the modules."""
     calls = _count_fused_calls(monkeypatch)
-    fused = _run(model, prompts, steps=4)
+    fused = _run(model, prompts, steps=steps)
     assert calls and all(calls), "the fused layer did not run on decode steps"
     monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)
-    modules = _run(model, prompts, steps=4)
+    modules = _run(model, prompts, steps=steps)
     for step, (a, b) in enumerate(zip(fused, modules)):
-        assert torch.equal(a, b), f"decode step {step} differs"
+        assert torch.equal(a, b), f"decode step {step} differs {what}"
 
 
 def _mixed_format_projections(model) -> list[str]:
@@ -245,13 +251,7 @@ def test_fused_decode_layer_takes_each_projections_own_row_threshold(kernel, bat
     isa = cpu_gemm.linear_isa()
     thresholds = {gemm_rows(m.weight.quant, torch.bfloat16, isa) for m in (attn.q_proj, attn.v_proj, attn.o_proj)}
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in range(3, 3 + batch)]
-    calls = _count_fused_calls(monkeypatch)
-    fused = _run(model, prompts, steps=3)
-    assert calls and all(calls), "the fused layer did not run on decode steps"
-    monkeypatch.setattr(cpu_decode, "fused_decode_layer", lambda *a: None)
-    modules = _run(model, prompts, steps=3)
-    for step, (a, b) in enumerate(zip(fused, modules)):
-        assert torch.equal(a, b), f"decode step {step} differs (row thresholds {sorted(thresholds)})"
+    _assert_fused_equals_modules(model, prompts, 3, monkeypatch, f"(row thresholds {sorted(thresholds)})")
 
 
 def moe_configs():

@@ -35,10 +35,9 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
-class GraniteModel(LlamaModel):
-    """Llama's stack with Granite's layers and the embedding multiplier."""
-
-    layer_class = GraniteDecoderLayer
+class EmbeddingMultiplier:
+    """Granite's embeddings times `config.embedding_multiplier`; mixed in before the stack class
+    (Granite's LlamaModel, Granite MoE's MoEModel), whose first argument is the config."""
 
     def __init__(self, config: Any, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -47,6 +46,12 @@ class GraniteModel(LlamaModel):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x, extras = super().embed(input_ids, positions)
         return x * self.embedding_multiplier, extras  # [T, H]
+
+
+class GraniteModel(EmbeddingMultiplier, LlamaModel):
+    """Llama's stack with Granite's layers and the embedding multiplier."""
+
+    layer_class = GraniteDecoderLayer
 
 
 class LogitsScaling:

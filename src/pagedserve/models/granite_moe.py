@@ -27,7 +27,7 @@ from pagedserve.distributed.tp import TPContext
 from pagedserve.layers.moe import FusedMoE, MoERouting
 from pagedserve.layers.weights import read_full, split_rows
 from pagedserve.models.base import KVCache
-from pagedserve.models.granite import LogitsScaling
+from pagedserve.models.granite import EmbeddingMultiplier, LogitsScaling
 from pagedserve.models.mixtral import MoECausalLM, MoEDecoderLayer, MoEModel
 
 
@@ -51,18 +51,10 @@ class GraniteMoeDecoderLayer(MoEDecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 
-class GraniteMoeModel(MoEModel):
+class GraniteMoeModel(EmbeddingMultiplier, MoEModel):
     """Mixtral's stack with Granite's layers and the embedding multiplier."""
 
     layer_class = GraniteMoeDecoderLayer
-
-    def __init__(self, config: Any, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        self.embedding_multiplier = float(config.embedding_multiplier)
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
-        x, extras = super().embed(input_ids, positions)
-        return x * self.embedding_multiplier, extras  # [T, H]
 
 
 class GraniteMoeForCausalLM(LogitsScaling, MoECausalLM):
