@@ -1,5 +1,5 @@
-"""Check llama.cpp's real converter output for DeepSeek V2 (MLA), gpt-oss, Granite MoE Shared and
-GLM-4.5 MoE against HF.
+"""Check llama.cpp's real converter output for DeepSeek V2 (MLA), gpt-oss, Granite MoE Shared,
+GLM-4.5 MoE and ERNIE 4.5 MoE against HF.
 
 Builds the tests' tiny random checkpoints (tests/tiny.py; gpt-oss also with MXFP4 experts as
 OpenAI ships them), converts each with the llama.cpp tree's convert_hf_to_gguf.py (f32, q8_0; the
@@ -9,7 +9,7 @@ transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs
 tree (../shared/tools/build-llama-server.sh); CI does not run it.
 
     python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check] \
-        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe]
+        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ sys.path[:0] = [tree + "/gguf-py", tree]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # the tiny test tokenizer
 base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2  # (GLM's wants its special tokens)
+import conversion.ernie as ernie
+ernie.Ernie4_5Model.set_vocab = base.TextModel._set_vocab_gpt2  # (ERNIE's reads a SentencePiece model)
 sys.argv[0] = tree + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -70,7 +72,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
-    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe"]
+    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe"]
     parser.add_argument("--archs", nargs="*", default=archs, choices=archs)
     args = parser.parse_args()
     import tiny

@@ -96,6 +96,12 @@ def config_for(arch: str, **overrides):
                                n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                                routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
                                max_position_embeddings=512, **common)
+    elif arch == "ernie4_5_moe":  # interleaved RoPE, biases, a selection bias, shared expert
+        cfg = tf.Ernie4_5_MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    num_experts=8, num_experts_per_tok=2, moe_num_shared_experts=1,
+                                    moe_layer_start_index=1, use_bias=True,
+                                    max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE

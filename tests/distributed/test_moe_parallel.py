@@ -88,7 +88,9 @@ def _two_rank_logits(path, prompts, expert_parallel):
 
 
 @pytest.mark.parametrize("family,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
-                                                    ("olmoe", False), ("mixtral", True)])
+                                                    ("olmoe", False), ("mixtral", True),
+                                                    ("granitemoe", True), ("glm4_moe", False),
+                                                    ("ernie4_5_moe", False)])
 def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
     path = checkpoints(family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
@@ -97,9 +99,10 @@ def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
     models, got = _two_rank_logits(path, prompts, expert_parallel)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    whole = single.model.layers[0].mlp.experts
+    moe = next(i for i, layer in enumerate(single.model.layers) if hasattr(layer.mlp, "experts"))
+    whole = single.model.layers[moe].mlp.experts  # (the first layers of some families are dense)
     for rank, model in enumerate(models):
-        experts = model.model.layers[0].mlp.experts
+        experts = model.model.layers[moe].mlp.experts
         if expert_parallel:  # whole experts, this rank's half
             assert experts.gate_proj.shape == (4, *whole.gate_proj.shape[1:])
             assert torch.equal(experts.down_proj, whole.down_proj[4 * rank:4 * rank + 4])

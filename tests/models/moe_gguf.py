@@ -22,7 +22,8 @@ from pagedserve.models.loader import load_model
 
 ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
-         "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
+         "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
+         "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -104,10 +105,11 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if family in _PERMUTED:
         writer.add_rope_dimension_count(head_dim)
-    elif family == "glm4_moe":
+    elif family in ("glm4_moe", "ernie4_5_moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-        writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 0.5)))
+        if family == "glm4_moe":
+            writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 0.5)))
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -129,6 +131,11 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_group_count(config.n_group)
         writer.add_expert_group_used_count(config.topk_group)
         writer.add_nextn_predict_layers(nextn)
+    if family == "ernie4_5_moe":  # conversion/ernie.py's Ernie4_5MoeModel
+        writer.add_interleave_moe_layer_step(config.moe_layer_interval)
+        writer.add_leading_dense_block_count(config.moe_layer_start_index)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.moe_num_shared_experts)
     if family == "granitemoe":
         writer.add_vocab_size(config.vocab_size)
         writer.add_attention_scale(config.attention_multiplier)

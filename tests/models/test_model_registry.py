@@ -29,7 +29,8 @@ EXPECTED = {
 }
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM"}
+             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM",
+             "Ernie4_5_MoeForCausalLM"}
 
 
 def test_registry_names():

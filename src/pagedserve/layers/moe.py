@@ -356,18 +356,21 @@ class MoERouter(OpsUser, nn.Module):
 class SharedExpert(OpsUser, nn.Module):
     """A plain gated MLP beside the routed experts (Qwen2-MoE's `shared_expert`, DeepSeek's
     `shared_experts`), sharded like a dense MLP; `forward` returns this rank's partial sum of
-    the down projection (the MoE layer reduces it with the experts')."""
+    the down projection (the MoE layer reduces it with the experts'). `bias`: the three
+    projections have biases (ERNIE 4.5's `use_bias`; the down one added on rank 0 only)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, tp: TPContext = SINGLE):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, *, bias: bool = False,
+                 tp: TPContext = SINGLE):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, tp=tp)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, False, tp=tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp=tp)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp=tp)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp=tp)
         self.act_fn = get_activation(act)
+        self.down_bias_here = bias and tp.rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H] (partial over ranks)
         h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)  # [T, I / N]
-        return self.ops.linear(h, self.down_proj.weight)
+        return self.ops.linear(h, self.down_proj.weight, self.down_proj.bias if self.down_bias_here else None)
 
 
 class FusedMoE(OpsUser, nn.Module):
@@ -397,6 +400,7 @@ class FusedMoE(OpsUser, nn.Module):
         shared_intermediate_size: int = 0,
         shared_act: str = "silu",
         shared_gate: bool = False,
+        shared_bias: bool = False,
         tp: TPContext = SINGLE,
         expert_parallel: bool = False,
     ) -> None:
@@ -414,7 +418,8 @@ class FusedMoE(OpsUser, nn.Module):
         self.gate = MoERouter(hidden_size, num_experts, routing)
         self.experts = MoEExperts(hidden_size, intermediate_size, self.placement, act=act,
                                   bias=expert_bias)
-        self.shared_expert = (SharedExpert(hidden_size, shared_intermediate_size, shared_act, tp=tp)
+        self.shared_expert = (SharedExpert(hidden_size, shared_intermediate_size, shared_act,
+                                           bias=shared_bias, tp=tp)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False)
                                    if shared_intermediate_size and shared_gate else None)

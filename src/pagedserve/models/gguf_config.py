@@ -19,14 +19,14 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
-    "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe",  # mixture of experts (Mixtral: "llama")
+    "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-                  "granitemoe": "granitemoe", "glm4moe": "glm4_moe"}
+                  "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")})
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
@@ -47,6 +47,7 @@ _HF_ARCHITECTURE = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -276,10 +277,28 @@ def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
         raise ValueError(f"{header.path.name}: glm4moe expert_gating_func {gating} (only 2, sigmoid, is GLM's)")
 
 
-# per-architecture config hooks (the dense families of issue 35, and GLM-4.5 MoE)
+def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """ERNIE 4.5 MoE: llama.cpp keeps softmax routing renormalized, experts from
+    `leading_dense_block_count` to the last layer every `interleave_moe_layer_step`; `use_bias`
+    when the file has q biases."""
+    names = [t.name for t in header.tensors]
+    cfg["use_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    cfg.update({
+        "moe_num_experts": int(_require(header, "expert_count")),
+        "moe_k": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "moe_num_shared_experts": int(header.arch_key("expert_shared_count") or 0),
+        "moe_layer_start_index": int(header.arch_key("leading_dense_block_count") or 0),
+        "moe_layer_interval": int(header.arch_key("interleave_moe_layer_step") or 1),
+        "moe_layer_end_index": cfg["num_hidden_layers"] - 1,
+        "num_nextn_predict_layers": 0,
+    })
+
+
+# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
-                        "glm4moe": _glm4moe_config}
+                        "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

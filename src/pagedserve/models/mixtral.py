@@ -94,7 +94,8 @@ class MoEModel(LlamaModel):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         max_pos = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos,
+                                          interleaved=self.rope_interleaved)
 
 
 class MoECausalLM(PagedCausalLM):

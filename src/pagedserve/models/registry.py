@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
@@ -50,6 +51,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -98,6 +100,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
