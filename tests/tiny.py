@@ -126,7 +126,7 @@ def config_for(arch: str, **overrides):
 
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
-DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")
+DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -146,6 +146,12 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.Glm4Config(**base, head_dim=16)
     if arch == "smollm3":  # the second layer without RoPE
         return tf.SmolLM3Config(**base, no_rope_layer_interval=2)
+    if arch == "olmo3":  # a sliding layer (window 6), then a full one with YaRN
+        return tf.Olmo3Config(**base, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                               "full_attention": {"rope_type": "yarn", "factor": 2.0,
+                                                                  "rope_theta": 1e4,
+                                                                  "original_max_position_embeddings": 256}})
     return tf.Olmo2Config(**base)
 
 

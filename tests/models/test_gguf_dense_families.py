@@ -51,8 +51,17 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (OLMo 3's per layer type)
     if arch != "phi3":
-        writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "olmo2" and getattr(c, "sliding_window", None):  # OLMo 3: conversion/olmo.py
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        writer.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+        if rope.get("rope_type") == "yarn":  # the base class's rope keys (of the full layers)
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch in ("granite", "smollm3"):
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)

@@ -23,6 +23,7 @@ EXPECTED = {
     "GlmForCausalLM",
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",

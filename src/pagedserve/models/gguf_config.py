@@ -35,6 +35,7 @@ _HF_ARCHITECTURE = {
     "glm4": "Glm4ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -103,6 +104,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         model_type = "mixtral"  # llama.cpp writes Mixtral as "llama" with experts
     if arch == "granitemoe" and header.arch_key("expert_shared_feed_forward_length"):
         model_type = "granitemoeshared"  # llama.cpp writes both as "granitemoe"
+    if arch == "olmo2" and header.arch_key("attention.sliding_window"):
+        model_type = "olmo3"  # llama.cpp writes OLMo 3 as "olmo2" with sliding windows
 
     # NOTE: the embedding's row count is what the weights need; the token list can be shorter.
     token_embd = header.tensor("token_embd.weight")
@@ -242,7 +245,27 @@ def _glm4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """OLMo 2; with `attention.sliding_window`, OLMo 3: its layer types from
+    `attention.sliding_window_pattern` (HF's default without one: every fourth layer full) and
+    RoPE per layer type as llama.cpp's converter writes it (the scaling and `rope.freq_base` the
+    full layers', `rope.freq_base_swa` the sliding ones')."""
     cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+    window = header.arch_key("attention.sliding_window")
+    if not window:
+        return
+    n = cfg["num_hidden_layers"]
+    pattern = header.arch_key("attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == n:
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+    cfg["sliding_window"] = int(window)
+    theta = float(cfg.pop("rope_theta", 10000.0))
+    full = {"rope_type": "default", "rope_theta": theta, **(cfg.pop("rope_scaling", None) or {})}
+    swa = header.arch_key("rope.freq_base_swa")
+    cfg["rope_parameters"] = {"full_attention": full,
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": float(swa) if swa else theta}}
 
 
 def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:

@@ -220,9 +220,13 @@ class LlamaModel(DecoderStack):
             self.layer_class(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm, tp=tp) for w in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        max_pos = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos,
-                                          interleaved=self.rope_interleaved)
+        self.rotary_emb = self.make_rotary_emb(config)
+
+    def make_rotary_emb(self, config: Any) -> nn.Module:
+        """The stack's RoPE: one `RotaryEmbedding` for every layer (a family with RoPE per layer
+        type builds several and gives each layer its own in `embed`, as OLMo 3)."""
+        return RotaryEmbedding(head_dim_of(config), rope_parameters(config), config.max_position_embeddings,
+                               interleaved=self.rope_interleaved)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]

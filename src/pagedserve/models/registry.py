@@ -20,6 +20,7 @@ from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
+from pagedserve.models.olmo3 import Olmo3ForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
@@ -54,6 +55,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -103,6 +105,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
