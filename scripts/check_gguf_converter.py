@@ -1,6 +1,6 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
-For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3) this builds a tiny random HF
+For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss) this builds a tiny random HF
 checkpoint (transformers `save_pretrained`, with a small tokenizer the converter accepts),
 converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that
 our engine's greedy run of each GGUF equals our run of the HF folder by vLLM's tie rule (equal
@@ -45,6 +45,8 @@ FAMILIES = {
     "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16),
     "smollm3": lambda: transformers.SmolLM3Config(**_COMMON),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+    "seed_oss": lambda: transformers.SeedOssConfig(**_COMMON, head_dim=16, attention_bias=True,
+                                                   attention_out_bias=False, mlp_bias=True),
     # OLMo 3: written as "olmo2" with sliding windows; YaRN on the full layers only
     "olmo3": lambda: transformers.Olmo3Config(**_COMMON, sliding_window=4, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -126,7 +126,7 @@ def config_for(arch: str, **overrides):
 
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
-DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3")
+DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -152,6 +152,9 @@ def _dense_family_config(tf, arch: str, common: dict):
                                                "full_attention": {"rope_type": "yarn", "factor": 2.0,
                                                                   "rope_theta": 1e4,
                                                                   "original_max_position_embeddings": 256}})
+    if arch == "seed_oss":  # q/k/v and MLP biases, none on o
+        return tf.SeedOssConfig(**base, head_dim=16, attention_bias=True, attention_out_bias=False,
+                                mlp_bias=True)
     return tf.Olmo2Config(**base)
 
 

@@ -32,6 +32,8 @@ CONFIGS = {
     "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16),
     "smollm3": lambda: transformers.SmolLM3Config(**_COMMON),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+    "seed_oss": lambda: transformers.SeedOssConfig(**_COMMON, head_dim=16, attention_bias=True,
+                                                   attention_out_bias=False, mlp_bias=True),
 }
 _PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel subclasses
 
@@ -65,7 +67,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     if arch in ("granite", "smollm3"):
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    if arch in ("gemma2", "glm4"):
+    if arch in ("gemma2", "glm4", "seed_oss"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "phi3":

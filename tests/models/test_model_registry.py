@@ -22,6 +22,7 @@ EXPECTED = {
     "Glm4ForCausalLM",
     "GlmForCausalLM",
     "SmolLM3ForCausalLM",
+    "SeedOssForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "DeepseekV2ForCausalLM",

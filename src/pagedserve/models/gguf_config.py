@@ -20,14 +20,14 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
-    "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2",  # dense families of issue 35
+    "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
-_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2")})
+_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -36,6 +36,7 @@ _HF_ARCHITECTURE = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -268,6 +269,14 @@ def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
                                                     "rope_theta": float(swa) if swa else theta}}
 
 
+def _seed_oss_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Seed-OSS: its three bias switches, from the tensors the file has."""
+    names = [t.name for t in header.tensors]
+    cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    cfg["attention_out_bias"] = any(n.endswith(".attn_output.bias") for n in names)
+    cfg["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)
+
+
 def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """SmolLM3: llama.cpp fixes no RoPE on every fourth layer (as HF's default interval)."""
     cfg["no_rope_layer_interval"] = 4
@@ -321,7 +330,8 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 # per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
-                        "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config}
+                        "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
+                        "seed_oss": _seed_oss_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

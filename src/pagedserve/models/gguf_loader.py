@@ -264,6 +264,8 @@ _BLOCK_NAMES = {
 _BLOCK_NAMES["phi3"] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_NAMES["gemma2"] = {k: v for k, v in _BLOCK_NAMES["gemma3"].items() if k not in _QK_NORM_NAMES}
 _BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _LLAMA_BLOCK_NAMES
+# Seed-OSS: its pre-MLP norm is llama.cpp's post_attention_norm
+_BLOCK_NAMES["seed_oss"] = {**_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _BLOCK_NAMES["glm4"] = {
     **_LLAMA_BLOCK_NAMES,
     "ffn_up": "mlp.gate_up_proj",
