@@ -289,6 +289,34 @@ def test_llama3_rope_freqs_become_llama3_rope_parameters(tmp_path):
         load_gguf_config(bad, cache_dir=tmp_path)
 
 
+def test_yarn_keys_the_converter_writes_become_hf_yarn_parameters(tmp_path):
+    """convert_hf_to_gguf.py copies HF's yarn attention_factor / beta_fast / beta_slow into
+    rope.scaling.yarn_*: they come back as HF's names (not HF's defaults); an extrapolation
+    factor HF's YaRN has no place for is a ValueError naming the key."""
+    config, model = tiny_hf_model("qwen2")
+
+    def yarn(ext=None):
+        def add(writer):
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(4.0)
+            writer.add_rope_scaling_orig_ctx_len(64)
+            writer.add_rope_scaling_yarn_attn_factor(1.25)
+            writer.add_rope_scaling_yarn_beta_fast(16.0)
+            writer.add_rope_scaling_yarn_beta_slow(2.0)
+            if ext is not None:
+                writer.add_rope_scaling_yarn_ext_factor(ext)
+        return add
+
+    path = write_tiny_gguf(tmp_path / "yarn.gguf", "qwen2", config, model.state_dict(), extra=yarn())
+    rope = load_gguf_config(path, cache_dir=tmp_path).rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0
+    assert rope["original_max_position_embeddings"] == 64
+    assert (rope["attention_factor"], rope["beta_fast"], rope["beta_slow"]) == (1.25, 16.0, 2.0)
+    bad = write_tiny_gguf(tmp_path / "ext.gguf", "qwen2", config, model.state_dict(), extra=yarn(ext=0.5))
+    with pytest.raises(ValueError, match="yarn_ext_factor"):
+        load_gguf_config(bad, cache_dir=tmp_path / "b")
+
+
 def test_unknown_architecture_raises_value_error_naming_it(tmp_path):
     path = tmp_path / "bert.gguf"
     writer = gguf.GGUFWriter(str(path), "bert")

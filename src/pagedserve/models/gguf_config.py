@@ -342,6 +342,15 @@ def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, 
         scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
         if kind == "yarn" and (orig := header.arch_key("rope.scaling.original_context_length")):
             scaling["original_max_position_embeddings"] = int(orig)
+        if kind == "yarn":  # what the converter copies from HF's yarn parameters
+            for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                              ("yarn_beta_slow", "beta_slow")):
+                if (value := header.arch_key(f"rope.scaling.{key}")) is not None:
+                    scaling[name] = float(value)
+            ext = header.arch_key("rope.scaling.yarn_ext_factor")
+            if ext is not None and float(ext) != 1.0:  # HF's yarn has no extrapolation factor
+                raise ValueError(f"{header.path.name}: rope.scaling.yarn_ext_factor {ext} is not supported "
+                                 "(only 1.0, HF's YaRN)")
         return scaling
     if kind not in (None, "none") and factor not in (None, 1.0):
         raise ValueError(f"{header.path.name}: rope scaling type {kind!r} is not supported")
