@@ -1,10 +1,11 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
-For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss) this builds a tiny random HF
-checkpoint (transformers `save_pretrained`, with a small tokenizer the converter accepts),
-converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that
-our engine's greedy run of each GGUF equals our run of the HF folder by vLLM's tie rule (equal
-tokens up to the first difference; there each side's token in the other's top 5 logprobs).
+For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere) this builds
+a tiny random HF checkpoint (transformers `save_pretrained`, with a small tokenizer the converter
+accepts), converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to
+Q8_0, and checks that our engine's greedy run of each GGUF equals our run of the HF folder by
+vLLM's tie rule (equal tokens up to the first difference; there each side's token in the other's
+top 5 logprobs).
 
     python scripts/check_gguf_converter.py --llama-cpp /work/llama.cpp [--families phi3 gemma2]
 
@@ -52,6 +53,8 @@ FAMILIES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                            "original_max_position_embeddings": 16}}),
+    # Command-R ("command-r") with Command R+'s per-head q/k norms
+    "cohere": lambda: transformers.CohereConfig(**_COMMON, use_qk_norm=True, logit_scale=0.0625),
 }
 SENTENCEPIECE = ("gemma2",)  # converters that read tokenizer.model only
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)

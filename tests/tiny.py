@@ -126,7 +126,7 @@ def config_for(arch: str, **overrides):
 
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
-DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss")
+DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -155,6 +155,8 @@ def _dense_family_config(tf, arch: str, common: dict):
     if arch == "seed_oss":  # q/k/v and MLP biases, none on o
         return tf.SeedOssConfig(**base, head_dim=16, attention_bias=True, attention_out_bias=False,
                                 mlp_bias=True)
+    if arch == "cohere":  # Command R+'s q/k norms, biases, a power-of-two logit scale
+        return tf.CohereConfig(**base, use_qk_norm=True, attention_bias=True, logit_scale=0.25)
     return tf.Olmo2Config(**base)
 
 

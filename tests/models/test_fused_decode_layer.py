@@ -52,6 +52,9 @@ def unfused_configs():
         **COMMON, num_attention_heads=4, num_key_value_heads=2, residual_multiplier=0.5)
     yield "glm4 (interleaved rope)", transformers.Glm4Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=1.0)
+    # a parallel block with LayerNorms (not a FusableDecoderLayer: the modules, decode included)
+    yield "cohere (parallel block, layernorm)", transformers.CohereConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
              "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0], "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0]}
+_THETA = lambda theta: {"rope_type": "default", "rope_theta": theta}  # noqa: E731
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**_COMMON, original_max_position_embeddings=16,
                                             rope_parameters=dict(_LONGROPE)),
@@ -34,6 +35,10 @@ CONFIGS = {
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
     "seed_oss": lambda: transformers.SeedOssConfig(**_COMMON, head_dim=16, attention_bias=True,
                                                    attention_out_bias=False, mlp_bias=True),
+    # Command-R with Command R+'s per-head q/k norms
+    # (a RoPE base other than HF's default, 500000: the file's must be read)
+    "command-r": lambda: transformers.CohereConfig(**_COMMON, use_qk_norm=True, attention_bias=True,
+                                                   logit_scale=0.5, rope_parameters=_THETA(10000.0)),
 }
 _PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel subclasses
 
@@ -52,7 +57,12 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "command-r":  # LayerNorm: conversion/command_r.py
+        writer.add_layer_norm_eps(c.layer_norm_eps)
+        writer.add_logit_scale(c.logit_scale)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    else:
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (OLMo 3's per layer type)
     if arch != "phi3":
         writer.add_rope_freq_base(rope["rope_theta"])
@@ -100,7 +110,7 @@ def write_family_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     _metadata(writer, arch, c)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], c.num_hidden_layers)
     tied = getattr(c, "tie_word_embeddings", False)
     for hf_name, tensor in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and (tied or arch == "gemma2"):
@@ -114,7 +124,8 @@ def write_family_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType
         if arch == "gemma2" and hf_name.endswith("norm.weight"):
             data = data + 1
         name = f"{name_map.get_name(base)}.{suffix}"
-        if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and "embed" not in hf_name:
+        quantizable = data.ndim == 2 and "embed" not in hf_name and "norm" not in hf_name  # (Cohere's q/k norms: 2-D)
+        if qtype != gguf.GGMLQuantizationType.F32 and quantizable:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data)
@@ -154,9 +165,15 @@ def test_phi3_q8_0_gguf_keeps_fused_tensors_as_blocks_split_by_rows(hf_pair, tmp
     _, model = _load(path, tmp_path, keep_quantized=True)
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.weight.dtype == torch.uint8 and attn.k_proj.weight.quant.format.name == "q8_0"
-    tokens = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = PagedRunner(model).step([(0, tokens)])[0].float()  # [20, V]
+    assert_greedy_in_hf_top5(hf, model)
+
+
+def assert_greedy_in_hf_top5(hf, model, n: int = 20) -> None:
+    """A quantized model's greedy token is in the HF model's top 5 at every position of an
+    `n`-token prompt."""
+    tokens = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = PagedRunner(model).step([(0, tokens)])[0].float()  # [n, V]
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([tokens])).logits[0]  # [20, V]
+        ref = hf(input_ids=torch.tensor([tokens])).logits[0]  # [n, V]
     top5 = ref.topk(5, dim=-1).indices
-    assert all(int(ours[i].argmax()) in top5[i].tolist() for i in range(len(tokens)))
+    assert all(int(ours[i].argmax()) in top5[i].tolist() for i in range(n))

@@ -25,6 +25,7 @@ EXPECTED = {
     "SeedOssForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    "CohereForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",

@@ -38,7 +38,7 @@ def _spy(llm, monkeypatch, disable=False):
     return used
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2", "cohere"])  # cohere: a power-of-two logit scale
 def test_fused_greedy_tokens_equal_the_sampler_on_the_logits(kernel, arch, checkpoints, monkeypatch):
     llm = LLM(str(checkpoints(arch)), dtype="bfloat16", block_size=4, kv_cache_memory=1 << 22)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
+    "command-r",  # Cohere: Command R / R+
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -28,6 +29,7 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
+_HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -37,6 +39,7 @@ _HF_ARCHITECTURE = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "cohere": "CohereForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -121,7 +124,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
         "head_dim": head_dim,
-        **common_config_fields(header, tensor_names, vocab_size),
+        **common_config_fields(header, tensor_names, vocab_size, layer_norm=arch in _COHERE_ARCHS),
     }
     if cfg["vocab_size"] is None:
         raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
@@ -191,6 +194,7 @@ def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dic
         out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
     return out
 _PARTIAL_ROPE_ARCHS = ("phi3", "glm4", "glm4moe")
+_COHERE_ARCHS = ("command-r",)  # LayerNorm (attention.layer_norm_epsilon), not RMSNorm
 
 
 def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -277,6 +281,26 @@ def _seed_oss_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)
 
 
+def _cohere_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Command-R ("command-r"): `logit_scale` (llama.cpp: absent or 0, none), q/k/o biases and
+    Command R+'s per-head q/k norms when the file has them. llama.cpp rotates
+    `rope.dimension_count` dimensions; HF's Cohere whole heads (head_dim = hidden / heads):
+    another count is a ValueError, as an attention.key_length other than hidden / heads."""
+    names = [t.name for t in header.tensors]
+    name = header.path.name
+    if cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        raise ValueError(f"{name}: attention.key_length {cfg['head_dim']} is not hidden / heads; "
+                         "not supported (HF's Cohere)")
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{name}: rope.dimension_count {rope_dims} (partial RoPE) is not supported "
+                         f"for {header.architecture}: HF's Cohere rotates whole heads ({cfg['head_dim']})")
+    cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    scale = header.arch_key("logit_scale")
+    cfg["logit_scale"] = float(scale) if scale else 1.0
+    cfg["use_qk_norm"] = any(n.endswith(".attn_q_norm.weight") for n in names)
+
+
 def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """SmolLM3: llama.cpp fixes no RoPE on every fourth layer (as HF's default interval)."""
     cfg["no_rope_layer_interval"] = 4
@@ -331,7 +355,7 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
-                        "seed_oss": _seed_oss_config}
+                        "seed_oss": _seed_oss_config, "command-r": _cohere_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

@@ -69,13 +69,16 @@ def _req(header, key: str) -> Any:
     return header.require_arch_key(key)
 
 
-def common_config_fields(header, tensor_names, vocab_size) -> dict[str, Any]:
-    """The HF config kwargs every GGUF family reads alike: context length, RMS epsilon,
+def common_config_fields(header, tensor_names, vocab_size, *, layer_norm: bool = False) -> dict[str, Any]:
+    """The HF config kwargs every GGUF family reads alike: context length, the norms' epsilon
+    (RMSNorm's `rms_norm_eps`; with `layer_norm`, LayerNorm's `layer_norm_eps`: Cohere),
     vocabulary, tied embeddings and the special token ids."""
     md = header.metadata
+    eps = (("layer_norm_eps", "attention.layer_norm_epsilon") if layer_norm
+           else ("rms_norm_eps", "attention.layer_norm_rms_epsilon"))
     return {
         "max_position_embeddings": int(_req(header, "context_length")),
-        "rms_norm_eps": float(_req(header, "attention.layer_norm_rms_epsilon")),
+        eps[0]: float(_req(header, eps[1])),
         "vocab_size": int(vocab_size) if vocab_size is not None else None,
         # NOTE: llama.cpp writes output.weight only when the LM head is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_names,

@@ -11,6 +11,7 @@ modules (`platforms.cpu_decode`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -54,20 +55,36 @@ class GraniteModel(EmbeddingMultiplier, LlamaModel):
     layer_class = GraniteDecoderLayer
 
 
+def exact_fp32_scale(scale: float) -> bool:
+    """Whether multiplying or dividing fp32 values by `scale` keeps their order and ties: 1, or a
+    positive power of two (exact in fp32, short of subnormal results)."""
+    return scale == 1.0 or (scale > 0 and math.frexp(scale)[0] == 0.5)
+
+
 class LogitsScaling:
-    """Granite's logits divided by `logits_scaling` (the LM sets `self.logits_scaling`); mixed in
-    before the LM class (Granite, Granite MoE)."""
+    """Logits scaled by a constant the LM sets: divided by `logits_scaling` (Granite) and / or
+    multiplied by `logit_scale` (Cohere); mixed in before the LM class (Granite, Granite MoE,
+    Cohere, Cohere 2)."""
 
     logits_scaling: float = 1.0
+    logit_scale: float = 1.0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         logits = super().compute_logits(hidden)  # [S, V]
-        return logits.div_(self.logits_scaling) if self.logits_scaling != 1.0 else logits
+        if self.logits_scaling != 1.0:
+            logits = logits.div_(self.logits_scaling)
+        if self.logit_scale != 1.0:
+            logits = logits.mul_(self.logit_scale)
+        return logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
-        """As `PagedCausalLM.greedy_tokens`, except under a `logits_scaling` != 1: dividing in
-        fp32 can round distinct logits to equal ones, which moves ties (see `final_softcap`)."""
-        return super().greedy_tokens(hidden) if self.logits_scaling == 1.0 else None
+        """As `PagedCausalLM.greedy_tokens` under a scaling that keeps every fp32 logit's order
+        and ties (`exact_fp32_scale`: none, or a power of two such as Command-R's 1/16); None
+        under another: rounding in fp32 can make distinct logits equal, which moves ties (see
+        `final_softcap`)."""
+        if exact_fp32_scale(self.logits_scaling) and exact_fp32_scale(self.logit_scale):
+            return super().greedy_tokens(hidden)
+        return None
 
 
 class GraniteForCausalLM(LogitsScaling, LlamaForCausalLM):

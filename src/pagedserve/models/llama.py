@@ -100,6 +100,14 @@ class LlamaAttention(OpsUser, FusableLinears, nn.Module):
         (`layers.linear.fuse_linears`): q, k and v."""
         return ((self.q_proj, self.k_proj, self.v_proj),)
 
+    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q / k / v projections of `x [T, H]` split into heads: `[T, Hq, D]`, `[T, Hkv, D]`,
+        `[T, Hkv, D]` (one product where the platform fused them)."""
+        t = x.shape[0]
+        q, k, v = linear_outputs(x, self.fusable_linears()[0])
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
@@ -107,11 +115,7 @@ class LlamaAttention(OpsUser, FusableLinears, nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        t = x.shape[0]
-        q, k, v = linear_outputs(x, self.fusable_linears()[0])  # one product where fused
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = self.qkv_heads(x)
         q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm, self.ops,
                                self.rope_interleaved)  # fused in place on CPU
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
@@ -219,8 +223,12 @@ class LlamaModel(DecoderStack):
         self.layers = nn.ModuleList(
             self.layer_class(config, w, qkv_bias=qkv_bias, qk_norm=qk_norm, tp=tp) for w in windows
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.make_norm(config)
         self.rotary_emb = self.make_rotary_emb(config)
+
+    def make_norm(self, config: Any) -> nn.Module:
+        """The final norm (Llama's RMSNorm; Cohere's LayerNorm)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_rotary_emb(self, config: Any) -> nn.Module:
         """The stack's RoPE: one `RotaryEmbedding` for every layer (a family with RoPE per layer

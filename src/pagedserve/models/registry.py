@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -58,6 +59,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -109,6 +111,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "seed_oss": "SeedOssForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "cohere": "CohereForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
