@@ -1,8 +1,8 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
-For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere) this builds
-a tiny random HF checkpoint (transformers `save_pretrained`, with a small tokenizer the converter
-accepts), converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to
+For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2) this
+builds a tiny random HF checkpoint (transformers `save_pretrained`, with a small tokenizer the
+converter accepts), converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to
 Q8_0, and checks that our engine's greedy run of each GGUF equals our run of the HF folder by
 vLLM's tie rule (equal tokens up to the first difference; there each side's token in the other's
 top 5 logprobs).
@@ -55,6 +55,9 @@ FAMILIES = {
                            "original_max_position_embeddings": 16}}),
     # Command-R ("command-r") with Command R+'s per-head q/k norms
     "cohere": lambda: transformers.CohereConfig(**_COMMON, use_qk_norm=True, logit_scale=0.0625),
+    # Cohere 2 ("cohere2"): HF's default layer types (the converter writes no pattern: llama.cpp's
+    # default is the same); its converter reads `rotary_pct`, which HF's config does not define
+    "cohere2": lambda: transformers.Cohere2Config(**_COMMON, sliding_window=4, logit_scale=2.0, rotary_pct=1.0),
 }
 SENTENCEPIECE = ("gemma2",)  # converters that read tokenizer.model only
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)

@@ -126,7 +126,8 @@ def config_for(arch: str, **overrides):
 
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
-DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere")
+DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
+                  "cohere2")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -157,6 +158,9 @@ def _dense_family_config(tf, arch: str, common: dict):
                                 mlp_bias=True)
     if arch == "cohere":  # Command R+'s q/k norms, biases, a power-of-two logit scale
         return tf.CohereConfig(**base, use_qk_norm=True, attention_bias=True, logit_scale=0.25)
+    if arch == "cohere2":  # a sliding layer (window 6) with RoPE, then a full one without
+        return tf.Cohere2Config(**base, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                                logit_scale=0.5)
     return tf.Olmo2Config(**base)
 
 

@@ -52,9 +52,12 @@ def unfused_configs():
         **COMMON, num_attention_heads=4, num_key_value_heads=2, residual_multiplier=0.5)
     yield "glm4 (interleaved rope)", transformers.Glm4Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=1.0)
-    # a parallel block with LayerNorms (not a FusableDecoderLayer: the modules, decode included)
+    # parallel blocks with LayerNorms (not FusableDecoderLayers: the modules, decode included)
     yield "cohere (parallel block, layernorm)", transformers.CohereConfig(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True)
+    yield "cohere2 (parallel block, nope full layer)", transformers.Cohere2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"])
 
 
 @pytest.fixture(scope="module")

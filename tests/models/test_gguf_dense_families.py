@@ -35,10 +35,12 @@ CONFIGS = {
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
     "seed_oss": lambda: transformers.SeedOssConfig(**_COMMON, head_dim=16, attention_bias=True,
                                                    attention_out_bias=False, mlp_bias=True),
-    # Command-R with Command R+'s per-head q/k norms
-    # (a RoPE base other than HF's default, 500000: the file's must be read)
+    # Command-R with Command R+'s per-head q/k norms; Cohere 2 with its default layer types
+    # (RoPE bases other than HF's defaults, 500000 and 10000: the file's must be read)
     "command-r": lambda: transformers.CohereConfig(**_COMMON, use_qk_norm=True, attention_bias=True,
                                                    logit_scale=0.5, rope_parameters=_THETA(10000.0)),
+    "cohere2": lambda: transformers.Cohere2Config(**_COMMON, sliding_window=4, logit_scale=0.25,
+                                                  rope_parameters=_THETA(500.0)),
 }
 _PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel subclasses
 
@@ -57,7 +59,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    if arch == "command-r":  # LayerNorm: conversion/command_r.py
+    if arch in ("command-r", "cohere2"):  # LayerNorm: conversion/command_r.py
         writer.add_layer_norm_eps(c.layer_norm_eps)
         writer.add_logit_scale(c.logit_scale)
         writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
@@ -77,7 +79,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     if arch in ("granite", "smollm3"):
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    if arch in ("gemma2", "glm4", "seed_oss"):
+    if arch in ("gemma2", "glm4", "seed_oss", "cohere2"):  # (configs with a head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "phi3":
@@ -98,6 +100,13 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
         writer.add_logit_scale(c.logits_scaling)
     elif arch == "glm4":
         writer.add_rope_dimension_count(int(head_dim * 0.5))
+    elif arch == "cohere2":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_vocab_size(c.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+        default = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(c.num_hidden_layers)]
+        if list(c.layer_types) != default:  # NOTE: the converter writes none (llama.cpp reads one)
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_bos_token_id(1)

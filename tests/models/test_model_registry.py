@@ -26,6 +26,7 @@ EXPECTED = {
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "CohereForCausalLM",
+    "Cohere2ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",

@@ -21,14 +21,15 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
-    "command-r",  # Cohere: Command R / R+
+    "command-r", "cohere2",  # Cohere: Command R / R+, Command R7B / A
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
-_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
+_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
+                                       "cohere2")})
 _HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
@@ -40,6 +41,7 @@ _HF_ARCHITECTURE = {
     "olmo3": "Olmo3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -193,8 +195,8 @@ def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dic
     if model_type == "mixtral":
         out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
     return out
-_PARTIAL_ROPE_ARCHS = ("phi3", "glm4", "glm4moe")
-_COHERE_ARCHS = ("command-r",)  # LayerNorm (attention.layer_norm_epsilon), not RMSNorm
+_PARTIAL_ROPE_ARCHS = ("phi3", "glm4", "glm4moe", "cohere2")
+_COHERE_ARCHS = ("command-r", "cohere2")  # LayerNorm (attention.layer_norm_epsilon), not RMSNorm
 
 
 def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -282,10 +284,12 @@ def _seed_oss_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 def _cohere_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
-    """Command-R ("command-r"): `logit_scale` (llama.cpp: absent or 0, none), q/k/o biases and
-    Command R+'s per-head q/k norms when the file has them. llama.cpp rotates
-    `rope.dimension_count` dimensions; HF's Cohere whole heads (head_dim = hidden / heads):
-    another count is a ValueError, as an attention.key_length other than hidden / heads."""
+    """Command-R ("command-r") and Cohere 2 ("cohere2"): `logit_scale` (llama.cpp: absent or 0,
+    none), q/k/o biases and Command R+'s per-head q/k norms when the file has them; Cohere 2's
+    window and layer types from `attention.sliding_window_pattern` (flags, or a period; llama.cpp's
+    default without one: 4, every fourth layer full). llama.cpp rotates `rope.dimension_count`
+    dimensions; HF's Cohere whole heads (head_dim = hidden / heads): another count is a
+    ValueError, as an attention.key_length other than hidden / heads."""
     names = [t.name for t in header.tensors]
     name = header.path.name
     if cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
@@ -296,9 +300,22 @@ def _cohere_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
         raise ValueError(f"{name}: rope.dimension_count {rope_dims} (partial RoPE) is not supported "
                          f"for {header.architecture}: HF's Cohere rotates whole heads ({cfg['head_dim']})")
     cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
-    scale = header.arch_key("logit_scale")
+    scale = header.arch_key("logit_scale") if header.architecture == "command-r" else _require(header, "logit_scale")
     cfg["logit_scale"] = float(scale) if scale else 1.0
-    cfg["use_qk_norm"] = any(n.endswith(".attn_q_norm.weight") for n in names)
+    if header.architecture == "command-r":
+        cfg["use_qk_norm"] = any(n.endswith(".attn_q_norm.weight") for n in names)
+        return
+    n = cfg["num_hidden_layers"]
+    cfg["sliding_window"] = int(_require(header, "attention.sliding_window"))
+    pattern = header.arch_key("attention.sliding_window_pattern", 4)
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ValueError(f"{name}: attention.sliding_window_pattern has {len(pattern)} flags for {n} layers")
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern: a period (0: every layer sliding)
+        period = int(pattern)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -355,7 +372,8 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
-                        "seed_oss": _seed_oss_config, "command-r": _cohere_config}
+                        "seed_oss": _seed_oss_config, "command-r": _cohere_config,
+                        "cohere2": _cohere_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

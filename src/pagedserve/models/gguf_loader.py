@@ -273,9 +273,9 @@ _BLOCK_NAMES["glm4"] = {
     "post_attention_norm": "post_self_attn_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
 }
-# Command-R: one norm per block (attn_norm: the parallel block's input norm), Command R+'s
-# per-head q/k norms
-_BLOCK_NAMES["command-r"] = {
+# Cohere (Command-R, Cohere 2): one norm per block (attn_norm: the parallel block's input norm),
+# Command R+'s per-head q/k norms
+_BLOCK_NAMES["command-r"] = _BLOCK_NAMES["cohere2"] = {
     **{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k != "ffn_norm"}, **_QK_NORM_NAMES}
 _BLOCK_NAMES["olmo2"] = {
     **{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k not in ("attn_norm", "ffn_norm")},

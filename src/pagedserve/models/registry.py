@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from pagedserve.models.cohere import CohereForCausalLM
+from pagedserve.models.cohere2 import Cohere2ForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -60,6 +61,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -112,6 +114,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
