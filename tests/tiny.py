@@ -126,7 +126,8 @@ def config_for(arch: str, **overrides):
 
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
-DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss")
+DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss",
+                  "ministral3")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -155,6 +156,11 @@ def _dense_family_config(tf, arch: str, common: dict):
     if arch == "seed_oss":  # q/k/v and MLP biases, none on o
         return tf.SeedOssConfig(**base, head_dim=16, attention_bias=True, attention_out_bias=False,
                                 mlp_bias=True)
+    if arch == "ministral3":  # YaRN from 16 positions: the query temperature grows along prompts
+        return tf.Ministral3Config(**base, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5})
     return tf.Olmo2Config(**base)
 
 

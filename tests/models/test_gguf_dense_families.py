@@ -34,8 +34,13 @@ CONFIGS = {
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
     "seed_oss": lambda: transformers.SeedOssConfig(**_COMMON, head_dim=16, attention_bias=True,
                                                    attention_out_bias=False, mlp_bias=True),
+    # Ministral 3 (YaRN from 4 positions, so the query temperature changes along the prompts)
+    "mistral3": lambda: transformers.Ministral3Config(**_COMMON, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.5}),
 }
-_PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel subclasses
+_PERMUTED = ("granite", "smollm3", "mistral3")  # llama.cpp's LlamaModel subclasses
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -88,6 +93,20 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
         writer.add_logit_scale(c.logits_scaling)
     elif arch == "glm4":
         writer.add_rope_dimension_count(int(head_dim * 0.5))
+    elif arch == "mistral3":  # conversion/mistral3.py: the base class's YaRN keys, Ministral 3's two
+        writer.add_vocab_size(c.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if c.model_type == "ministral3":
+            writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+            writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_bos_token_id(1)

@@ -10,6 +10,9 @@ from pagedserve.models.registry import MODEL_REGISTRY, get_model_class, supporte
 EXPECTED = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MinistralForCausalLM",
+    "Ministral3ForCausalLM",
+    "Mistral3ForConditionalGeneration",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
+    "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -28,6 +29,7 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
+_HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -40,6 +42,7 @@ _HF_ARCHITECTURE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -105,6 +108,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         model_type = "mixtral"  # llama.cpp writes Mixtral as "llama" with experts
     if arch == "granitemoe" and header.arch_key("expert_shared_feed_forward_length"):
         model_type = "granitemoeshared"  # llama.cpp writes both as "granitemoe"
+    if arch == "mistral3" and header.arch_key("attention.temperature_scale") is not None:
+        model_type = "ministral3"  # Llama 4's query temperature: Ministral 3
     if arch == "olmo2" and header.arch_key("attention.sliding_window"):
         model_type = "olmo3"  # llama.cpp writes OLMo 3 as "olmo2" with sliding windows
 
@@ -283,6 +288,25 @@ def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
 
 
+def _mistral3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Mistral 3's text decoder (llama.cpp's "mistral3", Llama's layout): YaRN's `mscale_all_dim`
+    from `rope.scaling.yarn_log_multiplier` with `mscale` 1 (what llama.cpp assumes), and for
+    Ministral 3 (`attention.temperature_scale`) HF's one rope dict carrying the temperature's
+    beta, whose length is YaRN's original one (llama.cpp's floor scale: n_ctx_orig_yarn)."""
+    scaling = cfg.get("rope_scaling")
+    log_mul = header.arch_key("rope.scaling.yarn_log_multiplier")
+    if scaling is not None and scaling["rope_type"] == "yarn" and log_mul is not None:
+        scaling.update(mscale=1.0, mscale_all_dim=float(log_mul))
+    beta = header.arch_key("attention.temperature_scale")
+    if beta is None:
+        return
+    if scaling is None or "original_max_position_embeddings" not in scaling:
+        raise ValueError(f"{header.path.name}: attention.temperature_scale needs "
+                         "rope.scaling.original_context_length (its floor scale)")
+    cfg["rope_parameters"] = {"rope_theta": float(cfg.pop("rope_theta", 10000.0)),
+                              **cfg.pop("rope_scaling"), "llama_4_scaling_beta": float(beta)}
+
+
 def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """GLM-4.5 MoE: partial RoPE, q/k/v biases and q/k norms when the file has them, DeepSeek-V3's
     routing keys, and the block count without the multi-token-prediction layers llama.cpp's
@@ -331,7 +355,7 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
-                        "seed_oss": _seed_oss_config}
+                        "seed_oss": _seed_oss_config, "mistral3": _mistral3_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

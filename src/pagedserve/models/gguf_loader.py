@@ -263,7 +263,7 @@ _BLOCK_NAMES = {
 # dense families of issue 35 (the fused tensors keep their HF names: the models split them)
 _BLOCK_NAMES["phi3"] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_NAMES["gemma2"] = {k: v for k, v in _BLOCK_NAMES["gemma3"].items() if k not in _QK_NORM_NAMES}
-_BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _LLAMA_BLOCK_NAMES
+_BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _BLOCK_NAMES["mistral3"] = _LLAMA_BLOCK_NAMES
 # Seed-OSS: its pre-MLP norm is llama.cpp's post_attention_norm
 _BLOCK_NAMES["seed_oss"] = {**_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _BLOCK_NAMES["glm4"] = {
@@ -280,7 +280,7 @@ _BLOCK_NAMES["olmo2"] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2")
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}

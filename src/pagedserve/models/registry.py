@@ -16,7 +16,9 @@ from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
-from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
+from pagedserve.models.ministral3 import Ministral3ForCausalLM
+from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
@@ -33,6 +35,9 @@ from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MinistralForCausalLM": MinistralForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
+    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -86,6 +91,9 @@ POOLING_ALIASES: dict[str, str] = {
 _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -129,7 +137,9 @@ def get_model_class(config: Any) -> type[nn.Module]:
     for arch in archs:
         arch = POOLING_ALIASES.get(arch, arch)
         if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+            cls = MODEL_REGISTRY[arch]
+            # a multimodal wrapper picks its class by the text decoder's type
+            return cls.for_config(config) if hasattr(cls, "for_config") else cls
     raise ValueError(
         f"unsupported model architecture {archs or getattr(config, 'model_type', None)!r}; "
         f"supported: {', '.join(MODEL_REGISTRY)}"
