@@ -1,7 +1,7 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, ministral3,
-mistral3) this builds a tiny random HF
+mistral3, lfm2) this builds a tiny random HF
 checkpoint (transformers `save_pretrained`, with a small tokenizer the converter accepts),
 converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that
 our engine's greedy run of each GGUF equals our run of the HF folder by vLLM's tie rule (equal
@@ -64,6 +64,10 @@ FAMILIES = {
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
         image_token_index=VOCAB - 1, tie_word_embeddings=False),
+    # LFM2: short convolutions (state: a window of 3 rows of the cache) around attention layers
+    "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
+                                            layer_types=["conv", "full_attention", "conv", "conv"],
+                                            block_multiple_of=32),
 }
 SENTENCEPIECE = ("gemma2",)  # converters that read tokenizer.model only
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)

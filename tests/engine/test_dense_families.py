@@ -26,9 +26,11 @@ def test_family_matches_hf_and_stays_exact_when_kv_moves(arch, checkpoints, hf_m
     for i in (0, 3):
         assert_tie_rule(ours_as_pairs(ref[i].outputs[0]), hf_greedy(hf_models(arch), PROMPTS[i], 14),
                         f"{arch} prompt {i} vs HF")
-    # NOTE: Gemma 2's (and OLMo 3's) sliding and full layers are two KV groups drawing on one pool (a block holds
-    # one layer's KV): 16 blocks leave no cached prefix alive to hit, 20 keep swap, recompute and hits
-    tight = {**TIGHT, "num_kv_blocks": 20, "num_cpu_blocks": 8} if arch in ("gemma2", "olmo3") else TIGHT
+    # NOTE: Gemma 2's (and OLMo 3's) sliding layers, LFM2's conv windows, and the full layers are
+    # two KV groups drawing on one pool (a block holds one layer's KV): 16 blocks leave no cached
+    # prefix alive to hit, 20 keep swap, recompute and hits
+    two_groups = arch in ("gemma2", "olmo3", "lfm2")
+    tight = {**TIGHT, "num_kv_blocks": 20, "num_cpu_blocks": 8} if two_groups else TIGHT
     outs, engine = run_requests(path, requests, 4000, **tight)
     sched = engine.scheduler
     assert sched.preemptions_by_mode["swap"] > 0 and sched.preemptions_by_mode["recompute"] > 0

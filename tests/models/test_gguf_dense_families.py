@@ -39,6 +39,10 @@ CONFIGS = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.5}),
+    # LFM2: two conv layers (their state a window of 3 rows of the cache) around an attention one
+    "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
+                                            layer_types=["conv", "full_attention", "conv", "conv"],
+                                            block_multiple_of=32, conv_bias=True),
 }
 _PERMUTED = ("granite", "smollm3", "mistral3")  # llama.cpp's LlamaModel subclasses
 
@@ -54,10 +58,19 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
+    if arch != "lfm2":
+        writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "lfm2":  # conversion/lfm2.py: KV heads per layer (0: conv), the adjusted MLP width
+        writer.add_head_count_kv([c.num_key_value_heads if t != "conv" else 0 for t in c.layer_types])
+        writer.add_shortconv_l_cache(c.conv_L_cache)
+        writer.add_vocab_size(c.vocab_size)
+        ff = int(2 * c.intermediate_size / 3)
+        ff = c.block_multiple_of * -(-int(c.block_ffn_dim_multiplier * ff) // c.block_multiple_of)
+        writer.add_feed_forward_length(ff)
+    else:
+        writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.norm_eps if arch == "lfm2" else c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (OLMo 3's per layer type)
     if arch != "phi3":
         writer.add_rope_freq_base(rope["rope_theta"])
@@ -132,6 +145,8 @@ def write_family_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType
             data = _permute(data, c.num_key_value_heads)
         if arch == "gemma2" and hf_name.endswith("norm.weight"):
             data = data + 1
+        if arch == "lfm2" and hf_name.endswith("conv.conv.weight"):
+            data = data.squeeze(1)  # [C, L]
         name = f"{name_map.get_name(base)}.{suffix}"
         if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and "embed" not in hf_name:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

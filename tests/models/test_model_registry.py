@@ -26,6 +26,7 @@ EXPECTED = {
     "GlmForCausalLM",
     "SmolLM3ForCausalLM",
     "SeedOssForCausalLM",
+    "Lfm2ForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "DeepseekV2ForCausalLM",

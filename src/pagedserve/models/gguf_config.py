@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
+    "lfm2",  # short convolutions and attention layers
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -30,6 +31,7 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
+_HF_MODEL_TYPE["lfm2"] = "lfm2"
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -43,6 +45,7 @@ _HF_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -93,7 +96,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     hidden = int(_require(header, "embedding_length"))
     n_heads = int(_require(header, "attention.head_count"))
     n_kv = header.arch_key("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer counts (not used by our architectures)
+    layer_kv = None
+    if isinstance(n_kv, list) and arch == "lfm2":  # 0 on the short-convolution layers
+        layer_kv, n_kv = n_kv, max(n_kv)
+    if isinstance(n_kv, list):  # per-layer counts (not used by our other architectures)
         raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
     head_dim = header.arch_key("attention.key_length")
     if not head_dim and arch not in _PARTIAL_ROPE_ARCHS:  # there rope.dimension_count is the rotated part
@@ -139,6 +145,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["rope_scaling"] = rope_scaling
     if arch in _DENSE_FAMILY_CONFIG:
         _DENSE_FAMILY_CONFIG[arch](header, cfg)
+    if arch == "lfm2":
+        _lfm2_config(header, cfg, layer_kv)
 
     if model_type == "mistral":
         # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"
@@ -305,6 +313,21 @@ def _mistral3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
                          "rope.scaling.original_context_length (its floor scale)")
     cfg["rope_parameters"] = {"rope_theta": float(cfg.pop("rope_theta", 10000.0)),
                               **cfg.pop("rope_scaling"), "llama_4_scaling_beta": float(beta)}
+
+
+def _lfm2_config(header: GGUFHeader, cfg: dict[str, Any], layer_kv: list[int] | None) -> None:
+    """LFM2: the layer types from the per-layer KV head counts (0: a short-convolution layer),
+    the convolution's length and bias, the MLP width as written (already adjusted), the RMS
+    epsilon under HF's name."""
+    n = cfg["num_hidden_layers"]
+    kv = layer_kv if layer_kv is not None else [cfg["num_key_value_heads"]] * n
+    if len(kv) != n:
+        raise ValueError(f"{header.path.name}: attention.head_count_kv has {len(kv)} entries for {n} layers")
+    cfg["layer_types"] = ["conv" if k == 0 else "full_attention" for k in kv]
+    cfg["conv_L_cache"] = int(_require(header, "shortconv.l_cache"))
+    cfg["conv_bias"] = any(t.name.endswith(".shortconv.in_proj.bias") for t in header.tensors)
+    cfg["block_auto_adjust_ff_dim"] = False
+    cfg["norm_eps"] = cfg.pop("rms_norm_eps")
 
 
 def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
+from pagedserve.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from pagedserve.models.ministral3 import Ministral3ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
@@ -61,6 +62,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -115,6 +117,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
