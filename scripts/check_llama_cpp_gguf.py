@@ -9,7 +9,7 @@ transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs
 tree (../shared/tools/build-llama-server.sh); CI does not run it.
 
     python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check] \
-        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe]
+        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe lfm2_moe]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
-    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe"]
+    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe", "lfm2_moe"]
     parser.add_argument("--archs", nargs="*", default=archs, choices=archs)
     args = parser.parse_args()
     import tiny

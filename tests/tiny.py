@@ -102,6 +102,12 @@ def config_for(arch: str, **overrides):
                                     num_experts=8, num_experts_per_tok=2, moe_num_shared_experts=1,
                                     moe_layer_start_index=1, use_bias=True,
                                     max_position_embeddings=512, **common)
+    elif arch == "lfm2_moe":  # a dense conv layer, then attention with sigmoid-routed experts
+        cfg = tf.Lfm2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               num_experts=8, num_experts_per_tok=2, num_dense_layers=1,
+                               layer_types=["conv", "full_attention"], conv_L_cache=3,
+                               max_position_embeddings=512, **common)  # (scaling: 1, as GGUF keeps it)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE

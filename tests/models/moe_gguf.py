@@ -23,7 +23,7 @@ from pagedserve.models.loader import load_model
 ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
          "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-         "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE}
+         "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -97,8 +97,18 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     writer.add_block_count(config.num_hidden_layers + nextn)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if family == "lfm2_moe":  # conversion/lfm2.py's LFM2MoeModel: KV heads per layer (0: conv)
+        writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
+                                  for t in config.layer_types])
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_leading_dense_block_count(config.num_dense_layers)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     from pagedserve.layers.rotary import rope_parameters
 
     writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
@@ -155,10 +165,16 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         base, suffix = hf_name.rsplit(".", 1)
         if suffix == "e_score_correction_bias":  # the converter's exp_probs_b.bias
             base, suffix = f"{base}.e_score_correction", "bias"
+        if suffix == "expert_bias":  # LFM2-MoE's (a buffer): the converter's exp_probs_b.bias
+            base, suffix = f"{base}.expert_bias", "bias"
+        if family == "lfm2_moe" and ".experts." in base:  # merged as `layers.N...` (no model.)
+            base = base.removeprefix("model.")
         mapped = _gguf_name(name_map, base)
         assert mapped is not None, hf_name
         gguf_name = f"{mapped}.{suffix}"
         data = tensor.detach().float().numpy()
+        if family == "lfm2_moe" and hf_name.endswith("conv.conv.weight"):
+            data = data.squeeze(1)  # [C, L], as the converter writes it
         if family in _PERMUTED and ".q_proj." in hf_name:
             data = _permute(data, config.num_attention_heads)
         if family in _PERMUTED and ".k_proj." in hf_name:

@@ -27,6 +27,7 @@ EXPECTED = {
     "SmolLM3ForCausalLM",
     "SeedOssForCausalLM",
     "Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "DeepseekV2ForCausalLM",

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
-    "lfm2",  # short convolutions and attention layers
+    "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -31,7 +31,7 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
-_HF_MODEL_TYPE["lfm2"] = "lfm2"
+_HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe")
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -46,6 +46,7 @@ _HF_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -97,7 +98,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     n_heads = int(_require(header, "attention.head_count"))
     n_kv = header.arch_key("attention.head_count_kv", n_heads)
     layer_kv = None
-    if isinstance(n_kv, list) and arch == "lfm2":  # 0 on the short-convolution layers
+    if isinstance(n_kv, list) and arch in ("lfm2", "lfm2moe"):  # 0 on the short-convolution layers
         layer_kv, n_kv = n_kv, max(n_kv)
     if isinstance(n_kv, list):  # per-layer counts (not used by our other architectures)
         raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
@@ -145,7 +146,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["rope_scaling"] = rope_scaling
     if arch in _DENSE_FAMILY_CONFIG:
         _DENSE_FAMILY_CONFIG[arch](header, cfg)
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         _lfm2_config(header, cfg, layer_kv)
 
     if model_type == "mistral":
@@ -316,18 +317,35 @@ def _mistral3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 def _lfm2_config(header: GGUFHeader, cfg: dict[str, Any], layer_kv: list[int] | None) -> None:
-    """LFM2: the layer types from the per-layer KV head counts (0: a short-convolution layer),
-    the convolution's length and bias, the MLP width as written (already adjusted), the RMS
-    epsilon under HF's name."""
+    """LFM2 and LFM2-MoE: the layer types from the per-layer KV head counts (0: a short-
+    convolution layer), the convolution's length and bias, the MLP width as written (LFM2's
+    already adjusted), the RMS epsilon under HF's name; LFM2-MoE's experts and routing."""
     n = cfg["num_hidden_layers"]
     kv = layer_kv if layer_kv is not None else [cfg["num_key_value_heads"]] * n
     if len(kv) != n:
         raise ValueError(f"{header.path.name}: attention.head_count_kv has {len(kv)} entries for {n} layers")
+    if header.arch_key("attention.sliding_window"):  # llama.cpp's SWA variant: no HF config says it
+        raise ValueError(f"{header.path.name}: {header.architecture} attention.sliding_window is not supported")
     cfg["layer_types"] = ["conv" if k == 0 else "full_attention" for k in kv]
     cfg["conv_L_cache"] = int(_require(header, "shortconv.l_cache"))
     cfg["conv_bias"] = any(t.name.endswith(".shortconv.in_proj.bias") for t in header.tensors)
-    cfg["block_auto_adjust_ff_dim"] = False
     cfg["norm_eps"] = cfg.pop("rms_norm_eps")
+    if header.architecture == "lfm2":
+        cfg["block_auto_adjust_ff_dim"] = False
+        return
+    # LFM2-MoE: llama.cpp always renormalizes the sigmoid top-k and reads the selection bias
+    # (exp_probs_b) as required; dense layers below leading_dense_block_count
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{header.path.name}: lfm2moe expert_gating_func {gating} (only 2, sigmoid, is LFM2's)")
+    cfg.update({
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "num_dense_layers": int(header.arch_key("leading_dense_block_count") or 0),
+        "use_expert_bias": any(t.name.endswith(".exp_probs_b.bias") for t in header.tensors),
+        "norm_topk_prob": True,
+        "routed_scaling_factor": float(header.arch_key("expert_weights_scale") or 1.0),
+    })
 
 
 def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:

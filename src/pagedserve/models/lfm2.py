@@ -104,6 +104,17 @@ class Lfm2AttentionLayer(LlamaDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
+        if isinstance(self.mlp, LlamaMLP):  # the whole layer may be one fused call
+            return super().forward(x, rope, kv_cache, meta)
+        # another feed-forward (LFM2-MoE's experts): the attention half alone may be fused
+        fused = self.ops.decoder_attention(self, x, rope, kv_cache, meta)
+        if fused is not None:
+            r, h = fused  # [T, H]: x + attention, its post-attention norm
+            return r + self.mlp(h)
+        return self.unfused(x, rope, kv_cache, meta)
+
 
 class Lfm2Model(DecoderStack):
     """Embeddings, conv and attention layers, final norm; each layer reads its own cache entries

@@ -17,6 +17,7 @@ from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.lfm2 import Lfm2ForCausalLM
+from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from pagedserve.models.ministral3 import Ministral3ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
@@ -63,6 +64,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -118,6 +120,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
