@@ -40,13 +40,9 @@ def test_lfm2_mlp_width_follows_hf_adjustment(hf_pair):
     assert model.model.layers[0].mlp.gate_proj.weight.shape == hf.model.layers[0].feed_forward.w1.weight.shape
 
 
-def test_lfm2_rejects_unknown_layer_types_and_tensor_parallel():
-    from pagedserve.distributed.tp import TPContext
-
+def test_lfm2_rejects_unknown_layer_types():
     with pytest.raises(ValueError, match="layer_types"):
         Lfm2ForCausalLM(lfm2_config(layer_types=["conv", "mamba", "conv", "conv"]))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        Lfm2ForCausalLM(lfm2_config(), tp=TPContext(rank=0, world_size=2, group=None))
 
 
 def test_lfm2_pipeline_stage_refuses_more_cache_entries_than_layers():

@@ -25,7 +25,8 @@ from torch import nn
 
 from pagedserve.attention.kv_dtype import as_bytes, to_cache
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 
 
 def cache_entries(channels: int, page: int) -> int:
@@ -35,18 +36,28 @@ def cache_entries(channels: int, page: int) -> int:
 
 class ShortConv(nn.Module):
     """LFM2's gated short convolution (parameter names as HF's: `in_proj`, `conv.weight`
-    `[C, 1, L]`, `out_proj`, biases with `bias`) over a paged state (see the module docstring).
+    `[C, 1, L]`, `out_proj`, biases with `bias`) over a paged state (see the module docstring);
+    `page`: the values of one cache entry a token (this rank's, under tensor parallelism).
     `forward(h [T, H], caches, metas)`: `caches` the layer's cache entries (K, V pairs),
     `metas` each entry's attention metadata."""
 
-    def __init__(self, hidden_size: int, kernel_size: int, *, bias: bool, page: int):
+    def __init__(self, hidden_size: int, kernel_size: int, *, bias: bool, page: int,
+                 tp: TPContext = SINGLE):
         super().__init__()
-        self.channels, self.kernel_size, self.page = hidden_size, kernel_size, page
-        self.in_proj = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias)
-        self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias)
+        # Under tensor parallelism each rank holds a slice of the channels (of B, C and x alike,
+        # and of the depthwise conv), its state rows only those; out_proj sums over the ranks.
+        self.channels = tp.split(hidden_size, "hidden_size")
+        self.kernel_size, self.page = kernel_size, page
+        self.in_proj = ColumnParallelLinear(hidden_size, [hidden_size] * 3, bias, tp=tp)
+        self.out_proj = RowParallelLinear(hidden_size, hidden_size, bias, tp=tp)
         self.conv = nn.Module()
-        self.conv.weight = nn.Parameter(torch.empty(hidden_size, 1, kernel_size))
-        self.conv.bias = nn.Parameter(torch.empty(hidden_size)) if bias else None
+        self.conv.weight = nn.Parameter(torch.empty(self.channels, 1, kernel_size))
+        self.conv.bias = nn.Parameter(torch.empty(self.channels)) if bias else None
+        if tp.is_parallel:
+            start = tp.rank * self.channels
+            spec = ShardSpec(0, ((start, start + self.channels),), hidden_size)
+            set_shard(self.conv.weight, spec)
+            set_shard(self.conv.bias, spec)
 
     @property
     def num_entries(self) -> int:

@@ -77,10 +77,11 @@ class Lfm2ConvLayer(nn.Module):
     """A conv layer: `x + conv(norm(x))`, then `x + mlp(norm(x))` (`mlp`: any `[T, H] -> [T, H]`
     module; LFM2-MoE's sparse blocks too)."""
 
-    def __init__(self, config: Any, mlp: nn.Module, page: int):
+    def __init__(self, config: Any, mlp: nn.Module, page: int, tp: TPContext = SINGLE):
         super().__init__()
         eps = config.norm_eps
-        self.conv = ShortConv(config.hidden_size, config.conv_L_cache, bias=config.conv_bias, page=page)
+        self.conv = ShortConv(config.hidden_size, config.conv_L_cache, bias=config.conv_bias, page=page,
+                              tp=tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -124,14 +125,15 @@ class Lfm2Model(DecoderStack):
         super().__init__()
         self.layer_types = lfm2_layer_types(config)
         head_dim = head_dim_of(config)
-        self.page = 2 * config.num_key_value_heads * head_dim  # K and V values of a token
+        # K and V values of a token on this rank (its KV heads: `TPContext.local_kv_heads`)
+        self.page = 2 * tp.local_kv_heads(config.num_key_value_heads) * head_dim
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         layers = []
         for i, kind in enumerate(self.layer_types):
             if kind == CONV:
-                layers.append(Lfm2ConvLayer(config, make_mlp(config, i), self.page))
+                layers.append(Lfm2ConvLayer(config, make_mlp(config, i, tp), self.page, tp))
             else:
-                layers.append(Lfm2AttentionLayer(config, make_mlp(config, i), tp))
+                layers.append(Lfm2AttentionLayer(config, make_mlp(config, i, tp), tp))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)
@@ -181,27 +183,26 @@ class Lfm2Model(DecoderStack):
 
 
 class Lfm2ForCausalLM(PagedCausalLM):
-    """LFM2 decoder-only LM on a paged cache (see the module docstring). Tensor and pipeline
-    parallelism are not supported for it yet (ValueError)."""
+    """LFM2 decoder-only LM on a paged cache (see the module docstring); `tp` makes it this rank's
+    shard (conv channels, heads and MLP sliced). Pipeline stages refuse it (its cache entries
+    are not its layers: worker/pp_executor.py)."""
 
     tied_by_default = True
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        if tp.is_parallel:
-            raise ValueError("tensor_parallel_size > 1 is not supported for LFM2's short-convolution "
-                             "layers yet")
         self.model = Lfm2Model(config, self.make_mlp, tp=tp)
         head_dim = head_dim_of(config)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,
                         num_kv_heads=config.num_key_value_heads, head_dim=head_dim, tp=tp)
-        specs = self.model.cache_specs(config.num_key_value_heads, head_dim, config.conv_L_cache)
-        self.kv_cache_spec = KVCacheSpec(len(specs), config.num_key_value_heads, head_dim, specs)
+        kv_heads = tp.local_kv_heads(config.num_key_value_heads)
+        specs = self.model.cache_specs(kv_heads, head_dim, config.conv_L_cache)
+        self.kv_cache_spec = KVCacheSpec(len(specs), kv_heads, head_dim, specs)
 
     @staticmethod
-    def make_mlp(config: Any, layer_index: int) -> nn.Module:
+    def make_mlp(config: Any, layer_index: int, tp: TPContext) -> nn.Module:
         """The feed-forward block of layer `layer_index`: LFM2's SwiGLU."""
-        return LlamaMLP(config.hidden_size, lfm2_mlp_width(config), "silu")
+        return LlamaMLP(config.hidden_size, lfm2_mlp_width(config), "silu", tp=tp)
 
     def backbone(self) -> nn.Module:
         return self.model

@@ -32,16 +32,17 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
                                                 bool(getattr(config, "enable_expert_parallel", False)))
         super().__init__(config, tp=tp)
 
-    def make_mlp(self, config: Any, layer_index: int) -> nn.Module:
-        """Layer `layer_index`'s feed-forward block: dense below `num_dense_layers`, else experts."""
+    def make_mlp(self, config: Any, layer_index: int, tp: TPContext) -> nn.Module:
+        """Layer `layer_index`'s feed-forward block: dense below `num_dense_layers`, else experts
+        (sharded along their width, or whole experts per rank with expert parallelism)."""
         if layer_index < config.num_dense_layers:
-            return LlamaMLP(config.hidden_size, config.intermediate_size, "silu")
+            return LlamaMLP(config.hidden_size, config.intermediate_size, "silu", tp=tp)
         routing = MoERouting(top_k=int(config.num_experts_per_tok), scoring="sigmoid",
                              renormalize=bool(config.norm_topk_prob), renormalize_eps=1e-6,
                              correction_bias=bool(config.use_expert_bias),
                              routed_scaling_factor=float(config.routed_scaling_factor))
         return FusedMoE(config.hidden_size, config.moe_intermediate_size, int(config.num_experts),
-                        routing, act="silu", expert_parallel=self.expert_placement.expert_parallel)
+                        routing, act="silu", tp=tp, expert_parallel=self.expert_placement.expert_parallel)
 
     def _rename(self, name: str) -> str | tuple | None:
         name = super()._rename(name)
