@@ -20,6 +20,7 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
+    "phimoe",
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
     "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
@@ -29,7 +30,8 @@ SUPPORTED_ARCHITECTURES = (
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
-_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss")})
+_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
+                                        "phimoe")})
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
 _HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe")
 _HF_ARCHITECTURE = {
@@ -57,6 +59,7 @@ _HF_ARCHITECTURE = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -141,7 +144,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["unk_token_id"] = unk
     if (theta := header.arch_key("rope.freq_base")) is not None:
         cfg["rope_theta"] = float(theta)
-    rope_scaling = None if arch == "phi3" else _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0))
+    rope_scaling = (None if arch in ("phi3", "phimoe")  # (their LongRoPE: _phi3_longrope)
+                    else _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0)))
     if rope_scaling is not None:
         cfg["rope_scaling"] = rope_scaling
     if arch in _DENSE_FAMILY_CONFIG:
@@ -215,20 +219,55 @@ def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 def _phi3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
-    """Phi-3: partial RoPE, LongRoPE from the `rope_factors_long` / `rope_factors_short` tensors
-    and `rope.scaling.original_context_length`; `sliding_window` (0: none), kept as HF keeps it
-    (NOTE: llama.cpp disables Phi-3's sliding window; HF applies it)."""
+    """Phi-3: partial RoPE, LongRoPE (`_phi3_longrope`); `sliding_window` (0: none), kept as HF
+    keeps it (NOTE: llama.cpp disables Phi-3's sliding window; HF applies it)."""
     _partial_rotary(header, cfg)
+    _phi3_longrope(header, cfg)
+    window = header.arch_key("attention.sliding_window")
+    cfg["sliding_window"] = int(window) if window else None
+
+
+def _phi3_longrope(header: GGUFHeader, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """LongRoPE as llama.cpp's Phi-3 converters write it (Phi-3, Phi-3.5-MoE): the
+    `rope_factors_long` / `rope_factors_short` tensors (-> `cfg["rope_scaling"]`, also returned;
+    None without them) and `rope.scaling.original_context_length`."""
     if (original := header.arch_key("rope.scaling.original_context_length")) is not None:
         cfg["original_max_position_embeddings"] = int(original)
     long, short = header.tensor("rope_factors_long.weight"), header.tensor("rope_factors_short.weight")
-    if long is not None and short is not None:
-        blob = np.memmap(header.path, dtype=np.uint8, mode="r")
-        cfg["rope_scaling"] = {
-            "rope_type": "longrope",
-            "long_factor": _read_tensor_f32(blob, long).tolist(),
-            "short_factor": _read_tensor_f32(blob, short).tolist(),
-        }
+    if long is None or short is None:
+        return None
+    blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+    cfg["rope_scaling"] = {
+        "rope_type": "longrope",
+        "long_factor": _read_tensor_f32(blob, long).tolist(),
+        "short_factor": _read_tensor_f32(blob, short).tolist(),
+    }
+    return cfg["rope_scaling"]
+
+
+def _phimoe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Phi-3.5-MoE: the experts, q/k/v/o and LM head biases when the file has them, Phi-3's
+    LongRoPE and sliding window (kept as HF keeps it; llama.cpp's phimoe runs none).
+
+    NOTE: the file keeps neither `short_mscale` / `long_mscale` nor `router_jitter_noise`. Both
+    mscales become the converter's `rope.scaling.attn_factor` (what llama.cpp scales cos/sin by;
+    its default 1 without the key): HF's formula sqrt(1 + ln(max / original) / ln(original)),
+    1.1902 for Phi-3.5-MoE-instruct, whose config says 1.2432 -- that GGUF differs from its HF
+    folder there. The jitter eps is HF's default, 0.01 (Phi-3.5-MoE-instruct's)."""
+    names = {t.name for t in header.tensors}
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{header.path.name}: phimoe rope.dimension_count {rope_dims} != head_dim "
+                         f"{cfg['head_dim']} (partial RoPE is not Phi-3.5-MoE's)")
+    cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    cfg["lm_head_bias"] = "output.bias" in names
+    cfg["num_local_experts"] = int(_require(header, "expert_count"))
+    cfg["num_experts_per_tok"] = int(_require(header, "expert_used_count"))
+    if (scaling := _phi3_longrope(header, cfg)) is not None:
+        mscale = float(header.arch_key("rope.scaling.attn_factor", 1.0))
+        scaling.update(short_mscale=mscale, long_mscale=mscale,
+                       original_max_position_embeddings=cfg.get("original_max_position_embeddings",
+                                                                cfg["max_position_embeddings"]))
     window = header.arch_key("attention.sliding_window")
     cfg["sliding_window"] = int(window) if window else None
 
@@ -392,11 +431,13 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     })
 
 
-# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE)
+# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE,
+# Phi-3.5-MoE)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
-                        "seed_oss": _seed_oss_config, "mistral3": _mistral3_config}
+                        "seed_oss": _seed_oss_config, "mistral3": _mistral3_config,
+                        "phimoe": _phimoe_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.olmo3 import Olmo3ForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
+from pagedserve.models.phimoe import PhiMoEForCausalLM, PhimoeForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
@@ -61,6 +62,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "PhimoeForCausalLM": PhimoeForCausalLM,
+    "PhiMoEForCausalLM": PhiMoEForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
@@ -117,6 +120,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
