@@ -32,6 +32,8 @@ from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedserve.models.qwen_vl import (
+    Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
 from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 
@@ -41,6 +43,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MinistralForCausalLM": MinistralForCausalLM,
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -101,6 +106,9 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "ministral": "MinistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
