@@ -29,6 +29,7 @@ EXPECTED = {
     "GlmForCausalLM",
     "SmolLM3ForCausalLM",
     "SeedOssForCausalLM",
+    "Exaone4ForCausalLM",
     "Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM",
     "Olmo2ForCausalLM",

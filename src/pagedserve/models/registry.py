@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
+from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
@@ -71,6 +72,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhiMoEForCausalLM": PhiMoEForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
@@ -131,6 +133,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "phimoe": "PhimoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
