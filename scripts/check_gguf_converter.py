@@ -1,11 +1,11 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
-For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2) this
-builds a tiny random HF checkpoint (transformers `save_pretrained`, with a small tokenizer the
-converter accepts), converts it with the llama.cpp tree's `convert_hf_to_gguf.py` to f16 and to
-Q8_0, and checks that our engine's greedy run of each GGUF equals our run of the HF folder by
-vLLM's tie rule (equal tokens up to the first difference; there each side's token in the other's
-top 5 logprobs).
+For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
+ministral3, mistral3, lfm2) this builds a tiny random HF checkpoint (transformers
+`save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
+tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
+each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
+difference; there each side's token in the other's top 5 logprobs).
 
     python scripts/check_gguf_converter.py --llama-cpp /work/llama.cpp [--families phi3 gemma2]
 
@@ -32,6 +32,9 @@ VOCAB = 320
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                    "llama_4_scaling_beta": 0.5}
 FAMILIES = {
     # Phi-4-mini's RoPE: 3/4 of each head, LongRoPE from 16 to 64 positions
     "phi3": lambda: transformers.Phi3Config(
@@ -58,6 +61,18 @@ FAMILIES = {
     # Cohere 2 ("cohere2"): HF's default layer types (the converter writes no pattern: llama.cpp's
     # default is the same); its converter reads `rotary_pct`, which HF's config does not define
     "cohere2": lambda: transformers.Cohere2Config(**_COMMON, sliding_window=4, logit_scale=2.0, rotary_pct=1.0),
+    # Ministral 3: YaRN from 8 positions, so Llama 4's query temperature changes along the prompts
+    "ministral3": lambda: transformers.Ministral3Config(**_COMMON, head_dim=16, rope_parameters=_MINISTRAL3_ROPE),
+    # Mistral 3 (Ministral 3 / Devstral Small 2 checkpoints): that text decoder under a vision tower
+    "mistral3": lambda: transformers.Mistral3Config(
+        text_config=transformers.Ministral3Config(**_COMMON, head_dim=16, rope_parameters=_MINISTRAL3_ROPE).to_dict(),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        image_token_index=VOCAB - 1, tie_word_embeddings=False),
+    # LFM2: short convolutions (state: a window of 3 rows of the cache) around attention layers
+    "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
+                                            layer_types=["conv", "full_attention", "conv", "conv"],
+                                            block_multiple_of=32),
 }
 SENTENCEPIECE = ("gemma2",)  # converters that read tokenizer.model only
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)
@@ -115,7 +130,10 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     """A tiny random `family` checkpoint (weights N(0, 0.15), norms around their identity)."""
     config = FAMILIES[family]()
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "mistral3":
+        model = transformers.Mistral3ForConditionalGeneration(config).float()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

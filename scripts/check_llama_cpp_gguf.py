@@ -1,5 +1,5 @@
 """Check llama.cpp's real converter output for DeepSeek V2 (MLA), gpt-oss, Granite MoE Shared,
-GLM-4.5 MoE and ERNIE 4.5 MoE against HF.
+GLM-4.5 MoE, ERNIE 4.5 MoE and Phi-3.5-MoE against HF.
 
 Builds the tests' tiny random checkpoints (tests/tiny.py; gpt-oss also with MXFP4 experts as
 OpenAI ships them), converts each with the llama.cpp tree's convert_hf_to_gguf.py (f32, q8_0; the
@@ -9,7 +9,15 @@ transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs
 tree (../shared/tools/build-llama-server.sh); CI does not run it.
 
     python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check] \
-        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe]
+        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe lfm2_moe phimoe]
+
+Phi-3.5-MoE: the converter registers Microsoft's architecture name, `PhiMoEForCausalLM` (its
+checkpoints' config.json), so the folder converted says that (transformers saves
+`PhimoeForCausalLM`); it is served within the original context (`max_model_len` 64: LongRoPE's
+short side, HF's choice for such short sequences). Its q8_0 file is compared with HF on the
+weights Q8_0 rounds them to (`q8_0_reference`): sparsemixer weighs each of its two experts ~1,
+so Q8_0's noise alone, flipping a near-tied second expert, moves the tiny model's tokens (HF's
+own greedy tokens change with those weights).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # the tiny 
 base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2  # (GLM's wants its special tokens)
 import conversion.ernie as ernie
 ernie.Ernie4_5Model.set_vocab = base.TextModel._set_vocab_gpt2  # (ERNIE's reads a SentencePiece model)
+import conversion.phi as phi
+phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2  # (Phi-3's too, unless GPT2Tokenizer)
 sys.argv[0] = tree + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -68,11 +78,25 @@ def mxfp4_checkpoint(src: Path, dst: Path) -> Path:
     return ref_dir
 
 
+def q8_0_reference(hf):
+    """`hf` with every 2-D weight but the routers' rounded as the converter's q8_0 stores it."""
+    import gguf
+    import torch
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, w in hf.named_parameters():
+            if w.dim() >= 2 and ".router." not in name:
+                rows = w.reshape(-1, w.shape[-1]).numpy()
+                w.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, q8), q8)).reshape(w.shape))
+    return hf
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
-    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe"]
+    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe", "lfm2_moe", "phimoe"]
     parser.add_argument("--archs", nargs="*", default=archs, choices=archs)
     args = parser.parse_args()
     import tiny
@@ -86,6 +110,9 @@ def main() -> int:
     cases = []  # (name, HF reference folder, folder to convert, outtype)
     for arch in args.archs:
         src = tiny.make_checkpoint(out / arch, arch)
+        if arch == "phimoe":  # (see the module docstring)
+            cfg = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["PhiMoEForCausalLM"]}))
         cases += [(f"{arch}-{t}", src, src, t) for t in ("f32", "q8_0")]
     if "gpt_oss" in args.archs:
         ref = mxfp4_checkpoint(out / "gpt_oss", out / "gpt_oss-mxfp4")
@@ -96,7 +123,10 @@ def main() -> int:
         subprocess.run([sys.executable, "-c", CONVERT, args.llama_cpp, str(folder), "--outfile",
                         str(gguf_path), "--outtype", outtype], check=True, capture_output=True)
         hf = tiny.load_hf(ref_dir)
-        llm = LLM(str(gguf_path), dtype="float32")  # its config and tokenizer from the GGUF
+        if name == "phimoe-q8_0":  # (see the module docstring)
+            hf = q8_0_reference(hf)
+        engine = {"max_model_len": 64} if name.startswith("phimoe") else {}
+        llm = LLM(str(gguf_path), dtype="float32", **engine)  # its config and tokenizer from the GGUF
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for p, o in zip(prompts, outs):

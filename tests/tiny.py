@@ -102,6 +102,17 @@ def config_for(arch: str, **overrides):
                                     num_experts=8, num_experts_per_tok=2, moe_num_shared_experts=1,
                                     moe_layer_start_index=1, use_bias=True,
                                     max_position_embeddings=512, **common)
+    elif arch == "lfm2_moe":  # a dense conv layer, then attention with sigmoid-routed experts
+        cfg = tf.Lfm2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               num_experts=8, num_experts_per_tok=2, num_dense_layers=1,
+                               layer_types=["conv", "full_attention"], conv_L_cache=3,
+                               max_position_embeddings=512, **common)  # (scaling: 1, as GGUF keeps it)
+    elif arch == "phimoe":  # LayerNorms, q/k/v/o and LM head biases, sparsemixer, LongRoPE past 64
+        cfg = tf.PhimoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                              num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                              max_position_embeddings=512, rope_parameters=_PHIMOE_ROPE, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE
@@ -125,9 +136,18 @@ def config_for(arch: str, **overrides):
     return cfg
 
 
+# NOTE: one set for both sides (factors and mscale): HF 5.x keeps the short factors past the
+# original context, where we take the long ones (layers/rotary.py); the mscale is the attention
+# factor llama.cpp's converter writes, sqrt(1 + ln(512 / 64) / ln 64), so that its GGUF equals HF
+# (scripts/check_llama_cpp_gguf.py). tests/models/test_phimoe.py tells the sets apart.
+_PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                "short_mscale": 1.5 ** 0.5, "long_mscale": 1.5 ** 0.5}
+
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2")
+                  "cohere2", "ministral3", "lfm2")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -161,6 +181,14 @@ def _dense_family_config(tf, arch: str, common: dict):
     if arch == "cohere2":  # a sliding layer (window 6) with RoPE, then a full one without
         return tf.Cohere2Config(**base, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                                 logit_scale=0.5)
+    if arch == "ministral3":  # YaRN from 16 positions: the query temperature grows along prompts
+        return tf.Ministral3Config(**base, head_dim=16, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.5})
+    if arch == "lfm2":  # a conv layer (its state a window of 3 rows in the cache), then attention
+        return tf.Lfm2Config(**{**base, "intermediate_size": 192}, layer_types=["conv", "full_attention"],
+                             conv_L_cache=3, block_multiple_of=32)
     return tf.Olmo2Config(**base)
 
 
@@ -176,7 +204,11 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15)
             elif "norm" in name or "ln" in name:
-                p.normal_(0.0 if arch in ("gemma3", "gemma2") else 1.0, 0.1)
+                # (Phi-3.5-MoE's LayerNorm biases around 0, as its other biases: around 1 they add
+                # one offset shared by every token to the router's input, and its routing flipped
+                # more often under Q8_0 noise; GPT-2 / OPT keep theirs)
+                centred = arch in ("gemma3", "gemma2") or (arch == "phimoe" and name.endswith(".bias"))
+                p.normal_(0.0 if centred else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)

@@ -90,7 +90,9 @@ def _two_rank_logits(path, prompts, expert_parallel):
 @pytest.mark.parametrize("family,expert_parallel", [("qwen2_moe", False), ("qwen2_moe", True),
                                                     ("olmoe", False), ("mixtral", True),
                                                     ("granitemoe", True), ("glm4_moe", False),
-                                                    ("ernie4_5_moe", False)])
+                                                    ("ernie4_5_moe", False), ("lfm2_moe", False),
+                                                    ("lfm2_moe", True), ("phimoe", False),
+                                                    ("phimoe", True)])
 def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
     path = checkpoints(family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
@@ -110,6 +112,22 @@ def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
             inter = whole.gate_proj.shape[1] // 2
             assert torch.equal(experts.up_proj, whole.up_proj[:, inter * rank:inter * (rank + 1)])
             assert torch.equal(experts.down_proj, whole.down_proj[:, :, inter * rank:inter * (rank + 1)])
+
+
+def test_two_ranks_give_one_ranks_logits_with_short_convolutions(checkpoints):
+    """LFM2: each rank holds half of the conv channels (of B, C, x and the depthwise kernel) and
+    keeps only those in its state rows; out_proj sums the halves."""
+    path = checkpoints("lfm2")
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    single = _load(path)
+    ref = PagedRunner(single).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    whole = single.model.layers[0].conv.conv.weight
+    for rank, model in enumerate(models):
+        half = model.model.layers[0].conv.conv.weight
+        assert torch.equal(half, whole[32 * rank:32 * (rank + 1)])
 
 
 @pytest.mark.parametrize("family", ["olmo2"])

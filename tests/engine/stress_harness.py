@@ -87,6 +87,16 @@ def tiny_hybrid(path: Path) -> Path:
     return path
 
 
+def tiny_conv(path: Path) -> Path:
+    """The harness's model with short-convolution state (LFM2: a conv layer, its last 3 rows a
+    sliding window of the cache, then an attention layer), saved once at `path`."""
+    import tiny  # tests/tiny.py
+
+    if not (path / "config.json").exists():
+        tiny.make_checkpoint(path, "lfm2")
+    return path
+
+
 def make_engine(model: Path, tp: int = 1, draft: Path | None = None) -> LLMEngine:
     """One engine for many workloads (`Harness.run` reconfigures its cache each time); `draft`:
     a draft model for speculation (the engine loads it; `draft_spec_config_for` speculates)."""
@@ -757,9 +767,10 @@ class Harness:
                                         f"{sorted(kv.cpu_tables)}")
 
 
-def repro(seed: int, tp: bool = False, spec: bool | str = False, hybrid: bool = False) -> str:
+def repro(seed: int, tp: bool = False, spec: bool | str = False, hybrid: bool = False,
+          conv: bool = False) -> str:
     """The command that reruns `seed`; `spec`: True or "ngram", or "draft"; `hybrid`: on the
-    model mixing sliding-window and full layers."""
+    model mixing sliding-window and full layers; `conv`: on the short-convolution one."""
     return (f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
-            + (" --hybrid" if hybrid else "")
+            + (" --hybrid" if hybrid else "") + (" --conv" if conv else "")
             + (f" --spec {'ngram' if spec is True else spec}" if spec else ""))

@@ -161,6 +161,30 @@ def test_longrope_factors_chosen_by_the_served_context():
     assert torch.equal(short[0], _hf_cos_sin(hf_rope, torch.tensor([5]), torch.float32)[0][0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_phimoe_mscales_match_transformers(dtype):
+    """Phi-3.5-MoE's LongRoPE: cos/sin times `short_mscale` when served within the original
+    context, `long_mscale` with the long factors past it, bit for bit as HF's rotary. (HF 5.x's
+    keeps the short factors past it, layers/rotary.py's NOTE: its reference for that side is
+    built with the long factors as its short ones.)"""
+    from transformers.models.phimoe.modeling_phimoe import PhimoeRotaryEmbedding
+
+    rope = {**ROPES["longrope"], "short_mscale": 1.3, "long_mscale": 0.8}
+
+    def config(short):
+        return transformers.PhimoeConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=128,
+                                         rope_parameters={**rope, "short_factor": short})
+
+    ours = RotaryEmbedding(32, rope_parameters(config(SHORT)), 128)
+    for served, positions, hf_short, scale in ((32, [0, 1, 7, 31, 3], SHORT, 1.3),
+                                               (128, [0, 1, 7, 31, 40, 3], LONG, 0.8)):
+        ours.set_max_model_len(served)
+        assert ours.attention_scaling == scale
+        cos, sin = _hf_cos_sin(PhimoeRotaryEmbedding(config(hf_short)), torch.tensor(positions), dtype)
+        our_cos, our_sin = ours(torch.tensor(positions), dtype)
+        assert torch.equal(our_cos, cos) and torch.equal(our_sin, sin)
+
+
 def test_dynamic_matches_transformers_per_position():
     config = make_config(ROPES["dynamic"])
     ours = RotaryEmbedding(32, rope_parameters(config), config.max_position_embeddings)
@@ -221,7 +245,7 @@ def test_rope_parameters_reads_transformers4_attributes():
         ({"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 8, 16]}, "mrope_section"),
         ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "llama_4_scaling_beta": 0.1}, "llama_4_scaling_beta"),
         ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 32, "long_factor": [1.0] * 32,
-          "short_mscale": 1.1}, "short_mscale"),
+          "short_mscale": 1.1}, "long_mscale"),  # Phi-3.5-MoE's mscales come in pairs
         ({"rope_type": "linear", "rope_theta": 1e4}, "factor"),
     ],
 )

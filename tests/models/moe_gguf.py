@@ -5,7 +5,8 @@ llama.cpp merges each layer's experts into 3-D tensors `blk.N.ffn_{gate,up,down}
 (torch shape `[E, out, in]`), names the router `ffn_gate_inp` (always F32), the shared expert
 `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`, and stores `expert_count`, `expert_used_count`,
 `expert_feed_forward_length`, `expert_shared_feed_forward_length` (and `attention.clamp_kqv`).
-Mixtral is architecture "llama" (Q/K rows permuted), with the experts.
+Mixtral is architecture "llama" (Q/K rows permuted), with the experts; Phi-3.5-MoE "phimoe", its
+LongRoPE as Phi-3's converter writes it (`_phimoe_keys`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pagedserve.models.loader import load_model
 ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
          "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-         "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE}
+         "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
+         "phimoe": gguf.MODEL_ARCH.PHIMOE}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -83,6 +85,27 @@ def _gguf_name(name_map, hf_base: str) -> str | None:
     return f"blk.{m[1]}.{leaf}"
 
 
+def _phimoe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    """What conversion/phi.py's Phi3MiniModel adds for Phi-3.5-MoE: the sliding window (0: none),
+    the original context, and with LongRoPE the factors as two tensors and its own attention
+    factor (not the config's mscales)."""
+    import math
+
+    from pagedserve.layers.rotary import rope_parameters
+
+    rope = rope_parameters(config)
+    original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.sliding_window or 0)
+    if rope["rope_type"] != "longrope":
+        return
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    assert len(rope["long_factor"]) == head_dim // 2
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
                    types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
@@ -97,13 +120,23 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     writer.add_block_count(config.num_hidden_layers + nextn)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if family == "lfm2_moe":  # conversion/lfm2.py's LFM2MoeModel: KV heads per layer (0: conv)
+        writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
+                                  for t in config.layer_types])
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_leading_dense_block_count(config.num_dense_layers)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     from pagedserve.layers.rotary import rope_parameters
 
     writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if family in _PERMUTED:
+    if family in _PERMUTED or family == "phimoe":
         writer.add_rope_dimension_count(head_dim)
     elif family in ("glm4_moe", "ernie4_5_moe"):
         writer.add_key_length(head_dim)
@@ -136,6 +169,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_leading_dense_block_count(config.moe_layer_start_index)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_count(config.moe_num_shared_experts)
+    if family == "phimoe":
+        _phimoe_keys(writer, config, head_dim)
     if family == "granitemoe":
         writer.add_vocab_size(config.vocab_size)
         writer.add_attention_scale(config.attention_multiplier)
@@ -155,10 +190,16 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         base, suffix = hf_name.rsplit(".", 1)
         if suffix == "e_score_correction_bias":  # the converter's exp_probs_b.bias
             base, suffix = f"{base}.e_score_correction", "bias"
+        if suffix == "expert_bias":  # LFM2-MoE's (a buffer): the converter's exp_probs_b.bias
+            base, suffix = f"{base}.expert_bias", "bias"
+        if family == "lfm2_moe" and ".experts." in base:  # merged as `layers.N...` (no model.)
+            base = base.removeprefix("model.")
         mapped = _gguf_name(name_map, base)
         assert mapped is not None, hf_name
         gguf_name = f"{mapped}.{suffix}"
         data = tensor.detach().float().numpy()
+        if family == "lfm2_moe" and hf_name.endswith("conv.conv.weight"):
+            data = data.squeeze(1)  # [C, L], as the converter writes it
         if family in _PERMUTED and ".q_proj." in hf_name:
             data = _permute(data, config.num_attention_heads)
         if family in _PERMUTED and ".k_proj." in hf_name:
@@ -179,17 +220,20 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     return path
 
 
-def load_gguf_model(path: Path, cache: Path, *, quantized: bool, dtype=torch.float32):
+def load_gguf_model(path: Path, cache: Path, *, quantized: bool, dtype=torch.float32, max_model_len=None):
     """Our model from the GGUF file, its ggml blocks kept (`quantized`) or dequantized."""
     config = load_gguf_config(path, cache_dir=cache)
     weights = iter_gguf_weights(path, config, keep_quantized=quantized)
-    return load_model(config, weights=weights, dtype=dtype, quantization="gguf" if quantized else "none")
+    return load_model(config, weights=weights, dtype=dtype, quantization="gguf" if quantized else "none",
+                      max_model_len=max_model_len)
 
 
-def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, prompts, check_hf) -> None:
+def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, prompts, check_hf, *,
+                      max_model_len: int | None = None) -> None:
     """The family from a GGUF file converted from the HF `folder` (its safetensors, as the
     converter reads them): F32 tensors give HF's logits (`check_hf`); Q8_0 experts kept as their
-    stacked blocks (no float copy) give HF's greedy tokens by the tie rule."""
+    stacked blocks (no float copy) give HF's greedy tokens by the tie rule. `max_model_len`: the
+    context served (LongRoPE's choice of factors)."""
     from utils import assert_tie_rule, hf_greedy
 
     from pagedserve.models.loader import iter_safetensors
@@ -197,14 +241,15 @@ def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, promp
     config = hf_model.config
     state = dict(iter_safetensors(folder))
     f32 = write_moe_gguf(tmp_path / f"{family}-f32.gguf", family, config, state)
-    model = load_gguf_model(f32, tmp_path / "cache", quantized=False)
+    model = load_gguf_model(f32, tmp_path / "cache", quantized=False, max_model_len=max_model_len)
     assert type(model).__name__ == config.architectures[0]
     check_hf(hf_model, model, prompts)
 
     Q = gguf.GGMLQuantizationType
     q8 = write_moe_gguf(tmp_path / f"{family}-q8.gguf", family, config, state,
                         types={".experts.": Q.Q8_0, "_proj": Q.F16})
-    model = load_gguf_model(q8, tmp_path / "cache", quantized=True, dtype=torch.bfloat16)
+    model = load_gguf_model(q8, tmp_path / "cache", quantized=True, dtype=torch.bfloat16,
+                            max_model_len=max_model_len)
     experts = model.model.layers[-1].mlp.experts
     assert experts.gate_proj.dtype == torch.uint8 and experts.gate_proj.quant.format.name == "q8_0"
     assert experts.down_proj.dim() == 3  # stacked blocks [E, H, row_bytes]

@@ -41,8 +41,17 @@ CONFIGS = {
                                                    logit_scale=0.5, rope_parameters=_THETA(10000.0)),
     "cohere2": lambda: transformers.Cohere2Config(**_COMMON, sliding_window=4, logit_scale=0.25,
                                                   rope_parameters=_THETA(500.0)),
+    # Ministral 3 (YaRN from 4 positions, so the query temperature changes along the prompts)
+    "mistral3": lambda: transformers.Ministral3Config(**_COMMON, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.5}),
+    # LFM2: two conv layers (their state a window of 3 rows of the cache) around an attention one
+    "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
+                                            layer_types=["conv", "full_attention", "conv", "conv"],
+                                            block_multiple_of=32, conv_bias=True),
 }
-_PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel subclasses
+_PERMUTED = ("granite", "smollm3", "mistral3")  # llama.cpp's LlamaModel subclasses
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -56,15 +65,24 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
+    if arch != "lfm2":
+        writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    if arch == "lfm2":  # conversion/lfm2.py: KV heads per layer (0: conv), the adjusted MLP width
+        writer.add_head_count_kv([c.num_key_value_heads if t != "conv" else 0 for t in c.layer_types])
+        writer.add_shortconv_l_cache(c.conv_L_cache)
+        writer.add_vocab_size(c.vocab_size)
+        ff = int(2 * c.intermediate_size / 3)
+        ff = c.block_multiple_of * -(-int(c.block_ffn_dim_multiplier * ff) // c.block_multiple_of)
+        writer.add_feed_forward_length(ff)
+    else:
+        writer.add_head_count_kv(c.num_key_value_heads)
     if arch in ("command-r", "cohere2"):  # LayerNorm: conversion/command_r.py
         writer.add_layer_norm_eps(c.layer_norm_eps)
         writer.add_logit_scale(c.logit_scale)
         writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     else:
-        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+        writer.add_layer_norm_rms_eps(c.norm_eps if arch == "lfm2" else c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (OLMo 3's per layer type)
     if arch != "phi3":
         writer.add_rope_freq_base(rope["rope_theta"])
@@ -107,6 +125,20 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
         default = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(c.num_hidden_layers)]
         if list(c.layer_types) != default:  # NOTE: the converter writes none (llama.cpp reads one)
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    elif arch == "mistral3":  # conversion/mistral3.py: the base class's YaRN keys, Ministral 3's two
+        writer.add_vocab_size(c.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        if c.model_type == "ministral3":
+            writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+            writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_bos_token_id(1)
@@ -132,6 +164,8 @@ def write_family_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType
             data = _permute(data, c.num_key_value_heads)
         if arch == "gemma2" and hf_name.endswith("norm.weight"):
             data = data + 1
+        if arch == "lfm2" and hf_name.endswith("conv.conv.weight"):
+            data = data.squeeze(1)  # [C, L]
         name = f"{name_map.get_name(base)}.{suffix}"
         quantizable = data.ndim == 2 and "embed" not in hf_name and "norm" not in hf_name  # (Cohere's q/k norms: 2-D)
         if qtype != gguf.GGMLQuantizationType.F32 and quantizable:

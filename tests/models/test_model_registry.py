@@ -10,6 +10,12 @@ from pagedserve.models.registry import MODEL_REGISTRY, get_model_class, supporte
 EXPECTED = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MinistralForCausalLM",
+    "Ministral3ForCausalLM",
+    "Mistral3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
@@ -23,6 +29,9 @@ EXPECTED = {
     "GlmForCausalLM",
     "SmolLM3ForCausalLM",
     "SeedOssForCausalLM",
+    "Exaone4ForCausalLM",
+    "Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "CohereForCausalLM",
@@ -34,7 +43,7 @@ EXPECTED = {
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
              "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM",
-             "Ernie4_5_MoeForCausalLM"}
+             "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM"}
 
 
 def test_registry_names():

@@ -3,8 +3,9 @@ per token; the token's output is their weighted sum (plus an optional shared exp
 
 - `MoERouting`: the routing rules as plain data (softmax / sigmoid scores, top-k, grouped top-k,
   renormalization, the correction bias used for selection only, the routed scaling factor,
-  gpt-oss's softmax over the selected logits). `MoERouting.from_config` reads HF config fields;
-  a family with other rules builds one itself. `select_experts(logits, routing, bias)` applies it.
+  gpt-oss's softmax over the selected logits, Phi-3.5-MoE's sparsemixer).
+  `MoERouting.from_config` reads HF config fields; a family with other rules builds one itself.
+  `select_experts(logits, routing, bias)` applies it.
 - `ExpertPlacement`: which experts this rank holds: all of them, each sharded along the
   intermediate dimension (tensor parallelism), or whole experts split across the ranks
   (`expert_parallel`: vLLM's `--enable-expert-parallel`).
@@ -42,7 +43,7 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.platforms import OpsUser
 
-SCORINGS = ("softmax", "sigmoid", "softmax_topk")
+SCORINGS = ("softmax", "sigmoid", "softmax_topk", "sparsemixer")
 GROUP_RULES = ("none", "max", "top2_sum")
 
 
@@ -51,8 +52,9 @@ class MoERouting:
     """How a token's experts and their weights follow from the router's logits `[T, E]`.
 
     - `scoring`: "softmax" (scores = softmax over all experts, Mixtral / Qwen / OLMoE /
-      DeepSeek-V2), "sigmoid" (DeepSeek-V3), or "softmax_topk" (gpt-oss: the top-k *logits* are
-      chosen, their weights are the softmax over those k alone).
+      DeepSeek-V2), "sigmoid" (DeepSeek-V3), "softmax_topk" (gpt-oss: the top-k *logits* are
+      chosen, their weights are the softmax over those k alone), or "sparsemixer" (Phi-3.5-MoE,
+      top-2 only: see `sparsemixer`; `jitter_eps` is its HF `router_jitter_noise`).
     - `renormalize`: the k chosen scores divided by their sum (HF `norm_topk_prob`); for sigmoid
       scores `renormalize_eps` is added to the sum (DeepSeek-V3: 1e-20).
     - grouped top-k: the experts form `num_groups` equal groups; only experts of the
@@ -78,10 +80,13 @@ class MoERouting:
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
     router_fp32: bool = False
+    jitter_eps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError(f"num_experts_per_tok must be >= 1, got {self.top_k}")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"sparsemixer routing picks 2 experts per token, got num_experts_per_tok {self.top_k}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoE scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if self.group_rule not in GROUP_RULES:
@@ -133,7 +138,9 @@ def select_experts(
     (`FusedMoE` passes its batch-invariant one, `invariant_sigmoid`)."""
     k = routing.top_k
     logits = logits.float()  # [T, E]
-    if routing.scoring == "softmax_topk":
+    if routing.scoring == "sparsemixer":
+        weights, ids = sparsemixer(logits, routing.jitter_eps)  # [T, 2]
+    elif routing.scoring == "softmax_topk":
         top, ids = torch.topk(logits, k, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)
     else:
@@ -159,6 +166,34 @@ def select_experts(
     if routing.routed_scaling_factor != 1.0:
         weights = weights * routing.routed_scaling_factor
     return weights, ids
+
+
+def sparsemixer(
+    logits: torch.Tensor,  # [T, E] fp32 router logits
+    jitter_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, 2] fp32, expert ids [T, 2] int64
+    """Phi-3.5-MoE's inference routing (HF's `sparsemixer` with `training=False`): two rounds,
+    each picking the best logit still available and weighing it by its softmax among the
+    logits *near* it only.
+
+    Round r takes `top` (the best logit not yet chosen) and drops every expert whose relative
+    gap `(top - s) / max(|s|, top)` exceeds `2 * jitter_eps` (and, in round 2, the round-1
+    expert), then weighs `top`'s expert by the softmax over what is left.
+    NOTE: unlike "softmax" + renormalize, the weights are not a split of one softmax: each is
+    its own round's masked softmax (near-ties share weight; a clear winner gets ~1 in round 1
+    and the runner-up ~1 in round 2), and the two need not sum to 1. The gap is measured
+    against the *unmasked* logits in both rounds, as HF does."""
+    weights, ids = [], []
+    available = logits  # [T, E]: round 2 without the round-1 expert
+    for _ in range(2):
+        top, idx = available.max(dim=-1, keepdim=True)  # [T, 1]
+        factor = logits.abs().clamp(min=top)  # [T, E]
+        far = ((top - logits) / factor) > 2 * jitter_eps  # [T, E]
+        gates = torch.softmax(available.masked_fill(far, float("-inf")), dim=-1)  # [T, E]
+        weights.append(gates.gather(-1, idx))
+        ids.append(idx)
+        available = available.scatter(-1, idx, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 def invariant_sigmoid(x: torch.Tensor, ops) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Frequencies follow `transformers.modeling_rope_utils` exactly (the same float32 arithmetic), for
 the rope types "default", "linear", "dynamic" (NTK), "llama3" (Llama 3.1), "yarn" (with
 `truncate`, `mscale` / `mscale_all_dim`, `attention_factor`) and "longrope" (Phi-3: short / long
-factors, its attention factor), over the whole head or its first `partial_rotary_factor` part.
+factors, its attention factor; Phi-3.5-MoE's `short_mscale` / `long_mscale`), over the whole head
+or its first `partial_rotary_factor` part.
 cos/sin are computed per step from the token positions in float32, multiplied by the type's
 attention factor, then cast to the activation dtype, as HF does. A type or option we do not
 implement is a ValueError naming it (`check_rope_parameters`).
@@ -33,7 +34,7 @@ _OPTIONS = {
     "dynamic": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
     "yarn": {"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
-    "longrope": {"factor", "attention_factor", "short_factor", "long_factor"},
+    "longrope": {"factor", "attention_factor", "short_factor", "long_factor", "short_mscale", "long_mscale"},
 }
 _REQUIRED = {
     "linear": ("factor",),
@@ -181,6 +182,12 @@ def _longrope_inv_freq(params: dict, base: float, dim: int, max_position_embeddi
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
     use_long = bool(seq_len and seq_len > original_max)
+    mscales = [params.get(k) for k in ("short_mscale", "long_mscale")]
+    if any(m is not None for m in mscales):  # Phi-3.5-MoE: the chosen set's factor replaces it
+        if None in mscales:
+            missing = "short_mscale" if mscales[0] is None else "long_mscale"
+            raise ValueError(f"rope_parameters has one of short_mscale / long_mscale but no {missing}")
+        attention_factor = mscales[1] if use_long else mscales[0]
     ext = params["long_factor"] if use_long else params["short_factor"]
     if len(ext) != dim // 2:
         which = "long_factor" if use_long else "short_factor"
@@ -307,7 +314,10 @@ class RotaryEmbedding(nn.Module):
       original length; a paged cache cannot, and mixing the two sets in one sequence is what
       HF's comment calls a failure. So our logits equal HF's for sequences on the chosen side:
       `max_model_len <= original_max_position_embeddings` (short), or sequences longer than it
-      (long).
+      (long). With `short_mscale` / `long_mscale` (Phi-3.5-MoE) the cos/sin factor is the chosen
+      set's. NOTE: HF 5.x's Phi-3.5-MoE rotary applies the long mscale past the original length
+      but keeps the *short* factors there (its forward recomputes `inv_freq` without the
+      sequence length); Microsoft's code and vLLM take the long factors with it, as we do.
     - "dynamic": the NTK base for p + 1 for a token at position p >= max_position_embeddings, per
       token (HF's for a decode step at p; the engine keeps positions below that limit anyway).
     NOTE: every token's cos/sin depend on its own position only, never on the batch, the chunking
@@ -339,7 +349,9 @@ class RotaryEmbedding(nn.Module):
         original = int(self.params.get("original_max_position_embeddings") or self.max_position_embeddings)
         self.uses_long_factors = max_model_len > original
         seq_len = original + 1 if self.uses_long_factors else None
-        inv_freq, _ = compute_inv_freq(self.params, self.head_dim, self.max_position_embeddings, seq_len)
+        # (the cos/sin factor follows the set where the config has one per set: Phi-3.5-MoE's)
+        inv_freq, self.attention_scaling = compute_inv_freq(self.params, self.head_dim,
+                                                            self.max_position_embeddings, seq_len)
         self.inv_freq = nn.Buffer(inv_freq.to(self.inv_freq.device), persistent=False)  # [R/2] fp32
 
     def _freqs(self, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, R/2] fp32

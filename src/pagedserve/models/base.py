@@ -243,3 +243,28 @@ class PagedCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF checkpoint tensors, named as in the checkpoint (safetensors names)."""
         load_named_weights(self, weights, rename=self._rename, transposed=self._transposed())
+
+
+class LMHeadBias:
+    """An LM head with a bias (`lm_head.bias`: ERNIE 4.5 MoE's `use_bias`, Phi-3.5-MoE's
+    `lm_head_bias`), added to the float32 logits on the rank that holds them (`[S, 0]` on the
+    others). Mixed in before the LM class, whose `__init__` calls `init_lm_head_bias`."""
+
+    lm_head_bias: nn.Parameter | None  # (set by init_lm_head_bias: a class default would block it)
+
+    def init_lm_head_bias(self, vocab_size: int, enabled: bool) -> None:
+        """`lm_head_bias` `[V]` when `enabled` (loaded from `lm_head.bias`), else None."""
+        self.lm_head_bias = nn.Parameter(torch.zeros(vocab_size)) if enabled else None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        logits = super().compute_logits(hidden)  # [S, V] (rank 0; [S, 0] on the other ranks)
+        if self.lm_head_bias is None or logits.shape[-1] == 0:
+            return logits
+        return logits.add_(self.lm_head_bias.float())
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
+        """As `PagedCausalLM.greedy_tokens`, except with an LM head bias: the logits then."""
+        return super().greedy_tokens(hidden) if self.lm_head_bias is None else None
+
+    def _rename(self, name: str) -> str | tuple | None:
+        return "lm_head_bias" if name == "lm_head.bias" else super()._rename(name)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from pagedserve.distributed.tp import TPContext
 from pagedserve.layers.moe import FusedMoE, MoERouting
+from pagedserve.models.base import LMHeadBias
 from pagedserve.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 from pagedserve.models.mixtral import MoECausalLM, MoEModel
 
@@ -42,7 +42,7 @@ class Ernie4_5_MoeModel(MoEModel):
     rope_interleaved = True
 
 
-class Ernie4_5_MoeForCausalLM(MoECausalLM):
+class Ernie4_5_MoeForCausalLM(LMHeadBias, MoECausalLM):
     """ERNIE 4.5 MoE decoder-only LM on a paged KV cache (see the module docstring)."""
 
     model_class = Ernie4_5_MoeModel
@@ -52,9 +52,7 @@ class Ernie4_5_MoeForCausalLM(MoECausalLM):
 
     def __init__(self, config: Any, **kwargs):
         super().__init__(config, **kwargs)
-        # the LM head's bias (`use_bias`), added to the logits
-        self.lm_head_bias = (nn.Parameter(torch.zeros(config.vocab_size))
-                             if getattr(config, "use_bias", False) else None)
+        self.init_lm_head_bias(config.vocab_size, bool(getattr(config, "use_bias", False)))
 
     @staticmethod
     def num_experts(config: Any) -> int:
@@ -83,16 +81,6 @@ class Ernie4_5_MoeForCausalLM(MoECausalLM):
                         act=config.hidden_act, shared_intermediate_size=shared, shared_act=config.hidden_act,
                         shared_bias=bias, tp=tp, expert_parallel=self.expert_placement.expert_parallel)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
-        logits = super().compute_logits(hidden)  # [S, V] (rank 0; [S, 0] on the other ranks)
-        if self.lm_head_bias is None or logits.shape[-1] == 0:
-            return logits
-        return logits.add_(self.lm_head_bias.float())
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64
-        """As `PagedCausalLM.greedy_tokens`, except with an LM head bias: the logits then."""
-        return super().greedy_tokens(hidden) if self.lm_head_bias is None else None
-
     def load_weights(self, weights) -> None:
         """ERNIE 4.5 MoE checkpoint tensors (HF names, or a GGUF file's mapped to them); the
         correction bias, stored `[1, E]`, as `[E]`."""
@@ -109,6 +97,4 @@ class Ernie4_5_MoeForCausalLM(MoECausalLM):
     def _rename(self, name: str) -> str | tuple | None:
         if name.startswith(("mtp", "model.mtp")):
             return None  # multi-token-prediction tensors (see the module docstring)
-        if name == "lm_head.bias":
-            return "lm_head_bias"
         return super()._rename(name)

@@ -27,6 +27,7 @@ from pagedserve.layers.norms import GemmaRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.models.base import DecoderStack, KVCache, PagedCausalLM
 from pagedserve.models.llama import FusableDecoderLayer, LlamaAttention, LlamaMLP
+from pagedserve.models.multimodal_text import TextOfMultimodal
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -146,29 +147,8 @@ class Gemma3ForCausalLM(PagedCausalLM):
         return self.final_logit_softcapping if self.apply_final_softcap else None
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(TextOfMultimodal, Gemma3ForCausalLM):
     """The text decoder of a multimodal Gemma 3 checkpoint (vision tower and projector weights are
     skipped; text-only inputs). Like HF's class, it applies no final logit softcapping."""
 
     apply_final_softcap = False
-    _RENAMES = (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("language_model.", "model."),
-    )
-    _SKIP = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
-
-    def __init__(self, config: Any, *, tp: TPContext = SINGLE):
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
-        super().__init__(text_config, tp=tp)
-        self.config = config
-
-    def _rename(self, name: str) -> str | None:
-        if name.startswith(self._SKIP):
-            return None
-        for old, new in self._RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        return super()._rename(name)

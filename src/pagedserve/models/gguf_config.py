@@ -20,8 +20,11 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
+    "phimoe",
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
     "command-r", "cohere2",  # Cohere: Command R / R+, Command R7B / A
+    "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
+    "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -29,8 +32,10 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
-                                       "cohere2")})
+                                        "phimoe", "cohere2")})
 _HF_MODEL_TYPE["command-r"] = "cohere"
+_HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
+_HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe")
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -45,6 +50,9 @@ _HF_ARCHITECTURE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -55,6 +63,7 @@ _HF_ARCHITECTURE = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -95,7 +104,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     hidden = int(_require(header, "embedding_length"))
     n_heads = int(_require(header, "attention.head_count"))
     n_kv = header.arch_key("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer counts (not used by our architectures)
+    layer_kv = None
+    if isinstance(n_kv, list) and arch in ("lfm2", "lfm2moe"):  # 0 on the short-convolution layers
+        layer_kv, n_kv = n_kv, max(n_kv)
+    if isinstance(n_kv, list):  # per-layer counts (not used by our other architectures)
         raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
     head_dim = header.arch_key("attention.key_length")
     if not head_dim and arch not in _PARTIAL_ROPE_ARCHS:  # there rope.dimension_count is the rotated part
@@ -110,6 +122,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         model_type = "mixtral"  # llama.cpp writes Mixtral as "llama" with experts
     if arch == "granitemoe" and header.arch_key("expert_shared_feed_forward_length"):
         model_type = "granitemoeshared"  # llama.cpp writes both as "granitemoe"
+    if arch == "mistral3" and header.arch_key("attention.temperature_scale") is not None:
+        model_type = "ministral3"  # Llama 4's query temperature: Ministral 3
     if arch == "olmo2" and header.arch_key("attention.sliding_window"):
         model_type = "olmo3"  # llama.cpp writes OLMo 3 as "olmo2" with sliding windows
 
@@ -134,11 +148,14 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["unk_token_id"] = unk
     if (theta := header.arch_key("rope.freq_base")) is not None:
         cfg["rope_theta"] = float(theta)
-    rope_scaling = None if arch == "phi3" else _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0))
+    rope_scaling = (None if arch in ("phi3", "phimoe")  # (their LongRoPE: _phi3_longrope)
+                    else _rope_scaling(header, head_dim, cfg.get("rope_theta", 10000.0)))
     if rope_scaling is not None:
         cfg["rope_scaling"] = rope_scaling
     if arch in _DENSE_FAMILY_CONFIG:
         _DENSE_FAMILY_CONFIG[arch](header, cfg)
+    if arch in ("lfm2", "lfm2moe"):
+        _lfm2_config(header, cfg, layer_kv)
 
     if model_type == "mistral":
         # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"
@@ -207,20 +224,55 @@ def _partial_rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 def _phi3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
-    """Phi-3: partial RoPE, LongRoPE from the `rope_factors_long` / `rope_factors_short` tensors
-    and `rope.scaling.original_context_length`; `sliding_window` (0: none), kept as HF keeps it
-    (NOTE: llama.cpp disables Phi-3's sliding window; HF applies it)."""
+    """Phi-3: partial RoPE, LongRoPE (`_phi3_longrope`); `sliding_window` (0: none), kept as HF
+    keeps it (NOTE: llama.cpp disables Phi-3's sliding window; HF applies it)."""
     _partial_rotary(header, cfg)
+    _phi3_longrope(header, cfg)
+    window = header.arch_key("attention.sliding_window")
+    cfg["sliding_window"] = int(window) if window else None
+
+
+def _phi3_longrope(header: GGUFHeader, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """LongRoPE as llama.cpp's Phi-3 converters write it (Phi-3, Phi-3.5-MoE): the
+    `rope_factors_long` / `rope_factors_short` tensors (-> `cfg["rope_scaling"]`, also returned;
+    None without them) and `rope.scaling.original_context_length`."""
     if (original := header.arch_key("rope.scaling.original_context_length")) is not None:
         cfg["original_max_position_embeddings"] = int(original)
     long, short = header.tensor("rope_factors_long.weight"), header.tensor("rope_factors_short.weight")
-    if long is not None and short is not None:
-        blob = np.memmap(header.path, dtype=np.uint8, mode="r")
-        cfg["rope_scaling"] = {
-            "rope_type": "longrope",
-            "long_factor": _read_tensor_f32(blob, long).tolist(),
-            "short_factor": _read_tensor_f32(blob, short).tolist(),
-        }
+    if long is None or short is None:
+        return None
+    blob = np.memmap(header.path, dtype=np.uint8, mode="r")
+    cfg["rope_scaling"] = {
+        "rope_type": "longrope",
+        "long_factor": _read_tensor_f32(blob, long).tolist(),
+        "short_factor": _read_tensor_f32(blob, short).tolist(),
+    }
+    return cfg["rope_scaling"]
+
+
+def _phimoe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Phi-3.5-MoE: the experts, q/k/v/o and LM head biases when the file has them, Phi-3's
+    LongRoPE and sliding window (kept as HF keeps it; llama.cpp's phimoe runs none).
+
+    NOTE: the file keeps neither `short_mscale` / `long_mscale` nor `router_jitter_noise`. Both
+    mscales become the converter's `rope.scaling.attn_factor` (what llama.cpp scales cos/sin by;
+    its default 1 without the key): HF's formula sqrt(1 + ln(max / original) / ln(original)),
+    1.1902 for Phi-3.5-MoE-instruct, whose config says 1.2432 -- that GGUF differs from its HF
+    folder there. The jitter eps is HF's default, 0.01 (Phi-3.5-MoE-instruct's)."""
+    names = {t.name for t in header.tensors}
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{header.path.name}: phimoe rope.dimension_count {rope_dims} != head_dim "
+                         f"{cfg['head_dim']} (partial RoPE is not Phi-3.5-MoE's)")
+    cfg["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    cfg["lm_head_bias"] = "output.bias" in names
+    cfg["num_local_experts"] = int(_require(header, "expert_count"))
+    cfg["num_experts_per_tok"] = int(_require(header, "expert_used_count"))
+    if (scaling := _phi3_longrope(header, cfg)) is not None:
+        mscale = float(header.arch_key("rope.scaling.attn_factor", 1.0))
+        scaling.update(short_mscale=mscale, long_mscale=mscale,
+                       original_max_position_embeddings=cfg.get("original_max_position_embeddings",
+                                                                cfg["max_position_embeddings"]))
     window = header.arch_key("attention.sliding_window")
     cfg["sliding_window"] = int(window) if window else None
 
@@ -324,6 +376,57 @@ def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
 
 
+def _mistral3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Mistral 3's text decoder (llama.cpp's "mistral3", Llama's layout): YaRN's `mscale_all_dim`
+    from `rope.scaling.yarn_log_multiplier` with `mscale` 1 (what llama.cpp assumes), and for
+    Ministral 3 (`attention.temperature_scale`) HF's one rope dict carrying the temperature's
+    beta, whose length is YaRN's original one (llama.cpp's floor scale: n_ctx_orig_yarn)."""
+    scaling = cfg.get("rope_scaling")
+    log_mul = header.arch_key("rope.scaling.yarn_log_multiplier")
+    if scaling is not None and scaling["rope_type"] == "yarn" and log_mul is not None:
+        scaling.update(mscale=1.0, mscale_all_dim=float(log_mul))
+    beta = header.arch_key("attention.temperature_scale")
+    if beta is None:
+        return
+    if scaling is None or "original_max_position_embeddings" not in scaling:
+        raise ValueError(f"{header.path.name}: attention.temperature_scale needs "
+                         "rope.scaling.original_context_length (its floor scale)")
+    cfg["rope_parameters"] = {"rope_theta": float(cfg.pop("rope_theta", 10000.0)),
+                              **cfg.pop("rope_scaling"), "llama_4_scaling_beta": float(beta)}
+
+
+def _lfm2_config(header: GGUFHeader, cfg: dict[str, Any], layer_kv: list[int] | None) -> None:
+    """LFM2 and LFM2-MoE: the layer types from the per-layer KV head counts (0: a short-
+    convolution layer), the convolution's length and bias, the MLP width as written (LFM2's
+    already adjusted), the RMS epsilon under HF's name; LFM2-MoE's experts and routing."""
+    n = cfg["num_hidden_layers"]
+    kv = layer_kv if layer_kv is not None else [cfg["num_key_value_heads"]] * n
+    if len(kv) != n:
+        raise ValueError(f"{header.path.name}: attention.head_count_kv has {len(kv)} entries for {n} layers")
+    if header.arch_key("attention.sliding_window"):  # llama.cpp's SWA variant: no HF config says it
+        raise ValueError(f"{header.path.name}: {header.architecture} attention.sliding_window is not supported")
+    cfg["layer_types"] = ["conv" if k == 0 else "full_attention" for k in kv]
+    cfg["conv_L_cache"] = int(_require(header, "shortconv.l_cache"))
+    cfg["conv_bias"] = any(t.name.endswith(".shortconv.in_proj.bias") for t in header.tensors)
+    cfg["norm_eps"] = cfg.pop("rms_norm_eps")
+    if header.architecture == "lfm2":
+        cfg["block_auto_adjust_ff_dim"] = False
+        return
+    # LFM2-MoE: llama.cpp always renormalizes the sigmoid top-k and reads the selection bias
+    # (exp_probs_b) as required; dense layers below leading_dense_block_count
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{header.path.name}: lfm2moe expert_gating_func {gating} (only 2, sigmoid, is LFM2's)")
+    cfg.update({
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "num_dense_layers": int(header.arch_key("leading_dense_block_count") or 0),
+        "use_expert_bias": any(t.name.endswith(".exp_probs_b.bias") for t in header.tensors),
+        "norm_topk_prob": True,
+        "routed_scaling_factor": float(header.arch_key("expert_weights_scale") or 1.0),
+    })
+
+
 def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """GLM-4.5 MoE: partial RoPE, q/k/v biases and q/k norms when the file has them, DeepSeek-V3's
     routing keys, and the block count without the multi-token-prediction layers llama.cpp's
@@ -368,12 +471,14 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     })
 
 
-# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE)
+# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE,
+# Phi-3.5-MoE)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
-                        "cohere2": _cohere_config}
+                        "cohere2": _cohere_config, "mistral3": _mistral3_config,
+                        "phimoe": _phimoe_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

@@ -211,7 +211,8 @@ def _convert_gguf_tokenizer(path: Path, config):
 # Weights
 # ---------------------------------------------------------------------------------------------
 
-_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_LEVEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                    "token_embd_norm": "model.embedding_norm"}  # (LFM2's final norm)
 _LLAMA_BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -246,6 +247,7 @@ _BLOCK_NAMES = {
     "olmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "granitemoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
     "ernie4_5-moe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
+    "phimoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},  # (its norms' biases: .bias of the same)
     # GLM-4.5 MoE: its post-attention (pre-MLP) norm is llama.cpp's post_attention_norm
     "glm4moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES,
                 "post_attention_norm": "post_attention_layernorm"},
@@ -263,7 +265,11 @@ _BLOCK_NAMES = {
 # dense families of issue 35 (the fused tensors keep their HF names: the models split them)
 _BLOCK_NAMES["phi3"] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_NAMES["gemma2"] = {k: v for k, v in _BLOCK_NAMES["gemma3"].items() if k not in _QK_NORM_NAMES}
-_BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _LLAMA_BLOCK_NAMES
+_BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _BLOCK_NAMES["mistral3"] = _LLAMA_BLOCK_NAMES
+# LFM2: the short convolution's tensors (the conv weight [C, L], as the model keeps it)
+_BLOCK_NAMES["lfm2"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, "shortconv.conv": "conv.conv",
+                        "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj"}
+_BLOCK_NAMES["lfm2moe"] = {**_BLOCK_NAMES["lfm2"], **_MOE_BLOCK_NAMES}
 # Seed-OSS: its pre-MLP norm is llama.cpp's post_attention_norm
 _BLOCK_NAMES["seed_oss"] = {**_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _BLOCK_NAMES["glm4"] = {
@@ -284,7 +290,7 @@ _BLOCK_NAMES["olmo2"] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2")
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -298,8 +304,8 @@ def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        leaf = _BLOCK_NAMES.get(architecture, {}).get(parts[2])
+    if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
+        leaf = _BLOCK_NAMES.get(architecture, {}).get(".".join(parts[2:]))  # (LFM2's have dots)
         if leaf is not None and leaf.endswith("e_score_correction_bias"):  # a bias, stored as .bias
             return f"model.layers.{int(parts[1])}.{leaf}"
         if leaf is not None:

@@ -114,10 +114,13 @@ class LlamaAttention(OpsUser, FusableLinears, nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [T, D]
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        q_scale: torch.Tensor | None = None,  # [T, 1, 1] in q's dtype (`models.ministral3`)
     ) -> torch.Tensor:  # [T, H]
         q, k, v = self.qkv_heads(x)
         q, k = norm_and_rotate(q, k, *rope, self.q_norm, self.k_norm, self.ops,
                                self.rope_interleaved)  # fused in place on CPU
+        if q_scale is not None:  # a per-token attention temperature, after RoPE (as HF)
+            q = q * q_scale  # [T, Hq, D]
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # [T, H]
 
 
@@ -203,8 +206,9 @@ class LlamaDecoderLayer(FusableDecoderLayer):
         return (self.input_layernorm, self.post_attention_layernorm, None, None)
 
     def unfused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:  # [T, H] -> [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+                meta: AttentionMetadata, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H] -> [T, H]; `q_scale`: the attention's per-token query scale (LlamaAttention)."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, q_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -284,3 +288,8 @@ class MistralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def sliding_windows(config: Any) -> list[int | None]:
         return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
+
+
+class MinistralForCausalLM(LlamaForCausalLM):
+    """Ministral (8B, 2410): Llama with a sliding window on the layers `config.layer_types` names
+    (HF's default: every layer when `sliding_window` is set)."""

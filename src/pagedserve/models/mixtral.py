@@ -169,7 +169,11 @@ class MixtralForCausalLM(MoECausalLM):
     def sliding_windows(config: Any) -> list[int | None]:
         return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
 
+    def routing(self, config: Any) -> MoERouting:
+        """The router's rules (Mixtral's: softmax, top-k renormalized; Phi-3.5-MoE: sparsemixer)."""
+        return MoERouting.from_config(config, renormalize=True)
+
     def make_mlp(self, config: Any, layer: int, tp: TPContext) -> nn.Module:
         return FusedMoE(config.hidden_size, config.intermediate_size, self.num_experts(config),
-                        MoERouting.from_config(config, renormalize=True), act=config.hidden_act,
+                        self.routing(config), act=config.hidden_act,
                         tp=tp, expert_parallel=self.expert_placement.expert_parallel)

@@ -9,6 +9,7 @@ from torch import nn
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
+from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
@@ -18,23 +19,36 @@ from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
-from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.models.lfm2 import Lfm2ForCausalLM
+from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
+from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
+from pagedserve.models.ministral3 import Ministral3ForCausalLM
+from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.olmo3 import Olmo3ForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
+from pagedserve.models.phimoe import PhiMoEForCausalLM, PhimoeForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedserve.models.qwen_vl import (
+    Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
 from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MinistralForCausalLM": MinistralForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
+    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
@@ -56,8 +70,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "PhimoeForCausalLM": PhimoeForCausalLM,
+    "PhiMoEForCausalLM": PhiMoEForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
@@ -90,6 +109,12 @@ POOLING_ALIASES: dict[str, str] = {
 _BY_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -109,8 +134,12 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "cohere": "CohereForCausalLM",
@@ -135,7 +164,9 @@ def get_model_class(config: Any) -> type[nn.Module]:
     for arch in archs:
         arch = POOLING_ALIASES.get(arch, arch)
         if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+            cls = MODEL_REGISTRY[arch]
+            # a multimodal wrapper picks its class by the text decoder's type
+            return cls.for_config(config) if hasattr(cls, "for_config") else cls
     raise ValueError(
         f"unsupported model architecture {archs or getattr(config, 'model_type', None)!r}; "
         f"supported: {', '.join(MODEL_REGISTRY)}"

@@ -29,6 +29,16 @@ def smollm3_rope_layers(config: Any) -> list[bool]:
     return [bool(f) for f in flags]
 
 
+def identity_rope_for(extras: list[tuple], use_rope: list[bool]) -> list[tuple]:
+    """Per-layer `(rope,)` extras with the layers of `use_rope` False given the identity
+    rotation (cos 1, sin 0: NoPE, bit for bit)."""
+    if all(use_rope):
+        return extras
+    cos, sin = extras[0][0]  # [T, D]
+    identity = (torch.ones_like(cos), torch.zeros_like(sin))
+    return [e if rope else (identity,) for e, rope in zip(extras, use_rope)]
+
+
 class SmolLM3Model(LlamaModel):
     """Llama's stack; the NoPE layers get identity cos/sin tables."""
 
@@ -38,11 +48,7 @@ class SmolLM3Model(LlamaModel):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x, extras = super().embed(input_ids, positions)
-        if all(self.use_rope):
-            return x, extras
-        cos, sin = extras[0][0]  # [T, D]
-        identity = (torch.ones_like(cos), torch.zeros_like(sin))
-        return x, [e if rope else (identity,) for e, rope in zip(extras, self.use_rope)]
+        return x, identity_rope_for(extras, self.use_rope)
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

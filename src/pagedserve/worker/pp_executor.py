@@ -71,6 +71,10 @@ class _Stage:
         self.output: torch.Tensor | None = None
         stack = model.backbone()
         layers = stack.decoder_layers()
+        if model.kv_cache_spec.num_layers != len(layers):  # stages split cache entries by layer
+            raise ValueError(f"pipeline_parallel_size > 1 needs one cache entry per layer; "
+                             f"{type(model).__name__} has {model.kv_cache_spec.num_layers} for "
+                             f"{len(layers)} layers (short-convolution state): not supported yet")
         for i in range(len(layers)):
             if not first <= i < last:
                 layers[i] = torch.nn.Identity()  # its weights freed: another stage runs it
