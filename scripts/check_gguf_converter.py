@@ -1,7 +1,7 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2) this builds a tiny random HF checkpoint (transformers
+ministral3, mistral3, lfm2, exaone4) this builds a tiny random HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
 each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
@@ -61,6 +61,9 @@ FAMILIES = {
     # Cohere 2 ("cohere2"): HF's default layer types (the converter writes no pattern: llama.cpp's
     # default is the same); its converter reads `rotary_pct`, which HF's config does not define
     "cohere2": lambda: transformers.Cohere2Config(**_COMMON, sliding_window=4, logit_scale=2.0, rotary_pct=1.0),
+    # EXAONE 4.0, hybrid: sliding layers with RoPE, every fourth global without
+    "exaone4": lambda: transformers.Exaone4Config(**_COMMON, head_dim=16, sliding_window=4,
+                                                  sliding_window_pattern=4),
     # Ministral 3: YaRN from 8 positions, so Llama 4's query temperature changes along the prompts
     "ministral3": lambda: transformers.Ministral3Config(**_COMMON, head_dim=16, rope_parameters=_MINISTRAL3_ROPE),
     # Mistral 3 (Ministral 3 / Devstral Small 2 checkpoints): that text decoder under a vision tower

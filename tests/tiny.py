@@ -147,7 +147,7 @@ _PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_po
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2", "ministral3", "lfm2")
+                  "cohere2", "ministral3", "lfm2", "exaone4")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -186,6 +186,9 @@ def _dense_family_config(tf, arch: str, common: dict):
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "llama_4_scaling_beta": 0.5})
+    if arch == "exaone4":  # a sliding layer (window 6) with RoPE, then a global one without
+        return tf.Exaone4Config(**base, head_dim=16, sliding_window=6,
+                                layer_types=["sliding_attention", "full_attention"])
     if arch == "lfm2":  # a conv layer (its state a window of 3 rows in the cache), then attention
         return tf.Lfm2Config(**{**base, "intermediate_size": 192}, layer_types=["conv", "full_attention"],
                              conv_L_cache=3, block_multiple_of=32)

@@ -41,6 +41,10 @@ CONFIGS = {
                                                    logit_scale=0.5, rope_parameters=_THETA(10000.0)),
     "cohere2": lambda: transformers.Cohere2Config(**_COMMON, sliding_window=4, logit_scale=0.25,
                                                   rope_parameters=_THETA(500.0)),
+    # EXAONE 4.0, hybrid: sliding layers with RoPE, global ones without (every second: the
+    # file's pattern must be read, llama.cpp's default is every fourth)
+    "exaone4": lambda: transformers.Exaone4Config(**_COMMON, head_dim=16, sliding_window=4,
+                                                  sliding_window_pattern=2),
     # Ministral 3 (YaRN from 4 positions, so the query temperature changes along the prompts)
     "mistral3": lambda: transformers.Ministral3Config(**_COMMON, head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
@@ -125,6 +129,12 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
         default = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(c.num_hidden_layers)]
         if list(c.layer_types) != default:  # NOTE: the converter writes none (llama.cpp reads one)
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    elif arch == "exaone4":  # conversion/exaone.py's Exaone4Model
+        writer.add_vocab_size(c.vocab_size)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     elif arch == "mistral3":  # conversion/mistral3.py: the base class's YaRN keys, Ministral 3's two
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)

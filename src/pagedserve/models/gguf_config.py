@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "command-r", "cohere2",  # Cohere: Command R / R+, Command R7B / A
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
     "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
+    "exaone4",
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -32,7 +33,7 @@ _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
-                                        "phimoe", "cohere2")})
+                                        "phimoe", "cohere2", "exaone4")})
 _HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
 _HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe")
@@ -51,6 +52,7 @@ _HF_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -327,6 +329,23 @@ def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
                                                     "rope_theta": float(swa) if swa else theta}}
 
 
+def _exaone4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """EXAONE 4.0: with `attention.sliding_window`, the layer types from its pattern (one flag per
+    layer; HF's default without one: every fourth layer global); without, every layer global."""
+    window = header.arch_key("attention.sliding_window")
+    n = cfg["num_hidden_layers"]
+    if not window:
+        cfg["sliding_window"] = None
+        cfg["layer_types"] = ["full_attention"] * n
+        return
+    pattern = header.arch_key("attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == n:
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+    cfg["sliding_window"] = int(window)
+
+
 def _seed_oss_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """Seed-OSS: its three bias switches, from the tensors the file has."""
     names = [t.name for t in header.tensors]
@@ -478,7 +497,7 @@ _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
                         "cohere2": _cohere_config, "mistral3": _mistral3_config,
-                        "phimoe": _phimoe_config}
+                        "phimoe": _phimoe_config, "exaone4": _exaone4_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

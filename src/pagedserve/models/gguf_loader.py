@@ -283,12 +283,14 @@ _BLOCK_NAMES["glm4"] = {
 # Command R+'s per-head q/k norms
 _BLOCK_NAMES["command-r"] = _BLOCK_NAMES["cohere2"] = {
     **{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k != "ffn_norm"}, **_QK_NORM_NAMES}
+# OLMo 2 (and EXAONE 4.0: its norms have the same names; its q/k norms are per head)
 _BLOCK_NAMES["olmo2"] = {
     **{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k not in ("attn_norm", "ffn_norm")},
     **_QK_NORM_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_BLOCK_NAMES["exaone4"] = _BLOCK_NAMES["olmo2"]
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2")
