@@ -33,10 +33,10 @@ def pixtral(**overrides):
                 num_attention_heads=2, image_size=28, patch_size=14, **overrides)
 
 
-def test_attention_temperature_is_none_below_the_original_length_and_hf_s_above():
+def test_attention_temperature_is_one_below_the_original_length_and_hf_s_above():
     from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
 
-    assert attention_temperature(torch.arange(16), 0.1, 16) is None
+    assert torch.equal(attention_temperature(torch.arange(16), 0.1, 16), torch.ones(16))
     assert attention_temperature(torch.arange(40), None, 16) is None
     pos = torch.tensor([0, 15, 16, 31, 32, 100])
     ours = attention_temperature(pos, 0.1, 16)
@@ -108,3 +108,25 @@ def test_mistral3_gguf_without_temperature_is_mistral_and_keeps_q8_0_blocks(hf_p
         ref = hf(input_ids=torch.tensor([tokens])).logits[0]  # [20, V]
     top5 = ref.topk(5, dim=-1).indices
     assert all(int(ours[i].argmax()) in top5[i].tolist() for i in range(len(tokens)))
+
+
+def test_ministral3_scales_queries_only_in_steps_past_the_original_length(hf_pair, prompts, monkeypatch):
+    """A step whose positions all lie below YaRN's original length runs the plain layer (the
+    fused decode path's case: every scale is exactly 1); a longer one multiplies q."""
+    from pagedserve.models.ministral3 import Ministral3DecoderLayer
+    from utils import PagedRunner
+
+    _, model, _ = hf_pair(ministral3_config(original=8))
+    scaled = []
+    unfused = Ministral3DecoderLayer.unfused
+
+    def spy(self, x, rope, kv_cache, meta, q_scale=None):
+        scaled.append(q_scale is not None)
+        return unfused(self, x, rope, kv_cache, meta, q_scale)
+
+    monkeypatch.setattr(Ministral3DecoderLayer, "unfused", spy)
+    runner = PagedRunner(model)
+    runner.step([(0, prompts(VOCAB, lengths=(6,))[0])])  # positions 0..5
+    assert scaled and not any(scaled)
+    runner.step([(0, [5, 6, 7])])  # positions 6..8: past 8 tokens of context
+    assert all(scaled[-2:])

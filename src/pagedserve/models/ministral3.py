@@ -27,17 +27,17 @@ _NOT_ROPE_KEYS = ("llama_4_scaling_beta", "max_position_embeddings")
 def attention_temperature(positions: torch.Tensor, beta: float | None,
                           original_max: int) -> torch.Tensor | None:  # [T] -> [T] fp32
     """Llama 4's per-position query scale (HF's `get_llama_4_attn_scale`, in its float32
-    arithmetic), or None where it is exactly 1 for every position (no beta, or every position
-    below `original_max`; on CUDA the scale is always computed: no host sync, graph capture)."""
-    if beta is None or positions.numel() == 0:
-        return None
-    if not positions.is_cuda and int(positions.max()) < original_max:
+    arithmetic; exactly 1 below `original_max`), or None without a beta."""
+    if beta is None:
         return None
     return 1 + beta * torch.log(1 + torch.floor(positions / original_max))  # [T] fp32
 
 
 class Ministral3DecoderLayer(LlamaDecoderLayer):
-    """Mistral's layer, called with the step's query scale (None: exactly 1)."""
+    """Mistral's layer, called with the step's query scale (None: no temperature)."""
+
+    # below this context length every query's scale is exactly 1 (set by the stack)
+    temperature_length: int = 0
 
     def forward(
         self,
@@ -48,8 +48,10 @@ class Ministral3DecoderLayer(LlamaDecoderLayer):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         # NOTE: the fused decode layer knows no query scale: a step whose positions all lie
-        # below the original length (scale exactly 1) may take it, any other runs the modules.
-        if q_scale is None:
+        # below the original length (every scale exactly 1, so q * scale is q bit for bit; the
+        # metadata's host-side max_seq_len says so without reading the device) may take the
+        # plain layer, any other multiplies.
+        if q_scale is None or 0 < meta.max_seq_len <= self.temperature_length:
             return super().forward(x, rope, kv_cache, meta)
         return self.unfused(x, rope, kv_cache, meta, q_scale)
 
@@ -64,6 +66,8 @@ class Ministral3Model(LlamaModel):
         self.temperature_beta = params.get("llama_4_scaling_beta")
         self.temperature_length = int(params.get("original_max_position_embeddings")
                                       or config.max_position_embeddings)
+        for layer in self.layers:
+            layer.temperature_length = self.temperature_length
         rope = {k: v for k, v in params.items() if k not in _NOT_ROPE_KEYS}
         return RotaryEmbedding(head_dim_of(config), rope, config.max_position_embeddings)
 
