@@ -315,11 +315,7 @@ def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     if not window:
         return
     n = cfg["num_hidden_layers"]
-    pattern = header.arch_key("attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) == n:
-        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+    cfg["layer_types"] = _window_layer_types(header, n)
     cfg["sliding_window"] = int(window)
     theta = float(cfg.pop("rope_theta", 10000.0))
     full = {"rope_type": "default", "rope_theta": theta, **(cfg.pop("rope_scaling", None) or {})}
@@ -327,6 +323,22 @@ def _olmo2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["rope_parameters"] = {"full_attention": full,
                               "sliding_attention": {"rope_type": "default",
                                                     "rope_theta": float(swa) if swa else theta}}
+
+
+def _window_layer_types(header: GGUFHeader, n: int, period: int = 4) -> list[str]:
+    """Each layer's type from `attention.sliding_window_pattern`, as llama.cpp reads it: one flag
+    per layer (True: sliding), or a period (every `period`-th layer full; 0: every layer
+    sliding); `period` when the file has none."""
+    pattern = header.arch_key("attention.sliding_window_pattern", period)
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ValueError(f"{header.path.name}: attention.sliding_window_pattern has {len(pattern)} flags "
+                             f"for {n} layers")
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern
+        period = int(pattern)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _exaone4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -338,11 +350,7 @@ def _exaone4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
         cfg["sliding_window"] = None
         cfg["layer_types"] = ["full_attention"] * n
         return
-    pattern = header.arch_key("attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) == n:
-        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+    cfg["layer_types"] = _window_layer_types(header, n)
     cfg["sliding_window"] = int(window)
 
 
@@ -378,15 +386,7 @@ def _cohere_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
         return
     n = cfg["num_hidden_layers"]
     cfg["sliding_window"] = int(_require(header, "attention.sliding_window"))
-    pattern = header.arch_key("attention.sliding_window_pattern", 4)
-    if isinstance(pattern, list):
-        if len(pattern) != n:
-            raise ValueError(f"{name}: attention.sliding_window_pattern has {len(pattern)} flags for {n} layers")
-        sliding = [bool(p) for p in pattern]
-    else:  # llama.cpp's set_swa_pattern: a period (0: every layer sliding)
-        period = int(pattern)
-        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
-    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    cfg["layer_types"] = _window_layer_types(header, n)
 
 
 def _smollm3_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
