@@ -1,5 +1,5 @@
 """Check llama.cpp's real converter output for DeepSeek V2 (MLA), gpt-oss, Granite MoE Shared,
-GLM-4.5 MoE, ERNIE 4.5 MoE and Phi-3.5-MoE against HF.
+GLM-4.5 MoE, ERNIE 4.5 MoE, Phi-3.5-MoE and Llama 4 against HF.
 
 Builds the tests' tiny random checkpoints (tests/tiny.py; gpt-oss also with MXFP4 experts as
 OpenAI ships them), converts each with the llama.cpp tree's convert_hf_to_gguf.py (f32, q8_0; the
@@ -9,7 +9,7 @@ transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs
 tree (../shared/tools/build-llama-server.sh); CI does not run it.
 
     python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check] \
-        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe lfm2_moe phimoe]
+        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe lfm2_moe phimoe llama4]
 
 Phi-3.5-MoE: the converter registers Microsoft's architecture name, `PhiMoEForCausalLM` (its
 checkpoints' config.json), so the folder converted says that (transformers saves
@@ -18,6 +18,11 @@ short side, HF's choice for such short sequences). Its q8_0 file is compared wit
 weights Q8_0 rounds them to (`q8_0_reference`): sparsemixer weighs each of its two experts ~1,
 so Q8_0's noise alone, flipping a near-tied second expert, moves the tiny model's tokens (HF's
 own greedy tokens change with those weights).
+
+Llama 4: llama.cpp's file keeps neither the NoPE layout, the attention chunk, the temperature's
+floor scale / scale nor the MoE layer list (its fixed values, models/gguf_config.py): the tiny
+checkpoint is built with those (`LLAMA4_AS_LLAMA_CPP`: every 4th layer NoPE, experts every 2nd,
+chunks and floor scale 8192, scale 0.1, Scout's Llama 3 RoPE whose `rope_freqs` we read back).
 """
 
 from __future__ import annotations
@@ -78,6 +83,15 @@ def mxfp4_checkpoint(src: Path, dst: Path) -> Path:
     return ref_dir
 
 
+# Llama 4 as llama.cpp reads it (see the module docstring)
+LLAMA4_AS_LLAMA_CPP = dict(
+    moe_layers=[1, 3], interleave_moe_layer_step=2, no_rope_layers=[1, 1, 1, 0],
+    layer_types=["chunked_attention"] * 3 + ["full_attention"], attention_chunk_size=8192, floor_scale=8192,
+    attn_scale=0.1, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                     "original_max_position_embeddings": 8192})
+
+
 def q8_0_reference(hf):
     """`hf` with every 2-D weight but the routers' rounded as the converter's q8_0 stores it."""
     import gguf
@@ -96,7 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
-    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe", "lfm2_moe", "phimoe"]
+    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe", "lfm2_moe", "phimoe", "llama4"]
     parser.add_argument("--archs", nargs="*", default=archs, choices=archs)
     args = parser.parse_args()
     import tiny
@@ -109,7 +123,7 @@ def main() -> int:
     prompts = [[1, 17, 200, 33, 5, 90, 41], [1, 300, 2, 7, 77, 150, 9, 11, 12, 13, 400]]
     cases = []  # (name, HF reference folder, folder to convert, outtype)
     for arch in args.archs:
-        src = tiny.make_checkpoint(out / arch, arch)
+        src = tiny.make_checkpoint(out / arch, arch, **(LLAMA4_AS_LLAMA_CPP if arch == "llama4" else {}))
         if arch == "phimoe":  # (see the module docstring)
             cfg = json.loads((src / "config.json").read_text())
             (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["PhiMoEForCausalLM"]}))

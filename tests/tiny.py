@@ -113,6 +113,15 @@ def config_for(arch: str, **overrides):
                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                               num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                               max_position_embeddings=512, rope_parameters=_PHIMOE_ROPE, **common)
+    elif arch == "llama4":  # RoPE (pairs, L2 q/k norm) / NoPE (temperature from position 3) layers,
+        # each dense and with sigmoid top-1 experts on their input + a shared expert; chunked
+        # attention of 256 (the engine serves 256 tokens: models/llama4.py)
+        cfg = tf.Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, num_local_experts=8, num_experts_per_tok=1,
+                                  moe_layers=[1, 2], no_rope_layers=[1, 0, 1, 0], floor_scale=4,
+                                  attn_scale=0.5, attention_chunk_size=256, rope_parameters=_LLAMA4_ROPE,
+                                  max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE
@@ -144,6 +153,9 @@ _PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_po
                 "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
                 "short_mscale": 1.5 ** 0.5, "long_mscale": 1.5 ** 0.5}
+
+_LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",

@@ -6,7 +6,8 @@ llama.cpp merges each layer's experts into 3-D tensors `blk.N.ffn_{gate,up,down}
 `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`, and stores `expert_count`, `expert_used_count`,
 `expert_feed_forward_length`, `expert_shared_feed_forward_length` (and `attention.clamp_kqv`).
 Mixtral is architecture "llama" (Q/K rows permuted), with the experts; Phi-3.5-MoE "phimoe", its
-LongRoPE as Phi-3's converter writes it (`_phimoe_keys`).
+LongRoPE as Phi-3's converter writes it (`_phimoe_keys`); Llama 4 "llama4", its fused experts
+split and its Llama 3 RoPE as the `rope_freqs` tensor (`_llama4_keys`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
          "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
          "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
-         "phimoe": gguf.MODEL_ARCH.PHIMOE}
+         "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -106,10 +107,60 @@ def _phimoe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
     writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
+def split_llama4(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Llama 4's fused experts as conversion/llama.py's Llama4Model splits them:
+    `experts.gate_up_proj` `[E, H, 2I]` -> `experts.gate_proj` / `up_proj` `[E, I, H]`,
+    `experts.down_proj` `[E, I, H]` -> `[E, H, I]` (named `<prefix>.experts.<leaf>.weight`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = t.transpose(-1, -2).split(t.shape[-1] // 2, dim=-2)
+            stem = name[: -len("gate_up_proj")]
+            out[f"{stem}gate_proj.weight"], out[f"{stem}up_proj.weight"] = gate, up
+        elif name.endswith(".experts.down_proj"):
+            out[name + ".weight"] = t.transpose(-1, -2)
+        else:
+            out[name] = t
+    return out
+
+
+def _llama4_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    """What conversion/llama.py's LlamaModel and Llama4Model add: the vocabulary size, the
+    experts' width and interleave step, and Llama 3's RoPE as per-frequency divisors
+    (`rope_freqs`, its generate_extra_tensors)."""
+    import math
+
+    from pagedserve.layers.rotary import rope_parameters
+
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_interleave_moe_layer_step(config.interleave_moe_layer_step)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    rope = rope_parameters(config)
+    if rope["rope_type"] != "llama3":
+        return
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old, low, high = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                      rope["high_freq_factor"])
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
-                   types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+                   types: dict[str, gguf.GGMLQuantizationType] | None = None, extra=None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
-    type per substring of the HF name (first match; default F32)."""
+    type per substring of the HF name (first match; default F32); `extra(writer)` adds keys."""
     arch = ARCHS[family]
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"tiny {family}")
@@ -118,7 +169,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     # GLM-4.5's converter counts its multi-token-prediction layers in (none in a tiny checkpoint)
     nextn = getattr(config, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
     writer.add_block_count(config.num_hidden_layers + nextn)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # (Llama 4's converter writes the dense layers' width here, the experts' below)
+    writer.add_feed_forward_length(config.intermediate_size_mlp if family == "llama4" else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if family == "lfm2_moe":  # conversion/lfm2.py's LFM2MoeModel: KV heads per layer (0: conv)
         writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
@@ -136,7 +188,10 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
 
     writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if family in _PERMUTED or family == "phimoe":
+    if family == "llama4":
+        _llama4_keys(writer, config, head_dim)
+        state = split_llama4(state)
+    elif family in _PERMUTED or family == "phimoe":
         writer.add_rope_dimension_count(head_dim)
     elif family in ("glm4_moe", "ernie4_5_moe"):
         writer.add_key_length(head_dim)
@@ -180,6 +235,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         if getattr(config, "shared_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
         state = split_granite(state, config)
+    if extra is not None:
+        extra(writer)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(1)

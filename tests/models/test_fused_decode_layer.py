@@ -66,17 +66,18 @@ def kernel():
         pytest.skip("CPU kernels unavailable here (no AVX2, no compiler, or disabled)")
 
 
-def _count_fused_calls(monkeypatch) -> list[bool]:
-    """Record, per call of the fused layer, whether it ran (not None)."""
+def _count_fused_calls(monkeypatch, kernel: str = "decoder_layer") -> list[bool]:
+    """Record, per call of the fused layer (`kernel` "decoder_layer_attn": its attention half),
+    whether it ran (not None)."""
     calls = []
-    real = cpu_decoder_layer.decoder_layer
+    real = getattr(cpu_decoder_layer, kernel)
 
     def counting(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(cpu_decode, "decoder_layer", counting)
+    monkeypatch.setattr(cpu_decode, kernel, counting)
     return calls
 
 
@@ -290,14 +291,7 @@ def test_moe_layers_attention_half_fused_equals_the_modules_bit_for_bit(kernel, 
     if quantized:
         _quantize_projections(model, mlp=False)
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in ((7, 3, 11) + ((5, 2, 8, 4, 6, 9) if quantized else ()))]
-    calls, real = [], cpu_decoder_layer.decoder_layer_attn
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_decode, "decoder_layer_attn", counting)
+    calls = _count_fused_calls(monkeypatch, "decoder_layer_attn")
     fused = _run(model, prompts, steps=2)
     assert calls and all(calls) and len(calls) == 2 * config.num_hidden_layers, calls
     monkeypatch.setattr(cpu_decode, "fused_decode_attention", lambda *a: None)
@@ -320,3 +314,27 @@ def test_moe_layers_whose_attention_does_not_declare_the_fused_half_run_their_mo
     monkeypatch.setattr(cpu_decode, "decoder_layer_attn", lambda *a, **k: calls.append(1))
     _run(model, [[1, 2, 3], [4, 5]], steps=2)
     assert not calls
+
+
+@pytest.mark.parametrize("floor_scale", [64, 4], ids=["temperature-1", "temperature"])
+def test_llama4_nope_layers_attention_half_fused_equals_the_modules_bit_for_bit(kernel, floor_scale,
+                                                                               monkeypatch):
+    """Llama 4: a NoPE layer's attention (no RoPE -- the identity tables --, no q/k norm) runs
+    as the fused half on decode steps whose query temperature is exactly 1 (every position
+    below floor_scale - 1); past it, and on the RoPE layers (pairs in float32, L2 norm after
+    RoPE) always, the modules. Logits equal the modules' either way."""
+    config = transformers.Llama4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1, moe_layers=[1, 2],
+        no_rope_layers=[1, 0, 1, 0], floor_scale=floor_scale, attn_scale=0.5)
+    torch.manual_seed(0)
+    model = load_model(config, weights=None, dtype=torch.bfloat16, seed=0)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (7, 3, 11)]
+    calls = _count_fused_calls(monkeypatch, "decoder_layer_attn")
+    fused = _run(model, prompts, steps=2)
+    # the two NoPE layers of each decode step, and only while the temperature is 1
+    assert calls == ([True] * 4 if floor_scale == 64 else []), calls
+    monkeypatch.setattr(cpu_decode, "fused_decode_attention", lambda *a: None)
+    modules = _run(model, prompts, steps=2)
+    for step, (a, b) in enumerate(zip(fused, modules)):
+        assert torch.equal(a, b), f"llama4: decode step {step} differs"

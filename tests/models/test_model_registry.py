@@ -43,7 +43,8 @@ EXPECTED = {
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
              "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM",
-             "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM"}
+             "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM",
+             "Llama4ForCausalLM", "Llama4ForConditionalGeneration"}
 
 
 def test_registry_names():
@@ -57,6 +58,10 @@ def test_get_model_class_by_architectures_or_model_type():
     config = transformers.LlamaConfig(architectures=["SomethingElse", "LlamaForCausalLM"])
     assert get_model_class(config) is LlamaForCausalLM
     assert get_model_class(transformers.Gemma3TextConfig()) is Gemma3ForCausalLM  # no architectures
+    from pagedserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
+
+    assert get_model_class(transformers.Llama4TextConfig()) is Llama4ForCausalLM
+    assert get_model_class(transformers.Llama4Config()) is Llama4ForConditionalGeneration
 
 
 def test_unsupported_architecture_lists_supported_ones():

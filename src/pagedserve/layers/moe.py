@@ -3,7 +3,8 @@ per token; the token's output is their weighted sum (plus an optional shared exp
 
 - `MoERouting`: the routing rules as plain data (softmax / sigmoid scores, top-k, grouped top-k,
   renormalization, the correction bias used for selection only, the routed scaling factor,
-  gpt-oss's softmax over the selected logits, Phi-3.5-MoE's sparsemixer).
+  gpt-oss's softmax over the selected logits, Phi-3.5-MoE's sparsemixer, Llama 4's sigmoid of the
+  selected logits weighing the expert's input).
   `MoERouting.from_config` reads HF config fields; a family with other rules builds one itself.
   `select_experts(logits, routing, bias)` applies it.
 - `ExpertPlacement`: which experts this rank holds: all of them, each sharded along the
@@ -43,7 +44,7 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.platforms import OpsUser
 
-SCORINGS = ("softmax", "sigmoid", "softmax_topk", "sparsemixer")
+SCORINGS = ("softmax", "sigmoid", "softmax_topk", "sparsemixer", "sigmoid_topk")
 GROUP_RULES = ("none", "max", "top2_sum")
 
 
@@ -54,7 +55,8 @@ class MoERouting:
     - `scoring`: "softmax" (scores = softmax over all experts, Mixtral / Qwen / OLMoE /
       DeepSeek-V2), "sigmoid" (DeepSeek-V3), "softmax_topk" (gpt-oss: the top-k *logits* are
       chosen, their weights are the softmax over those k alone), or "sparsemixer" (Phi-3.5-MoE,
-      top-2 only: see `sparsemixer`; `jitter_eps` is its HF `router_jitter_noise`).
+      top-2 only: see `sparsemixer`; `jitter_eps` is its HF `router_jitter_noise`), or
+      "sigmoid_topk" (Llama 4: the top-k *logits* are chosen, their weights are their sigmoids).
     - `renormalize`: the k chosen scores divided by their sum (HF `norm_topk_prob`); for sigmoid
       scores `renormalize_eps` is added to the sum (DeepSeek-V3: 1e-20).
     - grouped top-k: the experts form `num_groups` equal groups; only experts of the
@@ -67,6 +69,9 @@ class MoERouting:
     - `router_bias`: the router's linear has a bias (gpt-oss).
     - `router_fp32`: the router weight is kept in float32 and the logits computed in float32
       whatever the model dtype (DeepSeek).
+    - `weight_on_input`: the weight scales the routed expert's *input* (`expert(x * w)`, cast to
+      the model dtype first), its output is added unweighted (Llama 4; vLLM's
+      `apply_router_weight_on_input`). Top-1 only: see `FusedMoE.forward`.
     """
 
     top_k: int
@@ -81,10 +86,14 @@ class MoERouting:
     router_bias: bool = False
     router_fp32: bool = False
     jitter_eps: float = 0.0
+    weight_on_input: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
             raise ValueError(f"num_experts_per_tok must be >= 1, got {self.top_k}")
+        if self.weight_on_input and self.top_k != 1:
+            raise ValueError("routing weights on the experts' input are implemented for one expert "
+                             f"per token, got num_experts_per_tok {self.top_k}")
         if self.scoring == "sparsemixer" and self.top_k != 2:
             raise ValueError(f"sparsemixer routing picks 2 experts per token, got num_experts_per_tok {self.top_k}")
         if self.scoring not in SCORINGS:
@@ -143,6 +152,9 @@ def select_experts(
     elif routing.scoring == "softmax_topk":
         top, ids = torch.topk(logits, k, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)
+    elif routing.scoring == "sigmoid_topk":
+        top, ids = torch.topk(logits, k, dim=-1)  # [T, k]
+        weights = sigmoid(top)  # [T, k]
     else:
         scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else sigmoid(logits)
         choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
@@ -463,7 +475,14 @@ class FusedMoE(OpsUser, nn.Module):
         logits = self.gate(x)  # [T, E]
         weights, ids = select_experts(logits, self.routing, self.gate.e_score_correction_bias,
                                       lambda v: invariant_sigmoid(v, self.ops))
-        y = self.experts(x, weights, ids, down_bias=self.tp.rank == 0)  # [T, H] fp32
+        routed_in = x
+        if self.routing.weight_on_input:
+            # NOTE: exact for one expert per token only (MoERouting refuses more): the token's
+            # input scaled by its one weight (in the model dtype, as HF's Llama 4), then that
+            # expert's output weighed by exactly 1 (x * 1.0 is x: the weighted sum is the output)
+            routed_in = x * weights.to(x.dtype)  # [T, H] * [T, 1]
+            weights = torch.ones_like(weights)  # [T, 1]
+        y = self.experts(routed_in, weights, ids, down_bias=self.tp.rank == 0)  # [T, H] fp32
         if self.shared_expert is not None:
             s = self.shared_expert(x)  # [T, H]
             if self.shared_expert_gate is not None:

@@ -42,6 +42,22 @@ class RMSNorm(OpsUser, nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
+class WeightlessRMSNorm(nn.Module):
+    """RMSNorm without a weight, `x / rms(x)` over the last dimension in float32, cast back
+    (Llama 4's per-head "L2 norm" of q and k: HF's `Llama4TextWeightlessRMSNorm`)."""
+
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
 class GemmaRMSNorm(OpsUser, nn.Module):
     """Gemma RMSNorm: the stored weight is an offset, `x / rms(x) * (1 + weight)`, all in float32,
     then cast to the input dtype."""

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
     "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
     "exaone4",
+    "llama4",  # Llama 4's text decoder
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -36,7 +37,7 @@ _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smol
                                         "phimoe", "cohere2", "exaone4")})
 _HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
-_HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe")
+_HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe", llama4="llama4_text")
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -66,6 +67,7 @@ _HF_ARCHITECTURE = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -490,6 +492,40 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     })
 
 
+def _llama4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Llama 4 (conversion/llama.py's Llama4Model): its `feed_forward_length` is HF's
+    `intermediate_size_mlp` (the dense layers'), `expert_feed_forward_length` the experts' (and
+    the shared expert's) `intermediate_size`; experts every `interleave_moe_layer_step`-th layer.
+
+    NOTE: the file keeps none of the NoPE layout, the attention chunk, the temperature or the
+    q/k norm flag: llama.cpp fixes them (src/models/llama4.cpp) and so do we -- every 4th layer
+    NoPE, chunks of 8192, floor_scale 8192, attn_scale 0.1, the q/k norm unless 128 experts
+    (Maverick) -- except with `attention.sliding_window` 0 (every layer full attention with
+    RoPE, as llama.cpp reads it)."""
+    experts = int(_require(header, "expert_count"))
+    cfg["intermediate_size_mlp"] = cfg["intermediate_size"]
+    cfg.update({
+        "intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "num_local_experts": experts,
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "interleave_moe_layer_step": int(header.arch_key("interleave_moe_layer_step") or 1),
+        "moe_layers": None,
+        "attention_bias": any(t.name.endswith(".attn_q.bias") for t in header.tensors),
+        "use_qk_norm": experts != 128,
+    })
+    theta_swa = header.arch_key("rope.freq_base_swa")
+    if theta_swa is not None and float(theta_swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{header.path.name}: llama4 rope.freq_base_swa {theta_swa} differs from "
+                         f"rope.freq_base (one RoPE for every layer is supported)")
+    n = cfg["num_hidden_layers"]
+    window = header.arch_key("attention.sliding_window")
+    if window is not None and int(window) == 0:
+        cfg.update(no_rope_layers=[1] * n, layer_types=["full_attention"] * n)
+        return
+    cfg.update(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, attn_temperature_tuning=True,
+               no_rope_layer_interval=4, no_rope_layers=None, layer_types=None)
+
+
 # per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE,
 # Phi-3.5-MoE)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
@@ -497,7 +533,7 @@ _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
                         "cohere2": _cohere_config, "mistral3": _mistral3_config,
-                        "phimoe": _phimoe_config, "exaone4": _exaone4_config}
+                        "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -535,27 +571,25 @@ def _llama3_rope_scaling_from_factors(
     """Recover HF's llama3 rope parameters from llama.cpp's per-frequency `rope_freqs` factors.
 
     llama.cpp's converter bakes Llama 3.x's rope scaling into one divisor per frequency; the four
-    parameters it was computed from are not stored. Meta's released models all use low/high
-    frequency factors 1 and 4 and an original context of 8192, with `factor` the largest divisor:
-    try those, and accept them only if they reproduce the stored factors.
+    parameters it was computed from are not stored. Meta's released models use an original
+    context of 8192 with low/high frequency factors 1 and 4 (Llama 3.1 - 3.3) or 1 and 1 (Llama 4
+    Scout), with `factor` the largest divisor: try those, and accept the first that reproduces
+    the stored factors.
     """
     factor = float(factors.max())
-    candidate = {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [head_dim // 2]
     wavelen = 2 * math.pi / inv_freq
-    old_ctx, low, high = 8192.0, 1.0, 4.0
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    expected = torch.where(
-        wavelen < old_ctx / high,
-        torch.ones_like(wavelen),
-        torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), 1 / ((1 - smooth) / factor + smooth)),
-    )  # [head_dim // 2]
-    if factors.shape != expected.shape or not torch.allclose(factors, expected, rtol=1e-4, atol=1e-4):
-        raise ValueError(f"{file_name}: rope_freqs.weight does not match Llama 3 rope scaling; not supported")
-    return candidate
+    old_ctx = 8192.0
+    for low, high in ((1.0, 4.0), (1.0, 1.0)):
+        # (low == high: the smooth band is empty; its formula would divide by 0)
+        smooth = (old_ctx / wavelen - low) / (high - low) if high != low else torch.zeros_like(wavelen)
+        expected = torch.where(
+            wavelen < old_ctx / high,
+            torch.ones_like(wavelen),
+            torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor),
+                        1 / ((1 - smooth) / factor + smooth)),
+        )  # [head_dim // 2]
+        if factors.shape == expected.shape and torch.allclose(factors, expected, rtol=1e-4, atol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": 8192}
+    raise ValueError(f"{file_name}: rope_freqs.weight does not match Llama 3 rope scaling; not supported")

@@ -270,6 +270,8 @@ _BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _BLOCK_NAMES["mistral3"] = _
 _BLOCK_NAMES["lfm2"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, "shortconv.conv": "conv.conv",
                         "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj"}
 _BLOCK_NAMES["lfm2moe"] = {**_BLOCK_NAMES["lfm2"], **_MOE_BLOCK_NAMES}
+# Llama 4: Llama's names with experts (Q/K not permuted: its RoPE is on pairs, as llama.cpp's)
+_BLOCK_NAMES["llama4"] = {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES}
 # Seed-OSS: its pre-MLP norm is llama.cpp's post_attention_norm
 _BLOCK_NAMES["seed_oss"] = {**_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _BLOCK_NAMES["glm4"] = {

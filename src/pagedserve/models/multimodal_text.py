@@ -42,6 +42,9 @@ class TextOfMultimodal:
             # own config), whatever the text config says: Mistral 3's defaults differ.
             text = copy.copy(text)
             text.tie_word_embeddings = bool(config.tie_word_embeddings)
+        if getattr(config, "enable_expert_parallel", False):  # (the executor sets it on the
+            text = copy.copy(text)  # outer config: an MoE text decoder reads its own)
+            text.enable_expert_parallel = True
         super().__init__(text, tp=tp)
         self.config = config
 

@@ -22,6 +22,7 @@ from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
+from pagedserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from pagedserve.models.ministral3 import Ministral3ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
@@ -84,6 +85,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -147,6 +150,8 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
 }
 
 
@@ -171,3 +176,10 @@ def get_model_class(config: Any) -> type[nn.Module]:
         f"unsupported model architecture {archs or getattr(config, 'model_type', None)!r}; "
         f"supported: {', '.join(MODEL_REGISTRY)}"
     )
+
+
+def context_limit(config: Any) -> int | None:
+    """The longest context the model class for `config` serves exactly (a class's
+    `context_limit(config)`: Llama 4's attention chunk), or None: its position limit alone."""
+    limit = getattr(get_model_class(config), "context_limit", None)
+    return None if limit is None else limit(config)
