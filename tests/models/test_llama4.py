@@ -73,12 +73,12 @@ def test_llama4_conditional_generation_text_decoder_matches_hf(hf_pair, check_hf
     check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 30)))
 
 
-def test_attention_temperature_is_hfs_and_none_below_the_floor_scale():
+def test_attention_temperature_is_hfs_and_exactly_one_below_the_floor_scale():
     pos = torch.tensor([0, 2, 3, 4, 7, 8, 100, 8191, 9000])
     want = torch.log1p(torch.floor((pos.float() + 1.0) / 8)) * 0.1 + 1.0  # HF's expression
     assert torch.equal(attention_temperature(pos, 8, 0.1)[:, 0, 0], want)
-    assert attention_temperature(torch.arange(7), 8, 0.1) is None  # p + 1 < 8: exactly 1
-    assert attention_temperature(torch.arange(8), 8, 0.1) is not None
+    assert torch.equal(attention_temperature(torch.arange(7), 8, 0.1), torch.ones(7, 1, 1))  # p + 1 < 8
+    assert attention_temperature(torch.arange(8), 8, 0.1)[7, 0, 0] > 1
 
 
 def test_llama4_input_weighted_top1_routing_is_hfs_moe_block():

@@ -18,6 +18,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.spec_decode import make_spec_decoder, record_spec_rows
 from pagedserve.core.step_input import StepInput
+from pagedserve.engine.context_length import served_max_model_len
 from pagedserve.engine.pooling import (check_pooling_fits, check_runner, hidden_size,
                                        pooling_spec, resolve_runner)
 from pagedserve.engine.detokenizer import (
@@ -57,34 +58,6 @@ logger = logging.getLogger(__name__)
 
 def _text_config(config):
     return getattr(config, "text_config", None) or config
-
-
-def _max_model_len(requested: int | None, config, text_config) -> int:
-    """The context served: `requested` (EngineArgs.max_model_len), else the model's limit.
-    ValueError (before the model loads) past `max_position_embeddings`, or past what the model
-    class serves exactly (`models.registry.context_limit`: Llama 4's attention_chunk_size, whose
-    class names it in its own error); without `requested`, the smaller of the two."""
-    from pagedserve.models.registry import context_limit, get_model_class
-
-    max_pos = int(getattr(text_config, "max_position_embeddings", None) or 2048)
-    limit = context_limit(config)
-    if requested is None and limit is not None and limit < max_pos:
-        logger.warning("max_model_len defaults to %d, the longest context %s serves exactly (its "
-                       "max_position_embeddings is %d)", limit, type(text_config).__name__, max_pos)
-        return limit
-    max_model_len = requested or max_pos
-    if max_model_len > max_pos:
-        raise ValueError(
-            f"max_model_len ({max_model_len}) exceeds the model's "
-            f"max_position_embeddings ({max_pos})"
-        )
-    if limit is not None and max_model_len > limit:
-        check = getattr(get_model_class(config), "check_max_model_len", None)
-        if check is not None:  # the family's own words (which option limits it)
-            check(config, max_model_len)
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the longest context the model "
-                         f"serves exactly ({limit})")
-    return max_model_len
 
 
 class _NoDetokenizer:
@@ -138,7 +111,7 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r}: fp8 KV blocks are read "
                              "by the torch attention backend only; use attention_backend='auto' "
                              "or 'torch'")
-        self.max_model_len = _max_model_len(args.max_model_len, config, self.model_config)
+        self.max_model_len = served_max_model_len(args.max_model_len, config, self.model_config)
         # The model workers: in this process, or one process / Ray actor per tensor-parallel rank.
         draft = resolve_draft(args, self.source)  # speculative decoding's draft model, or None
         self.executor = make_executor(args, self.source, self.dtype, self.device, draft=draft)

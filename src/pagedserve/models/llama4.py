@@ -80,8 +80,8 @@ def check_max_model_len(max_model_len: int, chunk: int | None) -> None:
     NOTE: chunked attention is computed as full causal attention, which it equals only while
     every position lies in the first chunk (positions < attention_chunk_size). Every way a
     longer context could be served must pass here: the engine's max_model_len (before loading),
-    `load_model(max_model_len=...)` (`Llama4Model.set_max_model_len`) and, on CPU, each step's
-    positions (`Llama4Model.embed`; on CUDA the engine's limit alone: no host sync)."""
+    `load_model(max_model_len=...)` (`Llama4Model.set_max_model_len`) and each step's longest
+    context (`Llama4DecoderLayer.forward`, from the metadata's host-side max_seq_len)."""
     if chunk is not None and max_model_len > chunk:
         raise ValueError(
             f"max_model_len ({max_model_len}) exceeds Llama 4's attention_chunk_size ({chunk}): its "
@@ -99,14 +99,9 @@ def moe_layers(config: Any) -> set[int]:
 
 
 def attention_temperature(positions: torch.Tensor, floor_scale: int,
-                          attn_scale: float) -> torch.Tensor | None:  # [T] -> [T, 1, 1] fp32
-    """Llama 4's per-position query scale of the NoPE layers, in HF's float32 arithmetic, or
-    None where it is exactly 1 for every position (all `p + 1 < floor_scale`; on CUDA it is
-    always computed: no host sync, graph capture)."""
-    if positions.numel() == 0:
-        return None
-    if not positions.is_cuda and int(positions.max()) + 1 < floor_scale:
-        return None
+                          attn_scale: float) -> torch.Tensor:  # [T] -> [T, 1, 1] fp32
+    """Llama 4's per-position query scale of the NoPE layers, in HF's float32 arithmetic
+    (exactly 1 while `p + 1 < floor_scale`)."""
     scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0  # [T]
     return scale[:, None, None]  # [T, 1, 1]
 
@@ -152,7 +147,7 @@ class Llama4Attention(LlamaAttention):
 
 class Llama4DecoderLayer(MoEDecoderLayer):
     """Pre-norm block with Llama 4's attention and a dense MLP or the MoE block as `mlp`; called
-    with the layer's RoPE tables and query scale (None: exactly 1)."""
+    with the layer's RoPE tables and query scale (None: no temperature tuning)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -160,6 +155,11 @@ class Llama4DecoderLayer(MoEDecoderLayer):
         # which the fused attention half computes bit for bit (steps with q_scale None only);
         # a RoPE layer rotates pairs in float32 and norms after RoPE: its modules always.
         self.fusable_attention = not self.self_attn.use_rope
+
+    # set by the stack: the attention chunk (None: no chunked layer) and the temperature's
+    # floor_scale (a step whose context stays below it has every scale exactly 1)
+    chunk_size: int | None = None
+    floor_scale: int = 0
 
     def forward(
         self,
@@ -169,7 +169,9 @@ class Llama4DecoderLayer(MoEDecoderLayer):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        if q_scale is None:
+        # (the metadata's host-side max_seq_len: the step's longest context, no device read)
+        check_max_model_len(meta.max_seq_len, self.chunk_size)
+        if q_scale is None or 0 < meta.max_seq_len < self.floor_scale:
             return super().forward(x, rope, kv_cache, meta)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, q_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -188,6 +190,9 @@ class Llama4Model(MoEModel):
         self.chunk_size = chunked_attention_size(config)
         self.temperature = ((int(config.floor_scale), float(config.attn_scale))
                             if getattr(config, "attn_temperature_tuning", True) else None)
+        for layer in self.layers:
+            layer.chunk_size = self.chunk_size
+            layer.floor_scale = self.temperature[0] if self.temperature else 0
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """ValueError past the attention chunk (`load_model(max_model_len=...)` calls it)."""
@@ -195,8 +200,6 @@ class Llama4Model(MoEModel):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]
-        if self.chunk_size is not None and not positions.is_cuda and positions.numel():
-            check_max_model_len(int(positions.max()) + 1, self.chunk_size)  # (no host sync on CUDA)
         rope = self.rotary_emb(positions, torch.float32)  # 2 x [T, D] fp32 (HF rotates in fp32)
         extras = []
         if not all(self.use_rope):
