@@ -130,9 +130,10 @@ def write_model(folder: Path, args) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def convert(folder: Path, llama_cpp: Path) -> None:
-    """bf16 GGUF with llama.cpp's converter (pre-tokenizer named "qwen2"), then Q4_K_M."""
-    bf16, q4 = folder / "moe-bf16.gguf", folder / "moe-Q4_K_M.gguf"
+def convert(folder: Path, llama_cpp: Path, stem: str = "moe") -> None:
+    """bf16 GGUF with llama.cpp's converter (pre-tokenizer named "qwen2"), then Q4_K_M:
+    `<stem>-bf16.gguf`, `<stem>-Q4_K_M.gguf` in `folder`."""
+    bf16, q4 = folder / f"{stem}-bf16.gguf", folder / f"{stem}-Q4_K_M.gguf"
     code = (
         "import runpy, sys\n"
         f"sys.path.insert(0, {str(llama_cpp)!r})\n"
