@@ -21,6 +21,7 @@ of one size, so the state takes the attention pages' shape; the last entry is ze
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.kv_dtype import as_bytes, to_cache
@@ -85,26 +86,40 @@ class ShortConv(nn.Module):
     def _state_rows(self, bx: torch.Tensor, caches, metas) -> list[torch.Tensor]:
         """Write each token's `bx` row at its slot, then read back, for every token, the rows of
         its sequence at lags L - 1 .. 1 (zeros before position 0) and its own: `L x [T, C]`."""
-        t, page = bx.shape[0], self.page
-        padded = bx.new_zeros(t, self.num_entries * page)  # [T, E * P]
-        padded[:, : self.channels] = bx
-        lagged: list[list[torch.Tensor]] = [[] for _ in range(self.kernel_size - 1)]
+        t, page, lags = bx.shape[0], self.page, self.kernel_size - 1
+        half, width = page // 2, self.num_entries * page
+        padded = bx if width == self.channels else F.pad(bx, (0, width - self.channels))  # [T, E * P]
+        parts = []
         for e, ((k_cache, v_cache), meta) in enumerate(zip(caches, metas)):
-            part = padded[:, e * page:(e + 1) * page]  # [T, P]
-            halves = (k_cache, v_cache)
-            flat = [c.view(-1, page // 2) for c in halves]  # [(N+1) * B, P / 2] each
-            for f, half in zip(flat, part.split(page // 2, dim=-1)):
-                as_bytes(f).index_copy_(0, meta.slot_mapping, as_bytes(to_cache(half, f.dtype)))
-            table, lens = meta.token_rows()  # [T, max_blocks], [T] (context = position + 1)
-            bs = meta.block_size
-            for lag in range(1, self.kernel_size):
-                pos = lens - 1 - lag  # [T]
-                valid = pos >= 0
-                pos = pos.clamp(min=0)
-                blocks = table.gather(1, (pos // bs)[:, None])[:, 0]  # [T]
-                slots = blocks * bs + pos % bs  # [T]
-                got = torch.cat([as_bytes(f).index_select(0, slots).view(f.dtype) for f in flat],
-                                dim=-1).to(bx.dtype)  # [T, P]
-                lagged[lag - 1].append(got.masked_fill(~valid[:, None], 0))
-        rows = [torch.cat(parts, dim=-1)[:, : self.channels] for parts in reversed(lagged)]
-        return rows + [bx]  # oldest first: lags L - 1 .. 1, then the token's own row
+            slots, valid = lag_slots(meta, lags)  # [T * lags], [T, lags, 1]
+            got = []
+            for cache, values in zip((k_cache, v_cache), padded[:, e * page:(e + 1) * page].split(half, -1)):
+                flat = as_bytes(cache.view(-1, half))  # [(N+1) * B, P / 2]
+                flat.index_copy_(0, meta.slot_mapping, as_bytes(to_cache(values, cache.dtype)))
+                got.append(flat.index_select(0, slots).view(cache.dtype))  # [T * lags, P / 2]
+            rows = torch.cat(got, dim=-1).view(t, lags, page).to(bx.dtype)  # [T, lags, P]
+            parts.append(rows.masked_fill(~valid, 0))
+        lagged = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [T, lags, E * P]
+        if width != self.channels:
+            lagged = lagged[..., : self.channels]
+        return [lagged[:, j] for j in range(lags)] + [bx]  # oldest first, then the token's own
+
+
+def lag_slots(meta: AttentionMetadata, lags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every token of the step, the slots of its sequence's previous `lags` positions, oldest
+    first (`[T * lags]`; position 0's block where a position is before 0), and which exist
+    (`[T, lags, 1]`). NOTE: computed once per step and metadata (every conv entry of a column
+    reads the same), kept on the metadata as `token_rows` is."""
+    key = f"_short_conv_lags_{lags}"
+    cached = meta.__dict__.get(key)
+    if cached is None:
+        table, lens = meta.token_rows()  # [T, max_blocks], [T] (context = position + 1)
+        bs = meta.block_size
+        back = torch.arange(lags, 0, -1, device=lens.device)  # [lags]: L - 1 .. 1
+        pos = (lens - 1)[:, None] - back  # [T, lags]
+        valid = (pos >= 0)[..., None]  # [T, lags, 1]
+        pos = pos.clamp(min=0)
+        slots = table.gather(1, pos // bs) * bs + pos % bs  # [T, lags]
+        cached = (slots.reshape(-1), valid)
+        meta.__dict__[key] = cached
+    return cached
