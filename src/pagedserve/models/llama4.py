@@ -27,7 +27,7 @@ the RoPE layers) attend only within aligned chunks of `attention_chunk_size` (81
 Our attention kernels have no such mask; for positions below `attention_chunk_size` it is plain
 causal attention, so we serve exactly that: a `max_model_len` past `attention_chunk_size` is a
 ValueError naming both (`Llama4ForCausalLM.context_limit`, which the engine asks before loading;
-`load_model(max_model_len=...)` and a CPU step at such a position refuse it too), and without
+`load_model(max_model_len=...)` and a step reaching such a position refuse it too), and without
 an explicit `max_model_len` the engine serves `attention_chunk_size` tokens.
 
 llama.cpp writes these models as architecture "llama4" (`models.gguf_config`: the NoPE layout,
