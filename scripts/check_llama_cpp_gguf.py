@@ -1,5 +1,5 @@
 """Check llama.cpp's real converter output for DeepSeek V2 (MLA), gpt-oss, Granite MoE Shared,
-GLM-4.5 MoE, ERNIE 4.5 MoE, Phi-3.5-MoE and Llama 4 against HF.
+GLM-4.5 MoE, ERNIE 4.5 MoE, Phi-3.5-MoE, Llama 4 and MiniMax-M2 against HF.
 
 Builds the tests' tiny random checkpoints (tests/tiny.py; gpt-oss also with MXFP4 experts as
 OpenAI ships them), converts each with the llama.cpp tree's convert_hf_to_gguf.py (f32, q8_0; the
@@ -9,7 +9,7 @@ transformers on the source checkpoint by vLLM's tie rule (tests/utils.py). Needs
 tree (../shared/tools/build-llama-server.sh); CI does not run it.
 
     python scripts/check_llama_cpp_gguf.py --llama-cpp /work/llama.cpp [--out /tmp/gguf-check] \
-        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe lfm2_moe phimoe llama4]
+        [--archs deepseek_v2 gpt_oss granitemoe glm4_moe ernie4_5_moe lfm2_moe phimoe llama4 minimax_m2]
 
 Phi-3.5-MoE: the converter registers Microsoft's architecture name, `PhiMoEForCausalLM` (its
 checkpoints' config.json), so the folder converted says that (transformers saves
@@ -23,6 +23,14 @@ Llama 4: llama.cpp's file keeps neither the NoPE layout, the attention chunk, th
 floor scale / scale nor the MoE layer list (its fixed values, models/gguf_config.py): the tiny
 checkpoint is built with those (`LLAMA4_AS_LLAMA_CPP`: every 4th layer NoPE, experts every 2nd,
 chunks and floor scale 8192, scale 0.1, Scout's Llama 3 RoPE whose `rope_freqs` we read back).
+
+MiniMax-M2: the converter reads the rotated part from config.json's `rotary_dim` (MiniMax's
+released field; transformers saves `partial_rotary_factor` in `rope_parameters` instead) and the
+gating from `scoring_func`: the folder converted says both, as MiniMax's config.json does. Its
+q8_0 file is compared with HF on the Q8_0-rounded weights, as Phi-3.5-MoE's: the choice of 2 of
+8 experts by sigmoid scores plus the selection bias has near ties that Q8_0's noise flips, and
+its products over the blocks take x as it is (`gguf_activations="dtype"`): the default 8-bit x
+(llama.cpp's) is noise of its own that the Q8_0-rounded HF model does not have.
 """
 
 from __future__ import annotations
@@ -93,14 +101,15 @@ LLAMA4_AS_LLAMA_CPP = dict(
 
 
 def q8_0_reference(hf):
-    """`hf` with every 2-D weight but the routers' rounded as the converter's q8_0 stores it."""
+    """`hf` with every 2-D weight but the routers' (Llama 4's `router`, MiniMax-M2's `mlp.gate`:
+    the converter keeps ffn_gate_inp in F32) rounded as the converter's q8_0 stores it."""
     import gguf
     import torch
 
     q8 = gguf.GGMLQuantizationType.Q8_0
     with torch.no_grad():
         for name, w in hf.named_parameters():
-            if w.dim() >= 2 and ".router." not in name:
+            if w.dim() >= 2 and ".router." not in name and not name.endswith(".mlp.gate.weight"):
                 rows = w.reshape(-1, w.shape[-1]).numpy()
                 w.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, q8), q8)).reshape(w.shape))
     return hf
@@ -110,7 +119,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", required=True, help="llama.cpp source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--out", default=None, help="work folder (default: a temp folder)")
-    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe", "lfm2_moe", "phimoe", "llama4"]
+    archs = ["deepseek_v2", "gpt_oss", "granitemoe", "glm4_moe", "ernie4_5_moe", "lfm2_moe", "phimoe", "llama4",
+             "minimax_m2"]
     parser.add_argument("--archs", nargs="*", default=archs, choices=archs)
     args = parser.parse_args()
     import tiny
@@ -127,6 +137,10 @@ def main() -> int:
         if arch == "phimoe":  # (see the module docstring)
             cfg = json.loads((src / "config.json").read_text())
             (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["PhiMoEForCausalLM"]}))
+        if arch == "minimax_m2":  # (see the module docstring)
+            cfg = json.loads((src / "config.json").read_text())
+            rotary = int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"])
+            (src / "config.json").write_text(json.dumps({**cfg, "rotary_dim": rotary, "scoring_func": "sigmoid"}))
         cases += [(f"{arch}-{t}", src, src, t) for t in ("f32", "q8_0")]
     if "gpt_oss" in args.archs:
         ref = mxfp4_checkpoint(out / "gpt_oss", out / "gpt_oss-mxfp4")
@@ -137,9 +151,11 @@ def main() -> int:
         subprocess.run([sys.executable, "-c", CONVERT, args.llama_cpp, str(folder), "--outfile",
                         str(gguf_path), "--outtype", outtype], check=True, capture_output=True)
         hf = tiny.load_hf(ref_dir)
-        if name == "phimoe-q8_0":  # (see the module docstring)
+        if name in ("phimoe-q8_0", "minimax_m2-q8_0"):  # (see the module docstring)
             hf = q8_0_reference(hf)
         engine = {"max_model_len": 64} if name.startswith("phimoe") else {}
+        if name == "minimax_m2-q8_0":  # (see the module docstring)
+            engine["gguf_activations"] = "dtype"
         llm = LLM(str(gguf_path), dtype="float32", **engine)  # its config and tokenizer from the GGUF
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -113,6 +113,12 @@ def config_for(arch: str, **overrides):
                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                               num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                               max_position_embeddings=512, rope_parameters=_PHIMOE_ROPE, **common)
+    elif arch == "minimax_m2":  # whole-projection q/k norms, half-rotary RoPE, sigmoid + selection bias
+        cfg = tf.MiniMaxM2Config(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5}, **common)
     elif arch == "llama4":  # RoPE (pairs, L2 q/k norm) / NoPE (temperature from position 3) layers,
         # each dense and with sigmoid top-1 experts on their input + a shared expert; chunked
         # attention of 256 (the engine serves 256 tokens: models/llama4.py)
@@ -226,6 +232,9 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
                 p.normal_(0.0 if centred else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():  # (a zero buffer at init: drawn so that it moves the choice)
+            if arch == "minimax_m2" and name.endswith("e_score_correction_bias"):
+                b.uniform_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)
     return path

@@ -93,7 +93,8 @@ def _two_rank_logits(path, prompts, expert_parallel):
                                                     ("ernie4_5_moe", False), ("lfm2_moe", False),
                                                     ("lfm2_moe", True), ("phimoe", False),
                                                     ("phimoe", True), ("llama4", False),
-                                                    ("llama4", True)])
+                                                    ("llama4", True), ("minimax_m2", False),
+                                                    ("minimax_m2", True)])
 def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
     path = checkpoints(family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]

@@ -7,7 +7,8 @@ llama.cpp merges each layer's experts into 3-D tensors `blk.N.ffn_{gate,up,down}
 `expert_feed_forward_length`, `expert_shared_feed_forward_length` (and `attention.clamp_kqv`).
 Mixtral is architecture "llama" (Q/K rows permuted), with the experts; Phi-3.5-MoE "phimoe", its
 LongRoPE as Phi-3's converter writes it (`_phimoe_keys`); Llama 4 "llama4", its fused experts
-split and its Llama 3 RoPE as the `rope_freqs` tensor (`_llama4_keys`).
+split and its Llama 3 RoPE as the `rope_freqs` tensor (`_llama4_keys`); MiniMax-M2 "minimax-m2",
+its rotated part as `rope.dimension_count`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "olmoe": gguf.MODEL_ARCH.OLMOE,
          "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
          "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
-         "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4}
+         "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4,
+         "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -226,6 +228,10 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_shared_count(config.moe_num_shared_experts)
     if family == "phimoe":
         _phimoe_keys(writer, config, head_dim)
+    if family == "minimax_m2":  # conversion/minimax.py's MiniMaxM2Model (and the base's scoring_func)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_dimension_count(int(head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0)))
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if family == "granitemoe":
         writer.add_vocab_size(config.vocab_size)
         writer.add_attention_scale(config.attention_multiplier)

@@ -20,7 +20,7 @@ from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
-    "phimoe",
+    "phimoe", "minimax-m2",
     "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
     "command-r", "cohere2",  # Cohere: Command R / R+, Command R7B / A
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
@@ -38,6 +38,7 @@ _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smol
 _HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
 _HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe", llama4="llama4_text")
+_HF_MODEL_TYPE["minimax-m2"] = "minimax_m2"
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -67,6 +68,7 @@ _HF_ARCHITECTURE = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
@@ -216,7 +218,7 @@ def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dic
     if model_type == "mixtral":
         out["sliding_window"] = None  # as Mistral's (llama.cpp runs it with full attention)
     return out
-_PARTIAL_ROPE_ARCHS = ("phi3", "glm4", "glm4moe", "cohere2")
+_PARTIAL_ROPE_ARCHS = ("phi3", "glm4", "glm4moe", "cohere2", "minimax-m2")
 _COHERE_ARCHS = ("command-r", "cohere2")  # LayerNorm (attention.layer_norm_epsilon), not RMSNorm
 
 
@@ -474,6 +476,26 @@ def _glm4moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
         raise ValueError(f"{header.path.name}: glm4moe expert_gating_func {gating} (only 2, sigmoid, is GLM's)")
 
 
+def _minimax_m2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """MiniMax-M2: partial RoPE (`rope.dimension_count` of `attention.key_length`), the experts
+    (`expert_feed_forward_length` their width: HF's `intermediate_size`). llama.cpp always
+    renormalizes the top-k (build_moe_ffn's norm_w) and needs the selection bias (exp_probs_b);
+    its gating is sigmoid (the converter writes 2 from config.json's `scoring_func`, or nothing)."""
+    _partial_rotary(header, cfg)
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{header.path.name}: minimax-m2 expert_gating_func {gating} (only 2, sigmoid, "
+                         "is MiniMax-M2's)")
+    if (scale := header.arch_key("expert_weights_scale")) not in (None, 0.0, 1.0):  # (HF scales by nothing)
+        raise ValueError(f"{header.path.name}: minimax-m2 expert_weights_scale {scale} is not supported")
+    if not any(t.name.endswith(".exp_probs_b.bias") for t in header.tensors):
+        raise ValueError(f"{header.path.name}: minimax-m2 without exp_probs_b (the selection bias) tensors")
+    cfg.update({
+        "num_local_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "intermediate_size": int(header.arch_key("expert_feed_forward_length") or cfg["intermediate_size"]),
+    })
+
+
 def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """ERNIE 4.5 MoE: llama.cpp keeps softmax routing renormalized, experts from
     `leading_dense_block_count` to the last layer every `interleave_moe_layer_step`; `use_bias`
@@ -527,13 +549,14 @@ def _llama4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 # per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE,
-# Phi-3.5-MoE)
+# Phi-3.5-MoE, MiniMax-M2)
 _DENSE_FAMILY_CONFIG = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": _granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
                         "cohere2": _cohere_config, "mistral3": _mistral3_config,
-                        "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config}
+                        "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config,
+                        "minimax-m2": _minimax_m2_config}
 
 
 def _rope_scaling(header: GGUFHeader, head_dim: int, theta: float) -> dict[str, Any] | None:

@@ -272,6 +272,8 @@ _BLOCK_NAMES["lfm2"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, "shortconv.conv"
 _BLOCK_NAMES["lfm2moe"] = {**_BLOCK_NAMES["lfm2"], **_MOE_BLOCK_NAMES}
 # Llama 4: Llama's names with experts (Q/K not permuted: its RoPE is on pairs, as llama.cpp's)
 _BLOCK_NAMES["llama4"] = {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES}
+# MiniMax-M2: q/k norms over the whole projections (same names), the selection bias as exp_probs_b
+_BLOCK_NAMES["minimax-m2"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}
 # Seed-OSS: its pre-MLP norm is llama.cpp's post_attention_norm
 _BLOCK_NAMES["seed_oss"] = {**_LLAMA_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _BLOCK_NAMES["glm4"] = {

@@ -54,6 +54,7 @@ class OlmoeAttention(OpsUser, nn.Module):
     # reads q/k/v/o_proj, q_norm / k_norm, attn, clip_qkv and the flag below)
     fused_attention_half = True
     whole_projection_qk_norm = True
+    family = "OLMoE"  # (named in the errors: MiniMax-M2 reuses this attention)
 
     def __init__(self, config: Any, tp: TPContext):
         super().__init__()
@@ -62,7 +63,7 @@ class OlmoeAttention(OpsUser, nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         eps = config.rms_norm_eps
         if tp.is_parallel and kv_heads % tp.world_size:
-            raise ValueError(f"OLMoE's k norm needs num_key_value_heads ({kv_heads}) divisible by "
+            raise ValueError(f"{self.family}'s k norm needs num_key_value_heads ({kv_heads}) divisible by "
                              f"tensor_parallel_size ({tp.world_size})")
         self.num_heads = tp.split(heads, "num_attention_heads")
         self.num_kv_heads = kv_heads // tp.world_size

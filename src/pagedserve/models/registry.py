@@ -24,6 +24,7 @@ from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from pagedserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from pagedserve.models.ministral3 import Ministral3ForCausalLM
+from pagedserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
@@ -73,6 +74,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "PhiMoEForCausalLM": PhiMoEForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
@@ -138,6 +140,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
