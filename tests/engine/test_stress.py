@@ -39,18 +39,24 @@ def harness(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("first", range(0, NUM_SEEDS, CHUNK),
-                         ids=lambda s: f"seeds{s}-{s + CHUNK - 1}")
-def test_random_workloads_match_the_roomy_oracle_finish_and_leak_nothing(harness, first):
+def _run_seeds(harness, first: int, workload_of, **repro_flags) -> None:
+    """`CHUNK` seeds from `first` through `harness`; one assertion naming every failed seed with
+    its workload and repro command."""
     failures = []
     for seed in range(first, first + CHUNK):
-        workload = make_workload(seed)
+        workload = workload_of(seed)
         try:
             harness.run(workload)
         except StressFailure as e:
             failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
-                            f"    repro: {repro(seed)}")
+                            f"    repro: {repro(seed, **repro_flags)}")
     assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("first", range(0, NUM_SEEDS, CHUNK),
+                         ids=lambda s: f"seeds{s}-{s + CHUNK - 1}")
+def test_random_workloads_match_the_roomy_oracle_finish_and_leak_nothing(harness, first):
+    _run_seeds(harness, first, make_workload)
 
 
 HYBRID_SEEDS = 30
@@ -71,15 +77,7 @@ def test_random_workloads_on_a_model_mixing_window_and_full_layers(hybrid_harnes
     # its blocks back as the window moves, a full one) over one pool: outputs exactly the
     # oracle's, invariants per group, nothing leaked.
     assert hybrid_harness.groups is not None
-    failures = []
-    for seed in range(first, first + CHUNK):
-        workload = hybrid_workload(seed)
-        try:
-            hybrid_harness.run(workload)
-        except StressFailure as e:
-            failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
-                            f"    repro: {repro(seed, hybrid=True)}")
-    assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+    _run_seeds(hybrid_harness, first, hybrid_workload, hybrid=True)
 
 
 CONV_SEEDS = 20
@@ -100,15 +98,7 @@ def test_random_workloads_on_a_model_with_short_convolution_state(conv_harness, 
     # (preemption, swap, prefix hits, forks, aborts) give the oracle's outputs exactly, and
     # nothing leaks.
     assert conv_harness.groups is not None
-    failures = []
-    for seed in range(first, first + CHUNK):
-        workload = hybrid_workload(seed)
-        try:
-            conv_harness.run(workload)
-        except StressFailure as e:
-            failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
-                            f"    repro: {repro(seed, conv=True)}")
-    assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+    _run_seeds(conv_harness, first, hybrid_workload, conv=True)
 
 
 SPEC_SEEDS = 40
