@@ -128,6 +128,13 @@ def config_for(arch: str, **overrides):
                                   moe_layers=[1, 2], no_rope_layers=[1, 0, 1, 0], floor_scale=4,
                                   attn_scale=0.5, attention_chunk_size=256, rope_parameters=_LLAMA4_ROPE,
                                   max_position_embeddings=512, **common)
+    elif arch == "dots1":  # Qwen3's attention with biases, DeepSeek-V3's routing after a dense layer
+        cfg = tf.Dots1Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                             first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, attention_bias=True, sliding_window=None,
+                             max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE

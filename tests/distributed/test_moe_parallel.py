@@ -92,7 +92,7 @@ def _two_rank_logits(path, prompts, expert_parallel):
                                                     ("granitemoe", True), ("glm4_moe", False),
                                                     ("ernie4_5_moe", False), ("lfm2_moe", False),
                                                     ("lfm2_moe", True), ("phimoe", False),
-                                                    ("phimoe", True), ("llama4", False),
+                                                    ("phimoe", True), ("dots1", False), ("llama4", False),
                                                     ("llama4", True), ("minimax_m2", False),
                                                     ("minimax_m2", True)])
 def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):

@@ -42,7 +42,7 @@ EXPECTED = {
 }
 # mixture of experts (layers/moe.py)
 EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM",
+             "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
              "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM",
              "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "MiniMaxM2ForCausalLM"}
 

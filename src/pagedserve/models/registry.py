@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
+from pagedserve.models.dots1 import Dots1ForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
@@ -71,6 +72,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "PhiMoEForCausalLM": PhiMoEForCausalLM,
@@ -138,6 +140,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
