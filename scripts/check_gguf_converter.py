@@ -1,7 +1,7 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2, exaone4) this builds a tiny random HF checkpoint (transformers
+ministral3, mistral3, lfm2, exaone4, gemma) this builds a tiny random HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
 each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
@@ -44,6 +44,7 @@ FAMILIES = {
                          "long_factor": [1.0, 2.0, 3.0, 5.0, 8.0, 13.0]}),
     "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                                                 attn_logit_softcapping=1.5, final_logit_softcapping=4.0),
+    "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
     "granite": lambda: transformers.GraniteConfig(**_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.2, logits_scaling=2.5),
     "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16),
@@ -77,7 +78,7 @@ FAMILIES = {
                                             layer_types=["conv", "full_attention", "conv", "conv"],
                                             block_multiple_of=32),
 }
-SENTENCEPIECE = ("gemma2",)  # converters that read tokenizer.model only
+SENTENCEPIECE = ("gemma2", "gemma")  # converters that read tokenizer.model only
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)
 _RUN_CONVERTER = """
 import sys
@@ -143,7 +144,7 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
             elif "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if family == "gemma2" else 1.0))
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if family in ("gemma2", "gemma") else 1.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     folder.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,7 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2", "ministral3", "lfm2", "exaone4")
+                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma")
 
 
 def _dense_family_config(tf, arch: str, common: dict):
@@ -211,6 +211,8 @@ def _dense_family_config(tf, arch: str, common: dict):
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "llama_4_scaling_beta": 0.5})
+    if arch == "gemma":  # Gemma 1: Gemma norms, scaled embeddings, GeLU-gated MLP
+        return tf.GemmaConfig(**base, head_dim=16)
     if arch == "exaone4":  # a sliding layer (window 6) with RoPE, then a global one without
         return tf.Exaone4Config(**base, head_dim=16, sliding_window=6,
                                 layer_types=["sliding_attention", "full_attention"])
@@ -235,7 +237,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
                 # (Phi-3.5-MoE's LayerNorm biases around 0, as its other biases: around 1 they add
                 # one offset shared by every token to the router's input, and its routing flipped
                 # more often under Q8_0 noise; GPT-2 / OPT keep theirs)
-                centred = arch in ("gemma3", "gemma2") or (arch == "phimoe" and name.endswith(".bias"))
+                centred = arch in ("gemma3", "gemma2", "gemma") or (arch == "phimoe" and name.endswith(".bias"))
                 p.normal_(0.0 if centred else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)

@@ -28,6 +28,7 @@ CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=16,
                                                 sliding_window=6, attn_logit_softcapping=1.5,
                                                 final_logit_softcapping=4.0),
+    "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
     "granite": lambda: transformers.GraniteConfig(**_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.2, logits_scaling=2.5),
     "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16),
@@ -101,7 +102,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     if arch in ("granite", "smollm3"):
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    if arch in ("gemma2", "glm4", "seed_oss", "cohere2"):  # (configs with a head_dim)
+    if arch in ("gemma2", "gemma", "glm4", "seed_oss", "cohere2"):  # (configs with a head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "phi3":
@@ -164,7 +165,7 @@ def write_family_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], c.num_hidden_layers)
     tied = getattr(c, "tie_word_embeddings", False)
     for hf_name, tensor in hf_model.state_dict().items():
-        if hf_name == "lm_head.weight" and (tied or arch == "gemma2"):
+        if hf_name == "lm_head.weight" and (tied or arch in ("gemma2", "gemma")):
             continue
         base, suffix = hf_name.rsplit(".", 1)
         data = tensor.detach().numpy().astype(np.float32)
@@ -172,7 +173,7 @@ def write_family_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType
             data = _permute(data, c.num_attention_heads)
         if arch in _PERMUTED and ".k_proj." in hf_name:
             data = _permute(data, c.num_key_value_heads)
-        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma") and hf_name.endswith("norm.weight"):
             data = data + 1
         if arch == "lfm2" and hf_name.endswith("conv.conv.weight"):
             data = data.squeeze(1)  # [C, L]

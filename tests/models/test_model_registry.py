@@ -24,6 +24,7 @@ EXPECTED = {
     "GPT2LMHeadModel",
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
+    "GemmaForCausalLM",
     "GraniteForCausalLM",
     "Glm4ForCausalLM",
     "GlmForCausalLM",

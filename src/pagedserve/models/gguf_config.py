@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3", "llama", "qwen2", "qwen3",
     "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "ernie4_5-moe",  # MoE (Mixtral: "llama")
     "phimoe", "minimax-m2",
-    "phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
+    "phi3", "gemma2", "gemma", "granite", "glm4", "smollm3", "olmo2", "seed_oss",  # dense families of issue 35
     "command-r", "cohere2",  # Cohere: Command R / R+, Command R7B / A
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
     "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
@@ -36,7 +36,7 @@ SUPPORTED_ARCHITECTURES = (
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
                   "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
-_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
+_HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "gemma", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
                                         "phimoe", "cohere2", "exaone4")})
 _HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
@@ -45,6 +45,7 @@ _HF_MODEL_TYPE["minimax-m2"] = "minimax_m2"
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",

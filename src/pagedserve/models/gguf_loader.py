@@ -265,6 +265,7 @@ _BLOCK_NAMES = {
 # dense families of issue 35 (the fused tensors keep their HF names: the models split them)
 _BLOCK_NAMES["phi3"] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_NAMES["gemma2"] = {k: v for k, v in _BLOCK_NAMES["gemma3"].items() if k not in _QK_NORM_NAMES}
+_BLOCK_NAMES["gemma"] = _LLAMA_BLOCK_NAMES  # (Gemma 1: pre-norms only)
 _BLOCK_NAMES["granite"] = _BLOCK_NAMES["smollm3"] = _BLOCK_NAMES["mistral3"] = _LLAMA_BLOCK_NAMES
 # LFM2: the short convolution's tensors (the conv weight [C, L], as the model keeps it)
 _BLOCK_NAMES["lfm2"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, "shortconv.conv": "conv.conv",
@@ -297,7 +298,7 @@ _BLOCK_NAMES["olmo2"] = {
 _BLOCK_NAMES["exaone4"] = _BLOCK_NAMES["olmo2"]
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
-_GEMMA_NORM_ARCHS = ("gemma3", "gemma2")
+_GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma")
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 

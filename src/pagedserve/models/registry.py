@@ -9,6 +9,7 @@ from torch import nn
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
 from pagedserve.models.dots1 import Dots1ForCausalLM
+from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
@@ -66,6 +67,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # dense families of issue 35 (one file each)
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
@@ -134,6 +136,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
