@@ -2,8 +2,8 @@
 first layers) equals HF transformers in float32."""
 
 import pytest
-import torch
 import transformers
+from test_glm4_moe import _randomize_correction_bias  # (the same DeepSeek-V3 router)
 
 from pagedserve.layers.moe import FusedMoE
 from pagedserve.models.dots1 import Dots1ForCausalLM
@@ -21,14 +21,6 @@ def dots1_config(**overrides):
         max_position_embeddings=128, sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     kwargs.update(overrides)
     return transformers.Dots1Config(**kwargs)
-
-
-def _randomize_correction_bias(hf):
-    """HF initializes e_score_correction_bias to zeros: give it values that move the choice."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in hf.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.rand(8, generator=gen) * 0.5)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "norm_topk_prob": False},
