@@ -30,13 +30,18 @@ NUM_SEEDS = 300
 CHUNK = 10
 
 
+def _one_thread_harness(make_model, folder):
+    """A `Harness` on the tiny model `make_model(folder)` writes, torch at one thread while it
+    lives: the tiny model's steps are Python-bound, and threads only contend on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Harness(make_engine(make_model(folder)))
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    threads = torch.get_num_threads()
-    # One thread: the tiny model's steps are Python-bound, and threads only contend on 2 cores.
-    torch.set_num_threads(1)
-    yield Harness(make_engine(tiny_llama(tmp_path_factory.mktemp("stress-llama"))))
-    torch.set_num_threads(threads)
+    yield from _one_thread_harness(tiny_llama, tmp_path_factory.mktemp("stress-llama"))
 
 
 def _run_seeds(harness, first: int, workload_of, **repro_flags) -> None:
@@ -64,10 +69,7 @@ HYBRID_SEEDS = 30
 
 @pytest.fixture(scope="module")
 def hybrid_harness(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Harness(make_engine(tiny_hybrid(tmp_path_factory.mktemp("stress-hybrid"))))
-    torch.set_num_threads(threads)
+    yield from _one_thread_harness(tiny_hybrid, tmp_path_factory.mktemp("stress-hybrid"))
 
 
 @pytest.mark.parametrize("first", range(0, HYBRID_SEEDS, CHUNK),
@@ -85,10 +87,7 @@ CONV_SEEDS = 20
 
 @pytest.fixture(scope="module")
 def conv_harness(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Harness(make_engine(tiny_conv(tmp_path_factory.mktemp("stress-conv"))))
-    torch.set_num_threads(threads)
+    yield from _one_thread_harness(tiny_conv, tmp_path_factory.mktemp("stress-conv"))
 
 
 @pytest.mark.parametrize("first", range(0, CONV_SEEDS, CHUNK),
