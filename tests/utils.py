@@ -119,9 +119,11 @@ class PagedRunner:
 
     def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0,
                  device: str = "cpu", backend: str = "torch", kv_dtype: torch.dtype | None = None):
-        spec = model.kv_cache_spec
         # the caches' storage dtype: the model's, or `kv_dtype` (fp8 blocks: kv_cache_dtype)
         dtype = kv_dtype or next(model.parameters()).dtype
+        if hasattr(model, "bind_cache"):  # (a recurrent state's entries depend on both)
+            model.bind_cache(block_size, dtype)
+        spec = model.kv_cache_spec
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         self.device, self.attention = device, make_backend(backend)
         shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)

@@ -8,6 +8,12 @@ A model declares one spec per layer (`models.base.KVCacheSpec.layers`):
   goes back to the pool;
 - `MLASpec(latent_dim)`: latent attention (DeepSeek V2/V3): one compressed vector per token
   (the latent and the rope key side by side), no V tensor;
+- `RecurrentStateSpec(num_kv_heads, head_dim)`: a cache entry of a recurrent layer's state
+  (Gated DeltaNet, Mamba: `layers.recurrent_state`): a fixed-size state per sequence, rewritten
+  in place every step; its group holds one block per sequence (its first logical block) for the
+  sequence's life, whatever its length, and none in later logical blocks (null entries). Such
+  state cannot be rolled back or shared by prefix: models with it run without prefix caching
+  and speculative decoding;
 - `sinks=True` on an attention spec: learned per-head sink logits (gpt-oss). They change no
   memory rule (the sink is a parameter, not a cached token): such layers group with the others
   of their window; the layer passes its sinks to the attention call itself.
@@ -69,6 +75,16 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def rule(self) -> tuple:
         return ("sliding", self.window)
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec(FullAttentionSpec):
+    """A cache entry holding part of a recurrent layer's state (attention's page shape, the
+    pool's blocks being of one size): one block per sequence, its first logical block, kept for
+    the sequence's life and written in place every step."""
+
+    def rule(self) -> tuple:
+        return ("state",)
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,12 @@ class PagedCausalLM(nn.Module):
     checkpoint_prefix = "model."  # added to bare base-model checkpoint names
     tied_by_default = True  # when the config has no `tie_word_embeddings`
 
+    def bind_cache(self, block_size: int, cache_dtype: torch.dtype) -> None:
+        """Fit what the model keeps in the KV cache to blocks of `block_size` tokens stored in
+        `cache_dtype`, before its `kv_cache_spec` is read: a recurrent layer's state takes a
+        number of cache entries that depends on both (`layers.recurrent_state`). Per-token K/V
+        need nothing."""
+
     def _init_head(self, config: Any, embedding: nn.Module, *, head_in: int, num_kv_heads: int,
                    head_dim: int, tp: TPContext) -> None:
         self.config = config

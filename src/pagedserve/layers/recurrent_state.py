@@ -1,0 +1,102 @@
+"""A recurrent layer's state (Gated DeltaNet, Mamba: a fixed-size state per sequence, rewritten
+every step) kept in the paged KV cache.
+
+A state is a few float32 tensors per sequence (`shapes`: e.g. the convolution's last inputs
+`[C, L - 1]` and the recurrence's `[H, K, V]`). Its bytes live in `num_entries` cache entries of
+the attention layers' page shape (the pool's blocks are all of one size), in the *first logical
+block* of the sequence's table in those entries' columns: their group is a
+`core.kv_spec.RecurrentStateSpec` group, which holds exactly that one block per sequence for
+its life. So swap, recompute preemption (a sequence that restarts has no prior tokens and reads
+zeros), copy-on-write forks (n > 1, beam search: a shared state block is copied before the step
+writes it) and the memory accounting are the block manager's, unchanged.
+
+A step reads each sequence's state once (`read`: zeros for a sequence with no tokens before
+this step), the layer advances it over the sequence's new tokens in place, and `write` stores it
+back. NOTE: the layer must advance the state token by token in one fixed order, whatever the
+chunking and batch (prefill and decode the same arithmetic): then chunked prefill, preemption
+and batching leave tokens and logprobs exactly equal to a roomy run.
+
+NOTE: how many entries a state takes depends on the block size and the cache's storage dtype:
+the model learns them from `bind_cache` (models.base) before the engine reads its KV spec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+KVPair = tuple[torch.Tensor, torch.Tensor]  # one cache entry: K, V `[N + 1, B, Hkv, D]` each
+
+
+def entry_bytes(page: int, block_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes of one block of one cache entry: `block_size` tokens of `page` values (K and V of
+    a token) in `cache_dtype`."""
+    return block_size * page * torch.empty((), dtype=cache_dtype).element_size()
+
+
+class PagedState:
+    """The float32 tensors of `shapes` (per sequence) of one recurrent layer, stored in cache
+    entries of `page` values a token (K and V of the attention layers' heads on this rank).
+    `bind(block_size, cache_dtype)` sets how many entries it takes (`num_entries`)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], page: int,
+                 block_size: int = 16, cache_dtype: torch.dtype = torch.float32):
+        if page < 2 or page % 2:
+            raise ValueError(f"a cache page must hold a K and a V half, got {page} values")
+        self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.numel = sum(self.sizes)
+        self.page = page
+        self.bind(block_size, cache_dtype)
+
+    def bind(self, block_size: int, cache_dtype: torch.dtype) -> int:
+        """Fit the state to blocks of `block_size` tokens stored in `cache_dtype`; returns the
+        cache entries it takes."""
+        per_entry = entry_bytes(self.page, block_size, cache_dtype)
+        self.num_entries = -(-(self.numel * 4) // per_entry)
+        return self.num_entries
+
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:  # [N + 1, bytes of a block]
+        return cache.view(torch.uint8).view(cache.shape[0], -1)
+
+    def _blocks(self, metas: list[AttentionMetadata]) -> torch.Tensor:  # [S]
+        # NOTE: every entry of a state sits in the same row of its column: logical block 0
+        return metas[0].block_tables[:, 0]
+
+    def read(self, caches: list[KVPair], metas: list[AttentionMetadata]) -> list[torch.Tensor]:
+        """Each sequence's state before this step: one float32 tensor `[S, *shape]` per shape
+        (a copy: the layer may update it in place), zeros for a sequence whose first token is
+        in this step."""
+        if len(caches) != self.num_entries:
+            raise ValueError(f"a recurrent state of {self.numel} values takes {self.num_entries} "
+                             f"cache entries here, got {len(caches)}")
+        meta = metas[0]
+        blocks = self._blocks(metas)
+        parts = [self._flat(t).index_select(0, blocks) for pair in caches for t in pair]
+        raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [S, bytes]
+        values = raw[:, : self.numel * 4].contiguous().view(torch.float32)  # [S, numel]
+        qlens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [S]
+        fresh = meta.seq_lens == qlens  # [S]: no token before this step
+        values = values.masked_fill(fresh[:, None], 0.0)
+        return [v.reshape(len(blocks), *shape) for v, shape
+                in zip(values.split(self.sizes, dim=1), self.shapes)]
+
+    def write(self, caches: list[KVPair], metas: list[AttentionMetadata],
+              states: list[torch.Tensor]) -> None:
+        """Store each sequence's state after this step (`states` as `read` returned them)."""
+        blocks = self._blocks(metas)
+        values = torch.cat([s.reshape(len(blocks), -1).float() for s in states], dim=1)
+        raw = values.view(torch.uint8)  # [S, numel * 4]
+        width = self._flat(caches[0][0]).shape[1]
+        total = width * 2 * len(caches)
+        if raw.shape[1] < total:
+            raw = torch.nn.functional.pad(raw, (0, total - raw.shape[1]))
+        chunks = raw.split(width, dim=1)
+        i = 0
+        for pair in caches:
+            for t in pair:
+                self._flat(t).index_copy_(0, blocks, chunks[i])
+                i += 1

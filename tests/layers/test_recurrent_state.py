@@ -1,0 +1,58 @@
+"""layers/recurrent_state.py: a recurrent layer's per-sequence state stored in paged cache entries."""
+
+import pytest
+import torch
+
+from pagedserve.attention.backends import make_backend
+from pagedserve.attention.backends.base import AttentionBatch
+from pagedserve.layers.recurrent_state import PagedState
+
+
+def _caches(n_entries, num_blocks=8, block_size=4, heads=2, dim=4, dtype=torch.float32):
+    shape = (num_blocks + 1, block_size, heads, dim)
+    return [(torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
+            for _ in range(n_entries)]
+
+
+def _meta(tables, seq_lens, query_lens, block_size=4):
+    return make_backend("torch").build_metadata(AttentionBatch(
+        block_tables=tables, seq_lens=seq_lens, query_lens=query_lens, block_size=block_size,
+        null_block=8, device="cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_state_round_trips_bit_exactly_through_each_sequences_first_block(dtype):
+    state = PagedState([(3, 2), (2, 5, 3)], page=2 * 2 * 4, block_size=4, cache_dtype=dtype)
+    per_entry = 4 * 16 * torch.empty((), dtype=dtype).element_size()
+    assert state.num_entries == -(-(36 * 4) // per_entry)
+    caches = _caches(state.num_entries, dtype=dtype)
+    # first step: two fresh sequences (first blocks 5 and 2) read zeros, never the NaN filling
+    meta = _meta([[5, 1], [2]], [6, 3], [6, 3])
+    got = state.read(caches, [meta] * state.num_entries)
+    assert [tuple(t.shape) for t in got] == [(2, 3, 2), (2, 2, 5, 3)]
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in got)
+    new = [torch.randn(t.shape) for t in got]
+    state.write(caches, [meta] * state.num_entries, new)
+    # next step, the batch in the other order: each sequence reads its own state back, exactly
+    meta = _meta([[2], [5, 1]], [4, 7], [1, 1])
+    back = state.read(caches, [meta] * state.num_entries)
+    for a, b in zip(back, new):
+        assert torch.equal(a[0], b[1]) and torch.equal(a[1], b[0])
+
+
+def test_a_sequence_with_no_earlier_tokens_reads_zeros_even_from_a_written_block():
+    state = PagedState([(4,)], page=4, block_size=4)
+    caches = _caches(state.num_entries, heads=1, dim=2)
+    meta = _meta([[3]], [2], [2])
+    state.write(caches, [meta] * state.num_entries, [torch.ones(1, 4)])
+    # a recomputed (preempted) sequence starts again at position 0 in the same block
+    again = state.read(caches, [_meta([[3]], [3], [3])] * state.num_entries)
+    assert torch.equal(again[0], torch.zeros(1, 4))
+    cont = state.read(caches, [_meta([[3]], [3], [1])] * state.num_entries)
+    assert torch.equal(cont[0], torch.ones(1, 4))
+
+
+def test_a_state_given_too_few_cache_entries_is_refused():
+    state = PagedState([(100,)], page=4, block_size=4)
+    with pytest.raises(ValueError, match="cache entries"):
+        state.read(_caches(state.num_entries - 1, heads=1, dim=2), [_meta([[0]], [1], [1])])
