@@ -10,7 +10,12 @@ logical block, one block per column (`width` of them: each group's lanes), flat:
 logical block `i` of column `c` is `blocks[i * width + c]`, so a model of one group has the plain
 table above. A sliding-window group gives back a block once no query of the sequence can reach
 it (`free_out_of_window`, after each step): its entry becomes the *null block* (`null`, the
-pool's size: the worker's always-zero block), and such entries are never read.
+pool's size: the worker's always-zero block), and such entries are never read. A recurrent
+state group (`RecurrentStateSpec`: Gated DeltaNet, Mamba) holds a block only in the first
+logical block of its columns, for the sequence's life (rewritten in place every step: a shared
+one is copied before the step writes it); its entries in later logical blocks are null. Its
+state can neither be matched by prefix nor shared between requests, so a model with one runs
+without prefix caching.
 """
 
 from __future__ import annotations
@@ -119,10 +124,14 @@ class KVCacheManager:
         # (first column, lanes, window) of each sliding-window group
         self._sliding = [(g.first_column, g.lanes, g.window) for g in groups
                          if g.window is not None]
-        self._full_cols = [c for g in groups if g.window is None for c in g.columns] \
-            if groups else [0]
+        # columns of recurrent state groups: a block in the first logical block only
+        self._state_cols = [c for g in groups if g.spec.rule() == ("state",) for c in g.columns]
+        self._full_cols = [c for g in groups if g.window is None and g.spec.rule() != ("state",)
+                           for c in g.columns] if groups else [0]
         # NOTE: the fast paths (one column, nothing given back) are today's code, branch-free.
-        self._plain = self.width == 1 and not self._sliding
+        self._plain = self.width == 1 and not self._sliding and not self._state_cols
+        if self._state_cols:
+            enable_prefix_caching = False  # (a state is no function of a block's tokens)
         if len(groups) > 1:
             self.pool = TaggedBlockPool(num_blocks, len(groups), shuffle_seed=shuffle_seed,
                                         on_reuse=self._forget)
@@ -193,14 +202,19 @@ class KVCacheManager:
         if self.layout is None:
             groups = [("full", None, 1)]
         else:
-            groups = [(g.name, g.window, g.lanes) for g in self.layout.groups]
+            groups = [(g.name, -1 if g.spec.rule() == ("state",) else g.window, g.lanes)
+                      for g in self.layout.groups]
         used = (self.pool.used_by_tag if isinstance(self.pool, TaggedBlockPool)
                 else [self.pool.num_used])
         lengths = [t.num_tokens for t in self.tables.values()]
         out = []
         for (name, window, lanes), n in zip(groups, used):
-            live = sum(lengths) if window is None else sum(min(x, window) for x in lengths)
-            out.append((name, n, n * bs, lanes * live))
+            if window == -1:  # a recurrent state: all of its one block per sequence
+                live = lanes * bs * sum(1 for x in lengths if x)
+            else:
+                live = lanes * (sum(lengths) if window is None
+                                else sum(min(x, window) for x in lengths))
+            out.append((name, n, n * bs, live))
         return out
 
     def block_table(self, seq_id: int) -> list[int]:
@@ -220,7 +234,7 @@ class KVCacheManager:
         table = self.tables.get(seq_id)
         bs = self.block_size
         if table is None:
-            return -(-num_tokens // bs) * self.width
+            return self._row_blocks(0, -(-num_tokens // bs))
         have = table.num_tokens
         if self._plain:
             need = -(-num_tokens // bs) - len(table.blocks)
@@ -232,14 +246,26 @@ class KVCacheManager:
             return need
         w = self.width
         blocks = table.blocks
-        need = -(-num_tokens // bs) - len(blocks) // w
-        need = need * w if need > 0 else 0
-        if num_tokens > have and have % bs:
+        rows = len(blocks) // w
+        need = self._row_blocks(rows, -(-num_tokens // bs)) if num_tokens > rows * bs else 0
+        if num_tokens > have:
             refs, null = self.pool.ref_counts, self.null
-            for b in blocks[-w:]:
-                if b != null and refs[b] > 1:
+            if have % bs:
+                for b in blocks[-w:]:
+                    if b != null and refs[b] > 1:
+                        need += 1
+            for c in self._state_cols:  # (a state is rewritten every step)
+                if refs[blocks[c]] > 1 and not (have % bs and rows == 1):
                     need += 1
         return need
+
+    def _row_blocks(self, rows: int, upto: int) -> int:
+        """Pool blocks that logical blocks `rows .. upto - 1` of a sequence take: every column
+        in its first logical block, the state columns in no later one."""
+        if upto <= rows:
+            return 0
+        return (upto - rows) * (self.width - len(self._state_cols)) \
+            + (len(self._state_cols) if rows == 0 else 0)
 
     def hit_tokens(self, blocks: list[int]) -> int:
         """Tokens held by a prefix of logical blocks (`match_prefix`, `shareable_prefix`)."""
@@ -250,7 +276,7 @@ class KVCacheManager:
         starts with `shared` (computed blocks others hold or the prefix cache keeps): its new
         blocks, and the shared ones that sit on the free list."""
         w = self.width
-        return (cdiv(num_tokens, self.block_size) - len(shared) // w) * w \
+        return self._row_blocks(len(shared) // w, cdiv(num_tokens, self.block_size)) \
             + self.num_free_among(shared)
 
     # --- request hooks (called by the engine; no-ops for paging) ------------------------------
@@ -304,21 +330,25 @@ class KVCacheManager:
             table.num_tokens = num_tokens
             return copies
         w, tags, null = self.width, self._col_tag, self.null
-        if table.num_tokens % bs:
-            base = len(blocks) - w
-            refs = pool.ref_counts
-            for c in range(w):
-                old = blocks[base + c]
-                if old != null and refs[old] > 1:
-                    new = pool.allocate(tags[c])
-                    pool.decref(old)
-                    blocks[base + c] = new
-                    copies.append((old, new))
-                    table.changed_from(base + c)
+        refs = pool.ref_counts
+        # the last row's shared blocks (written from a partial block on), and the state blocks
+        # (rewritten every step), are copied before this step writes them
+        cow = [len(blocks) - w + c for c in range(w)] if table.num_tokens % bs else []
+        cow += [c for c in self._state_cols if blocks and c not in cow]
+        for i in cow:
+            old = blocks[i]
+            if old != null and refs[old] > 1:
+                new = pool.allocate(tags[i % w])
+                pool.decref(old)
+                blocks[i] = new
+                copies.append((old, new))
+                table.changed_from(i)
         need = -(-num_tokens // bs) - len(blocks) // w
+        state = self._state_cols
         for _ in range(need):
+            later = bool(blocks)
             for c in range(w):
-                blocks.append(pool.allocate(tags[c]))
+                blocks.append(null if later and c in state else pool.allocate(tags[c]))
         table.num_tokens = num_tokens
         return copies
 
@@ -362,7 +392,8 @@ class KVCacheManager:
         if self._plain:
             return (len(blocks), table.num_tokens, blocks[-1] if blocks else -1,
                     len(table.hashes))
-        return (len(blocks), table.num_tokens, tuple(blocks[-self.width:]), len(table.hashes))
+        return (len(blocks), table.num_tokens, tuple(blocks[-self.width:]), len(table.hashes),
+                tuple(blocks[c] for c in self._state_cols if c < len(blocks)))
 
     def restore(self, seq_id: int, snapshot: tuple | None) -> None:
         """Put `seq_id`'s table back as `snapshot` found it, with reference counts to match: the
@@ -380,9 +411,15 @@ class KVCacheManager:
             if table is not None:
                 self._release(table.blocks, pool, self.null)
             return
-        count, num_tokens, last, num_hashes = snapshot
+        count, num_tokens, last, num_hashes = snapshot[:4]
         table = self.tables[seq_id]
         blocks = table.blocks
+        # state blocks of the first row that copy-on-write replaced (its last row's are below)
+        for c, old in zip(self._state_cols, snapshot[4] if len(snapshot) > 4 else ()):
+            if count > self.width and blocks[c] != old:
+                pool.acquire(old, self._col_tag[c])
+                pool.decref(blocks[c])
+                blocks[c] = old
         if self._plain:
             if count and blocks[count - 1] != last:  # copy-on-write replaced the last block
                 pool.acquire(last)
@@ -395,8 +432,10 @@ class KVCacheManager:
                     pool.acquire(old, self._col_tag[c])
                     pool.decref(blocks[base + c])
                     blocks[base + c] = old
-        for block in reversed(blocks[count:]):  # (new blocks: never null)
-            pool.decref(block)
+        null = self.null
+        for block in reversed(blocks[count:]):  # (new blocks: null only in state columns)
+            if block != null:
+                pool.decref(block)
         del blocks[count:]
         table.num_tokens = num_tokens
         del table.hashes[num_hashes:]
@@ -599,6 +638,8 @@ class KVCacheManager:
         blocks = self.block_table(seq_id)[: num_blocks * self.width]
         if self._plain:
             return list(blocks)
+        if self._state_cols:  # (the state is the holder's, past these blocks)
+            return []
         return self._usable_prefix(list(blocks), len(blocks) // self.width)
 
     def share_blocks(self, seq_id: int, blocks: list[int], salt: str | None = None) -> None:
@@ -794,6 +835,11 @@ class KVCacheManager:
         for c in self._full_cols:
             if null in blocks[c::w]:
                 raise RuntimeError(f"{where} sequence {seq_id}: a null block in full column {c}")
+        for c in self._state_cols:
+            col = blocks[c::w]
+            if col[:1] == [null] or col[1:] != [null] * (rows - 1):
+                raise RuntimeError(f"{where} sequence {seq_id}: state column {c} must hold a "
+                                   "block in its first row only")
         for gi, (first, lanes, _) in enumerate(self._sliding):
             low = table.low[gi]
             for c in range(first, first + lanes):

@@ -181,7 +181,9 @@ class KVLayout:
         full = -(-num_tokens // block_size)
         need = 0
         for g in self.groups:
-            if g.window is None:
+            if g.spec.rule() == ("state",):
+                need += g.lanes  # (one logical block, whatever the length)
+            elif g.window is None:
                 need += g.lanes * full
             else:
                 span = min(g.window - 1 + chunk, num_tokens)
@@ -245,7 +247,8 @@ class KVLayout:
 
 
 def _as_full(spec: LayerSpec) -> LayerSpec:
-    """The spec with every block kept (a sliding layer's window dropped from the memory rule)."""
-    if isinstance(spec, SlidingWindowSpec):
+    """The spec with every block kept (a sliding layer's window dropped from the memory rule; a
+    recurrent state's entries then hold a block in every logical block, the first one read)."""
+    if isinstance(spec, FullAttentionSpec) and type(spec) is not FullAttentionSpec:
         return FullAttentionSpec(spec.num_kv_heads, spec.head_dim, spec.sinks)
     return spec

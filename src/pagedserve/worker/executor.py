@@ -112,6 +112,7 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
         cpu_bind = tuple(parse_cpu_list(args.cpu_threads_bind, limit=getattr(args, "cpu_threads", None)))
         cpu_threads = len(cpu_bind)
     threads = platform.threads_per_worker(cpu_threads, world_size)
+    from pagedserve.attention.kv_dtype import kv_cache_dtype
     from pagedserve.layers.hf_quant import checkpoint_method
     from pagedserve.layers.quantization import resolve_gguf_activations, resolve_quantization
 
@@ -136,7 +137,9 @@ def make_executor(args, source: ModelSource, dtype: torch.dtype, device: torch.d
                               getattr(args, "gguf_activations", "auto"),
                               getattr(source, "gguf_activations", None)),
                           cpu_bind=cpu_bind, lora=getattr(args, "lora_config", lambda: None)(),
-                          draft=draft, max_model_len=getattr(args, "max_model_len", None))
+                          draft=draft, max_model_len=getattr(args, "max_model_len", None),
+                          kv_block_size=getattr(args, "block_size", 16),
+                          kv_dtype=kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"), dtype))
     num_stages = getattr(args, "pipeline_parallel_size", 1)
     if num_stages > 1:  # pipeline stages as Ray actors (worker/pp_executor.py)
         import dataclasses

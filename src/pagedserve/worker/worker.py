@@ -50,6 +50,10 @@ class WorkerConfig:
     # the longest context served (EngineArgs.max_model_len; None: the model's limit): LongRoPE
     # picks its factors by it (layers.rotary.RotaryEmbedding.set_max_model_len)
     max_model_len: int | None = None
+    # the KV blocks' tokens and storage dtype (None: `dtype`), known at load: a recurrent
+    # layer's state takes cache entries by them (PagedCausalLM.bind_cache)
+    kv_block_size: int = 16
+    kv_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,8 @@ class Worker:
                                 batch_invariant=config.batch_invariant, platform=self.platform,
                                 max_model_len=config.max_model_len,
                                 int8_activations=config.int8_activations)
+        if hasattr(self.model, "bind_cache"):
+            self.model.bind_cache(config.kv_block_size, config.kv_dtype or config.dtype)
         self.lora = None  # lora.slots.LoRASlots: this rank's adapters (hooks on its model)
         if config.lora is not None:
             from pagedserve.lora.slots import LoRASlots
