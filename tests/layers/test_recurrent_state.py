@@ -56,3 +56,17 @@ def test_a_state_given_too_few_cache_entries_is_refused():
     state = PagedState([(100,)], page=4, block_size=4)
     with pytest.raises(ValueError, match="cache entries"):
         state.read(_caches(state.num_entries - 1, heads=1, dim=2), [_meta([[0]], [1], [1])])
+
+
+def test_each_entry_reads_and_writes_the_block_of_its_own_column():
+    # a layer's entries spread over two columns (lanes) of the table: different blocks each
+    state = PagedState([(40,)], page=4, block_size=4)
+    assert state.num_entries == 3
+    caches = _caches(3, heads=1, dim=2)
+    first = [_meta([[1]], [2], [2]), _meta([[1]], [2], [2]), _meta([[6]], [2], [2])]
+    value = torch.arange(40.0)[None]
+    state.write(caches, first, [value])
+    # column 2's block is 6: its bytes are there, not in block 1 of that entry's tensors
+    assert torch.isnan(caches[2][0][1]).all() and not torch.isnan(caches[2][0][6]).any()
+    later = [_meta([[1]], [3], [1]), _meta([[1]], [3], [1]), _meta([[6]], [3], [1])]
+    assert torch.equal(state.read(caches, later)[0], value)

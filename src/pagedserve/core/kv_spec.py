@@ -170,6 +170,10 @@ class KVLayout:
             out.extend([g.window] * g.lanes)
         return tuple(out)
 
+    def state_columns(self) -> tuple[int, ...]:
+        """The columns of recurrent state groups (a block in the first logical block only)."""
+        return tuple(c for g in self.groups if g.spec.rule() == ("state",) for c in g.columns)
+
     def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes of one pool block: `block_size` tokens of `slots` layers."""
         return self.slots * block_size * self.page_spec.bytes_per_token(dtype_bytes)

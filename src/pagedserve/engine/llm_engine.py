@@ -15,7 +15,6 @@ from pagedserve.attention.kv_dtype import is_fp8, kv_cache_dtype
 from pagedserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.core.kv_cache_manager import KVCacheManager, KVManagerConfig
-from pagedserve.core.kv_spec import RecurrentStateSpec
 from pagedserve.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.core.spec_decode import make_spec_decoder, record_spec_rows
 from pagedserve.core.step_input import StepInput
@@ -30,6 +29,7 @@ from pagedserve.engine.detokenizer import (
 from pagedserve.engine.gc_pause import freeze_startup_heap, gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
+from pagedserve.engine.recurrent_rules import check_recurrent_state, has_recurrent_state
 from pagedserve.engine.spec_draft import check_draft_tokenizer, resolve_draft
 from pagedserve.lora.engine import LoRAChecker, LoRAEngineMixin, cache_key
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
@@ -204,21 +204,6 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
             max(p.peak for p in profiles) / 2**30)
         return blocks
 
-    def _check_recurrent_state(self, args: EngineArgs) -> None:
-        """A model with recurrent layers (their state in cache entries, core/kv_spec.py): its
-        state cannot be rolled back (no speculative decoding) nor matched by prefix (prefix
-        caching is off), and its entries were sized at load for the block size and dtype."""
-        if self.spec is not None:
-            raise ValueError(f"speculative_config: {self.source.name} keeps a recurrent state, which "
-                             "cannot roll back rejected draft tokens")
-        bound = (self.args.block_size, kv_cache_dtype(self.args.kv_cache_dtype, self.dtype))
-        if (args.block_size, self.kv_dtype) != bound:
-            raise ValueError("block_size / kv_cache_dtype: a model with a recurrent state keeps "
-                             f"the ones it was loaded with ({bound[0]}, {bound[1]})")
-        if args.enable_prefix_caching:
-            logger.info("prefix caching is off for %s: its recurrent state is no function "
-                           "of a block's tokens", self.source.name)
-
     def _build_cache(self, args: EngineArgs, one_group: bool = False) -> None:
         """The scheduler, block manager, KV tensors and runner for `args`' cache settings
         (`one_group`: every layer in one group of full attention)."""
@@ -229,8 +214,11 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
                           and self.executor.draft_kv_cache_spec is None)
         self.kv_layout = kv_layout(spec, self.kv_hybrid)
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)  # (reconfigure_cache)
-        if any(isinstance(s, RecurrentStateSpec) for s in spec.layer_specs()):
-            self._check_recurrent_state(args)
+        if has_recurrent_state(spec):
+            check_recurrent_state(
+                self.source.name, speculative=self.spec is not None,
+                loaded=(self.args.block_size, kv_cache_dtype(self.args.kv_cache_dtype, self.dtype)),
+                wanted=(args.block_size, self.kv_dtype), prefix_caching=args.enable_prefix_caching)
         block_bytes = bytes_per_block(spec, args.block_size, self.kv_dtype,
                                       draft=self.executor.draft_kv_cache_spec,
                                       hybrid=self.kv_hybrid)

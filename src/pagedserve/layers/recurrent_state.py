@@ -62,9 +62,11 @@ class PagedState:
     def _flat(self, cache: torch.Tensor) -> torch.Tensor:  # [N + 1, bytes of a block]
         return cache.view(torch.uint8).view(cache.shape[0], -1)
 
-    def _blocks(self, metas: list[AttentionMetadata]) -> torch.Tensor:  # [S]
-        # NOTE: every entry of a state sits in the same row of its column: logical block 0
-        return metas[0].block_tables[:, 0]
+    @staticmethod
+    def _blocks(meta: AttentionMetadata) -> torch.Tensor:  # [S]
+        # NOTE: an entry's state block is logical block 0 of ITS column: the entries of one
+        # layer may sit in several columns (lanes), each with its own blocks
+        return meta.block_tables[:, 0]
 
     def read(self, caches: list[KVPair], metas: list[AttentionMetadata]) -> list[torch.Tensor]:
         """Each sequence's state before this step: one float32 tensor `[S, *shape]` per shape
@@ -74,21 +76,21 @@ class PagedState:
             raise ValueError(f"a recurrent state of {self.numel} values takes {self.num_entries} "
                              f"cache entries here, got {len(caches)}")
         meta = metas[0]
-        blocks = self._blocks(metas)
-        parts = [self._flat(t).index_select(0, blocks) for pair in caches for t in pair]
+        parts = [self._flat(t).index_select(0, self._blocks(m))
+                 for pair, m in zip(caches, metas) for t in pair]
         raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [S, bytes]
         values = raw[:, : self.numel * 4].contiguous().view(torch.float32)  # [S, numel]
         qlens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [S]
         fresh = meta.seq_lens == qlens  # [S]: no token before this step
         values = values.masked_fill(fresh[:, None], 0.0)
-        return [v.reshape(len(blocks), *shape) for v, shape
+        return [v.reshape(raw.shape[0], *shape) for v, shape
                 in zip(values.split(self.sizes, dim=1), self.shapes)]
 
     def write(self, caches: list[KVPair], metas: list[AttentionMetadata],
               states: list[torch.Tensor]) -> None:
         """Store each sequence's state after this step (`states` as `read` returned them)."""
-        blocks = self._blocks(metas)
-        values = torch.cat([s.reshape(len(blocks), -1).float() for s in states], dim=1)
+        n = states[0].shape[0]
+        values = torch.cat([s.reshape(n, -1).float() for s in states], dim=1)
         raw = values.view(torch.uint8)  # [S, numel * 4]
         width = self._flat(caches[0][0]).shape[1]
         total = width * 2 * len(caches)
@@ -96,7 +98,8 @@ class PagedState:
             raw = torch.nn.functional.pad(raw, (0, total - raw.shape[1]))
         chunks = raw.split(width, dim=1)
         i = 0
-        for pair in caches:
+        for pair, meta in zip(caches, metas):
+            blocks = self._blocks(meta)
             for t in pair:
                 self._flat(t).index_copy_(0, blocks, chunks[i])
                 i += 1

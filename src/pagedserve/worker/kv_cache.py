@@ -142,6 +142,7 @@ class KVCache:
         # kept: the metadata passes whole tables).
         windows = self.layout.column_windows()
         self.column_windows = windows if any(windows) else None
+        self.state_columns = self.layout.state_columns()  # (their metadata: logical block 0)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.null_block = num_blocks

@@ -184,7 +184,7 @@ class ModelRunner:
             block_size=kv.block_size, null_block=kv.null_block,
             device=device, num_splits=num_splits, decode_rows=decode_rows,
             width=kv.width, layer_columns=kv.layout.layer_column if kv.width > 1 else None,
-            column_windows=kv.column_windows))
+            column_windows=kv.column_windows, state_columns=kv.state_columns))
 
     def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
         """The random stream of sample `index` of a seeded request.

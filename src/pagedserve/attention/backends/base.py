@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -32,6 +33,10 @@ class AttentionBatch:
     layer_columns: tuple[int, ...] | None = None
     # The sliding window of each column (None: full attention), or None: no column slides.
     column_windows: tuple[int | None, ...] | None = None
+    # The columns of recurrent state groups: their layers read only each sequence's first
+    # logical block (`layers.recurrent_state`), so their metadata is a cheap copy of another
+    # column's with those blocks as its tables.
+    state_columns: tuple[int, ...] = ()
 
 
 class AttentionBackend:
@@ -57,7 +62,11 @@ class AttentionBackend:
         if w == 1 and not (windows and windows[0]):
             return self._build(batch, batch.block_tables, batch.seq_lens)
         metas = []
+        state = set(batch.state_columns)
         for c in range(w):
+            if c in state and metas:
+                metas.append(None)  # (below)
+                continue
             window = windows[c] if windows else None
             if window:
                 tables, seq_lens = window_tail(batch.block_tables, w, c, batch.seq_lens,
@@ -66,6 +75,15 @@ class AttentionBackend:
                 tables = [t[c::w] for t in batch.block_tables] if w > 1 else batch.block_tables
                 seq_lens = batch.seq_lens
             metas.append(self._build(batch, tables, seq_lens))
+        if state and None in metas:
+            base = metas[0]
+            firsts = torch.tensor([[t[c] for c in range(w)] for t in batch.block_tables],
+                                  dtype=torch.int64, device=base.block_tables.device)  # [S, W]
+            for c, m in enumerate(metas):
+                if m is None:
+                    metas[c] = copy.copy(base)
+                    metas[c].block_tables = firsts[:, c : c + 1]  # [S, 1]
+                    metas[c]._token_rows = None
         meta = metas[0]
         if w > 1:
             meta.per_layer = [metas[c] for c in batch.layer_columns]
