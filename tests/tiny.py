@@ -137,6 +137,8 @@ def config_for(arch: str, **overrides):
                              max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
+    elif arch in RECURRENT_FAMILIES:
+        cfg = _recurrent_family_config(tf, arch, common)
     elif arch == "deepseek_v2":  # MLA (latent 32 + rope 16 per token) and grouped-top-k MoE
         cfg = tf.DeepseekV2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
@@ -173,6 +175,34 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma")
+
+
+# Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
+RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid")
+
+
+def _recurrent_family_config(tf, arch: str, common: dict):
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, **common)
+    # Gated DeltaNet layers around a gated full-attention layer (a state of 2 cache entries)
+    gdn = dict(head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_num_key_heads=2, linear_num_value_heads=4, num_hidden_layers=3,
+               layer_types=["linear_attention", "full_attention", "linear_attention"])
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)
+    if arch == "qwen3_next":
+        return tf.Qwen3NextConfig(**base, **gdn, **moe, intermediate_size=96, decoder_sparse_step=1)
+    if arch == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**base, **gdn, intermediate_size=96)
+    if arch == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(**base, **gdn, **moe)
+    # Granite 4.0-H: Mamba 2 layers around an attention layer, experts and a shared MLP
+    return tf.GraniteMoeHybridConfig(
+        **base, intermediate_size=32, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=4, mamba_d_head=16, mamba_expand=1, mamba_d_state=8, mamba_n_groups=1,
+        mamba_d_conv=4, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+        position_embedding_type="rope", embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.5)
 
 
 def _dense_family_config(tf, arch: str, common: dict):

@@ -44,8 +44,8 @@ ISAS = {"auto": 0, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 # apart (scalar code inside the AVX2/AVX-512 regions could otherwise differ between them).
 _EXTENSION = LazyExtension(
     "pagedserve_fp32_kernels",
-    ["fp32_invariant.cpp"],
-    ["fp32_invariant_isa.h", "act_formula.h", "cpu_isa.h"],
+    ["fp32_invariant.cpp", "recurrent_fp32.cpp"],
+    ["fp32_invariant_isa.h", "act_formula.h", "cpu_isa.h", "recurrent_impl.h"],
     cflags=["-ffp-contract=off"],
     probe=lambda: torch.ops.pagedserve_fp32.fp32_isa(),
     describe=lambda isa: "AVX-512" if isa == ISAS["avx512"] else "AVX2",

@@ -1,0 +1,65 @@
+"""The recurrent layers' recurrences on CPU (csrc/recurrent_fp32.cpp, in the extension of
+`kernels.cpu_fp32`): float32, one (sequence, head) at a time over its tokens in one fixed order,
+so a token's bits do not depend on the chunking or the batch (the rule `layers.recurrent_state`
+states).
+
+- `gated_delta_rule(q, k, v, beta, decay, state, query_start_loc)`: Gated DeltaNet's
+  `S *= decay; S += k^T ((v - k S) beta); out = q S` per token (Qwen3-Next, Qwen3.5).
+- `ssm_scan(x, dt, A, B, C, D, state, query_start_loc)`: Mamba 2's
+  `S = S exp(dt A) + dt x B^T; y = S C + D x` per token (Granite 4.0-H and kin).
+
+Both update `state` `[S, H, ...]` in place (one row per sequence of the step, in the order of
+`query_start_loc`) and return None where they do not apply (not float32 CPU tensors, the
+extension disabled or unavailable): the caller then runs its torch loop, which is just as
+batch-invariant, only slower. NOTE: a process uses one or the other for every step, so the
+two never mix within a request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels.cpu_fp32 import _get_isa
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    if any(t.dtype != torch.float32 or not t.is_cpu for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return _get_isa() is not None
+
+
+def gated_delta_rule(
+    q: torch.Tensor,  # [T, H, K]
+    k: torch.Tensor,  # [T, H, K]
+    v: torch.Tensor,  # [T, H, V]
+    beta: torch.Tensor,  # [T, H]
+    decay: torch.Tensor,  # [T, H]
+    state: torch.Tensor,  # [S, H, K, V] float32, updated in place
+    query_start_loc: torch.Tensor,  # [S + 1] int64
+) -> torch.Tensor | None:  # [T, H, V]
+    """See the module docstring."""
+    if not _usable(q, k, v, beta, decay, state) or not state.is_contiguous():
+        return None
+    return torch.ops.pagedserve_fp32.fp32_gated_delta_rule.default(
+        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), decay.contiguous(),
+        state, query_start_loc.to(torch.int64), _get_isa())
+
+
+def ssm_scan(
+    x: torch.Tensor,  # [T, H, P]
+    dt: torch.Tensor,  # [T, H]
+    A: torch.Tensor,  # [H] (negative)
+    B: torch.Tensor,  # [T, G, N]
+    C: torch.Tensor,  # [T, G, N]
+    D: torch.Tensor,  # [H]
+    state: torch.Tensor,  # [S, H, P, N] float32, updated in place
+    query_start_loc: torch.Tensor,  # [S + 1] int64
+) -> torch.Tensor | None:  # [T, H, P]
+    """See the module docstring."""
+    if not _usable(x, dt, A, B, C, D, state) or not state.is_contiguous():
+        return None
+    return torch.ops.pagedserve_fp32.fp32_ssm_scan.default(
+        x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
+        D.contiguous(), state, query_start_loc.to(torch.int64), _get_isa())

@@ -1,0 +1,63 @@
+"""Hybrid families with recurrent layers (Gated DeltaNet: Qwen3-Next, Qwen3.5; Mamba 2: Granite
+4.0-H) in the engine. Their state lives in cache entries, one block per sequence
+(layers/recurrent_state.py): greedy equal to HF's generate (tie rule), and runs that move it
+around -- chunked prefill, preemption by swap and by recomputation, copy-on-write forks of beam
+search and parallel sampling -- give exactly the roomy run's tokens and logprobs, with the pool
+empty at the end. Prefix caching is off for them; speculative decoding is refused."""
+
+import pytest
+
+from pagedserve import LLM, BeamSearchParams, SamplingParams
+from test_llm_engine import greedy, prompts_of_lengths
+from tiny import RECURRENT_FAMILIES
+from utils import assert_same_outputs, assert_tie_rule, hf_greedy, ours_as_pairs, run_requests
+
+BASE = prompts_of_lengths([9], seed=23)[0]
+PROMPTS = prompts_of_lengths([6, 17, 5, 13], seed=23) + [BASE + [7, 8, 9], BASE + [10, 11]]
+
+
+def _requests():
+    reqs = [(f"g{i}", p, greedy(14)) for i, p in enumerate(PROMPTS)]
+    reqs.append(("beam", PROMPTS[1], BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)))
+    # two samples of one prompt, seeded: a fork after the prompt, each its own state from then on
+    reqs.append(("n2", PROMPTS[3], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12,
+                                                  ignore_eos=True, logprobs=2)))
+    return reqs
+
+
+def _state_blocks(engine) -> int:
+    """Blocks one sequence's state takes (its state columns: one block each)."""
+    return len(engine.kv_layout.state_columns())
+
+
+@pytest.mark.parametrize("arch", RECURRENT_FAMILIES)
+def test_family_matches_hf_and_stays_exact_when_its_state_moves(arch, checkpoints, hf_models):
+    path = str(checkpoints(arch))
+    ref, engine = run_requests(path, _requests(), 2000, block_size=4, kv_cache_memory=1 << 24,
+                               enable_chunked_prefill=False)
+    assert _state_blocks(engine) > 0 and not engine.kv_manager.enable_prefix_caching
+    for i in (0, 1):
+        assert_tie_rule(ours_as_pairs(ref[i].outputs[0]), hf_greedy(hf_models(arch), PROMPTS[i], 14),
+                        f"{arch} prompt {i} vs HF")
+    # room for about three sequences' states and their attention blocks: swaps and recomputes
+    blocks = 3 * _state_blocks(engine) + 14
+    outs, engine = run_requests(path, _requests(), 6000, block_size=4, num_kv_blocks=blocks,
+                                num_cpu_blocks=blocks // 2, preemption_mode="auto",
+                                max_num_batched_tokens=8, enable_prefix_caching=True)
+    sched = engine.scheduler
+    assert sched.preemptions_by_mode["swap"] > 0 and sched.preemptions_by_mode["recompute"] > 0
+    assert engine.kv_manager.prefix_hits == 0
+    assert_same_outputs(outs, ref)
+
+
+def test_speculative_decoding_and_a_new_block_size_are_refused(checkpoints):
+    path = str(checkpoints("qwen3_5"))
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                       "prompt_lookup_max": 2})
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22)
+    with pytest.raises(ValueError, match="block_size"):
+        llm.engine.reconfigure_cache(block_size=8)
+    llm.engine.reconfigure_cache(num_kv_blocks=64)  # (the same block size: fine)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
