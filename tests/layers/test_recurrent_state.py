@@ -8,6 +8,19 @@ from pagedserve.attention.backends.base import AttentionBatch
 from pagedserve.layers.recurrent_state import PagedState
 
 
+@pytest.fixture(params=["kernels", "torch"], autouse=True)
+def path(request, monkeypatch):
+    """Every test on the C++ gather / scatter and on the torch fallback."""
+    if request.param == "torch":
+        monkeypatch.setattr("pagedserve.kernels.cpu_recurrent._get_isa", lambda: None)
+    else:
+        from pagedserve.kernels.cpu_fp32 import fp32_kernels_available
+
+        if not fp32_kernels_available():
+            pytest.skip("no fp32 CPU kernels here")
+    return request.param
+
+
 def _caches(n_entries, num_blocks=8, block_size=4, heads=2, dim=4, dtype=torch.float32):
     shape = (num_blocks + 1, block_size, heads, dim)
     return [(torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
@@ -70,3 +83,55 @@ def test_each_entry_reads_and_writes_the_block_of_its_own_column():
     assert torch.isnan(caches[2][0][1]).all() and not torch.isnan(caches[2][0][6]).any()
     later = [_meta([[1]], [3], [1]), _meta([[1]], [3], [1]), _meta([[6]], [3], [1])]
     assert torch.equal(state.read(caches, later)[0], value)
+
+
+def test_a_part_of_the_state_is_read_and_written_alone():
+    state = PagedState([(5,), (30,)], page=4, block_size=4)
+    caches = _caches(state.num_entries, heads=1, dim=2)
+    metas = [_meta([[2], [7]], [3, 3], [3, 3])] * state.num_entries
+    conv, rec = torch.randn(2, 5), torch.randn(2, 30)
+    state.scatter(caches, metas, 5, rec)  # a fresh state's parts, written one after the other
+    state.scatter(caches, metas, 0, conv)
+    later = [_meta([[2], [7]], [4, 4], [1, 1])] * state.num_entries
+    assert torch.equal(state.gather(caches, later, 5, 30), rec)
+    got = state.read(caches, later)
+    assert torch.equal(got[0], conv) and torch.equal(got[1], rec)
+
+
+@pytest.mark.parametrize("kind", ["gdr", "ssm"])
+def test_in_place_kernels_give_the_bits_of_gather_compute_scatter(kind, path):
+    from pagedserve.kernels import cpu_recurrent as rec
+
+    if path == "torch":
+        pytest.skip("kernels only")
+    g = torch.Generator().manual_seed(4)
+    shapes = [(6, 3), (3, 8, 16)] if kind == "gdr" else [(6, 3), (4, 8, 16)]
+    state = PagedState(shapes, page=2 * 2 * 4, block_size=4)
+    caches = _caches(state.num_entries, num_blocks=12)
+    # step 1: two fresh sequences (3 and 2 tokens) over NaN-filled blocks
+    steps = [([[5, 1], [2]], [3, 2], [3, 2]), ([[5, 1], [2]], [5, 4], [2, 2]), ([[2], [5, 1]], [5, 6], [1, 1])]
+    copies = [(c[0].clone(), c[1].clone()) for c in caches]
+    for tables, lens, qlens in steps:
+        metas = [_meta(tables, lens, qlens)] * state.num_entries
+        t = sum(qlens)
+        qsl = metas[0].query_start_loc
+        if kind == "gdr":
+            ins = (torch.randn(t, 3, 8, generator=g), torch.randn(t, 3, 8, generator=g),
+                   torch.randn(t, 3, 16, generator=g), torch.rand(t, 3, generator=g), torch.rand(t, 3, generator=g))
+            flat, blocks, fresh = state.paged(caches, metas)
+            out = rec.gated_delta_rule_paged(*ins, flat, blocks, state.offset(1), fresh, qsl)
+            conv, st = state.read(copies, metas)
+            st = st.contiguous()
+            ref = rec.gated_delta_rule(*ins, st, qsl)
+        else:
+            ins = (torch.randn(t, 4, 8, generator=g), torch.rand(t, 4, generator=g), -torch.rand(4, generator=g),
+                   torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g), torch.randn(4, generator=g))
+            flat, blocks, fresh = state.paged(caches, metas)
+            out = rec.ssm_scan_paged(*ins, flat, blocks, state.offset(1), fresh, qsl)
+            conv, st = state.read(copies, metas)
+            st = st.contiguous()
+            ref = rec.ssm_scan(*ins, st, qsl)
+        state.write(copies, metas, [conv, st])
+        assert torch.equal(out, ref)
+        assert torch.equal(state.gather(caches, metas, state.offset(1), st[0].numel()),
+                           state.gather(copies, metas, state.offset(1), st[0].numel()))

@@ -63,3 +63,51 @@ def ssm_scan(
     return torch.ops.pagedserve_fp32.fp32_ssm_scan.default(
         x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
         D.contiguous(), state, query_start_loc.to(torch.int64), _get_isa())
+
+
+def gather_state(caches: list[torch.Tensor], blocks: torch.Tensor, start: int, count: int,
+                 fresh: torch.Tensor) -> torch.Tensor | None:  # [S, count] float32
+    """Words `[start, start + count)` of each sequence's paged state (`layers.recurrent_state`:
+    `caches` the K, V tensors of its entries in order, `blocks [E, S]` each entry's block of each
+    sequence) as float32, zeros where `fresh [S]`; None without the kernels."""
+    if _get_isa() is None or not all(t.is_cpu for t in caches):
+        return None
+    return torch.ops.pagedserve_fp32.paged_state_gather.default(
+        caches, blocks.contiguous(), start, count, fresh)
+
+
+def scatter_state(caches: list[torch.Tensor], blocks: torch.Tensor, start: int,
+                  values: torch.Tensor) -> bool:
+    """Store `values [S, count]` (float32) as words `[start, start + count)` of each sequence's
+    paged state (see `gather_state`); False without the kernels (nothing written)."""
+    if _get_isa() is None or not all(t.is_cpu for t in caches):
+        return False
+    torch.ops.pagedserve_fp32.paged_state_scatter.default(
+        caches, blocks.contiguous(), start, values.float().contiguous())
+    return True
+
+
+def gated_delta_rule_paged(q, k, v, beta, decay, caches: list[torch.Tensor], blocks: torch.Tensor,
+                           start: int, fresh: torch.Tensor,
+                           query_start_loc: torch.Tensor) -> torch.Tensor | None:  # [T, H, V]
+    """`gated_delta_rule` on a state kept in the cache (`gather_state`'s `caches`, `blocks`):
+    head h's `[K, V]` at words `start + h K V` of each sequence's state, zeros where `fresh`,
+    read and stored in place; None without the kernels."""
+    if not _usable(q, k, v, beta, decay) or not all(t.is_cpu for t in caches):
+        return None
+    return torch.ops.pagedserve_fp32.fp32_gated_delta_rule_paged.default(
+        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), decay.contiguous(),
+        caches, blocks.contiguous(), start, fresh, query_start_loc.to(torch.int64), _get_isa())
+
+
+def ssm_scan_paged(x, dt, A, B, C, D, caches: list[torch.Tensor], blocks: torch.Tensor,
+                   start: int, fresh: torch.Tensor,
+                   query_start_loc: torch.Tensor) -> torch.Tensor | None:  # [T, H, P]
+    """`ssm_scan` on a state kept in the cache: head h's `[P, N]` at words `start + h P N` of
+    each sequence's state (see `gated_delta_rule_paged`); None without the kernels."""
+    if not _usable(x, dt, A, B, C, D) or not all(t.is_cpu for t in caches):
+        return None
+    return torch.ops.pagedserve_fp32.fp32_ssm_scan_paged.default(
+        x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
+        D.contiguous(), caches, blocks.contiguous(), start, B.shape[-1], fresh,
+        query_start_loc.to(torch.int64), _get_isa())

@@ -27,6 +27,7 @@ import math
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.kernels.cpu_recurrent import gather_state, scatter_state
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # one cache entry: K, V `[N + 1, B, Hkv, D]` each
 
@@ -59,8 +60,14 @@ class PagedState:
         self.num_entries = -(-(self.numel * 4) // per_entry)
         return self.num_entries
 
-    def _flat(self, cache: torch.Tensor) -> torch.Tensor:  # [N + 1, bytes of a block]
-        return cache.view(torch.uint8).view(cache.shape[0], -1)
+    @staticmethod
+    def _flat(cache: torch.Tensor) -> torch.Tensor:  # [N + 1, 32-bit words of a block]
+        # NOTE: copied as 32-bit words, never bytes: torch's uint8 index_select / index_copy_
+        # run ~50x slower (a state is MBs a sequence a layer)
+        words = cache.view(torch.uint8).view(cache.shape[0], -1)
+        if words.shape[1] % 4:
+            raise ValueError(f"a cache block of {words.shape[1]} bytes cannot hold a float32 state")
+        return words.view(torch.int32)
 
     @staticmethod
     def _blocks(meta: AttentionMetadata) -> torch.Tensor:  # [S]
@@ -75,23 +82,69 @@ class PagedState:
         if len(caches) != self.num_entries:
             raise ValueError(f"a recurrent state of {self.numel} values takes {self.num_entries} "
                              f"cache entries here, got {len(caches)}")
+        values = self.gather(caches, metas, 0, self.numel)  # [S, numel]
+        return [v.reshape(values.shape[0], *shape) for v, shape
+                in zip(values.split(self.sizes, dim=1), self.shapes)]
+
+    def offset(self, i: int) -> int:
+        """Where tensor `i` of `shapes` starts in a state (values)."""
+        return sum(self.sizes[:i])
+
+    def paged(self, caches: list[KVPair], metas: list[AttentionMetadata]):
+        """What the in-place kernels take (`kernels.cpu_recurrent.*_paged`): the entries' K / V
+        tensors in state order, each entry's block of each sequence `[E, S]`, and which
+        sequences are fresh `[S]`."""
+        return self.flat_caches(caches), self.block_ids(metas), self.fresh(metas)
+
+    @staticmethod
+    def fresh(metas: list[AttentionMetadata]) -> torch.Tensor:  # [S] bool
+        """Which sequences have no token before this step (their state starts at zero)."""
         meta = metas[0]
+        return meta.seq_lens == meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+
+    @staticmethod
+    def block_ids(metas: list[AttentionMetadata]) -> torch.Tensor:  # [E, S] int64
+        """Each entry's state block of each sequence (logical block 0 of its column)."""
+        return torch.stack([PagedState._blocks(m) for m in metas])
+
+    @staticmethod
+    def flat_caches(caches: list[KVPair]) -> list[torch.Tensor]:
+        """The entries' K and V tensors in state order (K of entry 0, V of entry 0, K of 1 ...)."""
+        return [t for pair in caches for t in pair]
+
+    def gather(self, caches: list[KVPair], metas: list[AttentionMetadata], start: int,
+               count: int) -> torch.Tensor:  # [S, count] float32
+        """Values `[start, start + count)` of each sequence's state (zeros for a fresh one)."""
+        return self._gather(caches, metas, start, count, self.fresh(metas))
+
+    def _gather(self, caches, metas, start: int, count: int, fresh: torch.Tensor) -> torch.Tensor:
+        got = gather_state(self.flat_caches(caches), self.block_ids(metas), start, count, fresh)
+        if got is not None:
+            return got
         parts = [self._flat(t).index_select(0, self._blocks(m))
                  for pair, m in zip(caches, metas) for t in pair]
-        raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [S, bytes]
-        values = raw[:, : self.numel * 4].contiguous().view(torch.float32)  # [S, numel]
-        qlens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [S]
-        fresh = meta.seq_lens == qlens  # [S]: no token before this step
-        values = values.masked_fill(fresh[:, None], 0.0)
-        return [v.reshape(raw.shape[0], *shape) for v, shape
-                in zip(values.split(self.sizes, dim=1), self.shapes)]
+        raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [S, words]
+        values = raw[:, start : start + count].contiguous().view(torch.float32)  # [S, count]
+        return values.masked_fill(fresh[:, None], 0.0)
 
     def write(self, caches: list[KVPair], metas: list[AttentionMetadata],
               states: list[torch.Tensor]) -> None:
         """Store each sequence's state after this step (`states` as `read` returned them)."""
         n = states[0].shape[0]
         values = torch.cat([s.reshape(n, -1).float() for s in states], dim=1)
-        raw = values.view(torch.uint8)  # [S, numel * 4]
+        self.scatter(caches, metas, 0, values)
+
+    def scatter(self, caches: list[KVPair], metas: list[AttentionMetadata], start: int,
+                values: torch.Tensor) -> None:
+        """Store `values [S, count]` as values `[start, start + count)` of each state."""
+        if scatter_state(self.flat_caches(caches), self.block_ids(metas), start, values):
+            return
+        if start or values.shape[1] != self.numel:  # (the torch path stores whole states)
+            stale = torch.zeros_like(self.fresh(metas))  # (as stored: parts written this step)
+            full = self._gather(caches, metas, 0, self.numel, stale)
+            full[:, start : start + values.shape[1]] = values
+            values = full
+        raw = values.contiguous().view(torch.int32)  # [S, numel]
         width = self._flat(caches[0][0]).shape[1]
         total = width * 2 * len(caches)
         if raw.shape[1] < total:
