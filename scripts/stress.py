@@ -45,6 +45,9 @@ def main() -> int:
     ap.add_argument("--conv", action="store_true",
                     help="on a tiny LFM2 (short-convolution state kept as a sliding window of "
                          "the cache), with --hybrid's pools")
+    ap.add_argument("--recurrent", action="store_true",
+                    help="on a tiny Qwen3.5 (a Gated DeltaNet layer: its recurrent state in "
+                         "cache entries of each sequence's first block), pools grown for it")
     ap.add_argument("--model", type=Path, default=None,
                     help="checkpoint folder to reuse (default: a fresh tiny Llama in a temp dir)")
     ap.add_argument("--verbose", action="store_true", help="print every seed's workload")
@@ -58,10 +61,11 @@ def main() -> int:
 
     torch.set_num_threads(1)
     model = args.model or Path(tempfile.mkdtemp(prefix="pagedserve-stress-")) / (
-        "conv" if args.conv else "hybrid" if args.hybrid else "llama")
+        "recurrent" if args.recurrent else "conv" if args.conv else "hybrid" if args.hybrid
+        else "llama")
     started = time.monotonic()
-    model = (sh.tiny_conv(model) if args.conv else sh.tiny_hybrid(model) if args.hybrid
-             else sh.tiny_llama(model))
+    model = (sh.tiny_recurrent(model) if args.recurrent else sh.tiny_conv(model) if args.conv
+             else sh.tiny_hybrid(model) if args.hybrid else sh.tiny_llama(model))
     draft = model if args.spec == "draft" else None
     if draft is not None and args.tp:
         ap.error("--spec draft runs with tensor_parallel_size=1 only (no --tp)")
@@ -82,7 +86,8 @@ def main() -> int:
             if deadline is not None and time.monotonic() > deadline:
                 break
             grouped = args.hybrid or args.conv
-            workload = sh.hybrid_workload(seed) if grouped else sh.make_workload(seed)
+            workload = (sh.recurrent_workload(seed) if args.recurrent
+                        else sh.hybrid_workload(seed) if grouped else sh.make_workload(seed))
             if args.verbose or args.seed:
                 print(f"seed {seed}: {workload.describe()}", flush=True)
             try:
@@ -91,7 +96,8 @@ def main() -> int:
                 counts["failed"] += 1
                 failed.append((seed, e.cause))
                 print(f"FAIL seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
-                      f"    repro: {sh.repro(seed, args.tp, args.spec, args.hybrid, args.conv)}", flush=True)
+                      f"    repro: {sh.repro(seed, args.tp, args.spec, args.hybrid, args.conv, args.recurrent)}",
+                      flush=True)
                 continue
             counts["passed"] += 1
             counts["steps"] += stats.steps

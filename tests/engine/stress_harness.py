@@ -97,6 +97,31 @@ def tiny_conv(path: Path) -> Path:
     return path
 
 
+def tiny_recurrent(path: Path) -> Path:
+    """The harness's model with a recurrent state (Qwen3.5: a Gated DeltaNet layer, its state in
+    cache entries of the first logical block, then a gated attention layer), saved once."""
+    import tiny  # tests/tiny.py
+
+    if not (path / "config.json").exists():
+        tiny.make_checkpoint(path, "qwen3_5", num_hidden_layers=2,
+                             layer_types=["linear_attention", "full_attention"])
+    return path
+
+
+def recurrent_workload(seed: int) -> Workload:
+    """`hybrid_workload(seed)` for the model with a recurrent state (`tiny_recurrent`): each
+    sequence also holds its state's blocks (7 at 1-token blocks, 1 from 8 on), so the pools
+    grow by that much for a few sequences."""
+    workload = hybrid_workload(seed)
+    config = workload.config
+    state = cdiv(448, 64 * config["block_size"])  # (the state's values / a block's, one entry)
+    widest = max(r.width for r in workload.requests)
+    config["num_kv_blocks"] += (widest + 1) * state
+    if config["num_cpu_blocks"]:
+        config["num_cpu_blocks"] += widest * state
+    return workload
+
+
 def make_engine(model: Path, tp: int = 1, draft: Path | None = None) -> LLMEngine:
     """One engine for many workloads (`Harness.run` reconfigures its cache each time); `draft`:
     a draft model for speculation (the engine loads it; `draft_spec_config_for` speculates)."""
@@ -168,7 +193,7 @@ class Request:
         rows = cdiv(final - 1, block_size)
         if groups is None:
             return rows
-        return sum(lanes * (rows if window is None
+        return sum(lanes * (1 if window == "state" else rows if window is None
                             else min(rows, cdiv(min(window - 1 + chunk, final - 1), block_size)
                                      + 1))
                    for window, lanes in groups)
@@ -477,10 +502,7 @@ class Harness:
     def __init__(self, engine: LLMEngine, spec=None) -> None:
         self.engine = engine
         self.spec = spec
-        # A model of several layer groups: (window or None, lanes) of each (admission's bound)
-        layout = engine.kv_layout
-        self.groups = None if layout.width == 1 and layout.groups[0].window is None else [
-            (g.window, g.lanes) for g in layout.groups]
+        self._layout_groups()
         self.oracle_cache: dict[tuple, dict] = {}
         self._ids = 0
         self._stuck: list[tuple] = []  # of a hang: (request, preemptions, queue)
@@ -518,6 +540,14 @@ class Harness:
                 raise StressFailure("lost", f"the oracle run lost {len(missing)} requests")
         return {r.key(): self.oracle_cache[r.key()] for r in requests}
 
+    def _layout_groups(self) -> None:
+        """A model of several layer groups: (window, None for full or "state" for a recurrent
+        state, lanes) of each (admission's bound). NOTE: a recurrent state's lanes depend on the
+        block size: read again after each reconfiguration."""
+        layout = self.engine.kv_layout
+        self.groups = None if layout.width == 1 and layout.groups[0].window is None else [
+            ("state" if g.spec.rule() == ("state",) else g.window, g.lanes) for g in layout.groups]
+
     def run(self, workload: Workload) -> RunStats:
         """Run `workload` under its configuration; raise StressFailure on the first problem."""
         t0 = time.monotonic()
@@ -539,6 +569,7 @@ class Harness:
                 stats.config_rejected = True
                 return stats
             raise StressFailure("exception", f"reconfigure_cache({config}) raised {e}") from e
+        self._layout_groups()
         try:
             self._drive(workload, expected, stats)
         except StressFailure as failure:
@@ -768,9 +799,11 @@ class Harness:
 
 
 def repro(seed: int, tp: bool = False, spec: bool | str = False, hybrid: bool = False,
-          conv: bool = False) -> str:
+          conv: bool = False, recurrent: bool = False) -> str:
     """The command that reruns `seed`; `spec`: True or "ngram", or "draft"; `hybrid`: on the
-    model mixing sliding-window and full layers; `conv`: on the short-convolution one."""
+    model mixing sliding-window and full layers; `conv`: on the short-convolution one;
+    `recurrent`: on the one with a recurrent state."""
     return (f"python scripts/stress.py --seed {seed}" + (" --tp" if tp else "")
             + (" --hybrid" if hybrid else "") + (" --conv" if conv else "")
+            + (" --recurrent" if recurrent else "")
             + (f" --spec {'ngram' if spec is True else spec}" if spec else ""))

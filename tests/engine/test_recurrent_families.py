@@ -50,14 +50,16 @@ def test_family_matches_hf_and_stays_exact_when_its_state_moves(arch, checkpoint
     assert_same_outputs(outs, ref)
 
 
-def test_speculative_decoding_and_a_new_block_size_are_refused(checkpoints):
+def test_speculative_decoding_is_refused_and_a_new_block_size_refits_the_state(checkpoints):
     path = str(checkpoints("qwen3_5"))
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                        "prompt_lookup_max": 2})
     llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22)
-    with pytest.raises(ValueError, match="block_size"):
-        llm.engine.reconfigure_cache(block_size=8)
-    llm.engine.reconfigure_cache(num_kv_blocks=64)  # (the same block size: fine)
-    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(4), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    want = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(8), use_tqdm=False)
+    lanes = len(llm.engine.kv_layout.state_columns())
+    # 16-token blocks hold 4x the state a block: a quarter of the entries (rounded up)
+    llm.engine.reconfigure_cache(block_size=16)
+    assert len(llm.engine.kv_layout.state_columns()) < lanes
+    got = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(8), use_tqdm=False)
+    assert ours_as_pairs(got[0].outputs[0]) == ours_as_pairs(want[0].outputs[0])

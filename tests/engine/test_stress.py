@@ -20,8 +20,10 @@ from stress_harness import (
     make_engine,
     hybrid_workload,
     make_workload,
+    recurrent_workload,
     repro,
     tiny_conv,
+    tiny_recurrent,
     tiny_hybrid,
     tiny_llama,
 )
@@ -98,6 +100,25 @@ def test_random_workloads_on_a_model_with_short_convolution_state(conv_harness, 
     # nothing leaks.
     assert conv_harness.groups is not None
     _run_seeds(conv_harness, first, hybrid_workload, conv=True)
+
+
+RECURRENT_SEEDS = 20
+
+
+@pytest.fixture(scope="module")
+def recurrent_harness(tmp_path_factory):
+    yield from _one_thread_harness(tiny_recurrent, tmp_path_factory.mktemp("stress-recurrent"))
+
+
+@pytest.mark.parametrize("first", range(0, RECURRENT_SEEDS, CHUNK),
+                         ids=lambda s: f"recurrent-seeds{s}-{s + CHUNK - 1}")
+def test_random_workloads_on_a_model_with_recurrent_state(recurrent_harness, first):
+    # Qwen3.5's Gated DeltaNet layer keeps its state in cache entries of each sequence's first
+    # logical block: the same workloads (block sizes refitting it, preemption by swap and by
+    # recompute, forks copying it, aborts) give the oracle's outputs exactly, nothing leaks.
+    assert ("state", len(recurrent_harness.engine.kv_layout.state_columns())) \
+        in recurrent_harness.groups
+    _run_seeds(recurrent_harness, first, recurrent_workload, recurrent=True)
 
 
 SPEC_SEEDS = 40

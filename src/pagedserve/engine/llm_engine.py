@@ -29,7 +29,8 @@ from pagedserve.engine.detokenizer import (
 from pagedserve.engine.gc_pause import freeze_startup_heap, gc_paused
 from pagedserve.engine.generation_config import diff_sampling_params
 from pagedserve.engine.output_builder import OutputBuilder
-from pagedserve.engine.recurrent_rules import check_recurrent_state, has_recurrent_state
+from pagedserve.engine.recurrent_rules import (check_recurrent_state, has_recurrent_state,
+                                               rebind_recurrent_state)
 from pagedserve.engine.spec_draft import check_draft_tokenizer, resolve_draft
 from pagedserve.lora.engine import LoRAChecker, LoRAEngineMixin, cache_key
 from pagedserve.models.loader import release_freed_memory, resolve_dtype
@@ -215,10 +216,8 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.kv_layout = kv_layout(spec, self.kv_hybrid)
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)  # (reconfigure_cache)
         if has_recurrent_state(spec):
-            check_recurrent_state(
-                self.source.name, speculative=self.spec is not None,
-                loaded=(self.args.block_size, kv_cache_dtype(self.args.kv_cache_dtype, self.dtype)),
-                wanted=(args.block_size, self.kv_dtype), prefix_caching=args.enable_prefix_caching)
+            check_recurrent_state(self.source.name, speculative=self.spec is not None,
+                                  prefix_caching=args.enable_prefix_caching)
         block_bytes = bytes_per_block(spec, args.block_size, self.kv_dtype,
                                       draft=self.executor.draft_kv_cache_spec,
                                       hybrid=self.kv_hybrid)
@@ -271,6 +270,11 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         if self.has_unfinished_requests():
             raise ValueError("reconfigure_cache needs an idle engine")
         args = dataclasses.replace(self.args, **changes)
+        bound = (self.args.block_size, self.args.kv_cache_dtype)
+        if has_recurrent_state(self.executor.kv_cache_spec) and (
+                args.block_size, args.kv_cache_dtype) != bound:
+            rebind_recurrent_state(self.executor, args.block_size,
+                                   kv_cache_dtype(args.kv_cache_dtype, self.dtype))
         self.kv_manager_factory = kv_manager_factory or KVCacheManager.from_config
         self._build_cache(args)
         self.args = args

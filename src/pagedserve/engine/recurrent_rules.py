@@ -3,7 +3,7 @@ sequence kept in cache entries, `core.kv_spec.RecurrentStateSpec`, `layers.recur
 
 Its state is rewritten in place every step, so it cannot be rolled back (speculative decoding's
 rejected drafts) nor matched by prefix (prefix caching: the block manager turns it off), and its
-cache entries were sized at load for one block size and storage dtype."""
+cache entries are sized for one block size and storage dtype (refitted by `reconfigure_cache`)."""
 
 from __future__ import annotations
 
@@ -21,18 +21,24 @@ def has_recurrent_state(spec) -> bool:
     return any(isinstance(s, RecurrentStateSpec) for s in spec.layer_specs())
 
 
-def check_recurrent_state(name: str, *, speculative: bool, loaded: tuple[int, torch.dtype],
-                          wanted: tuple[int, torch.dtype], prefix_caching: bool) -> None:
-    """ValueError naming the setting a model with a recurrent state cannot take: speculative
-    decoding (`speculative_config`), or a (block_size, cache dtype) other than `loaded`, the
-    ones its state entries were sized for (reconfigure_cache). Prefix caching is only logged:
-    it is off for such a model."""
+def check_recurrent_state(name: str, *, speculative: bool, prefix_caching: bool) -> None:
+    """ValueError naming `speculative_config` for a model with a recurrent state (its state
+    cannot roll back rejected drafts); prefix caching is only logged: it is off for it."""
     if speculative:
         raise ValueError(f"speculative_config: {name} keeps a recurrent state, which cannot "
                          "roll back rejected draft tokens")
-    if wanted != loaded:
-        raise ValueError("block_size / kv_cache_dtype: a model with a recurrent state keeps "
-                         f"the ones it was loaded with ({loaded[0]}, {loaded[1]})")
     if prefix_caching:
         logger.info("prefix caching is off for %s: its recurrent state is no function of a "
                     "block's tokens", name)
+
+
+def rebind_recurrent_state(executor, block_size: int, kv_dtype: torch.dtype) -> None:
+    """Refit every worker's recurrent state entries to another block size or cache dtype
+    (`reconfigure_cache`), and the executor's KV spec with them. ValueError where the executor
+    cannot reach its workers' models (no `collective_rpc`)."""
+    try:
+        specs = executor.collective_rpc("bind_cache", (block_size, kv_dtype))
+    except NotImplementedError as e:
+        raise ValueError("block_size / kv_cache_dtype: a model with a recurrent state keeps the "
+                         f"ones it was loaded with on {type(executor).__name__}") from e
+    executor.kv_cache_spec = specs[0]

@@ -241,6 +241,14 @@ class Worker:
         self.decoder.reset()
         self.platform.empty_cache()
 
+    def bind_cache(self, block_size: int, kv_dtype: torch.dtype):
+        """Refit the model's cache entries (a recurrent state's, `PagedCausalLM.bind_cache`) to
+        blocks of `block_size` tokens in `kv_dtype`; returns its new KV spec. Only between
+        caches: `init_cache` allocates the next one."""
+        self.runner = self.kv_cache = None
+        self.model.bind_cache(block_size, kv_dtype)
+        return self.model.kv_cache_spec
+
     def rpc(self, method, args: tuple, kwargs: dict):
         """`collective_rpc` on this rank: `self.<method>(*args, **kwargs)` for a name, else
         `method(self, *args, **kwargs)`."""
