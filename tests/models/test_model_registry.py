@@ -42,7 +42,8 @@ EXPECTED = {
     "GptOssForCausalLM",
 }
 # mixture of experts (layers/moe.py)
-EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
+             "OlmoeForCausalLM",
              "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
              "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM",
              "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "MiniMaxM2ForCausalLM"}

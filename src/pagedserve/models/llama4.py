@@ -20,7 +20,8 @@ As HF 5.x's `Llama4TextModel`, per layer i:
 Checkpoints store the experts fused: `feed_forward.experts.gate_up_proj` `[E, H, 2I]` (gate the
 first I columns, up the last I) and `feed_forward.experts.down_proj` `[E, I, H]`; `load_weights`
 splits and transposes them onto the MoE layer's `gate_proj` / `up_proj` `[E, I, H]` and
-`down_proj` `[E, H, I]` (then sharded or split by expert as any family's stacked experts).
+`down_proj` `[E, H, I]` (`models.fused_experts`; then sharded or split by expert as any
+family's stacked experts).
 
 Chunked attention (limitation): the layers `layer_types` marks "chunked_attention" (HF's default:
 the RoPE layers) attend only within aligned chunks of `attention_chunk_size` (8192) positions.
@@ -49,6 +50,7 @@ from pagedserve.layers.moe import FusedMoE, MoERouting
 from pagedserve.layers.norms import WeightlessRMSNorm
 from pagedserve.layers.rotary import apply_rotary
 from pagedserve.models.base import KVCache
+from pagedserve.models.fused_experts import split_fused_experts
 from pagedserve.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 from pagedserve.models.mixtral import MixtralForCausalLM, MoEDecoderLayer, MoEModel
 from pagedserve.models.multimodal_text import TextOfMultimodal
@@ -262,24 +264,6 @@ class Llama4ForCausalLM(MixtralForCausalLM):
         """HF Llama 4 checkpoint tensors (or a GGUF file's mapped to HF names), the fused experts
         split onto the stacked layout (see the module docstring)."""
         super().load_weights(split_fused_experts(weights))
-
-
-def split_fused_experts(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-    """`...experts.gate_up_proj` `[E, H, 2I]` -> `...experts.gate_proj` / `up_proj` `[E, I, H]`
-    (first / last I columns), `...experts.down_proj` `[E, I, H]` -> `[E, H, I]`; other tensors
-    (per-expert or already stacked ones, e.g. a GGUF file's) pass through."""
-    from pagedserve.layers.weights import read_full
-
-    for name, source in weights:
-        if name.endswith(".experts.gate_up_proj"):
-            t = read_full(source)  # [E, H, 2I]
-            inter = t.shape[-1] // 2
-            yield name[: -len("gate_up_proj")] + "gate_proj", t[:, :, :inter].transpose(1, 2).contiguous()
-            yield name[: -len("gate_up_proj")] + "up_proj", t[:, :, inter:].transpose(1, 2).contiguous()
-        elif name.endswith(".experts.down_proj"):
-            yield name, read_full(source).transpose(1, 2).contiguous()  # [E, I, H] -> [E, H, I]
-        else:
-            yield name, source
 
 
 class Llama4ForConditionalGeneration(TextOfMultimodal, Llama4ForCausalLM):

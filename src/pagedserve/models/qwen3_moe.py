@@ -33,9 +33,13 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
         return [window] * config.num_hidden_layers
 
+    def routing(self, config: Any) -> MoERouting:
+        """The router's rules: softmax top-k, renormalized by `norm_topk_prob`."""
+        return MoERouting.from_config(config)
+
     def make_mlp(self, config: Any, layer: int, tp: TPContext) -> nn.Module:
         if not is_sparse_layer(config, layer):
             return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp=tp)
         return FusedMoE(config.hidden_size, config.moe_intermediate_size, int(config.num_experts),
-                        MoERouting.from_config(config), act=config.hidden_act, tp=tp,
+                        self.routing(config), act=config.hidden_act, tp=tp,
                         expert_parallel=self.expert_placement.expert_parallel)

@@ -40,7 +40,8 @@ from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from pagedserve.models.qwen_vl import (
-    Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
+    Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration)
 from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 
@@ -63,6 +64,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     # dense families of issue 35 (one file each)
     "Phi3ForCausalLM": Phi3ForCausalLM,
@@ -133,6 +135,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
