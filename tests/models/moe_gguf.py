@@ -297,8 +297,6 @@ def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, promp
     converter reads them): F32 tensors give HF's logits (`check_hf`); Q8_0 experts kept as their
     stacked blocks (no float copy) give HF's greedy tokens by the tie rule. `max_model_len`: the
     context served (LongRoPE's choice of factors)."""
-    from utils import assert_tie_rule, hf_greedy
-
     from pagedserve.models.loader import iter_safetensors
 
     config = hf_model.config
@@ -316,17 +314,22 @@ def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, promp
     experts = model.model.layers[-1].mlp.experts
     assert experts.gate_proj.dtype == torch.uint8 and experts.gate_proj.quant.format.name == "q8_0"
     assert experts.down_proj.dim() == 3  # stacked blocks [E, H, row_bytes]
-    from utils import PagedRunner
+    check_greedy_tie_rule(hf_model, model, prompts[:2], f"{family} Q8_0")
 
-    for i, prompt in enumerate(prompts[:2]):
-        ref = hf_greedy(hf_model, prompt, 6)
+
+def check_greedy_tie_rule(hf_model, model, prompts, what: str, steps: int = 6) -> None:
+    """Our greedy tokens (top-5 logprobs) for each prompt equal HF's by the tie rule."""
+    from utils import PagedRunner, assert_tie_rule, hf_greedy
+
+    for i, prompt in enumerate(prompts):
+        ref = hf_greedy(hf_model, prompt, steps)
         runner, seq, toks, lps = PagedRunner(model), list(prompt), [], []
         logits = runner.step([(0, seq)])[0][-1]
-        for _ in range(6):
+        for _ in range(steps):
             lp = torch.log_softmax(logits, -1)
             tok = int(lp.argmax())
             vals, idx = torch.topk(lp, 5)
             toks.append(tok)
             lps.append({**dict(zip(idx.tolist(), vals.tolist())), tok: float(lp[tok])})
             logits = runner.step([(0, [tok])])[0][-1]
-        assert_tie_rule((toks, lps), ref, f"{family} Q8_0 prompt {i}")
+        assert_tie_rule((toks, lps), ref, f"{what} prompt {i}")

@@ -348,12 +348,40 @@ def _llama4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
                no_rope_layer_interval=4, no_rope_layers=None, layer_types=None)
 
 
+QWEN_VL_ARCHS = ("qwen2vl", "qwen3vl", "qwen3vlmoe")
+
+
+def _qwen_vl_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Qwen2-VL / Qwen2.5-VL ("qwen2vl"), Qwen3-VL ("qwen3vl") and Qwen3-VL-MoE ("qwen3vlmoe"):
+    the text decoder llama.cpp's converter writes (conversion/qwenvl.py, qwen3vl.py; the vision
+    tower goes to a separate mmproj file), read as Qwen2 / Qwen3 / Qwen3-MoE (the caller's model
+    types; Qwen3-MoE's renormalized top-k is Qwen3-VL-MoE's router too).
+
+    Its keys of its own change nothing on text: `rope.dimension_sections` (M-RoPE's sections
+    [t, h, w, 0], checked: with one position for all of them, as a text-only prompt gives each
+    token, it is the 1D RoPE of `rope.freq_base`; `models.qwen_vl`) and Qwen3-VL's
+    `n_deepstack_layers` (how many of the first layers add the vision tower's DeepStack features:
+    llama.cpp takes them from the input embedding's extra columns, zero for text tokens; HF adds
+    them at image positions only)."""
+    name = header.path.name
+    sections = header.arch_key("rope.dimension_sections")
+    if sections is not None and (not isinstance(sections, list) or len(sections) > 4
+                                 or any(not isinstance(s, int) or s < 0 for s in sections)):
+        raise ValueError(f"{name}: {header.architecture} rope.dimension_sections {sections!r} is not a list "
+                         "of at most 4 non-negative section sizes")
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{name}: {header.architecture} rope.dimension_count {rope_dims} != head_dim "
+                         f"{cfg['head_dim']} (partial RoPE is not Qwen-VL's)")
+
+
 # per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE,
-# Phi-3.5-MoE, MiniMax-M2)
+# Phi-3.5-MoE, MiniMax-M2, Llama 4, the Qwen VL text decoders)
 ARCH_CONFIG_HOOKS = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
                         "cohere2": _cohere_config, "mistral3": _mistral3_config,
                         "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config,
-                        "minimax-m2": _minimax_m2_config}
+                        "minimax-m2": _minimax_m2_config,
+                        **{arch: _qwen_vl_config for arch in QWEN_VL_ARCHS}}

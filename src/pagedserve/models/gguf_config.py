@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES = (
     "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
     "exaone4",
     "llama4",  # Llama 4's text decoder
+    "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
 ) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -42,6 +43,8 @@ _HF_MODEL_TYPE["command-r"] = "cohere"
 _HF_MODEL_TYPE["mistral3"] = "mistral"  # "ministral3" with a temperature scale (below)
 _HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe", llama4="llama4_text")
 _HF_MODEL_TYPE["minimax-m2"] = "minimax_m2"
+# the Qwen VL text decoders, read as the decoder families they are (models/gguf_arch_config.py)
+_HF_MODEL_TYPE.update(qwen2vl="qwen2", qwen3vl="qwen3", qwen3vlmoe="qwen3_moe")
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",

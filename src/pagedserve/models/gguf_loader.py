@@ -253,6 +253,11 @@ _BLOCK_NAMES = {
                 "post_attention_norm": "post_attention_layernorm"},
     "qwen2": _LLAMA_BLOCK_NAMES,
     "qwen3": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
+    # the Qwen VL text decoders: Qwen2's, Qwen3's, Qwen3-MoE's names (their experts split and
+    # stacked by the converter as Qwen3-MoE's)
+    "qwen2vl": _LLAMA_BLOCK_NAMES,
+    "qwen3vl": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "qwen3vlmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "gemma3": {
         **_LLAMA_BLOCK_NAMES,
         **_QK_NORM_NAMES,
