@@ -1,7 +1,8 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2, exaone4, gemma) this builds a tiny random HF checkpoint (transformers
+ministral3, mistral3, lfm2, exaone4, gemma, and the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
+qwen3_vl, qwen3_vl_moe) this builds a tiny random HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
 each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
@@ -35,6 +36,17 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
 _MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                     "llama_4_scaling_beta": 0.5}
+def _qwen_vl(cls, rope_type: str, vision: dict | None = None, **text):
+    """A tiny Qwen VL config: M-RoPE sections (interleaved for Qwen3-VL), one vision block."""
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if cls is not transformers.Qwen2VLConfig and cls is not transformers.Qwen2_5_VLConfig:
+        rope["mrope_interleaved"] = True
+    vision = vision or dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                            out_hidden_size=64, **({} if rope_type == "mrope" else {"num_position_embeddings": 16}))
+    return cls(text_config=dict(_COMMON, rope_parameters=rope, **text), vision_config=vision,
+               image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)
+
+
 FAMILIES = {
     # Phi-4-mini's RoPE: 3/4 of each head, LongRoPE from 16 to 64 positions
     "phi3": lambda: transformers.Phi3Config(
@@ -73,11 +85,24 @@ FAMILIES = {
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
         image_token_index=VOCAB - 1, tie_word_embeddings=False),
+    # the Qwen VL text decoders (llama.cpp's qwen2vl, qwen3vl, qwen3vlmoe; the vision tower goes to
+    # the mmproj file, not converted here); Qwen3-VL-MoE's experts saved as its released
+    # checkpoints store them (`_RELEASED_EXPERT_LAYOUT`)
+    "qwen2_vl": lambda: _qwen_vl(transformers.Qwen2VLConfig, "mrope", vision=dict(
+        embed_dim=32, depth=1, num_heads=2, hidden_size=64, patch_size=14)),
+    "qwen2_5_vl": lambda: _qwen_vl(transformers.Qwen2_5_VLConfig, "mrope"),
+    "qwen3_vl": lambda: _qwen_vl(transformers.Qwen3VLConfig, "default", head_dim=16),
+    "qwen3_vl_moe": lambda: _qwen_vl(transformers.Qwen3VLMoeConfig, "default", head_dim=16,
+                                     moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2),
     # LFM2: short convolutions (state: a window of 3 rows of the cache) around attention layers
     "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
                                             layer_types=["conv", "full_attention", "conv", "conv"],
                                             block_multiple_of=32),
 }
+MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+              "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
+_RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma")  # converters that read tokenizer.model only
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)
 _RUN_CONVERTER = """
@@ -134,8 +159,8 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     """A tiny random `family` checkpoint (weights N(0, 0.15), norms around their identity)."""
     config = FAMILIES[family]()
     torch.manual_seed(seed)
-    if family == "mistral3":
-        model = transformers.Mistral3ForConditionalGeneration(config).float()
+    if family in MULTIMODAL:
+        model = getattr(transformers, MULTIMODAL[family])(config).float()
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -149,6 +174,13 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
+    if family in _RELEASED_EXPERT_LAYOUT:  # transformers 5 saves its modules' [E, 2I, H] / [E, H, I]
+        import safetensors.torch
+
+        state = safetensors.torch.load_file(folder / "model.safetensors")
+        for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+            state[name] = state[name].transpose(1, 2).contiguous()
+        safetensors.torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     save_tokenizer(folder, family)
     return folder
 
