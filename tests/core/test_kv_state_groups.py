@@ -175,3 +175,12 @@ def test_random_grow_fork_undo_swap_free_keeps_invariants_and_predictions(seed):
         kv.free(s)
     kv.check_invariants()
     assert kv.pool.num_used == 0 and kv.cpu_pool.num_used == 0
+
+
+def test_an_empty_table_grows_its_first_row_with_the_state():
+    kv = _manager()
+    kv.allocate_slots(0, 0)  # (a table with no slots yet)
+    assert kv.num_new_blocks(0, 3) == kv.width
+    kv.allocate_slots(0, 3)
+    assert kv.pool.num_used == kv.width
+    kv.check_invariants()

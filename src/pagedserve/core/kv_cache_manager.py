@@ -254,7 +254,7 @@ class KVCacheManager:
                 for b in blocks[-w:]:
                     if b != null and refs[b] > 1:
                         need += 1
-            for c in self._state_cols:  # (a state is rewritten every step)
+            for c in self._state_cols if rows else ():  # (a state is rewritten every step)
                 if refs[blocks[c]] > 1 and not (have % bs and rows == 1):
                     need += 1
         return need
