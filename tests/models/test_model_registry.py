@@ -33,6 +33,7 @@ EXPECTED = {
     "Exaone4ForCausalLM",
     "Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM",
+    "Qwen3NextForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "CohereForCausalLM",

@@ -39,6 +39,7 @@ from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedserve.models.qwen3_next import Qwen3NextForCausalLM
 from pagedserve.models.qwen_vl import (
     Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
     Qwen3VLMoeForConditionalGeneration)
@@ -86,6 +87,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    # hybrid Gated DeltaNet / gated attention (layers/gated_delta_net.py)
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
@@ -155,6 +158,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "exaone4": "Exaone4ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "cohere": "CohereForCausalLM",
