@@ -8,7 +8,7 @@ import transformers
 from pagedserve.models.qwen3_5 import (
     Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration)
-from test_qwen3_next import TYPES, prefill_in_pieces
+from test_qwen3_next import TYPES, needs_invariant_kernels, prefill_in_pieces
 
 VOCAB = 300
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -55,6 +55,7 @@ def test_qwen3_5_multimodal_text_decoder_matches_hf(hf_pair, check_hf, prompts, 
 
 
 def test_qwen3_5_chunked_prefill_is_bit_identical(hf_pair, paged_runner, prompts):
+    needs_invariant_kernels()
     _, model, _ = hf_pair(moe_config())
     prompt = prompts(VOCAB, lengths=(10,))[0]
     whole = prefill_in_pieces(paged_runner, model, prompt, [10])
