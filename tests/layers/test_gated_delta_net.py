@@ -7,6 +7,7 @@ import torch
 from pagedserve.attention.backends import make_backend
 from pagedserve.attention.backends.base import AttentionBatch
 from pagedserve.kernels import cpu_fp32
+from pagedserve.layers import gated_delta_net as gdn
 from pagedserve.layers.gated_delta_net import GatedDeltaNet, split_fused_projections
 
 BLOCK, HEADS, DIM, NUM_BLOCKS = 4, 2, 16, 16
@@ -55,8 +56,12 @@ class _Runner:
         return out.split(qlens)
 
 
-def test_tokens_get_the_same_bits_alone_batched_and_chunked():
+@pytest.mark.parametrize("recurrence", ["kernel", "torch"])
+def test_tokens_get_the_same_bits_alone_batched_and_chunked(monkeypatch, recurrence):
+    """With the C++ recurrence (kernels/cpu_recurrent.py) and with the layer's torch loop."""
     _needs_invariant_kernels()
+    if recurrence == "torch":
+        monkeypatch.setattr(gdn, "gated_delta_rule_paged", lambda *args: None)
     layer = _layer()
     xs = [torch.randn(n, 64) for n in (7, 3, 5, 6)]
     alone = [torch.cat(_Runner(layer).step([(0, x)])) for x in xs]
@@ -69,6 +74,11 @@ def test_tokens_get_the_same_bits_alone_batched_and_chunked():
         for (i, rows), out in zip(batch, runner.step(batch)):
             got[i].append(out)
             fed[i] += len(rows)
+    if recurrence == "kernel":
+        with monkeypatch.context() as m:  # the two paths agree to float32 rounding
+            m.setattr(gdn, "gated_delta_rule_paged", lambda *args: None)
+            loop = _Runner(layer).step([(i, x) for i, x in enumerate(xs)])
+        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(loop, together))
     for i, x in enumerate(xs):
         assert fed[i] == len(x)
         assert torch.equal(together[i], alone[i]), i

@@ -20,7 +20,10 @@ the chunk. The ops are chosen so a token's bits depend only on its own values: p
 element by element, reductions over a fixed head dimension, the one-formula activation kernels
 (`ops.activation`: silu, sigmoid), and softplus / exp computed on one token's row at a time
 (torch's vector loops finish a tensor's last elements with scalar code that rounds exp
-differently, and where that tail falls depends on the tensor's size).
+differently, and where that tail falls depends on the tensor's size). The recurrence itself
+runs in C++ in place on the cache where the fp32 kernels are built
+(`kernels.cpu_recurrent.gated_delta_rule_paged`: one (sequence, head) at a time, its own fixed
+order), else in the layer's torch loop (all sequences with a token at that position at once).
 
 Qwen3-Next checkpoints fuse the projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key
 head): `split_fused_projections` rewrites them into the four above at load. Under tensor
@@ -38,6 +41,7 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.kernels.cpu_recurrent import gated_delta_rule_paged
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.layers.moe import invariant_sigmoid
@@ -121,10 +125,12 @@ class GatedDeltaNet(OpsUser, nn.Module):
         qkv = self.in_proj_qkv(h)  # [T, C]
         z = self.in_proj_z(h).view(t, hv, dv)  # [T, Hv, Dv]
         b, a = self.in_proj_b(h), self.in_proj_a(h)  # [T, Hv] each
-        conv_state, rec_state = self.state.read(caches, metas)  # [S, C, L-1], [S, Hv, Dk, Dv]
         starts = metas[0].query_start_loc.tolist()  # [S + 1]
-        mixed, conv_state = self._conv(qkv.float(), conv_state, starts)  # [T, C]
-        mixed = self.act(mixed)
+        n_seq, lags = len(starts) - 1, self.kernel - 1
+        conv_state = self.state.gather(caches, metas, 0, self.channels * lags)  # [S, C * (L-1)]
+        mixed, conv_state = self._conv(qkv.float(), conv_state.view(n_seq, self.channels, lags), starts)
+        self.state.scatter(caches, metas, 0, conv_state.reshape(n_seq, -1))
+        mixed = self.act(mixed)  # [T, C]
         key_dim = self.num_k_heads * dk
         q, k, v = mixed.split([key_dim, key_dim, hv * dv], dim=-1)
         q = _l2norm(q.reshape(t, self.num_k_heads, dk)) * dk**-0.5  # [T, Hk, Dk]
@@ -132,11 +138,10 @@ class GatedDeltaNet(OpsUser, nn.Module):
         r = hv // self.num_k_heads
         if r > 1:
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, Hv, Dk]
-        v = v.reshape(t, hv, dv)  # [T, Hv, Dv]
+        v = v.reshape(t, hv, dv).contiguous()  # [T, Hv, Dv]
         beta = invariant_sigmoid(b.float().contiguous(), self.ops)  # [T, Hv]
         decay = self._decay(a.float())  # [T, Hv]
-        out = self._recur(q, k, v, beta, decay, rec_state, starts)  # [T, Hv, Dv]
-        self.state.write(caches, metas, [conv_state, rec_state])
+        out = self._recurrence(q, k, v, beta, decay, caches, metas, starts)  # [T, Hv, Dv]
         y = self.norm(out.to(h.dtype), z)  # [T, Hv, Dv]
         return self.out_proj(y.reshape(t, hv * dv))  # [T, H]
 
@@ -169,6 +174,23 @@ class GatedDeltaNet(OpsUser, nn.Module):
         dt = self.dt_bias.float()
         return torch.stack([(neg_a * F.softplus(row + dt)).exp() for row in a.unbind(0)]) \
             if a.shape[0] else a
+
+    def _recurrence(self, q, k, v, beta, decay, caches, metas, starts) -> torch.Tensor:  # [T, Hv, Dv]
+        """The recurrence over every sequence's tokens, its state read and stored in the cache:
+        the C++ kernel in place where it runs (`kernels.cpu_recurrent`), else the torch loop.
+        NOTE: a process takes one or the other on every step (float32 CPU tensors, the
+        extension built or not), so a request never mixes the two."""
+        start, count = self.state.offset(1), self.state.sizes[1]
+        flat, blocks, fresh = self.state.paged(caches, metas)
+        out = gated_delta_rule_paged(q, k, v, beta, decay, flat, blocks, start, fresh,
+                                     metas[0].query_start_loc)
+        if out is not None:
+            return out
+        state = self.state.gather(caches, metas, start, count)  # [S, Hv * Dk * Dv]
+        state = state.view(-1, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        out = self._recur(q, k, v, beta, decay, state, starts)
+        self.state.scatter(caches, metas, start, state.reshape(state.shape[0], -1))
+        return out
 
     @staticmethod
     def _recur(q, k, v, beta, decay, state, starts) -> torch.Tensor:
