@@ -7,8 +7,8 @@ import torch
 from pagedserve.attention.backends import make_backend
 from pagedserve.attention.backends.base import AttentionBatch
 from pagedserve.kernels import cpu_fp32
-from pagedserve.layers import gated_delta_net as gdn
 from pagedserve.layers.gated_delta_net import GatedDeltaNet, split_fused_projections
+from pagedserve.platforms.cpu import CpuOps
 
 BLOCK, HEADS, DIM, NUM_BLOCKS = 4, 2, 16, 16
 
@@ -61,7 +61,7 @@ def test_tokens_get_the_same_bits_alone_batched_and_chunked(monkeypatch, recurre
     """With the C++ recurrence (kernels/cpu_recurrent.py) and with the layer's torch loop."""
     _needs_invariant_kernels()
     if recurrence == "torch":
-        monkeypatch.setattr(gdn, "gated_delta_rule_paged", lambda *args: None)
+        monkeypatch.setattr(CpuOps, "gated_delta_rule_paged", lambda *args: None)
     layer = _layer()
     xs = [torch.randn(n, 64) for n in (7, 3, 5, 6)]
     alone = [torch.cat(_Runner(layer).step([(0, x)])) for x in xs]
@@ -76,7 +76,7 @@ def test_tokens_get_the_same_bits_alone_batched_and_chunked(monkeypatch, recurre
             fed[i] += len(rows)
     if recurrence == "kernel":
         with monkeypatch.context() as m:  # the two paths agree to float32 rounding
-            m.setattr(gdn, "gated_delta_rule_paged", lambda *args: None)
+            m.setattr(CpuOps, "gated_delta_rule_paged", lambda *args: None)
             loop = _Runner(layer).step([(i, x) for i, x in enumerate(xs)])
         assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(loop, together))
     for i, x in enumerate(xs):

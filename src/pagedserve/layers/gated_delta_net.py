@@ -21,9 +21,9 @@ element by element, reductions over a fixed head dimension, the one-formula acti
 (`ops.activation`: silu, sigmoid), and softplus / exp computed on one token's row at a time
 (torch's vector loops finish a tensor's last elements with scalar code that rounds exp
 differently, and where that tail falls depends on the tensor's size). The recurrence itself
-runs in C++ in place on the cache where the fp32 kernels are built
-(`kernels.cpu_recurrent.gated_delta_rule_paged`: one (sequence, head) at a time, its own fixed
-order), else in the layer's torch loop (all sequences with a token at that position at once).
+runs in place on the cache where the platform has a kernel (`ops.gated_delta_rule_paged`; on
+CPU `kernels.cpu_recurrent`: one (sequence, head) at a time, its own fixed order), else in the
+layer's torch loop (all sequences with a token at that position at once).
 
 Qwen3-Next checkpoints fuse the projections (`in_proj_qkvz`, `in_proj_ba`, grouped per key
 head): `split_fused_projections` rewrites them into the four above at load. Under tensor
@@ -41,7 +41,6 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.kernels.cpu_recurrent import gated_delta_rule_paged
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.layers.moe import invariant_sigmoid
@@ -177,13 +176,14 @@ class GatedDeltaNet(OpsUser, nn.Module):
 
     def _recurrence(self, q, k, v, beta, decay, caches, metas, starts) -> torch.Tensor:  # [T, Hv, Dv]
         """The recurrence over every sequence's tokens, its state read and stored in the cache:
-        the C++ kernel in place where it runs (`kernels.cpu_recurrent`), else the torch loop.
+        the platform's kernel in place where it runs (`ops.gated_delta_rule_paged`), else the
+        torch loop.
         NOTE: a process takes one or the other on every step (float32 CPU tensors, the
         extension built or not), so a request never mixes the two."""
         start, count = self.state.offset(1), self.state.sizes[1]
         flat, blocks, fresh = self.state.paged(caches, metas)
-        out = gated_delta_rule_paged(q, k, v, beta, decay, flat, blocks, start, fresh,
-                                     metas[0].query_start_loc)
+        out = self.ops.gated_delta_rule_paged(q, k, v, beta, decay, flat, blocks, start, fresh,
+                                              metas[0].query_start_loc)
         if out is not None:
             return out
         state = self.state.gather(caches, metas, start, count)  # [S, Hv * Dk * Dv]
@@ -231,6 +231,9 @@ def split_fused_projections(weights: Iterable[tuple[str, torch.Tensor]], *, num_
     they come."""
     r = num_v_heads // num_k_heads
     for name, t in weights:
+        fused = name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"))
+        if fused and not isinstance(t, torch.Tensor):
+            t = t[:]  # a lazy safetensors slice: the whole tensor (its rows are regrouped)
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
             g = t.reshape(num_k_heads, 2 * head_k_dim + 2 * r * head_v_dim, -1)  # [Hk, rows, H]
             q, k, v, z = g.split([head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim], dim=1)

@@ -136,6 +136,13 @@ class LayerOps:
         SDPA."""
         return False
 
+    def gated_delta_rule_paged(self, q, k, v, beta, decay, caches, blocks, start, fresh,
+                               query_start_loc) -> torch.Tensor | None:
+        """Gated DeltaNet's recurrence (`layers.gated_delta_net`) on a kernel, its state read and
+        stored in place in the paged cache (`layers.recurrent_state.PagedState.paged`):
+        the outputs `[T, H, V]`, or None: the layer's torch loop."""
+        return None
+
 
 TORCH_OPS = LayerOps()
 
