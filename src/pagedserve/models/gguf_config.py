@@ -18,6 +18,7 @@ from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
+from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
 SUPPORTED_ARCHITECTURES = (
@@ -31,7 +32,8 @@ SUPPORTED_ARCHITECTURES = (
     "exaone4",
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
-) + FAMILY_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py)
+) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py);
+# qwen3next, qwen35, qwen35moe (models/gguf_hybrid.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -111,6 +113,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         from pagedserve.models.gguf_families import config_dict
 
         return config_dict(header)
+    if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
+        from pagedserve.models import gguf_hybrid
+
+        return gguf_hybrid.config_dict(header)
     md = header.metadata
     tensor_names = {t.name for t in header.tensors}
 
