@@ -50,7 +50,7 @@ from pagedserve.platforms import OpsUser
 L2_EPS = 1e-6  # HF's `l2norm` (FLA's) of q and k
 
 
-class GatedRMSNorm(OpsUser, nn.Module):
+class GatedRMSNorm(nn.Module):
     """HF's `RMSNormGated`: `weight * x / rms(x) * silu(gate)` over each head (`weight [Dv]`,
     not zero-centred), in float32, cast back."""
 

@@ -35,7 +35,6 @@ from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_para
 from pagedserve.models.base import DecoderStack, KVCache, KVCacheSpec, PagedCausalLM, check_kv_caches
 from pagedserve.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 from pagedserve.models.qwen3_moe import is_sparse_layer
-from pagedserve.models.qwen_vl import text_only_rope
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -50,6 +49,16 @@ def hybrid_layer_types(config: Any) -> list[str]:
         raise ValueError(f"config.layer_types: unsupported layer type(s) {unknown}; supported: "
                          f"{LINEAR!r}, {FULL!r}")
     return types
+
+
+def text_rope_parameters(config: Any) -> dict:
+    """The RoPE parameters, Qwen3.5's M-RoPE keys dropped: with one position for all three
+    sections (text) it is the 1D RoPE."""
+    params = {k: v for k, v in rope_parameters(config).items()
+              if k not in ("mrope_section", "mrope_interleaved")}
+    if params["rope_type"] == "mrope":
+        params["rope_type"] = "default"
+    return params
 
 
 class GatedAttention(LlamaAttention):
@@ -120,7 +129,7 @@ class HybridModel(DecoderStack):
         self.layers = nn.ModuleList(HybridDecoderLayer(config, kind, make_mlp(i), self.page, tp)
                                     for i, kind in enumerate(self.layer_types))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(text_only_rope(config)),
+        self.rotary_emb = RotaryEmbedding(head_dim, text_rope_parameters(config),
                                           config.max_position_embeddings)
         self.map_entries()
 
