@@ -61,3 +61,15 @@ def test_qwen3_5_chunked_prefill_is_bit_identical(hf_pair, paged_runner, prompts
     whole = prefill_in_pieces(paged_runner, model, prompt, [10])
     for sizes in ([1] * 10, [3, 7], [6, 1, 3]):
         assert torch.equal(prefill_in_pieces(paged_runner, model, prompt, sizes, seed=4), whole), sizes
+
+
+def test_a_pipeline_stage_refuses_a_model_with_recurrent_state():
+    """Even where each Gated DeltaNet state fits one cache entry (as many entries as layers), a
+    stage refuses it: its layers read a list of entries, and a state cannot be split by layer."""
+    from pagedserve.worker.pp_executor import _Stage
+
+    model = Qwen3_5ForCausalLM(dense_config())
+    model.bind_cache(64, torch.float32)
+    assert model.kv_cache_spec.num_layers == 4  # (one entry per layer at 64-token blocks)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        _Stage(model, 0, 2, True, False)
