@@ -1,8 +1,8 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2, exaone4, gemma, and the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
-qwen3_vl, qwen3_vl_moe) this builds a tiny random HF checkpoint (transformers
+ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
+qwen3_vl, qwen3_vl_moe, and the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe) this builds a tiny random HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
 each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
@@ -36,6 +36,13 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
 _MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                     "llama_4_scaling_beta": 0.5}
+_RECURRENT = dict(_COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+_RECURRENT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=96)
+
+
 def _qwen_vl(cls, rope_type: str, vision: dict | None = None, **text):
     """A tiny Qwen VL config: M-RoPE sections (interleaved for Qwen3-VL), one vision block."""
     rope = {"rope_type": rope_type, "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -94,6 +101,11 @@ FAMILIES = {
     "qwen3_vl": lambda: _qwen_vl(transformers.Qwen3VLConfig, "default", head_dim=16),
     "qwen3_vl_moe": lambda: _qwen_vl(transformers.Qwen3VLMoeConfig, "default", head_dim=16,
                                      moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2),
+    # Gated DeltaNet hybrids (llama.cpp's qwen3next, qwen35, qwen35moe): a recurrent state in
+    # cache entries; Qwen3.5's value heads twice its key heads (the converter tiles them)
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**_RECURRENT, **_RECURRENT_MOE, decoder_sparse_step=1),
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**_RECURRENT),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**_RECURRENT, **_RECURRENT_MOE),
     # LFM2: short convolutions (state: a window of 3 rows of the cache) around attention layers
     "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
                                             layer_types=["conv", "full_attention", "conv", "conv"],
@@ -185,10 +197,15 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     return folder
 
 
-def convert(llama_cpp: Path, folder: Path, outtype: str, out: Path) -> Path:
+# converter flags per family: the tiny Qwen3-Next / 3.5 checkpoints carry no multi-token
+# prediction layers (the released ones do; the converter expects them unless told)
+CONVERT_FLAGS = {"qwen3_next": ["--no-mtp"], "qwen3_5": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
+
+
+def convert(llama_cpp: Path, folder: Path, outtype: str, out: Path, flags=()) -> Path:
     """Run the tree's convert_hf_to_gguf.py (in its own process: its gguf-py stays out of ours)."""
     cmd = [sys.executable, "-c", _RUN_CONVERTER, str(llama_cpp), str(folder), "--outtype", outtype,
-           "--outfile", str(out)]
+           "--outfile", str(out), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({outtype}):\n{done.stderr[-3000:]}")
@@ -222,6 +239,46 @@ def tie_rule(ours, ref) -> str | None:
     return None if len(a_tok) == len(b_tok) else "lengths differ"
 
 
+# Families whose q8_0 file is compared with our run of the HF folder on the weights Q8_0 rounds
+# them to (`q8_0_rounded`), its products taking x as it is: the tiny random Gated DeltaNet MoEs
+# (and Qwen3.5) flip a routing choice or a token on Q8_0's noise alone -- against the unrounded
+# HF run Qwen3-Next and Qwen3.5-MoE diverge where no near-tie is, against the rounded one all
+# three are token-identical.
+Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def q8_0_rounded(folder: Path, family: str, out: Path) -> Path:
+    """A copy of the checkpoint at `folder` with every 2-D weight rounded as llama.cpp's q8_0
+    conversion stores it (blocks of 32 along the input features; the routers, shared-expert
+    gates and convolutions kept in F32; Qwen3.5's out_proj in the converter's tiled value-head
+    column order)."""
+    import shutil
+
+    import gguf
+    import safetensors.torch
+
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    state = safetensors.torch.load_file(out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    hk, hv = cfg.get("linear_num_key_heads", 1), cfg.get("linear_num_value_heads", 1)
+    tiled = torch.arange(hv * cfg.get("linear_value_head_dim", 1)).reshape(hk, hv // hk, -1)
+    tiled = tiled.permute(1, 0, 2).reshape(-1)  # the converter's value-head order
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, w in state.items():
+        if w.dim() < 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")):
+            continue
+        permute = family.startswith("qwen3_5") and name.endswith("linear_attn.out_proj.weight")
+        x = w.float()[:, tiled] if permute else w.float()
+        rows = x.reshape(-1, x.shape[-1]).numpy()
+        r = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, q8), q8)).reshape(x.shape)
+        if permute:
+            r = torch.empty_like(r).index_copy_(1, tiled, r)
+        state[name] = r.to(w.dtype)
+    safetensors.torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def check_family(llama_cpp: Path, family: str, work: Path) -> list[str]:
     """Problems found for `family` (empty: both formats pass)."""
     folder = make_checkpoint(work / family, family)
@@ -230,8 +287,14 @@ def check_family(llama_cpp: Path, family: str, work: Path) -> list[str]:
     reference = greedy_run(folder, prompts, dtype="float32")
     problems = []
     for outtype in ("f16", "q8_0"):
-        path = convert(llama_cpp, folder, outtype, work / f"{family}-{outtype}.gguf")
-        runs = greedy_run(path, prompts, dtype="float32" if outtype == "f16" else "auto")
+        path = convert(llama_cpp, folder, outtype, work / f"{family}-{outtype}.gguf",
+                       CONVERT_FLAGS.get(family, ()))
+        if outtype == "q8_0" and family in Q8_ROUNDED_REFERENCE:
+            rounded = q8_0_rounded(folder, family, work / f"{family}-q8_0-rounded")
+            reference = greedy_run(rounded, prompts, dtype="float32")
+            runs = greedy_run(path, prompts, dtype="float32", gguf_activations="dtype")
+        else:
+            runs = greedy_run(path, prompts, dtype="float32" if outtype == "f16" else "auto")
         for i, (ours, ref) in enumerate(zip(runs, reference)):
             if (why := tie_rule(ours, ref)) is not None:
                 problems.append(f"{family} {outtype} prompt {i}: {why}")
