@@ -1,0 +1,208 @@
+"""The Mamba2 mixer (HF's `Mamba2Mixer` / `BambaMixer`: Bamba, Granite 4.0-H, Nemotron-H,
+Falcon-H1) whose state lives in the paged KV cache (`layers.recurrent_state.PagedState`).
+
+For tokens `h [T, hidden]`:
+1. `in_proj(h)` splits into the gate `z [T, I]`, `xBC [T, I + 2 G N]` and `dt [T, H]`
+   (I = H heads x P head size; G groups of N state values; heads of one group share its B, C);
+2. `xBC` goes through a causal depthwise conv1d of kernel L (its state: the sequence's last
+   L - 1 `xBC` rows), then the activation (SiLU), and splits into `x [T, H, P]`, `B`, `C`
+   `[T, G, N]`;
+3. the SSM, per head: `dt = softplus(dt + dt_bias)` clamped to `time_step_limit`,
+   `A = -exp(A_log)`, `h = exp(dt A) h + (dt B) x` (the state `h [H, P, N]`),
+   `y = h C + D x`;
+4. `out_proj(gated_rms_norm(y, z))` (`layers.norms.GatedRMSNorm`, groups of I / G).
+
+NOTE (exactness): every token advances its sequence's state by the same recurrent arithmetic,
+one token after the other, whether it comes in a long prefill, a chunk or a decode step (HF's
+prefill uses the chunked SSD scan instead: the two agree to float rounding). Each op is one
+per-element formula (products, sums, exp, log) and `h C` sums the state dimension in a fixed
+pairwise tree: a token's bits do not depend on its batch, its chunking or recompute after
+preemption. softplus is computed from exp and log, because torch's CPU softplus / log1p round
+the last elements of a tensor (its scalar tail) differently from the others; silu goes through
+the platform's one-formula kernel (`layers.activation`).
+
+Tensor parallelism: each rank holds `H / N` heads and `G / N` groups (whole groups: their heads
+and their B, C rows), so its conv channels, SSM, gated norm and state are all local; `out_proj`
+sums over the ranks. ValueError, naming tensor_parallel_size, unless both divide.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.layers.activation import get_activation
+from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
+from pagedserve.layers.norms import GatedRMSNorm
+from pagedserve.layers.recurrent_state import KVPair, PagedState
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """`F.softplus(x)` (threshold 20) from exp and log only: `log(1 + e^x)` with Kahan's
+    correction `log(u) * e^x / (u - 1)`, `u = 1 + e^x` (see the module docstring)."""
+    e = torch.exp(x)
+    u = 1.0 + e
+    small = torch.where(u == 1.0, e, torch.log(u) * (e / (u - 1.0)))
+    return torch.where(x > 20.0, x, small)
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:  # [..., N] -> [...]
+    """The sum over the last dimension in a fixed pairwise order (zero-padded to a power of
+    two): each output depends only on its own row, whatever the tensor's size."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba2 mixer (see the module docstring) over a paged state; parameter names as HF's
+    (`in_proj`, `conv1d.weight` `[C, 1, L]`, `conv1d.bias`, `dt_bias`, `A_log`, `D`, `norm`,
+    `out_proj`). `page`: the values of one cache entry a token (this rank's).
+    `forward(h [T, hidden], caches, metas)`: `caches` the layer's cache entries (K, V pairs),
+    `metas` their attention metadata."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, state_size: int,
+                 n_groups: int, conv_kernel: int, page: int, conv_bias: bool = True,
+                 proj_bias: bool = False, activation: str = "silu", norm_eps: float = 1e-6,
+                 time_step_limit: tuple[float, float] | None = None, norm_before_gate: bool = False,
+                 tp: TPContext = SINGLE):
+        super().__init__()
+        if n_groups <= 0 or num_heads % n_groups:
+            raise ValueError(f"mamba n_groups ({n_groups}) must divide the mamba heads ({num_heads})")
+        if conv_kernel < 2:
+            raise ValueError(f"the mamba conv kernel must span at least 2 positions, got {conv_kernel}")
+        inter = num_heads * head_dim
+        self.num_heads = tp.split(num_heads, "mamba heads")
+        self.n_groups = tp.split(n_groups, "mamba n_groups")
+        self.head_dim, self.state_size, self.conv_kernel = head_dim, state_size, conv_kernel
+        self.inter = self.num_heads * head_dim  # this rank's I
+        group_rows = self.n_groups * state_size  # this rank's G N
+        self.conv_dim = self.inter + 2 * group_rows
+        lo, hi = time_step_limit if time_step_limit is not None else (0.0, math.inf)
+        self.time_step_limit = (float(lo), float(hi))
+        # the checkpoint's fused projection: z, x (I each), B, C (G N each), dt (H)
+        self.in_proj = ColumnParallelLinear(
+            hidden_size, [inter, inter, n_groups * state_size, n_groups * state_size, num_heads],
+            proj_bias, tp=tp)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
+        self.conv1d.bias = nn.Parameter(torch.empty(self.conv_dim)) if conv_bias else None
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedRMSNorm(self.inter, self.inter // self.n_groups, norm_eps,
+                                 norm_before_gate=norm_before_gate)
+        self.out_proj = RowParallelLinear(inter, hidden_size, proj_bias, tp=tp)
+        self.act = get_activation(activation)
+        if tp.is_parallel:
+            self._shard(tp, inter, n_groups * state_size)
+        # per sequence: the conv's last L - 1 input rows (oldest first), the SSM state
+        self.state = PagedState([(conv_kernel - 1, self.conv_dim),
+                                 (self.num_heads, head_dim, state_size)], page)
+
+    def _shard(self, tp: TPContext, inter: int, group_rows: int) -> None:
+        """This rank's slices of the conv channels (x, B and C alike), heads and norm."""
+        r = tp.rank
+        x = (r * self.inter, (r + 1) * self.inter)
+        b0, n = inter + r * (group_rows // tp.world_size), group_rows // tp.world_size
+        conv = ShardSpec(0, (x, (b0, b0 + n), (b0 + group_rows, b0 + group_rows + n)),
+                         inter + 2 * group_rows)
+        set_shard(self.conv1d.weight, conv)
+        set_shard(self.conv1d.bias, conv)
+        heads = ShardSpec(0, ((r * self.num_heads, (r + 1) * self.num_heads),),
+                          self.num_heads * tp.world_size)
+        for p in (self.dt_bias, self.A_log, self.D):
+            set_shard(p, heads)
+        set_shard(self.norm.weight, ShardSpec(0, (x,), inter))
+
+    def bind(self, block_size: int, cache_dtype: torch.dtype) -> int:
+        """Fit the state to the cache's blocks; returns the cache entries it takes."""
+        return self.state.bind(block_size, cache_dtype)
+
+    @property
+    def num_entries(self) -> int:
+        return self.state.num_entries
+
+    def forward(self, h: torch.Tensor, caches: list[KVPair],
+                metas: list[AttentionMetadata]) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, xbc, dt = self.in_proj(h).split([self.inter, self.conv_dim, self.num_heads], dim=-1)
+        conv_state, ssm_state = self.state.read(caches, metas)  # [S, L-1, C], [S, H, P, N]
+        qsl = metas[0].query_start_loc.to("cpu")  # [S + 1]
+        xbc, conv_state = self.conv(xbc, conv_state, qsl)  # [T, C] fp32, [S, L-1, C]
+        x, b, c = xbc.split([self.inter, self.n_groups * self.state_size,
+                             self.n_groups * self.state_size], dim=-1)
+        y, ssm_state = self.scan(x, b, c, dt, ssm_state, qsl)  # [T, I] fp32, [S, H, P, N]
+        self.state.write(caches, metas, [conv_state, ssm_state])
+        return self.out_proj(self.norm(y.to(h.dtype), gate))  # [T, hidden]
+
+    def conv(self, xbc: torch.Tensor, state: torch.Tensor,
+             qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal depthwise conv + activation of every token (`xbc [T, C]`) from its
+        sequence's previous L - 1 rows (`state [S, L-1, C]` before the step, then the step's
+        own), oldest first, in float32; returns `([T, C], the new state [S, L-1, C])`."""
+        t, s, k = xbc.shape[0], state.shape[0], self.conv_kernel - 1
+        lens = qsl[1:] - qsl[:-1]  # [S]
+        seq = torch.repeat_interleave(torch.arange(s), lens)  # [T]
+        # each sequence's state rows then its tokens, one after the other: [T + S (L-1), C]
+        tok_pos = torch.arange(t) + (seq + 1) * k  # [T]
+        seg = qsl[:-1] + torch.arange(s) * k  # [S]: where each sequence's rows start
+        state_pos = (seg[:, None] + torch.arange(k)).reshape(-1)  # [S (L-1)]
+        ext = torch.empty(t + s * k, self.conv_dim, dtype=torch.float32, device=xbc.device)
+        ext[tok_pos.to(xbc.device)] = xbc.float()
+        ext[state_pos.to(xbc.device)] = state.reshape(s * k, self.conv_dim)
+        w = self.conv1d.weight[:, 0, :].float()  # [C, L]
+        first = (tok_pos - k).to(xbc.device)  # [T]
+        acc = ext[first] * w[:, 0]  # [T, C]
+        for j in range(1, k + 1):
+            acc = acc + ext[first + j] * w[:, j]
+        if self.conv1d.bias is not None:
+            acc = acc + self.conv1d.bias.float()
+        end = qsl[1:] + (torch.arange(s) + 1) * k  # [S]: past each sequence's last row
+        new_state = ext[((end - k)[:, None] + torch.arange(k)).reshape(-1).to(xbc.device)]
+        return self.act(acc), new_state.view(s, k, self.conv_dim)
+
+    def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+             state: torch.Tensor, qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSM over every sequence's new tokens, one token position at a time (all sequences
+        that have one at once): `x [T, I]`, `b`, `c` `[T, G N]`, raw `dt [T, H]`, `state
+        [S, H, P, N]`; returns `(y [T, I] with the D skip, the new state)` in float32."""
+        t, heads, p, n = x.shape[0], self.num_heads, self.head_dim, self.state_size
+        per_group = heads // self.n_groups
+        x = x.float().view(t, heads, p)  # [T, H, P]
+        b = b.float().view(t, self.n_groups, 1, n).expand(t, self.n_groups, per_group, n)
+        b = b.reshape(t, heads, n)  # [T, H, N]: each head its group's B
+        c = c.float().view(t, self.n_groups, 1, n).expand(t, self.n_groups, per_group, n)
+        c = c.reshape(t, heads, n)  # [T, H, N]
+        dt = softplus(dt.float() + self.dt_bias.float())  # [T, H]
+        lo, hi = self.time_step_limit
+        if lo > 0.0 or hi < math.inf:
+            dt = dt.clamp(lo, hi)
+        decay = torch.exp(dt * -torch.exp(self.A_log.float()))  # [T, H]: exp(dt A)
+        skip = x * self.D.float()[:, None]  # [T, H, P]
+        y = torch.empty(t, heads, p, dtype=torch.float32, device=x.device)
+        starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]  # [S]
+        state = state.float()
+        longest = int(lens.max()) if len(lens) else 0
+        for i in range(longest):
+            live = (lens > i).nonzero().squeeze(1)  # [S_i]: the sequences with an i-th token
+            every = len(live) == len(lens)
+            rows = (starts[live] + i).to(x.device)  # [S_i]
+            db = dt[rows][:, :, None] * b[rows]  # [S_i, H, N]
+            dbx = db[:, :, None, :] * x[rows][:, :, :, None]  # [S_i, H, P, N]
+            h = state if every else state[live.to(x.device)]
+            h = h * decay[rows][:, :, None, None] + dbx  # [S_i, H, P, N]
+            y[rows] = tree_sum(h * c[rows][:, :, None, :]) + skip[rows]  # [S_i, H, P]
+            if every:
+                state = h
+            else:
+                state[live.to(x.device)] = h
+        return y.view(t, heads * p), state
