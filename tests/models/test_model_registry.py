@@ -47,6 +47,8 @@ EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
              "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
              "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM",
              "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "MiniMaxM2ForCausalLM"}
+# Mamba2 hybrids (layers/mamba2.py)
+EXPECTED |= {"GraniteMoeHybridForCausalLM"}
 
 
 def test_registry_names():
