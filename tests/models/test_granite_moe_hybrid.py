@@ -49,7 +49,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
-def test_granite_moe_hybrid_matches_hf(hf_pair, check_hf, prompts, overrides):
+def test_granite_moe_hybrid_matches_hf(hf_pair, check_hf, prompts, overrides, scan_path):
     hf, model, _ = hf_pair(granite_hybrid_config(**overrides), prepare=randomize_mamba)
     assert isinstance(model, GraniteMoeHybridForCausalLM)
     assert isinstance(model.model.layers[0].mamba, Mamba2Mixer)
@@ -74,8 +74,16 @@ def test_granite_moe_hybrid_state_entries_follow_block_size_and_dtype():
     assert model.model.cache_entries_of[1] == [mixer.num_entries]
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def scan_path(request, monkeypatch):
+    """The SSM on the C++ kernel (where it builds) or on the torch loop."""
+    if request.param == "torch":
+        monkeypatch.setattr("pagedserve.layers.mamba2.ssm_scan_paged", lambda *args: None)
+    return request.param
+
+
 @torch.inference_mode()
-def test_granite_moe_hybrid_chunking_is_bit_exact(hf_pair, paged_runner, prompts):
+def test_granite_moe_hybrid_chunking_is_bit_exact(hf_pair, paged_runner, prompts, scan_path):
     """A prompt prefilled at once, in uneven chunks batched with another sequence, and token
     by token: the same logits, bit for bit (the recurrent state advances in one order)."""
     _, model, _ = hf_pair(granite_hybrid_config(position_embedding_type="rope"), prepare=randomize_mamba)

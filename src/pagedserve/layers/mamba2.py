@@ -14,12 +14,15 @@ For tokens `h [T, hidden]`:
 
 NOTE (exactness): every token advances its sequence's state by the same recurrent arithmetic,
 one token after the other, whether it comes in a long prefill, a chunk or a decode step (HF's
-prefill uses the chunked SSD scan instead: the two agree to float rounding). Each op is one
-per-element formula (products, sums, exp, log) and `h C` sums the state dimension in a fixed
-pairwise tree: a token's bits do not depend on its batch, its chunking or recompute after
-preemption. softplus is computed from exp and log, because torch's CPU softplus / log1p round
-the last elements of a tensor (its scalar tail) differently from the others; silu goes through
-the platform's one-formula kernel (`layers.activation`).
+prefill uses the chunked SSD scan instead: the two agree to float rounding). The SSM runs in
+`kernels.cpu_recurrent.ssm_scan_paged` (per sequence and head, in place on the cache) where it
+can, else in `Mamba2Mixer.scan`'s torch loop, whose ops are per-element formulas and whose `h C`
+sums the state dimension in a fixed pairwise tree (a process uses one of the two for every
+step). The conv sums its taps oldest first in float32. So a token's bits do not depend on its
+batch, its chunking or recompute after preemption. softplus is computed from exp and log,
+because torch's CPU softplus / log1p round the last elements of a tensor (its scalar tail)
+differently from the others; silu goes through the platform's one-formula kernel
+(`layers.activation`).
 
 Tensor parallelism: each rank holds `H / N` heads and `G / N` groups (whole groups: their heads
 and their B, C rows), so its conv channels, SSM, gated norm and state are all local; `out_proj`
@@ -38,6 +41,7 @@ from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.layers.norms import GatedRMSNorm
+from pagedserve.kernels.cpu_recurrent import ssm_scan_paged
 from pagedserve.layers.recurrent_state import KVPair, PagedState
 
 
@@ -135,13 +139,34 @@ class Mamba2Mixer(nn.Module):
     def forward(self, h: torch.Tensor, caches: list[KVPair],
                 metas: list[AttentionMetadata]) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, xbc, dt = self.in_proj(h).split([self.inter, self.conv_dim, self.num_heads], dim=-1)
-        conv_state, ssm_state = self.state.read(caches, metas)  # [S, L-1, C], [S, H, P, N]
-        qsl = metas[0].query_start_loc.to("cpu")  # [S + 1]
-        xbc, conv_state = self.conv(xbc, conv_state, qsl)  # [T, C] fp32, [S, L-1, C]
-        x, b, c = xbc.split([self.inter, self.n_groups * self.state_size,
-                             self.n_groups * self.state_size], dim=-1)
-        y, ssm_state = self.scan(x, b, c, dt, ssm_state, qsl)  # [T, I] fp32, [S, H, P, N]
-        self.state.write(caches, metas, [conv_state, ssm_state])
+        t, rows = h.shape[0], self.conv_kernel - 1
+        qsl = metas[0].query_start_loc  # [S + 1]
+        conv_state = self.state.gather(caches, metas, 0, rows * self.conv_dim)  # [S, (L-1) C]
+        s = conv_state.shape[0]
+        xbc, conv_state = self.conv(xbc, conv_state.view(s, rows, self.conv_dim), qsl.cpu())
+        self.state.scatter(caches, metas, 0, conv_state.reshape(s, -1))
+        groups = self.n_groups * self.state_size
+        x, b, c = xbc.split([self.inter, groups, groups], dim=-1)  # [T, I], [T, G N] x 2
+        x = x.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
+        b = b.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
+        c = c.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
+        dt = softplus(dt.float() + self.dt_bias.float())  # [T, H]
+        lo, hi = self.time_step_limit
+        if lo > 0.0 or hi < math.inf:
+            dt = dt.clamp(lo, hi)
+        a = -torch.exp(self.A_log.float())  # [H]
+        d = self.D.float()  # [H]
+        start = self.state.offset(1)  # the SSM state's first value
+        # the kernel reads and stores each (sequence, head) state in the cache in place
+        y = ssm_scan_paged(x, dt, a, b, c, d, *self.state.paged(caches, metas)[:2], start,
+                           self.state.fresh(metas), qsl)  # [T, H, P] or None
+        if y is None:  # the torch loop
+            numel = self.num_heads * self.head_dim * self.state_size
+            ssm_state = self.state.gather(caches, metas, start, numel)  # [S, H P N]
+            y, ssm_state = self.scan(x, b, c, dt, a, d, ssm_state.view(
+                s, self.num_heads, self.head_dim, self.state_size), qsl.cpu())
+            self.state.scatter(caches, metas, start, ssm_state.reshape(s, -1))
+        y = y.reshape(t, self.inter)  # [T, I] fp32
         return self.out_proj(self.norm(y.to(h.dtype), gate))  # [T, hidden]
 
     def conv(self, xbc: torch.Tensor, state: torch.Tensor,
@@ -171,23 +196,19 @@ class Mamba2Mixer(nn.Module):
         return self.act(acc), new_state.view(s, k, self.conv_dim)
 
     def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
-             state: torch.Tensor, qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The SSM over every sequence's new tokens, one token position at a time (all sequences
-        that have one at once): `x [T, I]`, `b`, `c` `[T, G N]`, raw `dt [T, H]`, `state
-        [S, H, P, N]`; returns `(y [T, I] with the D skip, the new state)` in float32."""
+             a: torch.Tensor, d: torch.Tensor, state: torch.Tensor,
+             qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSM in torch (where `kernels.cpu_recurrent.ssm_scan_paged` does not run) over
+        every sequence's new tokens, one token position at a time (all sequences that have one
+        at once): `x [T, H, P]`, `b`, `c` `[T, G, N]`, `dt [T, H]` (after softplus), `a`, `d`
+        `[H]`, `state [S, H, P, N]`; returns `(y [T, H, P] with the D skip, the new state)`."""
         t, heads, p, n = x.shape[0], self.num_heads, self.head_dim, self.state_size
         per_group = heads // self.n_groups
-        x = x.float().view(t, heads, p)  # [T, H, P]
-        b = b.float().view(t, self.n_groups, 1, n).expand(t, self.n_groups, per_group, n)
-        b = b.reshape(t, heads, n)  # [T, H, N]: each head its group's B
-        c = c.float().view(t, self.n_groups, 1, n).expand(t, self.n_groups, per_group, n)
-        c = c.reshape(t, heads, n)  # [T, H, N]
-        dt = softplus(dt.float() + self.dt_bias.float())  # [T, H]
-        lo, hi = self.time_step_limit
-        if lo > 0.0 or hi < math.inf:
-            dt = dt.clamp(lo, hi)
-        decay = torch.exp(dt * -torch.exp(self.A_log.float()))  # [T, H]: exp(dt A)
-        skip = x * self.D.float()[:, None]  # [T, H, P]
+        x = x.float()  # [T, H, P]
+        b = b.float()[:, :, None, :].expand(t, self.n_groups, per_group, n).reshape(t, heads, n)
+        c = c.float()[:, :, None, :].expand(t, self.n_groups, per_group, n).reshape(t, heads, n)
+        decay = torch.exp(dt * a)  # [T, H]: exp(dt A)
+        skip = x * d[:, None]  # [T, H, P]
         y = torch.empty(t, heads, p, dtype=torch.float32, device=x.device)
         starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]  # [S]
         state = state.float()
@@ -196,8 +217,7 @@ class Mamba2Mixer(nn.Module):
             live = (lens > i).nonzero().squeeze(1)  # [S_i]: the sequences with an i-th token
             every = len(live) == len(lens)
             rows = (starts[live] + i).to(x.device)  # [S_i]
-            db = dt[rows][:, :, None] * b[rows]  # [S_i, H, N]
-            dbx = db[:, :, None, :] * x[rows][:, :, :, None]  # [S_i, H, P, N]
+            dbx = (dt[rows][:, :, None] * x[rows])[:, :, :, None] * b[rows][:, :, None, :]  # [S_i, H, P, N]
             h = state if every else state[live.to(x.device)]
             h = h * decay[rows][:, :, None, None] + dbx  # [S_i, H, P, N]
             y[rows] = tree_sum(h * c[rows][:, :, None, :]) + skip[rows]  # [S_i, H, P]
@@ -205,4 +225,4 @@ class Mamba2Mixer(nn.Module):
                 state = h
             else:
                 state[live.to(x.device)] = h
-        return y.view(t, heads * p), state
+        return y, state
