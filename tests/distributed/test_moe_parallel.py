@@ -18,6 +18,7 @@ from pagedserve import LLM
 from pagedserve.distributed.tp import TPContext
 from pagedserve.models.loader import iter_safetensors, load_model
 from pagedserve.models.source import resolve_model
+import tiny
 from utils import PagedRunner
 
 
@@ -130,6 +131,26 @@ def test_two_ranks_give_one_ranks_logits_with_short_convolutions(checkpoints):
     for rank, model in enumerate(models):
         half = model.model.layers[0].conv.conv.weight
         assert torch.equal(half, whole[32 * rank:32 * (rank + 1)])
+
+
+def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path):
+    """Granite 4.0-H: each rank holds half of the Mamba heads and whole groups (their x, B and C
+    conv channels, dt / A / D, gated-norm groups) and keeps only those in its state; out_proj
+    sums the halves."""
+    path = tiny.make_checkpoint(tmp_path, "granitemoehybrid", mamba_n_groups=2)
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    single = _load(path)
+    ref = PagedRunner(single).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    whole = single.model.layers[0].mamba
+    for rank, model in enumerate(models):
+        half = model.model.layers[0].mamba
+        assert torch.equal(half.A_log, whole.A_log[2 * rank:2 * (rank + 1)])
+        # conv channels x (64), B (2 groups of 8), C: this rank's x half, then its group of B
+        b_rows = whole.conv1d.weight[64 + 8 * rank:64 + 8 * (rank + 1)]
+        assert torch.equal(half.conv1d.weight[32:40], b_rows)
 
 
 @pytest.mark.parametrize("family", ["olmo2"])
