@@ -19,20 +19,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import torch
-from torch import nn
-
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
-from pagedserve.layers.linear import VocabParallelEmbedding
 from pagedserve.layers.moe import ExpertPlacement, expert_param_name
-from pagedserve.layers.norms import RMSNorm
-from pagedserve.layers.recurrent_state import KVPair
-from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.models.granite import LogitsScaling
 from pagedserve.models.granite_moe import granite_moe_block, split_granite_moe
 from pagedserve.models.llama import LlamaAttention, LlamaMLP, head_dim_of
-from pagedserve.models.mamba_hybrid import HybridCausalLM, HybridLayer, HybridStack, mamba2_mixer
+from pagedserve.models.mamba_hybrid import (
+    HybridCausalLM, HybridModel, PreNormHybridLayer, mamba2_mixer, page_of)
 
 MAMBA, ATTENTION = "mamba", "attention"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
@@ -54,69 +47,24 @@ def num_experts(config: Any) -> int:
     return int(getattr(config, "num_local_experts", 0) or 0)
 
 
-class GraniteMoeHybridLayer(HybridLayer):
-    """A Mamba or attention layer with Granite's residual multiplier around both branches."""
-
-    def __init__(self, config: Any, kind: str, page: int, expert_parallel: bool, tp: TPContext = SINGLE):
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.has_attention = kind == ATTENTION
-        if self.has_attention:
-            bias = bool(getattr(config, "attention_bias", False))
-            self.self_attn = LlamaAttention(
-                hidden, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
-                scale=float(config.attention_multiplier), qkv_bias=bias, o_bias=bias, tp=tp)
-        else:
-            self.mamba = mamba2_mixer(config, page, tp)
-        if num_experts(config) > 0:
-            self.mlp = granite_moe_block(config, tp, expert_parallel)
-        else:  # the shared MLP alone
-            self.mlp = LlamaMLP(hidden, int(config.shared_intermediate_size), config.hidden_act, tp=tp)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.residual_multiplier = float(config.residual_multiplier)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[KVPair],
-                metas: list[AttentionMetadata]) -> torch.Tensor:  # [T, H] -> [T, H]
-        h = self.input_layernorm(x)  # [T, H]
-        if self.has_attention:
-            h = self.self_attn(h, rope, caches[0], metas[0])
-        else:
-            h = self.mamba(h, caches, metas)
-        x = x + h * self.residual_multiplier
-        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
-
-
-class GraniteMoeHybridModel(HybridStack):
-    """Embeddings (times `embedding_multiplier`), the layers, final norm."""
-
-    def __init__(self, config: Any, expert_parallel: bool, tp: TPContext = SINGLE):
-        super().__init__()
-        self.kinds = granite_hybrid_layer_types(config)
-        self.head_dim = head_dim_of(config)
-        # K and V values of a token on this rank: a cache entry's page
-        page = 2 * tp.local_kv_heads(config.num_key_value_heads) * self.head_dim
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(GraniteMoeHybridLayer(config, kind, page, expert_parallel, tp)
-                                    for kind in self.kinds)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.embedding_multiplier = float(config.embedding_multiplier)
-        self.rotary_emb = None
-        if getattr(config, "position_embedding_type", None) == "rope":
-            self.rotary_emb = RotaryEmbedding(self.head_dim, rope_parameters(config),
-                                              config.max_position_embeddings)
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
-        x = self.embed_tokens(input_ids) * self.embedding_multiplier  # [T, H]
-        if self.rotary_emb is not None:
-            rope = self.rotary_emb(positions, x.dtype)  # 2 x [T, D]
-        else:  # NoPE: the identity rotation
-            ones = torch.ones(len(positions), self.head_dim, dtype=x.dtype, device=x.device)  # [T, D]
-            rope = (ones, torch.zeros_like(ones))
-        return x, [(rope,)] * len(self.layers)
-
-    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
-        return self.norm(x)
+def granite_hybrid_layer(config: Any, kind: str, page: int, expert_parallel: bool,
+                         tp: TPContext = SINGLE) -> PreNormHybridLayer:
+    """A Mamba or attention layer with Granite's residual multiplier around both branches and
+    its feed-forward block (see the module docstring)."""
+    hidden = config.hidden_size
+    if num_experts(config) > 0:
+        mlp = granite_moe_block(config, tp, expert_parallel)
+    else:  # the shared MLP alone
+        mlp = LlamaMLP(hidden, int(config.shared_intermediate_size), config.hidden_act, tp=tp)
+    if kind == ATTENTION:
+        bias = bool(getattr(config, "attention_bias", False))
+        mixer = dict(attention=LlamaAttention(
+            hidden, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
+            scale=float(config.attention_multiplier), qkv_bias=bias, o_bias=bias, tp=tp))
+    else:
+        mixer = dict(mamba=mamba2_mixer(config, page, tp))
+    return PreNormHybridLayer(hidden, config.rms_norm_eps, mlp, **mixer,
+                              residual_multiplier=float(config.residual_multiplier))
 
 
 class GraniteMoeHybridForCausalLM(LogitsScaling, HybridCausalLM):
@@ -130,8 +78,13 @@ class GraniteMoeHybridForCausalLM(LogitsScaling, HybridCausalLM):
         expert_parallel = bool(getattr(config, "enable_expert_parallel", False))
         self.expert_placement = ExpertPlacement(max(num_experts(config), 1), tp,
                                                 expert_parallel and num_experts(config) > 0)
-        self.model = GraniteMoeHybridModel(config, self.expert_placement.expert_parallel, tp=tp)
         head_dim = head_dim_of(config)
+        page = page_of(config, head_dim, tp)
+        layers = [granite_hybrid_layer(config, kind, page, self.expert_placement.expert_parallel, tp)
+                  for kind in granite_hybrid_layer_types(config)]
+        self.model = HybridModel(config, layers, head_dim,
+                                 rope=getattr(config, "position_embedding_type", None) == "rope",
+                                 embedding_multiplier=float(config.embedding_multiplier), tp=tp)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,
                         num_kv_heads=config.num_key_value_heads, head_dim=head_dim, tp=tp)
         self.init_cache(tp.local_kv_heads(config.num_key_value_heads), head_dim)

@@ -13,7 +13,6 @@ worker/pp_executor.py).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -21,7 +20,11 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.kv_spec import FullAttentionSpec, RecurrentStateSpec
+from pagedserve.distributed.tp import SINGLE
+from pagedserve.layers.linear import VocabParallelEmbedding
 from pagedserve.layers.mamba2 import Mamba2Mixer
+from pagedserve.layers.norms import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.layers.recurrent_state import KVPair
 from pagedserve.models.base import DecoderStack, KVCacheSpec, PagedCausalLM, check_kv_caches
 
@@ -80,6 +83,75 @@ class HybridStack(DecoderStack):
         for layer, extra, entries in zip(self.layers, extras, self.cache_entries_of):
             x = layer(x, *extra, [kv_caches[e] for e in entries], [metas[e] for e in entries])
         return self.final(x)
+
+
+class PreNormHybridLayer(HybridLayer):
+    """`x + mixer(norm(x)) * m`, then `x + mlp(norm(x)) * m`: the mixer is `self_attn` (a
+    `models.llama.LlamaAttention`, called with the step's RoPE tables) or `mamba`; `m` is
+    Granite's `residual_multiplier` (1 for Bamba)."""
+
+    def __init__(self, hidden_size: int, eps: float, mlp: nn.Module, *,
+                 attention: nn.Module | None = None, mamba: Mamba2Mixer | None = None,
+                 residual_multiplier: float = 1.0):
+        super().__init__()
+        if (attention is None) == (mamba is None):
+            raise ValueError("a hybrid layer has attention or a Mamba mixer, not both or neither")
+        self.has_attention = attention is not None
+        if attention is not None:
+            self.self_attn = attention
+        self.mamba = mamba
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.residual_multiplier = float(residual_multiplier)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[KVPair],
+                metas: list[AttentionMetadata]) -> torch.Tensor:  # [T, H] -> [T, H]
+        h = self.input_layernorm(x)  # [T, H]
+        if self.has_attention:
+            h = self.self_attn(h, rope, caches[0], metas[0])
+        else:
+            h = self.mamba(h, caches, metas)
+        m = self.residual_multiplier
+        x = x + (h * m if m != 1.0 else h)
+        h = self.mlp(self.post_attention_layernorm(x))  # [T, H]
+        return x + (h * m if m != 1.0 else h)
+
+
+class HybridModel(HybridStack):
+    """Embeddings (times `embedding_multiplier`), `layers`, final RMSNorm; RoPE tables for the
+    attention layers (`rope`: `rope_parameters(config)`), or with `rope=False` the identity
+    rotation (NoPE, bit for bit)."""
+
+    def __init__(self, config: Any, layers: list[HybridLayer], head_dim: int, *, rope: bool,
+                 embedding_multiplier: float = 1.0, tp=SINGLE):
+        super().__init__()
+        self.head_dim = head_dim
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = float(embedding_multiplier)
+        self.rotary_emb = (RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)
+                           if rope else None)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        if self.rotary_emb is not None:
+            rope = self.rotary_emb(positions, x.dtype)  # 2 x [T, R]
+        else:  # NoPE: the identity rotation
+            ones = torch.ones(len(positions), self.head_dim, dtype=x.dtype, device=x.device)  # [T, D]
+            rope = (ones, torch.zeros_like(ones))
+        return x, [(rope,)] * len(self.layers)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        return self.norm(x)
+
+
+def page_of(config: Any, head_dim: int, tp) -> int:
+    """The values of one cache entry a token on this rank: K and V of its KV heads."""
+    return 2 * tp.local_kv_heads(config.num_key_value_heads) * head_dim
 
 
 class HybridCausalLM(PagedCausalLM):
