@@ -48,7 +48,7 @@ EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
              "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM",
              "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "MiniMaxM2ForCausalLM"}
 # Mamba2 hybrids (layers/mamba2.py)
-EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM"}
+EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"}
 
 
 def test_registry_names():

@@ -119,17 +119,17 @@ class PreNormHybridLayer(HybridLayer):
 
 
 class HybridModel(HybridStack):
-    """Embeddings (times `embedding_multiplier`), `layers`, final RMSNorm; RoPE tables for the
-    attention layers (`rope`: `rope_parameters(config)`), or with `rope=False` the identity
-    rotation (NoPE, bit for bit)."""
+    """Embeddings (times `embedding_multiplier`), `layers`, final RMSNorm (`eps`, by default
+    `config.rms_norm_eps`); RoPE tables for the attention layers (`rope`:
+    `rope_parameters(config)`), or with `rope=False` the identity rotation (NoPE, bit for bit)."""
 
     def __init__(self, config: Any, layers: list[HybridLayer], head_dim: int, *, rope: bool,
-                 embedding_multiplier: float = 1.0, tp=SINGLE):
+                 embedding_multiplier: float = 1.0, eps: float | None = None, tp=SINGLE):
         super().__init__()
         self.head_dim = head_dim
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps if eps is None else eps)
         self.embedding_multiplier = float(embedding_multiplier)
         self.rotary_emb = (RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)
                            if rope else None)

@@ -31,6 +31,7 @@ from pagedserve.models.ministral3 import Ministral3ForCausalLM
 from pagedserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
+from pagedserve.models.nemotron_h import NemotronHForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.olmo3 import Olmo3ForCausalLM
@@ -77,6 +78,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
@@ -149,6 +151,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
