@@ -48,7 +48,8 @@ EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
              "Ernie4_5_MoeForCausalLM", "PhimoeForCausalLM", "PhiMoEForCausalLM",
              "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "MiniMaxM2ForCausalLM"}
 # Mamba2 hybrids (layers/mamba2.py)
-EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"}
+EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
+             "FalconH1ForCausalLM"}
 
 
 def test_registry_names():

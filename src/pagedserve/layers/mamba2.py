@@ -138,7 +138,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, h: torch.Tensor, caches: list[KVPair],
                 metas: list[AttentionMetadata]) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, xbc, dt = self.in_proj(h).split([self.inter, self.conv_dim, self.num_heads], dim=-1)
+        gate, xbc, dt = self.project(h).split([self.inter, self.conv_dim, self.num_heads], dim=-1)
         t, rows = h.shape[0], self.conv_kernel - 1
         qsl = metas[0].query_start_loc  # [S + 1]
         conv_state = self.state.gather(caches, metas, 0, rows * self.conv_dim)  # [S, (L-1) C]
@@ -167,7 +167,15 @@ class Mamba2Mixer(nn.Module):
                 s, self.num_heads, self.head_dim, self.state_size), qsl.cpu())
             self.state.scatter(caches, metas, start, ssm_state.reshape(s, -1))
         y = y.reshape(t, self.inter)  # [T, I] fp32
-        return self.out_proj(self.norm(y.to(h.dtype), gate))  # [T, hidden]
+        return self.out_proj(self.gated(y.to(h.dtype), gate))  # [T, hidden]
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I + C + H]
+        """The input projection (z, xBC, dt); a family may scale it (Falcon-H1's muP)."""
+        return self.in_proj(h)
+
+    def gated(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [T, I] x 2 -> [T, I]
+        """The SSM output gated by z: the gated RMSNorm (Falcon-H1 may leave the norm out)."""
+        return self.norm(y, gate)
 
     def conv(self, xbc: torch.Tensor, state: torch.Tensor,
              qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from pagedserve.models.bamba import BambaForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
 from pagedserve.models.dots1 import Dots1ForCausalLM
+from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
@@ -79,6 +80,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
@@ -152,6 +154,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
