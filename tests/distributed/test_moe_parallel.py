@@ -133,11 +133,42 @@ def test_two_ranks_give_one_ranks_logits_with_short_convolutions(checkpoints):
         assert torch.equal(half, whole[32 * rank:32 * (rank + 1)])
 
 
-def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path):
-    """Granite 4.0-H: each rank holds half of the Mamba heads and whole groups (their x, B and C
+def _mamba_hybrid_checkpoint(path, family: str):
+    """A tiny Bamba / Nemotron-H / Falcon-H1 (Mamba heads 4 of 16, 2 groups of 8 states) saved
+    to `path`, the rest of its weights random."""
+    import transformers as tf
+
+    common = dict(vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if family == "bamba":
+        cfg = tf.BambaConfig(**common, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_expand=1, mamba_d_state=8, mamba_n_groups=2)
+    elif family == "nemotron_h":
+        cfg = tf.NemotronHConfig(**common, head_dim=16, layers_block_type=["linear_attention", "mlp",
+                                 "full_attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+                                 n_groups=2)
+    else:
+        cfg = tf.FalconH1Config(**common, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4,
+                                mamba_d_state=8, mamba_n_groups=2, mamba_rms_norm=True,
+                                ssm_multipliers=[0.9, 1.2, 0.7, 1.4, 0.5], key_multiplier=0.6)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.15 if p.dim() >= 2 else 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "bamba", "nemotron_h", "falcon_h1"])
+def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family):
+    """Mamba2 hybrids: each rank holds half of the Mamba heads and whole groups (their x, B and C
     conv channels, dt / A / D, gated-norm groups) and keeps only those in its state; out_proj
     sums the halves."""
-    path = tiny.make_checkpoint(tmp_path, "granitemoehybrid", mamba_n_groups=2)
+    if family == "granitemoehybrid":
+        path = tiny.make_checkpoint(tmp_path, family, mamba_n_groups=2)
+    else:
+        path = _mamba_hybrid_checkpoint(tmp_path, family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
     single = _load(path)
     ref = PagedRunner(single).step(list(enumerate(prompts)))
