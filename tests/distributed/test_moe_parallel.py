@@ -143,10 +143,12 @@ def _mamba_hybrid_checkpoint(path, family: str):
     if family == "bamba":
         cfg = tf.BambaConfig(**common, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4,
                              mamba_d_head=16, mamba_expand=1, mamba_d_state=8, mamba_n_groups=2)
-    elif family == "nemotron_h":
-        cfg = tf.NemotronHConfig(**common, head_dim=16, layers_block_type=["linear_attention", "mlp",
-                                 "full_attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
-                                 n_groups=2)
+    elif family.startswith("nemotron_h"):  # "nemotron_h_moe": relu2 experts in a latent space
+        blocks = ["linear_attention", "moe" if family.endswith("moe") else "mlp", "full_attention"]
+        cfg = tf.NemotronHConfig(**common, head_dim=16, layers_block_type=blocks, mamba_num_heads=4,
+                                 mamba_head_dim=16, ssm_state_size=8, n_groups=2, n_routed_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                 moe_shared_expert_intermediate_size=48, moe_latent_size=32)
     else:
         cfg = tf.FalconH1Config(**common, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4,
                                 mamba_d_state=8, mamba_n_groups=2, mamba_rms_norm=True,
@@ -160,8 +162,10 @@ def _mamba_hybrid_checkpoint(path, family: str):
     return path
 
 
-@pytest.mark.parametrize("family", ["granitemoehybrid", "bamba", "nemotron_h", "falcon_h1"])
-def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family):
+@pytest.mark.parametrize("family,expert_parallel", [("granitemoehybrid", False), ("bamba", False),
+                                                    ("nemotron_h", False), ("nemotron_h_moe", False),
+                                                    ("nemotron_h_moe", True), ("falcon_h1", False)])
+def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family, expert_parallel):
     """Mamba2 hybrids: each rank holds half of the Mamba heads and whole groups (their x, B and C
     conv channels, dt / A / D, gated-norm groups) and keeps only those in its state; out_proj
     sums the halves."""
@@ -172,7 +176,7 @@ def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family):
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
     single = _load(path)
     ref = PagedRunner(single).step(list(enumerate(prompts)))
-    models, got = _two_rank_logits(path, prompts, False)
+    models, got = _two_rank_logits(path, prompts, expert_parallel)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     whole = single.model.layers[0].mamba
@@ -182,6 +186,9 @@ def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family):
         # conv channels x (64), B (2 groups of 8), C: this rank's x half, then its group of B
         b_rows = whole.conv1d.weight[64 + 8 * rank:64 + 8 * (rank + 1)]
         assert torch.equal(half.conv1d.weight[32:40], b_rows)
+        if family == "nemotron_h_moe":  # whole experts (4 of 8), or each expert's half
+            experts = model.model.layers[1].mlp.experts.up_proj
+            assert experts.shape[:2] == ((4, 32) if expert_parallel else (8, 16))
 
 
 @pytest.mark.parametrize("family", ["olmo2"])

@@ -1,5 +1,6 @@
 """Our Nemotron-H (one-mixer blocks: Mamba2 with its state in paged cache entries, NoPE
-attention, relu2 MLPs) equals HF transformers in float32; chunking is bit-exact."""
+attention, relu2 MLPs, MoE blocks of relu2 experts) equals HF transformers in float32; chunking
+is bit-exact."""
 
 import pytest
 import torch
@@ -67,6 +68,31 @@ def test_nemotron_h_chunking_is_bit_exact(hf_pair, paged_runner, prompts):
     assert torch.equal(torch.cat(got), whole)
 
 
-def test_nemotron_h_refuses_moe_blocks():
-    with pytest.raises(ValueError, match="moe"):
-        NemotronHForCausalLM(nemotron_h_config(layers_block_type=["linear_attention", "moe"]))
+MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=1.7,
+           layers_block_type=["linear_attention", "moe", "full_attention", "moe"])
+
+
+def randomize_router_bias(hf):
+    randomize_mamba(hf)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer.mixer, "gate"):
+                bias = layer.mixer.gate.e_score_correction_bias
+                bias.copy_(torch.rand(bias.shape, generator=gen) * 0.5)
+
+
+@pytest.mark.parametrize("latent", [None, 32], ids=["moe", "moe-latent"])
+def test_nemotron_h_moe_matches_hf(hf_pair, check_hf, prompts, latent):
+    """MoE blocks: non-gated relu2 experts, sigmoid routing with a correction bias over 2
+    groups, a shared expert, and (Nemotron 3) the experts in a latent space."""
+    hf, model, _ = hf_pair(nemotron_h_config(**MOE, moe_latent_size=latent), prepare=randomize_router_bias)
+    moe = model.model.layers[1].mlp
+    assert moe.experts.gate_proj is None and moe.routing.correction_bias
+    assert (moe.fc1_latent_proj is None) == (latent is None)
+    assert model.model.cache_entries_of[1] == []
+    ref = hf.model.layers[1].mixer
+    assert torch.equal(moe.experts.up_proj[5], ref.experts.up_proj[5])
+    assert torch.equal(moe.gate.e_score_correction_bias, ref.gate.e_score_correction_bias)
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 9)))
