@@ -1,8 +1,8 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2, exaone4, gemma, and the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
-qwen3_vl, qwen3_vl_moe) this builds a tiny random HF checkpoint (transformers
+ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
+qwen3_vl, qwen3_vl_moe, and granitemoehybrid) this builds a tiny random HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
 each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
@@ -98,12 +98,23 @@ FAMILIES = {
     "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
                                             layer_types=["conv", "full_attention", "conv", "conv"],
                                             block_multiple_of=32),
+    # Granite 4.0-H: Mamba2 layers (2 groups) around a NoPE attention layer, experts + shared MLP
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        **{**_COMMON, "intermediate_size": 32}, shared_intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+        position_embedding_type="nope", embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.5),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma")  # converters that read tokenizer.model only
+# config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
+# 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
+_HUB_CONFIG = {"granitemoehybrid": lambda c: {**c, "layer_types": [
+    "mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]}}
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)
 _RUN_CONVERTER = """
 import sys
@@ -181,6 +192,9 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
         for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             state[name] = state[name].transpose(1, 2).contiguous()
         safetensors.torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if family in _HUB_CONFIG:
+        path = folder / "config.json"
+        path.write_text(json.dumps(_HUB_CONFIG[family](json.loads(path.read_text())), indent=2))
     save_tokenizer(folder, family)
     return folder
 
