@@ -64,3 +64,14 @@ def test_falcon_h1_chunking_is_bit_exact(hf_pair, paged_runner, prompts):
     runner = paged_runner(model, seed=2)
     chunks = [runner.step([(0, prompt[a:b])])[0] for a, b in ((0, 5), (5, 6), (6, 14))]
     assert torch.equal(torch.cat(chunks), whole)
+
+
+def test_falcon_h1_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    """llama.cpp's "falcon-h1" GGUF (every muP multiplier folded into the weights, the pre-MLP
+    norm without a leaf, SSM tensors reshaped) equals the HF folder; Q8_0 projections kept as
+    blocks give HF's greedy tokens."""
+    from mamba_gguf import check_mamba_gguf, write_falcon_h1_gguf
+
+    hf, _, folder = hf_pair(falcon_h1_config(tie_word_embeddings=False), prepare=randomize_mamba)
+    model = check_mamba_gguf(write_falcon_h1_gguf, hf, folder, tmp_path, prompts(VOCAB), check_hf)
+    assert model.model.embedding_multiplier == 1.0 and model.logit_scale == 1.0  # (folded)

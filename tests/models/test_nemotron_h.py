@@ -96,3 +96,16 @@ def test_nemotron_h_moe_matches_hf(hf_pair, check_hf, prompts, latent):
     assert torch.equal(moe.experts.up_proj[5], ref.experts.up_proj[5])
     assert torch.equal(moe.gate.e_score_correction_bias, ref.gate.e_score_correction_bias)
     check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 9)))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["nemotron_h", "nemotron_h_moe"])
+def test_nemotron_h_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path, moe):
+    """llama.cpp's "nemotron_h" / "nemotron_h_moe" GGUF (block types from the tensors, the RMS
+    epsilon as layer_norm_epsilon, SSM tensors reshaped, experts stacked, latent projections)
+    equals the HF folder; Q8_0 projections kept as blocks give HF's greedy tokens."""
+    from mamba_gguf import check_mamba_gguf, write_nemotron_h_gguf
+
+    config = nemotron_h_config(**MOE, moe_latent_size=32) if moe else nemotron_h_config()
+    hf, _, folder = hf_pair(config, prepare=randomize_router_bias)
+    model = check_mamba_gguf(write_nemotron_h_gguf, hf, folder, tmp_path, prompts(VOCAB), check_hf)
+    assert [layer.kind for layer in model.model.layers] == list(config.layers_block_type)

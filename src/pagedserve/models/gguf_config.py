@@ -19,6 +19,7 @@ from pagedserve.models.gguf_arch_config import (
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_mamba import ARCHITECTURES as MAMBA_ARCHITECTURES
+from pagedserve.models.gguf_mamba import OWN_CONFIG as MAMBA_OWN_CONFIG
 from pagedserve.models.gguf_mamba import granite_hybrid_config
 from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
@@ -33,7 +34,7 @@ SUPPORTED_ARCHITECTURES = (
     "exaone4",
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
-) + FAMILY_ARCHITECTURES + MAMBA_ARCHITECTURES  # deepseek2, gpt-oss; granitehybrid (models/gguf_mamba.py)
+) + FAMILY_ARCHITECTURES + MAMBA_ARCHITECTURES  # deepseek2, gpt-oss; Mamba2 hybrids (gguf_mamba.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -113,6 +114,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     arch = header.architecture
     if arch in FAMILY_ARCHITECTURES:  # deepseek2, gpt-oss: models/gguf_families.py
         from pagedserve.models.gguf_families import config_dict
+
+        return config_dict(header)
+    if arch in MAMBA_OWN_CONFIG:  # nemotron_h, nemotron_h_moe, falcon-h1: models/gguf_mamba.py
+        from pagedserve.models.gguf_mamba import config_dict
 
         return config_dict(header)
     md = header.metadata

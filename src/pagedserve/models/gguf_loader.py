@@ -302,10 +302,11 @@ _BLOCK_NAMES["olmo2"] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_NAMES["exaone4"] = _BLOCK_NAMES["olmo2"]
-# Granite 4.0-H: Granite MoE's names (or its shared MLP alone as ffn_*) and the Mamba layers'
-_BLOCK_NAMES["granitehybrid"] = {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES, **gguf_mamba.BLOCK_NAMES}
+# the Mamba2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1): models/gguf_mamba.py
+for _arch in gguf_mamba.ARCHITECTURES:
+    _BLOCK_NAMES[_arch] = gguf_mamba.block_names(_arch, _LLAMA_BLOCK_NAMES, _MOE_BLOCK_NAMES)
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3", "granitehybrid")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma")
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -316,11 +317,11 @@ def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         if architecture in gguf_mamba.ARCHITECTURES:
-            return gguf_mamba.hf_name(gguf_name)
+            return gguf_mamba.hf_name(architecture, gguf_name)
         return None
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
-    if architecture in gguf_mamba.ARCHITECTURES and (name := gguf_mamba.hf_name(gguf_name)) is not None:
+    if architecture in gguf_mamba.ARCHITECTURES and (name := gguf_mamba.hf_name(architecture, gguf_name)) is not None:
         return name  # (A, D, dt_bias: no weight / bias leaf of their own)
     parts = stem.split(".")
     if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
