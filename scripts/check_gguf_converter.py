@@ -106,6 +106,10 @@ FAMILIES = {
         mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
         position_embedding_type="nope", embedding_multiplier=3.0, residual_multiplier=0.5,
         attention_multiplier=0.2, logits_scaling=2.5),
+    # Bamba: Mamba2 layers around a half-rotary attention layer, SwiGLU MLPs ("granitehybrid")
+    "bamba": lambda: transformers.BambaConfig(
+        **_COMMON, attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2),
     # Nemotron-H: Mamba2, relu2 MLP and NoPE attention blocks; with MoE blocks (latent experts)
     "nemotron_h": lambda: transformers.NemotronHConfig(
         **{**_COMMON, "intermediate_size": 96}, head_dim=16, hybrid_override_pattern="M-*M",
@@ -133,9 +137,12 @@ _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / 
 SENTENCEPIECE = ("gemma2", "gemma")  # converters that read tokenizer.model only
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
+# Bamba: its rotated part as the hub's configs state it (HF's config fixes it at half a head)
+_HUB_CONFIG_BAMBA = lambda c: {**c, "attn_rotary_emb": c["hidden_size"] // c["num_attention_heads"] // 2}  # noqa: E731
 _NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 _HUB_CONFIG = {"granitemoehybrid": lambda c: {**c, "layer_types": [
     "mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]}}
+_HUB_CONFIG["bamba"] = _HUB_CONFIG_BAMBA
 # Nemotron-H: the pattern string ("M-*M"), not the list transformers 5 saves; a dense one without
 # the MoE keys (the converter takes `num_experts_per_tok` for "this is nemotron_h_moe")
 _HUB_CONFIG["nemotron_h_moe"] = lambda c: {

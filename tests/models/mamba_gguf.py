@@ -43,31 +43,34 @@ def _gguf_name(name_map, config, hf_name: str) -> str:
 
 def write_granite_hybrid_gguf(path: Path, config, state: dict[str, torch.Tensor], *,
                               types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
-    """`state` (HF names) as the converter writes Granite 4.0-H; `types` picks a storage type
-    per substring of the HF name (first match; default F32)."""
+    """`state` (HF names) as the converter writes Granite 4.0-H (or Bamba: RoPE on half of each
+    head, no Granite scales or experts); `types` picks a storage type per substring of the HF
+    name (first match; default F32)."""
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[ARCH])
     writer.add_name("tiny granitehybrid")
-    rope = config.position_embedding_type == "rope"
+    bamba = config.model_type == "bamba"
+    rope = bamba or config.position_embedding_type == "rope"
     writer.add_context_length(config.max_position_embeddings if rope else 2**20)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    attention = [t in ("attention", "full_attention") for t in config.layer_types]
+    attention = [t in ("attention", "full_attention") for t in config.layers_block_type]
     writer.add_head_count_kv([config.num_key_value_heads if a else 0 for a in attention])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     head_dim = config.hidden_size // config.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(head_dim // 2 if bamba else head_dim)  # (Bamba: attn_rotary_emb)
     writer.add_vocab_size(config.vocab_size)
-    if config.num_local_experts:
-        writer.add_expert_count(config.num_local_experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_attention_scale(config.attention_multiplier)
-    writer.add_embedding_scale(config.embedding_multiplier)
-    writer.add_residual_scale(config.residual_multiplier)
-    writer.add_logit_scale(config.logits_scaling)
-    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    if not bamba:
+        if config.num_local_experts:
+            writer.add_expert_count(config.num_local_experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
     inner = config.mamba_n_heads * config.mamba_d_head
     writer.add_ssm_conv_kernel(config.mamba_d_conv)
     writer.add_ssm_state_size(config.mamba_d_state)
@@ -81,7 +84,8 @@ def write_granite_hybrid_gguf(path: Path, config, state: dict[str, torch.Tensor]
     writer.add_eos_token_id(2)
 
     name_map = gguf.get_tensor_name_map(ARCH, config.num_hidden_layers)
-    for hf_name, tensor in stack_experts(split_granite(state, config)).items():
+    state = state if bamba else split_granite(state, config)
+    for hf_name, tensor in stack_experts(state).items():
         gguf_name = _gguf_name(name_map, config, hf_name)
         data = tensor.detach().float()
         if hf_name.endswith(".A_log"):

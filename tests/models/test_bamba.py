@@ -68,3 +68,13 @@ def test_bamba_chunking_is_bit_exact(hf_pair, paged_runner, prompts):
 def test_bamba_rejects_attention_layers_out_of_range():
     with pytest.raises(ValueError, match="attn_layer_indices"):
         BambaForCausalLM(bamba_config(attn_layer_indices=[4]))
+
+
+def test_bamba_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    """llama.cpp writes Bamba as "granitehybrid" (RoPE on: rope.scaling.finetuned; half of each
+    head rotated; no Granite scales or experts): loaded as Bamba, equal to the HF folder; Q8_0
+    projections kept as blocks give HF's greedy tokens."""
+    from mamba_gguf import check_mamba_gguf, write_granite_hybrid_gguf
+
+    hf, _, folder = hf_pair(bamba_config(), prepare=randomize_mamba)
+    check_mamba_gguf(write_granite_hybrid_gguf, hf, folder, tmp_path, prompts(VOCAB), check_hf)

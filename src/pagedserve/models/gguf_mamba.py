@@ -1,7 +1,8 @@
 """GGUF files of the Mamba2 hybrids as llama.cpp's converter writes them (conversion/mamba.py's
 Mamba2Model, conversion/granite.py's GraniteHybridModel): architecture "granitehybrid"
-(Granite 4.0-H) -- the HF config its header describes and its Mamba tensors under our names
-(`models.gguf_config` / `models.gguf_loader` call in here).
+(Granite 4.0-H, and Bamba: RoPE on, no Granite scales, no experts) -- the HF config its header
+describes and its Mamba tensors under our names (`models.gguf_config` / `models.gguf_loader`
+call in here).
 
 The converter writes, besides Granite MoE's keys (`models.gguf_arch_config.granite_config`):
 - `attention.head_count_kv` per layer, 0 on the Mamba layers (the layer types);
@@ -118,7 +119,27 @@ def granite_hybrid_config(header: GGUFHeader, cfg: dict[str, Any], layer_kv: lis
         "num_experts_per_tok": int(header.arch_key("expert_used_count") or 1),
         "shared_intermediate_size": int(header.arch_key("expert_shared_feed_forward_length")
                                         or cfg["intermediate_size"]),
+        "head_dim": hidden // cfg["num_attention_heads"],  # (rope.dimension_count: Bamba's half)
     })
+    granite = any(header.arch_key(k) is not None for k in ("attention.scale", "embedding_scale",
+                                                            "residual_scale", "logit_scale"))
+    if cfg["position_embedding_type"] == "rope" and not granite and not experts:
+        _as_bamba(header, cfg, names)
+
+
+def _as_bamba(header: GGUFHeader, cfg: dict[str, Any], names: set[str]) -> None:
+    """Bamba, which the converter also writes as "granitehybrid" (RoPE on, no Granite scales,
+    no experts): its HF config, RoPE on half of each head (HF's Bamba fixes that half)."""
+    rope = header.arch_key("rope.dimension_count")
+    if rope is not None and int(rope) * 2 != cfg["head_dim"]:
+        raise ValueError(f"{header.path.name}: a Bamba GGUF rotating {rope} of {cfg['head_dim']} dims per head; "
+                         "HF's Bamba rotates half")
+    kinds = cfg.pop("layer_types")
+    for key in ("position_embedding_type", "num_local_experts", "num_experts_per_tok", "shared_intermediate_size"):
+        cfg.pop(key)
+    cfg.update(model_type="bamba", architectures=["BambaForCausalLM"],
+               attn_layer_indices=[i for i, k in enumerate(kinds) if k == "attention"],
+               mlp_bias=any(t.endswith(".ffn_up.bias") for t in names))
 
 
 def _mamba_fields(header: GGUFHeader, names: set[str]) -> dict[str, Any]:
