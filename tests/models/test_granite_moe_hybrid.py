@@ -127,11 +127,20 @@ def test_granite_moe_hybrid_rejects_unknown_layer_types():
             layer_types=["mamba", "conv", "mamba", "mamba"]))
 
 
-def test_granite_moe_hybrid_tensor_parallel_needs_whole_groups():
+def test_granite_moe_hybrid_tensor_parallel_splits_heads_and_groups_or_shares_a_group():
+    """Ranks split the Mamba heads and the groups, or share a group when there are fewer
+    (Granite 4.0-H has one); groups and ranks that divide neither way are refused."""
     from pagedserve.distributed.tp import TPContext
 
+    shared = GraniteMoeHybridForCausalLM(granite_hybrid_config(mamba_n_groups=1),
+                                         tp=TPContext(rank=1, world_size=2)).model.layers[0].mamba
+    assert (shared.num_heads, shared.n_groups, shared.first_group) == (4, 1, 0)
+    assert shared.norm.shared_group is not None and shared.norm.group_size == 128
+    split = GraniteMoeHybridForCausalLM(granite_hybrid_config(mamba_n_groups=2),
+                                        tp=TPContext(rank=1, world_size=2)).model.layers[0].mamba
+    assert (split.n_groups, split.first_group, split.norm.shared_group) == (1, 1, None)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        GraniteMoeHybridForCausalLM(granite_hybrid_config(mamba_n_groups=1),
+        GraniteMoeHybridForCausalLM(granite_hybrid_config(mamba_n_heads=12, mamba_n_groups=3, mamba_expand=3),
                                     tp=TPContext(rank=0, world_size=2))
 
 

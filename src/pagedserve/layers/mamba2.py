@@ -26,7 +26,10 @@ differently from the others; silu goes through the platform's one-formula kernel
 
 Tensor parallelism: each rank holds `H / N` heads and `G / N` groups (whole groups: their heads
 and their B, C rows), so its conv channels, SSM, gated norm and state are all local; `out_proj`
-sums over the ranks. ValueError, naming tensor_parallel_size, unless both divide.
+sums over the ranks. With fewer groups than ranks (one, in Granite 4.0-H) each rank holds the
+group its heads read (replicated) and the gated norm of a group spread over ranks sums its
+squares over them (one all-reduce). ValueError, naming tensor_parallel_size, unless the heads
+divide and the groups divide or are divided by the ranks.
 """
 
 from __future__ import annotations
@@ -52,6 +55,18 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     u = 1.0 + e
     small = torch.where(u == 1.0, e, torch.log(u) * (e / (u - 1.0)))
     return torch.where(x > 20.0, x, small)
+
+
+def mamba_group_part(n_groups: int, tp: TPContext) -> tuple[int, int]:
+    """(groups this rank holds, its first group's index): `G / N` of them, or with fewer groups
+    than ranks (Granite 4.0-H, Bamba and Falcon-H1 have one) the group of this rank's heads;
+    ValueError, naming tensor_parallel_size, when neither divides the other."""
+    n = tp.world_size
+    if n_groups % n == 0:
+        return n_groups // n, tp.rank * (n_groups // n)
+    if n % n_groups:
+        raise ValueError(f"mamba n_groups ({n_groups}) and tensor_parallel_size ({n}): one must divide the other")
+    return 1, tp.rank // (n // n_groups)
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:  # [..., N] -> [...]
@@ -86,25 +101,29 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"the mamba conv kernel must span at least 2 positions, got {conv_kernel}")
         inter = num_heads * head_dim
         self.num_heads = tp.split(num_heads, "mamba heads")
-        self.n_groups = tp.split(n_groups, "mamba n_groups")
+        # this rank's groups: G / N of them, or, with fewer groups than ranks, the one group its
+        # heads read (replicated on N / G ranks)
+        self.n_groups, self.first_group = mamba_group_part(n_groups, tp)
         self.head_dim, self.state_size, self.conv_kernel = head_dim, state_size, conv_kernel
         self.inter = self.num_heads * head_dim  # this rank's I
         group_rows = self.n_groups * state_size  # this rank's G N
         self.conv_dim = self.inter + 2 * group_rows
         lo, hi = time_step_limit if time_step_limit is not None else (0.0, math.inf)
         self.time_step_limit = (float(lo), float(hi))
-        # the checkpoint's fused projection: z, x (I each), B, C (G N each), dt (H)
+        # the checkpoint's fused projection: z, x (I each), B, C (G N each), dt (H); this rank's
+        # rows of each part (`_shard`)
         self.in_proj = ColumnParallelLinear(
-            hidden_size, [inter, inter, n_groups * state_size, n_groups * state_size, num_heads],
-            proj_bias, tp=tp)
+            hidden_size, [self.inter, self.inter, group_rows, group_rows, self.num_heads], proj_bias)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
         self.conv1d.bias = nn.Parameter(torch.empty(self.conv_dim)) if conv_bias else None
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GatedRMSNorm(self.inter, self.inter // self.n_groups, norm_eps,
-                                 norm_before_gate=norm_before_gate)
+        # a group's norm spans ranks when they share it: its sum of squares is all-reduced
+        shared = (tp, self.first_group, n_groups) if n_groups < tp.world_size else None
+        self.norm = GatedRMSNorm(self.inter, inter // n_groups if shared else self.inter // self.n_groups,
+                                 norm_eps, norm_before_gate=norm_before_gate, shared_group=shared)
         self.out_proj = RowParallelLinear(inter, hidden_size, proj_bias, tp=tp)
         self.act = get_activation(activation)
         if tp.is_parallel:
@@ -113,19 +132,25 @@ class Mamba2Mixer(nn.Module):
         self.state = PagedState([(conv_kernel - 1, self.conv_dim),
                                  (self.num_heads, head_dim, state_size)], page)
 
-    def _shard(self, tp: TPContext, inter: int, group_rows: int) -> None:
-        """This rank's slices of the conv channels (x, B and C alike), heads and norm."""
-        r = tp.rank
+    def _shard(self, tp: TPContext, inter: int, all_rows: int) -> None:
+        """This rank's slices of the projection's parts, the conv channels (x, B and C alike),
+        the heads and the norm."""
+        r, n = tp.rank, self.n_groups * self.state_size
         x = (r * self.inter, (r + 1) * self.inter)
-        b0, n = inter + r * (group_rows // tp.world_size), group_rows // tp.world_size
-        conv = ShardSpec(0, (x, (b0, b0 + n), (b0 + group_rows, b0 + group_rows + n)),
-                         inter + 2 * group_rows)
+        b = self.first_group * self.state_size
+        heads = (r * self.num_heads, (r + 1) * self.num_heads)
+        proj = ShardSpec(0, (x, (inter + x[0], inter + x[1]), (2 * inter + b, 2 * inter + b + n),
+                             (2 * inter + all_rows + b, 2 * inter + all_rows + b + n),
+                             (2 * inter + 2 * all_rows + heads[0], 2 * inter + 2 * all_rows + heads[1])),
+                         2 * inter + 2 * all_rows + self.num_heads * tp.world_size)
+        set_shard(self.in_proj.weight, proj)
+        set_shard(self.in_proj.bias, proj)
+        conv = ShardSpec(0, (x, (inter + b, inter + b + n), (inter + all_rows + b, inter + all_rows + b + n)),
+                         inter + 2 * all_rows)
         set_shard(self.conv1d.weight, conv)
         set_shard(self.conv1d.bias, conv)
-        heads = ShardSpec(0, ((r * self.num_heads, (r + 1) * self.num_heads),),
-                          self.num_heads * tp.world_size)
         for p in (self.dt_bias, self.A_log, self.D):
-            set_shard(p, heads)
+            set_shard(p, ShardSpec(0, (heads,), self.num_heads * tp.world_size))
         set_shard(self.norm.weight, ShardSpec(0, (x,), inter))
 
     def bind(self, block_size: int, cache_dtype: torch.dtype) -> int:
