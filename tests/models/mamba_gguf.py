@@ -310,8 +310,7 @@ def check_mamba_gguf(write, hf_model, folder: Path, tmp_path: Path, prompts, che
     """The model from a GGUF file `write(path, config, state, types=)` converts from the HF
     `folder`: F32 tensors give HF's logits (`check_hf`); with Q8_0 projections kept as blocks,
     HF's greedy tokens by the tie rule. Returns the F32 model."""
-    from moe_gguf import load_gguf_model
-    from utils import PagedRunner, assert_tie_rule, hf_greedy
+    from moe_gguf import check_greedy_tie_rule, load_gguf_model
 
     from pagedserve.models.loader import iter_safetensors
 
@@ -322,15 +321,5 @@ def check_mamba_gguf(write, hf_model, folder: Path, tmp_path: Path, prompts, che
     q8 = write(tmp_path / "q8.gguf", config, state, types={"_proj": gguf.GGMLQuantizationType.Q8_0})
     quantized = load_gguf_model(q8, tmp_path / "cache", quantized=True)
     assert quantized.model.layers[0].mamba.in_proj.weight.dtype == torch.uint8
-    for i, prompt in enumerate(prompts[:2]):
-        runner, toks, lps = PagedRunner(quantized), [], []
-        logits = runner.step([(0, list(prompt))])[0][-1]
-        for _ in range(6):
-            lp = torch.log_softmax(logits, -1)
-            tok = int(lp.argmax())
-            vals, idx = torch.topk(lp, 5)
-            toks.append(tok)
-            lps.append({**dict(zip(idx.tolist(), vals.tolist())), tok: float(lp[tok])})
-            logits = runner.step([(0, [tok])])[0][-1]
-        assert_tie_rule((toks, lps), hf_greedy(hf_model, prompt, 6), f"Q8_0 prompt {i}")
+    check_greedy_tie_rule(hf_model, quantized, prompts[:2], "Q8_0")
     return model
