@@ -183,8 +183,8 @@ class Mamba2Mixer(nn.Module):
         d = self.D.float()  # [H]
         start = self.state.offset(1)  # the SSM state's first value
         # the kernel reads and stores each (sequence, head) state in the cache in place
-        y = ssm_scan_paged(x, dt, a, b, c, d, *self.state.paged(caches, metas)[:2], start,
-                           self.state.fresh(metas), qsl)  # [T, H, P] or None
+        flat, blocks, fresh = self.state.paged(caches, metas)
+        y = ssm_scan_paged(x, dt, a, b, c, d, flat, blocks, start, fresh, qsl)  # [T, H, P] or None
         if y is None:  # the torch loop
             numel = self.num_heads * self.head_dim * self.state_size
             ssm_state = self.state.gather(caches, metas, start, numel)  # [S, H P N]
