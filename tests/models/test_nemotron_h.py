@@ -109,3 +109,12 @@ def test_nemotron_h_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_
     hf, _, folder = hf_pair(config, prepare=randomize_router_bias)
     model = check_mamba_gguf(write_nemotron_h_gguf, hf, folder, tmp_path, prompts(VOCAB), check_hf)
     assert [layer.kind for layer in model.model.layers] == list(config.layers_block_type)
+
+
+def test_nemotron_h_skips_the_multi_token_prediction_head(hf_pair):
+    """A checkpoint's `mtp.*` tensors (Nemotron 3's MTP head) are not loaded (an unknown name
+    would be an error)."""
+    from pagedserve.models.loader import iter_safetensors
+
+    _, model, folder = hf_pair(nemotron_h_config())
+    model.load_weights(list(iter_safetensors(folder)) + [("mtp.layers.0.eh_proj.weight", torch.zeros(64, 128))])

@@ -158,7 +158,7 @@ def _mamba_fields(header: GGUFHeader, names: set[str]) -> dict[str, Any]:
 
 def _per_layer(header: GGUFHeader, key: str, n: int) -> list[int]:
     value = header.require_arch_key(key)
-    values = [int(v) for v in value] if isinstance(value, list) else [int(value)] * n
+    values = [int(v) for v in value][:n] if isinstance(value, list) else [int(value)] * n
     if len(values) != n:
         raise ValueError(f"{header.path.name}: {key} has {len(values)} entries for {n} layers")
     return values
@@ -171,7 +171,8 @@ def config_dict(header: GGUFHeader) -> dict[str, Any]:
     names = {t.name for t in header.tensors}
     token_embd = header.tensor("token_embd.weight")
     vocab = header.arch_key("vocab_size") or (token_embd.shape[0] if token_embd is not None else None)
-    n = int(header.require_arch_key("block_count"))
+    # (Nemotron's multi-token-prediction block comes last: not run, not loaded -- gguf_loader)
+    n = int(header.require_arch_key("block_count")) - int(header.arch_key("nextn_predict_layers") or 0)
     nemotron = header.architecture.startswith("nemotron_h")
     common = common_config_fields(header, names, vocab, layer_norm=nemotron)
     if nemotron:  # (its RMSNorm's epsilon, under LayerNorm's key)

@@ -11,8 +11,9 @@ blocks, each `x + mixer(norm(x))`, the mixer by `config.layers_block_type[i]`:
 
 HF's checkpoint names (`backbone.embeddings`, `backbone.layers.{i}.mixer.*`, `backbone.norm_f`)
 map onto ours at load (`model.embed_tokens`, the layer's `mamba` / `self_attn` / `mlp`,
-`model.norm`). The cache: one entry per attention block, a mixer's state entries per Mamba
-block, none for an MLP or MoE block (`models.mamba_hybrid`).
+`model.norm`); a multi-token-prediction head (`mtp.*`) is skipped. The cache: one entry per
+attention block, a mixer's state entries per Mamba block, none for an MLP or MoE block
+(`models.mamba_hybrid`).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class NemotronHForCausalLM(HybridCausalLM):
         self.init_cache(tp.local_kv_heads(config.num_key_value_heads), head_dim)
 
     def _rename(self, name: str) -> str | None:
+        if name.startswith("mtp."):  # the multi-token-prediction head: not run
+            return None
         if name.startswith("backbone."):
             name = "model." + name[len("backbone."):]
         name = name.replace("model.embeddings.", "model.embed_tokens.").replace("model.norm_f.", "model.norm.")
