@@ -95,7 +95,8 @@ def _two_rank_logits(path, prompts, expert_parallel):
                                                     ("lfm2_moe", True), ("phimoe", False),
                                                     ("phimoe", True), ("dots1", False), ("llama4", False),
                                                     ("llama4", True), ("minimax_m2", False),
-                                                    ("minimax_m2", True)])
+                                                    ("minimax_m2", True), ("qwen3_next", False),
+                                                    ("qwen3_next", True), ("qwen3_5_moe", False)])
 def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
     path = checkpoints(family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
@@ -131,6 +132,28 @@ def test_two_ranks_give_one_ranks_logits_with_short_convolutions(checkpoints):
     for rank, model in enumerate(models):
         half = model.model.layers[0].conv.conv.weight
         assert torch.equal(half, whole[32 * rank:32 * (rank + 1)])
+
+
+def test_two_ranks_give_one_ranks_logits_with_gated_delta_net_layers(checkpoints):
+    """Qwen3.5: each rank holds half of the DeltaNet's key heads and their value heads (rows of
+    the projections, channels of q, k and v in the conv, `A_log` / `dt_bias`) and keeps only
+    those in its state; out_proj sums the halves."""
+    path = checkpoints("qwen3_5")
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    single = _load(path)
+    ref = PagedRunner(single).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    whole = single.model.layers[0].linear_attn
+    for rank, model in enumerate(models):
+        half = model.model.layers[0].linear_attn
+        # channels [q | k | v] of 16, 16, 32: this rank's 8, 8 and 16 of each
+        rows = torch.cat([torch.arange(8) + 8 * rank, 16 + torch.arange(8) + 8 * rank,
+                          32 + torch.arange(16) + 16 * rank])
+        assert torch.equal(half.conv1d.weight, whole.conv1d.weight[rows])
+        assert torch.equal(half.A_log, whole.A_log[2 * rank:2 * rank + 2])
+        assert half.state.numel * 2 == whole.state.numel
 
 
 def _mamba_hybrid_checkpoint(path, family: str, groups: int = 2):

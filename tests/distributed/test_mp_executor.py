@@ -55,7 +55,8 @@ def assert_same_greedy(outs, refs, what):
             assert abs(pos[tok].logprob - ref_pos[tok].logprob) < 1e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "opt", "cohere"])  # cohere: per-head q/k norms split
+# cohere: per-head q/k norms split; qwen3_next: each rank's half of a recurrent state
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "opt", "cohere", "qwen3_next"])
 def test_two_worker_processes_give_the_single_process_greedy_tokens(arch, tp2, checkpoints):
     prompts = prompts_of_lengths([3, 9, 17, 30], seed=1)
     single = LLM(str(checkpoints(arch)), **OPTIONS)
@@ -64,7 +65,7 @@ def test_two_worker_processes_give_the_single_process_greedy_tokens(arch, tp2, c
     assert llm.engine.model is None and llm.engine.kv_cache is None  # all in the workers
     # Each worker caches its own KV heads only, so the same per-worker budget holds twice the
     # blocks -- unless the KV heads are replicated (Gemma's one KV head).
-    ratio = {"llama": 2, "gemma3": 1, "opt": 2, "cohere": 2}[arch]
+    ratio = {"llama": 2, "gemma3": 1, "opt": 2, "cohere": 2, "qwen3_next": 2}[arch]
     assert llm.engine.num_kv_blocks + 1 == ratio * (single.engine.num_kv_blocks + 1)
     assert_same_greedy(completions(llm, prompts, greedy(16)), refs, arch)
     assert llm.engine.num_used_blocks() == 0

@@ -116,7 +116,7 @@ def recurrent_workload(seed: int) -> Workload:
     config = workload.config
     state = cdiv(448, 64 * config["block_size"])  # (the state's values / a block's, one entry)
     widest = max(r.width for r in workload.requests)
-    config["num_kv_blocks"] += (widest + 1) * state
+    config["num_kv_blocks"] += widest * state
     if config["num_cpu_blocks"]:
         config["num_cpu_blocks"] += widest * state
     return workload

@@ -102,7 +102,7 @@ def test_random_workloads_on_a_model_with_short_convolution_state(conv_harness, 
     _run_seeds(conv_harness, first, hybrid_workload, conv=True)
 
 
-RECURRENT_SEEDS = 20
+RECURRENT_SEEDS = 40
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,10 @@ import math
 
 import torch
 
+from torch import nn
+
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.kernels.cpu_recurrent import gather_state, scatter_state
+from pagedserve.platforms import OpsUser
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # one cache entry: K, V `[N + 1, B, Hkv, D]` each
 
@@ -38,13 +40,16 @@ def entry_bytes(page: int, block_size: int, cache_dtype: torch.dtype) -> int:
     return block_size * page * torch.empty((), dtype=cache_dtype).element_size()
 
 
-class PagedState:
+class PagedState(OpsUser, nn.Module):
     """The float32 tensors of `shapes` (per sequence) of one recurrent layer, stored in cache
     entries of `page` values a token (K and V of the attention layers' heads on this rank).
-    `bind(block_size, cache_dtype)` sets how many entries it takes (`num_entries`)."""
+    `bind(block_size, cache_dtype)` sets how many entries it takes (`num_entries`). A module
+    without parameters (a submodule of its layer): its platform binds the ops that copy a
+    state to and from the cache (`LayerOps.paged_state_gather` / `_scatter`; torch otherwise)."""
 
     def __init__(self, shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], page: int,
                  block_size: int = 16, cache_dtype: torch.dtype = torch.float32):
+        super().__init__()
         if page < 2 or page % 2:
             raise ValueError(f"a cache page must hold a K and a V half, got {page} values")
         self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
@@ -118,7 +123,8 @@ class PagedState:
         return self._gather(caches, metas, start, count, self.fresh(metas))
 
     def _gather(self, caches, metas, start: int, count: int, fresh: torch.Tensor) -> torch.Tensor:
-        got = gather_state(self.flat_caches(caches), self.block_ids(metas), start, count, fresh)
+        got = self.ops.paged_state_gather(self.flat_caches(caches), self.block_ids(metas), start,
+                                          count, fresh)
         if got is not None:
             return got
         parts = [self._flat(t).index_select(0, self._blocks(m))
@@ -137,7 +143,8 @@ class PagedState:
     def scatter(self, caches: list[KVPair], metas: list[AttentionMetadata], start: int,
                 values: torch.Tensor) -> None:
         """Store `values [S, count]` as values `[start, start + count)` of each state."""
-        if scatter_state(self.flat_caches(caches), self.block_ids(metas), start, values):
+        if self.ops.paged_state_scatter(self.flat_caches(caches), self.block_ids(metas), start,
+                                        values):
             return
         if start or values.shape[1] != self.numel:  # (the torch path stores whole states)
             stale = torch.zeros_like(self.fresh(metas))  # (as stored: parts written this step)

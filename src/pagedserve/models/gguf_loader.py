@@ -47,6 +47,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
 )
 from pagedserve.models import gguf_mamba
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
+from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +373,11 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         from pagedserve.models.gguf_families import iter_weights
 
         yield from iter_weights(header, config, keep_quantized)
+        return
+    if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
+        from pagedserve.models import gguf_hybrid
+
+        yield from gguf_hybrid.iter_weights(header, config, keep_quantized)
         return
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_head = int(text_config.num_attention_heads)

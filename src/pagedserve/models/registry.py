@@ -42,7 +42,10 @@ from pagedserve.models.phimoe import PhiMoEForCausalLM, PhimoeForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedserve.models.qwen3 import Qwen3ForCausalLM
+from pagedserve.models.qwen3_5 import (
+    Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
 from pagedserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedserve.models.qwen3_next import Qwen3NextForCausalLM
 from pagedserve.models.qwen_vl import (
     Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
     Qwen3VLMoeForConditionalGeneration)
@@ -94,6 +97,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    # hybrid Gated DeltaNet / gated attention (layers/gated_delta_net.py)
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
@@ -167,6 +176,11 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "exaone4": "Exaone4ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "cohere": "CohereForCausalLM",

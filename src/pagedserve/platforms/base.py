@@ -136,6 +136,25 @@ class LayerOps:
         SDPA."""
         return False
 
+    def paged_state_gather(self, caches, blocks, start: int, count: int,
+                           fresh) -> torch.Tensor | None:
+        """Values `[start, start + count)` of each sequence's recurrent state kept in the cache
+        (`layers.recurrent_state.PagedState.paged`), zeros where `fresh`: `[S, count]` float32,
+        or None: the state's torch path."""
+        return None
+
+    def paged_state_scatter(self, caches, blocks, start: int, values) -> bool:
+        """Store `values [S, count]` as values `[start, start + count)` of each sequence's state;
+        False (nothing written): the state's torch path."""
+        return False
+
+    def gated_delta_rule_paged(self, q, k, v, beta, decay, caches, blocks, start, fresh,
+                               query_start_loc) -> torch.Tensor | None:
+        """Gated DeltaNet's recurrence (`layers.gated_delta_net`) on a kernel, its state read and
+        stored in place in the paged cache (`layers.recurrent_state.PagedState.paged`):
+        the outputs `[T, H, V]`, or None: the layer's torch loop."""
+        return None
+
 
 TORCH_OPS = LayerOps()
 

@@ -25,6 +25,7 @@ from pagedserve.kernels.cpu_fp32 import (invariant_activation, invariant_attenti
                                          invariant_linear)
 from pagedserve.kernels.cpu_moe import moe_experts
 from pagedserve.kernels.cpu_norm import rms_norm
+from pagedserve.kernels.cpu_recurrent import gated_delta_rule_paged, gather_state, scatter_state
 from pagedserve.kernels.cpu_qlinear import qembedding, qlinear_argmax, quantized_available
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA, NORM_NONE, qk_norm_rope_
 from pagedserve.platforms import cpu_decode
@@ -136,6 +137,17 @@ class CpuOps(LayerOps):
 
     def prefill_attention(self, query, key, value, out, scale, sliding_window, key_start=0):
         return prefill_attention(query, key, value, out, scale, sliding_window, key_start)
+
+    def paged_state_gather(self, caches, blocks, start, count, fresh):
+        return gather_state(caches, blocks, start, count, fresh)
+
+    def paged_state_scatter(self, caches, blocks, start, values):
+        return scatter_state(caches, blocks, start, values)
+
+    def gated_delta_rule_paged(self, q, k, v, beta, decay, caches, blocks, start, fresh,
+                               query_start_loc):
+        return gated_delta_rule_paged(q, k, v, beta, decay, caches, blocks, start, fresh,
+                                      query_start_loc)
 
 
 CPU_OPS = CpuOps()

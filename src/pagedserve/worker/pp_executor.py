@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.core.kv_spec import RecurrentStateSpec
 from pagedserve.core.step_input import StepInput
 from pagedserve.core.step_output import SeqStepOutput
 from pagedserve.platforms import platform_for
@@ -71,10 +72,13 @@ class _Stage:
         self.output: torch.Tensor | None = None
         stack = model.backbone()
         layers = stack.decoder_layers()
-        if model.kv_cache_spec.num_layers != len(layers):  # stages split cache entries by layer
+        # stages split cache entries by layer; a recurrent layer reads a list of entries
+        recurrent = any(isinstance(s, RecurrentStateSpec) for s in model.kv_cache_spec.layer_specs())
+        if model.kv_cache_spec.num_layers != len(layers) or recurrent:
             raise ValueError(f"pipeline_parallel_size > 1 needs one cache entry per layer; "
                              f"{type(model).__name__} has {model.kv_cache_spec.num_layers} for "
-                             f"{len(layers)} layers (short-convolution state): not supported yet")
+                             f"{len(layers)} layers (short-convolution or recurrent state): not "
+                             "supported yet")
         for i in range(len(layers)):
             if not first <= i < last:
                 layers[i] = torch.nn.Identity()  # its weights freed: another stage runs it
