@@ -78,7 +78,9 @@ def test_granite_moe_hybrid_state_entries_follow_block_size_and_dtype():
 def scan_path(request, monkeypatch):
     """The SSM on the C++ kernel (where it builds) or on the torch loop."""
     if request.param == "torch":
-        monkeypatch.setattr("pagedserve.layers.mamba2.ssm_scan_paged", lambda *args: None)
+        from pagedserve.platforms.cpu import CpuOps
+
+        monkeypatch.setattr(CpuOps, "ssm_scan_paged", lambda *args: None)
     return request.param
 
 

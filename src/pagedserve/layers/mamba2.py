@@ -14,15 +14,14 @@ For tokens `h [T, hidden]`:
 
 NOTE (exactness): every token advances its sequence's state by the same recurrent arithmetic,
 one token after the other, whether it comes in a long prefill, a chunk or a decode step (HF's
-prefill uses the chunked SSD scan instead: the two agree to float rounding). The SSM runs in
-`kernels.cpu_recurrent.ssm_scan_paged` (per sequence and head, in place on the cache) where it
-can, else in `Mamba2Mixer.scan`'s torch loop, whose ops are per-element formulas and whose `h C`
-sums the state dimension in a fixed pairwise tree (a process uses one of the two for every
-step). The conv sums its taps oldest first in float32. So a token's bits do not depend on its
-batch, its chunking or recompute after preemption. softplus is computed from exp and log,
-because torch's CPU softplus / log1p round the last elements of a tensor (its scalar tail)
-differently from the others; silu goes through the platform's one-formula kernel
-(`layers.activation`).
+prefill uses the chunked SSD scan instead: the two agree to float rounding). The SSM runs on the
+platform's kernel (`ops.ssm_scan_paged`: per sequence and head, in place on the cache) where it
+has one, else in `Mamba2Mixer.scan`'s torch loop, whose `h C` sums the state dimension in a
+fixed pairwise tree (a process uses one of the two for every step). The conv sums its taps
+oldest first in float32. The transcendentals (softplus, exp) run one token's row at a time and
+silu on the platform's one-formula kernel (`layers.activation`): torch's vector loops round a
+tensor's tail elements differently, and where the tail falls depends on the batch. So a token's
+bits do not depend on its batch, its chunking or recompute after preemption.
 
 Tensor parallelism: each rank holds `H / N` heads and `G / N` groups (whole groups: their heads
 and their B, C rows), so its conv channels, SSM, gated norm and state are all local; `out_proj`
@@ -37,6 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
@@ -44,17 +44,8 @@ from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.activation import get_activation
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.layers.norms import GatedRMSNorm
-from pagedserve.kernels.cpu_recurrent import ssm_scan_paged
 from pagedserve.layers.recurrent_state import KVPair, PagedState
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """`F.softplus(x)` (threshold 20) from exp and log only: `log(1 + e^x)` with Kahan's
-    correction `log(u) * e^x / (u - 1)`, `u = 1 + e^x` (see the module docstring)."""
-    e = torch.exp(x)
-    u = 1.0 + e
-    small = torch.where(u == 1.0, e, torch.log(u) * (e / (u - 1.0)))
-    return torch.where(x > 20.0, x, small)
+from pagedserve.platforms import OpsUser
 
 
 def mamba_group_part(n_groups: int, tp: TPContext) -> tuple[int, int]:
@@ -82,7 +73,7 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:  # [..., N] -> [...]
     return x[..., 0]
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(OpsUser, nn.Module):
     """A Mamba2 mixer (see the module docstring) over a paged state; parameter names as HF's
     (`in_proj`, `conv1d.weight` `[C, 1, L]`, `conv1d.bias`, `dt_bias`, `A_log`, `D`, `norm`,
     `out_proj`). `page`: the values of one cache entry a token (this rank's).
@@ -175,16 +166,13 @@ class Mamba2Mixer(nn.Module):
         x = x.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
         b = b.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
         c = c.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
-        dt = softplus(dt.float() + self.dt_bias.float())  # [T, H]
-        lo, hi = self.time_step_limit
-        if lo > 0.0 or hi < math.inf:
-            dt = dt.clamp(lo, hi)
+        dt = self.time_steps(dt)  # [T, H]
         a = -torch.exp(self.A_log.float())  # [H]
         d = self.D.float()  # [H]
         start = self.state.offset(1)  # the SSM state's first value
         # the kernel reads and stores each (sequence, head) state in the cache in place
         flat, blocks, fresh = self.state.paged(caches, metas)
-        y = ssm_scan_paged(x, dt, a, b, c, d, flat, blocks, start, fresh, qsl)  # [T, H, P] or None
+        y = self.ops.ssm_scan_paged(x, dt, a, b, c, d, flat, blocks, start, fresh, qsl)  # [T, H, P] or None
         if y is None:  # the torch loop
             numel = self.num_heads * self.head_dim * self.state_size
             ssm_state = self.state.gather(caches, metas, start, numel)  # [S, H P N]
@@ -193,6 +181,16 @@ class Mamba2Mixer(nn.Module):
             self.state.scatter(caches, metas, start, ssm_state.reshape(s, -1))
         y = y.reshape(t, self.inter)  # [T, I] fp32
         return self.out_proj(self.gated(y.to(h.dtype), gate))  # [T, hidden]
+
+    def time_steps(self, dt: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H] fp32
+        """`softplus(dt + dt_bias)` clamped to `time_step_limit`, one token's row at a time
+        (exactness: see the module docstring)."""
+        bias = self.dt_bias.float()
+        lo, hi = self.time_step_limit
+        rows = [F.softplus(row + bias) for row in dt.float().unbind(0)]  # T x [H]
+        if lo > 0.0 or hi < math.inf:
+            rows = [row.clamp(lo, hi) for row in rows]
+        return torch.stack(rows) if rows else dt.float()
 
     def project(self, h: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, I + C + H]
         """The input projection (z, xBC, dt); a family may scale it (Falcon-H1's muP)."""
@@ -240,7 +238,7 @@ class Mamba2Mixer(nn.Module):
         x = x.float()  # [T, H, P]
         b = b.float()[:, :, None, :].expand(t, self.n_groups, per_group, n).reshape(t, heads, n)
         c = c.float()[:, :, None, :].expand(t, self.n_groups, per_group, n).reshape(t, heads, n)
-        decay = torch.exp(dt * a)  # [T, H]: exp(dt A)
+        decay = torch.stack([torch.exp(row * a) for row in dt.unbind(0)]) if t else dt  # [T, H]: exp(dt A)
         skip = x * d[:, None]  # [T, H, P]
         y = torch.empty(t, heads, p, dtype=torch.float32, device=x.device)
         starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]  # [S]
