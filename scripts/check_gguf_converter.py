@@ -2,7 +2,9 @@
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
 ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
-qwen3_vl, qwen3_vl_moe, and the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe) this builds a tiny random HF checkpoint (transformers
+qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe; the Mamba2
+hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1) this builds a tiny random
+HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
 each GGUF equals our run of the HF folder by vLLM's tie rule (equal tokens up to the first
@@ -110,12 +112,59 @@ FAMILIES = {
     "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
                                             layer_types=["conv", "full_attention", "conv", "conv"],
                                             block_multiple_of=32),
+    # Granite 4.0-H: Mamba2 layers (2 groups) around a NoPE attention layer, experts + shared MLP
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        **{**_COMMON, "intermediate_size": 32}, shared_intermediate_size=48, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+        position_embedding_type="nope", embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.5),
+    # Bamba: Mamba2 layers around a half-rotary attention layer, SwiGLU MLPs ("granitehybrid")
+    "bamba": lambda: transformers.BambaConfig(
+        **_COMMON, attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2),
+    # Nemotron-H: Mamba2, relu2 MLP and NoPE attention blocks; with MoE blocks (latent experts)
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        **{**_COMMON, "intermediate_size": 96}, head_dim=16, hybrid_override_pattern="M-*M",
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4),
+    "nemotron_h_moe": lambda: transformers.NemotronHConfig(
+        **{**_COMMON, "intermediate_size": 96}, head_dim=16, hybrid_override_pattern="ME*E",
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5),
+    # Falcon-H1: a Mamba2 mixer and attention in every layer, muP multipliers (the converter folds
+    # them into the weights)
+    "falcon_h1": lambda: transformers.FalconH1Config(
+        **{**_COMMON, "intermediate_size": 96}, head_dim=16, mamba_d_ssm=96, mamba_n_heads=6,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_rms_norm=True,
+        mamba_norm_before_gate=False, embedding_multiplier=1.5, lm_head_multiplier=0.7,
+        mlp_multipliers=[0.8, 1.3], key_multiplier=0.6, attention_in_multiplier=1.2,
+        attention_out_multiplier=0.9, ssm_in_multiplier=1.1, ssm_out_multiplier=0.8,
+        ssm_multipliers=[0.9, 1.2, 0.7, 1.4, 0.5]),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma")  # converters that read tokenizer.model only
+# config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
+# 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
+# Bamba: its rotated part as the hub's configs state it (HF's config fixes it at half a head)
+_HUB_CONFIG_BAMBA = lambda c: {**c, "attn_rotary_emb": c["hidden_size"] // c["num_attention_heads"] // 2}  # noqa: E731
+_NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+_HUB_CONFIG = {"granitemoehybrid": lambda c: {**c, "layer_types": [
+    "mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]}}
+_HUB_CONFIG["bamba"] = _HUB_CONFIG_BAMBA
+# Nemotron-H: the pattern string ("M-*M"), not the list transformers 5 saves; a dense one without
+# the MoE keys (the converter takes `num_experts_per_tok` for "this is nemotron_h_moe")
+_HUB_CONFIG["nemotron_h_moe"] = lambda c: {
+    **{k: v for k, v in c.items() if k != "layers_block_type"},
+    "hybrid_override_pattern": "".join(_NEMOTRON_PATTERN[t] for t in c["layers_block_type"])}
+_HUB_CONFIG["nemotron_h"] = lambda c: {
+    k: v for k, v in _HUB_CONFIG["nemotron_h_moe"](c).items()
+    if not k.startswith(("moe_", "n_routed", "num_experts", "n_shared"))
+    and k not in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")}
 # the converter, with the tiny tokenizer's pre-tokenizer named (see the module docstring)
 _RUN_CONVERTER = """
 import sys
@@ -193,6 +242,9 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
         for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             state[name] = state[name].transpose(1, 2).contiguous()
         safetensors.torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if family in _HUB_CONFIG:
+        path = folder / "config.json"
+        path.write_text(json.dumps(_HUB_CONFIG[family](json.loads(path.read_text())), indent=2))
     save_tokenizer(folder, family)
     return folder
 

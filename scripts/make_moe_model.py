@@ -130,15 +130,15 @@ def write_model(folder: Path, args) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
-def convert(folder: Path, llama_cpp: Path, stem: str = "moe") -> None:
-    """bf16 GGUF with llama.cpp's converter (pre-tokenizer named "qwen2"), then Q4_K_M:
-    `<stem>-bf16.gguf`, `<stem>-Q4_K_M.gguf` in `folder`."""
+def convert(folder: Path, llama_cpp: Path, stem: str = "moe", flags: tuple[str, ...] = ()) -> None:
+    """bf16 GGUF with llama.cpp's converter (pre-tokenizer named "qwen2"; `flags` added to its
+    command line), then Q4_K_M: `<stem>-bf16.gguf`, `<stem>-Q4_K_M.gguf` in `folder`."""
     bf16, q4 = folder / f"{stem}-bf16.gguf", folder / f"{stem}-Q4_K_M.gguf"
     code = (
         "import runpy, sys\n"
         f"sys.path.insert(0, {str(llama_cpp)!r})\n"
         f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outtype', 'bf16', "
-        f"'--outfile', {str(bf16)!r}]\n"
+        f"'--outfile', {str(bf16)!r}, *{list(flags)!r}]\n"
         "from conversion.base import TextModel\n"
         "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
         f"runpy.run_path({str(llama_cpp / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n"

@@ -178,7 +178,8 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
-RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid")
+RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "bamba", "nemotron_h",
+                      "falcon_h1")
 
 
 def _recurrent_family_config(tf, arch: str, common: dict):
@@ -196,6 +197,21 @@ def _recurrent_family_config(tf, arch: str, common: dict):
         return tf.Qwen3_5TextConfig(**base, **gdn, intermediate_size=96)
     if arch == "qwen3_5_moe":
         return tf.Qwen3_5MoeTextConfig(**base, **gdn, **moe)
+    mamba = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4)
+    if arch == "bamba":  # Mamba 2 layers around a half-rotary attention layer, SwiGLU MLPs
+        return tf.BambaConfig(**base, **mamba, intermediate_size=96, num_hidden_layers=3,
+                              attn_layer_indices=[1], mamba_expand=1)
+    if arch == "nemotron_h":  # one-mixer blocks: Mamba 2, relu2 MLP, NoPE attention, MoE (latent)
+        return tf.NemotronHConfig(**base, head_dim=16, intermediate_size=96, mamba_num_heads=4,
+                                  mamba_head_dim=16, ssm_state_size=8, n_groups=1, conv_kernel=4,
+                                  layers_block_type=["linear_attention", "mlp", "full_attention", "moe"],
+                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  moe_shared_expert_intermediate_size=48, moe_latent_size=32)
+    if arch == "falcon_h1":  # Mamba 2 and attention side by side, muP multipliers
+        return tf.FalconH1Config(**base, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=64,
+                                 mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4,
+                                 mamba_rms_norm=True, key_multiplier=0.6, ssm_multipliers=[0.9, 1.2, 0.7, 1.4, 0.5],
+                                 embedding_multiplier=1.5, lm_head_multiplier=0.7)
     # Granite 4.0-H: Mamba 2 layers around an attention layer, experts and a shared MLP
     return tf.GraniteMoeHybridConfig(
         **base, intermediate_size=32, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],

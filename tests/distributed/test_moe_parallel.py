@@ -18,6 +18,7 @@ from pagedserve import LLM
 from pagedserve.distributed.tp import TPContext
 from pagedserve.models.loader import iter_safetensors, load_model
 from pagedserve.models.source import resolve_model
+import tiny
 from utils import PagedRunner
 
 
@@ -153,6 +154,66 @@ def test_two_ranks_give_one_ranks_logits_with_gated_delta_net_layers(checkpoints
         assert torch.equal(half.conv1d.weight, whole.conv1d.weight[rows])
         assert torch.equal(half.A_log, whole.A_log[2 * rank:2 * rank + 2])
         assert half.state.numel * 2 == whole.state.numel
+
+
+def _mamba_hybrid_checkpoint(path, family: str, groups: int = 2):
+    """A tiny Bamba / Nemotron-H / Falcon-H1 (Mamba heads 4 of 16, `groups` groups of 8 states)
+    saved to `path`, the rest of its weights random."""
+    import transformers as tf
+
+    common = dict(vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if family == "bamba":
+        cfg = tf.BambaConfig(**common, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_expand=1, mamba_d_state=8, mamba_n_groups=groups)
+    elif family.startswith("nemotron_h"):  # "nemotron_h_moe": relu2 experts in a latent space
+        blocks = ["linear_attention", "moe" if family.endswith("moe") else "mlp", "full_attention"]
+        cfg = tf.NemotronHConfig(**common, head_dim=16, layers_block_type=blocks, mamba_num_heads=4,
+                                 mamba_head_dim=16, ssm_state_size=8, n_groups=groups, n_routed_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                 moe_shared_expert_intermediate_size=48, moe_latent_size=32)
+    else:
+        cfg = tf.FalconH1Config(**common, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4,
+                                mamba_d_state=8, mamba_n_groups=groups, mamba_rms_norm=True,
+                                ssm_multipliers=[0.9, 1.2, 0.7, 1.4, 0.5], key_multiplier=0.6)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.15 if p.dim() >= 2 else 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family,expert_parallel,groups", [
+    ("granitemoehybrid", False, 2), ("granitemoehybrid", False, 1), ("bamba", False, 2), ("bamba", False, 1),
+    ("nemotron_h", False, 2), ("nemotron_h_moe", False, 2), ("nemotron_h_moe", True, 2), ("falcon_h1", False, 2),
+    ("falcon_h1", False, 1)])
+def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family, expert_parallel, groups):
+    """Mamba2 hybrids: each rank holds half of the Mamba heads and whole groups (their x, B and C
+    conv channels, dt / A / D, gated-norm groups) and keeps only those in its state; out_proj
+    sums the halves. With one group both ranks hold it, and its gated norm sums its squares
+    over both."""
+    if family == "granitemoehybrid":
+        path = tiny.make_checkpoint(tmp_path, family, mamba_n_groups=groups)
+    else:
+        path = _mamba_hybrid_checkpoint(tmp_path, family, groups)
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    single = _load(path)
+    ref = PagedRunner(single).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, expert_parallel)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    whole = single.model.layers[0].mamba
+    for rank, model in enumerate(models):
+        half = model.model.layers[0].mamba
+        assert torch.equal(half.A_log, whole.A_log[2 * rank:2 * (rank + 1)])
+        # conv channels x (64), B (groups of 8), C: this rank's x half, then its group of B
+        g = rank if groups == 2 else 0
+        assert torch.equal(half.conv1d.weight[32:40], whole.conv1d.weight[64 + 8 * g:64 + 8 * (g + 1)])
+        if family == "nemotron_h_moe":  # whole experts (4 of 8), or each expert's half
+            experts = model.model.layers[1].mlp.experts.up_proj
+            assert experts.shape[:2] == ((4, 32) if expert_parallel else (8, 16))
 
 
 @pytest.mark.parametrize("family", ["olmo2"])

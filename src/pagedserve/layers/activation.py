@@ -22,11 +22,16 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
 # name -> (torch function, the ops' kernel name or None)
 _TABLE: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str | None]] = {
     "silu": (F.silu, "silu"),
     "swish": (F.silu, "silu"),
     "relu": (F.relu, None),
+    "relu2": (_relu_squared, None),  # Nemotron-H's MLPs (HF's ReLUSquaredActivation)
     "gelu": (F.gelu, None),
     # All tanh approximations of GELU: same function, differing only in float rounding.
     "gelu_new": (_gelu_tanh, "gelu_tanh"),

@@ -142,3 +142,55 @@ def sharded_mean_square(x32: torch.Tensor, tp, full_size: int) -> torch.Tensor: 
     summed over the ranks (one all-reduce), over `full_size` (whole-projection q/k norms under
     tensor parallelism: OLMoE, OLMo 2)."""
     return tp.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / full_size
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2's gated RMSNorm (HF's `MambaRMSNormGated` family: Bamba, Granite 4.0-H, Nemotron-H,
+    Falcon-H1) over `hidden_size` features in groups of `group_size` (the RMS taken per group).
+
+    `norm_before_gate=False` (Bamba, Granite, Nemotron-H): `weight * norm(x * silu(gate))`;
+    True (Falcon-H1's option): `(weight * norm(x)) * silu(gate)`. In float32, cast back to x's
+    dtype; silu on the platform's one-formula kernel (`layers.activation`: a token's bits must
+    not depend on its batch)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6, *,
+                 norm_before_gate: bool = False, shared_group: tuple | None = None):
+        super().__init__()
+        if shared_group is None and (group_size <= 0 or hidden_size % group_size):
+            raise ValueError(f"a gated RMSNorm's group size ({group_size}) must divide its width ({hidden_size})")
+        from pagedserve.layers.activation import get_activation
+
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
+        # (tp, g, G): the features are this rank's slice of group g of G, which other ranks
+        # share (tensor parallelism with fewer groups than ranks); group_size is the whole group's
+        self.shared_group = shared_group
+        self.silu = get_activation("silu")
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [T, I] x 2 -> [T, I]
+        dtype, shape = x.dtype, x.shape
+        x32 = x.float()  # [T, I]
+        gate32 = self.silu(gate.float().contiguous())  # [T, I]
+        if not self.norm_before_gate:
+            x32 = x32 * gate32
+        if self.shared_group is not None:
+            x32 = x32 * torch.rsqrt(self._shared_mean_square(x32) + self.eps)  # [T, I]
+        else:
+            groups = x32.view(*shape[:-1], -1, self.group_size)  # [T, G, I / G]
+            groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+            x32 = groups.view(shape)  # [T, I]
+        if self.norm_before_gate:
+            return ((self.weight.float() * x32) * gate32).to(dtype)
+        return self.weight * x32.to(dtype)
+
+    def _shared_mean_square(self, x32: torch.Tensor) -> torch.Tensor:  # [T, I] -> [T, 1]
+        """The mean of squares over this rank's group, whose slices the ranks sharing it hold:
+        each rank's sum placed in its group's column, all-reduced, that column over the size."""
+        tp, g, count = self.shared_group
+        sums = x32.new_zeros(*x32.shape[:-1], count)  # [T, G]
+        sums[..., g] = x32.pow(2).sum(-1)
+        return (tp.all_reduce(sums)[..., g] / self.group_size).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.eps}, "
+                f"norm_before_gate={self.norm_before_gate}")

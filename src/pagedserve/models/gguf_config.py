@@ -19,6 +19,9 @@ from pagedserve.models.gguf_arch_config import (
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
+from pagedserve.models.gguf_mamba import ARCHITECTURES as MAMBA_ARCHITECTURES
+from pagedserve.models.gguf_mamba import OWN_CONFIG as MAMBA_OWN_CONFIG
+from pagedserve.models.gguf_mamba import granite_hybrid_config
 from pagedserve.models.gguf_reader import GGUFHeader, _read_tensor_f32
 
 SUPPORTED_ARCHITECTURES = (
@@ -32,8 +35,9 @@ SUPPORTED_ARCHITECTURES = (
     "exaone4",
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
-) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES  # deepseek2, gpt-oss (models/gguf_families.py);
-# qwen3next, qwen35, qwen35moe (models/gguf_hybrid.py)
+) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES  # deepseek2, gpt-oss
+# (models/gguf_families.py); qwen3next, qwen35, qwen35moe (models/gguf_hybrid.py); the Mamba2
+# hybrids (models/gguf_mamba.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -47,6 +51,7 @@ _HF_MODEL_TYPE.update(lfm2="lfm2", lfm2moe="lfm2_moe", llama4="llama4_text")
 _HF_MODEL_TYPE["minimax-m2"] = "minimax_m2"
 # the Qwen VL text decoders, read as the decoder families they are (models/gguf_arch_config.py)
 _HF_MODEL_TYPE.update(qwen2vl="qwen2", qwen3vl="qwen3", qwen3vlmoe="qwen3_moe")
+_HF_MODEL_TYPE["granitehybrid"] = "granitemoehybrid"
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -79,6 +84,7 @@ _HF_ARCHITECTURE = {
     "phimoe": "PhimoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -117,6 +123,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         from pagedserve.models import gguf_hybrid
 
         return gguf_hybrid.config_dict(header)
+    if arch in MAMBA_OWN_CONFIG:  # nemotron_h, nemotron_h_moe, falcon-h1: models/gguf_mamba.py
+        from pagedserve.models.gguf_mamba import config_dict
+
+        return config_dict(header)
     md = header.metadata
     tensor_names = {t.name for t in header.tensors}
 
@@ -124,7 +134,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     n_heads = int(_require(header, "attention.head_count"))
     n_kv = header.arch_key("attention.head_count_kv", n_heads)
     layer_kv = None
-    if isinstance(n_kv, list) and arch in ("lfm2", "lfm2moe"):  # 0 on the short-convolution layers
+    if isinstance(n_kv, list) and arch in ("lfm2", "lfm2moe", "granitehybrid"):  # 0: conv / Mamba layers
         layer_kv, n_kv = n_kv, max(n_kv)
     if isinstance(n_kv, list):  # per-layer counts (not used by our other architectures)
         raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
@@ -175,6 +185,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         ARCH_CONFIG_HOOKS[arch](header, cfg)
     if arch in ("lfm2", "lfm2moe"):
         lfm2_config(header, cfg, layer_kv)
+    if arch == "granitehybrid":
+        granite_hybrid_config(header, cfg, layer_kv)
 
     if model_type == "mistral":
         # NOTE: MistralConfig defaults to a 4096-token sliding window (v0.1); llama.cpp runs "llama"

@@ -45,6 +45,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
+from pagedserve.models import gguf_mamba
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -302,8 +303,11 @@ _BLOCK_NAMES["olmo2"] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_NAMES["exaone4"] = _BLOCK_NAMES["olmo2"]
+# the Mamba2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1): models/gguf_mamba.py
+for _arch in gguf_mamba.ARCHITECTURES:
+    _BLOCK_NAMES[_arch] = gguf_mamba.block_names(_arch, _LLAMA_BLOCK_NAMES, _MOE_BLOCK_NAMES)
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma")
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -313,9 +317,13 @@ def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
     """The HF safetensors name of GGUF tensor `gguf_name`, or None if this module does not map it."""
     stem, dot, suffix = gguf_name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
+        if architecture in gguf_mamba.ARCHITECTURES:
+            return gguf_mamba.hf_name(architecture, gguf_name)
         return None
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
+    if architecture in gguf_mamba.ARCHITECTURES and (name := gguf_mamba.hf_name(architecture, gguf_name)) is not None:
+        return name  # (A, D, dt_bias: no weight / bias leaf of their own)
     parts = stem.split(".")
     if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
         leaf = _BLOCK_NAMES.get(architecture, {}).get(".".join(parts[2:]))  # (LFM2's have dots)
@@ -407,6 +415,8 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
             tensor = tensor - 1.0  # [dim]
         if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
             tensor = tensor.unsqueeze(0)  # [H] -> HF's [1, H] (shared_expert_gate)
+        if arch in gguf_mamba.ARCHITECTURES and quantized is None:
+            tensor = gguf_mamba.to_hf_layout(info.name, tensor)  # A -> A_log, SSM shapes
         if quantized is not None:  # rows permuted above as whole rows of blocks
             quantized.data = tensor.contiguous()
             tensor = quantized

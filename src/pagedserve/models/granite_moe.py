@@ -17,7 +17,7 @@ multiplier != 1 run their modules.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -29,6 +29,44 @@ from pagedserve.layers.weights import read_full, split_rows
 from pagedserve.models.base import KVCache
 from pagedserve.models.granite import EmbeddingMultiplier, LogitsScaling
 from pagedserve.models.mixtral import MoECausalLM, MoEDecoderLayer, MoEModel
+
+
+def granite_moe_block(config: Any, tp: TPContext, expert_parallel: bool) -> FusedMoE:
+    """A Granite MoE layer's experts (`num_local_experts`) and, with `shared_intermediate_size`,
+    its shared MLP: HF's router takes the top-k of the logits and weighs them by the softmax
+    over those k (no renormalization needed)."""
+    routing = MoERouting(top_k=int(config.num_experts_per_tok), scoring="softmax_topk")
+    return FusedMoE(config.hidden_size, config.intermediate_size, int(config.num_local_experts), routing,
+                    act=config.hidden_act,
+                    shared_intermediate_size=int(getattr(config, "shared_intermediate_size", 0) or 0),
+                    shared_act=config.hidden_act, tp=tp, expert_parallel=expert_parallel)
+
+
+def split_granite_moe(pairs: Iterable[tuple[str, Any]], inter: int,
+                      shared: int) -> Iterator[tuple[str, Any]]:
+    """Granite's fused checkpoint tensors split into ours (see the module docstring): each
+    layer's `block_sparse_moe.input_linear` `[E, 2 inter, H]` into `experts.gate_proj` /
+    `up_proj`, `output_linear` into `experts.down_proj`; `shared_mlp.input_linear` `[2 shared,
+    H]` into `gate_proj` / `up_proj`, `output_linear` into `down_proj` (Granite 4.0-H too)."""
+    for name, source in pairs:
+        if name.endswith(".block_sparse_moe.input_linear.weight"):
+            t = read_full(source)  # [E, 2I, H]: gate rows, then up rows
+            if t.dim() != 3 or t.shape[1] != 2 * inter:
+                raise ValueError(f"{name}: expected [experts, 2 * {inter}, hidden], got {tuple(t.shape)}")
+            stem = name[: -len("input_linear.weight")]
+            yield f"{stem}experts.gate_proj.weight", t[:, :inter]
+            yield f"{stem}experts.up_proj.weight", t[:, inter:]
+        elif name.endswith(".block_sparse_moe.output_linear.weight"):
+            yield name[: -len("output_linear.weight")] + "experts.down_proj.weight", source
+        elif name.endswith(".shared_mlp.input_linear.weight"):
+            stem = name[: -len("input_linear.weight")]
+            gate, up = split_rows(source, [shared, shared])
+            yield f"{stem}gate_proj.weight", gate
+            yield f"{stem}up_proj.weight", up
+        elif name.endswith(".shared_mlp.output_linear.weight"):
+            yield name[: -len("output_linear.weight")] + "down_proj.weight", source
+        else:
+            yield name, source
 
 
 class GraniteMoeDecoderLayer(MoEDecoderLayer):
@@ -78,41 +116,12 @@ class GraniteMoeForCausalLM(LogitsScaling, MoECausalLM):
         return [None] * config.num_hidden_layers
 
     def make_mlp(self, config: Any, layer: int, tp: TPContext) -> nn.Module:
-        # HF's router: top-k of the logits, softmax over those k (no renormalization needed)
-        routing = MoERouting(top_k=int(config.num_experts_per_tok), scoring="softmax_topk")
-        return FusedMoE(config.hidden_size, config.intermediate_size, self.num_experts(config), routing,
-                        act=config.hidden_act,
-                        shared_intermediate_size=int(getattr(config, "shared_intermediate_size", 0) or 0),
-                        shared_act=config.hidden_act, tp=tp,
-                        expert_parallel=self.expert_placement.expert_parallel)
+        return granite_moe_block(config, tp, self.expert_placement.expert_parallel)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """HF Granite MoE checkpoint tensors, the fused ones split (see the module docstring)."""
-        inter = int(self.config.intermediate_size)
         shared = int(getattr(self.config, "shared_intermediate_size", 0) or 0)
-
-        def split(pairs):
-            for name, source in pairs:
-                if name.endswith(".block_sparse_moe.input_linear.weight"):
-                    t = read_full(source)  # [E, 2I, H]: gate rows, then up rows
-                    if t.dim() != 3 or t.shape[1] != 2 * inter:
-                        raise ValueError(f"{name}: expected [experts, 2 * {inter}, hidden], got {tuple(t.shape)}")
-                    stem = name[: -len("input_linear.weight")]
-                    yield f"{stem}experts.gate_proj.weight", t[:, :inter]
-                    yield f"{stem}experts.up_proj.weight", t[:, inter:]
-                elif name.endswith(".block_sparse_moe.output_linear.weight"):
-                    yield name[: -len("output_linear.weight")] + "experts.down_proj.weight", source
-                elif name.endswith(".shared_mlp.input_linear.weight"):
-                    stem = name[: -len("input_linear.weight")]
-                    gate, up = split_rows(source, [shared, shared])
-                    yield f"{stem}gate_proj.weight", gate
-                    yield f"{stem}up_proj.weight", up
-                elif name.endswith(".shared_mlp.output_linear.weight"):
-                    yield name[: -len("output_linear.weight")] + "down_proj.weight", source
-                else:
-                    yield name, source
-
-        super().load_weights(split(weights))
+        super().load_weights(split_granite_moe(weights, int(self.config.intermediate_size), shared))
 
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):

@@ -155,6 +155,13 @@ class LayerOps:
         the outputs `[T, H, V]`, or None: the layer's torch loop."""
         return None
 
+    def ssm_scan_paged(self, x, dt, A, B, C, D, caches, blocks, start, fresh,
+                       query_start_loc) -> torch.Tensor | None:
+        """Mamba 2's selective scan (`layers.mamba2`) on a kernel, its state read and stored in
+        place in the paged cache (`layers.recurrent_state.PagedState.paged`): the outputs
+        `[T, H, P]` with the D skip, or None: the layer's torch loop."""
+        return None
+
 
 TORCH_OPS = LayerOps()
 
