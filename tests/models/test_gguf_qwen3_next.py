@@ -162,8 +162,12 @@ def test_q8_0_gguf_keeps_untouched_projections_as_blocks(arch, hf_pair, tmp_path
     kept = {n for n, t in iter_gguf_weights(path, config, keep_quantized=True) if isinstance(t, QuantizedTensor)}
     assert "model.layers.3.self_attn.q_proj.weight" in kept
     assert "model.layers.0.mlp.experts.gate_proj.weight" in kept
-    # (Qwen3.5's value heads are reordered back: those tensors come dequantized)
-    assert ("model.layers.0.linear_attn.in_proj_qkv.weight" in kept) == (arch == "qwen3next")
+    # Qwen3.5's value heads stay in llama.cpp's tiled order (the model runs in it): every
+    # projection and the LM head stay blocks -- no bf16 copy of any of them
+    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_z.weight",
+                 "model.layers.0.linear_attn.out_proj.weight", "lm_head.weight"):
+        assert name in kept, name
+    assert getattr(config, "linear_value_heads_tiled", False) == (arch == "qwen35moe")
     _, model = _load(path, tmp_path, keep_quantized=True)
     prompt = torch.tensor([[1, 5, 9, 30, 7, 2, 11]])
     from utils import PagedRunner
@@ -172,3 +176,12 @@ def test_q8_0_gguf_keeps_untouched_projections_as_blocks(arch, hf_pair, tmp_path
     ref = hf(input_ids=prompt).logits[0]
     assert torch.isfinite(ours).all()
     assert torch.corrcoef(torch.stack([ours.flatten(), ref.flatten()]))[0, 1] > 0.98
+
+
+def test_tiled_value_heads_refuse_tensor_parallelism():
+    from pagedserve.distributed.tp import TPContext
+    from pagedserve.layers.gated_delta_net import GatedDeltaNet
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        GatedDeltaNet(64, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4,
+                      act="silu", eps=1e-6, page=64, tp=TPContext(0, 2), tiled=True)

@@ -75,11 +75,18 @@ class GatedDeltaNet(OpsUser, nn.Module):
 
     def __init__(self, hidden_size: int, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, act: str, eps: float, page: int,
-                 tp: TPContext = SINGLE):
+                 tp: TPContext = SINGLE, tiled: bool = False):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({num_k_heads})")
+        # NOTE: value heads in llama.cpp's tiled order (a Qwen3.5 GGUF: value head j reads key
+        # head j mod Hk), else HF's grouped one (j reads key head j // (Hv / Hk))
+        self.tiled = tiled
+        if tiled and tp.is_parallel:
+            raise ValueError("tensor_parallel_size > 1: this Qwen3.5 GGUF keeps llama.cpp's tiled "
+                             "value heads, whose key heads do not split by rank; serve it on one "
+                             "rank, or the HF folder")
         self.num_k_heads = tp.split(num_k_heads, "linear_num_key_heads")
         self.num_v_heads = num_v_heads // tp.world_size
         self.head_k_dim, self.head_v_dim, self.kernel = head_k_dim, head_v_dim, conv_kernel
@@ -136,7 +143,10 @@ class GatedDeltaNet(OpsUser, nn.Module):
         k = _l2norm(k.reshape(t, self.num_k_heads, dk))  # [T, Hk, Dk]
         r = hv // self.num_k_heads
         if r > 1:
-            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, Hv, Dk]
+            if self.tiled:
+                q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)  # [T, Hv, Dk]
+            else:
+                q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)  # [T, Hv, Dk]
         v = v.reshape(t, hv, dv).contiguous()  # [T, Hv, Dv]
         beta = invariant_sigmoid(b.float().contiguous(), self.ops)  # [T, Hv]
         decay = self._decay(a.float())  # [T, Hv]

@@ -17,7 +17,9 @@ as `rope.dimension_count`, Qwen3.5's multi-token-prediction blocks after the mod
 - Qwen3.5 with fewer key than value heads: the value heads reordered from grouped by key head
   to tiled (`v0 of every key head, v1 of every key head, ...`) in `attn_qkv`'s v rows,
   `attn_gate`, `ssm_beta` / `ssm_alpha`, `ssm_a`, `ssm_dt`, the conv's v channels and
-  `ssm_out`'s columns;
+  `ssm_out`'s columns. NOT undone: `ssm_out`'s columns cannot move inside quantized blocks, so
+  the model runs in the tiled order (`linear_value_heads_tiled` in the config: value head j reads
+  key head j mod Hk, `layers.gated_delta_net`), every one of these tensors kept as stored;
 - the experts stacked `[E, out, in]` (`ffn_*_exps`), the shared expert's gate `[H]`.
 
 llama.cpp's Qwen3-Next has experts in every layer, renormalizes the top-k (HF's default) and no
@@ -70,14 +72,11 @@ _BLOCK = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# tensors whose value heads Qwen3.5's converter tiles: (dim, rows per head) -- attn_qkv's v
-# rows and the conv's v channels are handled apart (after the q and k parts)
-_TILED = {"attn_gate": (0, "v"), "ssm_beta": (0, 1), "ssm_alpha": (0, 1), "ssm_a": (0, 1),
-          "ssm_dt": (0, 1), "ssm_out": (1, "v")}
 # leaves loaded as they are stored: may stay quantized blocks (`keep_quantized`)
 _AS_STORED = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
               "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
-              "ffn_down_shexp"}
+              "ffn_down_shexp", "attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha",
+              "token_embd.weight", "output.weight"}
 
 
 def _req(header, key: str) -> Any:
@@ -128,6 +127,8 @@ def config_dict(header) -> dict[str, Any]:
                    shared_expert_intermediate_size=int(_req(header, "expert_shared_feed_forward_length")))
     if arch == "qwen3next":
         cfg.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif cfg["linear_num_key_heads"] != v_heads:  # (see the module docstring)
+        cfg["linear_value_heads_tiled"] = True
     if cfg["vocab_size"] is None:
         raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
     return cfg
@@ -156,14 +157,6 @@ def hf_name(gguf_name: str, num_layers: int) -> str | None:
     return None if mapped is None or not suffix else f"{prefix}{mapped}.{suffix}"
 
 
-def _untile(t: torch.Tensor, dim: int, k_heads: int, per_k: int, size: int) -> torch.Tensor:
-    """Value heads from the converter's tiled order (`[per_k, k_heads, size]` along `dim`) back
-    to HF's grouped order (`[k_heads, per_k, size]`)."""
-    shape = list(t.shape)
-    t = t.reshape(*shape[:dim], per_k, k_heads, size, *shape[dim + 1:])
-    return t.transpose(dim, dim + 1).reshape(shape).contiguous()
-
-
 def iter_weights(header, config, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
     """`(name, tensor)` for every tensor of the file (see `models.gguf_loader.iter_gguf_weights`):
     float32 in HF layout, or kept blocks (`keep_quantized`) for the tensors stored unchanged."""
@@ -176,27 +169,17 @@ def iter_weights(header, config, keep_quantized: bool) -> Iterator[tuple[str, An
                              f"architecture {header.architecture!r}")
         if name:
             names[info.name] = name
-    k_heads, v_heads = int(text.linear_num_key_heads), int(text.linear_num_value_heads)
-    tiled = header.architecture != "qwen3next" and k_heads != v_heads
-    per_k, dv = v_heads // k_heads, int(text.linear_value_head_dim)
-    qk_rows = 2 * k_heads * int(text.linear_key_head_dim)
     blob = np.memmap(header.path, dtype=np.uint8, mode="r")
     for info in header.tensors:
         name = names.get(info.name)
         if name is None:
             continue
-        leaf = info.name.split(".")[2] if info.name.startswith("blk.") else ""
-        untouched = leaf in _AS_STORED or (leaf in ("attn_qkv", "attn_gate", "ssm_out") and not tiled)
-        quantized = _read_quantized(blob, info) if keep_quantized and untouched else None
+        leaf = info.name.split(".")[2] if info.name.startswith("blk.") else info.name
+        quantized = _read_quantized(blob, info) if keep_quantized and leaf in _AS_STORED else None
         if quantized is not None:
             yield name, quantized
             continue
         t = _read_tensor_f32(blob, info)
-        if tiled and leaf in _TILED:
-            dim, size = _TILED[leaf]
-            t = _untile(t, dim, k_heads, per_k, dv if size == "v" else size)
-        elif tiled and leaf in ("attn_qkv", "ssm_conv1d"):  # the v rows / channels after q, k
-            t = torch.cat([t[:qk_rows], _untile(t[qk_rows:], 0, k_heads, per_k, dv)])
         if leaf == "ssm_a":
             t = torch.log(-t)  # -exp(A_log) -> A_log [Hv]
         elif leaf == "ssm_conv1d":

@@ -101,7 +101,8 @@ class HybridDecoderLayer(nn.Module):
                 config.hidden_size, num_k_heads=config.linear_num_key_heads,
                 num_v_heads=config.linear_num_value_heads, head_k_dim=config.linear_key_head_dim,
                 head_v_dim=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim,
-                act=config.hidden_act, eps=config.rms_norm_eps, page=page, tp=tp)
+                act=config.hidden_act, eps=config.rms_norm_eps, page=page, tp=tp,
+                tiled=bool(getattr(config, "linear_value_heads_tiled", False)))
         else:
             self.self_attn = GatedAttention(config, tp)
         self.mlp = mlp
