@@ -30,6 +30,14 @@ def _usable(*tensors: torch.Tensor) -> bool:
     return _get_isa() is not None
 
 
+def _as_paged(state: torch.Tensor):
+    """A batch of states `[S, ...]` outside the cache as the paged kernels take them: one
+    `[S, words]` tensor, sequence s in its row s, none fresh."""
+    s = state.shape[0]
+    rows = torch.arange(s, dtype=torch.int64, device=state.device)[None]  # [1, S]
+    return [state.view(s, -1)], rows, torch.zeros(s, dtype=torch.bool, device=state.device)
+
+
 def gated_delta_rule(
     q: torch.Tensor,  # [T, H, K]
     k: torch.Tensor,  # [T, H, K]
@@ -39,12 +47,11 @@ def gated_delta_rule(
     state: torch.Tensor,  # [S, H, K, V] float32, updated in place
     query_start_loc: torch.Tensor,  # [S + 1] int64
 ) -> torch.Tensor | None:  # [T, H, V]
-    """See the module docstring."""
-    if not _usable(q, k, v, beta, decay, state) or not state.is_contiguous():
+    """See the module docstring (the state outside the cache: `gated_delta_rule_paged` on it)."""
+    if not _usable(state) or not state.is_contiguous():
         return None
-    return torch.ops.pagedserve_fp32.fp32_gated_delta_rule.default(
-        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), decay.contiguous(),
-        state, query_start_loc.to(torch.int64), _get_isa())
+    caches, rows, fresh = _as_paged(state)
+    return gated_delta_rule_paged(q, k, v, beta, decay, caches, rows, 0, fresh, query_start_loc)
 
 
 def ssm_scan(
@@ -57,12 +64,11 @@ def ssm_scan(
     state: torch.Tensor,  # [S, H, P, N] float32, updated in place
     query_start_loc: torch.Tensor,  # [S + 1] int64
 ) -> torch.Tensor | None:  # [T, H, P]
-    """See the module docstring."""
-    if not _usable(x, dt, A, B, C, D, state) or not state.is_contiguous():
+    """See the module docstring (the state outside the cache: `ssm_scan_paged` on it)."""
+    if not _usable(state) or not state.is_contiguous():
         return None
-    return torch.ops.pagedserve_fp32.fp32_ssm_scan.default(
-        x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
-        D.contiguous(), state, query_start_loc.to(torch.int64), _get_isa())
+    caches, rows, fresh = _as_paged(state)
+    return ssm_scan_paged(x, dt, A, B, C, D, caches, rows, 0, fresh, query_start_loc)
 
 
 def gather_state(caches: list[torch.Tensor], blocks: torch.Tensor, start: int, count: int,

@@ -166,6 +166,36 @@ class DecoderStack(nn.Module):
         return self.final(x)
 
 
+class CacheEntryStack(DecoderStack):
+    """A decoder stack whose layers do not take one cache entry each (LFM2's convolutions, the
+    recurrent layers' states: several entries a layer): `cache_entries_of[i]` lists layer i's
+    entries and `layer_types[i]` its kind. A layer of a kind in `one_entry_kinds` (attention) is
+    called as `layer(x, *extra, kv_cache, meta)`, any other with the lists of its entries and
+    their metadata: `layer(x, *extra, [kv_cache, ...], [meta, ...])`."""
+
+    one_entry_kinds: tuple[str, ...] = ()
+    layer_types: list[str]
+    cache_entries_of: list[list[int]]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H']
+        check_kv_caches(kv_caches, self.cache_entries_of[-1][-1] + 1)
+        x, extras = self.embed(input_ids, positions)  # [T, H]
+        metas = meta.per_layer or [meta] * len(kv_caches)  # per cache entry (its column's)
+        for layer, kind, extra, entries in zip(self.decoder_layers(), self.layer_types, extras,
+                                               self.cache_entries_of):
+            if kind in self.one_entry_kinds:
+                x = layer(x, *extra, kv_caches[entries[0]], metas[entries[0]])  # [T, H]
+            else:
+                x = layer(x, *extra, [kv_caches[e] for e in entries], [metas[e] for e in entries])
+        return self.final(x)
+
+
 class PagedCausalLM(nn.Module):
     """What the `*ForCausalLM` classes share (they implement `CausalLM`): an LM head (tied to the
     input embedding when the config says so), the KV cache spec, logits, the fused greedy path

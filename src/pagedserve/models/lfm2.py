@@ -29,7 +29,7 @@ from pagedserve.layers.linear import VocabParallelEmbedding
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.layers.short_conv import ShortConv, cache_entries
-from pagedserve.models.base import DecoderStack, KVCache, KVCacheSpec, PagedCausalLM, check_kv_caches
+from pagedserve.models.base import CacheEntryStack, KVCache, KVCacheSpec, PagedCausalLM
 from pagedserve.models.llama import (
     FusableDecoderLayer, LlamaAttention, LlamaDecoderLayer, LlamaMLP, head_dim_of)
 
@@ -117,9 +117,11 @@ class Lfm2AttentionLayer(LlamaDecoderLayer):
         return self.unfused(x, rope, kv_cache, meta)
 
 
-class Lfm2Model(DecoderStack):
+class Lfm2Model(CacheEntryStack):
     """Embeddings, conv and attention layers, final norm; each layer reads its own cache entries
     (`cache_entries_of`). `make_mlp(config, layer_index)` builds a layer's feed-forward block."""
+
+    one_entry_kinds = (ATTENTION,)
 
     def __init__(self, config: Any, make_mlp, tp: TPContext = SINGLE):
         super().__init__()
@@ -163,23 +165,6 @@ class Lfm2Model(DecoderStack):
 
     def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.norm(x)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        check_kv_caches(kv_caches, self.cache_entries_of[-1][-1] + 1)
-        x, extras = self.embed(input_ids, positions)  # [T, H]
-        metas = meta.per_layer or [meta] * len(kv_caches)  # per cache entry (its column's)
-        for layer, kind, extra, entries in zip(self.layers, self.layer_types, extras, self.cache_entries_of):
-            if kind == ATTENTION:
-                x = layer(x, *extra, kv_caches[entries[0]], metas[entries[0]])
-            else:
-                x = layer(x, [kv_caches[e] for e in entries], [metas[e] for e in entries])
-        return self.final(x)
 
 
 class Lfm2ForCausalLM(PagedCausalLM):

@@ -32,7 +32,7 @@ from pagedserve.layers.linear import ColumnParallelLinear, VocabParallelEmbeddin
 from pagedserve.layers.moe import ExpertPlacement, FusedMoE, MoERouting, expert_param_name, invariant_sigmoid
 from pagedserve.layers.norms import GemmaRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, norm_and_rotate, rope_parameters
-from pagedserve.models.base import DecoderStack, KVCache, KVCacheSpec, PagedCausalLM, check_kv_caches
+from pagedserve.models.base import CacheEntryStack, KVCache, KVCacheSpec, PagedCausalLM
 from pagedserve.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 from pagedserve.models.qwen3_moe import is_sparse_layer
 
@@ -115,10 +115,12 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridModel(DecoderStack):
+class HybridModel(CacheEntryStack):
     """Embeddings, hybrid layers, final norm; each layer reads its own cache entries
     (`cache_entries_of`, rebuilt by `map_entries` when the states are bound anew).
     `make_mlp(layer_index)` builds a layer's feed-forward block."""
+
+    one_entry_kinds = (FULL,)
 
     def __init__(self, config: Any, make_mlp, tp: TPContext = SINGLE):
         super().__init__()
@@ -160,23 +162,6 @@ class HybridModel(DecoderStack):
 
     def final(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.norm(x)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        check_kv_caches(kv_caches, self.cache_entries_of[-1][-1] + 1)
-        x, extras = self.embed(input_ids, positions)  # [T, H]
-        metas = meta.per_layer or [meta] * len(kv_caches)  # per cache entry (its column's)
-        for layer, kind, extra, entries in zip(self.layers, self.layer_types, extras, self.cache_entries_of):
-            if kind == FULL:
-                x = layer(x, *extra, kv_caches[entries[0]], metas[entries[0]])
-            else:
-                x = layer(x, [kv_caches[e] for e in entries], [metas[e] for e in entries])
-        return self.final(x)
 
 
 class Qwen3NextForCausalLM(PagedCausalLM):

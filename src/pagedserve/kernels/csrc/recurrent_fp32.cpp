@@ -3,14 +3,17 @@
 // fixed order of operations -- the same for a prompt chunk and a decode step, whatever else
 // is in the batch or how many threads run (work is split over (sequence, head) pairs only).
 //
-//   fp32_gated_delta_rule(q, k [T, H, K], v [T, H, V], beta, decay [T, H], state [S, H, K, V],
-//                         query_start_loc [S + 1], isa) -> out [T, H, V]
+//   fp32_gated_delta_rule_paged(q, k [T, H, K], v [T, H, V], beta, decay [T, H], caches, blocks,
+//                               start, fresh, query_start_loc [S + 1], isa) -> out [T, H, V]
 //     Gated DeltaNet (Qwen3-Next, Qwen3.5): per token S *= decay; S += k^T ((v - k S) beta);
-//     out = q S. `state` is updated in place.
-//   fp32_ssm_scan(x [T, H, P], dt [T, H], A [H], B, C [T, G, N], D [H], state [S, H, P, N],
-//                 query_start_loc [S + 1], isa) -> y [T, H, P]
+//     out = q S, head h's S [K, V] at words start + h K V of each sequence's state.
+//   fp32_ssm_scan_paged(x [T, H, P], dt [T, H], A [H], B, C [T, G, N], D [H], caches, blocks,
+//                       start, state_size, fresh, query_start_loc [S + 1], isa) -> y [T, H, P]
 //     Mamba 2's selective scan (Granite 4.0-H, ...): per token S = S exp(dt A) + dt x B^T;
-//     y = S C + D x, head h reading group h / (H / G). `state` is updated in place.
+//     y = S C + D x, head h reading group h / (H / G), its S [P, N] at words start + h P N.
+//   paged_state_gather / paged_state_scatter: a span of each sequence's state, copied out / in.
+// The states live in the paged cache (`PagedWords`), updated in place; a lone `[S, words]`
+// tensor as `caches` is a batch of states outside the cache (kernels/cpu_recurrent.py).
 //
 // Registered as torch.ops.pagedserve_fp32.*; the Python wrapper is kernels/cpu_recurrent.py.
 
@@ -63,81 +66,6 @@ std::vector<int64_t> starts_of(const at::Tensor& qsl, int64_t S, int64_t T) {
   return s;
 }
 
-at::Tensor fp32_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& beta, const at::Tensor& decay,
-                                 at::Tensor state, const at::Tensor& qsl, int64_t isa) {
-  isa = ps_isa::check_isa("fp32_gated_delta_rule", isa);
-  check_f32(q, 3, "q");
-  check_f32(k, 3, "k");
-  check_f32(v, 3, "v");
-  check_f32(beta, 2, "beta");
-  check_f32(decay, 2, "decay");
-  check_f32(state, 4, "state");
-  const int64_t T = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), S = state.size(0);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == T && v.size(1) == H && beta.size(0) == T &&
-                  beta.size(1) == H && decay.sizes() == beta.sizes() && state.size(1) == H &&
-                  state.size(2) == K && state.size(3) == V,
-              "fp32_gated_delta_rule: shapes disagree");
-  const auto starts = starts_of(qsl, S, T);
-  at::Tensor out = at::empty({T, H, V}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *bp = beta.data_ptr<float>(), *dp = decay.data_ptr<float>();
-  float* sp = state.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const bool wide = isa >= ps_isa::kIsaAvx512;
-  at::parallel_for(0, S * H, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scratch(2 * V);
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t s = w / H, h = w % H, t0 = starts[s], n = starts[s + 1] - t0;
-      if (n == 0) continue;
-      float* S_ = sp + w * K * V;
-      const int64_t qo = (t0 * H + h) * K, vo = (t0 * H + h) * V, go = t0 * H + h;
-      auto run = wide ? isa_avx512::gdr_head : isa_avx2::gdr_head;
-      run(S_, qp + qo, kp + qo, vp + vo, bp + go, dp + go, op + vo, n, K, V, H * K, H * V, H,
-          H * V, scratch.data(), scratch.data() + V);
-    }
-  });
-  return out;
-}
-
-at::Tensor fp32_ssm_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
-                         const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
-                         at::Tensor state, const at::Tensor& qsl, int64_t isa) {
-  isa = ps_isa::check_isa("fp32_ssm_scan", isa);
-  check_f32(x, 3, "x");
-  check_f32(dt, 2, "dt");
-  check_f32(A, 1, "A");
-  check_f32(B, 3, "B");
-  check_f32(C, 3, "C");
-  check_f32(D, 1, "D");
-  check_f32(state, 4, "state");
-  const int64_t T = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
-  const int64_t S = state.size(0);
-  TORCH_CHECK(dt.size(0) == T && dt.size(1) == H && A.size(0) == H && D.size(0) == H &&
-                  B.size(0) == T && C.sizes() == B.sizes() && G > 0 && H % G == 0 &&
-                  state.size(1) == H && state.size(2) == P && state.size(3) == N,
-              "fp32_ssm_scan: shapes disagree");
-  const auto starts = starts_of(qsl, S, T);
-  at::Tensor y = at::empty({T, H, P}, x.options());
-  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *ap = A.data_ptr<float>();
-  const float *bp = B.data_ptr<float>(), *cp = C.data_ptr<float>(), *dp = D.data_ptr<float>();
-  float* sp = state.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const bool wide = isa >= ps_isa::kIsaAvx512;
-  const int64_t per_group = H / G;
-  at::parallel_for(0, S * H, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t s = w / H, h = w % H, t0 = starts[s], n = starts[s + 1] - t0;
-      if (n == 0) continue;
-      const int64_t g = h / per_group;
-      auto run = wide ? isa_avx512::ssm_head : isa_avx2::ssm_head;
-      run(sp + w * P * N, xp + (t0 * H + h) * P, dtp + t0 * H + h, ap[h], bp + (t0 * G + g) * N,
-          cp + (t0 * G + g) * N, dp[h], yp + (t0 * H + h) * P, n, P, N, H * P, H, G * N, H * P);
-    }
-  });
-  return y;
-}
-
 // A state's words in the cache: chunk c (entry c / 2, its K (even c) or V (odd c) tensor) holds
 // words [c * W, (c + 1) * W) of every sequence's state, W the words of one block of a tensor; a
 // sequence's block in entry e is blocks[e, s].
@@ -147,9 +75,11 @@ struct PagedWords {
   int64_t S, W;
 
   PagedWords(const std::vector<at::Tensor>& caches, const at::Tensor& blocks_) {
-    TORCH_CHECK(!caches.empty() && caches.size() % 2 == 0, "caches: K and V tensors of each entry");
+    // (one tensor alone is a state outside the cache: `[S, words]`, sequence s in row blocks[0, s])
+    TORCH_CHECK(!caches.empty() && (caches.size() % 2 == 0 || caches.size() == 1),
+                "caches: K and V tensors of each entry");
     TORCH_CHECK(blocks_.scalar_type() == at::kLong && blocks_.dim() == 2 && blocks_.is_contiguous() &&
-                    blocks_.size(0) * 2 == static_cast<int64_t>(caches.size()),
+                    blocks_.size(0) == (static_cast<int64_t>(caches.size()) + 1) / 2,
                 "blocks must be a contiguous int64 [entries, sequences] tensor");
     const int64_t rows = caches[0].size(0);
     const int64_t bytes = caches[0].numel() * caches[0].element_size() / rows;
@@ -331,17 +261,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_fp32, m) {
       "Tensor query_start_loc, int isa) -> Tensor");
   m.def("paged_state_gather(Tensor[] caches, Tensor blocks, int start, int count, Tensor fresh) -> Tensor");
   m.def("paged_state_scatter(Tensor(a!)[] caches, Tensor blocks, int start, Tensor values) -> ()");
-  m.def(
-      "fp32_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor decay, "
-      "Tensor(a!) state, Tensor query_start_loc, int isa) -> Tensor");
-  m.def(
-      "fp32_ssm_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, "
-      "Tensor(a!) state, Tensor query_start_loc, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_fp32, CPU, m) {
-  m.impl("fp32_gated_delta_rule", &fp32_gated_delta_rule);
-  m.impl("fp32_ssm_scan", &fp32_ssm_scan);
   m.impl("paged_state_gather", &paged_state_gather);
   m.impl("fp32_gated_delta_rule_paged", &fp32_gated_delta_rule_paged);
   m.impl("fp32_ssm_scan_paged", &fp32_ssm_scan_paged);
