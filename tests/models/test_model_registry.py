@@ -55,6 +55,8 @@ EXPECTED |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
 # Mamba2 hybrids (layers/mamba2.py)
 EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
              "FalconH1ForCausalLM"}
+# Mamba 1 hybrid (layers/mamba1.py)
+EXPECTED |= {"JambaForCausalLM"}
 
 
 def test_registry_names():

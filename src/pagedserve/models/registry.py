@@ -24,6 +24,7 @@ from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
+from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
@@ -82,6 +83,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
@@ -162,6 +164,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
+    "jamba": "JambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
