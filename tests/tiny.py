@@ -179,7 +179,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
 RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "bamba", "nemotron_h",
-                      "falcon_h1")
+                      "falcon_h1", "jamba")
 
 
 def _recurrent_family_config(tf, arch: str, common: dict):
@@ -207,6 +207,11 @@ def _recurrent_family_config(tf, arch: str, common: dict):
                                   layers_block_type=["linear_attention", "mlp", "full_attention", "moe"],
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=48, moe_latent_size=32)
+    if arch == "jamba":  # Mamba 1 layers (dt / B / C norms) around a NoPE attention layer, MoE between
+        return tf.JambaConfig(**base, intermediate_size=96, num_hidden_layers=3, attn_layer_period=2,
+                              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+                              num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                              mamba_expand=1, mamba_dt_rank=8)
     if arch == "falcon_h1":  # Mamba 2 and attention side by side, muP multipliers
         return tf.FalconH1Config(**base, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=64,
                                  mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4,
