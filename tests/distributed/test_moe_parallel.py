@@ -216,6 +216,25 @@ def test_two_ranks_give_one_ranks_logits_with_mamba2(tmp_path, family, expert_pa
             assert experts.shape[:2] == ((4, 32) if expert_parallel else (8, 16))
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_give_one_ranks_logits_with_jamba(checkpoints, expert_parallel):
+    """Jamba: each rank holds half of the Mamba 1 channels (x, z, conv, dt_proj's rows, A_log,
+    D, the state); x_proj and out_proj sum their halves; the MoE layers split as any."""
+    path = checkpoints("jamba")
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    single = _load(path)
+    ref = PagedRunner(single).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, expert_parallel)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    whole = single.model.layers[0].mamba
+    for rank, model in enumerate(models):
+        half = model.model.layers[0].mamba
+        n = whole.inter // 2
+        assert torch.equal(half.A_log, whole.A_log[n * rank:n * (rank + 1)])
+        assert torch.equal(half.dt_proj.bias, whole.dt_proj.bias[n * rank:n * (rank + 1)])
+
+
 @pytest.mark.parametrize("family", ["olmo2"])
 def test_two_ranks_give_one_ranks_logits_with_whole_projection_qk_norms(family, checkpoints):
     """OLMo 2's q/k norms span every head of a token: each rank normalizes its heads' slice by

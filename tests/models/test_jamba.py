@@ -101,7 +101,7 @@ def test_jamba_state_entries_follow_block_size_and_dtype_and_a_bf16_cache_runs(h
     assert (out - ref).abs().max() < 0.5
 
 
-def test_jamba_rejects_bad_periods_and_tensor_parallelism():
+def test_jamba_rejects_bad_periods_and_indivisible_channels():
     from pagedserve.distributed.tp import TPContext
     from pagedserve.models.jamba import jamba_attention_layers
 
@@ -109,5 +109,17 @@ def test_jamba_rejects_bad_periods_and_tensor_parallelism():
     config.attn_layer_offset = 2
     with pytest.raises(ValueError, match="attn_layer_offset"):
         jamba_attention_layers(config)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        JambaForCausalLM(jamba_config(), tp=TPContext(rank=0, world_size=2))
+    with pytest.raises(ValueError, match=r"mamba intermediate channels \(128\).*tensor_parallel_size \(3\)"):
+        Mamba1Mixer(64, intermediate_size=128, state_size=8, dt_rank=8, conv_kernel=4, page=64,
+                    tp=TPContext(rank=0, world_size=3))
+
+
+def test_jamba_tensor_parallel_splits_the_mamba_channels():
+    from pagedserve.distributed.tp import TPContext
+
+    whole = JambaForCausalLM(jamba_config()).model.layers[0].mamba
+    half = JambaForCausalLM(jamba_config(), tp=TPContext(rank=1, world_size=2)).model.layers[0].mamba
+    assert half.inter == 64 and half.A_log.shape == (64, 8) and half.conv1d.weight.shape == (64, 1, 4)
+    assert half.x_proj.weight.shape == (24, 64) and half.dt_proj.weight.shape == (64, 8)
+    assert half.A_log.shard.ranges == ((64, 128),) and half.in_proj.weight.shard.ranges == ((64, 128), (192, 256))
+    assert half.state.numel * 2 == whole.state.numel

@@ -18,7 +18,10 @@ step (HF's prefill scans the whole prompt at once: the two agree to float roundi
 first in float32, and the transcendentals (softplus, exp) run one token's row at a time. So a
 token's bits do not depend on its batch, its chunking or recompute after preemption.
 
-Tensor parallelism is not implemented (the caller refuses it).
+Tensor parallelism: each rank holds `I / N` channels (of x and z, the conv, dt_proj's rows,
+`A_log`, `D`, the state): everything per channel is local; `x_proj` (dt, B, C from all
+channels) and `out_proj` sum their partial products over the ranks. ValueError, naming
+tensor_parallel_size, unless the ranks divide I.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.activation import get_activation
-from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedserve.distributed.tp import SINGLE, TPContext
+from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.layers.mamba2 import Mamba2Mixer, tree_sum
 from pagedserve.layers.norms import RMSNorm
 from pagedserve.layers.recurrent_state import KVPair, PagedState
@@ -46,32 +50,40 @@ class Mamba1Mixer(OpsUser, nn.Module):
 
     def __init__(self, hidden_size: int, *, intermediate_size: int, state_size: int, dt_rank: int,
                  conv_kernel: int, page: int, conv_bias: bool = True, proj_bias: bool = False,
-                 activation: str = "silu", norm_eps: float = 1e-6):
+                 activation: str = "silu", norm_eps: float = 1e-6, tp: TPContext = SINGLE):
         super().__init__()
         if conv_kernel < 2:
             raise ValueError(f"the mamba conv kernel must span at least 2 positions, got {conv_kernel}")
         if intermediate_size <= 0 or state_size <= 0 or dt_rank <= 0:
             raise ValueError(f"mamba sizes must be positive: intermediate {intermediate_size}, "
                              f"d_state {state_size}, dt_rank {dt_rank}")
-        self.inter, self.state_size, self.dt_rank = intermediate_size, state_size, dt_rank
-        self.conv_kernel, self.conv_dim = conv_kernel, intermediate_size  # (what `conv` reads)
-        self.in_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], proj_bias)
+        inter = tp.split(intermediate_size, "mamba intermediate channels")  # this rank's I
+        self.inter, self.state_size, self.dt_rank = inter, state_size, dt_rank
+        self.conv_kernel, self.conv_dim = conv_kernel, inter  # (what `conv` reads)
+        # x and z: this rank's channels of each
+        self.in_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], proj_bias,
+                                            tp=tp)
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(intermediate_size, 1, conv_kernel))
-        self.conv1d.bias = nn.Parameter(torch.empty(intermediate_size)) if conv_bias else None
-        self.x_proj = ColumnParallelLinear(intermediate_size, dt_rank + 2 * state_size, False)
-        self.dt_proj = ColumnParallelLinear(dt_rank, intermediate_size, True)
-        self.A_log = nn.Parameter(torch.zeros(intermediate_size, state_size))
-        self.D = nn.Parameter(torch.ones(intermediate_size))
+        self.conv1d.weight = nn.Parameter(torch.empty(inter, 1, conv_kernel))
+        self.conv1d.bias = nn.Parameter(torch.empty(inter)) if conv_bias else None
+        # dt, B, C from all channels: this rank's partial product, summed over the ranks
+        self.x_proj = RowParallelLinear(intermediate_size, dt_rank + 2 * state_size, False, tp=tp)
+        self.dt_proj = ColumnParallelLinear(dt_rank, intermediate_size, True, tp=tp)
+        self.A_log = nn.Parameter(torch.zeros(inter, state_size))
+        self.D = nn.Parameter(torch.ones(inter))
         self.dt_layernorm = RMSNorm(dt_rank, norm_eps)
         self.b_layernorm = RMSNorm(state_size, norm_eps)
         self.c_layernorm = RMSNorm(state_size, norm_eps)
-        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, proj_bias)
+        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, proj_bias, tp=tp)
         self.act = get_activation(activation)
         self.gate_act = get_activation("silu")  # (HF's gate is SiLU whatever hidden_act)
-        # per sequence: the conv's last L - 1 input rows (oldest first), the SSM state
-        self.state = PagedState([(conv_kernel - 1, intermediate_size),
-                                 (intermediate_size, state_size)], page)
+        if tp.is_parallel:
+            channels = ShardSpec(0, ((tp.rank * inter, (tp.rank + 1) * inter),), intermediate_size)
+            for p in (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D):
+                set_shard(p, channels)
+        # per sequence: the conv's last L - 1 input rows (oldest first), the SSM state (this
+        # rank's channels)
+        self.state = PagedState([(conv_kernel - 1, inter), (inter, state_size)], page)
 
     # the causal depthwise conv + activation, oldest tap first in float32 (Mamba2's, over x)
     conv = Mamba2Mixer.conv

@@ -11,8 +11,7 @@ As HF 5.x:
 - every layer is pre-norm (`input_layernorm`, `pre_ff_layernorm`), the final norm HF's
   `final_layernorm`.
 The cache: one entry per attention layer, a mixer's state entries per Mamba layer
-(`models.mamba_hybrid`). Tensor parallelism is not implemented: ValueError naming
-tensor_parallel_size.
+(`models.mamba_hybrid`). Tensor parallelism splits the Mamba channels (`layers.mamba1`).
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def jamba_expert_layers(config: Any) -> list[bool]:
     return [many and i % period == offset for i in range(config.num_hidden_layers)]
 
 
-def jamba_mixer(config: Any, page: int) -> Mamba1Mixer:
+def jamba_mixer(config: Any, page: int, tp: TPContext = SINGLE) -> Mamba1Mixer:
     """A Mamba (1) mixer from HF's `mamba_*` config attributes."""
     hidden = config.hidden_size
     dt_rank = config.mamba_dt_rank
@@ -69,7 +68,7 @@ def jamba_mixer(config: Any, page: int) -> Mamba1Mixer:
                        state_size=int(config.mamba_d_state), dt_rank=int(dt_rank),
                        conv_kernel=int(config.mamba_d_conv), page=page,
                        conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias),
-                       activation=config.hidden_act, norm_eps=float(config.rms_norm_eps))
+                       activation=config.hidden_act, norm_eps=float(config.rms_norm_eps), tp=tp)
 
 
 def jamba_layer(config: Any, attention: bool, experts: bool, page: int, expert_parallel: bool,
@@ -89,21 +88,18 @@ def jamba_layer(config: Any, attention: bool, experts: bool, page: int, expert_p
             hidden, config.num_attention_heads, config.num_key_value_heads, head_dim,
             scale=head_dim**-0.5, qkv_bias=False, o_bias=False, tp=tp))
     else:
-        mixer = dict(mamba=jamba_mixer(config, page))
+        mixer = dict(mamba=jamba_mixer(config, page, tp))
     return PreNormHybridLayer(hidden, config.rms_norm_eps, mlp, **mixer)
 
 
 class JambaForCausalLM(HybridCausalLM):
-    """Jamba decoder-only LM on a paged cache (see the module docstring). ValueError, naming
-    tensor_parallel_size, under tensor parallelism."""
+    """Jamba decoder-only LM on a paged cache (see the module docstring); `tp` makes it this
+    rank's shard (attention heads, Mamba channels, MLP and experts)."""
 
     tied_by_default = False
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        if tp.world_size > 1:
-            raise ValueError(f"Jamba does not run under tensor parallelism yet (tensor_parallel_size="
-                             f"{tp.world_size}): serve it with tensor_parallel_size=1")
         expert_parallel = bool(getattr(config, "enable_expert_parallel", False))
         self.expert_placement = ExpertPlacement(max(int(config.num_experts), 1), tp,
                                                 expert_parallel and int(config.num_experts) > 1)
