@@ -323,3 +323,53 @@ def check_mamba_gguf(write, hf_model, folder: Path, tmp_path: Path, prompts, che
     assert quantized.model.layers[0].mamba.in_proj.weight.dtype == torch.uint8
     check_greedy_tie_rule(hf_model, quantized, prompts[:2], "Q8_0")
     return model
+
+
+def write_jamba_gguf(path: Path, config, state: dict[str, torch.Tensor], *, types=None) -> Path:
+    """A Jamba checkpoint as conversion/jamba.py's JambaModel writes it: "jamba", KV heads per
+    layer (0: Mamba), the `ssm.*` sizes (`time_step_rank`: dt_rank), no period keys (the MoE
+    layers are the blocks with a router), experts stacked, `ssm_conv1d` squeezed, `ssm_a` =
+    -exp(A_log) `[I, N]`, `ssm_d`; Q/K as they are (no RoPE)."""
+    arch = gguf.MODEL_ARCH.JAMBA
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name("tiny jamba")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([config.num_key_value_heads if t == "attention" else 0
+                              for t in config.layers_block_type])
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_time_step_rank(config.mamba_dt_rank)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    _vocab(writer, config)
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for hf_name, tensor in state.items():
+        data = tensor.detach().float()
+        parts = hf_name.split(".")
+        if ".feed_forward.experts." in hf_name:  # model.layers.N.feed_forward.experts.E.gate_proj.weight
+            experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = data
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        if suffix in ("A_log", "D"):
+            base, suffix = hf_name, ""
+        mapped = name_map.get_name(base)
+        assert mapped is not None, hf_name
+        if hf_name.endswith(".A_log"):
+            data = -torch.exp(data)  # [I, N]
+        elif hf_name.endswith(".conv1d.weight"):
+            data = data.squeeze(1)  # [I, L]
+        tensors[f"{mapped}.{suffix}" if suffix else mapped] = (hf_name, data.numpy())
+    for (bid, leaf), per_expert in experts.items():
+        stacked = torch.stack([per_expert[e] for e in sorted(per_expert)])  # [E, out, in]
+        short = leaf.removesuffix("_proj")
+        tensors[f"blk.{bid}.ffn_{short}_exps.weight"] = (f"experts.{leaf}", stacked.numpy())
+    _write(writer, tensors, types)
+    return path

@@ -123,3 +123,16 @@ def test_jamba_tensor_parallel_splits_the_mamba_channels():
     assert half.x_proj.weight.shape == (24, 64) and half.dt_proj.weight.shape == (64, 8)
     assert half.A_log.shard.ranges == ((64, 128),) and half.in_proj.weight.shard.ranges == ((64, 128), (192, 256))
     assert half.state.numel * 2 == whole.state.numel
+
+
+def test_jamba_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    """llama.cpp's "jamba" (no period keys: the attention layers from the per-layer KV heads,
+    the MoE layers from the routers; A as -exp(A_log) `[I, N]`): equal to the HF folder; Q8_0
+    projections kept as blocks give HF's greedy tokens."""
+    from mamba_gguf import check_mamba_gguf, write_jamba_gguf
+
+    hf, _, folder = hf_pair(jamba_config(), prepare=randomize_mamba)
+    model = check_mamba_gguf(write_jamba_gguf, hf, folder, tmp_path, prompts(VOCAB), check_hf)
+    config = model.config
+    assert (config.attn_layer_period, config.attn_layer_offset) == (2, 1)
+    assert (config.expert_layer_period, config.expert_layer_offset) == (2, 0)

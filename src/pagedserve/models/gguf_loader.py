@@ -416,7 +416,7 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
             tensor = tensor.unsqueeze(0)  # [H] -> HF's [1, H] (shared_expert_gate)
         if arch in gguf_mamba.ARCHITECTURES and quantized is None:
-            tensor = gguf_mamba.to_hf_layout(info.name, tensor)  # A -> A_log, SSM shapes
+            tensor = gguf_mamba.to_hf_layout(info.name, tensor, arch)  # A -> A_log, SSM shapes
         if quantized is not None:  # rows permuted above as whole rows of blocks
             quantized.data = tensor.contiguous()
             tensor = quantized

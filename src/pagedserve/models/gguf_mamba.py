@@ -1,5 +1,5 @@
-"""GGUF files of the Mamba2 hybrids as llama.cpp's converter writes them (conversion/mamba.py's
-Mamba2Model, conversion/granite.py's GraniteHybridModel): architecture "granitehybrid"
+"""GGUF files of the Mamba2 hybrids (and Jamba's Mamba 1) as llama.cpp's converter writes them
+(conversion/mamba.py's Mamba2Model, conversion/granite.py's GraniteHybridModel): architecture "granitehybrid"
 (Granite 4.0-H, and Bamba: RoPE on, no Granite scales, no experts) -- the HF config its header
 describes and its Mamba tensors under our names (`models.gguf_config` / `models.gguf_loader`
 call in here).
@@ -24,6 +24,11 @@ block's one norm is `attn_norm`. Falcon-H1 ("falcon-h1": conversion/falcon_h1.py
 muP multiplier into the weights (the HF config's multipliers are then all 1), keeps the gated
 norm when `ssm_norm` is there (gate before the norm, as llama.cpp runs it) and writes the
 pre-MLP norm as `blk.N.ffn_norm` without a leaf; its Q / K rows are not permuted.
+
+Jamba ("jamba": conversion/jamba.py, Mamba 1: `layers.mamba1`) writes no layer periods: the
+attention layers are those with KV heads, the MoE layers those with a router (`ffn_gate_inp`);
+`ssm.time_step_rank` is dt_rank, `ssm_a` is -exp(A_log) `[I, N]`, dt_proj is `ssm_dt` (weight and
+bias), the dt / B / C norms `ssm_dt_norm`, `ssm_b_norm`, `ssm_c_norm`; Q / K are not permuted.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ import torch
 from pagedserve.models.gguf_arch_config import granite_config
 from pagedserve.models.gguf_reader import GGUFHeader
 
-ARCHITECTURES = ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")
-OWN_CONFIG = ("nemotron_h", "nemotron_h_moe", "falcon-h1")  # (`config_dict`; granitehybrid: a hook)
+ARCHITECTURES = ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1", "jamba")
+OWN_CONFIG = ("nemotron_h", "nemotron_h_moe", "falcon-h1", "jamba")  # (`config_dict`; granitehybrid: a hook)
 PERMUTED_QK = ("granitehybrid", "nemotron_h", "nemotron_h_moe")  # (llama.cpp's LlamaModel.permute)
 
 # block tensor leaf -> our name under `model.layers.N.` (with the tensor's own suffix)
@@ -53,6 +58,11 @@ _NEMOTRON_NAMES = {
 # block tensors whose full GGUF name (after `blk.N.`) maps to one parameter
 _WHOLE_NAMES = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"}
 _FALCON_WHOLE_NAMES = {**_WHOLE_NAMES, "ffn_norm": "post_attention_layernorm.weight"}
+# Jamba's Mamba 1 (layers/mamba1.py): dt_proj's bias is `ssm_dt.bias` of its own weight
+_JAMBA_NAMES = {**_SSM_NAMES, "ssm_x": "mamba.x_proj", "ssm_dt": "mamba.dt_proj",
+                "ssm_dt_norm": "mamba.dt_layernorm", "ssm_b_norm": "mamba.b_layernorm",
+                "ssm_c_norm": "mamba.c_layernorm"}
+_JAMBA_WHOLE_NAMES = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"}
 
 
 def block_names(arch: str, llama: dict[str, str], moe: dict[str, str]) -> dict[str, str]:
@@ -61,6 +71,8 @@ def block_names(arch: str, llama: dict[str, str], moe: dict[str, str]) -> dict[s
         return _NEMOTRON_NAMES
     if arch == "falcon-h1":
         return {**llama, **_SSM_NAMES}
+    if arch == "jamba":
+        return {**llama, **moe, **_JAMBA_NAMES}
     return {**llama, **moe, **_SSM_NAMES}  # granitehybrid: Granite MoE's names (or the shared MLP alone)
 
 
@@ -68,18 +80,18 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     """Our name of a tensor without a weight / bias leaf of its own (`blk.N.ssm_a`, `blk.N.ssm_d`,
     `blk.N.ssm_dt.bias`; Falcon-H1's `blk.N.ffn_norm`), or None."""
     parts = gguf_name.split(".", 2)
-    whole = _FALCON_WHOLE_NAMES if arch == "falcon-h1" else _WHOLE_NAMES
+    whole = {"falcon-h1": _FALCON_WHOLE_NAMES, "jamba": _JAMBA_WHOLE_NAMES}.get(arch, _WHOLE_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in whole:
         return f"model.layers.{int(parts[1])}.{whole[parts[2]]}"
     return None
 
 
-def to_hf_layout(gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """An SSM tensor in our layout: A_log from A, `[H]` for A / D, `[I]` for the norm, `[C, 1, L]`
-    for the conv; other tensors unchanged."""
+def to_hf_layout(gguf_name: str, tensor: torch.Tensor, arch: str = "") -> torch.Tensor:
+    """An SSM tensor in our layout: A_log from A, `[H]` for A / D (Jamba's A stays `[I, N]`),
+    `[I]` for the norm, `[C, 1, L]` for the conv; other tensors unchanged."""
     leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
     if leaf == "ssm_a":
-        return torch.log(-tensor.reshape(-1))  # [H]
+        return torch.log(-tensor) if arch == "jamba" else torch.log(-tensor.reshape(-1))  # [I, N] / [H]
     if leaf in ("ssm_d", "ssm_norm"):
         return tensor.reshape(-1)  # [H] / [I]
     if leaf == "ssm_conv1d" and gguf_name.endswith(".weight") and tensor.dim() == 2:
@@ -165,12 +177,14 @@ def _per_layer(header: GGUFHeader, key: str, n: int) -> list[int]:
 
 
 def config_dict(header: GGUFHeader) -> dict[str, Any]:
-    """The HF config kwargs (for `AutoConfig.for_model`) of a Nemotron-H or Falcon-H1 GGUF."""
+    """The HF config kwargs (for `AutoConfig.for_model`) of a Nemotron-H, Falcon-H1 or Jamba GGUF."""
     from pagedserve.models.gguf_families import common_config_fields
 
     names = {t.name for t in header.tensors}
     token_embd = header.tensor("token_embd.weight")
     vocab = header.arch_key("vocab_size") or (token_embd.shape[0] if token_embd is not None else None)
+    if header.architecture == "jamba":
+        return _jamba(header, names, common_config_fields(header, names, vocab))
     # (Nemotron's multi-token-prediction block comes last: not run, not loaded -- gguf_loader)
     n = int(header.require_arch_key("block_count")) - int(header.arch_key("nextn_predict_layers") or 0)
     nemotron = header.architecture.startswith("nemotron_h")
@@ -240,4 +254,57 @@ def _falcon_h1(header: GGUFHeader, names: set[str], mamba: dict[str, Any]) -> di
         "projectors_bias": any(t.endswith(".ssm_out.bias") for t in names),
         "mamba_rms_norm": any(t.endswith(".ssm_norm.weight") for t in names),
         "mamba_norm_before_gate": False,  # (llama.cpp gates, then norms)
+    }
+
+
+def _layer_period(header: GGUFHeader, which: list[bool], what: str) -> tuple[int, int]:
+    """(period, offset) with `i % period == offset` exactly for the layers `which` marks (none:
+    an offset past the last layer); ValueError when no period fits."""
+    n, on = len(which), [i for i, w in enumerate(which) if w]
+    if not on:
+        return n + 1, n
+    period = on[1] - on[0] if len(on) > 1 else n
+    offset = on[0] % period
+    if offset != on[0] or [i % period == offset for i in range(n)] != which:
+        raise ValueError(f"{header.path.name}: the {what} layers {on} are not every k-th layer, as HF's "
+                         f"Jamba config describes them")
+    return period, offset
+
+
+def _jamba(header: GGUFHeader, names: set[str], common: dict[str, Any]) -> dict[str, Any]:
+    """Jamba's HF config kwargs (conversion/jamba.py): the attention layers from the per-layer KV
+    heads (0: Mamba), the MoE layers from which blocks have a router (`ffn_gate_inp`; the
+    converter writes no period keys), the Mamba 1 sizes from `ssm.*`. Q / K are not permuted
+    (no RoPE)."""
+    n = int(header.require_arch_key("block_count"))
+    hidden = int(header.require_arch_key("embedding_length"))
+    kv = _per_layer(header, "attention.head_count_kv", n)
+    inner = int(header.require_arch_key("ssm.inner_size"))
+    if inner % hidden:
+        raise ValueError(f"{header.path.name}: ssm.inner_size {inner} must be a multiple of embedding_length "
+                         f"({hidden}) for an HF config")
+    if common["vocab_size"] is None:
+        raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
+    attn_period, attn_offset = _layer_period(header, [k > 0 for k in kv], "attention")
+    experts = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(n)]
+    expert_period, expert_offset = _layer_period(header, experts, "MoE")
+    mamba = [i for i, k in enumerate(kv) if k == 0]
+    first = mamba[0] if mamba else 0
+    return {
+        **common,
+        "model_type": "jamba", "architectures": ["JambaForCausalLM"],
+        "hidden_size": hidden, "num_hidden_layers": n,
+        "intermediate_size": int(header.require_arch_key("feed_forward_length")),
+        "num_attention_heads": int(header.require_arch_key("attention.head_count")),
+        "num_key_value_heads": max(kv) or 1,
+        "attn_layer_period": attn_period, "attn_layer_offset": attn_offset,
+        "expert_layer_period": expert_period, "expert_layer_offset": expert_offset,
+        "num_experts": int(header.arch_key("expert_count") or 1) if any(experts) else 1,
+        "num_experts_per_tok": int(header.arch_key("expert_used_count") or 1),
+        "mamba_d_state": int(header.require_arch_key("ssm.state_size")),
+        "mamba_d_conv": int(header.require_arch_key("ssm.conv_kernel")),
+        "mamba_expand": inner // hidden,
+        "mamba_dt_rank": int(header.require_arch_key("ssm.time_step_rank")),
+        "mamba_conv_bias": f"blk.{first}.ssm_conv1d.bias" in names,
+        "mamba_proj_bias": f"blk.{first}.ssm_in.bias" in names,
     }
