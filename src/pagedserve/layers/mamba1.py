@@ -135,8 +135,6 @@ class Mamba1Mixer(OpsUser, nn.Module):
         `(y [T, I] with the D skip, the new state)`."""
         t = x.shape[0]
         x, b, c = x.float(), b.float(), c.float()
-        decay = torch.stack([torch.exp(row[:, None] * a) for row in dt.unbind(0)]) if t else \
-            dt[:, :, None].expand(0, *a.shape)  # [T, I, N]: exp(dt A)
         skip = x * d  # [T, I]
         y = torch.empty(t, self.inter, dtype=torch.float32, device=x.device)
         starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]  # [S]
@@ -147,8 +145,10 @@ class Mamba1Mixer(OpsUser, nn.Module):
             every = len(live) == len(lens)
             rows = (starts[live] + i).to(x.device)  # [S_i]
             dbx = (dt[rows][:, :, None] * b[rows][:, None, :]) * x[rows][:, :, None]  # [S_i, I, N]
+            # exp(dt A), one token's [I, N] at a time (a whole step's would be T I N values)
+            decay = torch.stack([torch.exp(dt[r][:, None] * a) for r in rows.tolist()])  # [S_i, I, N]
             hs = state if every else state[live.to(x.device)]
-            hs = hs * decay[rows] + dbx  # [S_i, I, N]
+            hs = hs * decay + dbx  # [S_i, I, N]
             y[rows] = tree_sum(hs * c[rows][:, None, :]) + skip[rows]  # [S_i, I]
             if every:
                 state = hs
