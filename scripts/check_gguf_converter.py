@@ -3,7 +3,7 @@
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
 ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
 qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe; the Mamba2
-hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1) this builds a tiny random
+hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1; jamba) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -142,12 +142,17 @@ FAMILIES = {
         mlp_multipliers=[0.8, 1.3], key_multiplier=0.6, attention_in_multiplier=1.2,
         attention_out_multiplier=0.9, ssm_in_multiplier=1.1, ssm_out_multiplier=0.8,
         ssm_multipliers=[0.9, 1.2, 0.7, 1.4, 0.5]),
+    # Jamba: Mamba 1 layers (dt / B / C norms) around a NoPE attention layer, experts every 2nd
+    "jamba": lambda: transformers.JambaConfig(
+        **_COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+        mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
-SENTENCEPIECE = ("gemma2", "gemma")  # converters that read tokenizer.model only
+SENTENCEPIECE = ("gemma2", "gemma", "jamba")  # converters that read tokenizer.model only
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
 # Bamba: its rotated part as the hub's configs state it (HF's config fixes it at half a head)
