@@ -172,9 +172,9 @@ def test_cache_salt_isolates_prefix_hits_between_salts():
 def test_a_hash_collision_never_hands_a_request_another_chains_blocks(monkeypatch):
     # A hash that ignores the parent makes every chain's block of the same tokens collide: two
     # tenants (cache_salt) with the same prompt, and a block following other tokens.
-    import pagedserve.core.kv_cache_manager as kvm
+    import pagedserve.core.prefix_cache as prefix_cache
 
-    monkeypatch.setattr(kvm, "block_hash", lambda parent, tokens: hash(tokens))
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: hash(tokens))
     kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     kv.allocate_slots(0, 5)
     kv.cache_full_blocks(0, [1, 2, 3, 4, 5], 5, salt="tenant-a")

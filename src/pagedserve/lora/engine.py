@@ -12,7 +12,7 @@ from pagedserve.lora.request import LoRAConfig, LoRARequest
 
 def cache_key(salt: str | None, lora: LoRARequest | None) -> str | tuple | None:
     """A sequence's prefix-cache salt: the request's cache_salt, and its adapter's id when it
-    has one (`core.kv_cache_manager.salt_root`): two adapters never share KV blocks."""
+    has one (`core.block_table.salt_root`): two adapters never share KV blocks."""
     return salt if lora is None else ("lora", lora.lora_int_id, salt)
 
 
