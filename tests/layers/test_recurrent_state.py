@@ -135,3 +135,16 @@ def test_in_place_kernels_give_the_bits_of_gather_compute_scatter(kind, path):
         assert torch.equal(out, ref)
         assert torch.equal(state.gather(caches, metas, state.offset(1), st[0].numel()),
                            state.gather(copies, metas, state.offset(1), st[0].numel()))
+
+
+def test_block_ids_of_state_columns_come_from_one_shared_index(path):
+    # a flat table row of 4 columns (0: attention, 1-3: state), two sequences of 2 logical blocks
+    tables = [[10, 11, 12, 13, 20, 8, 8, 8], [30, 31, 32, 33, 40, 8, 8, 8]]
+    meta = make_backend("torch").build_metadata(AttentionBatch(
+        block_tables=tables, seq_lens=[6, 7], query_lens=[1, 1], block_size=4, null_block=8,
+        device="cpu", width=4, layer_columns=(0, 1, 2, 3), state_columns=(1, 2, 3)))
+    metas = [meta.per_layer[c] for c in (2, 3, 3)]  # a layer's entries: columns 2, 3, 3
+    ids = PagedState.block_ids(metas)
+    assert ids.tolist() == [[12, 32], [13, 33], [13, 33]]
+    assert PagedState.block_ids(metas) is ids  # (computed once per step and layer)
+    assert torch.equal(ids, torch.stack([m.block_tables[:, 0] for m in metas]))

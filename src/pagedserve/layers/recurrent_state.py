@@ -109,8 +109,19 @@ class PagedState(OpsUser, nn.Module):
 
     @staticmethod
     def block_ids(metas: list[AttentionMetadata]) -> torch.Tensor:  # [E, S] int64
-        """Each entry's state block of each sequence (logical block 0 of its column)."""
-        return torch.stack([PagedState._blocks(m) for m in metas])
+        """Each entry's state block of each sequence (logical block 0 of its column): one index
+        of the state columns' shared first blocks (`AttentionBatch.state_columns`), kept on the
+        first entry's metadata for the layer's other calls this step; else one per entry."""
+        firsts = getattr(metas[0], "state_firsts", None)
+        if firsts is None or any(getattr(m, "state_firsts", None) is not firsts for m in metas):
+            return torch.stack([PagedState._blocks(m) for m in metas])
+        cols = tuple(m.state_column for m in metas)
+        cached = metas[0].__dict__.get("_state_block_ids")
+        if cached is None or cached[0] != cols:
+            index = torch.tensor(cols, dtype=torch.int64, device=firsts.device)
+            cached = (cols, firsts.index_select(1, index).t().contiguous())  # [E, S]
+            metas[0].__dict__["_state_block_ids"] = cached
+        return cached[1]
 
     @staticmethod
     def flat_caches(caches: list[KVPair]) -> list[torch.Tensor]:

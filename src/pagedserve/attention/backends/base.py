@@ -84,6 +84,9 @@ class AttentionBackend:
                     metas[c] = copy.copy(base)
                     metas[c].block_tables = firsts[:, c : c + 1]  # [S, 1]
                     metas[c]._token_rows = None
+                    # every state column's first blocks, shared: a layer of several entries
+                    # takes its block ids in one index (`PagedState.block_ids`)
+                    metas[c].state_firsts, metas[c].state_column = firsts, c
         meta = metas[0]
         if w > 1:
             meta.per_layer = [metas[c] for c in batch.layer_columns]
