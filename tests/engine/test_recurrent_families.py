@@ -63,3 +63,17 @@ def test_speculative_decoding_is_refused_and_a_new_block_size_refits_the_state(c
     assert len(llm.engine.kv_layout.state_columns()) < lanes
     got = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(8), use_tqdm=False)
     assert ours_as_pairs(got[0].outputs[0]) == ours_as_pairs(want[0].outputs[0])
+
+
+def test_a_refused_reconfiguration_leaves_the_state_bound_to_the_block_size_it_asked(checkpoints):
+    # the rebind stands when the cache build refuses the rest of the settings: going back to the
+    # first block size must bind the state to it again
+    path = str(checkpoints("qwen3_5"))
+    llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22)
+    want = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(6), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):  # (refused by the scheduler)
+        llm.engine.reconfigure_cache(block_size=16, max_num_batched_tokens=2,
+                                     enable_chunked_prefill=False)
+    llm.engine.reconfigure_cache(block_size=4)
+    got = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(6), use_tqdm=False)
+    assert ours_as_pairs(got[0].outputs[0]) == ours_as_pairs(want[0].outputs[0])

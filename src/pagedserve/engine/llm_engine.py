@@ -146,6 +146,9 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         self.lora = LoRAChecker(args.lora_config(), self.model_config)  # enable_lora (lora/)
         self._seq_ids = itertools.count()
         self.spec = make_spec_decoder(args, self.runner)  # speculative decoding, or None
+        # the (block_size, kv_cache_dtype) a recurrent state's entries are bound to (the workers
+        # bound them at load: WorkerConfig)
+        self._state_bound = (args.block_size, args.kv_cache_dtype)
         self._build_cache(args)
         self._request_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -270,11 +273,13 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         if self.has_unfinished_requests():
             raise ValueError("reconfigure_cache needs an idle engine")
         args = dataclasses.replace(self.args, **changes)
-        bound = (self.args.block_size, self.args.kv_cache_dtype)
-        if has_recurrent_state(self.executor.kv_cache_spec) and (
-                args.block_size, args.kv_cache_dtype) != bound:
+        # NOTE: compared with what the workers' models are bound to, not with `self.args`: a
+        # rebind stands even when the cache build below refuses the new settings
+        wanted = (args.block_size, args.kv_cache_dtype)
+        if has_recurrent_state(self.executor.kv_cache_spec) and wanted != self._state_bound:
             rebind_recurrent_state(self.executor, args.block_size,
                                    kv_cache_dtype(args.kv_cache_dtype, self.dtype))
+            self._state_bound = wanted
         self.kv_manager_factory = kv_manager_factory or KVCacheManager.from_config
         self._build_cache(args)
         self.args = args
