@@ -20,6 +20,7 @@ without prefix caching.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from pagedserve.core.block_pool import BlockPool, TaggedBlockPool
@@ -87,6 +88,9 @@ class KVCacheManager(PrefixCaching):
                          if g.window is not None]
         # columns of recurrent state groups: a block in the first logical block only
         self._state_cols = [c for g in groups if g.spec.rule() == ("state",) for c in g.columns]
+        # the columns a later logical block allocates (all but the state columns)
+        state = set(self._state_cols)
+        self._live_cols = [c for c in range(self.width) if c not in state]
         self._full_cols = [c for g in groups if g.window is None and g.spec.rule() != ("state",)
                            for c in g.columns] if groups else [0]
         # NOTE: the fast paths (one column, nothing given back) are today's code, branch-free.
@@ -294,8 +298,9 @@ class KVCacheManager(PrefixCaching):
         refs = pool.ref_counts
         # the last row's shared blocks (written from a partial block on), and the state blocks
         # (rewritten every step), are copied before this step writes them
-        cow = [len(blocks) - w + c for c in range(w)] if table.num_tokens % bs else []
-        cow += [c for c in self._state_cols if blocks and c not in cow]
+        # NOTE (step cost): index lists, no membership tests: a state takes ~200 columns
+        last = range(len(blocks) - w, len(blocks)) if table.num_tokens % bs else range(0)
+        cow = itertools.chain(last, self._state_cols if len(blocks) > len(last) else ())
         for i in cow:
             old = blocks[i]
             if old != null and refs[old] > 1:
@@ -305,11 +310,15 @@ class KVCacheManager(PrefixCaching):
                 copies.append((old, new))
                 table.changed_from(i)
         need = -(-num_tokens // bs) - len(blocks) // w
-        state = self._state_cols
         for _ in range(need):
-            later = bool(blocks)
-            for c in range(w):
-                blocks.append(null if later and c in state else pool.allocate(tags[c]))
+            if blocks and self._state_cols:  # (state columns: null past the first row)
+                row = [null] * w
+                for c in self._live_cols:
+                    row[c] = pool.allocate(tags[c])
+                blocks.extend(row)
+            else:
+                for c in range(w):
+                    blocks.append(pool.allocate(tags[c]))
         table.num_tokens = num_tokens
         return copies
 
