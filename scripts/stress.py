@@ -111,6 +111,8 @@ def main() -> int:
                 counts[f"shape {shape}"] += 1
             if stats.turns:
                 counts["workloads running a group in turns"] += 1
+            if stats.prefix_hits:
+                counts["workloads with prefix-cache hits"] += 1
             if stats.undone_victims:
                 counts["workloads preempting a group scheduled earlier in the step"] += 1
             if time.monotonic() - last > 30 or args.seed:

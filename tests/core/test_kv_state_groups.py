@@ -1,7 +1,8 @@
 """The block manager with a recurrent state group (`RecurrentStateSpec`: Gated DeltaNet / Mamba
 layers' state in cache entries): one block per sequence in the first logical block of each state
-column, null entries below, copy-on-write before every step that writes a shared state, no
-prefix caching; swaps, forks and undo keep the invariants and return the pool to empty."""
+column, null entries below, copy-on-write before every step that writes a shared state;
+prefix caching by snapshots of the state at block boundaries (core/state_snapshots.py); swaps,
+forks and undo keep the invariants and return the pool to empty."""
 
 import random
 
@@ -85,13 +86,113 @@ def test_a_fork_inside_the_first_row_copies_each_shared_block_once():
     kv.check_invariants()
 
 
-def test_prefix_caching_and_sibling_sharing_are_off_with_a_state():
+def _step(kv, seq_id, tokens, start, end):
+    """Schedule `seq_id` for tokens [start, end) as the scheduler does (slots, then the step's
+    snapshots from the blocks left free), run it (the copies), apply it (cache its blocks)."""
+    copies = kv.allocate_slots(seq_id, end) + kv.take_hit_copies()
+    copies += kv.take_snapshots([(seq_id, tokens, start, None)], copies)
+    kv.check_invariants()
+    kv.cache_full_blocks(seq_id, tokens, end)
+    kv.end_step()
+    kv.check_invariants()
+    return copies
+
+
+def test_a_state_snapshot_is_taken_at_a_block_boundary_and_a_later_prompt_starts_from_it():
     kv = _manager(enable_prefix_caching=True)
-    assert not kv.enable_prefix_caching
-    kv.allocate_slots(0, 12)
-    kv.cache_full_blocks(0, list(range(12)), 12)
-    assert kv.match_prefix(list(range(13))) == []
-    assert kv.shareable_prefix(0, 2) == []
+    assert kv.snapshots_state
+    state = kv._state_cols
+    tokens = list(range(100, 130))
+    # no snapshot inside a step, nor at the first block's end (its row holds the live state)
+    assert [c for c in _step(kv, 0, tokens, 0, 4)] == []
+    assert _step(kv, 0, tokens, 4, 11) == []
+    assert kv.match_prefix(tokens[:13]) == []  # (no snapshot: no hit, whatever the KV blocks)
+    # the next step starts past a partial block: none; the one after starts at 12: one
+    assert _step(kv, 0, tokens, 11, 12) == []
+    live = [kv.block_table(0)[c] for c in state]
+    used = kv.pool.num_used
+    copies = _step(kv, 0, tokens, 12, 13)
+    assert [src for src, _ in copies] == live and len(copies) == len(state)
+    snaps = [dst for _, dst in copies]
+    # unpinned after the step: cached on the free list, the pool's use that of the new row
+    assert kv.pool.num_used == used + kv.width - len(state) and all(kv.pool.is_free(b) for b in snaps)
+    # a later prompt sharing the first 12 tokens starts from the snapshot
+    prompt = tokens[:12] + [7, 8, 9]
+    hit = kv.match_prefix(prompt)
+    w = kv.width
+    assert len(hit) == 3 * w and [hit[2 * w + c] for c in state] == snaps
+    assert all(hit[r * w + c] == kv.null for r in (0, 1) for c in state)
+    need = kv.num_blocks_to_map(15, hit)
+    free = kv.num_free_blocks
+    assert kv.use_prefix(1, hit) == 12
+    kv.check_invariants()
+    table = kv.block_table(1)
+    assert all(table[2 * w + c] == kv.null for c in state)  # (the snapshot is out of the table)
+    fresh = [table[c] for c in state]
+    assert kv.take_hit_copies() == list(zip(snaps, fresh))  # (this step's, computing or not)
+    assert kv.take_hit_copies() == []
+    assert kv.allocate_slots(1, 15) == []
+    assert free - kv.num_free_blocks == need
+    kv.check_invariants()
+    kv.end_step()
+    kv.free(0)
+    kv.free(1)
+    assert kv.pool.num_used == 0
+    kv.check_invariants()
+
+
+def test_a_snapshot_never_takes_a_block_the_step_needs_and_an_evicted_one_does_not_hit():
+    kv = _manager(num_blocks=40, enable_prefix_caching=True)
+    tokens = list(range(100, 140))
+    _step(kv, 0, tokens, 0, 8)
+    kv.allocate_slots(1, 44)  # (another sequence takes the pool: 11 rows, 27 blocks)
+    assert kv.num_free_blocks == 4 and kv.num_new_blocks(0, 9) == 2
+    assert _step(kv, 0, tokens, 8, 9) == []  # no room: no snapshot, nothing preempted
+    kv.free(1)
+    copies = _step(kv, 0, tokens, 9, 12)
+    copies = _step(kv, 0, tokens, 12, 13)
+    assert len(copies) == len(kv._state_cols)
+    kv.free(0)
+    assert len(kv.match_prefix(tokens[:14])) == 3 * kv.width
+    # one state column's snapshot handed out again: the prefix no longer hits
+    victim = copies[0][1]
+    while True:
+        b = kv.pool.allocate(kv.pool.tags[victim])
+        if b == victim:
+            break
+    assert kv.match_prefix(tokens[:14]) == []
+    assert kv.shareable_prefix(0, 2) == []  # (siblings share no state through the tables)
+
+
+def test_a_sequence_freed_before_its_snapshot_copy_gives_the_snapshot_back():
+    kv = _manager(enable_prefix_caching=True)
+    tokens = list(range(100, 130))
+    _step(kv, 0, tokens, 0, 12)
+    _step(kv, 0, tokens, 12, 13)
+    kv.free(0)
+    hit = kv.match_prefix(tokens[:14])
+    kv.use_prefix(1, hit)
+    kv.check_invariants()  # (the pinned snapshot counts as held)
+    kv.restore(1, None)  # undone before its step: the snapshot unpinned, the live blocks freed
+    assert kv.take_hit_copies() == [] and kv.pool.num_used == 0
+    kv.check_invariants()
+
+
+def test_a_sequence_swapped_out_in_the_step_of_its_hit_takes_its_state_from_the_snapshot():
+    kv = _manager(enable_prefix_caching=True, num_cpu_blocks=100)
+    tokens = list(range(100, 130))
+    _step(kv, 0, tokens, 0, 12)
+    snaps = [dst for _, dst in _step(kv, 0, tokens, 12, 13)]
+    kv.free(0)
+    kv.use_prefix(1, kv.match_prefix(tokens[:14]))
+    live = [kv.block_table(1)[c] for c in kv._state_cols]
+    pairs = dict(kv.swap_out([1]))  # (preempted in the same step: its copy has not run)
+    assert all(b not in pairs for b in live) and all(s in pairs for s in snaps)
+    assert kv.take_hit_copies() == []
+    kv.check_invariants()
+    kv.end_step()
+    kv.free(1)
+    assert kv.pool.num_used == 0 and kv.cpu_pool.num_used == 0
 
 
 def test_swap_moves_the_state_blocks_and_keeps_the_null_entries():

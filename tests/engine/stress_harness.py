@@ -114,6 +114,25 @@ def recurrent_workload(seed: int) -> Workload:
     grow by that much for a few sequences."""
     workload = hybrid_workload(seed)
     config = workload.config
+    rng = random.Random(seed * 6151 + 35)
+    if rng.random() < 0.5:
+        # Follow-up turns: later requests whose prompt is an earlier one's, whole or cut, and
+        # a few tokens more (a chat's next turn, a regenerated answer): with prefix caching
+        # they start from a snapshot of the state (core/state_snapshots.py).
+        workload.shapes = (*workload.shapes, "follow-ups")
+        config["enable_prefix_caching"] = rng.random() < 0.9
+        # (a prompt's last full block is snapshotted when its chunk ends there: chunked prefill)
+        config["enable_chunked_prefill"] |= rng.random() < 0.7
+        earlier = list(workload.requests)
+        for j in range(rng.randint(1, 3)):
+            base = rng.choice(earlier)
+            cut = base.prompt if rng.random() < 0.5 else \
+                base.prompt[: rng.randint(max(1, len(base.prompt) - 8), len(base.prompt))]
+            prompt = cut + [rng.randrange(3, 500) for _ in range(rng.randint(0, 6))]
+            # (after the base's prompt, roughly: its steps at the token budget, shared)
+            after = 2 * cdiv(len(base.prompt), config["max_num_batched_tokens"])
+            workload.requests.append(Request(f"{base.rid}-f{j}", prompt, base.params,
+                                             base.arrive + after + rng.randint(0, 24)))
     state = cdiv(448, 64 * config["block_size"])  # (the state's values / a block's, one entry)
     widest = max(r.width for r in workload.requests)
     config["num_kv_blocks"] += widest * state
@@ -450,6 +469,7 @@ class RunStats:
     config_rejected: bool = False
     turns: int = 0  # sequences parked for their siblings (groups running in turns)
     undone_victims: int = 0  # victims preempted after being scheduled in the same step
+    prefix_hits: int = 0  # prompt tokens the prefix cache served
 
 
 # Speculative configurations (`Harness(engine, spec=...)`, `scripts/stress.py --spec`): drafts
@@ -693,6 +713,7 @@ class Harness:
         stats.preemptions = dict(engine.scheduler.preemptions_by_mode)
         stats.turns = engine.scheduler.num_turns
         stats.undone_victims = engine.scheduler.num_undone_victims
+        stats.prefix_hits = engine.kv_manager.prefix_hits
         self._check_end(engine)
         for rid, got in finished.items():
             want = expected[reqs[rid].key()]

@@ -3,7 +3,8 @@
 (layers/recurrent_state.py): greedy equal to HF's generate (tie rule), and runs that move it
 around -- chunked prefill, preemption by swap and by recomputation, copy-on-write forks of beam
 search and parallel sampling -- give exactly the roomy run's tokens and logprobs, with the pool
-empty at the end. Prefix caching is off for them; speculative decoding is refused."""
+empty at the end. Prefix caching starts a later prompt from a snapshot of the state
+(core/state_snapshots.py), exactly as a cold run; speculative decoding is refused."""
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_family_matches_hf_and_stays_exact_when_its_state_moves(arch, checkpoint
     path = str(checkpoints(arch))
     ref, engine = run_requests(path, _requests(), 2000, block_size=4, kv_cache_memory=1 << 24,
                                enable_chunked_prefill=False)
-    assert _state_blocks(engine) > 0 and not engine.kv_manager.enable_prefix_caching
+    assert _state_blocks(engine) > 0
     for i in (0, 1):
         assert_tie_rule(ours_as_pairs(ref[i].outputs[0]), hf_greedy(hf_models(arch), PROMPTS[i], 14),
                         f"{arch} prompt {i} vs HF")
@@ -46,8 +47,29 @@ def test_family_matches_hf_and_stays_exact_when_its_state_moves(arch, checkpoint
                                 max_num_batched_tokens=8, enable_prefix_caching=True)
     sched = engine.scheduler
     assert sched.preemptions_by_mode["swap"] > 0 and sched.preemptions_by_mode["recompute"] > 0
-    assert engine.kv_manager.prefix_hits == 0
     assert_same_outputs(outs, ref)
+
+
+@pytest.mark.parametrize("arch", RECURRENT_FAMILIES)
+def test_a_follow_up_turn_starts_from_a_state_snapshot_exactly_as_a_cold_run(arch, checkpoints):
+    path = str(checkpoints(arch))
+    first = prompts_of_lengths([23], seed=31)[0]
+    opts = dict(dtype="float32", block_size=4, kv_cache_memory=1 << 24, max_num_batched_tokens=16)
+    llm = LLM(path, enable_prefix_caching=True, **opts)
+    kv = llm.engine.kv_manager
+    answer = llm.generate([{"prompt_token_ids": first}], greedy(9), use_tqdm=False)[0].outputs[0]
+    assert kv.prefix_hits == 0
+    # the next turn (the answer and more; its 31 computed tokens: snapshots every 4 decode
+    # tokens, the last at 28), the same prompt again (its last full block's snapshot: 20, where
+    # the first chunk of 16 was cut), and one sharing 14 tokens (no snapshot inside: cold)
+    later = [first + list(answer.token_ids) + [5, 6, 7], first, first[:14] + [9, 9]]
+    got = llm.generate([{"prompt_token_ids": p} for p in later], greedy(8), use_tqdm=False)
+    assert kv.prefix_hits == 28 + 20
+    cold = LLM(path, enable_prefix_caching=False, **opts)
+    want = cold.generate([{"prompt_token_ids": p} for p in later], greedy(8), use_tqdm=False)
+    assert_same_outputs(got, want)
+    assert kv.pool.num_used == 0
+    kv.check_invariants()
 
 
 def test_speculative_decoding_is_refused_and_a_new_block_size_refits_the_state(checkpoints):

@@ -14,8 +14,8 @@ pool's size: the worker's always-zero block), and such entries are never read. A
 state group (`RecurrentStateSpec`: Gated DeltaNet, Mamba) holds a block only in the first
 logical block of its columns, for the sequence's life (rewritten in place every step: a shared
 one is copied before the step writes it); its entries in later logical blocks are null. Its
-state can neither be matched by prefix nor shared between requests, so a model with one runs
-without prefix caching.
+state is not shared between requests through the tables; prefix caching keeps snapshots of it
+at block boundaries instead (core/state_snapshots.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pagedserve.core.block_pool import BlockPool, TaggedBlockPool
 from pagedserve.core.block_table import BlockTable, block_hash, cdiv, salt_root  # noqa: F401
 from pagedserve.core.kv_spec import KVLayout
 from pagedserve.core.prefix_cache import PrefixCaching
+from pagedserve.core.state_snapshots import StateSnapshots
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class KVManagerConfig:
     layout: KVLayout | None = None
 
 
-class KVCacheManager(PrefixCaching):
+class KVCacheManager(PrefixCaching, StateSnapshots):
     """Allocates, grows, forks and frees the block tables of sequences.
 
     NOTE: a block's reference count always equals the number of block tables that hold it; blocks
@@ -95,8 +96,6 @@ class KVCacheManager(PrefixCaching):
                            for c in g.columns] if groups else [0]
         # NOTE: the fast paths (one column, nothing given back) are today's code, branch-free.
         self._plain = self.width == 1 and not self._sliding and not self._state_cols
-        if self._state_cols:
-            enable_prefix_caching = False  # (a state is no function of a block's tokens)
         if len(groups) > 1:
             self.pool = TaggedBlockPool(num_blocks, len(groups), shuffle_seed=shuffle_seed,
                                         on_reuse=self._forget)
@@ -116,6 +115,10 @@ class KVCacheManager(PrefixCaching):
         self.prefix_hits = 0  # of those, tokens found cached
         # KV cache events (engine/kv_events.py: a KVEventSink), None: none are collected.
         self.events = None
+        # The column whose blocks speak for a logical block in KV events: the first that is
+        # not a recurrent state (a pure state model has none: no events).
+        self._event_col = self._live_cols[0] if self._live_cols else -1
+        self._init_snapshots()
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_null = num_cpu_blocks
@@ -241,8 +244,10 @@ class KVCacheManager(PrefixCaching):
         starts with `shared` (computed blocks others hold or the prefix cache keeps): its new
         blocks, and the shared ones that sit on the free list."""
         w = self.width
+        # (a hit of a state model: its first row's live state blocks are new, `use_prefix`)
+        live = len(self._state_cols) if shared and self._state_cols else 0
         return self._row_blocks(len(shared) // w, cdiv(num_tokens, self.block_size)) \
-            + self.num_free_among(shared)
+            + self.num_free_among(shared) + live
 
     # --- request hooks (called by the engine; no-ops for paging) ------------------------------
 
@@ -380,6 +385,7 @@ class KVCacheManager(PrefixCaching):
             table = self.tables.pop(seq_id, None)
             if table is not None:
                 self._release(table.blocks, pool, self.null)
+            self._drop_hit(seq_id)
             return
         count, num_tokens, last, num_hashes = snapshot[:4]
         table = self.tables[seq_id]
@@ -448,6 +454,8 @@ class KVCacheManager(PrefixCaching):
         table = self.tables.pop(seq_id, None)
         if table is not None:
             self._release(table.blocks, self.pool, self.null)
+        if self._hit_copies:
+            self._drop_hit(seq_id)
         cpu_table = self.cpu_tables.pop(seq_id, None)
         if cpu_table is not None:
             self._release(cpu_table.blocks, self.cpu_pool, self.cpu_null)
@@ -501,6 +509,10 @@ class KVCacheManager(PrefixCaching):
               dst_null) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
         w, tags = self.width, self._col_tag
+        # a sequence started from a state snapshot in this step, swapped out before its copy
+        # ran: its live state goes out from the snapshot (`StateSnapshots.swap_source`)
+        source = self._swap_sources(seq_ids) if self._hit_copies and src_pool is self.pool \
+            else {}
         for seq_id in seq_ids:
             table = src_tables.pop(seq_id, None)
             if table is None:
@@ -518,7 +530,7 @@ class KVCacheManager(PrefixCaching):
                 src_pool.decref(block)
             dst_tables[seq_id] = BlockTable(new_blocks, table.num_tokens, table.hashes,
                                             table.low)
-        return list(mapping.items())
+        return [(source.get(src, src), dst) for src, dst in mapping.items()]
 
     # --- checks ------------------------------------------------------------------------------
 
@@ -527,7 +539,7 @@ class KVCacheManager(PrefixCaching):
         a block is free exactly when nobody holds it, tables cover their slots, null entries
         exactly where a sliding-window group gave its blocks back, each group's count of blocks
         in use)."""
-        self._check(self.pool, self.tables, "device", self.null)
+        self._check(self.pool, self.tables, "device", self.null, list(self._pinned_blocks()))
         if self.cpu_pool is not None:
             self._check(self.cpu_pool, self.cpu_tables, "cpu", self.cpu_null)
         both = set(self.tables) & set(self.cpu_tables)
@@ -535,7 +547,7 @@ class KVCacheManager(PrefixCaching):
             raise RuntimeError(f"sequences {sorted(both)} are both on the device and swapped")
 
     def _check(self, pool: BlockPool, tables: dict[int, BlockTable], where: str,
-               null: int) -> None:
+               null: int, pinned=()) -> None:
         # NOTE: work proportional to the blocks held, not to the pool: a CPU swap pool holds
         # ~10^6 blocks for a tiny model, and the tests check after every step. Held blocks are
         # checked one by one; the rest by counts (C-speed list scans): the blocks with a non-zero
@@ -555,6 +567,10 @@ class KVCacheManager(PrefixCaching):
                 holders[block] = holders.get(block, 0) + 1
                 if column_of.setdefault(block, i % w) != i % w:
                     raise RuntimeError(f"{where} block {block} serves two columns")
+        for block, c in pinned:  # (state snapshots the manager holds: core/state_snapshots.py)
+            holders[block] = holders.get(block, 0) + 1
+            if column_of.setdefault(block, c) != c:
+                raise RuntimeError(f"{where} block {block} serves two columns")
         refs = pool.ref_counts
         for block, held in holders.items():
             if refs[block] != held:

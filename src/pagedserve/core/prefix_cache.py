@@ -40,7 +40,9 @@ class PrefixCaching:
         (the previous block of the chain, or the salt's root): two chains whose hashes collide
         never share KV. With several groups a prefix hits only if every group serves it: a
         full-attention group all its blocks, a sliding-window group the blocks inside the window
-        of the hit's end (vLLM's rule; the ones before come back null).
+        of the hit's end (vLLM's rule; the ones before come back null), and a recurrent state
+        group a snapshot of the state at the hit's end (core/state_snapshots.py: it comes back
+        in the last row's state columns, null in the others).
         """
         if not self.enable_prefix_caching:
             return []
@@ -58,26 +60,59 @@ class PrefixCaching:
                 parent = h
             return hits
         w, null = self.width, self.null
+        state = self._state_cols
+        # NOTE (admission cost): a state model's state columns are looked up once, at the
+        # hit's last row; per row only whether a snapshot of it is cached (`snaps`).
+        cols = self._live_cols if state else range(w)
         rows: list[int] = []
+        snaps: list[bool] = []
+        chain: list[tuple] = []
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
-            row = [self._hit(h, c, parent, tokens) for c in range(w)]
+            row = [null] * w
+            for c in cols:
+                row[c] = self._hit(h, c, parent, tokens)
             if any(row[c] == null for c in self._full_cols):
                 break
+            if state:
+                snaps.append(self._hit(h, state[0], parent, tokens) != null)
+                chain.append((h, parent, tokens))
             rows.extend(row)
             parent = h
-        return self._usable_prefix(rows, len(rows) // w)
+        while True:
+            k = self._usable_rows(rows, len(rows) // w, snaps)
+            if not state or not k:
+                break
+            # the snapshot at the hit's last row: every state column's block (one may have
+            # been handed out again, evicted, alone)
+            h, parent, tokens = chain[k - 1]
+            got = [self._hit(h, c, parent, tokens) for c in state]
+            if null not in got:
+                for c, block in zip(state, got):
+                    rows[(k - 1) * w + c] = block
+                break
+            snaps[k - 1] = False
+        return self._prefix_rows(rows, k)
 
     def _usable_prefix(self, rows: list[int], k: int) -> list[int]:
         """The longest prefix of at most `k` logical blocks of `rows` (flat, null where a block
-        is missing) that a sequence can start from: every full-attention column's blocks, and
-        each sliding-window group's blocks inside the window of the prefix's end (the rows
-        before it come back with those columns null). Full columns are complete in `rows`."""
+        is missing) that a sequence can start from (`_usable_rows`, `_prefix_rows`)."""
+        return self._prefix_rows(rows, self._usable_rows(rows, k))
+
+    def _usable_rows(self, rows: list[int], k: int, snaps: list[bool] | None = None) -> int:
+        """How many of the first `k` logical blocks of `rows` a sequence can start from: every
+        full-attention column's blocks (complete in `rows`), each sliding-window group's blocks
+        inside the window of the prefix's end, and with a recurrent state a snapshot of it at
+        the prefix's last block (`snaps[i]`: one is cached for block `i`; never the first
+        block's: the state columns' first row is the live state)."""
         w, bs, null = self.width, self.block_size, self.null
+        state = bool(self._state_cols)
+        if state and snaps is None:
+            return 0
         while k > 0:
-            ok = True
-            for first, lanes, window in self._sliding:
+            ok = not state or (k >= 2 and snaps[k - 1])
+            for first, lanes, window in self._sliding if ok else ():
                 lo = max(0, (k * bs - window + 1) // bs)
                 for i in range(lo, k):
                     base = i * w + first
@@ -89,12 +124,21 @@ class PrefixCaching:
             if ok:
                 break
             k -= 1
+        return k
+
+    def _prefix_rows(self, rows: list[int], k: int) -> list[int]:
+        """The first `k` logical blocks of `rows`, each sliding-window group's blocks before the
+        window of their end null, and the state columns null but at the last block."""
+        w, bs, null = self.width, self.block_size, self.null
         out = rows[: k * w]
         for first, lanes, window in self._sliding:
             lo = max(0, (k * bs - window + 1) // bs)
             for i in range(lo):
                 base = i * w + first
                 out[base : base + lanes] = [null] * lanes
+        for i in range(k - 1):
+            for c in self._state_cols:
+                out[i * w + c] = null
         return out
 
     def num_free_among(self, blocks: list[int]) -> int:
@@ -149,6 +193,8 @@ class PrefixCaching:
             for i in range(len(blocks) // w):
                 b = next((b for b in blocks[i * w : (i + 1) * w] if b != null), None)
                 hashes.append(None if b is None else self._block_key[b][0])
+        if self._state_cols and blocks:  # (the snapshot out, the live state in)
+            blocks = self._use_state_hit(seq_id, blocks)
         table = BlockTable(list(blocks), self.hit_tokens(blocks), hashes, self._lows(blocks))
         self.tables[seq_id] = table
         return table.num_tokens
@@ -164,16 +210,24 @@ class PrefixCaching:
             return []
         return self._usable_prefix(list(blocks), len(blocks) // self.width)
 
-    def share_blocks(self, seq_id: int, blocks: list[int], salt: str | None = None) -> None:
+    def share_blocks(self, seq_id: int, blocks: list[int], salt: str | None = None) -> int:
         """Start `seq_id`'s table with these full, computed blocks that other tables hold or the
         prefix cache keeps (shared: reference counts go up). Their hashes are kept as far as the
-        prefix cache knows the chain (under `salt`); `cache_full_blocks` computes the rest."""
+        prefix cache knows the chain (under `salt`); `cache_full_blocks` computes the rest.
+        Returns the tokens they hold: none when a state snapshot's hit finds no free blocks for
+        the sequence's live state (the table then starts empty)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
+        if self._state_cols and blocks and \
+                self.num_free_among(blocks) + len(self._state_cols) > self.pool.num_free:
+            blocks = []  # (no room for the live state a snapshot needs: nothing is shared)
         self._acquire_all(blocks)
-        self.tables[seq_id] = BlockTable(list(blocks), self.hit_tokens(blocks),
-                                         self._known_hashes(blocks, salt_root(salt)),
-                                         self._lows(blocks))
+        hashes = self._known_hashes(blocks, salt_root(salt))
+        if self._state_cols and blocks:  # (a prefix-cache hit: the snapshot out, the state in)
+            blocks = self._use_state_hit(seq_id, blocks)
+        table = BlockTable(list(blocks), self.hit_tokens(blocks), hashes, self._lows(blocks))
+        self.tables[seq_id] = table
+        return table.num_tokens
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int,
                           salt: str | None = None) -> None:
@@ -184,6 +238,9 @@ class PrefixCaching:
             return
         bs, w, null = self.block_size, self.width, self.null
         hashes, blocks = table.hashes, table.blocks
+        # (a state model's live state is not cached: snapshots of it are, `take_snapshots`)
+        cols = self._live_cols if self._state_cols else range(w)
+        event_col = self._event_col
         for i in range(len(hashes), min(num_computed, table.num_tokens) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = hashes[-1] if hashes else salt_root(salt)
@@ -191,7 +248,7 @@ class PrefixCaching:
                 parent = self._chain_hash(token_ids, i, salt)
             h = block_hash(parent, tokens)
             hashes.append(h)
-            for c in range(w):
+            for c in cols:
                 block = blocks[i * w + c]
                 key = self._key(h, c)
                 if block != null and key not in self._cached and block not in self._block_key:
@@ -199,7 +256,7 @@ class PrefixCaching:
                     self._block_key[block] = (h, parent, tokens, c)
                     # NOTE: events speak of the first group's blocks only: a prefix is served
                     # when every group has it, and routers index token chains, not groups.
-                    if c == 0 and self.events is not None:
+                    if c == event_col and self.events is not None:
                         self.events.stored(h, hashes[i - 1] if i else None, tokens, salt)
 
     def _chain_hash(self, token_ids: list[int], n: int, salt) -> int:
@@ -215,12 +272,13 @@ class PrefixCaching:
             k = self._key(key[0], key[3])
             if self._cached.get(k) == block:
                 del self._cached[k]
-                if key[3] == 0 and self.events is not None:
+                if key[3] == self._event_col and self.events is not None:
                     self.events.removed(key[0])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (their contents stay until reused, never matched again).
         Only while no block is in use: False (and nothing changed) otherwise."""
+        self.end_step()  # (between steps: the last one's snapshots have been copied)
         if self.pool.num_used:
             return False
         self._cached.clear()

@@ -101,6 +101,7 @@ class Scheduler(Turns):
         self.num_turns = 0
         self.num_undone_victims = 0  # victims taken back out of the step that scheduled them
         self.new_seq_id = new_seq_id or itertools.count((1 << 40) + 1).__next__
+        self._snapshots, self._align = False, 0  # (set by each `schedule`)
 
     # --- queue management --------------------------------------------------------------------
 
@@ -225,6 +226,10 @@ class Scheduler(Turns):
         `core.step_update.apply_step`."""
         return apply_step(self, sched, results, observer)
 
+    def end_step(self) -> None:
+        """The step has run: the state snapshots it copied stay cached, unpinned."""
+        self.kv.end_step()
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer a sequence's newly computed full blocks to the prefix cache."""
         self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
@@ -271,6 +276,11 @@ class Scheduler(Turns):
         new requests (only when nothing is swapped out, nothing was preempted this step and no
         running request has sequences waiting their turn).
         """
+        self.kv.end_step()  # (the last step has run: what it copied is unpinned)
+        # A recurrent state model with prefix caching: snapshots of its state, and prompt chunks
+        # that end at the prompt's last full block (core/state_snapshots.py).
+        self._snapshots = self.kv.snapshots_state
+        self._align = self.kv.block_size if self._snapshots else 0
         out = SchedulerOutput(finished_request_ids=self._finished_ids,
                               freed_seq_ids=self._freed_seq_ids)
         self._finished_ids, self._freed_seq_ids = [], []
@@ -305,7 +315,7 @@ class Scheduler(Turns):
         while self.swapped and not out.preempted and step.budget > 0:
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs() if not s.parked]
-            plan = plan_tokens(self.config, group, step.budget)
+            plan = plan_tokens(self.config, group, step.budget, self._align)
             need = self._blocks_to_swap_in(group, plan) if plan else 0
             if plan is not None and need > self.kv.num_blocks:
                 # It could not come back even into an empty cache: recompute it instead.
@@ -341,7 +351,7 @@ class Scheduler(Turns):
             hits = self._prefix_hits(group)
             for seq, blocks in hits:  # tentatively: the cached tokens need no computing
                 seq.num_computed_tokens = self.kv.hit_tokens(blocks)
-            plan = plan_tokens(self.config, group, step.budget)
+            plan = plan_tokens(self.config, group, step.budget, self._align)
             if plan is None or self._blocks_to_admit(plan, dict(
                     (seq.seq_id, blocks) for seq, blocks in hits)) > self.kv.num_free_blocks:
                 for seq, _ in hits:
@@ -359,6 +369,11 @@ class Scheduler(Turns):
             slots += group.max_width_left
             self._commit(plan, group, step, out)
         out = step.finish(out)
+        if self._snapshots:  # states of prefix hits, then snapshots from the blocks left free
+            out.blocks_to_copy.extend(self.kv.take_hit_copies())
+            out.blocks_to_copy.extend(self.kv.take_snapshots(
+                [(s.seq.seq_id, s.seq.token_ids, s.start, s.seq.cache_salt)
+                 for s in out.scheduled], out.blocks_to_copy))
         out.delta = take_delta(out.scheduled, self.kv, delta)
         return out
 
@@ -419,7 +434,7 @@ class Scheduler(Turns):
         parked = group.parked_seqs()
         if parked:
             self._unpark(group, parked)
-        plan = plan_tokens(self.config, group, step.budget)
+        plan = plan_tokens(self.config, group, step.budget, self._align)
         if plan is None and parked:
             # No resident sibling computes (beams holding their candidates, or none left): the
             # first parked sequence that needs to compute comes back now, making room for
@@ -427,7 +442,7 @@ class Scheduler(Turns):
             due = [q for q in parked if q.parked and q.beam_candidates is None]
             if due:
                 self._unpark_one(group, due[0])
-                plan = plan_tokens(self.config, group, step.budget)
+                plan = plan_tokens(self.config, group, step.budget, self._align)
         if parked:
             step.note_turns(self.running.key(group))
         if plan is None:

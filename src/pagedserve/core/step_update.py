@@ -45,6 +45,9 @@ class StepTarget(Protocol):
     def free_out_of_window(self, seq: Sequence) -> None:
         """Give back the blocks no query of the sequence reaches any more."""
 
+    def end_step(self) -> None:
+        """The step has run: the blocks the prefix cache pinned for its copies are let go."""
+
     def truncate(self, seq: Sequence) -> None:
         """Give back the slots past `seq.num_computed_tokens` (rejected drafts)."""
 
@@ -169,6 +172,8 @@ def apply_step(scheduler: StepTarget, sched: SchedulerOutput, results: list[SeqS
     # sequence of which ended (length-capped groups left `running` already): nothing else is
     # scanned.
     scheduler.remove_finished(list(ended.values()))
+    if caching:
+        scheduler.end_step()
     return update
 
 

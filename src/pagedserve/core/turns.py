@@ -69,8 +69,8 @@ class Turns:
         if shared is None:
             shared = self._shareable_prefix(group, seq)
         # (an empty table when nothing is shared: a resident sequence always has one)
-        self.kv.share_blocks(seq.seq_id, shared, seq.cache_salt)
-        seq.num_computed_tokens = self.kv.hit_tokens(shared)
+        # (the tokens it maps: fewer than `shared` holds where the blocks cannot be taken)
+        seq.num_computed_tokens = self.kv.share_blocks(seq.seq_id, shared, seq.cache_salt)
         seq.parked = False
 
     def _shareable_prefix(self, group: SequenceGroup, seq: Sequence) -> list[int]:

@@ -2,8 +2,9 @@
 sequence kept in cache entries, `core.kv_spec.RecurrentStateSpec`, `layers.recurrent_state`).
 
 Its state is rewritten in place every step, so it cannot be rolled back (speculative decoding's
-rejected drafts) nor matched by prefix (prefix caching: the block manager turns it off), and its
-cache entries are sized for one block size and storage dtype (refitted by `reconfigure_cache`)."""
+rejected drafts); prefix caching keeps snapshots of it at block boundaries instead of matching
+its blocks (core/state_snapshots.py); its cache entries are sized for one block size and
+storage dtype (refitted by `reconfigure_cache`)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ def has_recurrent_state(spec) -> bool:
 
 def check_recurrent_state(name: str, *, speculative: bool, prefix_caching: bool) -> None:
     """ValueError naming `speculative_config` for a model with a recurrent state (its state
-    cannot roll back rejected drafts); prefix caching is only logged: it is off for it."""
+    cannot roll back rejected drafts); with prefix caching, logs how its state is cached."""
     if speculative:
         raise ValueError(f"speculative_config: {name} keeps a recurrent state, which cannot "
                          "roll back rejected draft tokens")
     if prefix_caching:
-        logger.info("prefix caching is off for %s: its recurrent state is no function of a "
-                    "block's tokens", name)
+        logger.info("prefix caching for %s keeps snapshots of its recurrent state at block "
+                    "boundaries (each block_size decode tokens, chunk ends, a prompt's last "
+                    "full block): a prefix hits up to the last snapshot it holds", name)
 
 
 def rebind_recurrent_state(executor, block_size: int, kv_dtype: torch.dtype) -> None:
