@@ -135,6 +135,13 @@ def config_for(arch: str, **overrides):
                              first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                              routed_scaling_factor=2.5, attention_bias=True, sliding_window=None,
                              max_position_embeddings=512, **common)
+    elif arch == "glm4_moe_lite":  # GLM-4.7-Flash: MLA (latent 32 + rope 16), sigmoid grouped MoE
+        cfg = tf.Glm4MoeLiteConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                   q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16,
+                                   qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                                   num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                                   routed_scaling_factor=1.8, max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch in RECURRENT_FAMILIES:
@@ -293,7 +300,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():  # (a zero buffer at init: drawn so that it moves the choice)
-            if arch == "minimax_m2" and name.endswith("e_score_correction_bias"):
+            if arch in ("minimax_m2", "glm4_moe_lite") and name.endswith("e_score_correction_bias"):
                 b.uniform_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)

@@ -19,6 +19,7 @@ from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
+from pagedserve.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
@@ -89,6 +90,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
@@ -170,6 +172,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "dots1": "Dots1ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
