@@ -69,3 +69,25 @@ def test_glm4_moe_lite_skips_the_mtp_layer_and_refuses_partial_rope(hf_pair, che
     config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         Glm4MoeLiteForCausalLM(config)
+
+
+def test_glm4_moe_lite_from_gguf_deepseek2(hf_pair, check_hf, prompts, tmp_path):
+    """llama.cpp writes GLM-4.7-Flash as "deepseek2" (conversion/glm.py): the dense first layer
+    as leading_dense_block_count, the correction bias as exp_probs_b, kv_b split into attn_k_b /
+    attn_v_b, and no expert_gating_func (its config.json has no scoring_func): loaded as DeepSeek
+    V3 with sigmoid routing, it equals HF."""
+    from test_gguf_families import _deepseek2_meta, _gguf_tensors, _write
+
+    from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+    from pagedserve.models.loader import load_model
+
+    hf, _, _ = hf_pair(glm4_moe_lite_config(), prepare=randomize_correction_bias)
+    config = hf.config
+    config.first_k_dense_replace = config.mlp_layer_types.index("sparse")  # (the hub's config.json)
+    path = _write(tmp_path / "glm.gguf", "deepseek2", config,
+                  _gguf_tensors("deepseek2", config, hf.state_dict()), _deepseek2_meta(config))
+    ours = load_gguf_config(path, cache_dir=tmp_path)
+    assert ours.model_type == "deepseek_v3" and ours.scoring_func == "sigmoid"
+    assert ours.first_k_dense_replace == 1 and ours.q_lora_rank == 24
+    model = load_model(ours, weights=iter_gguf_weights(path, ours), dtype=torch.float32)
+    check_hf(hf, model, prompts(VOCAB))
