@@ -147,6 +147,9 @@ FAMILIES = {
         **_COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
         expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
         mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+    # ERNIE 4.5 dense ("ernie4_5"): RoPE on interleaved pairs (Q/K not permuted), every projection
+    # biased, tied embeddings
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**_COMMON, head_dim=16, use_bias=True),
     # GLM-4.7-Flash: DeepSeek-V3's MLA (q_lora, interleaved rope) and sigmoid grouped MoE after a
     # dense first layer; llama.cpp writes it as "deepseek2" (its config.json as the hub's: below)
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
@@ -159,7 +162,7 @@ MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
-SENTENCEPIECE = ("gemma2", "gemma", "jamba")  # converters that read tokenizer.model only
+SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5")  # converters that read tokenizer.model only
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite

@@ -181,7 +181,7 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma")
+                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -269,6 +269,8 @@ def _dense_family_config(tf, arch: str, common: dict):
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "llama_4_scaling_beta": 0.5})
+    if arch == "ernie4_5":  # ERNIE 4.5 dense: RoPE on interleaved pairs, every projection biased, tied
+        return tf.Ernie4_5Config(**base, head_dim=16, use_bias=True)
     if arch == "gemma":  # Gemma 1: Gemma norms, scaled embeddings, GeLU-gated MLP
         return tf.GemmaConfig(**base, head_dim=16)
     if arch == "exaone4":  # a sliding layer (window 6) with RoPE, then a global one without

@@ -51,6 +51,8 @@ CONFIGS = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.5}),
+    # ERNIE 4.5 dense: RoPE on pairs (Q/K not permuted), every projection biased
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**_COMMON, head_dim=16, use_bias=True),
     # LFM2: two conv layers (their state a window of 3 rows of the cache) around an attention one
     "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
                                             layer_types=["conv", "full_attention", "conv", "conv"],
@@ -102,7 +104,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     if arch in ("granite", "smollm3"):
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    if arch in ("gemma2", "gemma", "glm4", "seed_oss", "cohere2"):  # (configs with a head_dim)
+    if arch in ("gemma2", "gemma", "glm4", "seed_oss", "cohere2", "ernie4_5"):  # (configs with a head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "phi3":

@@ -296,12 +296,16 @@ def _minimax_m2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     })
 
 
+def _ernie4_5_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """ERNIE 4.5 (dense, and the MoE's attention): `use_bias` when the file has q biases."""
+    cfg["use_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
 def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """ERNIE 4.5 MoE: llama.cpp keeps softmax routing renormalized, experts from
     `leading_dense_block_count` to the last layer every `interleave_moe_layer_step`; `use_bias`
     when the file has q biases."""
-    names = [t.name for t in header.tensors]
-    cfg["use_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    _ernie4_5_config(header, cfg)
     cfg.update({
         "moe_num_experts": int(_require(header, "expert_count")),
         "moe_k": int(_require(header, "expert_used_count")),
@@ -380,6 +384,7 @@ def _qwen_vl_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 ARCH_CONFIG_HOOKS = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
+                        "ernie4_5": _ernie4_5_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
                         "cohere2": _cohere_config, "mistral3": _mistral3_config,
                         "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config,

@@ -249,6 +249,7 @@ _BLOCK_NAMES = {
     "olmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "granitemoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
     "ernie4_5-moe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
+    "ernie4_5": _LLAMA_BLOCK_NAMES,  # ERNIE 4.5 dense (Q/K not permuted: its RoPE is on pairs)
     "phimoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},  # (its norms' biases: .bias of the same)
     # GLM-4.5 MoE: its post-attention (pre-MLP) norm is llama.cpp's post_attention_norm
     "glm4moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES,

@@ -15,6 +15,7 @@ from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
@@ -92,6 +93,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "PhiMoEForCausalLM": PhiMoEForCausalLM,
@@ -174,6 +176,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
