@@ -56,3 +56,13 @@ def test_hunyuan_alpha_rope_base_and_refusals():
         HunYuanDenseV1ForCausalLM(hunyuan_config(False, use_cla=True))
     with pytest.raises(ValueError, match="moe_topk"):
         HunYuanMoEV1ForCausalLM(hunyuan_config(True, moe_topk=[2, 1]))
+
+
+def test_hunyuan_moe_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path):
+    """llama.cpp's "hunyuan-moe" GGUF (the NTK-alpha base as rope.freq_base, q/k norms as
+    attn_q_norm / attn_k_norm, the router as ffn_gate_inp, the shared MLP as *_shexp) equals the
+    HF folder."""
+    from moe_gguf import check_gguf_family
+
+    hf, _, folder = hf_pair(hunyuan_config(True))
+    check_gguf_family("hunyuan_v1_moe", hf, folder, tmp_path, prompts(VOCAB, lengths=(13, 5, 30)), check_hf)
