@@ -1,9 +1,10 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
-qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe; the Mamba2
-hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1; jamba) this builds a tiny random
+ministral3, mistral3, lfm2, exaone4, gemma, ernie4_5, hunyuan_v1_dense, the Qwen VL text decoders
+qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5,
+qwen3_5_moe; the Mamba2 hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1;
+jamba; the MoEs hunyuan_v1_moe and glm4_moe_lite) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -43,6 +44,8 @@ _RECURRENT = dict(_COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_hea
                   layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
 _RECURRENT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=96)
+
+_HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
 
 
 def _qwen_vl(cls, rope_type: str, vision: dict | None = None, **text):
@@ -150,6 +153,15 @@ FAMILIES = {
     # ERNIE 4.5 dense ("ernie4_5"): RoPE on interleaved pairs (Q/K not permuted), every projection
     # biased, tied embeddings
     "ernie4_5": lambda: transformers.Ernie4_5Config(**_COMMON, head_dim=16, use_bias=True),
+    # HunYuan dense / MoE ("hunyuan-dense", "hunyuan-moe"): q/k norms after RoPE, the checkpoints'
+    # NTK-alpha RoPE (the converter writes the scaled base; it asserts the released alpha, theta and
+    # context, and for the MoE a head of 128), a shared MLP beside softmax top-k experts
+    "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(
+        **{**_COMMON, "max_position_embeddings": 32768}, head_dim=16, attention_bias=True, rope_parameters=_HUNYUAN_ROPE),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+        **{**_COMMON, "max_position_embeddings": 32768, "hidden_size": 256, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "intermediate_size": 64}, head_dim=128, num_experts=4, moe_topk=2,
+        rope_parameters=_HUNYUAN_ROPE),
     # GLM-4.7-Flash: DeepSeek-V3's MLA (q_lora, interleaved rope) and sigmoid grouped MoE after a
     # dense first layer; llama.cpp writes it as "deepseek2" (its config.json as the hub's: below)
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
@@ -176,6 +188,12 @@ _HUB_CONFIG["bamba"] = _HUB_CONFIG_BAMBA
 # GLM-4.7-Flash: the hub's config.json names the dense first layer as DeepSeek's do
 # (`first_k_dense_replace`, which the converter writes as leading_dense_block_count; transformers
 # 5 saves `mlp_layer_types` only)
+# Hunyuan-A13B: its per-layer MoE lists as the hub's config.json gives them (the converter reads
+# moe_intermediate_size, moe_topk and num_shared_expert as lists)
+_HUB_CONFIG["hunyuan_v1_moe"] = lambda c: {
+    **c, "moe_topk": [c["moe_topk"]] * c["num_hidden_layers"],
+    "moe_intermediate_size": [c["intermediate_size"]] * c["num_hidden_layers"],
+    "num_shared_expert": [1] * c["num_hidden_layers"]}
 _HUB_CONFIG["glm4_moe_lite"] = lambda c: {**c, "first_k_dense_replace": c["mlp_layer_types"].index("sparse")}
 # Nemotron-H: the pattern string ("M-*M"), not the list transformers 5 saves; a dense one without
 # the MoE keys (the converter takes `num_experts_per_tok` for "this is nemotron_h_moe")
@@ -194,6 +212,8 @@ sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 import convert_hf_to_gguf
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+from conversion import hunyuan  # (Hunyuan-A13B's reads a tiktoken model: the tiny BPE instead)
+hunyuan.HunYuanMoEModel.set_vocab = base.TextModel._set_vocab_gpt2
 convert_hf_to_gguf.main()
 """
 
@@ -323,11 +343,17 @@ def tie_rule(ours, ref) -> str | None:
 # (and Qwen3.5) flip a routing choice or a token on Q8_0's noise alone -- against the unrounded
 # HF run Qwen3-Next and Qwen3.5-MoE diverge where no near-tie is, against the rounded one all
 # three are token-identical.
-Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite")
+Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite", "hunyuan_v1_moe")
 # ... and their f16 file with the HF folder's weights rounded to f16 (`f16_rounded`): GLM-4.7-Flash's
 # tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
-# f16's rounding alone (its f32 file gives the HF folder's logits exactly)
-F16_ROUNDED_REFERENCE = ("glm4_moe_lite",)
+# f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
+# near-tied token (by the tie rule against the unrounded folder; 3/3 identical to the rounded one)
+F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
+
+
+# what the converter keeps in F32 whatever the outtype: the routers (ffn_gate_inp: HunYuan's
+# `mlp.gate.wg`), the shared-expert gates, the convolutions
+_F32_KEPT = ("mlp.gate.weight", "mlp.gate.wg.weight", "shared_expert_gate.weight", "conv1d.weight")
 
 
 def _q8_0_round(x: torch.Tensor) -> torch.Tensor:
@@ -352,8 +378,8 @@ def _mla_kv_b_rounded(w: torch.Tensor, cfg: dict, round_rows) -> torch.Tensor:
 
 
 def f16_rounded(folder: Path, family: str, out: Path) -> Path:
-    """A copy of the checkpoint at `folder` with every 2-D weight but the routers' rounded to
-    f16, as llama.cpp's f16 conversion stores them."""
+    """A copy of the checkpoint at `folder` with every 2-D weight but `_F32_KEPT` rounded to f16,
+    as llama.cpp's f16 conversion stores them."""
     import shutil
 
     import safetensors.torch
@@ -361,7 +387,7 @@ def f16_rounded(folder: Path, family: str, out: Path) -> Path:
     shutil.copytree(folder, out, dirs_exist_ok=True)
     state = safetensors.torch.load_file(out / "model.safetensors")
     for name, w in state.items():
-        if w.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+        if w.dim() >= 2 and not name.endswith(_F32_KEPT):
             state[name] = w.half().to(w.dtype)
     safetensors.torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return out
@@ -385,7 +411,7 @@ def q8_0_rounded(folder: Path, family: str, out: Path) -> Path:
     tiled = torch.arange(hv * cfg.get("linear_value_head_dim", 1)).reshape(hk, hv // hk, -1)
     tiled = tiled.permute(1, 0, 2).reshape(-1)  # the converter's value-head order
     for name, w in state.items():
-        if w.dim() < 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")):
+        if w.dim() < 2 or name.endswith(_F32_KEPT):
             continue
         if name.endswith("self_attn.kv_b_proj.weight"):  # MLA: split as the converter stores it
             state[name] = _mla_kv_b_rounded(w, cfg, _q8_0_round).to(w.dtype)
