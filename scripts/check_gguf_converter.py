@@ -395,12 +395,12 @@ def f16_rounded(folder: Path, family: str, out: Path) -> Path:
 
 def q8_0_rounded(folder: Path, family: str, out: Path) -> Path:
     """A copy of the checkpoint at `folder` with every 2-D weight rounded as llama.cpp's q8_0
-    conversion stores it (blocks of 32 along the input features; the routers, shared-expert
-    gates and convolutions kept in F32; Qwen3.5's out_proj in the converter's tiled value-head
+    conversion stores it (blocks of 32 along the input features, F16 where a row is no whole
+    number of blocks; `_F32_KEPT` kept in F32; MLA's kv_b_proj as its attn_k_b / attn_v_b halves;
+    Qwen3.5's out_proj in the converter's tiled value-head
     column order)."""
     import shutil
 
-    import gguf
     import safetensors.torch
 
     shutil.copytree(folder, out, dirs_exist_ok=True)

@@ -2,7 +2,6 @@
 RoPE, softmax top-k experts beside a shared MLP) equal HF transformers in float32."""
 
 import pytest
-import torch
 import transformers
 
 from pagedserve.layers.moe import FusedMoE
