@@ -1,9 +1,10 @@
 """Check our GGUF loading of the dense families against llama.cpp's real converter.
 
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
-ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
-qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe; the Mamba2
-hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1; jamba) this builds a tiny random
+ministral3, mistral3, lfm2, exaone4, gemma, ernie4_5, hunyuan_v1_dense, the Qwen VL text decoders
+qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5,
+qwen3_5_moe; the Mamba2 hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1;
+jamba; the MoEs hunyuan_v1_moe and glm4_moe_lite) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -43,6 +44,8 @@ _RECURRENT = dict(_COMMON, head_dim=16, linear_conv_kernel_dim=4, linear_key_hea
                   layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
 _RECURRENT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=96)
+
+_HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
 
 
 def _qwen_vl(cls, rope_type: str, vision: dict | None = None, **text):
@@ -147,12 +150,33 @@ FAMILIES = {
         **_COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
         expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
         mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+    # ERNIE 4.5 dense ("ernie4_5"): RoPE on interleaved pairs (Q/K not permuted), every projection
+    # biased, tied embeddings
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**_COMMON, head_dim=16, use_bias=True),
+    # HunYuan dense / MoE ("hunyuan-dense", "hunyuan-moe"): q/k norms after RoPE, the checkpoints'
+    # NTK-alpha RoPE (the converter writes the scaled base; it asserts the released alpha, theta and
+    # context, and for the MoE a head of 128), a shared MLP beside softmax top-k experts
+    "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(
+        **{**_COMMON, "max_position_embeddings": 32768}, head_dim=16, attention_bias=True, rope_parameters=_HUNYUAN_ROPE),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+        **{**_COMMON, "max_position_embeddings": 32768, "hidden_size": 256, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "intermediate_size": 64}, head_dim=128, num_experts=4, moe_topk=2,
+        rope_parameters=_HUNYUAN_ROPE),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (q_lora, interleaved rope) and sigmoid grouped MoE after a
+    # dense first layer; llama.cpp writes it as "deepseek2" (its config.json as the hub's: below)
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **{**_COMMON, "num_key_value_heads": 4, "intermediate_size": 96}, moe_intermediate_size=32,
+        q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+        routed_scaling_factor=1.8),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
-SENTENCEPIECE = ("gemma2", "gemma", "jamba")  # converters that read tokenizer.model only
+SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5")  # converters that read tokenizer.model only
+SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
+GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
 # Bamba: its rotated part as the hub's configs state it (HF's config fixes it at half a head)
@@ -161,6 +185,16 @@ _NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-",
 _HUB_CONFIG = {"granitemoehybrid": lambda c: {**c, "layer_types": [
     "mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]}}
 _HUB_CONFIG["bamba"] = _HUB_CONFIG_BAMBA
+# GLM-4.7-Flash: the hub's config.json names the dense first layer as DeepSeek's do
+# (`first_k_dense_replace`, which the converter writes as leading_dense_block_count; transformers
+# 5 saves `mlp_layer_types` only)
+# Hunyuan-A13B: its per-layer MoE lists as the hub's config.json gives them (the converter reads
+# moe_intermediate_size, moe_topk and num_shared_expert as lists)
+_HUB_CONFIG["hunyuan_v1_moe"] = lambda c: {
+    **c, "moe_topk": [c["moe_topk"]] * c["num_hidden_layers"],
+    "moe_intermediate_size": [c["intermediate_size"]] * c["num_hidden_layers"],
+    "num_shared_expert": [1] * c["num_hidden_layers"]}
+_HUB_CONFIG["glm4_moe_lite"] = lambda c: {**c, "first_k_dense_replace": c["mlp_layer_types"].index("sparse")}
 # Nemotron-H: the pattern string ("M-*M"), not the list transformers 5 saves; a dense one without
 # the MoE keys (the converter takes `num_experts_per_tok` for "this is nemotron_h_moe")
 _HUB_CONFIG["nemotron_h_moe"] = lambda c: {
@@ -178,6 +212,8 @@ sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 import convert_hf_to_gguf
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+from conversion import hunyuan  # (Hunyuan-A13B's reads a tiktoken model: the tiny BPE instead)
+hunyuan.HunYuanMoEModel.set_vocab = base.TextModel._set_vocab_gpt2
 convert_hf_to_gguf.main()
 """
 
@@ -190,7 +226,8 @@ def _corpus() -> str:
 
 def save_tokenizer(folder: Path, family: str) -> None:
     """A small tokenizer the family's converter reads: SentencePiece (tokenizer.model) or a
-    byte-level BPE saved as a GPT-2 tokenizer, with GLM's `<|endoftext|>` / `<|user|>`."""
+    byte-level BPE saved as a GPT-2 tokenizer, with GLM's `<|endoftext|>` / `<|user|>` (and
+    `[gMASK]` / `<|observation|>` for `GLM_SPECIAL_TOKENS`)."""
     if family in SENTENCEPIECE:
         import sentencepiece as spm
 
@@ -209,6 +246,8 @@ def save_tokenizer(folder: Path, family: str) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     special = ["<pad>", "<s>", "<|endoftext|>", "<|user|>"]
+    if family in GLM_SPECIAL_TOKENS:  # (the converter's _set_vocab_glm looks these up too)
+        special += ["[gMASK]", "<|observation|>"]
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_corpus()], trainer)
@@ -238,6 +277,9 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if family in ("gemma2", "gemma") else 1.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        for name, b in model.named_buffers():  # (zero at init: drawn so that it moves the choice)
+            if family in SELECTION_BIAS and name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.5)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     if family in _RELEASED_EXPERT_LAYOUT:  # transformers 5 saves its modules' [E, 2I, H] / [E, H, I]
@@ -301,17 +343,64 @@ def tie_rule(ours, ref) -> str | None:
 # (and Qwen3.5) flip a routing choice or a token on Q8_0's noise alone -- against the unrounded
 # HF run Qwen3-Next and Qwen3.5-MoE diverge where no near-tie is, against the rounded one all
 # three are token-identical.
-Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite", "hunyuan_v1_moe")
+# ... and their f16 file with the HF folder's weights rounded to f16 (`f16_rounded`): GLM-4.7-Flash's
+# tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
+# f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
+# near-tied token (by the tie rule against the unrounded folder; 3/3 identical to the rounded one)
+F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
+
+
+# what the converter keeps in F32 whatever the outtype: the routers (ffn_gate_inp: HunYuan's
+# `mlp.gate.wg`), the shared-expert gates, the convolutions
+_F32_KEPT = ("mlp.gate.weight", "mlp.gate.wg.weight", "shared_expert_gate.weight", "conv1d.weight")
+
+
+def _q8_0_round(x: torch.Tensor) -> torch.Tensor:
+    """`x` as the converter's q8_0 stores it: Q8_0 blocks of 32 along the rows, or F16 where a
+    row is not a whole number of blocks (the converter's fallback)."""
+    import gguf
+
+    if x.shape[-1] % 32:
+        return x.half().float()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rows = x.reshape(-1, x.shape[-1]).numpy()
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, q8), q8)).reshape(x.shape)
+
+
+def _mla_kv_b_rounded(w: torch.Tensor, cfg: dict, round_rows) -> torch.Tensor:
+    """DeepSeek's `kv_b_proj` `[H * (nope + v), r]` as the converter stores it: `attn_k_b`
+    `[H, r, nope]` (transposed, rounded along nope) and `attn_v_b` `[H, v, r]`."""
+    nope = cfg["qk_nope_head_dim"]
+    kv = w.float().reshape(cfg["num_attention_heads"], nope + cfg["v_head_dim"], -1)
+    k = round_rows(kv[:, :nope].transpose(1, 2).contiguous()).transpose(1, 2)
+    return torch.cat((k, round_rows(kv[:, nope:].contiguous())), dim=1).reshape(w.shape)
+
+
+def f16_rounded(folder: Path, family: str, out: Path) -> Path:
+    """A copy of the checkpoint at `folder` with every 2-D weight but `_F32_KEPT` rounded to f16,
+    as llama.cpp's f16 conversion stores them."""
+    import shutil
+
+    import safetensors.torch
+
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    state = safetensors.torch.load_file(out / "model.safetensors")
+    for name, w in state.items():
+        if w.dim() >= 2 and not name.endswith(_F32_KEPT):
+            state[name] = w.half().to(w.dtype)
+    safetensors.torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def q8_0_rounded(folder: Path, family: str, out: Path) -> Path:
     """A copy of the checkpoint at `folder` with every 2-D weight rounded as llama.cpp's q8_0
-    conversion stores it (blocks of 32 along the input features; the routers, shared-expert
-    gates and convolutions kept in F32; Qwen3.5's out_proj in the converter's tiled value-head
+    conversion stores it (blocks of 32 along the input features, F16 where a row is no whole
+    number of blocks; `_F32_KEPT` kept in F32; MLA's kv_b_proj as its attn_k_b / attn_v_b halves;
+    Qwen3.5's out_proj in the converter's tiled value-head
     column order)."""
     import shutil
 
-    import gguf
     import safetensors.torch
 
     shutil.copytree(folder, out, dirs_exist_ok=True)
@@ -321,14 +410,15 @@ def q8_0_rounded(folder: Path, family: str, out: Path) -> Path:
     hk, hv = cfg.get("linear_num_key_heads", 1), cfg.get("linear_num_value_heads", 1)
     tiled = torch.arange(hv * cfg.get("linear_value_head_dim", 1)).reshape(hk, hv // hk, -1)
     tiled = tiled.permute(1, 0, 2).reshape(-1)  # the converter's value-head order
-    q8 = gguf.GGMLQuantizationType.Q8_0
     for name, w in state.items():
-        if w.dim() < 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight")):
+        if w.dim() < 2 or name.endswith(_F32_KEPT):
+            continue
+        if name.endswith("self_attn.kv_b_proj.weight"):  # MLA: split as the converter stores it
+            state[name] = _mla_kv_b_rounded(w, cfg, _q8_0_round).to(w.dtype)
             continue
         permute = family.startswith("qwen3_5") and name.endswith("linear_attn.out_proj.weight")
         x = w.float()[:, tiled] if permute else w.float()
-        rows = x.reshape(-1, x.shape[-1]).numpy()
-        r = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(rows, q8), q8)).reshape(x.shape)
+        r = _q8_0_round(x)
         if permute:
             r = torch.empty_like(r).index_copy_(1, tiled, r)
         state[name] = r.to(w.dtype)
@@ -346,16 +436,21 @@ def check_family(llama_cpp: Path, family: str, work: Path) -> list[str]:
     for outtype in ("f16", "q8_0"):
         path = convert(llama_cpp, folder, outtype, work / f"{family}-{outtype}.gguf",
                        CONVERT_FLAGS.get(family, ()))
+        ref_runs = reference
         if outtype == "q8_0" and family in Q8_ROUNDED_REFERENCE:
             rounded = q8_0_rounded(folder, family, work / f"{family}-q8_0-rounded")
-            reference = greedy_run(rounded, prompts, dtype="float32")
+            ref_runs = greedy_run(rounded, prompts, dtype="float32")
             runs = greedy_run(path, prompts, dtype="float32", gguf_activations="dtype")
+        elif outtype == "f16" and family in F16_ROUNDED_REFERENCE:
+            rounded = f16_rounded(folder, family, work / f"{family}-f16-rounded")
+            ref_runs = greedy_run(rounded, prompts, dtype="float32")
+            runs = greedy_run(path, prompts, dtype="float32")
         else:
             runs = greedy_run(path, prompts, dtype="float32" if outtype == "f16" else "auto")
-        for i, (ours, ref) in enumerate(zip(runs, reference)):
+        for i, (ours, ref) in enumerate(zip(runs, ref_runs)):
             if (why := tie_rule(ours, ref)) is not None:
                 problems.append(f"{family} {outtype} prompt {i}: {why}")
-        same = sum(o[0] == r[0] for o, r in zip(runs, reference))
+        same = sum(o[0] == r[0] for o, r in zip(runs, ref_runs))
         print(f"{family:8s} {outtype:5s} {'ok' if not problems else 'FAIL'}: "
               f"{same}/{len(prompts)} prompts token-identical to the HF-folder run", flush=True)
     return problems

@@ -135,6 +135,18 @@ def config_for(arch: str, **overrides):
                              first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                              routed_scaling_factor=2.5, attention_bias=True, sliding_window=None,
                              max_position_embeddings=512, **common)
+    elif arch == "glm4_moe_lite":  # GLM-4.7-Flash: MLA (latent 32 + rope 16), sigmoid grouped MoE
+        cfg = tf.Glm4MoeLiteConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                   q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16,
+                                   qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                                   num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                                   routed_scaling_factor=1.8, max_position_embeddings=512, **common)
+    elif arch == "hunyuan_v1_moe":  # Hunyuan-A13B: HunYuan's attention, softmax top-k + shared MLP
+        cfg = tf.HunYuanMoEV1Config(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_experts=8, moe_topk=2, rope_parameters=_HUNYUAN_ROPE,
+                                    max_position_embeddings=512, **common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch in RECURRENT_FAMILIES:
@@ -169,12 +181,16 @@ _PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_po
                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
                 "short_mscale": 1.5 ** 0.5, "long_mscale": 1.5 ** 0.5}
 
+# HunYuan's checkpoints: "dynamic" with an alpha (fixed NTK-alpha, models/hunyuan.py)
+_HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
+
 _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma")
+                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
+                  "hunyuan_v1_dense")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -262,6 +278,10 @@ def _dense_family_config(tf, arch: str, common: dict):
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "llama_4_scaling_beta": 0.5})
+    if arch == "ernie4_5":  # ERNIE 4.5 dense: RoPE on interleaved pairs, every projection biased, tied
+        return tf.Ernie4_5Config(**base, head_dim=16, use_bias=True)
+    if arch == "hunyuan_v1_dense":  # q/k norms after RoPE, the checkpoints' NTK-alpha RoPE, biases
+        return tf.HunYuanDenseV1Config(**base, head_dim=16, attention_bias=True, rope_parameters=_HUNYUAN_ROPE)
     if arch == "gemma":  # Gemma 1: Gemma norms, scaled embeddings, GeLU-gated MLP
         return tf.GemmaConfig(**base, head_dim=16)
     if arch == "exaone4":  # a sliding layer (window 6) with RoPE, then a global one without
@@ -293,7 +313,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():  # (a zero buffer at init: drawn so that it moves the choice)
-            if arch == "minimax_m2" and name.endswith("e_score_correction_bias"):
+            if arch in ("minimax_m2", "glm4_moe_lite") and name.endswith("e_score_correction_bias"):
                 b.uniform_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)

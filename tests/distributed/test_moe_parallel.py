@@ -96,7 +96,9 @@ def _two_rank_logits(path, prompts, expert_parallel):
                                                     ("phimoe", True), ("dots1", False), ("llama4", False),
                                                     ("llama4", True), ("minimax_m2", False),
                                                     ("minimax_m2", True), ("qwen3_next", False),
-                                                    ("qwen3_next", True), ("qwen3_5_moe", False)])
+                                                    ("qwen3_next", True), ("qwen3_5_moe", False),
+                                                    ("glm4_moe_lite", False), ("glm4_moe_lite", True),
+                                                    ("hunyuan_v1_moe", False), ("hunyuan_v1_moe", True)])
 def test_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
     path = checkpoints(family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]

@@ -8,7 +8,8 @@ llama.cpp merges each layer's experts into 3-D tensors `blk.N.ffn_{gate,up,down}
 Mixtral is architecture "llama" (Q/K rows permuted), with the experts; Phi-3.5-MoE "phimoe", its
 LongRoPE as Phi-3's converter writes it (`_phimoe_keys`); Llama 4 "llama4", its fused experts
 split and its Llama 3 RoPE as the `rope_freqs` tensor (`_llama4_keys`); MiniMax-M2 "minimax-m2",
-its rotated part as `rope.dimension_count`.
+its rotated part as `rope.dimension_count`; HunYuan MoE "hunyuan-moe", its NTK-alpha RoPE as the
+scaled `rope.freq_base`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
          "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
          "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4,
-         "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2}
+         "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2, "hunyuan_v1_moe": gguf.MODEL_ARCH.HUNYUAN_MOE}
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -188,7 +189,14 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     from pagedserve.layers.rotary import rope_parameters
 
-    writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
+    if family == "hunyuan_v1_moe":  # conversion/hunyuan.py: the NTK-alpha base, no scaling
+        from pagedserve.models.hunyuan import hunyuan_rope_parameters
+
+        writer.add_rope_freq_base(float(hunyuan_rope_parameters(config)["rope_theta"]))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(1)
+    else:
+        writer.add_rope_freq_base(float(rope_parameters(config)["rope_theta"]))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if family == "llama4":
         _llama4_keys(writer, config, head_dim)
@@ -226,6 +234,10 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_leading_dense_block_count(config.moe_layer_start_index)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_count(config.moe_num_shared_experts)
+    if family == "hunyuan_v1_moe":  # conversion/hunyuan.py's HunYuanMoEModel
+        writer.add_expert_shared_feed_forward_length(config.intermediate_size)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_expert_shared_count(1)
     if family == "phimoe":
         _phimoe_keys(writer, config, head_dim)
     if family == "minimax_m2":  # conversion/minimax.py's MiniMaxM2Model (and the base's scoring_func)

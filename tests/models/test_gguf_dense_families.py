@@ -51,6 +51,13 @@ CONFIGS = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.5}),
+    # ERNIE 4.5 dense: RoPE on pairs (Q/K not permuted), every projection biased
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**_COMMON, head_dim=16, use_bias=True),
+    # HunYuan dense: q/k norms after RoPE, the checkpoints' NTK-alpha RoPE (the converter writes
+    # the scaled base), attention biases
+    "hunyuan-dense": lambda: transformers.HunYuanDenseV1Config(
+        **_COMMON, head_dim=16, attention_bias=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
     # LFM2: two conv layers (their state a window of 3 rows of the cache) around an attention one
     "lfm2": lambda: transformers.Lfm2Config(**{**_COMMON, "intermediate_size": 192}, conv_L_cache=3,
                                             layer_types=["conv", "full_attention", "conv", "conv"],
@@ -89,6 +96,12 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     else:
         writer.add_layer_norm_rms_eps(c.norm_eps if arch == "lfm2" else c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (OLMo 3's per layer type)
+    if arch == "hunyuan-dense":  # conversion/hunyuan.py: base * alpha ** (d / (d - 2)), no scaling
+        from pagedserve.models.hunyuan import hunyuan_rope_parameters
+
+        rope = hunyuan_rope_parameters(c)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(1)
     if arch != "phi3":
         writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "olmo2" and getattr(c, "sliding_window", None):  # OLMo 3: conversion/olmo.py
@@ -102,7 +115,7 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     if arch in ("granite", "smollm3"):
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    if arch in ("gemma2", "gemma", "glm4", "seed_oss", "cohere2"):  # (configs with a head_dim)
+    if arch in ("gemma2", "gemma", "glm4", "seed_oss", "cohere2", "ernie4_5", "hunyuan-dense"):  # (a head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if arch == "phi3":

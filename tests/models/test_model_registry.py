@@ -57,6 +57,9 @@ EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCau
              "FalconH1ForCausalLM"}
 # Mamba 1 hybrid (layers/mamba1.py)
 EXPECTED |= {"JambaForCausalLM"}
+# GLM-4.7-Flash (latent attention), ERNIE 4.5 dense, HunYuan dense / MoE
+EXPECTED |= {"Glm4MoeLiteForCausalLM", "Ernie4_5ForCausalLM", "HunYuanDenseV1ForCausalLM",
+             "HunYuanMoEV1ForCausalLM"}
 
 
 def test_registry_names():

@@ -53,11 +53,14 @@ def mla_softmax_scale(config: Any) -> float:
 
 
 def is_moe_layer(config: Any, index: int) -> bool:
-    """Whether layer `index` is a mixture-of-experts layer: past the first
+    """Whether layer `index` is a mixture-of-experts layer: "sparse" in the config's
+    `mlp_layer_types` where it has that list (GLM-4.7-Flash's), otherwise past the first
     `first_k_dense_replace` layers and on the `moe_layer_freq` stride (vLLM's rule; HF's
-    DeepSeek classes read only the first), and the config has routed experts."""
+    DeepSeek classes read only the first); never without routed experts."""
     if not getattr(config, "n_routed_experts", None):
         return False
+    if (types := getattr(config, "mlp_layer_types", None)) is not None:
+        return types[index] == "sparse"
     freq = getattr(config, "moe_layer_freq", 1) or 1
     return index >= (getattr(config, "first_k_dense_replace", 0) or 0) and index % freq == 0
 

@@ -296,12 +296,16 @@ def _minimax_m2_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     })
 
 
+def _ernie4_5_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """ERNIE 4.5 (dense, and the MoE's attention): `use_bias` when the file has q biases."""
+    cfg["use_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+
+
 def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """ERNIE 4.5 MoE: llama.cpp keeps softmax routing renormalized, experts from
     `leading_dense_block_count` to the last layer every `interleave_moe_layer_step`; `use_bias`
     when the file has q biases."""
-    names = [t.name for t in header.tensors]
-    cfg["use_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+    _ernie4_5_config(header, cfg)
     cfg.update({
         "moe_num_experts": int(_require(header, "expert_count")),
         "moe_k": int(_require(header, "expert_used_count")),
@@ -312,6 +316,25 @@ def _ernie4_5_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
         "moe_layer_end_index": cfg["num_hidden_layers"] - 1,
         "num_nextn_predict_layers": 0,
     })
+
+
+def _hunyuan_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """HunYuan dense / MoE (conversion/hunyuan.py): `rope.freq_base` is already the checkpoints'
+    NTK-alpha base (HF's "dynamic" + alpha folded in: a default rotation here), q / k / v / o
+    biases with `attention_bias`; MoE: every layer's experts beside one shared MLP, both of HF's
+    one `intermediate_size` (a file whose widths differ is refused)."""
+    cfg["attention_bias"] = any(t.name.endswith(".attn_q.bias") for t in header.tensors)
+    if header.architecture != "hunyuan-moe":
+        return
+    width = cfg["intermediate_size"]
+    for key in ("expert_feed_forward_length", "expert_shared_feed_forward_length"):
+        if (value := header.arch_key(key)) is not None and int(value) != width:
+            raise ValueError(f"{header.path.name}: {key} {value} differs from feed_forward_length {width} "
+                             "(HF's HunYuan MoE has one intermediate_size)")
+    if (shared := header.arch_key("expert_shared_count")) not in (None, 1):
+        raise ValueError(f"{header.path.name}: expert_shared_count {shared} is not supported (HF's: one shared MLP)")
+    cfg["num_experts"] = int(_require(header, "expert_count"))
+    cfg["moe_topk"] = int(_require(header, "expert_used_count"))
 
 
 def _llama4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
@@ -375,11 +398,13 @@ def _qwen_vl_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
                          f"{cfg['head_dim']} (partial RoPE is not Qwen-VL's)")
 
 
-# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5 MoE,
-# Phi-3.5-MoE, MiniMax-M2, Llama 4, the Qwen VL text decoders)
+# per-architecture config hooks (the dense families of issue 35, GLM-4.5 MoE, ERNIE 4.5,
+# HunYuan, Phi-3.5-MoE, MiniMax-M2, Llama 4, the Qwen VL text decoders)
 ARCH_CONFIG_HOOKS = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": granite_config,
                         "glm4": _glm4_config, "olmo2": _olmo2_config, "smollm3": _smollm3_config,
                         "glm4moe": _glm4moe_config, "ernie4_5-moe": _ernie4_5_moe_config,
+                        "ernie4_5": _ernie4_5_config, "hunyuan-dense": _hunyuan_config,
+                        "hunyuan-moe": _hunyuan_config,
                         "seed_oss": _seed_oss_config, "command-r": _cohere_config,
                         "cohere2": _cohere_config, "mistral3": _mistral3_config,
                         "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config,

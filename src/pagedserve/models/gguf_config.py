@@ -32,7 +32,8 @@ SUPPORTED_ARCHITECTURES = (
     "command-r", "cohere2",  # Cohere: Command R / R+, Command R7B / A
     "mistral3",  # Mistral 3's text decoder: Mistral Small 3.x, Ministral 3
     "lfm2", "lfm2moe",  # short convolutions and attention layers (and experts)
-    "exaone4",
+    "exaone4", "ernie4_5",
+    "hunyuan-dense", "hunyuan-moe",  # HunYuan dense (0.5B-7B), Hunyuan-A13B
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
 ) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES  # deepseek2, gpt-oss
@@ -42,7 +43,9 @@ SUPPORTED_ARCHITECTURES = (
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-                  "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe"}
+                  "granitemoe": "granitemoe", "glm4moe": "glm4_moe", "ernie4_5-moe": "ernie4_5_moe",
+                  "ernie4_5": "ernie4_5", "hunyuan-dense": "hunyuan_v1_dense",
+                  "hunyuan-moe": "hunyuan_v1_moe"}
 _HF_MODEL_TYPE.update({a: a for a in ("phi3", "gemma2", "gemma", "granite", "glm4", "smollm3", "olmo2", "seed_oss",
                                         "phimoe", "cohere2", "exaone4")})
 _HF_MODEL_TYPE["command-r"] = "cohere"
@@ -81,6 +84,9 @@ _HF_ARCHITECTURE = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",

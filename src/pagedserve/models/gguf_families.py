@@ -1,12 +1,14 @@
-"""GGUF files of DeepSeek V2 / V3 (llama.cpp architecture "deepseek2") and gpt-oss ("gpt-oss"),
-as llama.cpp's convert_hf_to_gguf.py writes them: the HF config they describe and their tensors
-under HF names (`models.gguf_loader` delegates these architectures here).
+"""GGUF files of DeepSeek V2 / V3 and GLM-4.7-Flash (llama.cpp architecture "deepseek2") and
+gpt-oss ("gpt-oss"), as llama.cpp's convert_hf_to_gguf.py writes them: the HF config they
+describe and their tensors under HF names (`models.gguf_loader` delegates these architectures
+here).
 
-deepseek2 (conversion/deepseek.py): MLA metadata (`attention.kv_lora_rank`, `key_length_mla` =
-qk_nope + qk_rope, `value_length_mla` = v_head_dim, `rope.dimension_count` = qk_rope,
-`attention.q_lora_rank` when there is one; `attention.head_count_kv` is 1: MLA run as MQA), the
-MoE keys (`leading_dense_block_count`, `expert_*`; `expert_gating_func` 2 = sigmoid; an
-`exp_probs_b` tensor = V3's correction bias) and YaRN's `rope.scaling.yarn_log_multiplier` (0.1 *
+deepseek2 (conversion/deepseek.py, and glm.py's `Glm4MoeLiteModel`): MLA metadata
+(`attention.kv_lora_rank`, `key_length_mla` = qk_nope + qk_rope, `value_length_mla` =
+v_head_dim, `rope.dimension_count` = qk_rope, `attention.q_lora_rank` when there is one;
+`attention.head_count_kv` is 1: MLA run as MQA), the MoE keys (`leading_dense_block_count`,
+`expert_*`; `expert_gating_func` 2 = sigmoid, and so is no key beside an `exp_probs_b` tensor =
+V3's correction bias: GLM-4.7-Flash's files) and YaRN's `rope.scaling.yarn_log_multiplier` (0.1 *
 mscale_all_dim). Newer converters split `kv_b_proj` into `attn_k_b` `[H, r, qk_nope]` (W_uk
 transposed) and `attn_v_b` `[H, v, r]`; they are joined back here (older files: `attn_kv_b`).
 Experts are stacked (`ffn_*_exps` `[E, out, in]`), loaded under the MoE layer's stacked names.
@@ -129,8 +131,12 @@ def _yarn(header, **extra) -> dict[str, Any] | None:
 def _deepseek2(header, names: set[str]) -> dict[str, Any]:
     rope_dim = int(_req(header, "rope.dimension_count"))
     experts = header.arch_key("expert_count")
-    sigmoid = header.arch_key("expert_gating_func") == 2
     bias = any(n.endswith(".exp_probs_b.bias") for n in names)
+    gating = header.arch_key("expert_gating_func")
+    # NOTE: no gating key with the correction bias: sigmoid, as HF's V3 router always is. The
+    # converter writes the key from config.json's `scoring_func`, which GLM-4.7-Flash's lacks
+    # (llama.cpp picks sigmoid for that model by its layer count and vocabulary).
+    sigmoid = gating == 2 or (gating is None and bias)
     v3 = sigmoid or bias
     groups = int(header.arch_key("expert_group_count") or 1)
     out: dict[str, Any] = {

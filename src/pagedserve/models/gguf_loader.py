@@ -249,6 +249,10 @@ _BLOCK_NAMES = {
     "olmoe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES},
     "granitemoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
     "ernie4_5-moe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},
+    "ernie4_5": _LLAMA_BLOCK_NAMES,  # ERNIE 4.5 dense (Q/K not permuted: its RoPE is on pairs)
+    # HunYuan: its q/k norms (after RoPE) keep HF's names; Q/K not permuted (rotate-half in both)
+    "hunyuan-dense": {**_LLAMA_BLOCK_NAMES, "attn_q_norm": "self_attn.query_layernorm",
+                      "attn_k_norm": "self_attn.key_layernorm"},
     "phimoe": {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES},  # (its norms' biases: .bias of the same)
     # GLM-4.5 MoE: its post-attention (pre-MLP) norm is llama.cpp's post_attention_norm
     "glm4moe": {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES,
@@ -269,6 +273,7 @@ _BLOCK_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
+_BLOCK_NAMES["hunyuan-moe"] = {**_BLOCK_NAMES["hunyuan-dense"], **_MOE_BLOCK_NAMES}
 # dense families of issue 35 (the fused tensors keep their HF names: the models split them)
 _BLOCK_NAMES["phi3"] = {**_LLAMA_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_NAMES["gemma2"] = {k: v for k, v in _BLOCK_NAMES["gemma3"].items() if k not in _QK_NORM_NAMES}

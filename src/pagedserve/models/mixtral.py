@@ -18,7 +18,6 @@ from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.linear import VocabParallelEmbedding
 from pagedserve.layers.moe import ExpertPlacement, FusedMoE, MoERouting, expert_param_name
 from pagedserve.layers.norms import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.models.base import KVCache, PagedCausalLM
 from pagedserve.models.llama import LlamaAttention, LlamaModel, head_dim_of
 from pagedserve.platforms import OpsUser
@@ -93,9 +92,7 @@ class MoEModel(LlamaModel):
             for i, w in enumerate(windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        max_pos = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config), max_pos,
-                                          interleaved=self.rope_interleaved)
+        self.rotary_emb = self.make_rotary_emb(config)  # (LlamaModel's: a family may override it)
 
 
 class MoECausalLM(PagedCausalLM):

@@ -15,11 +15,14 @@ from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
+from pagedserve.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
@@ -89,7 +92,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "PhiMoEForCausalLM": PhiMoEForCausalLM,
@@ -97,6 +102,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     # hybrid Gated DeltaNet / gated attention (layers/gated_delta_net.py)
@@ -170,13 +177,17 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "glm4": "Glm4ForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "phimoe": "PhimoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
