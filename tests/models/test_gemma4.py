@@ -3,6 +3,7 @@ their own head size and KV heads, V = K, proportional RoPE), (b) the 26B-A4B-lik
 (dense MLP + routed experts), (c) the E2B-like layout (per-layer inputs, KV sharing with
 double-wide MLPs); the multimodal checkpoint's text path; chunking and batching bit-exact."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -122,3 +123,89 @@ def test_gemma4_bidirectional_all_is_refused():
 
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         load_model(tiny_gemma4_text(use_bidirectional_attention="all"), weights=None, dtype=torch.float32)
+
+
+def _write_gguf(hf, config, path):
+    """The HF model as llama.cpp's converter writes a "gemma4" file (its keys; its tensor names,
+    here from our reader's map turned around: the real converter's run is
+    scripts/check_gguf_converter.py)."""
+    import gguf
+
+    from pagedserve.models import gguf_gemma4 as g
+
+    names = {v: k for k, v in g._TOP.items()}
+    block = {v: k for k, v in g._BLOCK.items()}
+    special = {v: k for k, v in g._SPECIAL.items()}
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    n, types = config.num_hidden_layers, config.layer_types
+    full = next(i for i, t in enumerate(types) if t == FULL)
+    w.add_block_count(n)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    ff = [config.intermediate_size * (2 if config.use_double_wide_mlp and i >= n - config.num_kv_shared_layers
+                                      else 1) for i in range(n)]
+    w.add_feed_forward_length(ff if len(set(ff)) > 1 else ff[0])
+    w.add_head_count(config.num_attention_heads)
+    kv = [config.per_layer_config[i].num_key_value_heads for i in range(n)]
+    w.add_head_count_kv(kv if len(set(kv)) > 1 else kv[0])
+    w.add_key_length(config.per_layer_config[full].head_dim)
+    w.add_value_length(config.per_layer_config[full].head_dim)
+    w.add_key_length_swa(config.per_layer_config[0].head_dim)
+    w.add_value_length_swa(config.per_layer_config[0].head_dim)
+    w.add_rope_freq_base(config.rope_parameters[FULL]["rope_theta"])
+    w.add_rope_freq_base_swa(config.rope_parameters[SLIDE]["rope_theta"])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_sliding_window(config.sliding_window)
+    w.add_sliding_window_pattern([t == SLIDE for t in types])
+    w.add_shared_kv_layers(config.num_kv_shared_layers)
+    w.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    w.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.enable_moe_block:
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.top_k_experts)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    d = config.per_layer_config[full].head_dim
+    rot = int(d * config.rope_parameters[FULL]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rot + [1e30] * (d // 2 - rot), dtype=np.float32))
+    state = hf.state_dict()
+    state.update({k: v for k, v in hf.named_buffers() if k.endswith("layer_scalar")})
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            continue
+        t = t.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            leaf = rest.removesuffix(".weight")
+            if rest.startswith("experts.gate_up_proj") or rest.startswith("experts.down_proj"):
+                key = "ffn_gate_up_exps" if "gate_up" in rest else "ffn_down_exps"
+                w.add_tensor(f"blk.{i}.{key}.weight", t)
+            elif leaf in special:
+                key, suffix = special[leaf]
+                w.add_tensor(f"blk.{i}.{key}.{suffix}", t.reshape(-1))
+            else:
+                w.add_tensor(f"blk.{i}.{block[leaf]}.weight", t)
+        else:
+            w.add_tensor(f"{names[name.removesuffix('.weight')]}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("layout", ["dense", "moe", "ple"])
+def test_gemma4_gguf_equals_hf(hf_pair, prompts, tmp_path, layout):
+    """A "gemma4" GGUF of each layout: config read back (head sizes, V = K, proportional RoPE's
+    share, PLE, sharing, experts) and logits equal to HF's."""
+    from conftest import check_against_hf
+    from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+    from pagedserve.models.loader import load_model
+
+    config = tiny_gemma4_text(layout)
+    hf, _, _ = hf_pair(config, std=0.15, prepare=_prepare)
+    path = tmp_path / "gemma4.gguf"
+    _write_gguf(hf, hf.config, path)
+    cfg = load_gguf_config(path)
+    assert cfg.attention_k_eq_v == config.attention_k_eq_v
+    assert cfg.rope_parameters[FULL]["partial_rotary_factor"] == 0.25
+    model = load_model(cfg, weights=iter_gguf_weights(path, cfg), dtype=torch.float32)
+    check_against_hf(hf, model, prompts(VOCAB, lengths=(13, 5)))
