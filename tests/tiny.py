@@ -229,10 +229,11 @@ def _recurrent_family_config(tf, arch: str, common: dict):
         attention_multiplier=0.2, logits_scaling=2.5)
 
 
-# Gemma 4 (31B's layout): sliding layers of 2 KV heads x 16, full ones of 1 x 32 with V = K (each
-# sliding layer takes two cache entries), proportional RoPE on a quarter of the full heads
+# Gemma 4 (31B's layout): sliding layers of 4 KV heads x 16, full ones of 1 x 32 with V = K (each
+# sliding layer takes two cache entries: one under TP=2), proportional RoPE on a quarter of the
+# full heads
 _GEMMA4 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+               num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
                attention_k_eq_v=True, sliding_window=6, max_position_embeddings=512,
                layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
                final_logit_softcapping=10.0,

@@ -14,7 +14,8 @@ from pagedserve.models.loader import iter_safetensors, load_model
 from pagedserve.models.source import resolve_model
 from tiny import config_for
 
-ARCHS = ["llama", "qwen2", "gemma3", "opt", "gpt2", "phi3", "gemma2", "granite", "glm4", "smollm3", "cohere"]
+ARCHS = ["llama", "qwen2", "gemma3", "opt", "gpt2", "phi3", "gemma2", "granite", "glm4", "smollm3", "cohere",
+         "gemma4", "gemma4_moe"]
 
 
 def load(path, rank=0, world_size=1, lazy=False):

@@ -72,9 +72,10 @@ def test_moe_family_matches_hf_and_is_exact_under_batching_chunking_preemption_a
     # recomputation when that is full
     # (LFM2-MoE's conv window is a second KV group over the pool: a sequence takes more blocks)
     # (Gemma 4's sliding and full layers likewise)
-    blocks = {"lfm2_moe": 10, "gemma4_moe": 12}.get(family, 7)
+    blocks = {"lfm2_moe": 10, "gemma4_moe": 16}.get(family, 7)
     small = _llm(path, kv_cache_memory=None, num_kv_blocks=blocks,
-                 num_cpu_blocks=2, preemption_mode="swap", max_num_batched_tokens=5)
+                 num_cpu_blocks=6 if family == "gemma4_moe" else 2, preemption_mode="swap",
+                 max_num_batched_tokens=5)
     _assert_equal(_generate(small, everyone), ref, "chunked and preempted")
     modes = small.engine.scheduler.preemptions_by_mode
     assert modes["swap"] > 0 and modes["recompute"] > 0, modes
