@@ -48,6 +48,14 @@ _RECURRENT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_siz
 _HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
 
 
+_GEMMA4 = dict(_COMMON, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+               sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+               final_logit_softcapping=10.0, hidden_size_per_layer_input=0, tie_word_embeddings=True,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1_000_000.0}})
+
+
 def _qwen_vl(cls, rope_type: str, vision: dict | None = None, **text):
     """A tiny Qwen VL config: M-RoPE sections (interleaved for Qwen3-VL), one vision block."""
     rope = {"rope_type": rope_type, "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -145,6 +153,17 @@ FAMILIES = {
         mlp_multipliers=[0.8, 1.3], key_multiplier=0.6, attention_in_multiplier=1.2,
         attention_out_multiplier=0.9, ssm_in_multiplier=1.1, ssm_out_multiplier=0.8,
         ssm_multipliers=[0.9, 1.2, 0.7, 1.4, 0.5]),
+    # Gemma 4: 31B's layout (full layers of one 32-wide KV head, V = K, proportional RoPE; the
+    # sliding ones of 2 x 16), 26B-A4B's (experts beside the dense MLP), E2B's (per-layer inputs,
+    # the last 2 layers sharing K/V, double-wide MLPs there)
+    "gemma4": lambda: transformers.Gemma4TextConfig(**_GEMMA4),
+    "gemma4_moe": lambda: transformers.Gemma4TextConfig(**_GEMMA4, enable_moe_block=True, num_experts=4,
+                                                        top_k_experts=2, moe_intermediate_size=32),
+    "gemma4_e": lambda: transformers.Gemma4TextConfig(**{
+        **_GEMMA4, "num_key_value_heads": 1, "num_global_key_value_heads": None, "attention_k_eq_v": False,
+        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB, "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention", "full_attention"] * 3, "num_kv_shared_layers": 2,
+        "use_double_wide_mlp": True}),
     # Jamba: Mamba 1 layers (dt / B / C norms) around a NoPE attention layer, experts every 2nd
     "jamba": lambda: transformers.JambaConfig(
         **_COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
@@ -242,9 +261,12 @@ def save_tokenizer(folder: Path, family: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
+    # (Gemma 4's converter reads a tokenizer.json only as Llama's: byte fallback, a decoder
+    # sequence; what they change does not matter to token ids)
+    llama_json = family.startswith("gemma4")
+    tok = Tokenizer(models.BPE(byte_fallback=llama_json))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = decoders.Sequence([decoders.ByteLevel()]) if llama_json else decoders.ByteLevel()
     special = ["<pad>", "<s>", "<|endoftext|>", "<|user|>"]
     if family in GLM_SPECIAL_TOKENS:  # (the converter's _set_vocab_glm looks these up too)
         special += ["[gMASK]", "<|observation|>"]

@@ -147,6 +147,9 @@ def config_for(arch: str, **overrides):
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     num_experts=8, moe_topk=2, rope_parameters=_HUNYUAN_ROPE,
                                     max_position_embeddings=512, **common)
+    elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
+        cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                  moe_intermediate_size=32)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch in RECURRENT_FAMILIES:
@@ -190,7 +193,7 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
-                  "hunyuan_v1_dense")
+                  "hunyuan_v1_dense", "gemma4", "gemma4_e")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -242,6 +245,19 @@ def _recurrent_family_config(tf, arch: str, common: dict):
         attention_multiplier=0.2, logits_scaling=2.5)
 
 
+# Gemma 4 (31B's layout): sliding layers of 4 KV heads x 16, full ones of 1 x 32 with V = K (each
+# sliding layer takes two cache entries: one under TP=2), proportional RoPE on a quarter of the
+# full heads
+_GEMMA4 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+               attention_k_eq_v=True, sliding_window=6, max_position_embeddings=512,
+               layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+               final_logit_softcapping=10.0,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1e6}})
+
+
 def _dense_family_config(tf, arch: str, common: dict):
     base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, **common)
@@ -290,6 +306,14 @@ def _dense_family_config(tf, arch: str, common: dict):
     if arch == "lfm2":  # a conv layer (its state a window of 3 rows in the cache), then attention
         return tf.Lfm2Config(**{**base, "intermediate_size": 192}, layer_types=["conv", "full_attention"],
                              conv_L_cache=3, block_multiple_of=32)
+    if arch == "gemma4":
+        return tf.Gemma4TextConfig(**_GEMMA4, **common)
+    if arch == "gemma4_e":  # E2B's layout: per-layer inputs, the last 2 layers sharing K/V (double-wide MLPs)
+        return tf.Gemma4TextConfig(**{**_GEMMA4, "num_key_value_heads": 1, "num_global_key_value_heads": None,
+                                      "attention_k_eq_v": False, "hidden_size_per_layer_input": 16,
+                                      "vocab_size_per_layer_input": VOCAB, "num_hidden_layers": 6,
+                                      "layer_types": ["sliding_attention", "full_attention"] * 3,
+                                      "num_kv_shared_layers": 2, "use_double_wide_mlp": True}, **common)
     return tf.Olmo2Config(**base)
 
 
@@ -304,6 +328,8 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15)
+            elif arch.startswith("gemma4") and name.endswith(("router.scale", "per_expert_scale")):
+                p.normal_(1.0, 0.1)  # (scales of the router's input and of each expert's weight)
             elif "norm" in name or "ln" in name:
                 # (Phi-3.5-MoE's LayerNorm biases around 0, as its other biases: around 1 they add
                 # one offset shared by every token to the router's input, and its routing flipped

@@ -283,3 +283,20 @@ def test_experts_that_do_not_split_are_refused_naming_the_option(checkpoints):
     with pytest.raises(ValueError, match=r"num_experts \(8\) must be divisible by tensor_parallel_size \(3\)"):
         with torch.device("meta"):
             MixtralForCausalLM(config, tp=TPContext(0, 3))
+
+
+@pytest.mark.parametrize("family,expert_parallel", [("gemma4", False), ("gemma4_e", False),
+                                                    ("gemma4_moe", False), ("gemma4_moe", True)])
+def test_gemma4_two_ranks_give_one_ranks_logits(family, expert_parallel, checkpoints):
+    """Gemma 4 under TP=2: each rank the half of its sliding layers' KV heads (one cache entry
+    instead of two), the full layers' one KV head replicated, the experts (beside the dense MLP)
+    halved or split whole; PLE projections replicated."""
+    path = checkpoints(family)
+    prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
+    ref = PagedRunner(_load(path)).step(list(enumerate(prompts)))
+    models, got = _two_rank_logits(path, prompts, expert_parallel)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if family == "gemma4":  # the sliding layers: two entries on one rank, one on each of two
+        assert _load(path).model.cache_entries_of == [[0, 1], [2], [3, 4], [5]]
+        assert models[0].model.cache_entries_of == [[0], [1], [2], [3]]

@@ -15,7 +15,7 @@ from pagedserve.models.source import resolve_model
 from tiny import config_for
 
 ARCHS = ["llama", "qwen2", "gemma3", "opt", "gpt2", "phi3", "gemma2", "granite", "glm4", "smollm3", "cohere", "ernie4_5",
-         "hunyuan_v1_dense"]
+         "hunyuan_v1_dense", "gemma4", "gemma4_moe"]
 
 
 def load(path, rank=0, world_size=1, lazy=False):

@@ -20,6 +20,8 @@ EXPECTED = {
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
     "OPTForCausalLM",
     "GPT2LMHeadModel",
     "Phi3ForCausalLM",

@@ -4,7 +4,8 @@ Frequencies follow `transformers.modeling_rope_utils` exactly (the same float32 
 the rope types "default", "linear", "dynamic" (NTK), "llama3" (Llama 3.1), "yarn" (with
 `truncate`, `mscale` / `mscale_all_dim`, `attention_factor`) and "longrope" (Phi-3: short / long
 factors, its attention factor; Phi-3.5-MoE's `short_mscale` / `long_mscale`), over the whole head
-or its first `partial_rotary_factor` part.
+or its first `partial_rotary_factor` part; "proportional" (Gemma 4's full-attention layers) over
+the whole head, its last frequencies zero (see `_proportional_inv_freq`).
 cos/sin are computed per step from the token positions in float32, multiplied by the type's
 attention factor, then cast to the activation dtype, as HF does. A type or option we do not
 implement is a ValueError naming it (`check_rope_parameters`).
@@ -24,7 +25,7 @@ from torch import nn
 
 from pagedserve.platforms import DEFAULT_OPS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 _COMMON_OPTIONS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings"}
 # The options each rope type reads (HF's `_validate_*_rope_parameters`: required + optional).
@@ -35,6 +36,7 @@ _OPTIONS = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor"},
     "yarn": {"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
     "longrope": {"factor", "attention_factor", "short_factor", "long_factor", "short_mscale", "long_mscale"},
+    "proportional": {"factor"},
 }
 _REQUIRED = {
     "linear": ("factor",),
@@ -140,6 +142,8 @@ def compute_inv_freq(
     check_rope_parameters(params)
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
+    if rope_type == "proportional":
+        return _proportional_inv_freq(params, base, head_dim), 1.0
     dim = rotary_dim(params, head_dim)
     if rope_type == "default":
         return _base_inv_freq(base, dim), 1.0
@@ -156,6 +160,21 @@ def compute_inv_freq(
     if rope_type == "longrope":
         return _longrope_inv_freq(params, base, dim, max_position_embeddings, original_max, seq_len)
     return _yarn_inv_freq(params, base, dim, max_position_embeddings, original_max)
+
+
+def _proportional_inv_freq(params: dict, base: float, head_dim: int) -> torch.Tensor:  # [D / 2]
+    """HF's "proportional" RoPE (Gemma 4): the first `int(partial_rotary_factor * head_dim // 2)`
+    frequencies `base ** (-2i / head_dim)` (the exponent over the whole head, not the rotated
+    part), the rest zero (cos 1, sin 0: those dimension pairs pass unchanged), all over
+    `factor`. The table spans the whole head in the rotate-half layout, so the rotated pairs are
+    (i, i + D/2) for the first frequencies -- not the first R dimensions of partial RoPE."""
+    angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    exponent = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponent)
+    nope = head_dim // 2 - angles
+    if nope > 0:
+        inv_freq = torch.cat((inv_freq, torch.zeros(nope, dtype=torch.float32, device="cpu")))
+    return inv_freq / params.get("factor", 1.0)
 
 
 def _llama3_inv_freq(params: dict, base: float, dim: int, old_context_len: int) -> torch.Tensor:

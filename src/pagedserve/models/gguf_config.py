@@ -18,6 +18,7 @@ from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
+from pagedserve.models.gguf_gemma4 import ARCHITECTURES as GEMMA4_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 from pagedserve.models.gguf_mamba import ARCHITECTURES as MAMBA_ARCHITECTURES
 from pagedserve.models.gguf_mamba import OWN_CONFIG as MAMBA_OWN_CONFIG
@@ -36,9 +37,9 @@ SUPPORTED_ARCHITECTURES = (
     "hunyuan-dense", "hunyuan-moe",  # HunYuan dense (0.5B-7B), Hunyuan-A13B
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
-) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES  # deepseek2, gpt-oss
-# (models/gguf_families.py); qwen3next, qwen35, qwen35moe (models/gguf_hybrid.py); the Mamba2
-# hybrids (models/gguf_mamba.py)
+) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES + GEMMA4_ARCHITECTURES
+# deepseek2, gpt-oss (models/gguf_families.py); qwen3next, qwen35, qwen35moe
+# (models/gguf_hybrid.py); the Mamba2 hybrids (models/gguf_mamba.py); gemma4 (models/gguf_gemma4.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -129,6 +130,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         from pagedserve.models import gguf_hybrid
 
         return gguf_hybrid.config_dict(header)
+    if arch in GEMMA4_ARCHITECTURES:  # models/gguf_gemma4.py
+        from pagedserve.models import gguf_gemma4
+
+        return gguf_gemma4.config_dict(header)
     if arch in MAMBA_OWN_CONFIG:  # nemotron_h, nemotron_h_moe, falcon-h1: models/gguf_mamba.py
         from pagedserve.models.gguf_mamba import config_dict
 
