@@ -10,6 +10,14 @@ from pagedserve.platforms import OpsUser
 LayerNorm = nn.LayerNorm  # GPT-2 / OPT use torch's LayerNorm as is.
 
 
+class HeadLayerNorm(nn.LayerNorm):
+    """torch's LayerNorm (weight and bias) over each head's features, one weight for every head
+    (Phi's `qk_layernorm`); no fused q/k norm + RoPE kernel takes it (`kernel_args`: None)."""
+
+    def kernel_args(self, dtype: torch.dtype) -> None:
+        return None
+
+
 class RMSNorm(OpsUser, nn.Module):
     """Llama-style RMSNorm: `weight * (x / rms(x))`, normalized in float32 and cast back to the input
     dtype before the (model-dtype) weight multiplies it, as `LlamaRMSNorm` does (bf16: fused on

@@ -38,6 +38,7 @@ from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.olmo3 import Olmo3ForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
+from pagedserve.models.phi import PhiForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.phimoe import PhiMoEForCausalLM, PhimoeForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
@@ -76,6 +77,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     # dense families of issue 35 (one file each)
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -157,6 +159,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "phi": "PhiForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
