@@ -9,13 +9,13 @@ Differences from Llama, as in HF 5.x:
 - `qk_layernorm`: one LayerNorm (weight and bias) over each head's q and k, shared by the heads;
 - an LM head with a bias, not tied by default.
 The modules take Llama's names (`o_proj`, `up_proj`, `down_proj`, `model.norm`); the
-checkpoint's are renamed at load. From GGUF: llama.cpp's "phi2".
+checkpoint's are renamed at load. From GGUF: llama.cpp's "phi2" (`models.gguf_classic`).
 NOTE: LayerNorm layers are not `FusableDecoderLayer`s: they run their modules (decode too).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
@@ -23,6 +23,7 @@ from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.mlp import PlainMLP
 from pagedserve.layers.norms import HeadLayerNorm, LayerNorm
 from pagedserve.layers.residual import ResidualBlock
+from pagedserve.layers.weights import split_fused_weights
 from pagedserve.models.base import LMHeadBias, RenamedCheckpoint
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, head_dim_of
 
@@ -67,3 +68,11 @@ class PhiForCausalLM(RenamedCheckpoint, LMHeadBias, LlamaForCausalLM):
     def __init__(self, config: Any, **kwargs):
         super().__init__(config, **kwargs)
         self.init_lm_head_bias(config.vocab_size, True)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """As the base class's, a fused `self_attn.qkv_proj` ([q; k; v] rows: a GGUF's
+        `attn_qkv`) split into q / k / v."""
+        c = self.config
+        q, kv = c.num_attention_heads * head_dim_of(c), c.num_key_value_heads * head_dim_of(c)
+        parts = lambda: [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)]  # noqa: E731
+        super().load_weights(split_fused_weights(weights, {"self_attn.qkv_proj": parts}))

@@ -1,0 +1,59 @@
+"""GGUF files of the older dense families, as llama.cpp's convert_hf_to_gguf.py writes them:
+Phi-2 ("phi2"). `models.gguf_config` reads their common keys (sizes, LayerNorm epsilon,
+RoPE base) and calls `config_hook` for the rest; `models.gguf_loader` maps their tensors by
+`BLOCK_NAMES` onto our module names (the families' models take Llama's names), never permuting
+Q/K rows (their converters do not).
+
+phi2 (conversion/phi.py's Phi2Model): `feed_forward_length` is always 4 x hidden (the MLP's
+width comes from `ffn_up`'s rows), `rope.dimension_count` the rotated part of each head, no RoPE
+base (llama.cpp's default, 10000), q/k/v as `attn_q/k/v` or, from the original checkpoints, one
+`attn_qkv`; the LM head's bias as `output.bias`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.models.gguf_reader import GGUFHeader
+
+ARCHITECTURES = ("phi2",)
+HF_MODEL_TYPE = {"phi2": "phi"}
+HF_ARCHITECTURE = {"phi": "PhiForCausalLM"}
+# LayerNorm families: `attention.layer_norm_epsilon`, read as `layer_norm_eps`
+LAYER_NORM_ARCHS = ("phi2",)
+# their `rope.dimension_count` is the rotated part of a head, not the head
+PARTIAL_ROPE_ARCHS = ("phi2",)
+
+_ATTN = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+         "attn_output": "self_attn.o_proj"}
+BLOCK_NAMES = {
+    "phi2": {**_ATTN, "attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
+             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+}
+
+
+def _rows(header: GGUFHeader, name: str) -> int | None:
+    info = header.tensor(name)
+    return None if info is None else int(info.shape[0])
+
+
+def _rotary(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """`partial_rotary_factor` from `rope.dimension_count` (None: the whole head)."""
+    dims = header.arch_key("rope.dimension_count")
+    cfg["partial_rotary_factor"] = int(dims) / cfg["head_dim"] if dims else 1.0
+
+
+def _phi2(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    _rotary(header, cfg)
+    width = _rows(header, "blk.0.ffn_up.weight")
+    if width is not None:
+        cfg["intermediate_size"] = width
+    cfg["qk_layernorm"] = False  # (llama.cpp's phi2 has no q/k norm tensors)
+
+
+_HOOKS = {"phi2": _phi2}
+
+
+def config_hook(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """The architecture's own config fields, into `cfg` in place."""
+    _HOOKS[header.architecture](header, cfg)

@@ -1,0 +1,114 @@
+"""The older dense families (models/gguf_classic.py) from GGUF files written as llama.cpp's
+convert_hf_to_gguf.py writes them (each converter's metadata keys, gguf-py's tensor names and
+its tensor changes): our GGUF run equals the HF run in float32; Q8_0 projections kept as blocks
+give greedy tokens in HF's top 5. (scripts/check_gguf_converter.py runs the real converter.)"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from test_gguf_dense_families import _load, assert_greedy_in_hf_top5
+
+VOCAB = 300
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _rope(partial: float, theta: float = 10000.0) -> dict:
+    return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
+
+
+CONFIGS = {
+    # Phi-2: the converter writes feed_forward_length 4 x hidden whatever the MLP's width (96 here)
+    "phi2": lambda: transformers.PhiConfig(**{**_COMMON, "intermediate_size": 96}, rope_parameters=_rope(0.5)),
+}
+
+
+def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
+    """The keys each family's converter class writes (set_gguf_parameters)."""
+    head_dim = c.hidden_size // c.num_attention_heads
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    if arch == "phi2":  # conversion/phi.py Phi2Model
+        writer.add_feed_forward_length(4 * c.hidden_size)
+        writer.add_head_count_kv(c.num_attention_heads)
+        writer.add_layer_norm_eps(c.layer_norm_eps)
+        writer.add_rope_dimension_count(int(c.rope_parameters["partial_rotary_factor"] * c.hidden_size)
+                                        // c.num_attention_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def _tensors(arch: str, hf_model, fuse_qkv: bool):
+    """`(gguf-py's name of the HF tensor, float32 data)` as the converter writes them."""
+    c = hf_model.config
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in hf_model.state_dict().items()}
+    tied = getattr(c, "tie_word_embeddings", False)
+    for hf_name, data in state.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        if fuse_qkv and ".self_attn.q_proj." in hf_name:  # an original phi-2's Wqkv: one attn_qkv
+            k, v = state[hf_name.replace("q_proj", "k_proj")], state[hf_name.replace("q_proj", "v_proj")]
+            yield name_map.get_name(base).replace("attn_q", "attn_qkv") + f".{suffix}", np.concatenate([data, k, v])
+            continue
+        if fuse_qkv and (".self_attn.k_proj." in hf_name or ".self_attn.v_proj." in hf_name):
+            continue
+        yield f"{name_map.get_name(base)}.{suffix}", data
+
+
+def write_classic_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType.F32, fuse_qkv=False):
+    """`hf_model` as llama.cpp's converter writes it; 2-D weights other than the embedding as
+    `qtype`."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    _metadata(writer, arch, hf_model.config)
+    for name, data in _tensors(arch, hf_model, fuse_qkv):
+        if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and name != "token_embd.weight":
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_classic_gguf_equals_the_hf_run(arch, hf_pair, check_hf, prompts, tmp_path):
+    hf, ours_hf, _ = hf_pair(CONFIGS[arch]())
+    path = write_classic_gguf(tmp_path / f"{arch}.gguf", arch, hf)
+    config, model = _load(path, tmp_path)
+    assert type(model) is type(ours_hf)
+    assert config.num_hidden_layers == 4 and config.vocab_size == VOCAB
+    assert config.intermediate_size == hf.config.intermediate_size
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 9)))
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_classic_q8_0_gguf_keeps_projections_as_blocks(arch, hf_pair, tmp_path):
+    hf, _, _ = hf_pair(CONFIGS[arch]())
+    path = write_classic_gguf(tmp_path / f"{arch}-q8.gguf", arch, hf, gguf.GGMLQuantizationType.Q8_0)
+    _, model = _load(path, tmp_path, keep_quantized=True)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.dtype == torch.uint8 and attn.k_proj.weight.quant.format.name == "q8_0"
+    assert_greedy_in_hf_top5(hf, model)
+
+
+def test_phi2_gguf_with_one_qkv_tensor_splits_it(hf_pair, check_hf, prompts, tmp_path):
+    """The original phi-2 checkpoints' fused Wqkv, written as one `attn_qkv`: split into q / k / v."""
+    hf, _, _ = hf_pair(CONFIGS["phi2"]())
+    path = write_classic_gguf(tmp_path / "phi2-qkv.gguf", "phi2", hf, fuse_qkv=True)
+    _, model = _load(path, tmp_path)
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 9)))
