@@ -53,6 +53,7 @@ from pagedserve.models.qwen_vl import (
     Qwen3VLMoeForConditionalGeneration)
 from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
+from pagedserve.models.stablelm import StableLmForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -78,6 +79,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # dense families of issue 35 (one file each)
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "PhiForCausalLM": PhiForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -160,6 +162,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "phi": "PhiForCausalLM",
+    "stablelm": "StableLmForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
