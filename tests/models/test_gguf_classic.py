@@ -26,7 +26,13 @@ def _rope(partial: float, theta: float = 10000.0) -> dict:
 CONFIGS = {
     # Phi-2: the converter writes feed_forward_length 4 x hidden whatever the MLP's width (96 here)
     "phi2": lambda: transformers.PhiConfig(**{**_COMMON, "intermediate_size": 96}, rope_parameters=_rope(0.5)),
+    # StableLM 2 12B: parallel block, per-head q/k norms (stacked by the converter), GQA
+    "stablelm": lambda: transformers.StableLmConfig(**{**_COMMON, "num_key_value_heads": 2}, use_parallel_residual=True,
+                                                    qk_layernorm=True, rope_parameters=_rope(0.25)),
+    # StableLM 2 1.6B: sequential, q/k/v biases
+    "stablelm_bias": lambda: transformers.StableLmConfig(**_COMMON, use_qkv_bias=True, rope_parameters=_rope(0.5)),
 }
+ARCH = {"stablelm_bias": "stablelm"}  # test case -> GGUF architecture
 
 
 def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
@@ -42,6 +48,12 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
         writer.add_layer_norm_eps(c.layer_norm_eps)
         writer.add_rope_dimension_count(int(c.rope_parameters["partial_rotary_factor"] * c.hidden_size)
                                         // c.num_attention_heads)
+    if arch == "stablelm":  # conversion/stablelm.py
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_rope_dimension_count(int(c.rope_parameters["partial_rotary_factor"] * head_dim))
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_parallel_residual(c.use_parallel_residual)
+        writer.add_layer_norm_eps(c.layer_norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_bos_token_id(1)
@@ -57,6 +69,14 @@ def _tensors(arch: str, hf_model, fuse_qkv: bool):
     for hf_name, data in state.items():
         if hf_name == "lm_head.weight" and tied:
             continue
+        if ".norms." in hf_name:  # StableLM's per-head q/k norms: stacked [heads, D] after the last
+            stem, head = hf_name.rsplit(".norms.", 1)
+            heads = c.num_attention_heads if stem.endswith("q_layernorm") else c.num_key_value_heads
+            if head == f"{heads - 1}.weight":
+                leaf = "attn_q_norm" if stem.endswith("q_layernorm") else "attn_k_norm"
+                bid = stem.split(".")[2]
+                yield f"blk.{bid}.{leaf}.weight", np.stack([state[f"{stem}.norms.{i}.weight"] for i in range(heads)])
+            continue
         base, suffix = hf_name.rsplit(".", 1)
         if fuse_qkv and ".self_attn.q_proj." in hf_name:  # an original phi-2's Wqkv: one attn_qkv
             k, v = state[hf_name.replace("q_proj", "k_proj")], state[hf_name.replace("q_proj", "v_proj")]
@@ -70,11 +90,12 @@ def _tensors(arch: str, hf_model, fuse_qkv: bool):
 def write_classic_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType.F32, fuse_qkv=False):
     """`hf_model` as llama.cpp's converter writes it; 2-D weights other than the embedding as
     `qtype`."""
+    arch = ARCH.get(arch, arch)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     _metadata(writer, arch, hf_model.config)
     for name, data in _tensors(arch, hf_model, fuse_qkv):
-        if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and name != "token_embd.weight":
+        if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and "embd" not in name and "norm" not in name:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data)

@@ -1,5 +1,5 @@
 """GGUF files of the older dense families, as llama.cpp's convert_hf_to_gguf.py writes them:
-Phi-2 ("phi2"). `models.gguf_config` reads their common keys (sizes, LayerNorm epsilon,
+Phi-2 ("phi2"), StableLM ("stablelm"). `models.gguf_config` reads their common keys (sizes, LayerNorm epsilon,
 RoPE base) and calls `config_hook` for the rest; `models.gguf_loader` maps their tensors by
 `BLOCK_NAMES` onto our module names (the families' models take Llama's names), never permuting
 Q/K rows (their converters do not).
@@ -8,6 +8,10 @@ phi2 (conversion/phi.py's Phi2Model): `feed_forward_length` is always 4 x hidden
 width comes from `ffn_up`'s rows), `rope.dimension_count` the rotated part of each head, no RoPE
 base (llama.cpp's default, 10000), q/k/v as `attn_q/k/v` or, from the original checkpoints, one
 `attn_qkv`; the LM head's bias as `output.bias`.
+
+stablelm (conversion/stablelm.py): `use_parallel_residual` (then no `ffn_norm`), the rotated part
+as `rope.dimension_count`, q/k/v biases and the per-head q/k norms (stacked `[heads, head_dim]`
+as `attn_q_norm` / `attn_k_norm`) when the file has them.
 """
 
 from __future__ import annotations
@@ -16,19 +20,21 @@ from typing import Any
 
 from pagedserve.models.gguf_reader import GGUFHeader
 
-ARCHITECTURES = ("phi2",)
-HF_MODEL_TYPE = {"phi2": "phi"}
-HF_ARCHITECTURE = {"phi": "PhiForCausalLM"}
+ARCHITECTURES = ("phi2", "stablelm")
+HF_MODEL_TYPE = {"phi2": "phi", "stablelm": "stablelm"}
+HF_ARCHITECTURE = {"phi": "PhiForCausalLM", "stablelm": "StableLmForCausalLM"}
 # LayerNorm families: `attention.layer_norm_epsilon`, read as `layer_norm_eps`
-LAYER_NORM_ARCHS = ("phi2",)
+LAYER_NORM_ARCHS = ("phi2", "stablelm")
 # their `rope.dimension_count` is the rotated part of a head, not the head
-PARTIAL_ROPE_ARCHS = ("phi2",)
+PARTIAL_ROPE_ARCHS = ("phi2", "stablelm")
 
 _ATTN = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-         "attn_output": "self_attn.o_proj"}
+         "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GATED = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 BLOCK_NAMES = {
-    "phi2": {**_ATTN, "attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    "phi2": {**_ATTN, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    "stablelm": {**_ATTN, **_QK_NORMS, **_GATED, "ffn_norm": "post_attention_layernorm"},
 }
 
 
@@ -51,7 +57,18 @@ def _phi2(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["qk_layernorm"] = False  # (llama.cpp's phi2 has no q/k norm tensors)
 
 
-_HOOKS = {"phi2": _phi2}
+def _has(header: GGUFHeader, suffix: str) -> bool:
+    return any(t.name.endswith(suffix) for t in header.tensors)
+
+
+def _stablelm(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    _rotary(header, cfg)
+    cfg["use_parallel_residual"] = bool(header.arch_key("use_parallel_residual", True))
+    cfg["use_qkv_bias"] = _has(header, ".attn_q.bias")
+    cfg["qk_layernorm"] = _has(header, ".attn_q_norm.weight")
+
+
+_HOOKS = {"phi2": _phi2, "stablelm": _stablelm}
 
 
 def config_hook(header: GGUFHeader, cfg: dict[str, Any]) -> None:
