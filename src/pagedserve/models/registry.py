@@ -54,6 +54,7 @@ from pagedserve.models.qwen_vl import (
 from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 from pagedserve.models.stablelm import StableLmForCausalLM
+from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -80,6 +81,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "PhiForCausalLM": PhiForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -163,6 +165,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "phi": "PhiForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
