@@ -20,6 +20,7 @@ from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGene
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
+from pagedserve.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
@@ -82,6 +83,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhiForCausalLM": PhiForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -166,6 +168,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "phi": "PhiForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
