@@ -31,8 +31,15 @@ CONFIGS = {
                                                     qk_layernorm=True, rope_parameters=_rope(0.25)),
     # StableLM 2 1.6B: sequential, q/k/v biases
     "stablelm_bias": lambda: transformers.StableLmConfig(**_COMMON, use_qkv_bias=True, rope_parameters=_rope(0.5)),
+    # StarCoder 2 with biases (its window: none, as llama.cpp runs it; see models/gguf_classic.py)
+    "starcoder2": lambda: transformers.Starcoder2Config(**{**_COMMON, "num_key_value_heads": 2}, use_bias=True,
+                                                        sliding_window=None, rope_parameters=_rope(1.0, 500.0)),
+    # Pythia: parallel residual, a quarter of each head rotated; sequential, half rotated
+    "gptneox": lambda: transformers.GPTNeoXConfig(**_COMMON, rope_parameters=_rope(0.25)),
+    "gptneox_seq": lambda: transformers.GPTNeoXConfig(**_COMMON, use_parallel_residual=False,
+                                                      rope_parameters=_rope(0.5)),
 }
-ARCH = {"stablelm_bias": "stablelm"}  # test case -> GGUF architecture
+ARCH = {"stablelm_bias": "stablelm", "gptneox_seq": "gptneox"}  # test case -> GGUF architecture
 
 
 def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
@@ -52,6 +59,16 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
         writer.add_feed_forward_length(c.intermediate_size)
         writer.add_rope_dimension_count(int(c.rope_parameters["partial_rotary_factor"] * head_dim))
         writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_parallel_residual(c.use_parallel_residual)
+        writer.add_layer_norm_eps(c.layer_norm_eps)
+    if arch == "starcoder2":  # the base class's keys (conversion/base.py)
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_head_count_kv(c.num_key_value_heads)
+        writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+        writer.add_layer_norm_eps(c.norm_epsilon)
+    if arch == "gptneox":  # conversion/gptneox.py
+        writer.add_feed_forward_length(c.intermediate_size)
+        writer.add_rope_dimension_count(int(c.rope_parameters["partial_rotary_factor"] * head_dim))
         writer.add_parallel_residual(c.use_parallel_residual)
         writer.add_layer_norm_eps(c.layer_norm_eps)
     writer.add_tokenizer_model("gpt2")
@@ -78,6 +95,9 @@ def _tensors(arch: str, hf_model, fuse_qkv: bool):
                 yield f"blk.{bid}.{leaf}.weight", np.stack([state[f"{stem}.norms.{i}.weight"] for i in range(heads)])
             continue
         base, suffix = hf_name.rsplit(".", 1)
+        if ".query_key_value." in hf_name:  # GPT-NeoX: the converter regroups the heads' q|k|v
+            heads = c.num_attention_heads
+            data = data.reshape(heads, 3, -1, *data.shape[1:]).swapaxes(0, 1).reshape(data.shape)
         if fuse_qkv and ".self_attn.q_proj." in hf_name:  # an original phi-2's Wqkv: one attn_qkv
             k, v = state[hf_name.replace("q_proj", "k_proj")], state[hf_name.replace("q_proj", "v_proj")]
             yield name_map.get_name(base).replace("attn_q", "attn_qkv") + f".{suffix}", np.concatenate([data, k, v])
