@@ -174,7 +174,7 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma")
+                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "phi", "stablelm")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -270,6 +270,11 @@ def _dense_family_config(tf, arch: str, common: dict):
     if arch == "lfm2":  # a conv layer (its state a window of 3 rows in the cache), then attention
         return tf.Lfm2Config(**{**base, "intermediate_size": 192}, layer_types=["conv", "full_attention"],
                              conv_L_cache=3, block_multiple_of=32)
+    if arch == "phi":  # Phi-2: a parallel block on one LayerNorm, 0.4 of each head rotated, biases
+        return tf.PhiConfig(**{**base, "num_key_value_heads": 4}, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    if arch == "stablelm":  # StableLM 2 12B: parallel block, per-head q/k LayerNorms, 1/4 rotary
+        return tf.StableLmConfig(**base, use_parallel_residual=True, qk_layernorm=True, use_qkv_bias=True)
     return tf.Olmo2Config(**base)
 
 
