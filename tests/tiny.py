@@ -174,7 +174,8 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
-                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "phi", "stablelm")
+                  "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "phi", "stablelm", "starcoder2",
+                  "gpt_neox")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -275,6 +276,10 @@ def _dense_family_config(tf, arch: str, common: dict):
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     if arch == "stablelm":  # StableLM 2 12B: parallel block, per-head q/k LayerNorms, 1/4 rotary
         return tf.StableLmConfig(**base, use_parallel_residual=True, qk_layernorm=True, use_qkv_bias=True)
+    if arch == "starcoder2":  # LayerNorms with biases, biased projections, a window of 8 on every layer
+        return tf.Starcoder2Config(**base, use_bias=True, sliding_window=8)
+    if arch == "gpt_neox":  # Pythia: per-head interleaved fused q|k|v, parallel residual, 1/4 rotary
+        return tf.GPTNeoXConfig(**{k: v for k, v in base.items() if k != "num_key_value_heads"})
     return tf.Olmo2Config(**base)
 
 

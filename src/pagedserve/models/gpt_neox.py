@@ -37,9 +37,9 @@ _HF_QKV, _GGUF_QKV = "self_attn.query_key_value", "self_attn.qkv_proj"
 
 
 def gpt_neox_config(config: Any) -> Any:
-    """A copy of `config` with `num_key_value_heads` (GPT-NeoX's: one per head) for Llama's
-    pieces, which read it."""
-    if getattr(config, "num_key_value_heads", None) is not None:
+    """A copy of `config` with `num_key_value_heads` (GPT-NeoX's: one per head, whatever a
+    stray attribute says) for Llama's pieces, which read it."""
+    if getattr(config, "num_key_value_heads", None) == config.num_attention_heads:
         return config
     config = copy.copy(config)
     config.num_key_value_heads = config.num_attention_heads
