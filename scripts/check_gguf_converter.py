@@ -3,7 +3,8 @@
 For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, cohere, cohere2,
 ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
 qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe; the Mamba2
-hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1; jamba) this builds a tiny random
+hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1; jamba; the older dense
+families phi, stablelm, ...) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -147,6 +148,27 @@ FAMILIES = {
         **_COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
         expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
         mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+    # the older dense families (models/gguf_classic.py)
+    # Phi-2: a parallel block on one LayerNorm, half of each head rotated, an MLP narrower than
+    # the 4 x hidden the converter writes (its width read from ffn_up)
+    "phi": lambda: transformers.PhiConfig(**{**_COMMON, "num_key_value_heads": 4, "intermediate_size": 96},
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}),
+    # StableLM 2 12B's parallel block; 1.6B's q/k/v biases, sequential. NOTE: not 12B's per-head
+    # q/k norms: this tree's converter drops them (conversion/stablelm.py `return`s its stacking
+    # generator from inside a generator, never running it: "Unprocessed norms");
+    # tests/models/test_gguf_classic.py writes them stacked as the converter means to
+    "stablelm": lambda: transformers.StableLmConfig(**_COMMON, use_parallel_residual=True,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "partial_rotary_factor": 0.25}),
+    "stablelm_bias": lambda: transformers.StableLmConfig(**_COMMON, use_qkv_bias=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # StarCoder 2 with biases, no sliding window (the converter writes none: llama.cpp attends to
+    # the whole context)
+    "starcoder2": lambda: transformers.Starcoder2Config(**_COMMON, use_bias=True, sliding_window=None),
+    # Pythia: per-head interleaved q|k|v (the converter regroups it), parallel residual, 1/4 rotary
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**{**_COMMON, "num_key_value_heads": 4}, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -178,6 +200,14 @@ sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 import convert_hf_to_gguf
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+# GPT-NeoX: the converter reads `rotary_pct` from the config transformers loads, whose 5.x
+# GPTNeoXConfig moves it into rope_parameters (a KeyError on every checkpoint, hub ones too)
+from conversion import gptneox
+_neox_params = gptneox.GPTNeoXModel.set_gguf_parameters
+def _neox_with_rotary_pct(self):
+    self.hparams.setdefault("rotary_pct", self.rope_parameters.get("partial_rotary_factor", 0.25))
+    _neox_params(self)
+gptneox.GPTNeoXModel.set_gguf_parameters = _neox_with_rotary_pct
 convert_hf_to_gguf.main()
 """
 
