@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.arcee import ArceeForCausalLM
 from pagedserve.models.bamba import BambaForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
@@ -84,6 +85,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "StableLmForCausalLM": StableLmForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -169,6 +171,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "stablelm": "StableLmForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "arcee": "ArceeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
