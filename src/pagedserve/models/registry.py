@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.apertus import ApertusForCausalLM
 from pagedserve.models.arcee import ArceeForCausalLM
 from pagedserve.models.bamba import BambaForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
@@ -85,6 +86,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "StableLmForCausalLM": StableLmForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
@@ -171,6 +173,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "stablelm": "StableLmForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "apertus": "ApertusForCausalLM",
     "arcee": "ArceeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
