@@ -24,6 +24,7 @@ from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.models.granite import GraniteForCausalLM
+from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
@@ -88,6 +89,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -175,6 +177,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "apertus": "ApertusForCausalLM",
     "arcee": "ArceeForCausalLM",
+    "helium": "HeliumForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
