@@ -38,6 +38,7 @@ from pagedserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
 from pagedserve.models.nemotron_h import NemotronHForCausalLM
+from pagedserve.models.olmo import OlmoForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.olmo3 import Olmo3ForCausalLM
@@ -90,6 +91,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ApertusForCausalLM": ApertusForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -178,6 +180,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "apertus": "ApertusForCausalLM",
     "arcee": "ArceeForCausalLM",
     "helium": "HeliumForCausalLM",
+    "olmo": "OlmoForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
