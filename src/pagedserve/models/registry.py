@@ -37,6 +37,7 @@ from pagedserve.models.ministral3 import Ministral3ForCausalLM
 from pagedserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
+from pagedserve.models.nemotron import NemotronForCausalLM
 from pagedserve.models.nemotron_h import NemotronHForCausalLM
 from pagedserve.models.olmo import OlmoForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
@@ -92,6 +93,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ArceeForCausalLM": ArceeForCausalLM,
     "HeliumForCausalLM": HeliumForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -181,6 +183,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "arcee": "ArceeForCausalLM",
     "helium": "HeliumForCausalLM",
     "olmo": "OlmoForCausalLM",
+    "nemotron": "NemotronForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
