@@ -309,8 +309,9 @@ for _arch in gguf_mamba.ARCHITECTURES:
 # the older dense families (Phi-2, ...): models/gguf_classic.py
 _BLOCK_NAMES.update(gguf_classic.BLOCK_NAMES)
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK
-_GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
+    + gguf_classic.PERMUTED_QK
+_GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
@@ -423,3 +424,5 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
             quantized.data = tensor.contiguous()
             tensor = quantized
         yield hf_names[info.name], tensor
+    if arch in gguf_classic.ARCHITECTURES:
+        yield from gguf_classic.extra_weights(header)  # (Apertus's xIELU scalars: metadata)
