@@ -175,7 +175,7 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "phi", "stablelm", "starcoder2",
-                  "gpt_neox")
+                  "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -280,6 +280,18 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.Starcoder2Config(**base, use_bias=True, sliding_window=8)
     if arch == "gpt_neox":  # Pythia: per-head interleaved fused q|k|v, parallel residual, 1/4 rotary
         return tf.GPTNeoXConfig(**{k: v for k, v in base.items() if k != "num_key_value_heads"})
+    if arch == "apertus":  # xIELU MLP (learned scalars), q/k norms, Llama 3 RoPE scaling from 16 positions
+        return tf.ApertusConfig(**base, head_dim=16, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    if arch == "arcee":  # relu^2 non-gated MLP
+        return tf.ArceeConfig(**base)
+    if arch == "helium":  # fp32-weight RMSNorms, RoPE on interleaved pairs, q/k/v biases
+        return tf.HeliumConfig(**base, head_dim=16, attention_bias=True)
+    if arch == "olmo":  # weightless LayerNorms, q/k/v clamped
+        return tf.OlmoConfig(**base, clip_qkv=1.0)
+    if arch == "nemotron":  # layernorm1p, half-rotary RoPE, relu^2 MLP
+        return tf.NemotronConfig(**base, head_dim=16)
     return tf.Olmo2Config(**base)
 
 
