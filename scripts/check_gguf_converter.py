@@ -4,7 +4,7 @@ For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, c
 ministral3, mistral3, lfm2, exaone4, gemma, the Qwen VL text decoders qwen2_vl, qwen2_5_vl,
 qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5, qwen3_5_moe; the Mamba2
 hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1; jamba; the older dense
-families phi, stablelm, ...) this builds a tiny random
+families phi, stablelm, starcoder2, gpt_neox, olmo, arcee, nemotron, apertus) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -169,12 +169,23 @@ FAMILIES = {
     # Pythia: per-head interleaved q|k|v (the converter regroups it), parallel residual, 1/4 rotary
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**{**_COMMON, "num_key_value_heads": 4}, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+    # OLMo: weightless LayerNorms, q/k/v clamped, Llama's permuted Q/K
+    "olmo": lambda: transformers.OlmoConfig(**_COMMON, clip_qkv=1.0),
+    # Arcee: relu^2 MLP, Llama's permuted Q/K
+    "arcee": lambda: transformers.ArceeConfig(**_COMMON),
+    # Nemotron: layernorm1p (the converter adds 1), half-rotary RoPE, relu^2 MLP
+    "nemotron": lambda: transformers.NemotronConfig(**_COMMON, head_dim=16),
+    # Apertus: xIELU (its scalars as metadata), q/k norms, Llama 3 RoPE (rope_freqs; 8192 as the
+    # original context, what our reader of rope_freqs assumes)
+    "apertus": lambda: transformers.ApertusConfig(**_COMMON, head_dim=16, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
-SENTENCEPIECE = ("gemma2", "gemma", "jamba")  # converters that read tokenizer.model only
+SENTENCEPIECE = ("gemma2", "gemma", "jamba", "nemotron")  # converters that read tokenizer.model only
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
 # Bamba: its rotated part as the hub's configs state it (HF's config fixes it at half a head)
