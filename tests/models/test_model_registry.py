@@ -57,6 +57,10 @@ EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCau
              "FalconH1ForCausalLM"}
 # Mamba 1 hybrid (layers/mamba1.py)
 EXPECTED |= {"JambaForCausalLM"}
+# the older dense families (layers/residual.py, layers/mlp.py)
+EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GPTNeoXForCausalLM",
+             "ApertusForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM", "OlmoForCausalLM",
+             "NemotronForCausalLM"}
 
 
 def test_registry_names():

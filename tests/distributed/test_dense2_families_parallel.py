@@ -1,5 +1,5 @@
-"""Tensor parallelism of the LayerNorm families (Phi-2, StableLM, StarCoder 2, GPT-NeoX; their
-blocks in layers/residual.py): two ranks (threads, one in-process all-reduce) give one rank's
+"""Tensor parallelism of the older dense families (Phi-2, StableLM, StarCoder 2, GPT-NeoX, OLMo,
+Nemotron, Arcee, Apertus, Helium; the blocks of most in layers/residual.py): two ranks (threads, one in-process all-reduce) give one rank's
 logits; StableLM's per-head q/k norm rows and GPT-NeoX's regrouped fused q|k|v split by head."""
 
 import pytest
@@ -9,7 +9,8 @@ from test_moe_parallel import _load, _two_rank_logits
 from utils import PagedRunner
 
 
-@pytest.mark.parametrize("family", ["phi", "stablelm", "starcoder2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["phi", "stablelm", "starcoder2", "gpt_neox", "olmo", "nemotron", "arcee",
+                                    "apertus", "helium"])
 def test_two_ranks_give_one_ranks_logits(family, checkpoints):
     path = checkpoints(family)
     prompts = [[1, 5, 9, 30, 7, 2, 11], [1, 44, 3]]
