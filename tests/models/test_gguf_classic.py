@@ -197,12 +197,12 @@ def write_classic_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationTyp
 
 def _distinct_xielu(hf) -> None:
     """Each Apertus layer's xIELU scalars its own (HF initializes them all alike)."""
-    for i, layer in enumerate(getattr(hf.model, "layers", [])):
-        act = layer.mlp.act_fn
-        if hasattr(act, "beta") and hasattr(act, "alpha_p"):
-            with torch.no_grad():
-                act.beta.fill_(0.3 + 0.2 * i)
-                act.eps.fill_(-0.05 * (i + 1))
+    if type(hf).__name__ != "ApertusForCausalLM":
+        return
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            layer.mlp.act_fn.beta.fill_(0.3 + 0.2 * i)
+            layer.mlp.act_fn.eps.fill_(-0.05 * (i + 1))
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
