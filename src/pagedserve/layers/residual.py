@@ -1,6 +1,7 @@
-"""The residual arrangements of decoder layers whose norms the fused decode kernel does not
-take (LayerNorms: Phi-1.5 / Phi-2, StableLM, StarCoder 2, GPT-NeoX, OLMo, Nemotron), shared by
-their families: the layer's attention and MLP are built by the family, this block adds them up.
+"""The residual arrangements of decoder layers the fused decode kernel does not run (LayerNorms:
+Phi-1.5 / Phi-2, StableLM, StarCoder 2, GPT-NeoX, OLMo, Nemotron; non-gated MLPs: Arcee, Apertus),
+shared by their families: the layer's attention and MLP are built by the family, this block adds
+them up.
 
 - sequential: `x + attn(n1(x))`, then `h + mlp(n2(h))` (`post_attention_layernorm` given);
 - parallel, one norm: `x + attn(n1(x)) + mlp(n1(x))` (Phi-2, StableLM's `use_parallel_residual`);
