@@ -4,7 +4,8 @@ For each family (phi3, gemma2, granite, glm4, smollm3, olmo2, olmo3, seed_oss, c
 ministral3, mistral3, lfm2, exaone4, gemma, ernie4_5, hunyuan_v1_dense, the Qwen VL text decoders
 qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5,
 qwen3_5_moe; the Mamba2 hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1;
-jamba; the MoEs hunyuan_v1_moe and glm4_moe_lite) this builds a tiny random
+jamba; the MoEs hunyuan_v1_moe and glm4_moe_lite; the older dense families phi, stablelm, starcoder2,
+gpt_neox, olmo, arcee, nemotron, apertus) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -188,12 +189,44 @@ FAMILIES = {
         q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
         routed_scaling_factor=1.8),
+    # the older dense families (models/gguf_classic.py)
+    # Phi-2: a parallel block on one LayerNorm, half of each head rotated, an MLP narrower than
+    # the 4 x hidden the converter writes (its width read from ffn_up)
+    "phi": lambda: transformers.PhiConfig(**{**_COMMON, "num_key_value_heads": 4, "intermediate_size": 96},
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}),
+    # StableLM 2 12B's parallel block; 1.6B's q/k/v biases, sequential. NOTE: not 12B's per-head
+    # q/k norms: this tree's converter drops them (conversion/stablelm.py `return`s its stacking
+    # generator from inside a generator, never running it: "Unprocessed norms");
+    # tests/models/test_gguf_classic.py writes them stacked as the converter means to
+    "stablelm": lambda: transformers.StableLmConfig(**_COMMON, use_parallel_residual=True,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "partial_rotary_factor": 0.25}),
+    "stablelm_bias": lambda: transformers.StableLmConfig(**_COMMON, use_qkv_bias=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # StarCoder 2 with biases, no sliding window (the converter writes none: llama.cpp attends to
+    # the whole context)
+    "starcoder2": lambda: transformers.Starcoder2Config(**_COMMON, use_bias=True, sliding_window=None),
+    # Pythia: per-head interleaved q|k|v (the converter regroups it), parallel residual, 1/4 rotary
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**{**_COMMON, "num_key_value_heads": 4}, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+    # OLMo: weightless LayerNorms, q/k/v clamped, Llama's permuted Q/K
+    "olmo": lambda: transformers.OlmoConfig(**_COMMON, clip_qkv=1.0),
+    # Arcee: relu^2 MLP, Llama's permuted Q/K
+    "arcee": lambda: transformers.ArceeConfig(**_COMMON),
+    # Nemotron: layernorm1p (the converter adds 1), half-rotary RoPE, relu^2 MLP
+    "nemotron": lambda: transformers.NemotronConfig(**_COMMON, head_dim=16),
+    # Apertus: xIELU (its scalars as metadata), q/k norms, Llama 3 RoPE (rope_freqs; 8192 as the
+    # original context, what our reader of rope_freqs assumes)
+    "apertus": lambda: transformers.ApertusConfig(**_COMMON, head_dim=16, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
-SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5")  # converters that read tokenizer.model only
+SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
@@ -233,6 +266,14 @@ from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 from conversion import hunyuan  # (Hunyuan-A13B's reads a tiktoken model: the tiny BPE instead)
 hunyuan.HunYuanMoEModel.set_vocab = base.TextModel._set_vocab_gpt2
+# GPT-NeoX: the converter reads `rotary_pct` from the config transformers loads, whose 5.x
+# GPTNeoXConfig moves it into rope_parameters (a KeyError on every checkpoint, hub ones too)
+from conversion import gptneox
+_neox_params = gptneox.GPTNeoXModel.set_gguf_parameters
+def _neox_with_rotary_pct(self):
+    self.hparams.setdefault("rotary_pct", self.rope_parameters.get("partial_rotary_factor", 0.25))
+    _neox_params(self)
+gptneox.GPTNeoXModel.set_gguf_parameters = _neox_with_rotary_pct
 convert_hf_to_gguf.main()
 """
 

@@ -193,7 +193,8 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
-                  "hunyuan_v1_dense", "gemma4", "gemma4_e")
+                  "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
+                  "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -314,6 +315,27 @@ def _dense_family_config(tf, arch: str, common: dict):
                                       "vocab_size_per_layer_input": VOCAB, "num_hidden_layers": 6,
                                       "layer_types": ["sliding_attention", "full_attention"] * 3,
                                       "num_kv_shared_layers": 2, "use_double_wide_mlp": True}, **common)
+    if arch == "phi":  # Phi-2: a parallel block on one LayerNorm, 0.4 of each head rotated, biases
+        return tf.PhiConfig(**{**base, "num_key_value_heads": 4}, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    if arch == "stablelm":  # StableLM 2 12B: parallel block, per-head q/k LayerNorms, 1/4 rotary
+        return tf.StableLmConfig(**base, use_parallel_residual=True, qk_layernorm=True, use_qkv_bias=True)
+    if arch == "starcoder2":  # LayerNorms with biases, biased projections, a window of 8 on every layer
+        return tf.Starcoder2Config(**base, use_bias=True, sliding_window=8)
+    if arch == "gpt_neox":  # Pythia: per-head interleaved fused q|k|v, parallel residual, 1/4 rotary
+        return tf.GPTNeoXConfig(**{k: v for k, v in base.items() if k != "num_key_value_heads"})
+    if arch == "apertus":  # xIELU MLP (learned scalars), q/k norms, Llama 3 RoPE scaling from 16 positions
+        return tf.ApertusConfig(**base, head_dim=16, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    if arch == "arcee":  # relu^2 non-gated MLP
+        return tf.ArceeConfig(**base)
+    if arch == "helium":  # fp32-weight RMSNorms, RoPE on interleaved pairs, q/k/v biases
+        return tf.HeliumConfig(**base, head_dim=16, attention_bias=True)
+    if arch == "olmo":  # weightless LayerNorms, q/k/v clamped
+        return tf.OlmoConfig(**base, clip_qkv=1.0)
+    if arch == "nemotron":  # layernorm1p, half-rotary RoPE, relu^2 MLP
+        return tf.NemotronConfig(**base, head_dim=16)
     return tf.Olmo2Config(**base)
 
 

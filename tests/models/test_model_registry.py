@@ -62,6 +62,10 @@ EXPECTED |= {"JambaForCausalLM"}
 # GLM-4.7-Flash (latent attention), ERNIE 4.5 dense, HunYuan dense / MoE
 EXPECTED |= {"Glm4MoeLiteForCausalLM", "Ernie4_5ForCausalLM", "HunYuanDenseV1ForCausalLM",
              "HunYuanMoEV1ForCausalLM"}
+# the older dense families (layers/residual.py, layers/mlp.py)
+EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GPTNeoXForCausalLM",
+             "ApertusForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM", "OlmoForCausalLM",
+             "NemotronForCausalLM"}
 
 
 def test_registry_names():

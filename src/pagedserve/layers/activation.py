@@ -69,3 +69,24 @@ class Activation(OpsUser, nn.Module):
 def get_activation(name: str) -> Activation:
     """The activation called `name` in HF configs; ValueError if we do not know it."""
     return Activation(name)
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus's MLP activation, HF's `XIELUActivation`, its Python form) with its
+    learned scalars as loaded from the checkpoint: `alpha_p`, `alpha_n` (softplus-parametrized,
+    `[1]` each) and `beta`, `eps` (scalars);
+    `x > 0: a_p x^2 + beta x`, else `(expm1(min(x, eps)) - x) a_n + beta x`, with
+    `a_p = softplus(alpha_p)`, `a_n = beta + softplus(alpha_n)` in the parameters' dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+        self.eps = nn.Parameter(torch.tensor(-1e-6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., I]
+        alpha_p = F.softplus(self.alpha_p)  # [1]
+        alpha_n = self.beta + F.softplus(self.alpha_n)  # [1]
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)

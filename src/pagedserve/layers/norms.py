@@ -3,11 +3,43 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.platforms import OpsUser
 
 LayerNorm = nn.LayerNorm  # GPT-2 / OPT use torch's LayerNorm as is.
+
+
+class HeadLayerNorm(nn.LayerNorm):
+    """torch's LayerNorm (weight and bias) over each head's features, one weight for every head
+    (Phi's `qk_layernorm`); no fused q/k norm + RoPE kernel takes it (`kernel_args`: None)."""
+
+    def kernel_args(self, dtype: torch.dtype) -> None:
+        return None
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's "layernorm1p": torch's LayerNorm (weight and bias) whose stored weight is an
+    offset, `layer_norm(x) * (1 + weight) + bias` (HF's `NemotronLayerNorm1P`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
+
+
+class WeightlessLayerNorm(nn.Module):
+    """LayerNorm with neither weight nor bias, in float32, cast back (OLMo's `OlmoLayerNorm`;
+    its eps is fixed, 1e-5)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.normalized_shape, self.eps = (hidden_size,), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        return F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
 
 
 class RMSNorm(OpsUser, nn.Module):

@@ -33,7 +33,9 @@ def read_ranges(source: TensorSource, dim: int, ranges) -> torch.Tensor:
 
 
 def read_full(source: TensorSource) -> torch.Tensor:
-    return source if isinstance(source, torch.Tensor) else source[:]
+    if isinstance(source, torch.Tensor):
+        return source
+    return source[:] if source_shape(source) else source[()]  # (a 0-dim slice takes no slice)
 
 
 @torch.no_grad()

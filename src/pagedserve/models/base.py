@@ -304,3 +304,17 @@ class LMHeadBias:
 
     def _rename(self, name: str) -> str | tuple | None:
         return "lm_head_bias" if name == "lm_head.bias" else super()._rename(name)
+
+
+class RenamedCheckpoint:
+    """Checkpoint names mapped onto the model's before loading: each `(old, new)` of
+    `checkpoint_renames` replaces a part of the name (a family whose modules take Llama's
+    names where its checkpoint says `dense`, `fc1`, `final_layernorm`: Phi-2, GPT-NeoX, ...).
+    Mixed in before the LM class."""
+
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def _rename(self, name: str) -> str | tuple | None:
+        for old, new in self.checkpoint_renames:
+            name = name.replace(old, new)
+        return super()._rename(name)

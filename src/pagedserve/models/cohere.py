@@ -64,7 +64,7 @@ class CohereLayerNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-def _head_rows(tp: TPContext, local: int, part: tuple[int, int], total: int) -> ShardSpec | None:
+def head_rows_shard(tp: TPContext, local: int, part: tuple[int, int], total: int) -> ShardSpec | None:
     """The shard of a per-head norm weight `[total heads, D]` whose `local` heads are part
     `part = (index, count)` (`TPContext.kv_head_part`), or None on one rank."""
     if not tp.is_parallel:
@@ -91,10 +91,10 @@ class CohereAttention(LlamaAttention):
             heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
             self.q_norm = CohereLayerNorm(
                 (self.num_heads, head_dim), eps,
-                shard=_head_rows(tp, self.num_heads, (tp.rank, tp.world_size), heads))
+                shard=head_rows_shard(tp, self.num_heads, (tp.rank, tp.world_size), heads))
             self.k_norm = CohereLayerNorm(
                 (self.num_kv_heads, head_dim), eps,
-                shard=_head_rows(tp, self.num_kv_heads, tp.kv_head_part(kv_heads), kv_heads))
+                shard=head_rows_shard(tp, self.num_kv_heads, tp.kv_head_part(kv_heads), kv_heads))
 
     def forward(
         self,

@@ -16,6 +16,7 @@ import torch
 
 from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
+from pagedserve.models import gguf_classic
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_gemma4 import ARCHITECTURES as GEMMA4_ARCHITECTURES
@@ -37,9 +38,11 @@ SUPPORTED_ARCHITECTURES = (
     "hunyuan-dense", "hunyuan-moe",  # HunYuan dense (0.5B-7B), Hunyuan-A13B
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
-) + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES + GEMMA4_ARCHITECTURES
+) + gguf_classic.ARCHITECTURES + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES \
+    + GEMMA4_ARCHITECTURES
 # deepseek2, gpt-oss (models/gguf_families.py); qwen3next, qwen35, qwen35moe
-# (models/gguf_hybrid.py); the Mamba2 hybrids (models/gguf_mamba.py); gemma4 (models/gguf_gemma4.py)
+# (models/gguf_hybrid.py); the Mamba2 hybrids (models/gguf_mamba.py); gemma4 (models/gguf_gemma4.py);
+# phi2, stablelm, starcoder2, gptneox, olmo, arcee, nemotron, apertus (models/gguf_classic.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -56,6 +59,7 @@ _HF_MODEL_TYPE["minimax-m2"] = "minimax_m2"
 # the Qwen VL text decoders, read as the decoder families they are (models/gguf_arch_config.py)
 _HF_MODEL_TYPE.update(qwen2vl="qwen2", qwen3vl="qwen3", qwen3vlmoe="qwen3_moe")
 _HF_MODEL_TYPE["granitehybrid"] = "granitemoehybrid"
+_HF_MODEL_TYPE.update(gguf_classic.HF_MODEL_TYPE)  # the older dense families (models/gguf_classic.py)
 _HF_ARCHITECTURE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -92,6 +96,7 @@ _HF_ARCHITECTURE = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    **gguf_classic.HF_ARCHITECTURE,
 }
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
@@ -150,7 +155,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     if isinstance(n_kv, list):  # per-layer counts (not used by our other architectures)
         raise ValueError(f"{header.path.name}: per-layer attention.head_count_kv is not supported")
     head_dim = header.arch_key("attention.key_length")
-    if not head_dim and arch not in PARTIAL_ROPE_ARCHS:  # there rope.dimension_count is the rotated part
+    if not head_dim and arch not in PARTIAL_ROPE_ARCHS + gguf_classic.PARTIAL_ROPE_ARCHS:  # there rope.dimension_count is the rotated part
         head_dim = header.arch_key("rope.dimension_count")
     head_dim = int(head_dim) if head_dim else hidden // n_heads
 
@@ -180,7 +185,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
         "head_dim": head_dim,
-        **common_config_fields(header, tensor_names, vocab_size, layer_norm=arch in COHERE_ARCHS),
+        **common_config_fields(header, tensor_names, vocab_size, layer_norm=arch in COHERE_ARCHS + gguf_classic.LAYER_NORM_ARCHS),
     }
     if cfg["vocab_size"] is None:
         raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
@@ -194,6 +199,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         cfg["rope_scaling"] = rope_scaling
     if arch in ARCH_CONFIG_HOOKS:
         ARCH_CONFIG_HOOKS[arch](header, cfg)
+    if arch in gguf_classic.ARCHITECTURES:
+        gguf_classic.config_hook(header, cfg)
     if arch in ("lfm2", "lfm2moe"):
         lfm2_config(header, cfg, layer_kv)
     if arch == "granitehybrid":

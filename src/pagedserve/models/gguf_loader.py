@@ -45,7 +45,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
-from pagedserve.models import gguf_mamba
+from pagedserve.models import gguf_classic, gguf_mamba
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -311,9 +311,12 @@ _BLOCK_NAMES["exaone4"] = _BLOCK_NAMES["olmo2"]
 # the Mamba2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1): models/gguf_mamba.py
 for _arch in gguf_mamba.ARCHITECTURES:
     _BLOCK_NAMES[_arch] = gguf_mamba.block_names(_arch, _LLAMA_BLOCK_NAMES, _MOE_BLOCK_NAMES)
+# the older dense families (Phi-2, ...): models/gguf_classic.py
+_BLOCK_NAMES.update(gguf_classic.BLOCK_NAMES)
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
-_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK
-_GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma")
+_PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
+    + gguf_classic.PERMUTED_QK
+_GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
@@ -431,3 +434,5 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
             quantized.data = tensor.contiguous()
             tensor = quantized
         yield hf_names[info.name], tensor
+    if arch in gguf_classic.ARCHITECTURES:
+        yield from gguf_classic.extra_weights(header)  # (Apertus's xIELU scalars: metadata)

@@ -6,6 +6,8 @@ from typing import Any
 
 from torch import nn
 
+from pagedserve.models.apertus import ApertusForCausalLM
+from pagedserve.models.arcee import ArceeForCausalLM
 from pagedserve.models.bamba import BambaForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
@@ -24,7 +26,9 @@ from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
 from pagedserve.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from pagedserve.models.gpt2 import GPT2LMHeadModel
 from pagedserve.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
+from pagedserve.models.gpt_neox import GPTNeoXForCausalLM
 from pagedserve.models.granite import GraniteForCausalLM
+from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
@@ -37,11 +41,14 @@ from pagedserve.models.ministral3 import Ministral3ForCausalLM
 from pagedserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from pagedserve.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedserve.models.mixtral import MixtralForCausalLM
+from pagedserve.models.nemotron import NemotronForCausalLM
 from pagedserve.models.nemotron_h import NemotronHForCausalLM
+from pagedserve.models.olmo import OlmoForCausalLM
 from pagedserve.models.olmoe import OlmoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.olmo3 import Olmo3ForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
+from pagedserve.models.phi import PhiForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.phimoe import PhiMoEForCausalLM, PhimoeForCausalLM
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
@@ -56,6 +63,8 @@ from pagedserve.models.qwen_vl import (
     Qwen3VLMoeForConditionalGeneration)
 from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
+from pagedserve.models.stablelm import StableLmForCausalLM
+from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -82,6 +91,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     # dense families of issue 35 (one file each)
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -169,6 +187,15 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "phi": "PhiForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "apertus": "ApertusForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "helium": "HeliumForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "nemotron": "NemotronForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
