@@ -57,6 +57,8 @@ EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCau
              "FalconH1ForCausalLM"}
 # Mamba 1 hybrid (layers/mamba1.py)
 EXPECTED |= {"JambaForCausalLM"}
+# pure state-space models (models/mamba.py)
+EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 
 
 def test_registry_names():

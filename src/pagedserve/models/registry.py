@@ -25,6 +25,7 @@ from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeShare
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
+from pagedserve.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 from pagedserve.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
@@ -84,6 +85,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
+    # pure state-space models (models/mamba.py)
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": FalconMambaForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
@@ -165,6 +170,9 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "glm4": "Glm4ForCausalLM",
