@@ -57,21 +57,25 @@ def entry_bytes(page: int, block_size: int, cache_dtype: torch.dtype) -> int:
 class PagedState(OpsUser, nn.Module):
     """The float32 tensors of `shapes` (per sequence) of one recurrent layer, stored in cache
     entries of `page` values a token (K and V of the attention layers' heads on this rank; None:
-    `fitted_page`, for a model without attention).
+    `fitted_page`, for a model without attention; with `tensors=1` one tensor an entry, V None:
+    an MLA model's latent page).
     `bind(block_size, cache_dtype)` sets how many entries it takes (`num_entries`). A module
     without parameters (a submodule of its layer): its platform binds the ops that copy a
     state to and from the cache (`LayerOps.paged_state_gather` / `_scatter`; torch otherwise)."""
 
     def __init__(self, shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], page: int | None,
-                 block_size: int = 16, cache_dtype: torch.dtype = torch.float32):
+                 block_size: int = 16, cache_dtype: torch.dtype = torch.float32, tensors: int = 2):
         super().__init__()
+        if tensors not in (1, 2):
+            raise ValueError(f"a cache entry holds 1 (latent attention's) or 2 (K, V) tensors, got {tensors}")
+        self.tensors = tensors
         self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
         self.sizes = [math.prod(s) for s in self.shapes]
         self.numel = sum(self.sizes)
         if page is None:
             page = fitted_page(self.numel)
-        if page < 2 or page % 2:
-            raise ValueError(f"a cache page must hold a K and a V half, got {page} values")
+        if page < tensors or page % tensors:
+            raise ValueError(f"a cache page must hold {tensors} equal tensors' values, got {page}")
         self.page = page
         self.bind(block_size, cache_dtype)
 
@@ -140,10 +144,10 @@ class PagedState(OpsUser, nn.Module):
             metas[0].__dict__["_state_block_ids"] = cached
         return cached[1]
 
-    @staticmethod
-    def flat_caches(caches: list[KVPair]) -> list[torch.Tensor]:
-        """The entries' K and V tensors in state order (K of entry 0, V of entry 0, K of 1 ...)."""
-        return [t for pair in caches for t in pair]
+    def flat_caches(self, caches: list[KVPair]) -> list[torch.Tensor]:
+        """The entries' K and V tensors in state order (K of entry 0, V of entry 0, K of 1 ...;
+        with `tensors=1`, an MLA model's entries: K alone)."""
+        return [t for pair in caches for t in pair[: self.tensors]]
 
     def gather(self, caches: list[KVPair], metas: list[AttentionMetadata], start: int,
                count: int) -> torch.Tensor:  # [S, count] float32
@@ -156,7 +160,7 @@ class PagedState(OpsUser, nn.Module):
         if got is not None:
             return got
         parts = [self._flat(t).index_select(0, self._blocks(m))
-                 for pair, m in zip(caches, metas) for t in pair]
+                 for pair, m in zip(caches, metas) for t in pair[: self.tensors]]
         raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [S, words]
         values = raw[:, start : start + count].contiguous().view(torch.float32)  # [S, count]
         return values.masked_fill(fresh[:, None], 0.0)
@@ -181,13 +185,13 @@ class PagedState(OpsUser, nn.Module):
             values = full
         raw = values.contiguous().view(torch.int32)  # [S, numel]
         width = self._flat(caches[0][0]).shape[1]
-        total = width * 2 * len(caches)
+        total = width * self.tensors * len(caches)
         if raw.shape[1] < total:
             raw = torch.nn.functional.pad(raw, (0, total - raw.shape[1]))
         chunks = raw.split(width, dim=1)
         i = 0
         for pair, meta in zip(caches, metas):
             blocks = self._blocks(meta)
-            for t in pair:
+            for t in pair[: self.tensors]:
                 self._flat(t).index_copy_(0, blocks, chunks[i])
                 i += 1

@@ -68,21 +68,24 @@ std::vector<int64_t> starts_of(const at::Tensor& qsl, int64_t S, int64_t T) {
   return s;
 }
 
-// A state's words in the cache: chunk c (entry c / 2, its K (even c) or V (odd c) tensor) holds
-// words [c * W, (c + 1) * W) of every sequence's state, W the words of one block of a tensor; a
-// sequence's block in entry e is blocks[e, s].
+// A state's words in the cache: chunk c (entry c / P, its K (c % P == 0) or V tensor; P the
+// tensors an entry has: 2, or 1 in an MLA model's cache) holds words [c * W, (c + 1) * W) of
+// every sequence's state, W the words of one block of a tensor; a sequence's block in entry e
+// is blocks[e, s].
 struct PagedWords {
   std::vector<int32_t*> base;  // per chunk: its tensor's first word
   const int64_t* blocks;       // [E, S]
-  int64_t S, W;
+  int64_t S, W, P;
 
   PagedWords(const std::vector<at::Tensor>& caches, const at::Tensor& blocks_) {
     // (one tensor alone is a state outside the cache: `[S, words]`, sequence s in row blocks[0, s])
-    TORCH_CHECK(!caches.empty() && (caches.size() % 2 == 0 || caches.size() == 1),
-                "caches: K and V tensors of each entry");
     TORCH_CHECK(blocks_.scalar_type() == at::kLong && blocks_.dim() == 2 && blocks_.is_contiguous() &&
-                    blocks_.size(0) == (static_cast<int64_t>(caches.size()) + 1) / 2,
+                    blocks_.size(0) > 0,
                 "blocks must be a contiguous int64 [entries, sequences] tensor");
+    const int64_t E = blocks_.size(0), n_caches = static_cast<int64_t>(caches.size());
+    TORCH_CHECK(n_caches > 0 && n_caches % E == 0 && n_caches / E <= 2,
+                "caches: the K (and V) tensors of each entry");
+    P = n_caches / E;
     const int64_t rows = caches[0].size(0);
     const int64_t bytes = caches[0].numel() * caches[0].element_size() / rows;
     TORCH_CHECK(bytes % 4 == 0, "a cache block must hold whole 32-bit words");
@@ -105,7 +108,7 @@ struct PagedWords {
     while (count > 0) {
       const int64_t c = start / W, off = start % W, n = std::min(count, W - off);
       TORCH_CHECK(c < static_cast<int64_t>(base.size()), "a state past its cache entries");
-      int32_t* p = base[c] + blocks[(c / 2) * S + s] * W + off;
+      int32_t* p = base[c] + blocks[(c / P) * S + s] * W + off;
       if (to_cache)
         std::memcpy(p, buf, n * 4);
       else
