@@ -59,6 +59,8 @@ EXPECTED |= {"GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCau
 EXPECTED |= {"JambaForCausalLM"}
 # pure state-space models (models/mamba.py)
 EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
+# Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
+EXPECTED |= {"KimiLinearForCausalLM"}
 
 
 def test_registry_names():
