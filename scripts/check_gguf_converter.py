@@ -5,7 +5,8 @@ ministral3, mistral3, lfm2, exaone4, gemma, ernie4_5, hunyuan_v1_dense, the Qwen
 qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_next, qwen3_5,
 qwen3_5_moe; the Mamba2 hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1;
 jamba; the MoEs hunyuan_v1_moe and glm4_moe_lite; the older dense families phi, stablelm, starcoder2,
-gpt_neox, olmo, arcee, nemotron, apertus) this builds a tiny random
+gpt_neox, olmo, arcee, nemotron, apertus; the pure state-space models mamba, falcon_mamba,
+mamba2) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -37,6 +38,8 @@ VOCAB = 320
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_SSM = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, state_size=16, conv_kernel=4,
+            layer_norm_epsilon=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                     "llama_4_scaling_beta": 0.5}
@@ -221,6 +224,13 @@ FAMILIES = {
     "apertus": lambda: transformers.ApertusConfig(**_COMMON, head_dim=16, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
         "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    # the pure state-space models (no attention): Mamba 1 (llama.cpp runs expand 2 only); Falcon
+    # Mamba's dt / B / C norms (llama.cpp runs them with the layers' epsilon: mixer_rms_eps equal);
+    # Mamba2 with two groups
+    "mamba": lambda: transformers.MambaConfig(**_SSM, expand=2, time_step_rank=8),
+    "falcon_mamba": lambda: transformers.FalconMambaConfig(**_SSM, expand=2, time_step_rank=8,
+                                                           mixer_rms_eps=1e-5),
+    "mamba2": lambda: transformers.Mamba2Config(**_SSM, expand=2, num_heads=8, head_dim=16, n_groups=2),
 }
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",

@@ -199,7 +199,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
 RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "bamba", "nemotron_h",
-                      "falcon_h1", "jamba")
+                      "falcon_h1", "jamba", "mamba", "falcon_mamba", "mamba2", "kimi_linear")
 
 
 def _recurrent_family_config(tf, arch: str, common: dict):
@@ -232,6 +232,22 @@ def _recurrent_family_config(tf, arch: str, common: dict):
                               attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
                               num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
                               mamba_expand=1, mamba_dt_rank=8)
+    if arch == "kimi_linear":  # KDA layers around a NoPE MLA layer (states in latent pages), V3 experts
+        return tf.KimiLinearConfig(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5, linear_head_dim=16,
+            linear_num_heads=2, linear_conv_kernel_dim=4, mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["linear_attention", "full_attention", "linear_attention"], **common)
+    # pure state-space models: no attention layer (the states fit their own page)
+    ssm = dict(hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4, **common)
+    if arch == "mamba":  # Mamba 1 mixers
+        return tf.MambaConfig(**ssm, expand=2, time_step_rank=8)
+    if arch == "falcon_mamba":  # Mamba 1 with weightless dt / B / C norms
+        return tf.FalconMambaConfig(**ssm, expand=2, time_step_rank=8)
+    if arch == "mamba2":  # Mamba 2 mixers, two groups
+        return tf.Mamba2Config(**ssm, expand=2, num_heads=8, head_dim=16, n_groups=2, chunk_size=8)
     if arch == "falcon_h1":  # Mamba 2 and attention side by side, muP multipliers
         return tf.FalconH1Config(**base, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=64,
                                  mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4,

@@ -1,4 +1,4 @@
-"""kernels/cpu_recurrent.py: the Gated DeltaNet and Mamba 2 recurrences in C++ -- equal to the
+"""kernels/cpu_recurrent.py: the Gated DeltaNet, Kimi Delta Attention and Mamba 2 recurrences in C++ -- equal to the
 recurrence in float64 up to float32 rounding, and batch-invariant: a sequence's outputs and
 state bits do not depend on the other sequences of the call or on how its tokens are split
 into calls."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.cpu_fp32 import fp32_kernels_available
-from pagedserve.kernels.cpu_recurrent import gated_delta_rule, ssm_scan
+from pagedserve.kernels.cpu_recurrent import gated_delta_rule, kimi_delta_rule, ssm_scan
 
 pytestmark = pytest.mark.skipif(not fp32_kernels_available(), reason="no fp32 CPU kernels here")
 
@@ -16,7 +16,8 @@ def _gdr_ref(q, k, v, beta, decay, state):  # one sequence, float64: [T, H, V], 
     s = state.double().clone()
     out = []
     for t in range(q.shape[0]):
-        s = s * decay[t].double()[:, None, None]
+        # (KDA: decay [T, H, K], key row i of each head's state times its own)
+        s = s * (decay[t].double()[:, :, None] if decay.dim() == 3 else decay[t].double()[:, None, None])
         mem = torch.einsum("hk,hkv->hv", k[t].double(), s)
         delta = (v[t].double() - mem) * beta[t].double()[:, None]
         s = s + k[t].double()[:, :, None] * delta[:, None, :]
@@ -45,6 +46,12 @@ def _gdr_inputs(n, h=3, k=8, v=16, seed=0):
             torch.rand(n, h, generator=g) * 0.5 + 0.5)
 
 
+def _kda_inputs(n, h=3, k=8, v=16, seed=0):
+    q, kk, vv, beta, _ = _gdr_inputs(n, h, k, v, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    return q, kk, vv, beta, torch.rand(n, h, k, generator=g) * 0.6 + 0.4  # a decay per key channel
+
+
 def _ssm_inputs(n, h=4, p=8, g_=2, nst=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, h, p, generator=g), torch.rand(n, h, generator=g) * 0.5,
@@ -65,6 +72,21 @@ def test_gated_delta_rule_equals_the_recurrence():
     torch.testing.assert_close(state[0].double(), ref_state, rtol=1e-5, atol=1e-5)
 
 
+def test_kimi_delta_rule_equals_the_recurrence_with_a_decay_per_key_channel():
+    ins = _kda_inputs(7)
+    state = torch.randn(1, 3, 8, 16)
+    init = state[0].clone()
+    ref_out, ref_state = _gdr_ref(*ins, init)
+    out = kimi_delta_rule(*ins, state, _qsl([7]))
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0].double(), ref_state, rtol=1e-5, atol=1e-5)
+    # the channels' decays differ: one decay a head (their mean) is another recurrence
+    _, mean_state = _gdr_ref(*ins[:4], ins[4].mean(-1), init)
+    assert not torch.allclose(mean_state, ref_state, atol=1e-3)
+    with pytest.raises(ValueError, match="decay"):
+        kimi_delta_rule(*ins[:4], ins[4][:, :, :4].contiguous(), torch.zeros(1, 3, 8, 16), _qsl([7]))
+
+
 def test_ssm_scan_equals_the_recurrence():
     ins = _ssm_inputs(6)
     state = torch.randn(1, 4, 8, 16)
@@ -74,12 +96,13 @@ def test_ssm_scan_equals_the_recurrence():
     torch.testing.assert_close(state[0].double(), ref_state, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gdr", "ssm"])
+@pytest.mark.parametrize("kind", ["gdr", "kda", "ssm"])
 def test_a_sequence_gets_the_same_bits_alone_batched_or_token_by_token(kind):
     # sequence 0 (9 tokens) alone; then beside two others (5 and 1 tokens); then in 3 + 1 + 5 calls
-    make = _gdr_inputs if kind == "gdr" else _ssm_inputs
-    run = gated_delta_rule if kind == "gdr" else ssm_scan
-    state_shape = (3, 8, 16) if kind == "gdr" else (4, 8, 16)
+    make = {"gdr": _gdr_inputs, "kda": _kda_inputs, "ssm": _ssm_inputs}[kind]
+    run = {"gdr": gated_delta_rule, "kda": kimi_delta_rule, "ssm": ssm_scan}[kind]
+    state_shape = (4, 8, 16) if kind == "ssm" else (3, 8, 16)
+    kind = "gdr" if kind == "kda" else kind  # (every input per token)
     mine, other = make(9, seed=1), make(6, seed=2)
     init = torch.randn(1, *state_shape, generator=torch.Generator().manual_seed(3))
 

@@ -373,3 +373,51 @@ def write_jamba_gguf(path: Path, config, state: dict[str, torch.Tensor], *, type
         tensors[f"blk.{bid}.ffn_{short}_exps.weight"] = (f"experts.{leaf}", stacked.numpy())
     _write(writer, tensors, types)
     return path
+
+
+def write_mamba_gguf(path: Path, config, state: dict[str, torch.Tensor], *, types=None) -> Path:
+    """A Mamba, Falcon Mamba or Mamba2 checkpoint as conversion/mamba.py writes it: "mamba"
+    (`ssm.dt_b_c_rms` for Falcon Mamba; `time_step_rank` dt_rank, `ssm_a` = -exp(A_log) `[I, N]`)
+    or "mamba2" (`time_step_rank` the heads, `group_count`; A, D as `[H, 1]`, the norm as
+    `[G, I / G]`, dt_bias as `ssm_dt.bias`), each layer's norm `attn_norm`, the conv squeezed,
+    no `output.weight` when tied."""
+    two = config.model_type == "mamba2"
+    arch = gguf.MODEL_ARCH.MAMBA2 if two else gguf.MODEL_ARCH.MAMBA
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(f"tiny {config.model_type}")
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(config.num_hidden_layers)
+    inner = config.num_heads * config.head_dim if two else config.intermediate_size
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_state_size(config.state_size)
+    writer.add_ssm_time_step_rank(config.num_heads if two else config.time_step_rank)
+    if two:
+        writer.add_ssm_group_count(config.n_groups)
+    else:
+        writer.add_ssm_dt_b_c_rms(config.model_type == "falcon_mamba")
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    _vocab(writer, config)
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors: dict[str, tuple[str, np.ndarray]] = {}
+    for hf_name, tensor in state.items():
+        data = tensor.detach().float()
+        base, suffix = hf_name.rsplit(".", 1)
+        if suffix in ("A_log", "D"):
+            base, suffix = hf_name, ""
+        elif suffix == "dt_bias":
+            base, suffix = f"{base}.dt_proj", "bias"
+        mapped = name_map.get_name(base)
+        assert mapped is not None, hf_name
+        if two:
+            data = _ssm_tensor(hf_name, data, config.n_groups)
+        elif hf_name.endswith(".A_log"):
+            data = -torch.exp(data)  # [I, N]
+        elif hf_name.endswith(".conv1d.weight"):
+            data = data.squeeze(1)  # [I, L]
+        tensors[f"{mapped}.{suffix}" if suffix else mapped] = (hf_name, data.numpy())
+    _write(writer, tensors, types)
+    return path

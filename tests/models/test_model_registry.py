@@ -66,6 +66,10 @@ EXPECTED |= {"Glm4MoeLiteForCausalLM", "Ernie4_5ForCausalLM", "HunYuanDenseV1For
 EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GPTNeoXForCausalLM",
              "ApertusForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM", "OlmoForCausalLM",
              "NemotronForCausalLM"}
+# pure state-space models (models/mamba.py)
+EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
+# Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
+EXPECTED |= {"KimiLinearForCausalLM"}
 
 
 def test_registry_names():

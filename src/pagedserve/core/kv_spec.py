@@ -11,7 +11,8 @@ A model declares one spec per layer (`models.base.KVCacheSpec.layers`):
 - `RecurrentStateSpec(num_kv_heads, head_dim)`: a cache entry of a recurrent layer's state
   (Gated DeltaNet, Mamba: `layers.recurrent_state`): a fixed-size state per sequence, rewritten
   in place every step; its group holds one block per sequence (its first logical block) for the
-  sequence's life, whatever its length, and none in later logical blocks (null entries). Such
+  sequence's life, whatever its length, and none in later logical blocks (null entries); with
+  `num_tensors=1`, in an MLA model's page shape `(1, 1, head_dim)`. Such
   state cannot be rolled back or shared by prefix: models with it run without prefix caching
   and speculative decoding;
 - `sinks=True` on an attention spec: learned per-head sink logits (gpt-oss). They change no
@@ -81,7 +82,11 @@ class SlidingWindowSpec(FullAttentionSpec):
 class RecurrentStateSpec(FullAttentionSpec):
     """A cache entry holding part of a recurrent layer's state (attention's page shape, the
     pool's blocks being of one size): one block per sequence, its first logical block, kept for
-    the sequence's life and written in place every step."""
+    the sequence's life and written in place every step. `num_tensors=1` takes latent
+    attention's page shape `(1, 1, head_dim)` (`MLASpec(head_dim)`: Kimi Linear's delta
+    attention beside MLA layers)."""
+
+    num_tensors: int = 2
 
     def rule(self) -> tuple:
         return ("state",)
@@ -253,6 +258,8 @@ class KVLayout:
 def _as_full(spec: LayerSpec) -> LayerSpec:
     """The spec with every block kept (a sliding layer's window dropped from the memory rule; a
     recurrent state's entries then hold a block in every logical block, the first one read)."""
+    if isinstance(spec, RecurrentStateSpec) and spec.num_tensors == 1:  # (beside MLA layers)
+        return MLASpec(spec.head_dim)
     if isinstance(spec, FullAttentionSpec) and type(spec) is not FullAttentionSpec:
         return FullAttentionSpec(spec.num_kv_heads, spec.head_dim, spec.sinks)
     return spec

@@ -10,14 +10,20 @@ logger = logging.getLogger(__name__)
 
 
 def served_max_model_len(requested: int | None, config, text_config) -> int:
-    """The context served: `requested` (EngineArgs.max_model_len), else the model's limit.
+    """The context served: `requested` (EngineArgs.max_model_len), else the model's limit (2048
+    for a config declaring none, which then takes any `requested`: Mamba's).
     ValueError (before the model loads) past `max_position_embeddings`, or past what the model
     class serves exactly (`models.registry.context_limit`: Llama 4's attention_chunk_size, whose
     class names it in its own error); without `requested`, the smaller of the two."""
     from pagedserve.models.registry import context_limit, get_model_class
 
-    max_pos = int(getattr(text_config, "max_position_embeddings", None) or 2048)
+    declared = getattr(text_config, "max_position_embeddings", None)
+    max_pos = int(declared or 2048)
     limit = context_limit(config)
+    if declared is None and requested is not None and limit is None:
+        # no position limit declared (a pure state-space model: Mamba): the request as vLLM
+        # takes it; 2048 when none
+        return requested
     if requested is None and limit is not None and limit < max_pos:
         logger.warning("max_model_len defaults to %d, the longest context %s serves exactly (its "
                        "max_position_embeddings is %d)", limit, type(text_config).__name__, max_pos)

@@ -5,6 +5,8 @@ states).
 
 - `gated_delta_rule(q, k, v, beta, decay, state, query_start_loc)`: Gated DeltaNet's
   `S *= decay; S += k^T ((v - k S) beta); out = q S` per token (Qwen3-Next, Qwen3.5).
+- `kimi_delta_rule(q, k, v, beta, decay, state, query_start_loc)`: Kimi Delta Attention's, the
+  same with `decay [T, H, K]`, one per key channel (row i of S times decay[t, h, i]; Kimi Linear).
 - `ssm_scan(x, dt, A, B, C, D, state, query_start_loc)`: Mamba 2's
   `S = S exp(dt A) + dt x B^T; y = S C + D x` per token (Granite 4.0-H and kin).
 
@@ -52,6 +54,22 @@ def gated_delta_rule(
         return None
     caches, rows, fresh = _as_paged(state)
     return gated_delta_rule_paged(q, k, v, beta, decay, caches, rows, 0, fresh, query_start_loc)
+
+
+def kimi_delta_rule(
+    q: torch.Tensor,  # [T, H, K]
+    k: torch.Tensor,  # [T, H, K]
+    v: torch.Tensor,  # [T, H, V]
+    beta: torch.Tensor,  # [T, H]
+    decay: torch.Tensor,  # [T, H, K]
+    state: torch.Tensor,  # [S, H, K, V] float32, updated in place
+    query_start_loc: torch.Tensor,  # [S + 1] int64
+) -> torch.Tensor | None:  # [T, H, V]
+    """See the module docstring (the state outside the cache: `kimi_delta_rule_paged` on it)."""
+    if not _usable(state) or not state.is_contiguous():
+        return None
+    caches, rows, fresh = _as_paged(state)
+    return kimi_delta_rule_paged(q, k, v, beta, decay, caches, rows, 0, fresh, query_start_loc)
 
 
 def ssm_scan(
@@ -104,6 +122,17 @@ def gated_delta_rule_paged(q, k, v, beta, decay, caches: list[torch.Tensor], blo
     return torch.ops.pagedserve_fp32.fp32_gated_delta_rule_paged.default(
         q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), decay.contiguous(),
         caches, blocks.contiguous(), start, fresh, query_start_loc.to(torch.int64), _get_isa())
+
+
+def kimi_delta_rule_paged(q, k, v, beta, decay, caches: list[torch.Tensor], blocks: torch.Tensor,
+                          start: int, fresh: torch.Tensor,
+                          query_start_loc: torch.Tensor) -> torch.Tensor | None:  # [T, H, V]
+    """`kimi_delta_rule` on a state kept in the cache (as `gated_delta_rule_paged`, the decay
+    `[T, H, K]`: the kernel's per-key-channel variant); None without the kernels."""
+    if decay.dim() != 3 or decay.shape != q.shape:
+        raise ValueError(f"kimi_delta_rule_paged: decay {tuple(decay.shape)} must be q's [T, H, K] "
+                         f"{tuple(q.shape)}")
+    return gated_delta_rule_paged(q, k, v, beta, decay, caches, blocks, start, fresh, query_start_loc)
 
 
 def ssm_scan_paged(x, dt, A, B, C, D, caches: list[torch.Tensor], blocks: torch.Tensor,

@@ -156,26 +156,8 @@ class GatedDeltaNet(OpsUser, nn.Module):
 
     def _conv(self, x: torch.Tensor, state: torch.Tensor,
               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The causal depthwise conv of every token over its sequence's last L inputs (the state's
-        L - 1, then the step's): `[T, C]` float32, and the new states `[S, C, L - 1]`."""
-        lags = self.kernel - 1
-        parts, rows, new_state = [], [], []
-        base = 0
-        for s in range(len(starts) - 1):
-            n = starts[s + 1] - starts[s]
-            seg = torch.cat([state[s].t(), x[starts[s]:starts[s + 1]]])  # [L-1 + n, C]
-            parts.append(seg)
-            rows.append(torch.arange(base, base + n))
-            new_state.append(seg[n:].t())  # [C, L-1]: the last L - 1 inputs
-            base += n + lags
-        ext = torch.cat(parts)  # [sum(L-1 + n), C]
-        first = torch.cat(rows).to(x.device)  # [T]: each token's oldest input row
-        w = self.conv1d.weight[:, 0, :].float()  # [C, L]
-        # NOTE: one fixed order for every token (oldest input first), element by element
-        acc = ext.index_select(0, first) * w[:, 0]  # [T, C]
-        for j in range(1, self.kernel):
-            acc = acc + ext.index_select(0, first + j) * w[:, j]
-        return acc, torch.stack(new_state)
+        """`causal_conv` with this layer's weight."""
+        return causal_conv(x, state, starts, self.conv1d.weight[:, 0, :].float())
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:  # [T, Hv] -> [T, Hv] fp32
         """`exp(-exp(A_log) * softplus(a + dt_bias))`, one token's row at a time (exactness)."""
@@ -226,6 +208,31 @@ class GatedDeltaNet(OpsUser, nn.Module):
             else:
                 state[idx] = st
         return out
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, starts: list[int],
+                w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal depthwise conv (`w [C, L]` float32, no bias) of every token (`x [T, C]`
+    float32) over its sequence's last L inputs (the state's L - 1 `[S, C, L - 1]`, then the
+    step's): `[T, C]` float32, and the new states `[S, C, L - 1]`."""
+    kernel = w.shape[1]
+    lags = kernel - 1
+    parts, rows, new_state = [], [], []
+    base = 0
+    for s in range(len(starts) - 1):
+        n = starts[s + 1] - starts[s]
+        seg = torch.cat([state[s].t(), x[starts[s]:starts[s + 1]]])  # [L-1 + n, C]
+        parts.append(seg)
+        rows.append(torch.arange(base, base + n))
+        new_state.append(seg[n:].t())  # [C, L-1]: the last L - 1 inputs
+        base += n + lags
+    ext = torch.cat(parts)  # [sum(L-1 + n), C]
+    first = torch.cat(rows).to(x.device)  # [T]: each token's oldest input row
+    # NOTE: one fixed order for every token (oldest input first), element by element
+    acc = ext.index_select(0, first) * w[:, 0]  # [T, C]
+    for j in range(1, kernel):
+        acc = acc + ext.index_select(0, first + j) * w[:, j]
+    return acc, torch.stack(new_state)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]

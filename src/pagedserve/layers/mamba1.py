@@ -1,12 +1,13 @@
-"""The Mamba (1) mixer of Jamba (HF's `JambaMambaMixer`) whose state lives in the paged KV cache
-(`layers.recurrent_state.PagedState`).
+"""The Mamba (1) mixer (HF's `MambaMixer`, `FalconMambaMixer`, `JambaMambaMixer`) whose state
+lives in the paged KV cache (`layers.recurrent_state.PagedState`).
 
 For tokens `h [T, hidden]` (I = `expand * hidden` channels, N state values, R = `dt_rank`):
 1. `in_proj(h)` splits into `x [T, I]` and the gate `z [T, I]`;
 2. `x` goes through a causal depthwise conv1d of kernel L (its state: the sequence's last L - 1
    `x` rows; the same conv as `layers.mamba2`), then SiLU;
-3. `x_proj(x)` splits into `dt [T, R]`, `B`, `C` `[T, N]`, each RMS-normalized (Jamba's
-   `dt_layernorm`, `b_layernorm`, `c_layernorm`); `dt = softplus(dt_proj(dt))` `[T, I]`;
+3. `x_proj(x)` splits into `dt [T, R]`, `B`, `C` `[T, N]`, each RMS-normalized in Jamba
+   (`dt_layernorm`, `b_layernorm`, `c_layernorm`, with weights) and Falcon Mamba (the same
+   without weights), as they are in Mamba; `dt = softplus(dt_proj(dt))` `[T, I]`;
 4. the selective scan, per channel d and state n: `h = exp(dt_d A_dn) h + dt_d B_n x_d` (the
    state `h [I, N]`, `A = -exp(A_log)` `[I, N]`), `y_d = sum_n C_n h_dn + D_d x_d`;
 5. `out_proj(y * silu(z))`.
@@ -35,23 +36,27 @@ from pagedserve.layers.activation import get_activation
 from pagedserve.distributed.tp import SINGLE, TPContext
 from pagedserve.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardSpec, set_shard
 from pagedserve.layers.mamba2 import Mamba2Mixer, tree_sum
-from pagedserve.layers.norms import RMSNorm
+from pagedserve.layers.norms import RMSNorm, WeightlessRMSNorm
 from pagedserve.layers.recurrent_state import KVPair, PagedState
 from pagedserve.platforms import OpsUser
 
 
 class Mamba1Mixer(OpsUser, nn.Module):
-    """A Mamba (1) mixer with Jamba's dt / B / C norms (see the module docstring) over a paged
-    state; parameter names as HF's (`in_proj`, `conv1d.weight` `[I, 1, L]`, `conv1d.bias`,
-    `x_proj`, `dt_proj` (with a bias), `A_log` `[I, N]`, `D`, `dt_layernorm`, `b_layernorm`,
-    `c_layernorm`, `out_proj`). `page`: the values of one cache entry a token.
+    """A Mamba (1) mixer (see the module docstring) over a paged state; parameter names as HF's
+    (`in_proj`, `conv1d.weight` `[I, 1, L]`, `conv1d.bias`, `x_proj`, `dt_proj` (with a bias),
+    `A_log` `[I, N]`, `D`, `out_proj`; Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`).
+    `dt_bc_norm`: "weighted" (Jamba), "weightless" (Falcon Mamba) or None (Mamba). `page`: the
+    values of one cache entry a token (None: fitted to the state, `layers.recurrent_state`).
     `forward(h [T, hidden], caches, metas)`: `caches` the layer's cache entries (K, V pairs),
     `metas` their attention metadata."""
 
     def __init__(self, hidden_size: int, *, intermediate_size: int, state_size: int, dt_rank: int,
-                 conv_kernel: int, page: int, conv_bias: bool = True, proj_bias: bool = False,
-                 activation: str = "silu", norm_eps: float = 1e-6, tp: TPContext = SINGLE):
+                 conv_kernel: int, page: int | None, conv_bias: bool = True, proj_bias: bool = False,
+                 activation: str = "silu", norm_eps: float = 1e-6, dt_bc_norm: str | None = "weighted",
+                 tp: TPContext = SINGLE):
         super().__init__()
+        if dt_bc_norm not in ("weighted", "weightless", None):
+            raise ValueError(f"mamba dt / B / C norm must be 'weighted', 'weightless' or None, got {dt_bc_norm!r}")
         if conv_kernel < 2:
             raise ValueError(f"the mamba conv kernel must span at least 2 positions, got {conv_kernel}")
         if intermediate_size <= 0 or state_size <= 0 or dt_rank <= 0:
@@ -71,9 +76,13 @@ class Mamba1Mixer(OpsUser, nn.Module):
         self.dt_proj = ColumnParallelLinear(dt_rank, intermediate_size, True, tp=tp)
         self.A_log = nn.Parameter(torch.zeros(inter, state_size))
         self.D = nn.Parameter(torch.ones(inter))
-        self.dt_layernorm = RMSNorm(dt_rank, norm_eps)
-        self.b_layernorm = RMSNorm(state_size, norm_eps)
-        self.c_layernorm = RMSNorm(state_size, norm_eps)
+        self.dt_bc_norm = dt_bc_norm
+        if dt_bc_norm == "weighted":
+            self.dt_layernorm = RMSNorm(dt_rank, norm_eps)
+            self.b_layernorm = RMSNorm(state_size, norm_eps)
+            self.c_layernorm = RMSNorm(state_size, norm_eps)
+        elif dt_bc_norm == "weightless":  # (one module: no parameters)
+            self.dt_layernorm = self.b_layernorm = self.c_layernorm = WeightlessRMSNorm(norm_eps)
         self.out_proj = RowParallelLinear(intermediate_size, hidden_size, proj_bias, tp=tp)
         self.act = get_activation(activation)
         self.gate_act = get_activation("silu")  # (HF's gate is SiLU whatever hidden_act)
@@ -107,8 +116,9 @@ class Mamba1Mixer(OpsUser, nn.Module):
         self.state.scatter(caches, metas, 0, conv_state.reshape(s, -1))
         dt, b, c = self.x_proj(x.to(h.dtype)).split(
             [self.dt_rank, self.state_size, self.state_size], dim=-1)  # [T, R], [T, N] x 2
-        dt = self.dt_layernorm(dt)
-        b, c = self.b_layernorm(b), self.c_layernorm(c)
+        if self.dt_bc_norm is not None:
+            dt = self.dt_layernorm(dt)
+            b, c = self.b_layernorm(b), self.c_layernorm(c)
         dt = self.time_steps(self.ops.linear(dt, self.dt_proj.weight, None))  # [T, I] fp32
         a = -torch.exp(self.A_log.float())  # [I, N]
         start = self.state.offset(1)  # the SSM state's first value

@@ -18,6 +18,10 @@ and batching leave tokens and logprobs exactly equal to a roomy run.
 
 NOTE: how many entries a state takes depends on the block size and the cache's storage dtype:
 the model learns them from `bind_cache` (models.base) before the engine reads its KV spec.
+
+A model without attention layers (Mamba, Mamba2) has no page shape to follow: its states set
+one (`page=None`: `fitted_page`), one entry holding a whole state in blocks of
+`FITTED_BLOCK_TOKENS` float32 tokens, and the model declares its state specs with that shape.
 """
 
 from __future__ import annotations
@@ -33,6 +37,16 @@ from pagedserve.platforms import OpsUser
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # one cache entry: K, V `[N + 1, B, Hkv, D]` each
 
+# The block size at which a fitted page (`fitted_page`) holds a float32 state in one entry.
+FITTED_BLOCK_TOKENS = 16
+
+
+def fitted_page(numel: int) -> int:
+    """The page (values a token: a K and a V half) of a model whose only cache entries are states
+    of `numel` float32 values: one entry of `FITTED_BLOCK_TOKENS` float32 tokens holds a state
+    (more entries at smaller blocks or in a 2-byte cache dtype)."""
+    return 2 * max(1, -(-numel // (2 * FITTED_BLOCK_TOKENS)))
+
 
 def entry_bytes(page: int, block_size: int, cache_dtype: torch.dtype) -> int:
     """Bytes of one block of one cache entry: `block_size` tokens of `page` values (K and V of
@@ -42,19 +56,26 @@ def entry_bytes(page: int, block_size: int, cache_dtype: torch.dtype) -> int:
 
 class PagedState(OpsUser, nn.Module):
     """The float32 tensors of `shapes` (per sequence) of one recurrent layer, stored in cache
-    entries of `page` values a token (K and V of the attention layers' heads on this rank).
+    entries of `page` values a token (K and V of the attention layers' heads on this rank; None:
+    `fitted_page`, for a model without attention; with `tensors=1` one tensor an entry, V None:
+    an MLA model's latent page).
     `bind(block_size, cache_dtype)` sets how many entries it takes (`num_entries`). A module
     without parameters (a submodule of its layer): its platform binds the ops that copy a
     state to and from the cache (`LayerOps.paged_state_gather` / `_scatter`; torch otherwise)."""
 
-    def __init__(self, shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], page: int,
-                 block_size: int = 16, cache_dtype: torch.dtype = torch.float32):
+    def __init__(self, shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], page: int | None,
+                 block_size: int = 16, cache_dtype: torch.dtype = torch.float32, tensors: int = 2):
         super().__init__()
-        if page < 2 or page % 2:
-            raise ValueError(f"a cache page must hold a K and a V half, got {page} values")
+        if tensors not in (1, 2):
+            raise ValueError(f"a cache entry holds 1 (latent attention's) or 2 (K, V) tensors, got {tensors}")
+        self.tensors = tensors
         self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
         self.sizes = [math.prod(s) for s in self.shapes]
         self.numel = sum(self.sizes)
+        if page is None:
+            page = fitted_page(self.numel)
+        if page < tensors or page % tensors:
+            raise ValueError(f"a cache page must hold {tensors} equal tensors' values, got {page}")
         self.page = page
         self.bind(block_size, cache_dtype)
 
@@ -123,10 +144,10 @@ class PagedState(OpsUser, nn.Module):
             metas[0].__dict__["_state_block_ids"] = cached
         return cached[1]
 
-    @staticmethod
-    def flat_caches(caches: list[KVPair]) -> list[torch.Tensor]:
-        """The entries' K and V tensors in state order (K of entry 0, V of entry 0, K of 1 ...)."""
-        return [t for pair in caches for t in pair]
+    def flat_caches(self, caches: list[KVPair]) -> list[torch.Tensor]:
+        """The entries' K and V tensors in state order (K of entry 0, V of entry 0, K of 1 ...;
+        with `tensors=1`, an MLA model's entries: K alone)."""
+        return [t for pair in caches for t in pair[: self.tensors]]
 
     def gather(self, caches: list[KVPair], metas: list[AttentionMetadata], start: int,
                count: int) -> torch.Tensor:  # [S, count] float32
@@ -139,7 +160,7 @@ class PagedState(OpsUser, nn.Module):
         if got is not None:
             return got
         parts = [self._flat(t).index_select(0, self._blocks(m))
-                 for pair, m in zip(caches, metas) for t in pair]
+                 for pair, m in zip(caches, metas) for t in pair[: self.tensors]]
         raw = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [S, words]
         values = raw[:, start : start + count].contiguous().view(torch.float32)  # [S, count]
         return values.masked_fill(fresh[:, None], 0.0)
@@ -164,13 +185,13 @@ class PagedState(OpsUser, nn.Module):
             values = full
         raw = values.contiguous().view(torch.int32)  # [S, numel]
         width = self._flat(caches[0][0]).shape[1]
-        total = width * 2 * len(caches)
+        total = width * self.tensors * len(caches)
         if raw.shape[1] < total:
             raw = torch.nn.functional.pad(raw, (0, total - raw.shape[1]))
         chunks = raw.split(width, dim=1)
         i = 0
         for pair, meta in zip(caches, metas):
             blocks = self._blocks(meta)
-            for t in pair:
+            for t in pair[: self.tensors]:
                 self._flat(t).index_copy_(0, blocks, chunks[i])
                 i += 1

@@ -25,6 +25,13 @@ muP multiplier into the weights (the HF config's multipliers are then all 1), ke
 norm when `ssm_norm` is there (gate before the norm, as llama.cpp runs it) and writes the
 pre-MLP norm as `blk.N.ffn_norm` without a leaf; its Q / K rows are not permuted.
 
+The pure state-space models (conversion/mamba.py): "mamba" (Mamba, and Falcon Mamba with
+`ssm.dt_b_c_rms` true: weightless dt / B / C norms, run by llama.cpp with the layer norms'
+epsilon, which the config then takes as `mixer_rms_eps`) and "mamba2" (Mamba-Codestral) write
+each layer's norm as `attn_norm`, the `ssm.*` sizes (mamba: `time_step_rank` is dt_rank;
+mamba2: the heads) and no attention keys; "mamba"'s tensors are Jamba's Mamba 1 ones without
+the norms, "mamba2"'s the Mamba2 hybrids'.
+
 Jamba ("jamba": conversion/jamba.py, Mamba 1: `layers.mamba1`) writes no layer periods: the
 attention layers are those with KV heads, the MoE layers those with a router (`ffn_gate_inp`);
 `ssm.time_step_rank` is dt_rank, `ssm_a` is -exp(A_log) `[I, N]`, dt_proj is `ssm_dt` (weight and
@@ -40,8 +47,9 @@ import torch
 from pagedserve.models.gguf_arch_config import granite_config
 from pagedserve.models.gguf_reader import GGUFHeader
 
-ARCHITECTURES = ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1", "jamba")
-OWN_CONFIG = ("nemotron_h", "nemotron_h_moe", "falcon-h1", "jamba")  # (`config_dict`; granitehybrid: a hook)
+ARCHITECTURES = ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1", "jamba", "mamba", "mamba2")
+# (`config_dict`; granitehybrid: a hook)
+OWN_CONFIG = ("nemotron_h", "nemotron_h_moe", "falcon-h1", "jamba", "mamba", "mamba2")
 PERMUTED_QK = ("granitehybrid", "nemotron_h", "nemotron_h_moe")  # (llama.cpp's LlamaModel.permute)
 
 # block tensor leaf -> our name under `model.layers.N.` (with the tensor's own suffix)
@@ -63,6 +71,9 @@ _JAMBA_NAMES = {**_SSM_NAMES, "ssm_x": "mamba.x_proj", "ssm_dt": "mamba.dt_proj"
                 "ssm_dt_norm": "mamba.dt_layernorm", "ssm_b_norm": "mamba.b_layernorm",
                 "ssm_c_norm": "mamba.c_layernorm"}
 _JAMBA_WHOLE_NAMES = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"}
+# the pure state-space models (models/mamba.py): each layer's one norm is attn_norm
+_MAMBA_NAMES = {"attn_norm": "norm", **{k: v for k, v in _JAMBA_NAMES.items() if not k.endswith("_norm")}}
+_MAMBA2_NAMES = {"attn_norm": "norm", **_SSM_NAMES}
 
 
 def block_names(arch: str, llama: dict[str, str], moe: dict[str, str]) -> dict[str, str]:
@@ -73,6 +84,8 @@ def block_names(arch: str, llama: dict[str, str], moe: dict[str, str]) -> dict[s
         return {**llama, **_SSM_NAMES}
     if arch == "jamba":
         return {**llama, **moe, **_JAMBA_NAMES}
+    if arch in ("mamba", "mamba2"):
+        return _MAMBA_NAMES if arch == "mamba" else _MAMBA2_NAMES
     return {**llama, **moe, **_SSM_NAMES}  # granitehybrid: Granite MoE's names (or the shared MLP alone)
 
 
@@ -80,18 +93,19 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     """Our name of a tensor without a weight / bias leaf of its own (`blk.N.ssm_a`, `blk.N.ssm_d`,
     `blk.N.ssm_dt.bias`; Falcon-H1's `blk.N.ffn_norm`), or None."""
     parts = gguf_name.split(".", 2)
-    whole = {"falcon-h1": _FALCON_WHOLE_NAMES, "jamba": _JAMBA_WHOLE_NAMES}.get(arch, _WHOLE_NAMES)
+    whole = {"falcon-h1": _FALCON_WHOLE_NAMES, "jamba": _JAMBA_WHOLE_NAMES,
+             "mamba": _JAMBA_WHOLE_NAMES}.get(arch, _WHOLE_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in whole:
         return f"model.layers.{int(parts[1])}.{whole[parts[2]]}"
     return None
 
 
 def to_hf_layout(gguf_name: str, tensor: torch.Tensor, arch: str = "") -> torch.Tensor:
-    """An SSM tensor in our layout: A_log from A, `[H]` for A / D (Jamba's A stays `[I, N]`),
+    """An SSM tensor in our layout: A_log from A, `[H]` for A / D (Mamba 1's A stays `[I, N]`),
     `[I]` for the norm, `[C, 1, L]` for the conv; other tensors unchanged."""
     leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
     if leaf == "ssm_a":
-        return torch.log(-tensor) if arch == "jamba" else torch.log(-tensor.reshape(-1))  # [I, N] / [H]
+        return torch.log(-tensor) if arch in ("jamba", "mamba") else torch.log(-tensor.reshape(-1))  # [I, N] / [H]
     if leaf in ("ssm_d", "ssm_norm"):
         return tensor.reshape(-1)  # [H] / [I]
     if leaf == "ssm_conv1d" and gguf_name.endswith(".weight") and tensor.dim() == 2:
@@ -185,6 +199,8 @@ def config_dict(header: GGUFHeader) -> dict[str, Any]:
     vocab = header.arch_key("vocab_size") or (token_embd.shape[0] if token_embd is not None else None)
     if header.architecture == "jamba":
         return _jamba(header, names, common_config_fields(header, names, vocab))
+    if header.architecture in ("mamba", "mamba2"):
+        return _pure_mamba(header, names, common_config_fields(header, names, vocab))
     # (Nemotron's multi-token-prediction block comes last: not run, not loaded -- gguf_loader)
     n = int(header.require_arch_key("block_count")) - int(header.arch_key("nextn_predict_layers") or 0)
     nemotron = header.architecture.startswith("nemotron_h")
@@ -308,3 +324,36 @@ def _jamba(header: GGUFHeader, names: set[str], common: dict[str, Any]) -> dict[
         "mamba_conv_bias": f"blk.{first}.ssm_conv1d.bias" in names,
         "mamba_proj_bias": f"blk.{first}.ssm_in.bias" in names,
     }
+
+
+def _pure_mamba(header: GGUFHeader, names: set[str], common: dict[str, Any]) -> dict[str, Any]:
+    """The HF config kwargs of a "mamba" (Mamba, Falcon Mamba) or "mamba2" GGUF
+    (conversion/mamba.py): the sizes from `ssm.*`, the layer norms' epsilon (RMSNorm's key)."""
+    hidden = int(header.require_arch_key("embedding_length"))
+    inner = int(header.require_arch_key("ssm.inner_size"))
+    if inner % hidden:
+        raise ValueError(f"{header.path.name}: ssm.inner_size {inner} must be a multiple of embedding_length "
+                         f"({hidden}) for an HF config")
+    if common["vocab_size"] is None:
+        raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
+    eps = common.pop("rms_norm_eps")
+    common.pop("max_position_embeddings")  # (2^20, "arbitrary": no position limit)
+    cfg = {
+        **common, "hidden_size": hidden, "num_hidden_layers": int(header.require_arch_key("block_count")),
+        "state_size": int(header.require_arch_key("ssm.state_size")),
+        "conv_kernel": int(header.require_arch_key("ssm.conv_kernel")), "expand": inner // hidden,
+        "layer_norm_epsilon": eps, "use_conv_bias": "blk.0.ssm_conv1d.bias" in names,
+        "use_bias": "blk.0.ssm_in.bias" in names,
+    }
+    rank = int(header.require_arch_key("ssm.time_step_rank"))
+    if header.architecture == "mamba2":
+        if inner % rank:
+            raise ValueError(f"{header.path.name}: ssm.inner_size {inner} is not a multiple of the Mamba heads "
+                             f"({rank})")
+        return {**cfg, "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "num_heads": rank,
+                "head_dim": inner // rank, "n_groups": int(header.require_arch_key("ssm.group_count"))}
+    cfg.update(intermediate_size=inner, time_step_rank=rank)
+    if header.arch_key("ssm.dt_b_c_rms"):  # (llama.cpp norms dt, B, C with the layers' epsilon)
+        return {**cfg, "model_type": "falcon_mamba", "architectures": ["FalconMambaForCausalLM"],
+                "mixer_rms_eps": eps}
+    return {**cfg, "model_type": "mamba", "architectures": ["MambaForCausalLM"]}

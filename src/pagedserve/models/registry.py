@@ -33,6 +33,8 @@ from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeShare
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
+from pagedserve.models.kimi_linear import KimiLinearForCausalLM
+from pagedserve.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 from pagedserve.models.lfm2 import Lfm2ForCausalLM
 from pagedserve.models.lfm2_moe import Lfm2MoeForCausalLM
 from pagedserve.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
@@ -108,6 +110,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
+    # pure state-space models (models/mamba.py)
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": FalconMambaForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
+    # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
@@ -204,6 +212,10 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "glm4": "Glm4ForCausalLM",

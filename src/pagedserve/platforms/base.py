@@ -155,6 +155,13 @@ class LayerOps:
         the outputs `[T, H, V]`, or None: the layer's torch loop."""
         return None
 
+    def kimi_delta_rule_paged(self, q, k, v, beta, decay, caches, blocks, start, fresh,
+                              query_start_loc) -> torch.Tensor | None:
+        """Kimi Delta Attention's recurrence (`layers.kimi_delta_attention`): the gated delta
+        rule with a decay per key channel (`decay [T, H, K]`), in place in the paged cache as
+        `gated_delta_rule_paged`; the outputs `[T, H, V]`, or None: the layer's torch loop."""
+        return None
+
     def ssm_scan_paged(self, x, dt, A, B, C, D, caches, blocks, start, fresh,
                        query_start_loc) -> torch.Tensor | None:
         """Mamba 2's selective scan (`layers.mamba2`) on a kernel, its state read and stored in

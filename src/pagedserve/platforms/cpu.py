@@ -25,7 +25,8 @@ from pagedserve.kernels.cpu_fp32 import (invariant_activation, invariant_attenti
                                          invariant_linear)
 from pagedserve.kernels.cpu_moe import moe_experts
 from pagedserve.kernels.cpu_norm import rms_norm
-from pagedserve.kernels.cpu_recurrent import gated_delta_rule_paged, gather_state, scatter_state, ssm_scan_paged
+from pagedserve.kernels.cpu_recurrent import (
+    gated_delta_rule_paged, gather_state, kimi_delta_rule_paged, scatter_state, ssm_scan_paged)
 from pagedserve.kernels.cpu_qlinear import qembedding, qlinear_argmax, quantized_available
 from pagedserve.kernels.cpu_rotary import NORM_GEMMA, NORM_LLAMA, NORM_NONE, qk_norm_rope_
 from pagedserve.platforms import cpu_decode
@@ -148,6 +149,11 @@ class CpuOps(LayerOps):
                                query_start_loc):
         return gated_delta_rule_paged(q, k, v, beta, decay, caches, blocks, start, fresh,
                                       query_start_loc)
+
+    def kimi_delta_rule_paged(self, q, k, v, beta, decay, caches, blocks, start, fresh,
+                              query_start_loc):
+        return kimi_delta_rule_paged(q, k, v, beta, decay, caches, blocks, start, fresh,
+                                     query_start_loc)
 
     def ssm_scan_paged(self, x, dt, A, B, C, D, caches, blocks, start, fresh, query_start_loc):
         return ssm_scan_paged(x, dt, A, B, C, D, caches, blocks, start, fresh, query_start_loc)

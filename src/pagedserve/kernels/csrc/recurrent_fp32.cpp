@@ -6,7 +6,9 @@
 //   fp32_gated_delta_rule_paged(q, k [T, H, K], v [T, H, V], beta, decay [T, H], caches, blocks,
 //                               start, fresh, query_start_loc [S + 1], isa) -> out [T, H, V]
 //     Gated DeltaNet (Qwen3-Next, Qwen3.5): per token S *= decay; S += k^T ((v - k S) beta);
-//     out = q S, head h's S [K, V] at words start + h K V of each sequence's state.
+//     out = q S, head h's S [K, V] at words start + h K V of each sequence's state. The Kimi
+//     Delta Attention variant (Kimi Linear): decay [T, H, K], one per key channel (row i of S
+//     times decay[t, h, i]), else the same arithmetic.
 //   fp32_ssm_scan_paged(x [T, H, P], dt [T, H], A [H], B, C [T, G, N], D [H], caches, blocks,
 //                       start, state_size, fresh, query_start_loc [S + 1], isa) -> y [T, H, P]
 //     Mamba 2's selective scan (Granite 4.0-H, ...): per token S = S exp(dt A) + dt x B^T;
@@ -66,21 +68,24 @@ std::vector<int64_t> starts_of(const at::Tensor& qsl, int64_t S, int64_t T) {
   return s;
 }
 
-// A state's words in the cache: chunk c (entry c / 2, its K (even c) or V (odd c) tensor) holds
-// words [c * W, (c + 1) * W) of every sequence's state, W the words of one block of a tensor; a
-// sequence's block in entry e is blocks[e, s].
+// A state's words in the cache: chunk c (entry c / P, its K (c % P == 0) or V tensor; P the
+// tensors an entry has: 2, or 1 in an MLA model's cache) holds words [c * W, (c + 1) * W) of
+// every sequence's state, W the words of one block of a tensor; a sequence's block in entry e
+// is blocks[e, s].
 struct PagedWords {
   std::vector<int32_t*> base;  // per chunk: its tensor's first word
   const int64_t* blocks;       // [E, S]
-  int64_t S, W;
+  int64_t S, W, P;
 
   PagedWords(const std::vector<at::Tensor>& caches, const at::Tensor& blocks_) {
     // (one tensor alone is a state outside the cache: `[S, words]`, sequence s in row blocks[0, s])
-    TORCH_CHECK(!caches.empty() && (caches.size() % 2 == 0 || caches.size() == 1),
-                "caches: K and V tensors of each entry");
     TORCH_CHECK(blocks_.scalar_type() == at::kLong && blocks_.dim() == 2 && blocks_.is_contiguous() &&
-                    blocks_.size(0) == (static_cast<int64_t>(caches.size()) + 1) / 2,
+                    blocks_.size(0) > 0,
                 "blocks must be a contiguous int64 [entries, sequences] tensor");
+    const int64_t E = blocks_.size(0), n_caches = static_cast<int64_t>(caches.size());
+    TORCH_CHECK(n_caches > 0 && n_caches % E == 0 && n_caches / E <= 2,
+                "caches: the K (and V) tensors of each entry");
+    P = n_caches / E;
     const int64_t rows = caches[0].size(0);
     const int64_t bytes = caches[0].numel() * caches[0].element_size() / rows;
     TORCH_CHECK(bytes % 4 == 0, "a cache block must hold whole 32-bit words");
@@ -103,7 +108,7 @@ struct PagedWords {
     while (count > 0) {
       const int64_t c = start / W, off = start % W, n = std::min(count, W - off);
       TORCH_CHECK(c < static_cast<int64_t>(base.size()), "a state past its cache entries");
-      int32_t* p = base[c] + blocks[(c / 2) * S + s] * W + off;
+      int32_t* p = base[c] + blocks[(c / P) * S + s] * W + off;
       if (to_cache)
         std::memcpy(p, buf, n * 4);
       else
@@ -163,12 +168,15 @@ at::Tensor fp32_gated_delta_rule_paged(const at::Tensor& q, const at::Tensor& k,
   check_f32(k, 3, "k");
   check_f32(v, 3, "v");
   check_f32(beta, 2, "beta");
-  check_f32(decay, 2, "decay");
+  const bool per_key = decay.dim() == 3;  // KDA: one decay per key channel
+  check_f32(decay, per_key ? 3 : 2, "decay");
   PagedWords pw(caches, blocks);
   const int64_t T = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), S = pw.S;
   TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == T && v.size(1) == H && beta.size(0) == T &&
-                  beta.size(1) == H && decay.sizes() == beta.sizes(),
+                  beta.size(1) == H &&
+                  (per_key ? decay.sizes() == q.sizes() : decay.sizes() == beta.sizes()),
               "fp32_gated_delta_rule_paged: shapes disagree");
+  const int64_t sd = per_key ? H * K : H, sdk = per_key ? 1 : 0;
   TORCH_CHECK(fresh.scalar_type() == at::kBool && fresh.numel() == S, "fresh must be bool [S]");
   auto fr = fresh.contiguous();
   const bool* f = fr.data_ptr<bool>();
@@ -191,8 +199,8 @@ at::Tensor fp32_gated_delta_rule_paged(const at::Tensor& q, const at::Tensor& k,
         pw.copy(s, at, K * V, reinterpret_cast<int32_t*>(st), false);
       const int64_t qo = (t0 * H + h) * K, vo = (t0 * H + h) * V, go = t0 * H + h;
       auto run = wide ? isa_avx512::gdr_head : isa_avx2::gdr_head;
-      run(st, qp + qo, kp + qo, vp + vo, bp + go, dp + go, op + vo, n, K, V, H * K, H * V, H,
-          H * V, st + K * V, st + K * V + V);
+      run(st, qp + qo, kp + qo, vp + vo, bp + go, dp + (per_key ? qo : go), op + vo, n, K, V,
+          H * K, H * V, H, H * V, st + K * V, st + K * V + V, sd, sdk);
       pw.copy(s, at, K * V, reinterpret_cast<int32_t*>(st), true);
     }
   });

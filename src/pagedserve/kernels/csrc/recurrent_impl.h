@@ -3,22 +3,26 @@
 // values element by element (vectorized by the compiler, no reduction reassociated: with
 // -ffp-contract=off the bits do not depend on the vector width).
 
-// Gated delta rule (Gated DeltaNet) of one head over `n` tokens: S [K, V] in place.
+// Gated delta rule (Gated DeltaNet; Kimi Delta Attention) of one head over `n` tokens: S [K, V]
+// in place.
 //   S *= decay;  mem = k S;  delta = (v - mem) * beta;  S += k^T delta;  out = q S
 // q, k rows of K values, v / out rows of V values, `stride_*` between tokens; mem / delta /
-// acc scratch of V values.
+// acc scratch of V values. The decay of key row i is decay[t * sd + i * sdk]: sdk 0, one a head
+// (Gated DeltaNet); sdk 1, one per key channel (KDA's diagonal gate).
 static void gdr_head(float* S, const float* q, const float* k, const float* v, const float* beta,
                      const float* decay, float* out, int64_t n, int64_t K, int64_t V,
-                     int64_t sqk, int64_t sv, int64_t sg, int64_t so, float* mem, float* delta) {
+                     int64_t sqk, int64_t sv, int64_t sg, int64_t so, float* mem, float* delta,
+                     int64_t sd, int64_t sdk) {
   for (int64_t t = 0; t < n; ++t) {
     const float* qt = q + t * sqk;
     const float* kt = k + t * sqk;
     const float* vt = v + t * sv;
-    const float d = decay[t * sg], b = beta[t * sg];
+    const float* dt = decay + t * sd;
+    const float b = beta[t * sg];
     for (int64_t j = 0; j < V; ++j) mem[j] = 0.0f;
     for (int64_t i = 0; i < K; ++i) {  // decay, then k S (i ascending)
       float* row = S + i * V;
-      const float ki = kt[i];
+      const float ki = kt[i], d = dt[i * sdk];
       for (int64_t j = 0; j < V; ++j) {
         const float s = row[j] * d;
         row[j] = s;
