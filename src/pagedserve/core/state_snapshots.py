@@ -54,7 +54,7 @@ class StateSnapshots:
         replaced block's until the copies run)."""
         if not self.snapshots_state:
             return []
-        bs, w, pool = self.block_size, self.width, self.pool
+        bs, pool = self.block_size, self.pool
         cols, tags = self._state_cols, self._col_tag
         out: list[tuple[int, int]] = []
         replaced = None
