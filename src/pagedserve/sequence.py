@@ -94,6 +94,10 @@ class Sequence(PromptThenOutput):
         self.spec_token_ids: list[int] = []
         # The tokens the workers' mirror holds (core/step_delta.py); -1: they do not know it.
         self.sent_tokens = -1
+        # A recurrent-state model's prefix caching: where its prompt's cached attention blocks
+        # end beyond any state snapshot (the junction with an earlier request, set at
+        # admission): a prompt chunk ends there so that its state is snapshotted (0: none).
+        self.snapshot_at = 0
 
     @property
     def num_tokens(self) -> int:

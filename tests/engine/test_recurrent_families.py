@@ -104,3 +104,23 @@ def test_a_refused_reconfiguration_leaves_the_state_bound_to_the_block_size_it_a
     llm.engine.reconfigure_cache(block_size=4)
     got = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(6), use_tqdm=False)
     assert ours_as_pairs(got[0].outputs[0]) == ours_as_pairs(want[0].outputs[0])
+
+
+def test_a_shared_system_prompt_is_snapshotted_where_the_second_request_leaves_it(checkpoints):
+    # S + a question, S + another, S + a third: the first caches S's attention blocks, the second
+    # finds them (but no snapshot inside S), so its prompt chunk ends at S's last full block (the
+    # junction) and its state there is snapshotted; the third starts from it
+    path = str(checkpoints("qwen3_5"))
+    system = prompts_of_lengths([18], seed=41)[0]
+    asks = [system + q for q in ([5, 6, 7], [8, 9, 10, 11], [12, 13])]
+    opts = dict(dtype="float32", block_size=4, kv_cache_memory=1 << 24)
+    llm = LLM(path, enable_prefix_caching=True, **opts)
+    kv = llm.engine.kv_manager
+    got, hits = [], []
+    for prompt in asks:
+        got += llm.generate([{"prompt_token_ids": prompt}], greedy(6), use_tqdm=False)
+        hits.append(kv.prefix_hits)
+    assert hits == [0, 0, 16]
+    cold = LLM(path, enable_prefix_caching=False, **opts)
+    want = cold.generate([{"prompt_token_ids": p} for p in asks], greedy(6), use_tqdm=False)
+    assert_same_outputs(got, want)

@@ -80,6 +80,9 @@ class PrefixCaching:
                 chain.append((h, parent, tokens))
             rows.extend(row)
             parent = h
+        # (past the hit: the prompt's attention blocks cached beyond its last snapshot, the
+        # junction where an earlier prompt went another way: `Scheduler._prefix_hits`)
+        self.junction_tokens = len(rows) // w * bs if state else 0
         while True:
             k = self._usable_rows(rows, len(rows) // w, snaps)
             if not state or not k:

@@ -411,6 +411,8 @@ class Scheduler(Turns, Preemption):
                                           seq.cache_salt)
             if blocks:
                 hits.append((seq, blocks))
+            if self._snapshots:  # (its chunk ends where the cached attention ends: snapshot)
+                seq.snapshot_at = self.kv.junction_tokens
         return hits
 
     @staticmethod

@@ -35,6 +35,9 @@ class StateSnapshots:
     def _init_snapshots(self) -> None:
         # Blocks (and their columns) pinned until the step now scheduled has run.
         self._pinned: list[tuple[int, int]] = []
+        # What the last `match_prefix` found of the prompt's attention blocks (tokens), hit or
+        # not: where a state snapshot would let the next such prompt hit further.
+        self.junction_tokens = 0
         # Per sequence started from a snapshot in the step being scheduled: its (snapshot ->
         # live) copies and pinned snapshot blocks, until the step's copies are taken
         # (`take_hit_copies`).

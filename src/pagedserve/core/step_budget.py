@@ -45,8 +45,8 @@ def plan_tokens(config: SchedulerConfig, group: SequenceGroup, budget: int,
                 align: int = 0) -> Plan | None:
     """(seq, start, end) for the group's sequences that can compute within `budget`, or None
     if none can. `align` (a block size; 0: none): a prompt chunk that would run past the
-    prompt's last full block ends there (a recurrent state's snapshot is taken at a step's
-    start: core/state_snapshots.py), with chunked prefill.
+    sequence's `snapshot_at` or its prompt's last full block ends there (a recurrent state's
+    snapshot is taken at a step's start: core/state_snapshots.py), with chunked prefill.
 
     NOTE: a group need not compute all its sequences in one step: after a recomputation each
     sequence recomputes its own output, and together they may exceed any token budget. Every
@@ -82,10 +82,12 @@ def plan_tokens(config: SchedulerConfig, group: SequenceGroup, budget: int,
                 take = min(take, cap)
             if align and chunked and start < seq.num_prompt_tokens:
                 # (a later prompt's hit leaves its last token to compute: this is the last
-                # boundary it can start from; never the first block's, the live state's row)
-                boundary = (seq.num_prompt_tokens - 1) // align * align
-                if start < boundary < start + take and boundary >= 2 * align:
-                    take = boundary - start
+                # boundary it can start from; never the first block's, the live state's row;
+                # and first the junction with an earlier prompt, `Sequence.snapshot_at`)
+                for boundary in (seq.snapshot_at, (seq.num_prompt_tokens - 1) // align * align):
+                    if start < boundary < start + take and boundary >= 2 * align:
+                        take = boundary - start
+                        break
         if take > budget:  # without chunking a sequence computes whole: a later step
             continue
         plan.append((seq, start, start + take))
