@@ -5,6 +5,7 @@
     python scripts/stress.py --minutes 5 --tp        # the same on tensor_parallel_size=2 ("mp")
     python scripts/stress.py --minutes 5 --spec      # speculating (n-gram) against the oracle
     python scripts/stress.py --minutes 5 --spec draft  # with a draft model (the target itself)
+    python scripts/stress.py --minutes 5 --recurrent --spec oracle  # drafts from the oracle
 
 Every seed draws a workload (requests, arrivals, aborts, priorities) and a cache configuration
 (issue 25's shapes among them: pools that hold one sequence of a wide request but not all of
@@ -34,11 +35,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
     ap.add_argument("--seed-start", type=int, default=0, help="first seed of a timed run")
     ap.add_argument("--tp", action="store_true", help="tensor_parallel_size=2 (mp workers)")
-    ap.add_argument("--spec", nargs="?", const="ngram", choices=["ngram", "draft"],
+    ap.add_argument("--spec", nargs="?", const="ngram", choices=["ngram", "draft", "oracle"],
                     default=None,
                     help="speculate (a configuration per seed) against the non-speculative "
                          "oracle: n-gram (the default), or 'draft': a draft model (the tiny "
-                         "model itself, so that greedy drafts are accepted), some seeds n-gram")
+                         "model itself, so that greedy drafts are accepted), some seeds n-gram, "
+                         "or 'oracle': drafts from the oracle's outputs, some spoiled (any "
+                         "model, the recurrent one included)")
     ap.add_argument("--hybrid", action="store_true",
                     help="on a tiny model mixing sliding-window and full layers (issue 36: a "
                          "block table per layer group over one pool)")
@@ -70,7 +73,8 @@ def main() -> int:
     if draft is not None and args.tp:
         ap.error("--spec draft runs with tensor_parallel_size=1 only (no --tp)")
     engine = sh.make_engine(model, tp=2 if args.tp else 1, draft=draft)
-    spec = {None: None, "ngram": sh.spec_config_for}.get(args.spec) or (
+    spec = {None: None, "ngram": sh.spec_config_for,
+            "oracle": sh.oracle_spec_config_for}.get(args.spec) or (
         sh.draft_spec_config_for(draft) if draft is not None else None)
     harness = sh.Harness(engine, spec=spec)
     print(f"engine ready in {time.monotonic() - started:.1f}s (tp={2 if args.tp else 1})",

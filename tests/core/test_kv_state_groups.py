@@ -1,7 +1,8 @@
 """The block manager with a recurrent state group (`RecurrentStateSpec`: Gated DeltaNet / Mamba
 layers' state in cache entries): one block per sequence in the first logical block of each state
 column, null entries below, copy-on-write before every step that writes a shared state;
-prefix caching by snapshots of the state at block boundaries (core/state_snapshots.py); swaps,
+prefix caching by snapshots of the state at block boundaries (core/state_snapshots.py); a
+speculative row's state kept until its drafts are verified (core/state_rollback.py); swaps,
 forks and undo keep the invariants and return the pool to empty."""
 
 import random
@@ -83,6 +84,54 @@ def test_a_fork_inside_the_first_row_copies_each_shared_block_once():
     assert kv.num_new_blocks(1, 4) == kv.width
     copies = kv.allocate_slots(1, 4)
     assert len(copies) == kv.width and len({d for _, d in copies}) == kv.width
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("start", [3, 6, 8])
+def test_a_speculative_row_keeps_its_state_until_the_drafts_are_verified(start, shared):
+    # a row from `start` with three drafts: its state blocks are copied (the step writes the
+    # copies), the ones it held kept; all accepted -> the new ones stay, else the old come back
+    for keep in (True, False):
+        kv = _manager()
+        kv.allocate_slots(0, start)
+        if shared:
+            kv.fork(0, 1)
+        state = kv._state_cols
+        before = [kv.block_table(0)[c] for c in state]
+        need = kv.num_new_blocks(0, start + 4, keep_state=True)
+        assert need == kv.num_new_blocks(0, start + 4) + (0 if shared else len(state))
+        free, snap = kv.num_free_blocks, kv.snapshot(0)
+        copies = kv.allocate_slots(0, start + 4, keep_state=True)
+        assert free - kv.num_free_blocks == need
+        after = [kv.block_table(0)[c] for c in state]
+        assert set(zip(before, after)) <= set(copies) and not set(before) & set(after)
+        kv.check_invariants()  # (the backups count as the manager's)
+        assert kv.has_state_backup(0)
+        if keep:  # (undoing the allocation gives everything back first, once)
+            kv.restore(0, snap)
+            assert [kv.block_table(0)[c] for c in state] == before and kv.num_free_blocks == free
+            kv.check_invariants()
+            kv.allocate_slots(0, start + 4, keep_state=True)
+            after = [kv.block_table(0)[c] for c in state]
+        assert kv.settle_state(0, keep_new=keep) is keep and not kv.has_state_backup(0)
+        assert [kv.block_table(0)[c] for c in state] == (after if keep else before)
+        assert kv.state_rollbacks == (0 if keep else 1)
+        kv.truncate(0, start + 2)
+        kv.check_invariants()
+        kv.free(0)
+        kv.free(1)
+        assert kv.pool.num_used == 0
+
+
+def test_a_sequence_freed_with_its_speculative_row_pending_gives_the_backup_back():
+    kv = _manager()
+    kv.allocate_slots(0, 5)
+    kv.allocate_slots(0, 9, keep_state=True)
+    with pytest.raises(RuntimeError, match="swapped with its speculative row"):
+        kv.swap_out([0])
+    kv.free(0)
+    assert kv.pool.num_used == 0 and not kv.has_state_backup(0)
     kv.check_invariants()
 
 

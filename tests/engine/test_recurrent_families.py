@@ -4,14 +4,18 @@
 around -- chunked prefill, preemption by swap and by recomputation, copy-on-write forks of beam
 search and parallel sampling -- give exactly the roomy run's tokens and logprobs, with the pool
 empty at the end. Prefix caching starts a later prompt from a snapshot of the state
-(core/state_snapshots.py), exactly as a cold run; speculative decoding is refused."""
+(core/state_snapshots.py), exactly as a cold run. N-gram speculation keeps the state a row starts
+from and rolls back to it when a draft is rejected (core/state_rollback.py): outputs exactly those
+without speculation, under preemption and prefix caching too; a draft model is refused."""
 
 import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
+from pagedserve.core.proposers import Proposer
 from test_llm_engine import greedy, prompts_of_lengths
 from tiny import RECURRENT_FAMILIES
-from utils import assert_same_outputs, assert_tie_rule, hf_greedy, ours_as_pairs, run_requests
+from utils import (assert_same_outputs, assert_tie_rule, drive, hf_greedy, ours_as_pairs,
+                   run_requests)
 
 BASE = prompts_of_lengths([9], seed=23)[0]
 PROMPTS = prompts_of_lengths([6, 17, 5, 13], seed=23) + [BASE + [7, 8, 9], BASE + [10, 11]]
@@ -77,11 +81,101 @@ def test_a_follow_up_turn_starts_from_a_state_snapshot_exactly_as_a_cold_run(arc
     kv.check_invariants()
 
 
-def test_speculative_decoding_is_refused_and_a_new_block_size_refits_the_state(checkpoints):
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
+
+
+class _Oracle(Proposer):
+    """Drafts a roomy run's own continuation of the sequence's tokens, spoiled in turn: all
+    right (every draft accepted: the new state kept), the second wrong (one accepted), the first
+    wrong (none): the state rolled back. (A tiny random model does not repeat its prompt, so the
+    n-gram proposer rarely finds drafts it would accept.)"""
+
+    def __init__(self, config, runs: list[list[int]]):
+        super().__init__(config)
+        self.runs, self.count = runs, 0
+
+    def propose(self, batch):
+        out = []
+        for row in batch:
+            tokens = list(row.seq.token_ids)
+            n = len(tokens)
+            run = next((r for r in self.runs if r[:n] == tokens and len(r) > n), None)
+            drafts = [] if run is None else run[n:n + row.limit]
+            self.count += 1
+            spoil = (None, 1, 0)[self.count % 3]
+            if spoil is not None and spoil < len(drafts):
+                drafts[spoil] ^= 1
+            out.append(drafts)
+        return out
+
+
+def _spec_requests():
+    """Greedy requests with logprobs, and seeded sampling of two samples."""
+    reqs = [(f"s{i}", p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                        logprobs=2)) for i, p in enumerate(PROMPTS[:4])]
+    reqs.append(("n2", PROMPTS[1], SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12,
+                                                  ignore_eos=True, logprobs=1)))
+    return reqs
+
+
+def _speculating(path, want, **options):
+    """The requests run with speculation whose drafts come from `want` (the roomy outputs)."""
+    llm = LLM(path, dtype="float32", block_size=4, speculative_config=SPEC, **options)
+    runs = [list(p) + list(c.token_ids) for (_, p, _), o in zip(_spec_requests(), want)
+            for c in o.outputs]
+    llm.engine.spec.proposer = _Oracle(llm.engine.spec.config, runs)
+    for rid, prompt, params in _spec_requests():
+        llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    final = drive(llm.engine, 8000)  # (invariants every step; the pool ends empty)
+    return [final[rid] for rid, _, _ in _spec_requests()], llm.engine
+
+
+@pytest.mark.parametrize("arch", RECURRENT_FAMILIES)
+def test_speculation_rolls_the_state_back_on_a_rejected_draft_and_stays_exact(arch, checkpoints):
+    path = str(checkpoints(arch))
+    want, _ = run_requests(path, _spec_requests(), 4000, block_size=4, kv_cache_memory=1 << 24)
+    got, engine = _speculating(path, want, kv_cache_memory=1 << 24)
+    spec = engine.spec
+    # drafts accepted (the new state kept) and rejected (the state rolled back)
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert engine.kv_manager.state_rollbacks > 0
+    assert_same_outputs(got, want)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
+def test_speculation_on_a_state_model_stays_exact_under_preemption(arch, mode, checkpoints):
+    path = str(checkpoints(arch))
+    want, engine = run_requests(path, _spec_requests(), 4000, block_size=4,
+                                kv_cache_memory=1 << 24)
+    states = _state_blocks(engine)
+    # (about two sequences' states and a few attention blocks: a pure state model three states)
+    blocks = 2 * states + 10 if states < engine.kv_layout.width else 3 * states
+    got, engine = _speculating(path, want, num_kv_blocks=blocks, preemption_mode=mode,
+                               num_cpu_blocks=blocks if mode == "swap" else 0,
+                               max_num_batched_tokens=8, enable_prefix_caching=True)
+    assert engine.scheduler.preemptions_by_mode[mode] > 0
+    assert engine.kv_manager.state_rollbacks > 0 and engine.spec.num_accepted_tokens > 0
+    assert_same_outputs(got, want)
+
+
+def test_ngram_speculation_is_served_for_a_state_model(checkpoints):
+    path = str(checkpoints("mamba"))
+    prompt = PROMPTS[1] * 3  # (a repeated prompt: the n-gram proposer drafts from it)
+    want = LLM(path, dtype="float32").generate([{"prompt_token_ids": prompt}], greedy(12),
+                                               use_tqdm=False)
+    llm = LLM(path, dtype="float32", speculative_config=SPEC)
+    got = llm.generate([{"prompt_token_ids": prompt}], greedy(12), use_tqdm=False)
+    assert llm.engine.spec.num_draft_tokens > 0
+    assert_same_outputs(got, want)
+
+
+def test_a_draft_model_is_refused_and_a_new_block_size_refits_the_state(checkpoints):
     path = str(checkpoints("qwen3_5"))
-    with pytest.raises(ValueError, match="speculative_config"):
-        LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                       "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(path, dtype="float32", speculative_config={"model": str(checkpoints("qwen3_5")),
+                                                       "num_speculative_tokens": 2})
     llm = LLM(path, dtype="float32", block_size=4, kv_cache_memory=1 << 22)
     want = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(8), use_tqdm=False)
     lanes = len(llm.engine.kv_layout.state_columns())

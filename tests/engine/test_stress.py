@@ -13,6 +13,7 @@ from pagedserve import SamplingParams
 from stress_harness import (
     Harness,
     draft_spec_config_for,
+    oracle_spec_config_for,
     spec_config_for,
     Request,
     StressFailure,
@@ -119,6 +120,31 @@ def test_random_workloads_on_a_model_with_recurrent_state(recurrent_harness, fir
     assert ("state", len(recurrent_harness.engine.kv_layout.state_columns())) \
         in recurrent_harness.groups
     _run_seeds(recurrent_harness, first, recurrent_workload, recurrent=True)
+
+
+@pytest.mark.parametrize("first", range(0, 20, CHUNK),
+                         ids=lambda s: f"recurrent-oracle-spec-seeds{s}-{s + CHUNK - 1}")
+def test_random_workloads_speculating_on_a_recurrent_model_match_the_oracle(recurrent_harness,
+                                                                           first):
+    # Speculation on the Gated DeltaNet model: drafts from the oracle's own outputs, one row in
+    # two spoiled (stress_harness.OracleProposer), so that rows are accepted in full (the new
+    # state kept) and in part (rolled back, core/state_rollback.py); outputs exactly equal.
+    spec_harness = Harness(recurrent_harness.engine, spec=oracle_spec_config_for)
+    spec_harness.oracle_cache = recurrent_harness.oracle_cache
+    try:
+        accepted = rollbacks = 0
+        for seed in range(first, first + CHUNK):
+            workload = recurrent_workload(seed)
+            try:
+                spec_harness.run(workload)
+            except StressFailure as e:
+                pytest.fail(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
+                            f"    repro: {repro(seed, spec='oracle', recurrent=True)}")
+            accepted += spec_harness.engine.spec.num_accepted_tokens
+            rollbacks += spec_harness.engine.kv_manager.state_rollbacks
+    finally:
+        recurrent_harness.engine.spec = None
+    assert accepted > 0 and rollbacks > 0
 
 
 SPEC_SEEDS = 40

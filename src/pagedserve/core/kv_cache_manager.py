@@ -15,7 +15,8 @@ state group (`RecurrentStateSpec`: Gated DeltaNet, Mamba) holds a block only in 
 logical block of its columns, for the sequence's life (rewritten in place every step: a shared
 one is copied before the step writes it); its entries in later logical blocks are null. Its
 state is not shared between requests through the tables; prefix caching keeps snapshots of it
-at block boundaries instead (core/state_snapshots.py).
+at block boundaries instead (core/state_snapshots.py), and a speculative row keeps the state it
+started from until its drafts are verified (core/state_rollback.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pagedserve.core.block_table import BlockTable, block_hash, cdiv, salt_root 
 from pagedserve.core.kv_invariants import KVInvariants
 from pagedserve.core.kv_spec import KVLayout
 from pagedserve.core.prefix_cache import PrefixCaching
+from pagedserve.core.state_rollback import StateRollback
 from pagedserve.core.state_snapshots import StateSnapshots
 
 
@@ -46,7 +48,7 @@ class KVManagerConfig:
     layout: KVLayout | None = None
 
 
-class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
+class KVCacheManager(PrefixCaching, StateSnapshots, StateRollback, KVInvariants):
     """Allocates, grows, forks and frees the block tables of sequences.
 
     NOTE: a block's reference count always equals the number of block tables that hold it; blocks
@@ -120,6 +122,7 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
         # not a recurrent state (a pure state model has none: no events).
         self._event_col = self._live_cols[0] if self._live_cols else -1
         self._init_snapshots()
+        self._init_rollback()
         # The CPU swap pool: same block shape, its own allocator and tables of swapped sequences.
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_null = num_cpu_blocks
@@ -197,9 +200,10 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
             return cdiv(num_tokens, self.block_size)
         return self.layout.blocks_per_request(num_tokens, self.block_size, chunk)
 
-    def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
+    def num_new_blocks(self, seq_id: int, num_tokens: int, keep_state: bool = False) -> int:
         """Blocks a sequence must gain to hold `num_tokens` slots in all (copy-on-write of a shared
-        partial last block counts as one per column)."""
+        partial last block counts as one per column; `keep_state`: a speculative row, whose state
+        blocks are all copied, see core/state_rollback.py)."""
         table = self.tables.get(seq_id)
         bs = self.block_size
         if table is None:
@@ -224,7 +228,9 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
                     if b != null and refs[b] > 1:
                         need += 1
             for c in self._state_cols if rows else ():  # (a state is rewritten every step)
-                if refs[blocks[c]] > 1 and not (have % bs and rows == 1):
+                shared = refs[blocks[c]] > 1
+                # (a shared one in a partial first row was counted with the last row's)
+                if (shared or keep_state) and not (shared and have % bs and rows == 1):
                     need += 1
         return need
 
@@ -270,8 +276,11 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
     def _new_table(self) -> BlockTable:
         return BlockTable(low=[0] * len(self._sliding) if self._sliding else None)
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+    def allocate_slots(self, seq_id: int, num_tokens: int,
+                       keep_state: bool = False) -> list[tuple[int, int]]:
         """Reserve slots so that `seq_id` holds `num_tokens` in all; create its table if new.
+        `keep_state`: a speculative row (drafts past the sequence's tokens); a state model's
+        sequence then keeps the state it starts from (`StateRollback`, settled after the step).
 
         Returns copy-on-write pairs `(src_block, dst_block)` whose contents the worker must copy
         before this step's writes. The caller checks `num_new_blocks` against `num_free_blocks`
@@ -302,6 +311,9 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
             return copies
         w, tags, null = self.width, self._col_tag, self.null
         refs = pool.ref_counts
+        if keep_state and self._keeps_state(keep_state, blocks):
+            # (before copy-on-write: the fresh copies are unshared, the backups keep the refs)
+            self._backup_states(seq_id, table, copies)
         # the last row's shared blocks (written from a partial block on), and the state blocks
         # (rewritten every step), are copied before this step writes them
         # NOTE (step cost): index lists, no membership tests: a state takes ~200 columns
@@ -387,10 +399,13 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
             if table is not None:
                 self._release(table.blocks, pool, self.null)
             self._drop_hit(seq_id)
+            self._drop_backup(seq_id)
             return
         count, num_tokens, last, num_hashes = snapshot[:4]
         table = self.tables[seq_id]
         blocks = table.blocks
+        if self._state_backups:
+            self._undo_backup(seq_id, blocks)
         # state blocks of the first row that copy-on-write replaced (its last row's are below)
         for c, old in zip(self._state_cols, snapshot[4] if len(snapshot) > 4 else ()):
             if count > self.width and blocks[c] != old:
@@ -457,6 +472,8 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
             self._release(table.blocks, self.pool, self.null)
         if self._hit_copies:
             self._drop_hit(seq_id)
+        if self._state_backups:
+            self._drop_backup(seq_id)
         cpu_table = self.cpu_tables.pop(seq_id, None)
         if cpu_table is not None:
             self._release(cpu_table.blocks, self.cpu_pool, self.cpu_null)
@@ -515,6 +532,8 @@ class KVCacheManager(PrefixCaching, StateSnapshots, KVInvariants):
         source = self._swap_sources(seq_ids) if self._hit_copies and src_pool is self.pool \
             else {}
         for seq_id in seq_ids:
+            if seq_id in self._state_backups:  # (never: a victim is unscheduled first)
+                raise RuntimeError(f"sequence {seq_id} swapped with its speculative row pending")
             table = src_tables.pop(seq_id, None)
             if table is None:
                 continue

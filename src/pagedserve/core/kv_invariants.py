@@ -16,7 +16,8 @@ class KVInvariants:
         a block is free exactly when nobody holds it, tables cover their slots, null entries
         exactly where a sliding-window group gave its blocks back, each group's count of blocks
         in use)."""
-        self._check(self.pool, self.tables, "device", self.null, list(self._pinned_blocks()))
+        self._check(self.pool, self.tables, "device", self.null,
+                    [*self._pinned_blocks(), *self._backup_blocks()])
         if self.cpu_pool is not None:
             self._check(self.cpu_pool, self.cpu_tables, "cpu", self.cpu_null)
         both = set(self.tables) & set(self.cpu_tables)

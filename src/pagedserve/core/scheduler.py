@@ -210,10 +210,15 @@ class Scheduler(Turns, Preemption):
     def sliding_window(self) -> bool:
         return self.kv.has_sliding_window
 
-    def truncate(self, seq: Sequence) -> None:
+    def truncate(self, seq: Sequence, start: int = 0, all_accepted: bool = True) -> None:
         """Give back the slots past `seq.num_computed_tokens` (a speculative row's rejected
-        drafts: whole blocks freed, `KVCacheManager.truncate`)."""
-        self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+        drafts: whole blocks freed, `KVCacheManager.truncate`). A state model's row that started
+        at `start` and had a draft rejected rolls its state back (core/state_rollback.py): the
+        sequence has then computed `start` tokens, and the next step computes the rest again."""
+        kv = self.kv
+        if kv.has_state_backup(seq.seq_id) and not kv.settle_state(seq.seq_id, all_accepted):
+            seq.num_computed_tokens = start
+        kv.truncate(seq.seq_id, seq.num_computed_tokens)
 
     def free_out_of_window(self, seq: Sequence) -> None:
         """Give back the blocks no query of the sequence reaches any more (sliding windows)."""
@@ -539,12 +544,13 @@ class Scheduler(Turns, Preemption):
 
     def _fits(self, plan: Plan) -> bool:
         kv = self.kv
+        # (a row past its sequence's tokens carries drafts: a state model keeps its state)
         if len(plan) == 1:  # the common case, without a loop
             seq, _, end = plan[0]
-            return kv.num_new_blocks(seq.seq_id, end) <= kv.num_free_blocks
+            return kv.num_new_blocks(seq.seq_id, end, end > seq.num_tokens) <= kv.num_free_blocks
         need = 0
         for seq, _, end in plan:
-            need += kv.num_new_blocks(seq.seq_id, end)
+            need += kv.num_new_blocks(seq.seq_id, end, end > seq.num_tokens)
         return need <= kv.num_free_blocks
 
     def _commit(self, plan: Plan, group: SequenceGroup, step: StepPlan,
@@ -558,7 +564,7 @@ class Scheduler(Turns, Preemption):
         for seq, start, end in plan:
             seq_id = seq.seq_id
             record.snapshots.append((seq_id, kv.snapshot(seq_id)))
-            copies = kv.allocate_slots(seq_id, end)
+            copies = kv.allocate_slots(seq_id, end, end > seq.num_tokens)
             if copies:
                 out.blocks_to_copy.extend(copies)
                 record.copies.extend(copies)

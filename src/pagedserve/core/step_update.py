@@ -48,8 +48,9 @@ class StepTarget(Protocol):
     def end_step(self) -> None:
         """The step has run: the blocks the prefix cache pinned for its copies are let go."""
 
-    def truncate(self, seq: Sequence) -> None:
-        """Give back the slots past `seq.num_computed_tokens` (rejected drafts)."""
+    def truncate(self, seq: Sequence, start: int = 0, all_accepted: bool = True) -> None:
+        """Give back the slots past `seq.num_computed_tokens` (rejected drafts; a recurrent
+        state rolled back to the row's `start` unless `all_accepted`)."""
 
     def fork_if_ready(self, group: SequenceGroup) -> list[Sequence]:
         """A forking group's sequences share its parent's computed prompt (once it is)."""
@@ -113,8 +114,9 @@ def apply_step(scheduler: StepTarget, sched: SchedulerOutput, results: list[SeqS
     for s, r in zip(sched.scheduled, results):
         group, seq = s.group, s.seq
         if s.spec_token_ids:  # drafts verified: computed up to the accepted ones, rest given back
-            update.spec_rows.append((seq.seq_id, len(s.spec_token_ids), rewind(s, r)))
-            scheduler.truncate(seq)
+            accepted = rewind(s, r)
+            update.spec_rows.append((seq.seq_id, len(s.spec_token_ids), accepted))
+            scheduler.truncate(seq, s.start, accepted == len(s.spec_token_ids))
         else:
             seq.num_computed_tokens = s.end
         if seq.spec_token_ids:

@@ -216,11 +216,12 @@ class LLMEngine(OutputBuilder, LoRAEngineMixin):
         # model's cache follows the target's tables block for block: one group then.
         self.kv_hybrid = (not args.disable_hybrid_kv_cache_manager and not one_group
                           and self.executor.draft_kv_cache_spec is None)
+        if has_recurrent_state(spec):
+            check_recurrent_state(self.source.name,
+                                  draft_model=self.executor.draft_kv_cache_spec is not None,
+                                  prefix_caching=args.enable_prefix_caching)
         self.kv_layout = kv_layout(spec, self.kv_hybrid)
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)  # (reconfigure_cache)
-        if has_recurrent_state(spec):
-            check_recurrent_state(self.source.name, speculative=self.spec is not None,
-                                  prefix_caching=args.enable_prefix_caching)
         block_bytes = bytes_per_block(spec, args.block_size, self.kv_dtype,
                                       draft=self.executor.draft_kv_cache_spec,
                                       hybrid=self.kv_hybrid)

@@ -1,10 +1,12 @@
 """What an engine allows a model with recurrent layers (Gated DeltaNet, Mamba: a state per
 sequence kept in cache entries, `core.kv_spec.RecurrentStateSpec`, `layers.recurrent_state`).
 
-Its state is rewritten in place every step, so it cannot be rolled back (speculative decoding's
-rejected drafts); prefix caching keeps snapshots of it at block boundaries instead of matching
-its blocks (core/state_snapshots.py); its cache entries are sized for one block size and
-storage dtype (refitted by `reconfigure_cache`)."""
+Its state is rewritten in place every step: a speculative row keeps the state it starts from
+until its drafts are verified, and rolls back to it when one is rejected
+(core/state_rollback.py); a draft model, which follows the target's one block table, is refused.
+Prefix caching keeps snapshots of it at block boundaries instead of matching its blocks
+(core/state_snapshots.py); its cache entries are sized for one block size and storage dtype
+(refitted by `reconfigure_cache`)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ def has_recurrent_state(spec) -> bool:
     return any(isinstance(s, RecurrentStateSpec) for s in spec.layer_specs())
 
 
-def check_recurrent_state(name: str, *, speculative: bool, prefix_caching: bool) -> None:
-    """ValueError naming `speculative_config` for a model with a recurrent state (its state
-    cannot roll back rejected drafts); with prefix caching, logs how its state is cached."""
-    if speculative:
-        raise ValueError(f"speculative_config: {name} keeps a recurrent state, which cannot "
-                         "roll back rejected draft tokens")
+def check_recurrent_state(name: str, *, draft_model: bool, prefix_caching: bool) -> None:
+    """ValueError naming `speculative_config.model` for a draft model beside a model with a
+    recurrent state (the draft's cache follows the target's tables in one group, which a state
+    group cannot join); with prefix caching, logs how its state is cached."""
+    if draft_model:
+        raise ValueError(f"speculative_config.model: {name} keeps a recurrent state, whose cache "
+                         "cannot share its block tables with a draft model; use a method "
+                         "without one (\"ngram\")")
     if prefix_caching:
         logger.info("prefix caching for %s keeps snapshots of its recurrent state at block "
                     "boundaries (each block_size decode tokens, chunk ends, a prompt's last "
