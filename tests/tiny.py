@@ -424,7 +424,8 @@ def make_lora_adapter(path: Path, base: Path, rank: int, seed: int = 0, *,
 
     torch.manual_seed(seed)
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
-                     target_modules=list(targets), lora_dropout=0.0, use_rslora=use_rslora)
+                     target_modules=targets if isinstance(targets, str) else list(targets),
+                     lora_dropout=0.0, use_rslora=use_rslora)
     model = get_peft_model(load_hf(base), cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():

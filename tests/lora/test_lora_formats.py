@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import pagedserve.platforms.cpu_decode as llama  # where the fused decode call lives
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.lora.adapter import target_dims
+from pagedserve.lora.adapter import owner, target_dims
 from utils import assert_tie_rule, ours_as_pairs, output_key
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
@@ -127,17 +127,16 @@ def random_adapter(path, config, rank, seed):
     """A PEFT-format adapter of random weights on every projection of `config`'s layers."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for module, (d_in, d_out) in target_dims(config).items():
-            owner = "self_attn" if module[0] in "qkvo" else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{owner}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * d_in ** -0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.05
+    dims = target_dims(config)
+    for (layer, module), (d_in, d_out) in dims.items():
+        prefix = f"base_model.model.model.layers.{layer}.{owner(module)}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * d_in ** -0.5
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.05
     path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-         "target_modules": list(target_dims(config))}))
+         "target_modules": sorted({module for _, module in dims})}))
     return path
 
 

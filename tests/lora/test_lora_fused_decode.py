@@ -56,7 +56,7 @@ def _adapted(config):
     for slot, (rank, modules) in ADAPTERS.items():
         for layer in range(config.num_hidden_layers):
             for module in modules:
-                d_in, d_out = dims[module]
+                d_in, d_out = dims[(layer, module)]
                 a = (torch.randn(rank, d_in, generator=g) * d_in ** -0.5).to(torch.bfloat16)
                 b = (torch.randn(d_out, rank, generator=g) * 0.2).to(torch.bfloat16)
                 stacks.put(slot, (layer, module), a, b)

@@ -9,8 +9,8 @@ import torch
 
 from pagedserve.lora.layers import LoRAStacks, StepMapping
 
-DIMS = {"q_proj": (64, 96)}
 KEY = (0, "q_proj")
+DIMS = {KEY: (64, 96)}  # (layer, module): (in, out)
 CPU = torch.device("cpu")
 
 
@@ -100,12 +100,12 @@ def test_a_cleared_slot_adapts_nothing():
 
 
 def test_projections_of_one_input_share_the_shrink_with_the_same_bits():
-    dims = {"q_proj": (64, 96), "k_proj": (64, 32)}
+    dims = {(0, "q_proj"): (64, 96), (0, "k_proj"): (64, 32)}
     stacks = LoRAStacks(2, 16, dims, torch.float32, CPU)
     g = torch.Generator().manual_seed(5)
     for slot in (0, 1):
-        for module, (d_in, d_out) in dims.items():
-            stacks.put(slot, (0, module), torch.randn(8, d_in, generator=g),
+        for key, (d_in, d_out) in dims.items():
+            stacks.put(slot, key, torch.randn(8, d_in, generator=g),
                        torch.randn(d_out, 8, generator=g))
     x, yq, yk = torch.randn(5, 64), torch.randn(5, 96), torch.randn(5, 32)
     stacks.set_mapping(StepMapping.build([0, 1], [2, 3], 2, torch.float32, CPU))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.lora.adapter import target_dims
+from pagedserve.lora.adapter import owner, target_dims
 
 
 def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
@@ -19,17 +19,16 @@ def write_random_adapter(path: Path, config, rank: int, seed: int) -> Path:
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for module, (d_in, d_out) in target_dims(config).items():
-            owner = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{owner}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * d_in**-0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
+    dims = target_dims(config)
+    for (layer, module), (d_in, d_out) in dims.items():
+        prefix = f"base_model.model.model.layers.{layer}.{owner(module)}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * d_in**-0.5
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-         "target_modules": list(target_dims(config))}))
+         "target_modules": sorted({module for _, module in dims})}))
     return path
 
 

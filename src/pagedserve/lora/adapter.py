@@ -22,10 +22,22 @@ from typing import Any
 
 import torch
 
-# The projections of a Llama-family decoder layer that adapters may target, by HF name.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# PEFT targets we know but do not apply (yet): refused with a clear message.
-UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+# The projections of a decoder layer that adapters may target, by HF name: the attention's
+# (Llama's q/k/v/o; latent attention's q_a / q_b / kv_a, DeepSeek's MLA) and a dense MLP's.
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                     "kv_a_proj_with_mqa")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_TARGETS + MLP_TARGETS
+# HF names of attention projections that our layers keep under another name (LFM2's out_proj)
+ALIASES = {"out_proj": "o_proj"}
+# PEFT targets we know but do not apply: refused with the reason.
+UNSUPPORTED_TARGETS = {
+    "embed_tokens": "embedding adapters are not applied",
+    "lm_head": "LM head adapters are not applied",
+    "kv_b_proj": "latent attention (MLA) absorbs kv_b_proj into its query and output products, "
+                 "so it takes no adapter (q_proj / q_a_proj / q_b_proj, kv_a_proj_with_mqa and "
+                 "o_proj do)",
+}
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,22 +45,46 @@ PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt")
 
 _KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
                   r"(?:\.[\w-]+)?(?:\.weight)?$")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)$")
 
 
-def target_dims(config: Any) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every adaptable projection of the base model (an HF text
-    config of the Llama family: Llama, Mistral, Qwen2, Qwen3, Gemma 3; of an MoE one -- Mixtral,
-    Qwen2/3-MoE, OLMoE -- its attention projections only)."""
-    h, heads = int(config.hidden_size), int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", None) or heads)
-    d = int(getattr(config, "head_dim", None) or h // heads)
-    dims = {"q_proj": (h, heads * d), "k_proj": (h, kv * d), "v_proj": (h, kv * d),
-            "o_proj": (heads * d, h)}
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-        return dims  # mixture of experts (layers/moe.py): the attention only
-    inter = int(config.intermediate_size)
-    return {**dims, "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+def owner(module: str) -> str:
+    """The HF submodule of a decoder layer holding projection `module` ("self_attn" | "mlp")."""
+    return "mlp" if module in MLP_TARGETS else "self_attn"
+
+
+def projections(layer: Any) -> dict[str, Any]:
+    """The adaptable projections of one of our decoder layers, by HF name: those of
+    `TARGET_MODULES` its `self_attn` and `mlp` hold as modules (a mixture-of-experts block has
+    no gate/up/down of its own; a linear-attention or convolution layer no `self_attn`)."""
+    found = {}
+    for name in TARGET_MODULES:
+        module = getattr(getattr(layer, owner(name), None), name, None)
+        if module is not None:
+            found[name] = module
+    return found
+
+
+def target_dims(config: Any) -> dict[tuple[int, str], tuple[int, int]]:
+    """(in_features, out_features) of every adaptable projection of the base model, by (decoder
+    layer, HF module name): read off our model's modules for `config`, built on the meta device
+    (no memory, no weights), so that hybrid stacks (attention in some layers only), latent
+    attention, gated queries and per-layer head sizes come out as the model has them."""
+    import torch
+
+    from pagedserve.models.loader import _build_context
+    from pagedserve.models.registry import get_model_class
+
+    with _build_context(torch.device("meta"), torch.float32):
+        model = get_model_class(config)(config)
+    dims = {}
+    for i, layer in enumerate(model.backbone().decoder_layers()):
+        for name, module in projections(layer).items():
+            dims[(i, name)] = (int(module.in_features), int(module.out_features))
+    if not dims:
+        raise ValueError(f"enable_lora: {type(model).__name__} has no projection LoRA adapts "
+                         f"({', '.join(TARGET_MODULES)} of its decoder layers)")
+    return dims
 
 
 @dataclass
@@ -111,9 +147,9 @@ def _read_config(name: str, config_path: str) -> dict[str, Any]:
         for t in targets:
             short = str(t).rsplit(".", 1)[-1]
             if short in UNSUPPORTED_TARGETS:
-                raise _fail(name, f"target module {short!r} is not supported (pagedserve adapts "
-                            f"{', '.join(TARGET_MODULES)})")
-            if short not in TARGET_MODULES:
+                raise _fail(name, f"target module {short!r} is not supported: "
+                            f"{UNSUPPORTED_TARGETS[short]}")
+            if short not in TARGET_MODULES and short not in ALIASES:
                 raise _fail(name, f"unknown target module {str(t)!r} (pagedserve adapts "
                             f"{', '.join(TARGET_MODULES)})")
     for key in ("r", "lora_alpha"):
@@ -131,21 +167,38 @@ def _parse_key(name: str, key: str, num_layers: int) -> tuple[int, str, str]:
                     "extra weights are not supported)")
     module, part = m.group("module"), m.group("part")
     short = module.rsplit(".", 1)[-1]
-    if short in UNSUPPORTED_TARGETS or part.startswith("lora_embedding"):
-        raise _fail(name, f"target module {short!r} ({key}) is not supported (pagedserve adapts "
-                    f"{', '.join(TARGET_MODULES)})")
+    if short in UNSUPPORTED_TARGETS:
+        raise _fail(name, f"target module {short!r} ({key}) is not supported: "
+                    f"{UNSUPPORTED_TARGETS[short]}")
+    if part.startswith("lora_embedding"):
+        raise _fail(name, f"target module {short!r} ({key}) is not supported: embedding "
+                    "adapters are not applied")
     lm = _LAYER.search(module)
-    if lm is None or lm.group(2) not in TARGET_MODULES:
+    target = None if lm is None else (
+        ALIASES.get(lm.group(3), lm.group(3)) if lm.group(2) == "self_attn" else lm.group(3))
+    if target is None or target not in TARGET_MODULES or owner(target) != lm.group(2):
         raise _fail(name, f"unknown target module {module!r} (pagedserve adapts "
                     f"{', '.join(TARGET_MODULES)} of the decoder layers)")
     layer = int(lm.group(1))
     if layer >= num_layers:
         raise _fail(name, f"tensor {key!r} is for layer {layer}; the base model has "
                     f"{num_layers} layers (an adapter of another base model?)")
-    return layer, lm.group(2), part[-1]
+    return layer, target, part[-1]
 
 
-def check_adapter(name: str, path: str, *, dims: dict[str, tuple[int, int]], num_layers: int,
+def _not_adapted(layer: int, module: str, dims: dict[tuple[int, str], tuple[int, int]]) -> str:
+    """Why (layer, module) takes no adapter here."""
+    if any(m == module for _, m in dims):
+        layers = sorted(i for i, m in dims if m == module)
+        return (f"layer {layer} has no {module} (it is adapted in layers {layers}: the others "
+                "are not attention layers, or their MLP is a mixture of experts)")
+    names = sorted({m for _, m in dims}, key=TARGET_MODULES.index)
+    return (f"target module {module!r} is not adapted in this model (a mixture of experts' "
+            f"experts, or a projection it does not have: adapters take {', '.join(names)})")
+
+
+def check_adapter(name: str, path: str, *, dims: dict[tuple[int, str], tuple[int, int]],
+                  num_layers: int,
                   max_rank: int, load: bool = False,
                   dtype: torch.dtype = torch.float32) -> LoRAWeights:
     """Read (`load`) or only check (tensor headers, no data) the PEFT adapter at `path` against
@@ -175,10 +228,9 @@ def check_adapter(name: str, path: str, *, dims: dict[str, tuple[int, int]], num
                 missing = "lora_B" if "A" in parts else "lora_A"
                 raise _fail(name, f"layer {layer} {module}: {missing} is missing")
             (key_a, a_shape), (key_b, b_shape) = parts["A"], parts["B"]
-            if module not in dims:
-                raise _fail(name, f"target module {module!r} is not adapted in this model (a "
-                            f"mixture of experts: adapters take {', '.join(dims)})")
-            d_in, d_out = dims[module]
+            if (layer, module) not in dims:
+                raise _fail(name, _not_adapted(layer, module, dims))
+            d_in, d_out = dims[(layer, module)]
             if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
                 raise _fail(name, f"layer {layer} {module}: lora_A {list(a_shape)} and lora_B "
                             f"{list(b_shape)} are not a [r, in] / [out, r] pair")

@@ -1,6 +1,7 @@
 """LoRA on top of the base projections, batched over adapters (Punica's BGMV / SGMV ideas).
 
-Every adapted projection (q/k/v/o, gate/up/down of each decoder layer) gets a forward hook that
+Every adapted projection (q/k/v/o or latent attention's q_a / q_b / kv_a, gate/up/down of each
+decoder layer: `lora.adapter.projections`) gets a forward hook that
 adds the adapters' low-rank products to the base product, whatever the base weight's format
 (bf16, float32, int8 or GGUF blocks: the base product is untouched, weights are never merged).
 The slot table keeps each projection's adapters stacked (`LoRAStacks`: A [slots, r_max, in],
@@ -38,7 +39,7 @@ import torch
 
 from pagedserve.layers.linear import linear
 from pagedserve.platforms import DEFAULT_OPS
-from pagedserve.lora.adapter import TARGET_MODULES
+from pagedserve.lora.adapter import projections
 
 
 # Steps of at least this many tokens take the segmented path (see the module docstring).
@@ -97,10 +98,13 @@ class StepMapping:
                    segments=tuple(segments))
 
 
-# The projections that read the same input share one shrink: (group, member index).
+# The projections that read the same input share one shrink: (group, member index). Latent
+# attention's q_a_proj (or q_proj) and kv_a_proj_with_mqa read the layer's input as q/k/v do;
+# its q_b_proj reads the normed q_a.
 GROUPS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+          "q_a_proj": ("qkv", 0), "kv_a_proj_with_mqa": ("qkv", 1), "q_b_proj": ("q_b", 0),
           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-GROUP_SIZES = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+GROUP_SIZES = {"qkv": 3, "o": 1, "q_b": 1, "gate_up": 2, "down": 1}
 # The fused CPU decode layer's projection order (its groups' members in turn)
 FUSED_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -136,7 +140,7 @@ class LoRAStacks:
     def put(self, slot: int, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one projection's A [r, in] / B [out, r] into `slot`."""
         layer, module = key
-        d_in, d_out = self.dims[module]
+        d_in, d_out = self.dims[key]
         group, member = GROUPS[module]
         gkey, rmax = (layer, group), self.max_rank
         if self.bgmv:
@@ -162,7 +166,7 @@ class LoRAStacks:
         self._shrunk = None
 
     def _put_transposed(self, slot, key, gkey, member, a, b) -> None:
-        (d_in, d_out), rmax = self.dims[key[1]], self.max_rank
+        (d_in, d_out), rmax = self.dims[key], self.max_rank
         if gkey not in self.a:
             self.a[gkey] = torch.zeros(self.num_slots, d_in, GROUP_SIZES[gkey[1]] * rmax,
                                        dtype=self.dtype, device=self.device)
@@ -266,41 +270,28 @@ class LoRAStacks:
         return y
 
 
-def _projections(layer) -> dict[str, torch.nn.Module]:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    found = {}
-    for name in TARGET_MODULES:
-        owner = attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else mlp
-        module = getattr(owner, name, None) if owner is not None else None
-        if module is not None:
-            found[name] = module
-    return found
-
-
 def install_hooks(model: torch.nn.Module, stacks: LoRAStacks) -> int:
-    """Hook every adaptable projection of `model`'s decoder layers; mark each layer
-    (`lora_stacks`, `lora_index`: the fused CPU decode layer, which bypasses the hooks, adds the
-    products itself from `LoRAStacks.fused_operands`).
-    ValueError for a model without Llama-style projections. Returns the number of hooks."""
+    """Hook every adaptable projection of `model`'s decoder layers (`lora.adapter.projections`:
+    attention and dense-MLP projections; a layer without attention, as a hybrid's linear-attention
+    or convolution layers, takes none); mark each hooked layer (`lora_stacks`, `lora_index`: the
+    fused CPU decode layer, which bypasses the hooks, adds the products itself from
+    `LoRAStacks.fused_operands`). ValueError for a model with none. Returns the number of hooks."""
     layers = model.backbone().decoder_layers()
     count = 0
     for i, layer in enumerate(layers):
-        found = _projections(layer)
-        # NOTE: a mixture-of-experts layer (layers/moe.py) has no gate/up/down modules: its
-        # attention projections take adapters, its experts none (an adapter's MLP weights for
-        # such a layer are refused when the adapter is read: lora.adapter)
-        if not {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(found) or (
-                set(found) != set(TARGET_MODULES) and not getattr(layer.mlp, "is_moe", False)):
-            raise ValueError(
-                f"enable_lora: {type(model).__name__} has no Llama-style q/k/v/o and gate/up/"
-                "down projections; LoRA serves the Llama-family models (Llama, Mistral, Qwen2, "
-                "Qwen3, Gemma 3) and the attention of the MoE ones (Mixtral, Qwen2/3-MoE, OLMoE)")
+        # NOTE: a mixture-of-experts block (layers/moe.py) has no gate/up/down modules: its
+        # experts take no adapter (an adapter's weights for them are refused when read)
+        found = projections(layer)
         for name, module in found.items():
             if getattr(module, "tp", None) is not None and module.tp.is_parallel:
                 raise ValueError("enable_lora: tensor-parallel LoRA is not supported")
             module.register_forward_hook(_hook(stacks, (i, name)))
             count += 1
-        layer.lora_stacks, layer.lora_index = stacks, i
+        if found:
+            layer.lora_stacks, layer.lora_index = stacks, i
+    if not count:
+        raise ValueError(f"enable_lora: {type(model).__name__} has no projection LoRA adapts "
+                         "(q/k/v/o, latent attention's q_a / q_b / kv_a, gate/up/down)")
     return count
 
 
