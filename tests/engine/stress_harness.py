@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.proposers import Proposer
 from pagedserve.core.spec_decode import SpecDecoder, SpeculativeConfig
 from pagedserve import BeamSearchParams, SamplingParams
 from pagedserve.config import EngineArgs
 from pagedserve.engine.llm_engine import LLMEngine
+from spec_oracle import OracleDrafts
 
 MAX_MODEL_LEN = 96
 # The oracle: everything fits, nothing is preempted, no prefix cache, whole prompts in one step.
@@ -501,36 +501,19 @@ def draft_spec_config_for(draft: Path):
 
 def oracle_spec_config_for(seed: int) -> dict:
     """The configuration of a seed in oracle-draft mode: 1 to 5 drafts a row, from the oracle's
-    own outputs (`OracleProposer`: most drafts accepted, some spoiled)."""
+    own outputs (`oracle_proposer`: most drafts accepted, some spoiled)."""
     return dict(method="ngram", num_speculative_tokens=(1, 3, 5, 4)[seed % 4], oracle=True)
 
 
-class OracleProposer(Proposer):
-    """Drafts the oracle's own continuation of a sequence's tokens (the workload's summaries),
-    one row in two spoiled at a random draft (seeded): drafts accepted in full, in part and not
-    at all. The n-gram proposer's drafts on a tiny random model are nearly all rejected; these
-    reach the paths of accepted drafts (a recurrent state kept, blocks of accepted tokens
-    cached)."""
-
-    def __init__(self, config, expected: dict, seed: int) -> None:
-        super().__init__(config)
-        self.runs = [s["prompt_token_ids"] + o["token_ids"] for s in expected.values()
-                     for o in s["outputs"]]
-        self.rng = random.Random(seed)
-
-    def propose(self, batch):
-        out = []
-        for row in batch:
-            tokens = list(row.seq.token_ids)
-            n = len(tokens)
-            run = next((r for r in self.runs if len(r) > n and r[:n] == tokens), None)
-            drafts = [] if run is None else run[n:n + row.limit]
-            if drafts and self.rng.random() < 0.5:
-                i = self.rng.randrange(len(drafts))
-                # (another token of the same run: a valid id, unlike the draft)
-                drafts[i] = next((t for t in run if t != drafts[i]), drafts[i])
-            out.append(drafts)
-        return out
+def oracle_proposer(config, expected: dict, seed: int) -> OracleDrafts:
+    """Drafts of the oracle's own continuation of a sequence's tokens (the workload's
+    summaries), one row in two spoiled at a random draft (seeded): drafts accepted in full, in
+    part and not at all. The n-gram proposer's drafts on a tiny random model are nearly all
+    rejected; these reach the paths of accepted drafts (a recurrent state kept, blocks of
+    accepted tokens cached)."""
+    runs = [s["prompt_token_ids"] + o["token_ids"] for s in expected.values()
+            for o in s["outputs"]]
+    return OracleDrafts(config, runs, random.Random(seed))
 
 
 def speculative_workload(workload: Workload) -> Workload:
@@ -618,7 +601,7 @@ class Harness:
             spec = {k: v for k, v in spec.items() if k != "oracle"}
         engine.spec = None if spec is None else SpecDecoder(SpeculativeConfig.parse(spec))
         if oracle_drafts:
-            engine.spec.proposer = OracleProposer(engine.spec.config, expected, workload.seed)
+            engine.spec.proposer = oracle_proposer(engine.spec.config, expected, workload.seed)
         try:
             reconfigure(engine, config)
         except ValueError as e:

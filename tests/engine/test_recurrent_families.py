@@ -11,11 +11,10 @@ without speculation, under preemption and prefix caching too; a draft model is r
 import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
-from pagedserve.core.proposers import Proposer
+from spec_oracle import SPEC, speculating
 from test_llm_engine import greedy, prompts_of_lengths
 from tiny import RECURRENT_FAMILIES
-from utils import (assert_same_outputs, assert_tie_rule, drive, hf_greedy, ours_as_pairs,
-                   run_requests)
+from utils import assert_same_outputs, assert_tie_rule, hf_greedy, ours_as_pairs, run_requests
 
 BASE = prompts_of_lengths([9], seed=23)[0]
 PROMPTS = prompts_of_lengths([6, 17, 5, 13], seed=23) + [BASE + [7, 8, 9], BASE + [10, 11]]
@@ -81,35 +80,6 @@ def test_a_follow_up_turn_starts_from_a_state_snapshot_exactly_as_a_cold_run(arc
     kv.check_invariants()
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
-
-
-class _Oracle(Proposer):
-    """Drafts a roomy run's own continuation of the sequence's tokens, spoiled in turn: all
-    right (every draft accepted: the new state kept), the second wrong (one accepted), the first
-    wrong (none): the state rolled back. (A tiny random model does not repeat its prompt, so the
-    n-gram proposer rarely finds drafts it would accept.)"""
-
-    def __init__(self, config, runs: list[list[int]]):
-        super().__init__(config)
-        self.runs, self.count = runs, 0
-
-    def propose(self, batch):
-        out = []
-        for row in batch:
-            tokens = list(row.seq.token_ids)
-            n = len(tokens)
-            run = next((r for r in self.runs if r[:n] == tokens and len(r) > n), None)
-            drafts = [] if run is None else run[n:n + row.limit]
-            self.count += 1
-            spoil = (None, 1, 0)[self.count % 3]
-            if spoil is not None and spoil < len(drafts):
-                drafts[spoil] ^= 1
-            out.append(drafts)
-        return out
-
-
 def _spec_requests():
     """Greedy requests with logprobs, and seeded sampling of two samples."""
     reqs = [(f"s{i}", p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
@@ -120,15 +90,7 @@ def _spec_requests():
 
 
 def _speculating(path, want, **options):
-    """The requests run with speculation whose drafts come from `want` (the roomy outputs)."""
-    llm = LLM(path, dtype="float32", block_size=4, speculative_config=SPEC, **options)
-    runs = [list(p) + list(c.token_ids) for (_, p, _), o in zip(_spec_requests(), want)
-            for c in o.outputs]
-    llm.engine.spec.proposer = _Oracle(llm.engine.spec.config, runs)
-    for rid, prompt, params in _spec_requests():
-        llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
-    final = drive(llm.engine, 8000)  # (invariants every step; the pool ends empty)
-    return [final[rid] for rid, _, _ in _spec_requests()], llm.engine
+    return speculating(path, _spec_requests(), want, **options)
 
 
 @pytest.mark.parametrize("arch", RECURRENT_FAMILIES)

@@ -127,7 +127,7 @@ def test_random_workloads_on_a_model_with_recurrent_state(recurrent_harness, fir
 def test_random_workloads_speculating_on_a_recurrent_model_match_the_oracle(recurrent_harness,
                                                                            first):
     # Speculation on the Gated DeltaNet model: drafts from the oracle's own outputs, one row in
-    # two spoiled (stress_harness.OracleProposer), so that rows are accepted in full (the new
+    # two spoiled (stress_harness.oracle_proposer), so that rows are accepted in full (the new
     # state kept) and in part (rolled back, core/state_rollback.py); outputs exactly equal.
     spec_harness = Harness(recurrent_harness.engine, spec=oracle_spec_config_for)
     spec_harness.oracle_cache = recurrent_harness.oracle_cache
