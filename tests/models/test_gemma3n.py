@@ -151,3 +151,107 @@ def test_gemma3n_sparsity_under_tensor_parallelism_is_refused():
 
     with pytest.raises(ValueError, match="activation_sparsity_pattern"):
         Gemma3nForCausalLM(tiny_gemma3n_text(), tp=TPContext(rank=0, world_size=2))
+
+
+def _write_gguf(hf, config, path, q8: bool = False):
+    """The HF model as llama.cpp's converter writes a "gemma3n" file: its keys (the sparsity as
+    float32 icdf, -inf on dense layers), the stream projections stacked, the embeddings padded
+    with zero rows to the vocabulary, `.weight` added to `correct_output_scale`; tensor names
+    from our reader's map turned around (the real converter's run is
+    scripts/check_gguf_converter.py). `q8`: every matrix whose rows split into 32-blocks as
+    Q8_0, as the converter's `--outtype q8_0`."""
+    import gguf
+    import numpy as np
+
+    from pagedserve.models import gguf_gemma3n as g
+
+    top = {v: k for k, v in g._TOP.items()}
+    block = {v: k for k, v in g._BLOCK.items()}
+    n, types = config.num_hidden_layers, config.layer_types
+    w = gguf.GGUFWriter(str(path), "gemma3n")
+    w.add_block_count(n)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    ff = list(config.intermediate_size)
+    w.add_feed_forward_length(ff if len(set(ff)) > 1 else ff[0])
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_freq_base(config.rope_parameters[FULL]["rope_theta"])
+    w.add_rope_freq_base_swa(config.rope_parameters[SLIDE]["rope_theta"])
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_sliding_window(config.sliding_window)
+    w.add_final_logit_softcapping(config.final_logit_softcapping)
+    w.add_altup_active_idx(config.altup_active_idx)
+    w.add_altup_num_inputs(config.altup_num_inputs)
+    w.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    w.add_shared_kv_layers(config.num_kv_shared_layers)
+    w.add_activation_sparsity_scale([gaussian_std_multiplier(s).item() if s > 0 else float("-inf")
+                                     for s in config.activation_sparsity_pattern])
+    w.add_sliding_window_pattern([t == SLIDE for t in types])
+
+    def add(name, t):
+        if q8 and t.ndim >= 2 and t.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, t)
+
+    state = {k: v.float().numpy() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    for stem, key in g._STACKED.items():
+        mats = [state.pop(f"{key}.{k}.weight") for k in range(config.altup_num_inputs - 1)]
+        add(f"{stem}.weight", np.stack(mats))
+    for name, t in state.items():
+        if name in ("model.embed_tokens.weight", "model.embed_tokens_per_layer.weight") and t.shape[0] < VOCAB:
+            t = np.concatenate([t, np.zeros((VOCAB - t.shape[0], t.shape[1]), np.float32)])
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            add(f"blk.{i}.{block[rest.removesuffix('.weight')]}.weight", t)
+        else:
+            add(f"{top[name.removesuffix('.weight')]}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gemma3n_gguf_equals_hf_and_q8_0_keeps_blocks(hf_pair, check_hf, prompts, tmp_path):
+    """A "gemma3n" GGUF: config read back (streams, Laurel's rank, sparsity from its icdf,
+    sharing, MLP widths; the per-layer table padded to the vocabulary), F32 logits equal to
+    HF's; Q8_0 kept as blocks (the stacked stream projections split) gives HF's greedy tokens
+    by the tie rule."""
+    from utils import assert_tie_rule, hf_greedy
+
+    from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
+
+    config = tiny_gemma3n_text()
+    hf, _, _ = hf_pair(config, std=0.15, prepare=_prepare)
+    path = tmp_path / "gemma3n.gguf"
+    _write_gguf(hf, hf.config, path)
+    cfg = load_gguf_config(path)
+    assert cfg.activation_sparsity_pattern == [0.95, 0.6, 0.3, 0.0, 0.0, 0.0]
+    assert (cfg.laurel_rank, cfg.altup_num_inputs, cfg.num_kv_shared_layers) == (8, 4, 2)
+    assert list(cfg.intermediate_size) == list(config.intermediate_size)
+    assert cfg.vocab_size_per_layer_input == VOCAB  # (padded with zero rows, as the converter)
+    model = load_model(cfg, weights=iter_gguf_weights(path, cfg), dtype=torch.float32)
+    assert isinstance(model, Gemma3nForCausalLM)
+    check_hf(hf, model, prompts(PLE_VOCAB, lengths=(13, 5, 10)))
+
+    q8 = tmp_path / "gemma3n-q8.gguf"
+    _write_gguf(hf, hf.config, q8, q8=True)
+    model = load_model(cfg, weights=iter_gguf_weights(q8, cfg, keep_quantized=True), dtype=torch.float32,
+                       quantization="gguf")
+    proj = model.model.altup_projections[2].weight
+    assert proj.dtype == torch.uint8 and proj.quant.format.name == "q8_0"
+    for i, prompt in enumerate(prompts(PLE_VOCAB, lengths=(9, 6))):
+        runner, toks, lps = PagedRunner(model, kv_dtype=torch.float32), [], []  # (its first weight: blocks)
+        logits = runner.step([(0, prompt)])[0][-1]
+        for _ in range(6):
+            lp = torch.log_softmax(logits, -1)
+            tok = int(lp.argmax())
+            vals, idx = torch.topk(lp, 5)
+            toks.append(tok)
+            lps.append({**dict(zip(idx.tolist(), vals.tolist())), tok: float(lp[tok])})
+            logits = runner.step([(0, [tok])])[0][-1]
+        assert_tie_rule((toks, lps), hf_greedy(hf, prompt, 6), f"gemma3n Q8_0 prompt {i}")
