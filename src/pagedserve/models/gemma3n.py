@@ -38,7 +38,7 @@ from pagedserve.models.gemma3 import SLIDING, gemma3_layer_types, gemma3_rope_pa
 from pagedserve.models.gemma4 import gemma4_kv_sharing, init_per_layer_inputs, per_layer_inputs
 from pagedserve.models.gemma4_layers import Gemma4Attention, _gemma_norm, kv_page_plan
 from pagedserve.models.llama import LlamaMLP
-from pagedserve.models.multimodal_text import TextOfMultimodal, text_config_of
+from pagedserve.models.multimodal_text import TextOfMultimodal
 from pagedserve.platforms import OpsUser
 
 
@@ -208,7 +208,7 @@ class Gemma3nMultimodalTokens(nn.Module):
         self.embedding_projection = _replicated(width, hidden)
         self.embedding_post_projection_norm = WeightlessRMSNorm(eps)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [K] (in range) -> [K, H]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] (in range) -> [T, H]
         e = self.hard_embedding_norm(self.embedding(ids - self.offset))
         return self.embedding_post_projection_norm(self.embedding_projection(e))
 
@@ -264,12 +264,11 @@ class Gemma3nTextModel(DecoderStack):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]
         x = x * self.embed_scale.to(x.dtype)  # [T, H]; sqrt(hidden) rounded to the dtype, as HF
-        for name in self.mm_embedders:
+        for name in self.mm_embedders:  # (every row computed, as HF: no host sync)
             mm = getattr(self, name)
             hit = (input_ids >= mm.offset) & (input_ids < mm.offset + mm.size)  # [T]
-            if bool(hit.any()):
-                x = x.clone()
-                x[hit] = mm(input_ids[hit]).to(x.dtype)
+            rows = mm(input_ids.clamp(mm.offset, mm.offset + mm.size - 1)).to(x.dtype)  # [T, H]
+            x = torch.where(hit.unsqueeze(-1), rows, x)
         ropes = {t: rope(positions, x.dtype) for t, rope in self.rotary_emb.items()}
         ple = per_layer_inputs(self, input_ids, x, clamp_ids=True)  # [T, L, P]
         target = torch.mean(x**2, dim=-1, keepdim=True) ** 0.5  # [T, 1]
