@@ -6,7 +6,7 @@ qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the Gated DeltaNet hybrids qwen3_n
 qwen3_5_moe; the Mamba2 hybrids granitemoehybrid, bamba, nemotron_h, nemotron_h_moe, falcon_h1;
 jamba; the MoEs hunyuan_v1_moe and glm4_moe_lite; the older dense families phi, stablelm, starcoder2,
 gpt_neox, olmo, arcee, nemotron, apertus; the pure state-space models mamba, falcon_mamba,
-mamba2) this builds a tiny random
+mamba2; gemma3n) this builds a tiny random
 HF checkpoint (transformers
 `save_pretrained`, with a small tokenizer the converter accepts), converts it with the llama.cpp
 tree's `convert_hf_to_gguf.py` to f16 and to Q8_0, and checks that our engine's greedy run of
@@ -168,6 +168,16 @@ FAMILIES = {
         "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB, "num_hidden_layers": 6,
         "layer_types": ["sliding_attention", "full_attention"] * 3, "num_kv_shared_layers": 2,
         "use_double_wide_mlp": True}),
+    # Gemma 3n: E2B's layout (4 AltUp streams, as the converter asserts; Laurel; sparse MLPs on
+    # the first 2 layers; per-layer inputs; the last 2 layers sharing K/V)
+    "gemma3n": lambda: transformers.Gemma3nTextConfig(
+        **{**_COMMON, "num_hidden_layers": 6}, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"] * 3, final_logit_softcapping=10.0,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB, altup_num_inputs=4,
+        laurel_rank=8, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.6] + [0.0] * 4,
+        tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}),
     # Jamba: Mamba 1 layers (dt / B / C norms) around a NoPE attention layer, experts every 2nd
     "jamba": lambda: transformers.JambaConfig(
         **_COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
@@ -346,7 +356,7 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith("altup.correct_output_scale"):  # (Gemma 3n: around 1)
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if family in ("gemma2", "gemma") else 1.0))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)

@@ -193,7 +193,7 @@ _LLAMA4_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "l
 # dense families of issue 35 (tests/engine/test_dense_families.py)
 DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo3", "seed_oss", "cohere",
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
-                  "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
+                  "hunyuan_v1_dense", "gemma4", "gemma4_e", "gemma3n", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
 
 
@@ -331,6 +331,16 @@ def _dense_family_config(tf, arch: str, common: dict):
                                       "vocab_size_per_layer_input": VOCAB, "num_hidden_layers": 6,
                                       "layer_types": ["sliding_attention", "full_attention"] * 3,
                                       "num_kv_shared_layers": 2, "use_double_wide_mlp": True}, **common)
+    if arch == "gemma3n":  # E2B's layout: 4 AltUp streams, Laurel, sparse MLPs on the first layers,
+        # per-layer inputs (ids past a smaller per-layer table), the last 2 layers sharing K/V
+        return tf.Gemma3nTextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=6, max_position_embeddings=512,
+            layer_types=["sliding_attention", "full_attention"] * 3, final_logit_softcapping=10.0,
+            hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB - 32, altup_num_inputs=4,
+            laurel_rank=8, num_kv_shared_layers=2, activation_sparsity_pattern=[0.95, 0.6] + [0.0] * 4,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, **common)
     if arch == "phi":  # Phi-2: a parallel block on one LayerNorm, 0.4 of each head rotated, biases
         return tf.PhiConfig(**{**base, "num_key_value_heads": 4}, rope_parameters={
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
@@ -366,6 +376,8 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15)
+            elif arch == "gemma3n" and name.endswith("correct_output_scale"):
+                p.normal_(1.0, 0.1)  # (AltUp's scale of the per-layer inputs' gate: 0 would drop them)
             elif arch.startswith("gemma4") and name.endswith(("router.scale", "per_expert_scale")):
                 p.normal_(1.0, 0.1)  # (scales of the router's input and of each expert's weight)
             elif "norm" in name or "ln" in name:

@@ -20,6 +20,8 @@ EXPECTED = {
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Gemma3nForCausalLM",
+    "Gemma3nForConditionalGeneration",
     "Gemma4ForCausalLM",
     "Gemma4ForConditionalGeneration",
     "OPTForCausalLM",

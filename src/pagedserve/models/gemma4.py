@@ -77,6 +77,40 @@ def gemma4_kv_sharing(config: Any, types: list[str]) -> list[str | None]:
     return modes
 
 
+def init_per_layer_inputs(model: nn.Module, config: Any, n: int, tp: TPContext = SINGLE) -> None:
+    """Give the decoder stack `model` of `n` layers its per-layer inputs (PLE,
+    `hidden_size_per_layer_input` wide; `model.ple_width` 0 without): the per-layer token
+    embedding, the projection of the embeddings and its norm (HF's names, under `model.`).
+    Shared with Gemma 3n (`models.gemma3n`)."""
+    model.ple_width = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+    if not model.ple_width:
+        return
+    hidden, width = config.hidden_size, model.ple_width
+    model.ple_vocab = int(config.vocab_size_per_layer_input)
+    model.embed_tokens_per_layer = VocabParallelEmbedding(model.ple_vocab, n * width, tp=tp)
+    model.ple_embed_scale = nn.Buffer(torch.tensor(width**0.5, dtype=torch.float32), persistent=False)
+    model.per_layer_model_projection = ColumnParallelLinear(hidden, n * width, False, part=(0, 1))
+    model.per_layer_projection_norm = _gemma_norm(width, config.rms_norm_eps)
+
+
+def per_layer_inputs(model: nn.Module, input_ids: torch.Tensor, x: torch.Tensor, *,
+                     clamp_ids: bool = False) -> torch.Tensor | None:
+    """HF's `get_per_layer_inputs` + `project_per_layer_inputs` of a stack set up by
+    `init_per_layer_inputs`: `[T, L, P]` of the ids `[T]` and their embeddings `x [T, H]`, or
+    None without PLE. `clamp_ids`: ids outside the per-layer table read its row 0 (Gemma 3n,
+    whose multimodal ids lie past `vocab_size_per_layer_input`)."""
+    if not model.ple_width:
+        return None
+    t, n, width = x.shape[0], len(model.layers), model.ple_width
+    if clamp_ids:
+        input_ids = torch.where((input_ids >= 0) & (input_ids < model.ple_vocab), input_ids, 0)  # [T]
+    tokens = model.embed_tokens_per_layer(input_ids)  # [T, L * P]
+    tokens = (tokens * model.ple_embed_scale.to(tokens.dtype)).view(t, n, width)
+    proj = model.per_layer_model_projection(x) * x.shape[-1] ** -0.5  # [T, L * P]
+    proj = model.per_layer_projection_norm(proj.view(t, n, width))  # [T, L, P]
+    return (proj + tokens) * 2.0**-0.5
+
+
 class Gemma4DecoderLayer(OpsUser, nn.Module):
     """x + post_attn_norm(attn(input_norm(x))); then the feed-forward part (the dense MLP, or
     with `enable_moe_block` its normed sum with the experts') through its post norm; then the
@@ -181,15 +215,7 @@ class Gemma4TextModel(DecoderStack):
         self.rotary_emb = nn.ModuleDict({
             t: RotaryEmbedding(head_dim_of_type[t], rope_parameters(config, t), config.max_position_embeddings)
             for t in sorted(head_dim_of_type)})
-        self.ple_width = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
-        if self.ple_width:
-            self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input,
-                                                                 n * self.ple_width, tp=tp)
-            self.ple_embed_scale = nn.Buffer(torch.tensor(self.ple_width**0.5, dtype=torch.float32),
-                                             persistent=False)
-            self.per_layer_model_projection = ColumnParallelLinear(hidden, n * self.ple_width, False,
-                                                                   part=(0, 1))
-            self.per_layer_projection_norm = _gemma_norm(self.ple_width, config.rms_norm_eps)
+        init_per_layer_inputs(self, config, n, tp)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         x = self.embed_tokens(input_ids)  # [T, H]
@@ -202,14 +228,7 @@ class Gemma4TextModel(DecoderStack):
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """HF's `get_per_layer_inputs` + `project_per_layer_inputs`: `[T, L, P]`, or None
         without PLE."""
-        if not self.ple_width:
-            return None
-        t, n = x.shape[0], len(self.layers)
-        tokens = self.embed_tokens_per_layer(input_ids)  # [T, L * P]
-        tokens = (tokens * self.ple_embed_scale.to(tokens.dtype)).view(t, n, self.ple_width)
-        proj = self.per_layer_model_projection(x) * x.shape[-1] ** -0.5  # [T, L * P]
-        proj = self.per_layer_projection_norm(proj.view(t, n, self.ple_width))  # [T, L, P]
-        return (proj + tokens) * 2.0**-0.5
+        return per_layer_inputs(self, input_ids, x)
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.layers

@@ -19,6 +19,7 @@ from pagedserve.models.gguf_arch_config import (
 from pagedserve.models import gguf_classic
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
+from pagedserve.models.gguf_gemma3n import ARCHITECTURES as GEMMA3N_ARCHITECTURES
 from pagedserve.models.gguf_gemma4 import ARCHITECTURES as GEMMA4_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 from pagedserve.models.gguf_mamba import ARCHITECTURES as MAMBA_ARCHITECTURES
@@ -39,9 +40,10 @@ SUPPORTED_ARCHITECTURES = (
     "llama4",  # Llama 4's text decoder
     "qwen2vl", "qwen3vl", "qwen3vlmoe",  # Qwen2(.5)-VL's, Qwen3-VL's, Qwen3-VL-MoE's text decoders
 ) + gguf_classic.ARCHITECTURES + FAMILY_ARCHITECTURES + HYBRID_ARCHITECTURES + MAMBA_ARCHITECTURES \
-    + GEMMA4_ARCHITECTURES
+    + GEMMA4_ARCHITECTURES + GEMMA3N_ARCHITECTURES
 # deepseek2, gpt-oss (models/gguf_families.py); qwen3next, qwen35, qwen35moe
 # (models/gguf_hybrid.py); the Mamba2 hybrids (models/gguf_mamba.py); gemma4 (models/gguf_gemma4.py);
+# gemma3n (models/gguf_gemma3n.py);
 # phi2, stablelm, starcoder2, gptneox, olmo, arcee, nemotron, apertus (models/gguf_classic.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
 
@@ -139,6 +141,10 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         from pagedserve.models import gguf_gemma4
 
         return gguf_gemma4.config_dict(header)
+    if arch in GEMMA3N_ARCHITECTURES:  # models/gguf_gemma3n.py
+        from pagedserve.models import gguf_gemma3n
+
+        return gguf_gemma3n.config_dict(header)
     if arch in MAMBA_OWN_CONFIG:  # nemotron_h, nemotron_h_moe, falcon-h1: models/gguf_mamba.py
         from pagedserve.models.gguf_mamba import config_dict
 

@@ -392,6 +392,11 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
 
         yield from gguf_gemma4.iter_weights(header, config, keep_quantized)
         return
+    if arch == "gemma3n":  # models/gguf_gemma3n.py
+        from pagedserve.models import gguf_gemma3n
+
+        yield from gguf_gemma3n.iter_weights(header, config, keep_quantized)
+        return
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_head = int(getattr(text_config, "num_attention_heads", 0) or 0)  # (none: Mamba)
     n_kv_head = int(getattr(text_config, "num_key_value_heads", None) or n_head)

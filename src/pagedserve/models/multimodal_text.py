@@ -45,8 +45,13 @@ class TextOfMultimodal:
         if getattr(config, "enable_expert_parallel", False):  # (the executor sets it on the
             text = copy.copy(text)  # outer config: an MoE text decoder reads its own)
             text.enable_expert_parallel = True
-        super().__init__(text, tp=tp)
+        super().__init__(text, tp=tp, **self._text_kwargs(config))
         self.config = config
+
+    def _text_kwargs(self, config: Any) -> dict:
+        """Keyword arguments of the text class beyond its config (none by default; Gemma 3n's
+        image / audio token embedders), from the whole multimodal config."""
+        return {}
 
     def _rename(self, name: str) -> str | None:
         if name.startswith(self._SKIP):

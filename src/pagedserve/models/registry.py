@@ -20,6 +20,7 @@ from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCa
 from pagedserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from pagedserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedserve.models.gemma3n import Gemma3nForCausalLM, Gemma3nForConditionalGeneration
 from pagedserve.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from pagedserve.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from pagedserve.models.glm4_moe import Glm4MoeForCausalLM
@@ -81,6 +82,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM,
+    "Gemma3nForConditionalGeneration": Gemma3nForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "OPTForCausalLM": OPTForCausalLM,
@@ -185,6 +188,8 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3n_text": "Gemma3nForCausalLM",
+    "gemma3n": "Gemma3nForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
     "opt": "OPTForCausalLM",
