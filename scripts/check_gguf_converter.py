@@ -232,6 +232,11 @@ FAMILIES = {
                                                            mixer_rms_eps=1e-5),
     "mamba2": lambda: transformers.Mamba2Config(**_SSM, expand=2, num_heads=8, head_dim=16, n_groups=2),
 }
+# more MoE families: AfMoE (Arcee Trinity): gated attention, every fourth layer global without
+# RoPE (llama.cpp's fixed pattern), sandwich norms, muP (llama.cpp always scales), sigmoid experts
+FAMILIES["afmoe"] = lambda: transformers.AfmoeConfig(
+    **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+    num_dense_layers=1, route_scale=2.5, route_norm=True, sliding_window=4, mup_enabled=True)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

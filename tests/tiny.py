@@ -150,6 +150,8 @@ def config_for(arch: str, **overrides):
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)
+    elif arch in MORE_MOE_FAMILIES:
+        cfg = _more_moe_config(tf, arch, common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch in RECURRENT_FAMILIES:
@@ -195,6 +197,20 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
+
+
+# more MoE families (tests/engine/test_moe_engine.py): 8 experts of width 32, 2 routed per token
+MORE_MOE_FAMILIES = ("afmoe",)
+
+
+def _more_moe_config(tf, arch: str, common: dict):
+    base = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
+                max_position_embeddings=512, **common)
+    if arch == "afmoe":  # gated attention, sliding RoPE / global NoPE layers, sandwich norms, muP
+        return tf.AfmoeConfig(**base, num_experts=8, num_dense_layers=1, num_shared_experts=1, route_scale=2.5,
+                              global_attn_every_n_layers=2, sliding_window=6, mup_enabled=True)
+    raise ValueError(arch)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)

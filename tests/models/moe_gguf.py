@@ -30,6 +30,7 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
          "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4,
          "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2, "hunyuan_v1_moe": gguf.MODEL_ARCH.HUNYUAN_MOE}
+ARCHS["afmoe"] = gguf.MODEL_ARCH.AFMOE
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -160,6 +161,18 @@ def _llama4_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
     writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
+def _afmoe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    """What conversion/afmoe.py's AfmoeModel (and LlamaModel) add."""
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_expert_shared_count(config.num_shared_experts)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_leading_dense_block_count(config.num_dense_layers)
+    writer.add_expert_weights_norm(bool(getattr(config, "route_norm", True)))
+    writer.add_expert_weights_scale(config.route_scale)
+    writer.add_sliding_window(config.sliding_window)
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
                    types: dict[str, gguf.GGMLQuantizationType] | None = None, extra=None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
@@ -253,6 +266,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         if getattr(config, "shared_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
         state = split_granite(state, config)
+    if family == "afmoe":  # conversion/afmoe.py (a LlamaModel: its rope dims and vocabulary)
+        _afmoe_keys(writer, config, head_dim)
     if extra is not None:
         extra(writer)
     writer.add_tokenizer_model("llama")

@@ -70,6 +70,8 @@ EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "
 EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
+# more MoE families (AfMoE, ...)
+EXPECTED |= {"AfmoeForCausalLM"}
 
 
 def test_registry_names():

@@ -410,3 +410,48 @@ ARCH_CONFIG_HOOKS = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": 
                         "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config,
                         "minimax-m2": _minimax_m2_config,
                         **{arch: _qwen_vl_config for arch in QWEN_VL_ARCHS}}
+
+
+def _afmoe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """AfMoE (conversion/afmoe.py): the experts and shared experts, the dense first layers, the
+    route scale; q/k/v/o biases when the file has them. llama.cpp fixes what the file does not
+    say: muP's embedding scale always on (`mup_enabled`), sigmoid gating, and RoPE on every layer
+    but each fourth -- HF ropes the sliding layers only, so the sliding pattern (from
+    `attention.sliding_window_pattern`, default every fourth layer global) must be that one; a
+    file whose global layers differ, with no window, without the renormalized top-k
+    (`expert_weights_norm`: HF always renormalizes) or with its own sliding RoPE base is refused."""
+    name, n = header.path.name, cfg["num_hidden_layers"]
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{name}: afmoe expert_gating_func {gating} (only 2, sigmoid, is AfMoE's)")
+    if not header.arch_key("expert_weights_norm", False):
+        raise ValueError(f"{name}: afmoe without expert_weights_norm (llama.cpp then skips the top-k "
+                         "renormalization HF's AfMoE always does) is not supported")
+    window = header.arch_key("attention.sliding_window")
+    if not window:
+        raise ValueError(f"{name}: afmoe without attention.sliding_window is not supported (llama.cpp "
+                         "still ropes 3 layers of 4, HF's global layers none)")
+    types = _window_layer_types(header, n)
+    if any((t == "sliding_attention") != ((i + 1) % 4 != 0) for i, t in enumerate(types)):
+        raise ValueError(f"{name}: afmoe sliding layers {types} are not every layer but each fourth "
+                         "(llama.cpp's RoPE layers; HF ropes the sliding ones)")
+    swa = header.arch_key("rope.freq_base_swa")
+    if swa is not None and float(swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{name}: afmoe rope.freq_base_swa {swa} differs from rope.freq_base (one RoPE "
+                         "is supported)")
+    names = [t.name for t in header.tensors]
+    cfg.update({
+        "layer_types": types,
+        "sliding_window": int(window),
+        "mup_enabled": True,
+        "attention_bias": any(s.endswith(".attn_q.bias") for s in names),
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "num_shared_experts": int(header.arch_key("expert_shared_count") or 0),
+        "num_dense_layers": int(header.arch_key("leading_dense_block_count") or 0),
+        "route_scale": float(header.arch_key("expert_weights_scale") or 1.0),
+        "route_norm": True,
+    })
+
+
+ARCH_CONFIG_HOOKS["afmoe"] = _afmoe_config  # (AfMoE: Arcee Trinity)

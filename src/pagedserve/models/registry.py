@@ -67,6 +67,7 @@ from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 from pagedserve.models.stablelm import StableLmForCausalLM
 from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
+from pagedserve.models.afmoe import AfmoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -150,6 +151,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
+    "AfmoeForCausalLM": AfmoeForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -248,6 +250,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
+    "afmoe": "AfmoeForCausalLM",
 }
 
 
