@@ -237,12 +237,19 @@ FAMILIES = {
 FAMILIES["afmoe"] = lambda: transformers.AfmoeConfig(
     **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
     num_dense_layers=1, route_scale=2.5, route_norm=True, sliding_window=4, mup_enabled=True)
+# EXAONE MoE: q/k norms, sliding RoPE layers / global NoPE ones, DeepSeek-V3's grouped sigmoid routing
+# (its selection bias drawn: SELECTION_BIAS) beside a shared expert after a dense first layer
+FAMILIES["exaone_moe"] = lambda: transformers.ExaoneMoeConfig(
+    **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+    first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=4,
+    sliding_window_pattern=2)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
+SELECTION_BIAS += ("exaone_moe",)
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)

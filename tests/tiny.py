@@ -200,7 +200,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
 
 
 # more MoE families (tests/engine/test_moe_engine.py): 8 experts of width 32, 2 routed per token
-MORE_MOE_FAMILIES = ("afmoe",)
+MORE_MOE_FAMILIES = ("afmoe", "exaone_moe")
 
 
 def _more_moe_config(tf, arch: str, common: dict):
@@ -210,6 +210,9 @@ def _more_moe_config(tf, arch: str, common: dict):
     if arch == "afmoe":  # gated attention, sliding RoPE / global NoPE layers, sandwich norms, muP
         return tf.AfmoeConfig(**base, num_experts=8, num_dense_layers=1, num_shared_experts=1, route_scale=2.5,
                               global_attn_every_n_layers=2, sliding_window=6, mup_enabled=True)
+    if arch == "exaone_moe":  # q/k norms, sliding RoPE / global NoPE layers, DeepSeek-V3 routing, shared expert
+        return tf.ExaoneMoeConfig(**base, num_experts=8, num_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                  topk_group=1, routed_scaling_factor=2.5, sliding_window=6, sliding_window_pattern=2)
     raise ValueError(arch)
 
 

@@ -31,6 +31,7 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4,
          "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2, "hunyuan_v1_moe": gguf.MODEL_ARCH.HUNYUAN_MOE}
 ARCHS["afmoe"] = gguf.MODEL_ARCH.AFMOE
+ARCHS["exaone_moe"] = gguf.MODEL_ARCH.EXAONE_MOE
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -173,6 +174,23 @@ def _afmoe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
     writer.add_sliding_window(config.sliding_window)
 
 
+def _exaone_moe_keys(writer: gguf.GGUFWriter, config) -> None:
+    """What conversion/exaone.py's ExaoneMoEModel (and Exaone4Model) add."""
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.num_shared_experts)
+    writer.add_expert_shared_feed_forward_length(config.moe_intermediate_size * config.num_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_nextn_predict_layers(0)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
                    types: dict[str, gguf.GGMLQuantizationType] | None = None, extra=None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
@@ -268,6 +286,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         state = split_granite(state, config)
     if family == "afmoe":  # conversion/afmoe.py (a LlamaModel: its rope dims and vocabulary)
         _afmoe_keys(writer, config, head_dim)
+    if family == "exaone_moe":
+        _exaone_moe_keys(writer, config)
     if extra is not None:
         extra(writer)
     writer.add_tokenizer_model("llama")

@@ -71,7 +71,7 @@ EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
 # more MoE families (AfMoE, ...)
-EXPECTED |= {"AfmoeForCausalLM"}
+EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM"}
 
 
 def test_registry_names():

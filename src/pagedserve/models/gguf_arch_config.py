@@ -455,3 +455,49 @@ def _afmoe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 ARCH_CONFIG_HOOKS["afmoe"] = _afmoe_config  # (AfMoE: Arcee Trinity)
+
+
+def _exaone_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """EXAONE MoE (conversion/exaone.py's ExaoneMoEModel): the block count without the
+    multi-token-prediction layers it counts in (`nextn_predict_layers`: skipped at load), the
+    layer types from `attention.sliding_window_pattern` (llama.cpp ropes the sliding layers only,
+    as HF with a window; a file without `attention.sliding_window` is refused, as llama.cpp
+    does), DeepSeek-V3's routing keys (sigmoid; the selection bias as exp_probs_b), the shared
+    experts (`expert_shared_feed_forward_length` must be their count times the experts' width:
+    HF's one MLP of that size)."""
+    name = header.path.name
+    cfg["num_hidden_layers"] -= int(header.arch_key("nextn_predict_layers") or 0)
+    n = cfg["num_hidden_layers"]
+    window = header.arch_key("attention.sliding_window")
+    if not window:
+        raise ValueError(f"{name}: exaone-moe without attention.sliding_window is not supported "
+                         "(llama.cpp requires it)")
+    swa = header.arch_key("rope.freq_base_swa")
+    if swa is not None and float(swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{name}: exaone-moe rope.freq_base_swa {swa} differs from rope.freq_base (one "
+                         "RoPE is supported)")
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{name}: exaone-moe expert_gating_func {gating} (only 2, sigmoid, is EXAONE MoE's)")
+    width = int(_require(header, "expert_feed_forward_length"))
+    shared = int(header.arch_key("expert_shared_count") or 0)
+    shared_width = header.arch_key("expert_shared_feed_forward_length")
+    if shared_width is not None and int(shared_width) != shared * width:
+        raise ValueError(f"{name}: exaone-moe expert_shared_feed_forward_length {shared_width} is not "
+                         f"expert_shared_count x expert_feed_forward_length ({shared} x {width})")
+    cfg.update({
+        "sliding_window": int(window),
+        "layer_types": _window_layer_types(header, n),
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": width,
+        "num_shared_experts": shared,
+        "first_k_dense_replace": int(header.arch_key("leading_dense_block_count") or 0),
+        "mlp_layer_types": None,
+        "routed_scaling_factor": float(header.arch_key("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(header.arch_key("expert_weights_norm", False)),
+        "n_group": int(header.arch_key("expert_group_count") or 1),
+        "topk_group": int(header.arch_key("expert_group_used_count") or 1),
+    })
+
+
+ARCH_CONFIG_HOOKS["exaone-moe"] = _exaone_moe_config  # (EXAONE MoE: K-EXAONE)

@@ -317,6 +317,8 @@ _BLOCK_NAMES.update(gguf_classic.BLOCK_NAMES)
 _BLOCK_NAMES["afmoe"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES, "attn_gate": "self_attn.gate_proj",
                          "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_mlp_layernorm",
                          "post_ffw_norm": "post_mlp_layernorm"}
+# EXAONE MoE: Llama's names (ffn_norm the pre-MLP norm), per-head q/k norms, experts
+_BLOCK_NAMES["exaone-moe"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
     + gguf_classic.PERMUTED_QK

@@ -68,6 +68,7 @@ from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 from pagedserve.models.stablelm import StableLmForCausalLM
 from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
 from pagedserve.models.afmoe import AfmoeForCausalLM
+from pagedserve.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -152,6 +153,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
     "AfmoeForCausalLM": AfmoeForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+    "ExaoneMoEForCausalLM": ExaoneMoEForCausalLM,  # (the released configs' spelling before 5.1)
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -251,6 +254,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
     "afmoe": "AfmoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
 }
 
 
