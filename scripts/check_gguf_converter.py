@@ -243,13 +243,21 @@ FAMILIES["exaone_moe"] = lambda: transformers.ExaoneMoeConfig(
     **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
     first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=4,
     sliding_window_pattern=2)
+# Solar Open: written as "glm4moe" (no dense layers, no feed_forward_length); its rotated part as the
+# rope parameters state it (the converter's default without one is GLM's half)
+FAMILIES["solar_open"] = lambda: transformers.SolarOpenConfig(
+    **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, head_dim=16, moe_intermediate_size=32,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0})
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
-SELECTION_BIAS += ("exaone_moe",)
+SELECTION_BIAS += ("exaone_moe", "solar_open")
+# converters that look up more special tokens (Solar Open's: its bos / unk)
+EXTRA_SPECIAL_TOKENS = {"solar_open": ["<unk>", "<|startoftext|>"]}
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
@@ -333,6 +341,7 @@ def save_tokenizer(folder: Path, family: str) -> None:
     special = ["<pad>", "<s>", "<|endoftext|>", "<|user|>"]
     if family in GLM_SPECIAL_TOKENS:  # (the converter's _set_vocab_glm looks these up too)
         special += ["[gMASK]", "<|observation|>"]
+    special += EXTRA_SPECIAL_TOKENS.get(family, [])
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_corpus()], trainer)
@@ -433,6 +442,7 @@ Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite",
 # tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
 # f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
 # near-tied token (by the tie rule against the unrounded folder; 3/3 identical to the rounded one)
+Q8_ROUNDED_REFERENCE += ("solar_open",)  # (tiny random Solar Open: 3/3 identical to the rounded run, 0/3 to the unrounded)
 F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
 
 

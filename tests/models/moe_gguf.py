@@ -204,7 +204,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     nextn = getattr(config, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
     writer.add_block_count(config.num_hidden_layers + nextn)
     # (Llama 4's converter writes the dense layers' width here, the experts' below)
-    writer.add_feed_forward_length(config.intermediate_size_mlp if family == "llama4" else config.intermediate_size)
+    if family == "llama4" or hasattr(config, "intermediate_size"):  # (Solar Open's converter writes none)
+        writer.add_feed_forward_length(config.intermediate_size_mlp if family == "llama4" else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if family == "lfm2_moe":  # conversion/lfm2.py's LFM2MoeModel: KV heads per layer (0: conv)
         writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
@@ -253,7 +254,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     if family == "glm4_moe":  # conversion/glm.py's Glm4MoeModel and the base's expert keys
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_count(config.n_shared_experts)
-        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        if (dense := getattr(config, "first_k_dense_replace", None)) is not None:  # (Solar Open: none)
+            writer.add_leading_dense_block_count(dense)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(config.routed_scaling_factor)
         writer.add_expert_weights_norm(config.norm_topk_prob)
@@ -339,7 +341,7 @@ def load_gguf_model(path: Path, cache: Path, *, quantized: bool, dtype=torch.flo
 
 
 def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, prompts, check_hf, *,
-                      max_model_len: int | None = None) -> None:
+                      max_model_len: int | None = None, loads_as: str | None = None) -> None:
     """The family from a GGUF file converted from the HF `folder` (its safetensors, as the
     converter reads them): F32 tensors give HF's logits (`check_hf`); Q8_0 experts kept as their
     stacked blocks (no float copy) give HF's greedy tokens by the tie rule. `max_model_len`: the
@@ -350,7 +352,7 @@ def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, promp
     state = dict(iter_safetensors(folder))
     f32 = write_moe_gguf(tmp_path / f"{family}-f32.gguf", family, config, state)
     model = load_gguf_model(f32, tmp_path / "cache", quantized=False, max_model_len=max_model_len)
-    assert type(model).__name__ == config.architectures[0]
+    assert type(model).__name__ == (loads_as or config.architectures[0])  # (loads_as: written as another family)
     check_hf(hf_model, model, prompts)
 
     Q = gguf.GGMLQuantizationType

@@ -71,7 +71,7 @@ EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
 # more MoE families (AfMoE, ...)
-EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM"}
+EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM", "SolarOpenForCausalLM"}
 
 
 def test_registry_names():

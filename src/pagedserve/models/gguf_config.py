@@ -185,7 +185,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         "model_type": model_type,
         "architectures": [_HF_ARCHITECTURE[model_type]],
         "hidden_size": hidden,
-        "intermediate_size": int(_require(header, "feed_forward_length")),
+        "intermediate_size": _feed_forward_length(header),
         "num_hidden_layers": int(_require(header, "block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
@@ -243,6 +243,15 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         # which uses 1/sqrt(hidden/heads); HF states this as query_pre_attn_scalar.
         cfg["query_pre_attn_scalar"] = hidden // n_heads if cfg["num_hidden_layers"] == 62 else head_dim
     return cfg
+
+
+def _feed_forward_length(header: GGUFHeader) -> int:
+    """`feed_forward_length` (the dense MLPs' width); a "glm4moe" file with experts in every layer
+    may have none (Solar Open's converter writes none): then the experts' width, unused."""
+    width = header.arch_key("feed_forward_length")
+    if width is None and header.architecture == "glm4moe" and not header.arch_key("leading_dense_block_count"):
+        width = _require(header, "expert_feed_forward_length")
+    return int(width if width is not None else _require(header, "feed_forward_length"))
 
 
 def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

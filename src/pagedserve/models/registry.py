@@ -69,6 +69,7 @@ from pagedserve.models.stablelm import StableLmForCausalLM
 from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
 from pagedserve.models.afmoe import AfmoeForCausalLM
 from pagedserve.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoeForCausalLM
+from pagedserve.models.solar_open import SolarOpenForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -155,6 +156,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "ExaoneMoEForCausalLM": ExaoneMoEForCausalLM,  # (the released configs' spelling before 5.1)
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -255,6 +257,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "llama4": "Llama4ForConditionalGeneration",
     "afmoe": "AfmoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
+    "solar_open": "SolarOpenForCausalLM",
 }
 
 
