@@ -249,6 +249,11 @@ FAMILIES["solar_open"] = lambda: transformers.SolarOpenConfig(
     **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, head_dim=16, moe_intermediate_size=32,
     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
     rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0})
+# Cohere 2 MoE: Cohere 2's parallel block, a dense first layer (rotated: force_rope), softmax over
+# the top-k logits, the shared expert averaged in
+FAMILIES["cohere2_moe"] = lambda: transformers.Cohere2MoeConfig(
+    **{**_COMMON, "intermediate_size": 32}, head_dim=16, prefix_dense_intermediate_size=96, num_experts=4,
+    num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4, logit_scale=0.5)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

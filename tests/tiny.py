@@ -200,7 +200,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
 
 
 # more MoE families (tests/engine/test_moe_engine.py): 8 experts of width 32, 2 routed per token
-MORE_MOE_FAMILIES = ("afmoe", "exaone_moe", "solar_open")
+MORE_MOE_FAMILIES = ("afmoe", "exaone_moe", "solar_open", "cohere2_moe")
 
 
 def _more_moe_config(tf, arch: str, common: dict):
@@ -216,6 +216,10 @@ def _more_moe_config(tf, arch: str, common: dict):
     if arch == "solar_open":  # Llama's attention, DeepSeek-V3's grouped sigmoid routing + shared expert everywhere
         return tf.SolarOpenConfig(**{k: v for k, v in base.items() if k != "intermediate_size"}, n_routed_experts=8,
                                   n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    if arch == "cohere2_moe":  # parallel block, interleaved RoPE on sliding (and dense) layers, averaged shared expert
+        return tf.Cohere2MoeConfig(**{**base, "intermediate_size": 32}, prefix_dense_intermediate_size=96,
+                                   num_experts=8, num_shared_experts=1, first_k_dense_replace=1, sliding_window=6,
+                                   sliding_window_pattern=2, logit_scale=0.5)
     raise ValueError(arch)
 
 

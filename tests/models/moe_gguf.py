@@ -32,6 +32,10 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2, "hunyuan_v1_moe": gguf.MODEL_ARCH.HUNYUAN_MOE}
 ARCHS["afmoe"] = gguf.MODEL_ARCH.AFMOE
 ARCHS["exaone_moe"] = gguf.MODEL_ARCH.EXAONE_MOE
+# (the installed gguf package predates "cohere2moe": its name and, for the tensor names, an
+# architecture with the same tensors)
+ARCH_NAMES = {"cohere2_moe": "cohere2moe"}
+ARCHS["cohere2_moe"] = getattr(gguf.MODEL_ARCH, "COHERE2MOE", gguf.MODEL_ARCH.GLM4_MOE)
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -191,12 +195,31 @@ def _exaone_moe_keys(writer: gguf.GGUFWriter, config) -> None:
     writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
+def _cohere2_moe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    """What conversion/command_r.py's Cohere2MoeModel (and the base's gating function) add."""
+    dense = [t == "dense" for t in config.mlp_layer_types]
+    writer.add_logit_scale(config.logit_scale)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_leading_dense_block_count(dense.index(False) if False in dense else len(dense))
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    if config.num_shared_experts:
+        writer.add_expert_shared_count(config.num_shared_experts)
+        writer.add_expert_shared_feed_forward_length(config.intermediate_size * config.num_shared_experts)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if config.expert_selection_fn == "softmax"
+                                  else gguf.ExpertGatingFuncType.SIGMOID)
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
                    types: dict[str, gguf.GGMLQuantizationType] | None = None, extra=None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
     type per substring of the HF name (first match; default F32); `extra(writer)` adds keys."""
     arch = ARCHS[family]
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(path), ARCH_NAMES.get(family) or gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"tiny {family}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -204,7 +227,9 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     nextn = getattr(config, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
     writer.add_block_count(config.num_hidden_layers + nextn)
     # (Llama 4's converter writes the dense layers' width here, the experts' below)
-    if family == "llama4" or hasattr(config, "intermediate_size"):  # (Solar Open's converter writes none)
+    if family == "cohere2_moe":  # (its converter: the dense prefix's width first)
+        writer.add_feed_forward_length(config.prefix_dense_intermediate_size or config.intermediate_size)
+    elif family == "llama4" or hasattr(config, "intermediate_size"):  # (Solar Open's converter writes none)
         writer.add_feed_forward_length(config.intermediate_size_mlp if family == "llama4" else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if family == "lfm2_moe":  # conversion/lfm2.py's LFM2MoeModel: KV heads per layer (0: conv)
@@ -216,6 +241,9 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_vocab_size(config.vocab_size)
         writer.add_shortconv_l_cache(config.conv_L_cache)
+    elif family == "cohere2_moe" and config.rms_norm_eps is None:  # (Cohere's LayerNorm)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_eps(config.layer_norm_eps)
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -290,6 +318,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         _afmoe_keys(writer, config, head_dim)
     if family == "exaone_moe":
         _exaone_moe_keys(writer, config)
+    if family == "cohere2_moe":
+        _cohere2_moe_keys(writer, config, head_dim)
     if extra is not None:
         extra(writer)
     writer.add_tokenizer_model("llama")

@@ -71,7 +71,8 @@ EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
 # more MoE families (AfMoE, ...)
-EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM", "SolarOpenForCausalLM"}
+EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM", "SolarOpenForCausalLM",
+             "Cohere2MoeForCausalLM"}
 
 
 def test_registry_names():

@@ -501,3 +501,61 @@ def _exaone_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 ARCH_CONFIG_HOOKS["exaone-moe"] = _exaone_moe_config  # (EXAONE MoE: K-EXAONE)
+
+
+def _cohere2moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Cohere 2 MoE (conversion/command_r.py's Cohere2MoeModel): RMSNorm when the file has
+    `attention.layer_norm_rms_epsilon`, else Cohere's LayerNorm; the layer types from
+    `attention.sliding_window_pattern`; dense layers below `leading_dense_block_count`, of
+    `feed_forward_length` (HF's `prefix_dense_intermediate_size`), rotated whatever their window
+    (llama.cpp's force_rope: HF's with `prefix_dense_sliding_window_pattern` 1); experts of
+    `expert_feed_forward_length` (HF's `intermediate_size`) weighed by the softmax of the top-k
+    logits (`expert_gating_func` 1) or their sigmoids (2, llama.cpp's default), renormalized with
+    `expert_weights_norm`; the shared experts averaged with the routed ones (the converter refuses
+    the "sum" combination). Biases are dropped by the converter (zero). MTP blocks
+    (`nextn_predict_layers`) are skipped."""
+    name = header.path.name
+    cfg["num_hidden_layers"] -= int(header.arch_key("nextn_predict_layers") or 0)
+    n = cfg["num_hidden_layers"]
+    if header.arch_key("attention.layer_norm_rms_epsilon") is None:
+        cfg.pop("rms_norm_eps", None)
+        cfg["rms_norm_eps"] = None
+        cfg["layer_norm_eps"] = float(_require(header, "attention.layer_norm_epsilon"))
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{name}: cohere2moe rope.dimension_count {rope_dims} != head_dim {cfg['head_dim']} "
+                         "(HF's Cohere rotates whole heads)")
+    swa = header.arch_key("rope.freq_base_swa")
+    if swa is not None and float(swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{name}: cohere2moe rope.freq_base_swa {swa} differs from rope.freq_base")
+    gating = header.arch_key("expert_gating_func")
+    if gating not in (None, 1, 2):
+        raise ValueError(f"{name}: cohere2moe expert_gating_func {gating} (1 softmax, 2 sigmoid are Cohere's)")
+    if (scale := header.arch_key("expert_weights_scale")) not in (None, 0.0, 1.0):
+        raise ValueError(f"{name}: cohere2moe expert_weights_scale {scale} is not supported (HF scales by nothing)")
+    width = int(_require(header, "expert_feed_forward_length"))
+    shared = int(header.arch_key("expert_shared_count") or 0)
+    shared_width = header.arch_key("expert_shared_feed_forward_length")
+    if shared and shared_width is not None and int(shared_width) != shared * width:
+        raise ValueError(f"{name}: cohere2moe expert_shared_feed_forward_length {shared_width} is not "
+                         f"expert_shared_count x expert_feed_forward_length ({shared} x {width})")
+    dense = int(_require(header, "leading_dense_block_count"))
+    cfg.update({
+        "logit_scale": float(_require(header, "logit_scale")),
+        "sliding_window": int(_require(header, "attention.sliding_window")),
+        "layer_types": _window_layer_types(header, n),
+        "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+        "prefix_dense_sliding_window_pattern": 1,
+        "prefix_dense_intermediate_size": cfg["intermediate_size"],
+        "intermediate_size": width,
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "num_shared_experts": shared,
+        "shared_expert_combination_strategy": "average",
+        "expert_selection_fn": "softmax" if gating == 1 else "sigmoid",
+        "norm_topk_prob": bool(header.arch_key("expert_weights_norm", False)),
+        "attention_bias": False,
+    })
+
+
+ARCH_CONFIG_HOOKS["cohere2moe"] = _cohere2moe_config  # (Cohere 2 MoE)

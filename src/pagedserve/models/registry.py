@@ -70,6 +70,7 @@ from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
 from pagedserve.models.afmoe import AfmoeForCausalLM
 from pagedserve.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoeForCausalLM
 from pagedserve.models.solar_open import SolarOpenForCausalLM
+from pagedserve.models.cohere2_moe import Cohere2MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -157,6 +158,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "ExaoneMoEForCausalLM": ExaoneMoEForCausalLM,  # (the released configs' spelling before 5.1)
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
+    "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -258,6 +260,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "afmoe": "AfmoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
     "solar_open": "SolarOpenForCausalLM",
+    "cohere2_moe": "Cohere2MoeForCausalLM",
 }
 
 
