@@ -254,6 +254,11 @@ FAMILIES["solar_open"] = lambda: transformers.SolarOpenConfig(
 FAMILIES["cohere2_moe"] = lambda: transformers.Cohere2MoeConfig(
     **{**_COMMON, "intermediate_size": 32}, head_dim=16, prefix_dense_intermediate_size=96, num_experts=4,
     num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4, logit_scale=0.5)
+# DBRX: bias-free LayerNorms, the fused Wqkv clamped, softmax top-k experts (stored [E * I, H])
+FAMILIES["dbrx"] = lambda: transformers.DbrxConfig(
+    d_model=64, n_heads=4, n_layers=4, max_seq_len=64, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2, attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+    ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
@@ -447,7 +452,7 @@ Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite",
 # tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
 # f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
 # near-tied token (by the tie rule against the unrounded folder; 3/3 identical to the rounded one)
-Q8_ROUNDED_REFERENCE += ("solar_open",)  # (tiny random Solar Open: 3/3 identical to the rounded run, 0/3 to the unrounded)
+Q8_ROUNDED_REFERENCE += ("solar_open", "dbrx")  # (tiny random Solar Open, DBRX: 0/3 token-identical to the unrounded run)
 F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
 
 

@@ -200,7 +200,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
 
 
 # more MoE families (tests/engine/test_moe_engine.py): 8 experts of width 32, 2 routed per token
-MORE_MOE_FAMILIES = ("afmoe", "exaone_moe", "solar_open", "cohere2_moe")
+MORE_MOE_FAMILIES = ("afmoe", "exaone_moe", "solar_open", "cohere2_moe", "dbrx")
 
 
 def _more_moe_config(tf, arch: str, common: dict):
@@ -220,6 +220,10 @@ def _more_moe_config(tf, arch: str, common: dict):
         return tf.Cohere2MoeConfig(**{**base, "intermediate_size": 32}, prefix_dense_intermediate_size=96,
                                    num_experts=8, num_shared_experts=1, first_k_dense_replace=1, sliding_window=6,
                                    sliding_window_pattern=2, logit_scale=0.5)
+    if arch == "dbrx":  # bias-free LayerNorms, fused clamped Wqkv, softmax top-k experts renormalized
+        return tf.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, **common,
+                             attn_config={"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 10000.0},
+                             ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2})
     raise ValueError(arch)
 
 

@@ -35,6 +35,7 @@ ARCHS["exaone_moe"] = gguf.MODEL_ARCH.EXAONE_MOE
 # (the installed gguf package predates "cohere2moe": its name and, for the tensor names, an
 # architecture with the same tensors)
 ARCH_NAMES = {"cohere2_moe": "cohere2moe"}
+ARCHS["dbrx"] = gguf.MODEL_ARCH.DBRX
 ARCHS["cohere2_moe"] = getattr(gguf.MODEL_ARCH, "COHERE2MOE", gguf.MODEL_ARCH.GLM4_MOE)
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -241,9 +242,9 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_vocab_size(config.vocab_size)
         writer.add_shortconv_l_cache(config.conv_L_cache)
-    elif family == "cohere2_moe" and config.rms_norm_eps is None:  # (Cohere's LayerNorm)
+    elif family == "dbrx" or (family == "cohere2_moe" and config.rms_norm_eps is None):  # (LayerNorms)
         writer.add_head_count_kv(config.num_key_value_heads)
-        writer.add_layer_norm_eps(config.layer_norm_eps)
+        writer.add_layer_norm_eps(getattr(config, "layer_norm_eps", 1e-5))
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -320,6 +321,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         _exaone_moe_keys(writer, config)
     if family == "cohere2_moe":
         _cohere2_moe_keys(writer, config, head_dim)
+    if family == "dbrx":  # conversion/dbrx.py (the experts' width as feed_forward_length)
+        writer.add_clamp_kqv(config.attn_config.clip_qkv)
     if extra is not None:
         extra(writer)
     writer.add_tokenizer_model("llama")

@@ -72,7 +72,7 @@ EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 EXPECTED |= {"KimiLinearForCausalLM"}
 # more MoE families (AfMoE, ...)
 EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM", "SolarOpenForCausalLM",
-             "Cohere2MoeForCausalLM"}
+             "Cohere2MoeForCausalLM", "DbrxForCausalLM"}
 
 
 def test_registry_names():

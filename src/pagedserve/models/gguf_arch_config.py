@@ -559,3 +559,35 @@ def _cohere2moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
 
 
 ARCH_CONFIG_HOOKS["cohere2moe"] = _cohere2moe_config  # (Cohere 2 MoE)
+
+
+def _dbrx_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """DBRX (conversion/dbrx.py): HF's nested `attn_config` / `ffn_config` from the sizes, the
+    clamp (`attention.clamp_kqv`: required, as llama.cpp reads it), the experts; llama.cpp always
+    renormalizes the top-k (`moe_normalize_expert_weights` 1, the released models'). HF's
+    LayerNorms use torch's default epsilon, 1e-5: a file with another is refused."""
+    name = header.path.name
+    if (eps := cfg.pop("layer_norm_eps", 1e-5)) != 1e-5 and abs(eps - 1e-5) > 1e-12:
+        raise ValueError(f"{name}: dbrx attention.layer_norm_epsilon {eps} is not supported (HF's DBRX: 1e-5)")
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{name}: dbrx rope.dimension_count {rope_dims} != head_dim {cfg['head_dim']}")
+    if cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise ValueError(f"{name}: dbrx head_dim {cfg['head_dim']} is not hidden / heads (HF's DBRX)")
+    cfg.update({
+        "d_model": cfg.pop("hidden_size"),
+        "n_heads": cfg.pop("num_attention_heads"),
+        "n_layers": cfg.pop("num_hidden_layers"),
+        "max_seq_len": cfg.pop("max_position_embeddings"),
+        "attn_config": {"kv_n_heads": cfg.pop("num_key_value_heads"),
+                        "clip_qkv": float(_require(header, "attention.clamp_kqv")),
+                        "rope_theta": float(cfg.pop("rope_theta", 10000.0))},
+        "ffn_config": {"ffn_hidden_size": cfg.pop("intermediate_size"),
+                       "moe_num_experts": int(_require(header, "expert_count")),
+                       "moe_top_k": int(_require(header, "expert_used_count")),
+                       "moe_normalize_expert_weights": 1.0},
+    })
+    cfg.pop("head_dim", None)
+
+
+ARCH_CONFIG_HOOKS["dbrx"] = _dbrx_config  # (DBRX)

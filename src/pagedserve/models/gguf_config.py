@@ -44,7 +44,7 @@ SUPPORTED_ARCHITECTURES = (
 # (models/gguf_hybrid.py); the Mamba2 hybrids (models/gguf_mamba.py); gemma4 (models/gguf_gemma4.py);
 # phi2, stablelm, starcoder2, gptneox, olmo, arcee, nemotron, apertus (models/gguf_classic.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
-SUPPORTED_ARCHITECTURES += ("afmoe", "exaone-moe", "cohere2moe")  # more MoE families: AfMoE, EXAONE MoE, Cohere 2 MoE
+SUPPORTED_ARCHITECTURES += ("afmoe", "exaone-moe", "cohere2moe", "dbrx")  # more MoE families: AfMoE, EXAONE MoE, Cohere 2 MoE, DBRX
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
@@ -105,6 +105,8 @@ _HF_MODEL_TYPE["exaone-moe"] = "exaone_moe"
 _HF_ARCHITECTURE["exaone_moe"] = "ExaoneMoeForCausalLM"
 _HF_MODEL_TYPE["cohere2moe"] = "cohere2_moe"
 _HF_ARCHITECTURE["cohere2_moe"] = "Cohere2MoeForCausalLM"
+_HF_MODEL_TYPE["dbrx"] = "dbrx"
+_HF_ARCHITECTURE["dbrx"] = "DbrxForCausalLM"
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
@@ -193,6 +195,7 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         "num_key_value_heads": int(n_kv),
         "head_dim": head_dim,
         **common_config_fields(header, tensor_names, vocab_size, layer_norm=arch in COHERE_ARCHS + gguf_classic.LAYER_NORM_ARCHS
+                               or arch == "dbrx"
                                or (arch == "cohere2moe" and header.arch_key("attention.layer_norm_rms_epsilon") is None)),
     }
     if cfg["vocab_size"] is None:

@@ -321,6 +321,9 @@ _BLOCK_NAMES["afmoe"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NA
 _BLOCK_NAMES["exaone-moe"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}
 # Cohere 2 MoE: Cohere 2's names (one norm per block), the dense prefix MLPs, experts
 _BLOCK_NAMES["cohere2moe"] = {**{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k != "ffn_norm"}, **_MOE_BLOCK_NAMES}
+# DBRX: its fused Wqkv (split by the model), the pre-MLP norm as attn_output_norm, experts
+_BLOCK_NAMES["dbrx"] = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.Wqkv", "attn_output": "self_attn.o_proj",
+                        "attn_output_norm": "post_attention_layernorm", **_MOE_BLOCK_NAMES}
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
     + gguf_classic.PERMUTED_QK

@@ -71,6 +71,7 @@ from pagedserve.models.afmoe import AfmoeForCausalLM
 from pagedserve.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoeForCausalLM
 from pagedserve.models.solar_open import SolarOpenForCausalLM
 from pagedserve.models.cohere2_moe import Cohere2MoeForCausalLM
+from pagedserve.models.dbrx import DbrxForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -159,6 +160,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ExaoneMoEForCausalLM": ExaoneMoEForCausalLM,  # (the released configs' spelling before 5.1)
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
+    "DbrxForCausalLM": DbrxForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -261,6 +263,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "exaone_moe": "ExaoneMoeForCausalLM",
     "solar_open": "SolarOpenForCausalLM",
     "cohere2_moe": "Cohere2MoeForCausalLM",
+    "dbrx": "DbrxForCausalLM",
 }
 
 
