@@ -242,12 +242,42 @@ FAMILIES = {
                                                            mixer_rms_eps=1e-5),
     "mamba2": lambda: transformers.Mamba2Config(**_SSM, expand=2, num_heads=8, head_dim=16, n_groups=2),
 }
+# more MoE families: AfMoE (Arcee Trinity): gated attention, every fourth layer global without
+# RoPE (llama.cpp's fixed pattern), sandwich norms, muP (llama.cpp always scales), sigmoid experts
+FAMILIES["afmoe"] = lambda: transformers.AfmoeConfig(
+    **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+    num_dense_layers=1, route_scale=2.5, route_norm=True, sliding_window=4, mup_enabled=True)
+# EXAONE MoE: q/k norms, sliding RoPE layers / global NoPE ones, DeepSeek-V3's grouped sigmoid routing
+# (its selection bias drawn: SELECTION_BIAS) beside a shared expert after a dense first layer
+FAMILIES["exaone_moe"] = lambda: transformers.ExaoneMoeConfig(
+    **_COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+    first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=4,
+    sliding_window_pattern=2)
+# Solar Open: written as "glm4moe" (no dense layers, no feed_forward_length); its rotated part as the
+# rope parameters state it (the converter's default without one is GLM's half)
+FAMILIES["solar_open"] = lambda: transformers.SolarOpenConfig(
+    **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, head_dim=16, moe_intermediate_size=32,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0})
+# Cohere 2 MoE: Cohere 2's parallel block, a dense first layer (rotated: force_rope), softmax over
+# the top-k logits, the shared expert averaged in
+FAMILIES["cohere2_moe"] = lambda: transformers.Cohere2MoeConfig(
+    **{**_COMMON, "intermediate_size": 32}, head_dim=16, prefix_dense_intermediate_size=96, num_experts=4,
+    num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4, logit_scale=0.5)
+# DBRX: bias-free LayerNorms, the fused Wqkv clamped, softmax top-k experts (stored [E * I, H])
+FAMILIES["dbrx"] = lambda: transformers.DbrxConfig(
+    d_model=64, n_heads=4, n_layers=4, max_seq_len=64, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2, attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+    ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
+SELECTION_BIAS += ("exaone_moe", "solar_open")
+# converters that look up more special tokens (Solar Open's: its bos / unk)
+EXTRA_SPECIAL_TOKENS = {"solar_open": ["<unk>", "<|startoftext|>"]}
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
@@ -331,6 +361,7 @@ def save_tokenizer(folder: Path, family: str) -> None:
     special = ["<pad>", "<s>", "<|endoftext|>", "<|user|>"]
     if family in GLM_SPECIAL_TOKENS:  # (the converter's _set_vocab_glm looks these up too)
         special += ["[gMASK]", "<|observation|>"]
+    special += EXTRA_SPECIAL_TOKENS.get(family, [])
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_corpus()], trainer)
@@ -431,6 +462,7 @@ Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite",
 # tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
 # f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
 # near-tied token (by the tie rule against the unrounded folder; 3/3 identical to the rounded one)
+Q8_ROUNDED_REFERENCE += ("solar_open", "dbrx")  # (tiny random Solar Open, DBRX: 0/3 token-identical to the unrounded run)
 F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
 
 

@@ -150,6 +150,8 @@ def config_for(arch: str, **overrides):
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)
+    elif arch in MORE_MOE_FAMILIES:
+        cfg = _more_moe_config(tf, arch, common)
     elif arch in DENSE_FAMILIES:
         cfg = _dense_family_config(tf, arch, common)
     elif arch in RECURRENT_FAMILIES:
@@ -195,6 +197,34 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "gemma3n", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
+
+
+# more MoE families (tests/engine/test_moe_engine.py): 8 experts of width 32, 2 routed per token
+MORE_MOE_FAMILIES = ("afmoe", "exaone_moe", "solar_open", "cohere2_moe", "dbrx")
+
+
+def _more_moe_config(tf, arch: str, common: dict):
+    base = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
+                max_position_embeddings=512, **common)
+    if arch == "afmoe":  # gated attention, sliding RoPE / global NoPE layers, sandwich norms, muP
+        return tf.AfmoeConfig(**base, num_experts=8, num_dense_layers=1, num_shared_experts=1, route_scale=2.5,
+                              global_attn_every_n_layers=2, sliding_window=6, mup_enabled=True)
+    if arch == "exaone_moe":  # q/k norms, sliding RoPE / global NoPE layers, DeepSeek-V3 routing, shared expert
+        return tf.ExaoneMoeConfig(**base, num_experts=8, num_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                  topk_group=1, routed_scaling_factor=2.5, sliding_window=6, sliding_window_pattern=2)
+    if arch == "solar_open":  # Llama's attention, DeepSeek-V3's grouped sigmoid routing + shared expert everywhere
+        return tf.SolarOpenConfig(**{k: v for k, v in base.items() if k != "intermediate_size"}, n_routed_experts=8,
+                                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    if arch == "cohere2_moe":  # parallel block, interleaved RoPE on sliding (and dense) layers, averaged shared expert
+        return tf.Cohere2MoeConfig(**{**base, "intermediate_size": 32}, prefix_dense_intermediate_size=96,
+                                   num_experts=8, num_shared_experts=1, first_k_dense_replace=1, sliding_window=6,
+                                   sliding_window_pattern=2, logit_scale=0.5)
+    if arch == "dbrx":  # bias-free LayerNorms, fused clamped Wqkv, softmax top-k experts renormalized
+        return tf.DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, **common,
+                             attn_config={"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 10000.0},
+                             ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2})
+    raise ValueError(arch)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)

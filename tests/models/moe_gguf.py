@@ -30,6 +30,13 @@ ARCHS = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE
          "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE, "lfm2_moe": gguf.MODEL_ARCH.LFM2MOE,
          "phimoe": gguf.MODEL_ARCH.PHIMOE, "llama4": gguf.MODEL_ARCH.LLAMA4,
          "minimax_m2": gguf.MODEL_ARCH.MINIMAXM2, "hunyuan_v1_moe": gguf.MODEL_ARCH.HUNYUAN_MOE}
+ARCHS["afmoe"] = gguf.MODEL_ARCH.AFMOE
+ARCHS["exaone_moe"] = gguf.MODEL_ARCH.EXAONE_MOE
+# (the installed gguf package predates "cohere2moe": its name and, for the tensor names, an
+# architecture with the same tensors)
+ARCH_NAMES = {"cohere2_moe": "cohere2moe"}
+ARCHS["dbrx"] = gguf.MODEL_ARCH.DBRX
+ARCHS["cohere2_moe"] = getattr(gguf.MODEL_ARCH, "COHERE2MOE", gguf.MODEL_ARCH.GLM4_MOE)
 _PERMUTED = ("mixtral", "granitemoe")  # llama.cpp's LlamaModel subclasses: Q/K rows permuted
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -160,12 +167,60 @@ def _llama4_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
     writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
+def _afmoe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    """What conversion/afmoe.py's AfmoeModel (and LlamaModel) add."""
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_expert_shared_count(config.num_shared_experts)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_leading_dense_block_count(config.num_dense_layers)
+    writer.add_expert_weights_norm(bool(getattr(config, "route_norm", True)))
+    writer.add_expert_weights_scale(config.route_scale)
+    writer.add_sliding_window(config.sliding_window)
+
+
+def _exaone_moe_keys(writer: gguf.GGUFWriter, config) -> None:
+    """What conversion/exaone.py's ExaoneMoEModel (and Exaone4Model) add."""
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.num_shared_experts)
+    writer.add_expert_shared_feed_forward_length(config.moe_intermediate_size * config.num_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_nextn_predict_layers(0)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _cohere2_moe_keys(writer: gguf.GGUFWriter, config, head_dim: int) -> None:
+    """What conversion/command_r.py's Cohere2MoeModel (and the base's gating function) add."""
+    dense = [t == "dense" for t in config.mlp_layer_types]
+    writer.add_logit_scale(config.logit_scale)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_leading_dense_block_count(dense.index(False) if False in dense else len(dense))
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    if config.num_shared_experts:
+        writer.add_expert_shared_count(config.num_shared_experts)
+        writer.add_expert_shared_feed_forward_length(config.intermediate_size * config.num_shared_experts)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if config.expert_selection_fn == "softmax"
+                                  else gguf.ExpertGatingFuncType.SIGMOID)
+
+
 def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tensor], *,
                    types: dict[str, gguf.GGMLQuantizationType] | None = None, extra=None) -> Path:
     """`state` (HF names) as llama.cpp's converter writes the family; `types` picks a storage
     type per substring of the HF name (first match; default F32); `extra(writer)` adds keys."""
     arch = ARCHS[family]
-    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(path), ARCH_NAMES.get(family) or gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(f"tiny {family}")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -173,7 +228,10 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     nextn = getattr(config, "num_nextn_predict_layers", 0) if family == "glm4_moe" else 0
     writer.add_block_count(config.num_hidden_layers + nextn)
     # (Llama 4's converter writes the dense layers' width here, the experts' below)
-    writer.add_feed_forward_length(config.intermediate_size_mlp if family == "llama4" else config.intermediate_size)
+    if family == "cohere2_moe":  # (its converter: the dense prefix's width first)
+        writer.add_feed_forward_length(config.prefix_dense_intermediate_size or config.intermediate_size)
+    elif family == "llama4" or hasattr(config, "intermediate_size"):  # (Solar Open's converter writes none)
+        writer.add_feed_forward_length(config.intermediate_size_mlp if family == "llama4" else config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if family == "lfm2_moe":  # conversion/lfm2.py's LFM2MoeModel: KV heads per layer (0: conv)
         writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
@@ -184,6 +242,9 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_vocab_size(config.vocab_size)
         writer.add_shortconv_l_cache(config.conv_L_cache)
+    elif family == "dbrx" or (family == "cohere2_moe" and config.rms_norm_eps is None):  # (LayerNorms)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_eps(getattr(config, "layer_norm_eps", 1e-5))
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -222,7 +283,8 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
     if family == "glm4_moe":  # conversion/glm.py's Glm4MoeModel and the base's expert keys
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_count(config.n_shared_experts)
-        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        if (dense := getattr(config, "first_k_dense_replace", None)) is not None:  # (Solar Open: none)
+            writer.add_leading_dense_block_count(dense)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(config.routed_scaling_factor)
         writer.add_expert_weights_norm(config.norm_topk_prob)
@@ -253,6 +315,14 @@ def write_moe_gguf(path: Path, family: str, config, state: dict[str, torch.Tenso
         if getattr(config, "shared_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
         state = split_granite(state, config)
+    if family == "afmoe":  # conversion/afmoe.py (a LlamaModel: its rope dims and vocabulary)
+        _afmoe_keys(writer, config, head_dim)
+    if family == "exaone_moe":
+        _exaone_moe_keys(writer, config)
+    if family == "cohere2_moe":
+        _cohere2_moe_keys(writer, config, head_dim)
+    if family == "dbrx":  # conversion/dbrx.py (the experts' width as feed_forward_length)
+        writer.add_clamp_kqv(config.attn_config.clip_qkv)
     if extra is not None:
         extra(writer)
     writer.add_tokenizer_model("llama")
@@ -304,7 +374,7 @@ def load_gguf_model(path: Path, cache: Path, *, quantized: bool, dtype=torch.flo
 
 
 def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, prompts, check_hf, *,
-                      max_model_len: int | None = None) -> None:
+                      max_model_len: int | None = None, loads_as: str | None = None) -> None:
     """The family from a GGUF file converted from the HF `folder` (its safetensors, as the
     converter reads them): F32 tensors give HF's logits (`check_hf`); Q8_0 experts kept as their
     stacked blocks (no float copy) give HF's greedy tokens by the tie rule. `max_model_len`: the
@@ -315,7 +385,7 @@ def check_gguf_family(family: str, hf_model, folder: Path, tmp_path: Path, promp
     state = dict(iter_safetensors(folder))
     f32 = write_moe_gguf(tmp_path / f"{family}-f32.gguf", family, config, state)
     model = load_gguf_model(f32, tmp_path / "cache", quantized=False, max_model_len=max_model_len)
-    assert type(model).__name__ == config.architectures[0]
+    assert type(model).__name__ == (loads_as or config.architectures[0])  # (loads_as: written as another family)
     check_hf(hf_model, model, prompts)
 
     Q = gguf.GGMLQuantizationType

@@ -72,6 +72,9 @@ EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "
 EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
+# more MoE families (AfMoE, ...)
+EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM", "SolarOpenForCausalLM",
+             "Cohere2MoeForCausalLM", "DbrxForCausalLM"}
 
 
 def test_registry_names():

@@ -56,7 +56,8 @@ class MoERouting:
       DeepSeek-V2), "sigmoid" (DeepSeek-V3), "softmax_topk" (gpt-oss: the top-k *logits* are
       chosen, their weights are the softmax over those k alone), or "sparsemixer" (Phi-3.5-MoE,
       top-2 only: see `sparsemixer`; `jitter_eps` is its HF `router_jitter_noise`), or
-      "sigmoid_topk" (Llama 4: the top-k *logits* are chosen, their weights are their sigmoids).
+      "sigmoid_topk" (Llama 4: the top-k *logits* are chosen, their weights are their sigmoids;
+      with `renormalize` divided by their sum, no epsilon: Cohere 2 MoE).
     - `renormalize`: the k chosen scores divided by their sum (HF `norm_topk_prob`); for sigmoid
       scores `renormalize_eps` is added to the sum (DeepSeek-V3: 1e-20).
     - grouped top-k: the experts form `num_groups` equal groups; only experts of the
@@ -155,6 +156,8 @@ def select_experts(
     elif routing.scoring == "sigmoid_topk":
         top, ids = torch.topk(logits, k, dim=-1)  # [T, k]
         weights = sigmoid(top)  # [T, k]
+        if routing.renormalize:  # (Cohere 2 MoE's sigmoid selection with norm_topk_prob)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     else:
         scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else sigmoid(logits)
         choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]

@@ -410,3 +410,184 @@ ARCH_CONFIG_HOOKS = {"phi3": _phi3_config, "gemma2": _gemma2_config, "granite": 
                         "phimoe": _phimoe_config, "exaone4": _exaone4_config, "llama4": _llama4_config,
                         "minimax-m2": _minimax_m2_config,
                         **{arch: _qwen_vl_config for arch in QWEN_VL_ARCHS}}
+
+
+def _afmoe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """AfMoE (conversion/afmoe.py): the experts and shared experts, the dense first layers, the
+    route scale; q/k/v/o biases when the file has them. llama.cpp fixes what the file does not
+    say: muP's embedding scale always on (`mup_enabled`), sigmoid gating, and RoPE on every layer
+    but each fourth -- HF ropes the sliding layers only, so the sliding pattern (from
+    `attention.sliding_window_pattern`, default every fourth layer global) must be that one; a
+    file whose global layers differ, with no window, without the renormalized top-k
+    (`expert_weights_norm`: HF always renormalizes) or with its own sliding RoPE base is refused."""
+    name, n = header.path.name, cfg["num_hidden_layers"]
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{name}: afmoe expert_gating_func {gating} (only 2, sigmoid, is AfMoE's)")
+    if not header.arch_key("expert_weights_norm", False):
+        raise ValueError(f"{name}: afmoe without expert_weights_norm (llama.cpp then skips the top-k "
+                         "renormalization HF's AfMoE always does) is not supported")
+    window = header.arch_key("attention.sliding_window")
+    if not window:
+        raise ValueError(f"{name}: afmoe without attention.sliding_window is not supported (llama.cpp "
+                         "still ropes 3 layers of 4, HF's global layers none)")
+    types = _window_layer_types(header, n)
+    if any((t == "sliding_attention") != ((i + 1) % 4 != 0) for i, t in enumerate(types)):
+        raise ValueError(f"{name}: afmoe sliding layers {types} are not every layer but each fourth "
+                         "(llama.cpp's RoPE layers; HF ropes the sliding ones)")
+    swa = header.arch_key("rope.freq_base_swa")
+    if swa is not None and float(swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{name}: afmoe rope.freq_base_swa {swa} differs from rope.freq_base (one RoPE "
+                         "is supported)")
+    names = [t.name for t in header.tensors]
+    cfg.update({
+        "layer_types": types,
+        "sliding_window": int(window),
+        "mup_enabled": True,
+        "attention_bias": any(s.endswith(".attn_q.bias") for s in names),
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": int(_require(header, "expert_feed_forward_length")),
+        "num_shared_experts": int(header.arch_key("expert_shared_count") or 0),
+        "num_dense_layers": int(header.arch_key("leading_dense_block_count") or 0),
+        "route_scale": float(header.arch_key("expert_weights_scale") or 1.0),
+        "route_norm": True,
+    })
+
+
+ARCH_CONFIG_HOOKS["afmoe"] = _afmoe_config  # (AfMoE: Arcee Trinity)
+
+
+def _exaone_moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """EXAONE MoE (conversion/exaone.py's ExaoneMoEModel): the block count without the
+    multi-token-prediction layers it counts in (`nextn_predict_layers`: skipped at load), the
+    layer types from `attention.sliding_window_pattern` (llama.cpp ropes the sliding layers only,
+    as HF with a window; a file without `attention.sliding_window` is refused, as llama.cpp
+    does), DeepSeek-V3's routing keys (sigmoid; the selection bias as exp_probs_b), the shared
+    experts (`expert_shared_feed_forward_length` must be their count times the experts' width:
+    HF's one MLP of that size)."""
+    name = header.path.name
+    cfg["num_hidden_layers"] -= int(header.arch_key("nextn_predict_layers") or 0)
+    n = cfg["num_hidden_layers"]
+    window = header.arch_key("attention.sliding_window")
+    if not window:
+        raise ValueError(f"{name}: exaone-moe without attention.sliding_window is not supported "
+                         "(llama.cpp requires it)")
+    swa = header.arch_key("rope.freq_base_swa")
+    if swa is not None and float(swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{name}: exaone-moe rope.freq_base_swa {swa} differs from rope.freq_base (one "
+                         "RoPE is supported)")
+    if (gating := header.arch_key("expert_gating_func")) not in (None, 2):
+        raise ValueError(f"{name}: exaone-moe expert_gating_func {gating} (only 2, sigmoid, is EXAONE MoE's)")
+    width = int(_require(header, "expert_feed_forward_length"))
+    shared = int(header.arch_key("expert_shared_count") or 0)
+    shared_width = header.arch_key("expert_shared_feed_forward_length")
+    if shared_width is not None and int(shared_width) != shared * width:
+        raise ValueError(f"{name}: exaone-moe expert_shared_feed_forward_length {shared_width} is not "
+                         f"expert_shared_count x expert_feed_forward_length ({shared} x {width})")
+    cfg.update({
+        "sliding_window": int(window),
+        "layer_types": _window_layer_types(header, n),
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "moe_intermediate_size": width,
+        "num_shared_experts": shared,
+        "first_k_dense_replace": int(header.arch_key("leading_dense_block_count") or 0),
+        "mlp_layer_types": None,
+        "routed_scaling_factor": float(header.arch_key("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(header.arch_key("expert_weights_norm", False)),
+        "n_group": int(header.arch_key("expert_group_count") or 1),
+        "topk_group": int(header.arch_key("expert_group_used_count") or 1),
+    })
+
+
+ARCH_CONFIG_HOOKS["exaone-moe"] = _exaone_moe_config  # (EXAONE MoE: K-EXAONE)
+
+
+def _cohere2moe_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Cohere 2 MoE (conversion/command_r.py's Cohere2MoeModel): RMSNorm when the file has
+    `attention.layer_norm_rms_epsilon`, else Cohere's LayerNorm; the layer types from
+    `attention.sliding_window_pattern`; dense layers below `leading_dense_block_count`, of
+    `feed_forward_length` (HF's `prefix_dense_intermediate_size`), rotated whatever their window
+    (llama.cpp's force_rope: HF's with `prefix_dense_sliding_window_pattern` 1); experts of
+    `expert_feed_forward_length` (HF's `intermediate_size`) weighed by the softmax of the top-k
+    logits (`expert_gating_func` 1) or their sigmoids (2, llama.cpp's default), renormalized with
+    `expert_weights_norm`; the shared experts averaged with the routed ones (the converter refuses
+    the "sum" combination). Biases are dropped by the converter (zero). MTP blocks
+    (`nextn_predict_layers`) are skipped."""
+    name = header.path.name
+    cfg["num_hidden_layers"] -= int(header.arch_key("nextn_predict_layers") or 0)
+    n = cfg["num_hidden_layers"]
+    if header.arch_key("attention.layer_norm_rms_epsilon") is None:
+        cfg.pop("rms_norm_eps", None)
+        cfg["rms_norm_eps"] = None
+        cfg["layer_norm_eps"] = float(_require(header, "attention.layer_norm_epsilon"))
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{name}: cohere2moe rope.dimension_count {rope_dims} != head_dim {cfg['head_dim']} "
+                         "(HF's Cohere rotates whole heads)")
+    swa = header.arch_key("rope.freq_base_swa")
+    if swa is not None and float(swa) != cfg.get("rope_theta", 10000.0):
+        raise ValueError(f"{name}: cohere2moe rope.freq_base_swa {swa} differs from rope.freq_base")
+    gating = header.arch_key("expert_gating_func")
+    if gating not in (None, 1, 2):
+        raise ValueError(f"{name}: cohere2moe expert_gating_func {gating} (1 softmax, 2 sigmoid are Cohere's)")
+    if (scale := header.arch_key("expert_weights_scale")) not in (None, 0.0, 1.0):
+        raise ValueError(f"{name}: cohere2moe expert_weights_scale {scale} is not supported (HF scales by nothing)")
+    width = int(_require(header, "expert_feed_forward_length"))
+    shared = int(header.arch_key("expert_shared_count") or 0)
+    shared_width = header.arch_key("expert_shared_feed_forward_length")
+    if shared and shared_width is not None and int(shared_width) != shared * width:
+        raise ValueError(f"{name}: cohere2moe expert_shared_feed_forward_length {shared_width} is not "
+                         f"expert_shared_count x expert_feed_forward_length ({shared} x {width})")
+    dense = int(_require(header, "leading_dense_block_count"))
+    cfg.update({
+        "logit_scale": float(_require(header, "logit_scale")),
+        "sliding_window": int(_require(header, "attention.sliding_window")),
+        "layer_types": _window_layer_types(header, n),
+        "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+        "prefix_dense_sliding_window_pattern": 1,
+        "prefix_dense_intermediate_size": cfg["intermediate_size"],
+        "intermediate_size": width,
+        "num_experts": int(_require(header, "expert_count")),
+        "num_experts_per_tok": int(_require(header, "expert_used_count")),
+        "num_shared_experts": shared,
+        "shared_expert_combination_strategy": "average",
+        "expert_selection_fn": "softmax" if gating == 1 else "sigmoid",
+        "norm_topk_prob": bool(header.arch_key("expert_weights_norm", False)),
+        "attention_bias": False,
+    })
+
+
+ARCH_CONFIG_HOOKS["cohere2moe"] = _cohere2moe_config  # (Cohere 2 MoE)
+
+
+def _dbrx_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """DBRX (conversion/dbrx.py): HF's nested `attn_config` / `ffn_config` from the sizes, the
+    clamp (`attention.clamp_kqv`: required, as llama.cpp reads it), the experts; llama.cpp always
+    renormalizes the top-k (`moe_normalize_expert_weights` 1, the released models'). HF's
+    LayerNorms use torch's default epsilon, 1e-5: a file with another is refused."""
+    name = header.path.name
+    if (eps := cfg.pop("layer_norm_eps", 1e-5)) != 1e-5 and abs(eps - 1e-5) > 1e-12:
+        raise ValueError(f"{name}: dbrx attention.layer_norm_epsilon {eps} is not supported (HF's DBRX: 1e-5)")
+    rope_dims = header.arch_key("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise ValueError(f"{name}: dbrx rope.dimension_count {rope_dims} != head_dim {cfg['head_dim']}")
+    if cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise ValueError(f"{name}: dbrx head_dim {cfg['head_dim']} is not hidden / heads (HF's DBRX)")
+    cfg.update({
+        "d_model": cfg.pop("hidden_size"),
+        "n_heads": cfg.pop("num_attention_heads"),
+        "n_layers": cfg.pop("num_hidden_layers"),
+        "max_seq_len": cfg.pop("max_position_embeddings"),
+        "attn_config": {"kv_n_heads": cfg.pop("num_key_value_heads"),
+                        "clip_qkv": float(_require(header, "attention.clamp_kqv")),
+                        "rope_theta": float(cfg.pop("rope_theta", 10000.0))},
+        "ffn_config": {"ffn_hidden_size": cfg.pop("intermediate_size"),
+                       "moe_num_experts": int(_require(header, "expert_count")),
+                       "moe_top_k": int(_require(header, "expert_used_count")),
+                       "moe_normalize_expert_weights": 1.0},
+    })
+    cfg.pop("head_dim", None)
+
+
+ARCH_CONFIG_HOOKS["dbrx"] = _dbrx_config  # (DBRX)

@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = (
 # gemma3n (models/gguf_gemma3n.py);
 # phi2, stablelm, starcoder2, gptneox, olmo, arcee, nemotron, apertus (models/gguf_classic.py)
 """GGUF `general.architecture` values that `iter_gguf_weights` and `load_gguf_config` handle."""
+SUPPORTED_ARCHITECTURES += ("afmoe", "exaone-moe", "cohere2moe", "dbrx")  # more MoE families: AfMoE, EXAONE MoE, Cohere 2 MoE, DBRX
 
 _HF_MODEL_TYPE = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
@@ -100,6 +101,14 @@ _HF_ARCHITECTURE = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     **gguf_classic.HF_ARCHITECTURE,
 }
+_HF_MODEL_TYPE["afmoe"] = "afmoe"
+_HF_ARCHITECTURE["afmoe"] = "AfmoeForCausalLM"
+_HF_MODEL_TYPE["exaone-moe"] = "exaone_moe"
+_HF_ARCHITECTURE["exaone_moe"] = "ExaoneMoeForCausalLM"
+_HF_MODEL_TYPE["cohere2moe"] = "cohere2_moe"
+_HF_ARCHITECTURE["cohere2_moe"] = "Cohere2MoeForCausalLM"
+_HF_MODEL_TYPE["dbrx"] = "dbrx"
+_HF_ARCHITECTURE["dbrx"] = "DbrxForCausalLM"
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
@@ -186,12 +195,14 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         "model_type": model_type,
         "architectures": [_HF_ARCHITECTURE[model_type]],
         "hidden_size": hidden,
-        "intermediate_size": int(_require(header, "feed_forward_length")),
+        "intermediate_size": _feed_forward_length(header),
         "num_hidden_layers": int(_require(header, "block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv),
         "head_dim": head_dim,
-        **common_config_fields(header, tensor_names, vocab_size, layer_norm=arch in COHERE_ARCHS + gguf_classic.LAYER_NORM_ARCHS),
+        **common_config_fields(header, tensor_names, vocab_size, layer_norm=arch in COHERE_ARCHS + gguf_classic.LAYER_NORM_ARCHS
+                               or arch == "dbrx"
+                               or (arch == "cohere2moe" and header.arch_key("attention.layer_norm_rms_epsilon") is None)),
     }
     if cfg["vocab_size"] is None:
         raise ValueError(f"{header.path.name}: cannot tell the vocabulary size")
@@ -244,6 +255,15 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         # which uses 1/sqrt(hidden/heads); HF states this as query_pre_attn_scalar.
         cfg["query_pre_attn_scalar"] = hidden // n_heads if cfg["num_hidden_layers"] == 62 else head_dim
     return cfg
+
+
+def _feed_forward_length(header: GGUFHeader) -> int:
+    """`feed_forward_length` (the dense MLPs' width); a "glm4moe" file with experts in every layer
+    may have none (Solar Open's converter writes none): then the experts' width, unused."""
+    width = header.arch_key("feed_forward_length")
+    if width is None and header.architecture == "glm4moe" and not header.arch_key("leading_dense_block_count"):
+        width = _require(header, "expert_feed_forward_length")
+    return int(width if width is not None else _require(header, "feed_forward_length"))
 
 
 def _moe_config(header: GGUFHeader, model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

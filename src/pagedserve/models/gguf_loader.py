@@ -313,6 +313,17 @@ for _arch in gguf_mamba.ARCHITECTURES:
     _BLOCK_NAMES[_arch] = gguf_mamba.block_names(_arch, _LLAMA_BLOCK_NAMES, _MOE_BLOCK_NAMES)
 # the older dense families (Phi-2, ...): models/gguf_classic.py
 _BLOCK_NAMES.update(gguf_classic.BLOCK_NAMES)
+# AfMoE: the attention's output gate, sandwich norms (ffn_norm the pre-MLP one), q/k norms, experts
+_BLOCK_NAMES["afmoe"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES, "attn_gate": "self_attn.gate_proj",
+                         "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_mlp_layernorm",
+                         "post_ffw_norm": "post_mlp_layernorm"}
+# EXAONE MoE: Llama's names (ffn_norm the pre-MLP norm), per-head q/k norms, experts
+_BLOCK_NAMES["exaone-moe"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}
+# Cohere 2 MoE: Cohere 2's names (one norm per block), the dense prefix MLPs, experts
+_BLOCK_NAMES["cohere2moe"] = {**{k: v for k, v in _LLAMA_BLOCK_NAMES.items() if k != "ffn_norm"}, **_MOE_BLOCK_NAMES}
+# DBRX: its fused Wqkv (split by the model), the pre-MLP norm as attn_output_norm, experts
+_BLOCK_NAMES["dbrx"] = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.Wqkv", "attn_output": "self_attn.o_proj",
+                        "attn_output_norm": "post_attention_layernorm", **_MOE_BLOCK_NAMES}
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
     + gguf_classic.PERMUTED_QK

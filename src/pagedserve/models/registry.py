@@ -68,6 +68,11 @@ from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 from pagedserve.models.stablelm import StableLmForCausalLM
 from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
+from pagedserve.models.afmoe import AfmoeForCausalLM
+from pagedserve.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoeForCausalLM
+from pagedserve.models.solar_open import SolarOpenForCausalLM
+from pagedserve.models.cohere2_moe import Cohere2MoeForCausalLM
+from pagedserve.models.dbrx import DbrxForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -153,6 +158,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
+    "AfmoeForCausalLM": AfmoeForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+    "ExaoneMoEForCausalLM": ExaoneMoEForCausalLM,  # (the released configs' spelling before 5.1)
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
+    "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
+    "DbrxForCausalLM": DbrxForCausalLM,
 }
 
 # Checkpoints without an LM head, served by the pooling runner with the same classes: bare base
@@ -253,6 +264,11 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
+    "afmoe": "AfmoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
+    "solar_open": "SolarOpenForCausalLM",
+    "cohere2_moe": "Cohere2MoeForCausalLM",
+    "dbrx": "DbrxForCausalLM",
 }
 
 
