@@ -232,6 +232,8 @@ FAMILIES = {
                                                            mixer_rms_eps=1e-5),
     "mamba2": lambda: transformers.Mamba2Config(**_SSM, expand=2, num_heads=8, head_dim=16, n_groups=2),
 }
+# Jais 2: LayerNorms with biases, relu^2 MLP with biases, biased attention (Q/K not permuted)
+FAMILIES["jais2"] = lambda: transformers.Jais2Config(**_COMMON, head_dim=16)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

@@ -32,6 +32,7 @@ from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
+from pagedserve.models.jais2 import Jais2ForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
 from pagedserve.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
@@ -102,6 +103,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HeliumForCausalLM": HeliumForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
+    "Jais2ForCausalLM": Jais2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -204,6 +206,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "helium": "HeliumForCausalLM",
     "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM",
+    "jais2": "Jais2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
