@@ -234,9 +234,18 @@ FAMILIES = {
 }
 # Jais 2: LayerNorms with biases, relu^2 MLP with biases, biased attention (Q/K not permuted)
 FAMILIES["jais2"] = lambda: transformers.Jais2Config(**_COMMON, head_dim=16)
+# EXAONE 4.5's text decoder (hybrid: RoPE sliding layers, a NoPE global one); vision tower skipped
+FAMILIES["exaone4_5"] = lambda: transformers.Exaone4_5_Config(
+    text_config=dict(_COMMON, model_type="exaone4", head_dim=16, sliding_window=4,
+                     layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=1,
+                       out_hidden_size=64, fullatt_block_indexes=[0],
+                       rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+    image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
+MULTIMODAL["exaone4_5"] = "Exaone4_5_ForConditionalGeneration"
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too

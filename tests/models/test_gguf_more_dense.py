@@ -22,15 +22,28 @@ CONFIGS = {
     # Jais 2: LayerNorms with biases, relu^2 MLP with biases, biased attention (RoPE base 500)
     "jais2": lambda: transformers.Jais2Config(**_COMMON, rope_parameters={"rope_type": "default",
                                                                            "rope_theta": 500.0}),
+    # EXAONE 4.5's text decoder (hybrid: sliding layers with RoPE, a global one without), with one
+    # multi-token-prediction block counted in block_count (conversion/exaone.py's Exaone4_5_TextModel)
+    "exaone4_5": lambda: transformers.Exaone4_5_Config(
+        text_config=dict(_COMMON, model_type="exaone4", sliding_window=4,
+                         layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=1,
+                           out_hidden_size=64, fullatt_block_indexes=[0],
+                           rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+        image_token_id=VOCAB - 1, video_token_id=VOCAB - 2),
 }
-ARCH = {}  # test case -> GGUF architecture
+ARCH = {"exaone4_5": "exaone4"}  # test case -> GGUF architecture
+HF_CLASS = {"exaone4_5": transformers.Exaone4_5_ForConditionalGeneration}
+GGUF_CLASS = {"exaone4_5": "Exaone4ForCausalLM"}  # (the file holds the text decoder alone)
+MTP_BLOCKS = {"exaone4_5": 1}
 
 
-def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
+def _metadata(writer: gguf.GGUFWriter, arch: str, c, mtp: int = 0) -> None:
     """The keys each family's converter class writes (set_gguf_parameters)."""
+    c = c.get_text_config()
     writer.add_context_length(c.max_position_embeddings)  # (conversion/base.py's TextModel)
     writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
+    writer.add_block_count(c.num_hidden_layers + mtp)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
@@ -38,22 +51,42 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c) -> None:
     if arch == "jais2":  # conversion/jais.py's Jais2Model
         writer.add_layer_norm_eps(c.layer_norm_eps)
         writer.add_rope_dimension_count(c.head_dim)
+    if arch == "exaone4":  # conversion/exaone.py's Exaone4Model (and 4.5's MTP count)
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+        writer.add_vocab_size(c.vocab_size)
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        if mtp:
+            writer.add_nextn_predict_layers(mtp)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
 
-def _tensors(arch: str, hf_model):
-    """`(gguf-py's name of the HF tensor, float32 data)` as the converter writes them."""
+def _tensors(arch: str, hf_model, mtp: int = 0):
+    """`(gguf-py's name of the HF tensor, float32 data)` as the converter writes them (a
+    multimodal checkpoint's text decoder only; `mtp` multi-token-prediction blocks after the
+    layers: copies of the first layer, and the converter's nextn tensors)."""
     c = hf_model.config
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    n = c.get_text_config().num_hidden_layers
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n + mtp)
     tied = getattr(c, "tie_word_embeddings", False)
     for hf_name, tensor in hf_model.state_dict().items():
-        if hf_name == "lm_head.weight" and tied:
+        if hf_name == "lm_head.weight" and tied or hf_name.startswith("model.visual."):
             continue
+        hf_name = hf_name.replace("model.language_model.", "model.")
         base, suffix = hf_name.rsplit(".", 1)
-        yield f"{name_map.get_name(base)}.{suffix}", tensor.detach().numpy().astype(np.float32)
+        data = tensor.detach().numpy().astype(np.float32)
+        yield f"{name_map.get_name(base)}.{suffix}", data
+        for k in range(mtp):
+            if hf_name.startswith("model.layers.0."):
+                yield f"{name_map.get_name(base.replace('layers.0.', f'layers.{n + k}.'))}.{suffix}", data
+    h = c.get_text_config().hidden_size
+    for k in range(mtp):
+        yield f"blk.{n + k}.nextn.eh_proj.weight", np.ones((h, 2 * h), np.float32)
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            yield f"blk.{n + k}.nextn.{norm}.weight", np.ones(h, np.float32)
 
 
 def write_gguf(path, case: str, hf_model, qtype=gguf.GGMLQuantizationType.F32):
@@ -62,8 +95,9 @@ def write_gguf(path, case: str, hf_model, qtype=gguf.GGMLQuantizationType.F32):
     arch = ARCH.get(case, case)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
-    _metadata(writer, arch, hf_model.config)
-    for name, data in _tensors(arch, hf_model):
+    mtp = MTP_BLOCKS.get(case, 0)
+    _metadata(writer, arch, hf_model.config, mtp)
+    for name, data in _tensors(arch, hf_model, mtp):
         if qtype != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and "embd" not in name and "norm" not in name:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
@@ -77,17 +111,17 @@ def write_gguf(path, case: str, hf_model, qtype=gguf.GGMLQuantizationType.F32):
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_gguf_equals_the_hf_run(case, hf_pair, check_hf, prompts, tmp_path):
-    hf, ours_hf, _ = hf_pair(CONFIGS[case]())
+    hf, ours_hf, _ = hf_pair(CONFIGS[case](), hf_class=HF_CLASS.get(case))
     path = write_gguf(tmp_path / f"{case}.gguf", case, hf)
     config, model = _load(path, tmp_path)
-    assert type(model) is type(ours_hf)
+    assert type(model).__name__ == GGUF_CLASS.get(case, type(ours_hf).__name__)
     assert config.num_hidden_layers == 4 and config.vocab_size == VOCAB
     check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 9)))
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_q8_0_gguf_keeps_projections_as_blocks(case, hf_pair, tmp_path):
-    hf, _, _ = hf_pair(CONFIGS[case]())
+    hf, _, _ = hf_pair(CONFIGS[case](), hf_class=HF_CLASS.get(case))
     path = write_gguf(tmp_path / f"{case}-q8.gguf", case, hf, gguf.GGMLQuantizationType.Q8_0)
     _, model = _load(path, tmp_path, keep_quantized=True)
     attn = model.model.layers[0].self_attn

@@ -16,6 +16,7 @@ from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
+from pagedserve.models.exaone4_5 import Exaone4_5_ForConditionalGeneration
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -133,6 +134,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "Exaone4_5_ForConditionalGeneration": Exaone4_5_ForConditionalGeneration,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
@@ -233,6 +235,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "exaone4_5": "Exaone4_5_ForConditionalGeneration",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
