@@ -195,7 +195,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
-DENSE_FAMILIES += ("jais2",)  # (densec)
+DENSE_FAMILIES += ("jais2", "cwm")  # (densec)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -353,6 +353,10 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.OlmoConfig(**base, clip_qkv=1.0)
     if arch == "nemotron":  # layernorm1p, half-rotary RoPE, relu^2 MLP
         return tf.NemotronConfig(**base, head_dim=16)
+    if arch == "cwm":  # a full layer, then a sliding one (window 6); Llama 3 RoPE scaling from 16 positions
+        return tf.CwmConfig(**base, head_dim=16, sliding_window=6, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0})
     if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
         return tf.Jais2Config(**base, head_dim=16)
     return tf.Olmo2Config(**base)

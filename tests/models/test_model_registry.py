@@ -70,7 +70,7 @@ EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "
 EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
-EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration"}  # (densec)
+EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration", "CwmForCausalLM"}  # (densec)
 
 
 def test_registry_names():

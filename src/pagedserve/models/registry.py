@@ -17,6 +17,7 @@ from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
 from pagedserve.models.exaone4_5 import Exaone4_5_ForConditionalGeneration
+from pagedserve.models.cwm import CwmForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -105,6 +106,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoForCausalLM": OlmoForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "Jais2ForCausalLM": Jais2ForCausalLM,
+    "CwmForCausalLM": CwmForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -209,6 +211,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "jais2": "Jais2ForCausalLM",
+    "cwm": "CwmForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
