@@ -195,7 +195,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
-DENSE_FAMILIES += ("jais2", "cwm")  # (densec)
+DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma")  # (densec)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -357,6 +357,9 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.CwmConfig(**base, head_dim=16, sliding_window=6, rope_parameters={
             "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 16,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    if arch == "vaultgemma":  # Gemma 2 without post-norms: [sliding 6, full], soft-capped
+        return tf.VaultGemmaConfig(**base, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                                   attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
     if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
         return tf.Jais2Config(**base, head_dim=16)
     return tf.Olmo2Config(**base)
@@ -379,7 +382,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
                 # (Phi-3.5-MoE's LayerNorm biases around 0, as its other biases: around 1 they add
                 # one offset shared by every token to the router's input, and its routing flipped
                 # more often under Q8_0 noise; GPT-2 / OPT keep theirs)
-                centred = arch in ("gemma3", "gemma2", "gemma") or (arch == "phimoe" and name.endswith(".bias"))
+                centred = arch in ("gemma3", "gemma2", "gemma", "vaultgemma") or (arch == "phimoe" and name.endswith(".bias"))
                 p.normal_(0.0 if centred else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)

@@ -70,7 +70,8 @@ EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "
 EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
-EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration", "CwmForCausalLM"}  # (densec)
+EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration", "CwmForCausalLM",
+             "VaultGemmaForCausalLM"}  # (densec)
 
 
 def test_registry_names():

@@ -70,6 +70,7 @@ from pagedserve.models.seed_oss import SeedOssForCausalLM
 from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 from pagedserve.models.stablelm import StableLmForCausalLM
 from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
+from pagedserve.models.vaultgemma import VaultGemmaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -107,6 +108,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "NemotronForCausalLM": NemotronForCausalLM,
     "Jais2ForCausalLM": Jais2ForCausalLM,
     "CwmForCausalLM": CwmForCausalLM,
+    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -212,6 +214,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "nemotron": "NemotronForCausalLM",
     "jais2": "Jais2ForCausalLM",
     "cwm": "CwmForCausalLM",
+    "vaultgemma": "VaultGemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
