@@ -242,6 +242,11 @@ FAMILIES["exaone4_5"] = lambda: transformers.Exaone4_5_Config(
                        out_hidden_size=64, fullatt_block_indexes=[0],
                        rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
     image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
+# Youtu: DeepSeek V3's latent attention (q LoRA, interleaved RoPE), a dense MLP in every layer,
+# tied: the converter's "deepseek2" with every block a leading dense one
+FAMILIES["youtu"] = lambda: transformers.YoutuConfig(
+    **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16,
+    qk_nope_head_dim=16, v_head_dim=16)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

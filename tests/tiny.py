@@ -195,7 +195,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
-DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma")  # (densec)
+DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma", "youtu")  # (densec)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -360,6 +360,9 @@ def _dense_family_config(tf, arch: str, common: dict):
     if arch == "vaultgemma":  # Gemma 2 without post-norms: [sliding 6, full], soft-capped
         return tf.VaultGemmaConfig(**base, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                                    attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+    if arch == "youtu":  # DeepSeek V3's latent attention (q LoRA, interleaved RoPE), dense MLPs, tied
+        return tf.YoutuConfig(**{**base, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
+                              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
     if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
         return tf.Jais2Config(**base, head_dim=16)
     return tf.Olmo2Config(**base)

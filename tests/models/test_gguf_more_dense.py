@@ -127,3 +127,38 @@ def test_q8_0_gguf_keeps_projections_as_blocks(case, hf_pair, tmp_path):
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.weight.dtype == torch.uint8 and attn.k_proj.weight.quant.format.name == "q8_0"
     assert_greedy_in_hf_top5(hf, model)
+
+
+def _youtu_meta(c):
+    """conversion/deepseek.py's keys for Youtu: no expert count, every block a leading dense one."""
+    def meta(w):
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_head_count_kv(1)  # MLA as MQA
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+        w.add_leading_dense_block_count(c.num_hidden_layers)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_q_lora_rank(c.q_lora_rank)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_expert_feed_forward_length(c.intermediate_size)
+        w.add_expert_shared_count(0)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+    return meta
+
+
+def test_youtu_deepseek2_gguf_without_experts_is_youtu(hf_pair, check_hf, prompts, tmp_path):
+    """A "deepseek2" file without experts (the converter's Youtu) loads as Youtu: latent
+    attention, dense MLPs, the tied head (no `output` tensor); equal to the HF run."""
+    from test_gguf_families import _gguf_tensors, _write
+
+    config = transformers.YoutuConfig(**{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
+                                      qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    hf, ours_hf, _ = hf_pair(config)
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    path = _write(tmp_path / "youtu.gguf", "deepseek2", config, _gguf_tensors("deepseek2", config, state),
+                  _youtu_meta(config))
+    loaded, model = _load(path, tmp_path)
+    assert type(model) is type(ours_hf) and loaded.tie_word_embeddings
+    check_hf(hf, model, prompts(VOCAB, lengths=(13, 5, 9)))

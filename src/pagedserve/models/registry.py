@@ -71,6 +71,7 @@ from pagedserve.models.smollm3 import SmolLM3ForCausalLM
 from pagedserve.models.stablelm import StableLmForCausalLM
 from pagedserve.models.starcoder2 import Starcoder2ForCausalLM
 from pagedserve.models.vaultgemma import VaultGemmaForCausalLM
+from pagedserve.models.youtu import YoutuForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -109,6 +110,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Jais2ForCausalLM": Jais2ForCausalLM,
     "CwmForCausalLM": CwmForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
+    "YoutuForCausalLM": YoutuForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -215,6 +217,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "jais2": "Jais2ForCausalLM",
     "cwm": "CwmForCausalLM",
     "vaultgemma": "VaultGemmaForCausalLM",
+    "youtu": "YoutuForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
