@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from pagedserve.models.apertus import ApertusForCausalLM
+from pagedserve.models.apertus1p5 import Apertus1p5TextForCausalLM
 from pagedserve.models.arcee import ArceeForCausalLM
 from pagedserve.models.bamba import BambaForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
@@ -111,6 +112,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CwmForCausalLM": CwmForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
+    "Apertus1p5TextForCausalLM": Apertus1p5TextForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -218,6 +220,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "cwm": "CwmForCausalLM",
     "vaultgemma": "VaultGemmaForCausalLM",
     "youtu": "YoutuForCausalLM",
+    "apertus1p5_text": "Apertus1p5TextForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
