@@ -195,7 +195,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
-DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma", "youtu", "apertus1p5")  # (densec)
+DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma", "youtu", "apertus1p5", "bitnet")  # (densec)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -365,6 +365,8 @@ def _dense_family_config(tf, arch: str, common: dict):
                               qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
     if arch == "apertus1p5":  # Apertus with a pruned LM head (the last 32 ids never sampled)
         return tf.Apertus1p5TextConfig(**base, head_dim=16, output_vocab_size=VOCAB - 32)
+    if arch == "bitnet":  # sub-norms before o_proj / down_proj, relu^2 gated MLP (unquantized)
+        return tf.BitNetConfig(**base)
     if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
         return tf.Jais2Config(**base, head_dim=16)
     return tf.Olmo2Config(**base)

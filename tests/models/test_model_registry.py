@@ -71,7 +71,8 @@ EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
 EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration", "CwmForCausalLM",
-             "VaultGemmaForCausalLM", "YoutuForCausalLM", "Apertus1p5TextForCausalLM"}  # (densec)
+             "VaultGemmaForCausalLM", "YoutuForCausalLM", "Apertus1p5TextForCausalLM",
+             "BitNetForCausalLM"}  # (densec)
 
 
 def test_registry_names():

@@ -10,6 +10,7 @@ from pagedserve.models.apertus import ApertusForCausalLM
 from pagedserve.models.apertus1p5 import Apertus1p5TextForCausalLM
 from pagedserve.models.arcee import ArceeForCausalLM
 from pagedserve.models.bamba import BambaForCausalLM
+from pagedserve.models.bitnet import BitNetForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
 from pagedserve.models.dots1 import Dots1ForCausalLM
@@ -113,6 +114,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
     "Apertus1p5TextForCausalLM": Apertus1p5TextForCausalLM,
+    "BitNetForCausalLM": BitNetForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -221,6 +223,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "vaultgemma": "VaultGemmaForCausalLM",
     "youtu": "YoutuForCausalLM",
     "apertus1p5_text": "Apertus1p5TextForCausalLM",
+    "bitnet": "BitNetForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
