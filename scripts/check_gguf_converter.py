@@ -247,12 +247,33 @@ FAMILIES["exaone4_5"] = lambda: transformers.Exaone4_5_Config(
 FAMILIES["youtu"] = lambda: transformers.YoutuConfig(
     **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16,
     qk_nope_head_dim=16, v_head_dim=16)
+# BitNet as llama.cpp converts it: the original checkpoints' sub-norm names (inner_attn_ln,
+# ffn_layernorm: what the converter maps), SiLU (llama.cpp's graph), tied (no `output` tensor),
+# each projection sign(w) * mean|w| (the converter's weight_quant keeps it as it is)
+FAMILIES["bitnet"] = lambda: transformers.BitNetConfig(**_COMMON, hidden_act="silu", tie_word_embeddings=True)
+
+
+def _bitnet_original(folder: Path) -> None:
+    import safetensors.torch
+
+    path = folder / "model.safetensors"
+    state = {}
+    for name, w in safetensors.torch.load_file(path).items():
+        if name.endswith("_proj.weight"):
+            w = torch.where(w >= 0, 1.0, -1.0).to(w.dtype) * w.abs().mean()
+        name = name.replace(".attn_sub_norm.", ".inner_attn_ln.").replace(".ffn_sub_norm.", ".ffn_layernorm.")
+        state[name] = w
+    safetensors.torch.save_file(state, path, metadata={"format": "pt"})
+
+
+_POST_SAVE = {"bitnet": _bitnet_original}  # folder rewrites after save_pretrained
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 MULTIMODAL["exaone4_5"] = "Exaone4_5_ForConditionalGeneration"
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
+SENTENCEPIECE += ("bitnet",)
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
@@ -378,6 +399,8 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
         for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             state[name] = state[name].transpose(1, 2).contiguous()
         safetensors.torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if family in _POST_SAVE:
+        _POST_SAVE[family](folder)
     if family in _HUB_CONFIG:
         path = folder / "config.json"
         path.write_text(json.dumps(_HUB_CONFIG[family](json.loads(path.read_text())), indent=2))

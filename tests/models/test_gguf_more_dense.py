@@ -1,6 +1,6 @@
 """More dense families from GGUF files written as llama.cpp's convert_hf_to_gguf.py writes them
 (each converter's metadata keys, gguf-py's tensor names, its tensor changes): Jais 2 ("jais2"),
-EXAONE 4.5's text decoder ("exaone4"), BitNet b1.58 ("bitnet"). Our GGUF run equals the HF run
+EXAONE 4.5's text decoder ("exaone4"), Youtu ("deepseek2" without experts), BitNet b1.58 ("bitnet"). Our GGUF run equals the HF run
 in float32; Q8_0 projections kept as blocks give greedy tokens in HF's top 5.
 (scripts/check_gguf_converter.py runs the real converter.)"""
 
@@ -31,11 +31,25 @@ CONFIGS = {
                            out_hidden_size=64, fullatt_block_indexes=[0],
                            rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
         image_token_id=VOCAB - 1, video_token_id=VOCAB - 2),
+    # BitNet as llama.cpp runs it (SiLU-gated MLP, no activation quantization, tied: no `output`), the projections
+    # ternary times one scale each (`_ternary_times_mean`: what the converter's weight_quant keeps)
+    "bitnet": lambda: transformers.BitNetConfig(**{k: v for k, v in _COMMON.items() if k != "head_dim"},
+                                                hidden_act="silu", tie_word_embeddings=True),
 }
+PREPARE = {"bitnet": lambda hf: _ternary_times_mean(hf)}
 ARCH = {"exaone4_5": "exaone4"}  # test case -> GGUF architecture
 HF_CLASS = {"exaone4_5": transformers.Exaone4_5_ForConditionalGeneration}
 GGUF_CLASS = {"exaone4_5": "Exaone4ForCausalLM"}  # (the file holds the text decoder alone)
 MTP_BLOCKS = {"exaone4_5": 1}
+
+
+@torch.no_grad()
+def _ternary_times_mean(hf) -> None:
+    """Each BitNet projection `sign(w) * mean|w|`: ternary values ({-1, 1} here) times one scale,
+    which conversion/bitnet.py's weight_quant maps onto itself."""
+    for name, p in hf.named_parameters():
+        if name.endswith("_proj.weight"):
+            p.copy_(torch.where(p >= 0, 1.0, -1.0) * p.abs().mean())
 
 
 def _metadata(writer: gguf.GGUFWriter, arch: str, c, mtp: int = 0) -> None:
@@ -48,6 +62,10 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c, mtp: int = 0) -> None:
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if arch == "bitnet":  # conversion/bitnet.py
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(1.0)
     if arch == "jais2":  # conversion/jais.py's Jais2Model
         writer.add_layer_norm_eps(c.layer_norm_eps)
         writer.add_rope_dimension_count(c.head_dim)
@@ -76,6 +94,8 @@ def _tensors(arch: str, hf_model, mtp: int = 0):
         if hf_name == "lm_head.weight" and tied or hf_name.startswith("model.visual."):
             continue
         hf_name = hf_name.replace("model.language_model.", "model.")
+        # (BitNet: the converter maps the sub-norms by the original checkpoints' names)
+        hf_name = hf_name.replace(".attn_sub_norm.", ".inner_attn_ln.").replace(".ffn_sub_norm.", ".ffn_layernorm.")
         base, suffix = hf_name.rsplit(".", 1)
         data = tensor.detach().numpy().astype(np.float32)
         yield f"{name_map.get_name(base)}.{suffix}", data
@@ -111,7 +131,7 @@ def write_gguf(path, case: str, hf_model, qtype=gguf.GGMLQuantizationType.F32):
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_gguf_equals_the_hf_run(case, hf_pair, check_hf, prompts, tmp_path):
-    hf, ours_hf, _ = hf_pair(CONFIGS[case](), hf_class=HF_CLASS.get(case))
+    hf, ours_hf, _ = hf_pair(CONFIGS[case](), hf_class=HF_CLASS.get(case), prepare=PREPARE.get(case))
     path = write_gguf(tmp_path / f"{case}.gguf", case, hf)
     config, model = _load(path, tmp_path)
     assert type(model).__name__ == GGUF_CLASS.get(case, type(ours_hf).__name__)
@@ -121,7 +141,7 @@ def test_gguf_equals_the_hf_run(case, hf_pair, check_hf, prompts, tmp_path):
 
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_q8_0_gguf_keeps_projections_as_blocks(case, hf_pair, tmp_path):
-    hf, _, _ = hf_pair(CONFIGS[case](), hf_class=HF_CLASS.get(case))
+    hf, _, _ = hf_pair(CONFIGS[case](), hf_class=HF_CLASS.get(case), prepare=PREPARE.get(case))
     path = write_gguf(tmp_path / f"{case}-q8.gguf", case, hf, gguf.GGMLQuantizationType.Q8_0)
     _, model = _load(path, tmp_path, keep_quantized=True)
     attn = model.model.layers[0].self_attn

@@ -11,7 +11,10 @@ Llama's decoder, as in HF 5.x, with
   the projections are plain linear layers (HF's unquantized BitNet).
 Other BitNet quantization settings (`autobitlinear`, online quantization, `use_rms_norm`,
 `modules_to_not_convert`) are refused by name; so is tensor parallelism with ternary layers.
-From GGUF: llama.cpp's "bitnet" (`models.gguf_classic`).
+From GGUF: llama.cpp's "bitnet" (`models.gguf_classic`), run as llama.cpp runs it: the
+converter's weights (ternary times their mean |w|) in plain linear layers, a SiLU-gated MLP,
+no activation quantization. The original checkpoints' sub-norm names (`inner_attn_ln`,
+`ffn_layernorm`, which the converter maps) load too.
 NOTE: the layers run their modules (the fused decode kernel has no sub-norms).
 """
 
@@ -55,6 +58,14 @@ def bitnet_quantized(config: Any) -> bool:
     if qc.get("modules_to_not_convert"):
         raise ValueError("BitNet quantization_config.modules_to_not_convert is not supported")
     return True
+
+
+def _packed(source: Any) -> bool:
+    """Whether a checkpoint tensor (or lazy safetensors slice) is a packed uint8 projection."""
+    if isinstance(source, torch.Tensor):
+        return source.dtype == torch.uint8
+    get_dtype = getattr(source, "get_dtype", None)  # (a lazy slice; GGUF blocks have none)
+    return get_dtype is not None and get_dtype() == "U8"
 
 
 class BitNetDecoderLayer(LlamaDecoderLayer):
@@ -108,14 +119,21 @@ class BitNetForCausalLM(LlamaForCausalLM):
 
     model_class = BitNetModel
 
+    # the original checkpoints' sub-norm names (1bitLLM's, which llama.cpp's converter maps)
+    _SUB_NORM_NAMES = ((".self_attn.inner_attn_ln.", ".self_attn.attn_sub_norm."),
+                       (".mlp.ffn_layernorm.", ".mlp.ffn_sub_norm."))
+
+    def _rename(self, name: str) -> str | tuple | None:
+        for old, new in self._SUB_NORM_NAMES:
+            name = name.replace(old, new)
+        return super()._rename(name)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's packed uint8 projections unpacked to their ternary values."""
         def unpacked():
             for name, source in weights:
-                if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _PROJECTIONS:
-                    tensor = read_full(source)
-                    if tensor.dtype == torch.uint8:
-                        source = unpack_ternary(tensor, torch.float32)  # [N, K]
+                if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _PROJECTIONS and _packed(source):
+                    source = unpack_ternary(read_full(source), torch.float32)  # [N / 4, K] -> [N, K]
                 yield name, source
 
         super().load_weights(unpacked())
