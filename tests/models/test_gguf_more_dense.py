@@ -1,7 +1,8 @@
 """More dense families from GGUF files written as llama.cpp's convert_hf_to_gguf.py writes them
-(each converter's metadata keys, gguf-py's tensor names, its tensor changes): Jais 2 ("jais2"),
-EXAONE 4.5's text decoder ("exaone4"), Youtu ("deepseek2" without experts), BitNet b1.58 ("bitnet"). Our GGUF run equals the HF run
-in float32; Q8_0 projections kept as blocks give greedy tokens in HF's top 5.
+(each converter's metadata keys, gguf-py's tensor names, its tensor changes): Jais 2
+("jais2"), EXAONE 4.5's text decoder ("exaone4"), Youtu ("deepseek2" without experts), BitNet
+b1.58 ("bitnet"). Our GGUF run equals the HF run in float32; Q8_0 projections kept as blocks
+give greedy tokens in HF's top 5.
 (scripts/check_gguf_converter.py runs the real converter.)"""
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.tp import SINGLE, TPContext
