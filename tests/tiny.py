@@ -196,6 +196,8 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
 DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma", "youtu", "apertus1p5", "bitnet")  # (densec)
+DENSE_FAMILIES += ("exaone4_5",)  # (densec: a multimodal checkpoint's text decoder)
+MULTIMODAL_TYPES = ("exaone4_5",)  # tiny checkpoints built with AutoModelForImageTextToText
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -367,6 +369,14 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.Apertus1p5TextConfig(**base, head_dim=16, output_vocab_size=VOCAB - 32)
     if arch == "bitnet":  # sub-norms before o_proj / down_proj, relu^2 gated MLP (unquantized)
         return tf.BitNetConfig(**base)
+    if arch == "exaone4_5":  # EXAONE 4's decoder (sliding 6 + RoPE, then global NoPE) beside a vision tower
+        return tf.Exaone4_5_Config(
+            text_config=dict(**base, model_type="exaone4", head_dim=16, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=1,
+                               out_hidden_size=64, fullatt_block_indexes=[0],
+                               rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+            image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
     if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
         return tf.Jais2Config(**base, head_dim=16)
     return tf.Olmo2Config(**base)
@@ -378,7 +388,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
 
     cfg = config_for(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = _hf_auto(cfg, AutoModelForCausalLM).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -404,7 +414,17 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
 def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoConfig
+
+    auto = _hf_auto(AutoConfig.from_pretrained(path), AutoModelForCausalLM)
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_auto(cfg, default):
+    """The HF auto class of `cfg`: a multimodal checkpoint's (`MULTIMODAL_TYPES`), else `default`."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if cfg.model_type in MULTIMODAL_TYPES else default
 
 
 def tokenizer():
