@@ -269,11 +269,48 @@ FAMILIES["dbrx"] = lambda: transformers.DbrxConfig(
     d_model=64, n_heads=4, n_layers=4, max_seq_len=64, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
     eos_token_id=2, attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
     ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+# Jais 2: LayerNorms with biases, relu^2 MLP with biases, biased attention (Q/K not permuted)
+FAMILIES["jais2"] = lambda: transformers.Jais2Config(**_COMMON, head_dim=16)
+# EXAONE 4.5's text decoder (hybrid: RoPE sliding layers, a NoPE global one); vision tower skipped
+FAMILIES["exaone4_5"] = lambda: transformers.Exaone4_5_Config(
+    text_config=dict(_COMMON, model_type="exaone4", head_dim=16, sliding_window=4,
+                     layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=1,
+                       out_hidden_size=64, fullatt_block_indexes=[0],
+                       rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+    image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
+# Youtu: DeepSeek V3's latent attention (q LoRA, interleaved RoPE), a dense MLP in every layer,
+# tied: the converter's "deepseek2" with every block a leading dense one
+FAMILIES["youtu"] = lambda: transformers.YoutuConfig(
+    **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=16,
+    qk_nope_head_dim=16, v_head_dim=16)
+# BitNet as llama.cpp converts it: the original checkpoints' sub-norm names (inner_attn_ln,
+# ffn_layernorm: what the converter maps), SiLU (llama.cpp's graph), tied (no `output` tensor),
+# each projection sign(w) * mean|w| (the converter's weight_quant keeps it as it is)
+FAMILIES["bitnet"] = lambda: transformers.BitNetConfig(**_COMMON, hidden_act="silu", tie_word_embeddings=True)
+
+
+def _bitnet_original(folder: Path) -> None:
+    import safetensors.torch
+
+    path = folder / "model.safetensors"
+    state = {}
+    for name, w in safetensors.torch.load_file(path).items():
+        if name.endswith("_proj.weight"):
+            w = torch.where(w >= 0, 1.0, -1.0).to(w.dtype) * w.abs().mean()
+        name = name.replace(".attn_sub_norm.", ".inner_attn_ln.").replace(".ffn_sub_norm.", ".ffn_layernorm.")
+        state[name] = w
+    safetensors.torch.save_file(state, path, metadata={"format": "pt"})
+
+
+_POST_SAVE = {"bitnet": _bitnet_original}  # folder rewrites after save_pretrained
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
+MULTIMODAL["exaone4_5"] = "Exaone4_5_ForConditionalGeneration"
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
+SENTENCEPIECE += ("bitnet",)
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
 SELECTION_BIAS += ("exaone_moe", "solar_open")
 # converters that look up more special tokens (Solar Open's: its bos / unk)
@@ -403,6 +440,8 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
         for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
             state[name] = state[name].transpose(1, 2).contiguous()
         safetensors.torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if family in _POST_SAVE:
+        _POST_SAVE[family](folder)
     if family in _HUB_CONFIG:
         path = folder / "config.json"
         path.write_text(json.dumps(_HUB_CONFIG[family](json.loads(path.read_text())), indent=2))

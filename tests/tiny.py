@@ -197,6 +197,9 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "gemma3n", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
+DENSE_FAMILIES += ("jais2", "cwm", "vaultgemma", "youtu", "apertus1p5", "bitnet")  # (densec)
+DENSE_FAMILIES += ("exaone4_5",)  # (densec: a multimodal checkpoint's text decoder)
+MULTIMODAL_TYPES = ("exaone4_5",)  # tiny checkpoints built with AutoModelForImageTextToText
 
 
 # more MoE families (tests/engine/test_moe_engine.py): 8 experts of width 32, 2 routed per token
@@ -392,6 +395,30 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.OlmoConfig(**base, clip_qkv=1.0)
     if arch == "nemotron":  # layernorm1p, half-rotary RoPE, relu^2 MLP
         return tf.NemotronConfig(**base, head_dim=16)
+    if arch == "cwm":  # a full layer, then a sliding one (window 6); Llama 3 RoPE scaling from 16 positions
+        return tf.CwmConfig(**base, head_dim=16, sliding_window=6, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    if arch == "vaultgemma":  # Gemma 2 without post-norms: [sliding 6, full], soft-capped
+        return tf.VaultGemmaConfig(**base, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                                   attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+    if arch == "youtu":  # DeepSeek V3's latent attention (q LoRA, interleaved RoPE), dense MLPs, tied
+        return tf.YoutuConfig(**{**base, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
+                              qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    if arch == "apertus1p5":  # Apertus with a pruned LM head (the last 32 ids never sampled)
+        return tf.Apertus1p5TextConfig(**base, head_dim=16, output_vocab_size=VOCAB - 32)
+    if arch == "bitnet":  # sub-norms before o_proj / down_proj, relu^2 gated MLP (unquantized)
+        return tf.BitNetConfig(**base)
+    if arch == "exaone4_5":  # EXAONE 4's decoder (sliding 6 + RoPE, then global NoPE) beside a vision tower
+        return tf.Exaone4_5_Config(
+            text_config=dict(**base, model_type="exaone4", head_dim=16, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=1,
+                               out_hidden_size=64, fullatt_block_indexes=[0],
+                               rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+            image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
+    if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
+        return tf.Jais2Config(**base, head_dim=16)
     return tf.Olmo2Config(**base)
 
 
@@ -401,7 +428,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
 
     cfg = config_for(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = _hf_auto(cfg, AutoModelForCausalLM).from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -414,7 +441,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
                 # (Phi-3.5-MoE's LayerNorm biases around 0, as its other biases: around 1 they add
                 # one offset shared by every token to the router's input, and its routing flipped
                 # more often under Q8_0 noise; GPT-2 / OPT keep theirs)
-                centred = arch in ("gemma3", "gemma2", "gemma") or (arch == "phimoe" and name.endswith(".bias"))
+                centred = arch in ("gemma3", "gemma2", "gemma", "vaultgemma") or (arch == "phimoe" and name.endswith(".bias"))
                 p.normal_(0.0 if centred else 1.0, 0.1)
             else:
                 p.normal_(0.0, 0.05)
@@ -429,7 +456,17 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
 def load_hf(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoConfig
+
+    auto = _hf_auto(AutoConfig.from_pretrained(path), AutoModelForCausalLM)
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_auto(cfg, default):
+    """The HF auto class of `cfg`: a multimodal checkpoint's (`MULTIMODAL_TYPES`), else `default`."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if cfg.model_type in MULTIMODAL_TYPES else default
 
 
 def tokenizer():

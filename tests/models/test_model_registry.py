@@ -75,6 +75,9 @@ EXPECTED |= {"KimiLinearForCausalLM"}
 # more MoE families (AfMoE, ...)
 EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM", "SolarOpenForCausalLM",
              "Cohere2MoeForCausalLM", "DbrxForCausalLM"}
+EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration", "CwmForCausalLM",
+             "VaultGemmaForCausalLM", "YoutuForCausalLM", "Apertus1p5TextForCausalLM",
+             "BitNetForCausalLM"}  # (densec)
 
 
 def test_registry_names():

@@ -226,13 +226,17 @@ class PagedCausalLM(nn.Module):
         # A sequence classifier's head over the last token's state (`*ForSequenceClassification`)
         self.score = nn.Linear(head_in, int(config.num_labels), bias=False) if kind == "classifier" \
             else None
-        self.lm_head = ParallelLMHead(head_in, config.vocab_size, tp=tp)
+        self.lm_head = ParallelLMHead(head_in, self.head_rows(config), tp=tp)
         if self.tied:
             self.lm_head.weight = embedding.weight
         kv_heads = tp.local_kv_heads(num_kv_heads)
         self.kv_cache_spec = KVCacheSpec(
             config.num_hidden_layers, kv_heads, head_dim,
             attention_layer_specs(self.backbone().decoder_layers(), kv_heads, head_dim))
+
+    def head_rows(self, config: Any) -> int:
+        """The LM head's rows: the vocabulary (Apertus 1.5's pruned head: fewer)."""
+        return config.vocab_size
 
     def backbone(self) -> nn.Module:
         """The decoder stack (embeddings through the final norm / projection)."""

@@ -68,6 +68,8 @@ class Gemma2DecoderLayer(Gemma3DecoderLayer):
 class Gemma2Model(DecoderStack):
     """Scaled embeddings, decoder layers, final norm (HF's `model.`)."""
 
+    layer_class: type = Gemma2DecoderLayer  # (VaultGemma's: models/vaultgemma.py)
+
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
@@ -76,7 +78,7 @@ class Gemma2Model(DecoderStack):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.embed_scale = nn.Buffer(torch.tensor(config.hidden_size**0.5, dtype=torch.float32), persistent=False)
         self.layers = nn.ModuleList(
-            Gemma2DecoderLayer(config, config.sliding_window if t == SLIDING else None, tp=tp)
+            self.layer_class(config, config.sliding_window if t == SLIDING else None, tp=tp)
             for t in self.layer_types
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,9 +101,11 @@ class Gemma2ForCausalLM(PagedCausalLM):
     """Gemma 2 LM on a paged KV cache (see `pagedserve.models.base.CausalLM`); `tp` makes it this
     rank's shard."""
 
+    model_class: type = Gemma2Model
+
     def __init__(self, config: Any, *, tp: TPContext = SINGLE):
         super().__init__()
-        self.model = Gemma2Model(config, tp=tp)
+        self.model = self.model_class(config, tp=tp)
         self._init_head(config, self.model.embed_tokens, head_in=config.hidden_size,
                         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, tp=tp)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)

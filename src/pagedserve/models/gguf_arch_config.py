@@ -148,6 +148,8 @@ def _window_layer_types(header: GGUFHeader, n: int, period: int = 4) -> list[str
 def _exaone4_config(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     """EXAONE 4.0: with `attention.sliding_window`, the layer types from its pattern (one flag per
     layer; HF's default without one: every fourth layer global); without, every layer global."""
+    # EXAONE 4.5's multi-token-prediction blocks, counted in block_count (skipped at load)
+    cfg["num_hidden_layers"] -= int(header.arch_key("nextn_predict_layers") or 0)
     window = header.arch_key("attention.sliding_window")
     n = cfg["num_hidden_layers"]
     if not window:

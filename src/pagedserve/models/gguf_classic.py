@@ -78,6 +78,21 @@ BLOCK_NAMES = {
     "nemotron": {**_ATTN, **_PLAIN, **_POST_NORM},
     "apertus": {**_ATTN, **_QK_NORMS, **_PLAIN, **_POST_NORM},
 }
+# jais2 (conversion/jais.py's Jais2Model: the base class's keys and `rope.dimension_count`, Q/K
+# not permuted): LayerNorms with biases, a non-gated relu^2 MLP (llama.cpp's only activation)
+ARCHITECTURES += ("jais2",)
+HF_MODEL_TYPE["jais2"] = "jais2"
+HF_ARCHITECTURE["jais2"] = "Jais2ForCausalLM"
+LAYER_NORM_ARCHS += ("jais2",)
+BLOCK_NAMES["jais2"] = {**_ATTN, **_PLAIN, **_POST_NORM}
+# bitnet (conversion/bitnet.py: the base class's keys, Q/K not permuted): the projections' weights
+# already ternary times their mean |w| (the converter's weight_quant), the sub-norms; llama.cpp
+# runs a SiLU-gated MLP whatever the checkpoint's `hidden_act`, and no activation quantization
+ARCHITECTURES += ("bitnet",)
+HF_MODEL_TYPE["bitnet"] = "bitnet"
+HF_ARCHITECTURE["bitnet"] = "BitNetForCausalLM"
+BLOCK_NAMES["bitnet"] = {**_ATTN, **_GATED, **_POST_NORM, "attn_sub_norm": "self_attn.attn_sub_norm",
+                         "ffn_sub_norm": "mlp.ffn_sub_norm"}
 _XIELU = ("alpha_p", "alpha_n", "beta", "eps")
 
 
@@ -160,8 +175,27 @@ def _apertus(header: GGUFHeader, cfg: dict[str, Any]) -> None:
     cfg["rope_parameters"] = {"rope_theta": cfg.pop("rope_theta", 10000.0), **scaling}
 
 
+def _jais2(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    cfg["attention_bias"] = _has(header, ".attn_q.bias")
+    cfg["mlp_bias"] = _has(header, ".ffn_up.bias")
+    cfg["hidden_act"] = "relu2"
+
+
 _HOOKS = {"phi2": _phi2, "stablelm": _stablelm, "starcoder2": _starcoder2, "gptneox": _gptneox,
           "olmo": _olmo, "arcee": _arcee, "nemotron": _nemotron, "apertus": _apertus}
+_HOOKS["jais2"] = _jais2
+
+
+def _bitnet(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    if _has(header, ".scale"):
+        raise ValueError(f"{header.path.name}: bitnet with per-projection `.scale` tensors is not supported")
+    cfg["hidden_act"] = "silu"  # (llama.cpp's BitNet graph: LLM_FFN_SILU)
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type") == "linear" and scaling.get("factor") == 1.0:
+        del cfg["rope_scaling"]  # (the converter's "linear, factor 1": none)
+
+
+_HOOKS["bitnet"] = _bitnet
 
 
 def config_hook(header: GGUFHeader, cfg: dict[str, Any]) -> None:

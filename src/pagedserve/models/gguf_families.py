@@ -167,8 +167,8 @@ def _deepseek2(header, names: set[str]) -> dict[str, Any]:
             # without it V2's group_limited_greedy.
             "topk_method": "noaux_tc" if bias else ("group_limited_greedy" if groups > 1 else "greedy"),
         })
-    else:
-        out["n_routed_experts"] = None
+    else:  # no experts: Youtu's file (the converter's dense "deepseek2": every block a leading dense one)
+        out.update(model_type="youtu", architectures=["YoutuForCausalLM"], n_routed_experts=None)
     # NOTE: the file keeps 0.1 * mscale_all_dim only; DeepSeek's configs set mscale equal to it
     # (then YaRN's cos/sin factor mscale / mscale_all_dim is 1), which is assumed here.
     extra = {}

@@ -7,8 +7,10 @@ from typing import Any
 from torch import nn
 
 from pagedserve.models.apertus import ApertusForCausalLM
+from pagedserve.models.apertus1p5 import Apertus1p5TextForCausalLM
 from pagedserve.models.arcee import ArceeForCausalLM
 from pagedserve.models.bamba import BambaForCausalLM
+from pagedserve.models.bitnet import BitNetForCausalLM
 from pagedserve.models.cohere import CohereForCausalLM
 from pagedserve.models.cohere2 import Cohere2ForCausalLM
 from pagedserve.models.dots1 import Dots1ForCausalLM
@@ -16,6 +18,8 @@ from pagedserve.models.falcon_h1 import FalconH1ForCausalLM
 from pagedserve.models.gemma import GemmaForCausalLM
 from pagedserve.models.gemma2 import Gemma2ForCausalLM
 from pagedserve.models.exaone4 import Exaone4ForCausalLM
+from pagedserve.models.exaone4_5 import Exaone4_5_ForConditionalGeneration
+from pagedserve.models.cwm import CwmForCausalLM
 from pagedserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedserve.models.ernie4_5 import Ernie4_5ForCausalLM
 from pagedserve.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -33,6 +37,7 @@ from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
+from pagedserve.models.jais2 import Jais2ForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
 from pagedserve.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
@@ -73,6 +78,8 @@ from pagedserve.models.exaone_moe import ExaoneMoEForCausalLM, ExaoneMoeForCausa
 from pagedserve.models.solar_open import SolarOpenForCausalLM
 from pagedserve.models.cohere2_moe import Cohere2MoeForCausalLM
 from pagedserve.models.dbrx import DbrxForCausalLM
+from pagedserve.models.vaultgemma import VaultGemmaForCausalLM
+from pagedserve.models.youtu import YoutuForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -110,6 +117,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HeliumForCausalLM": HeliumForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
+    "Jais2ForCausalLM": Jais2ForCausalLM,
+    "CwmForCausalLM": CwmForCausalLM,
+    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
+    "YoutuForCausalLM": YoutuForCausalLM,
+    "Apertus1p5TextForCausalLM": Apertus1p5TextForCausalLM,
+    "BitNetForCausalLM": BitNetForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
@@ -139,6 +152,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "Exaone4_5_ForConditionalGeneration": Exaone4_5_ForConditionalGeneration,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
@@ -220,6 +234,12 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "helium": "HeliumForCausalLM",
     "olmo": "OlmoForCausalLM",
     "nemotron": "NemotronForCausalLM",
+    "jais2": "Jais2ForCausalLM",
+    "cwm": "CwmForCausalLM",
+    "vaultgemma": "VaultGemmaForCausalLM",
+    "youtu": "YoutuForCausalLM",
+    "apertus1p5_text": "Apertus1p5TextForCausalLM",
+    "bitnet": "BitNetForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -246,6 +266,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "exaone4_5": "Exaone4_5_ForConditionalGeneration",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
