@@ -232,6 +232,13 @@ FAMILIES = {
                                                            mixer_rms_eps=1e-5),
     "mamba2": lambda: transformers.Mamba2Config(**_SSM, expand=2, num_heads=8, head_dim=16, n_groups=2),
 }
+# Granite SWA / Granite MoE SWA ("granite_swa"): sinks, sliding layers (window 4) around full ones
+_GRANITE_SWA = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=2.5, sliding_window=4, tie_word_embeddings=False)
+FAMILIES["granite_swa"] = lambda: transformers.GraniteSWAConfig(**_COMMON, **_GRANITE_SWA)
+FAMILIES["granitemoe_swa"] = lambda: transformers.GraniteMoeSWAConfig(
+    **{**_COMMON, "intermediate_size": 64}, **_GRANITE_SWA, num_local_experts=4, num_experts_per_tok=2,
+    shared_intermediate_size=64)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

@@ -147,6 +147,9 @@ def config_for(arch: str, **overrides):
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     num_experts=8, moe_topk=2, rope_parameters=_HUNYUAN_ROPE,
                                     max_position_embeddings=512, **common)
+    elif arch == "granitemoe_swa":  # Granite MoE Shared with a sliding layer, sinks, a NoPE full layer
+        cfg = tf.GraniteMoeSWAConfig(**_GRANITE_SWA, **common, intermediate_size=32, num_local_experts=8,
+                                     num_experts_per_tok=2, shared_intermediate_size=48)
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)
@@ -195,6 +198,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
+DENSE_FAMILIES += ("granite_swa",)
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -352,7 +356,16 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.OlmoConfig(**base, clip_qkv=1.0)
     if arch == "nemotron":  # layernorm1p, half-rotary RoPE, relu^2 MLP
         return tf.NemotronConfig(**base, head_dim=16)
+    if arch == "granite_swa":  # Granite with a sliding layer (window 6) and a full NoPE one, sinks
+        return tf.GraniteSWAConfig(**_GRANITE_SWA, **common, intermediate_size=128)
     return tf.Olmo2Config(**base)
+
+
+_GRANITE_SWA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=512, embedding_multiplier=3.0, residual_multiplier=0.5,
+                    attention_multiplier=0.2, logits_scaling=2.5, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[1e4, 0],
+                    tie_word_embeddings=False)
 
 
 def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:

@@ -70,6 +70,8 @@ EXPECTED |= {"PhiForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "
 EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 # Kimi Delta Attention + MLA (layers/kimi_delta_attention.py)
 EXPECTED |= {"KimiLinearForCausalLM"}
+# Granite with sliding windows and sinks (models/granite_swa.py)
+EXPECTED |= {"GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 
 
 def test_registry_names():

@@ -17,6 +17,7 @@ import torch
 from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
 from pagedserve.models import gguf_classic
+from pagedserve.models import gguf_granite_swa
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_gemma4 import ARCHITECTURES as GEMMA4_ARCHITECTURES
@@ -98,6 +99,11 @@ _HF_ARCHITECTURE = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     **gguf_classic.HF_ARCHITECTURE,
 }
+# Granite SWA / Granite MoE SWA (models/gguf_granite_swa.py)
+SUPPORTED_ARCHITECTURES += gguf_granite_swa.ARCHITECTURES
+_HF_MODEL_TYPE["granite_swa"] = "granite_swa"
+_HF_ARCHITECTURE.update(gguf_granite_swa.HF_ARCHITECTURE)
+ARCH_CONFIG_HOOKS["granite_swa"] = gguf_granite_swa.config_hook
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}

@@ -45,7 +45,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
-from pagedserve.models import gguf_classic, gguf_mamba
+from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_mamba
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -316,6 +316,9 @@ _BLOCK_NAMES.update(gguf_classic.BLOCK_NAMES)
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
     + gguf_classic.PERMUTED_QK
+# Granite SWA / Granite MoE SWA: Llama's names, the sinks and the fused experts (models/gguf_granite_swa.py)
+_BLOCK_NAMES["granite_swa"] = {**_LLAMA_BLOCK_NAMES, **gguf_granite_swa.BLOCK_NAMES}
+_PERMUTED_QK_ARCHS += gguf_granite_swa.PERMUTED_QK
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}

@@ -31,6 +31,7 @@ from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
+from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -108,6 +109,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
+    "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -210,6 +213,8 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
