@@ -239,11 +239,17 @@ FAMILIES["granite_swa"] = lambda: transformers.GraniteSWAConfig(**_COMMON, **_GR
 FAMILIES["granitemoe_swa"] = lambda: transformers.GraniteMoeSWAConfig(
     **{**_COMMON, "intermediate_size": 64}, **_GRANITE_SWA, num_local_experts=4, num_experts_per_tok=2,
     shared_intermediate_size=64)
+# MiniCPM3: MLA with rotate-half RoPE; llama.cpp fixes scale_emb 12, scale_depth 1.4,
+# dim_model_base 256 and the value width hidden / heads (the converter writes none of them)
+FAMILIES["minicpm3"] = lambda: transformers.MiniCPM3Config(
+    **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=16, scale_emb=12.0, scale_depth=1.4, dim_model_base=256)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
 _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / [E, I, H]
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
+SENTENCEPIECE += ("minicpm3",)
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite

@@ -72,6 +72,8 @@ EXPECTED |= {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 EXPECTED |= {"KimiLinearForCausalLM"}
 # Granite with sliding windows and sinks (models/granite_swa.py)
 EXPECTED |= {"GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
+# MiniCPM3: dense, MLA (models/minicpm3.py)
+EXPECTED |= {"MiniCPM3ForCausalLM"}
 
 
 def test_registry_names():

@@ -45,7 +45,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
-from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_mamba
+from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_mamba, gguf_minicpm3
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -384,6 +384,9 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         from pagedserve.models.gguf_families import iter_weights
 
         yield from iter_weights(header, config, keep_quantized)
+        return
+    if arch in gguf_minicpm3.ARCHITECTURES:
+        yield from gguf_minicpm3.iter_weights(header, config, keep_quantized)
         return
     if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
         from pagedserve.models import gguf_hybrid

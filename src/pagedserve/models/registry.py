@@ -32,6 +32,7 @@ from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
+from pagedserve.models.minicpm3 import MiniCPM3ForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -111,6 +112,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
+    "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -215,6 +217,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "granitemoe_swa": "GraniteMoeSWAForCausalLM",
+    "minicpm3": "MiniCPM3ForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
