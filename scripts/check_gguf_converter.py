@@ -244,6 +244,13 @@ FAMILIES["granitemoe_swa"] = lambda: transformers.GraniteMoeSWAConfig(
 FAMILIES["minicpm3"] = lambda: transformers.MiniCPM3Config(
     **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
     qk_rope_head_dim=16, v_head_dim=16, scale_emb=12.0, scale_depth=1.4, dim_model_base=256)
+# Laguna: per-layer query heads, softplus head gates, llama.cpp's layer pattern (every fourth layer
+# full, from the first: the converter writes none), a dense first layer, sigmoid-routed experts
+FAMILIES["laguna"] = lambda: transformers.LagunaConfig(
+    **{**_COMMON, "intermediate_size": 128}, head_dim=16, num_attention_heads_per_layer=[8, 4, 4, 4],
+    sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=64, shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

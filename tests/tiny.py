@@ -150,6 +150,15 @@ def config_for(arch: str, **overrides):
     elif arch == "granitemoe_swa":  # Granite MoE Shared with a sliding layer, sinks, a NoPE full layer
         cfg = tf.GraniteMoeSWAConfig(**_GRANITE_SWA, **common, intermediate_size=32, num_local_experts=8,
                                      num_experts_per_tok=2, shared_intermediate_size=48)
+    elif arch == "laguna":  # a sliding layer of 8 heads and a full one of 4 (half-rotary), softplus
+        # gates; a dense layer, then sigmoid-routed experts (selection bias, scaling) + shared MLP
+        cfg = tf.LagunaConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_attention_heads_per_layer=[8, 4],
+                              num_experts=8, num_experts_per_tok=2, moe_routed_scaling_factor=2.5,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                              mlp_layer_types=["dense", "sparse"], max_position_embeddings=512,
+                              tie_word_embeddings=False, **common)
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)

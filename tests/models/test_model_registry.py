@@ -74,6 +74,8 @@ EXPECTED |= {"KimiLinearForCausalLM"}
 EXPECTED |= {"GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 # MiniCPM3: dense, MLA (models/minicpm3.py)
 EXPECTED |= {"MiniCPM3ForCausalLM"}
+# Laguna: gated per-layer-width attention, sigmoid-routed experts (models/laguna.py)
+EXPECTED |= {"LagunaForCausalLM"}
 
 
 def test_registry_names():

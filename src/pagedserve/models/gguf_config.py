@@ -17,7 +17,7 @@ import torch
 from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
 from pagedserve.models import gguf_classic
-from pagedserve.models import gguf_granite_swa, gguf_minicpm3
+from pagedserve.models import gguf_granite_swa, gguf_laguna, gguf_minicpm3
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_gemma4 import ARCHITECTURES as GEMMA4_ARCHITECTURES
@@ -105,6 +105,7 @@ _HF_MODEL_TYPE["granite_swa"] = "granite_swa"
 _HF_ARCHITECTURE.update(gguf_granite_swa.HF_ARCHITECTURE)
 ARCH_CONFIG_HOOKS["granite_swa"] = gguf_granite_swa.config_hook
 SUPPORTED_ARCHITECTURES += gguf_minicpm3.ARCHITECTURES  # (its own reader: models/gguf_minicpm3.py)
+SUPPORTED_ARCHITECTURES += gguf_laguna.ARCHITECTURES  # (its own config: models/gguf_laguna.py)
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
@@ -140,6 +141,8 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         return config_dict(header)
     if arch in gguf_minicpm3.ARCHITECTURES:
         return gguf_minicpm3.config_dict(header)
+    if arch in gguf_laguna.ARCHITECTURES:
+        return gguf_laguna.config_dict(header)
     if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
         from pagedserve.models import gguf_hybrid
 

@@ -45,7 +45,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
-from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_mamba, gguf_minicpm3
+from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_laguna, gguf_mamba, gguf_minicpm3
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -319,6 +319,8 @@ _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") +
 # Granite SWA / Granite MoE SWA: Llama's names, the sinks and the fused experts (models/gguf_granite_swa.py)
 _BLOCK_NAMES["granite_swa"] = {**_LLAMA_BLOCK_NAMES, **gguf_granite_swa.BLOCK_NAMES}
 _PERMUTED_QK_ARCHS += gguf_granite_swa.PERMUTED_QK
+# Laguna: Llama's names, per-head q/k norms, the output gate, experts (models/gguf_laguna.py)
+_BLOCK_NAMES["laguna"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES, **gguf_laguna.BLOCK_NAMES}
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}

@@ -33,6 +33,7 @@ from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeShare
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
 from pagedserve.models.minicpm3 import MiniCPM3ForCausalLM
+from pagedserve.models.laguna import LagunaForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -113,6 +114,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
+    "LagunaForCausalLM": LagunaForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -218,6 +220,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granite_swa": "GraniteSWAForCausalLM",
     "granitemoe_swa": "GraniteMoeSWAForCausalLM",
     "minicpm3": "MiniCPM3ForCausalLM",
+    "laguna": "LagunaForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
