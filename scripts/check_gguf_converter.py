@@ -251,6 +251,10 @@ FAMILIES["laguna"] = lambda: transformers.LagunaConfig(
     sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3,
     mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=64, shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5)
+# HunYuan V3: q/k norms; a dense first layer, sigmoid-routed experts (selection bias) + shared MLP
+FAMILIES["hy_v3"] = lambda: transformers.HYV3Config(
+    **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    router_scaling_factor=2.5)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
@@ -258,6 +262,7 @@ _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / 
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SENTENCEPIECE += ("minicpm3",)
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
+SELECTION_BIAS += ("hy_v3",)
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
@@ -437,6 +442,7 @@ def tie_rule(ours, ref) -> str | None:
 # HF run Qwen3-Next and Qwen3.5-MoE diverge where no near-tie is, against the rounded one all
 # three are token-identical.
 Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite", "hunyuan_v1_moe")
+Q8_ROUNDED_REFERENCE += ("hy_v3",)  # (HunYuan V3: sigmoid routing with a selection bias)
 # ... and their f16 file with the HF folder's weights rounded to f16 (`f16_rounded`): GLM-4.7-Flash's
 # tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
 # f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
@@ -447,6 +453,7 @@ F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
 # what the converter keeps in F32 whatever the outtype: the routers (ffn_gate_inp: HunYuan's
 # `mlp.gate.wg`), the shared-expert gates, the convolutions
 _F32_KEPT = ("mlp.gate.weight", "mlp.gate.wg.weight", "shared_expert_gate.weight", "conv1d.weight")
+_F32_KEPT += ("mlp.router.gate.weight",)  # (HunYuan V3's router: F32 in the file too)
 
 
 def _q8_0_round(x: torch.Tensor) -> torch.Tensor:

@@ -159,6 +159,11 @@ def config_for(arch: str, **overrides):
                               sliding_window=6, layer_types=["sliding_attention", "full_attention"],
                               mlp_layer_types=["dense", "sparse"], max_position_embeddings=512,
                               tie_word_embeddings=False, **common)
+    elif arch == "hy_v3":  # HunYuan V3: q/k norms; a dense layer, then sigmoid experts + shared MLP
+        cfg = tf.HYV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2, router_scaling_factor=2.5, max_position_embeddings=512,
+                            **common)
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)
@@ -403,7 +408,7 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():  # (a zero buffer at init: drawn so that it moves the choice)
-            if arch in ("minimax_m2", "glm4_moe_lite") and name.endswith("e_score_correction_bias"):
+            if arch in ("minimax_m2", "glm4_moe_lite", "hy_v3") and name.endswith("e_score_correction_bias"):
                 b.uniform_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)

@@ -16,7 +16,7 @@ from utils import assert_tie_rule, hf_greedy, output_key, ours_as_pairs
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe",
             "lfm2_moe", "phimoe", "llama4", "minimax_m2", "dots1", "glm4_moe_lite",
             "hunyuan_v1_moe", "gemma4_moe"]
-FAMILIES += ["granitemoe_swa", "laguna"]
+FAMILIES += ["granitemoe_swa", "laguna", "hy_v3"]
 PROMPTS = prompts_of_lengths([6, 11, 3, 14, 9], seed=3)
 MAX_TOKENS = 6
 

@@ -76,6 +76,8 @@ EXPECTED |= {"GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
 EXPECTED |= {"MiniCPM3ForCausalLM"}
 # Laguna: gated per-layer-width attention, sigmoid-routed experts (models/laguna.py)
 EXPECTED |= {"LagunaForCausalLM"}
+# HunYuan V3: q/k norms, sigmoid-routed experts and a shared MLP (models/hy_v3.py)
+EXPECTED |= {"HYV3ForCausalLM"}
 
 
 def test_registry_names():

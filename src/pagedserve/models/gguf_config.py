@@ -17,7 +17,7 @@ import torch
 from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
 from pagedserve.models import gguf_classic
-from pagedserve.models import gguf_granite_swa, gguf_laguna, gguf_minicpm3
+from pagedserve.models import gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_minicpm3
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_gemma4 import ARCHITECTURES as GEMMA4_ARCHITECTURES
@@ -106,6 +106,11 @@ _HF_ARCHITECTURE.update(gguf_granite_swa.HF_ARCHITECTURE)
 ARCH_CONFIG_HOOKS["granite_swa"] = gguf_granite_swa.config_hook
 SUPPORTED_ARCHITECTURES += gguf_minicpm3.ARCHITECTURES  # (its own reader: models/gguf_minicpm3.py)
 SUPPORTED_ARCHITECTURES += gguf_laguna.ARCHITECTURES  # (its own config: models/gguf_laguna.py)
+# HunYuan V3 (models/gguf_hy_v3.py)
+SUPPORTED_ARCHITECTURES += gguf_hy_v3.ARCHITECTURES
+_HF_MODEL_TYPE["hy_v3"] = "hy_v3"
+_HF_ARCHITECTURE["hy_v3"] = "HYV3ForCausalLM"
+ARCH_CONFIG_HOOKS["hy_v3"] = gguf_hy_v3.config_hook
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}

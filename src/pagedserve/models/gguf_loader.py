@@ -45,7 +45,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
-from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_laguna, gguf_mamba, gguf_minicpm3
+from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_mamba, gguf_minicpm3
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -320,6 +320,7 @@ _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") +
 _BLOCK_NAMES["granite_swa"] = {**_LLAMA_BLOCK_NAMES, **gguf_granite_swa.BLOCK_NAMES}
 _PERMUTED_QK_ARCHS += gguf_granite_swa.PERMUTED_QK
 # Laguna: Llama's names, per-head q/k norms, the output gate, experts (models/gguf_laguna.py)
+_BLOCK_NAMES["hy_v3"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}  # HunYuan V3
 _BLOCK_NAMES["laguna"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES, **gguf_laguna.BLOCK_NAMES}
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)
 # GGUF tensors with no HF counterpart, folded into the config instead.
@@ -332,6 +333,8 @@ def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
     if not dot or suffix not in ("weight", "bias"):
         if architecture in gguf_mamba.ARCHITECTURES:
             return gguf_mamba.hf_name(architecture, gguf_name)
+        if architecture in gguf_hy_v3.ARCHITECTURES:
+            return gguf_hy_v3.hf_name(gguf_name)
         return None
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"

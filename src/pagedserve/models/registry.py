@@ -34,6 +34,7 @@ from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
 from pagedserve.models.minicpm3 import MiniCPM3ForCausalLM
 from pagedserve.models.laguna import LagunaForCausalLM
+from pagedserve.models.hy_v3 import HYV3ForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -115,6 +116,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
+    "HYV3ForCausalLM": HYV3ForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -221,6 +223,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoe_swa": "GraniteMoeSWAForCausalLM",
     "minicpm3": "MiniCPM3ForCausalLM",
     "laguna": "LagunaForCausalLM",
+    "hy_v3": "HYV3ForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
