@@ -255,6 +255,10 @@ FAMILIES["laguna"] = lambda: transformers.LagunaConfig(
 FAMILIES["hy_v3"] = lambda: transformers.HYV3Config(
     **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
     router_scaling_factor=2.5)
+# GPT-BigCode (StarCoder 1): multi-query attention, learned positions ("starcoder")
+FAMILIES["gpt_bigcode"] = lambda: transformers.GPTBigCodeConfig(
+    vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, multi_query=True,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

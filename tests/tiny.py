@@ -212,7 +212,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
-DENSE_FAMILIES += ("granite_swa", "minicpm3")
+DENSE_FAMILIES += ("granite_swa", "minicpm3", "gpt_bigcode")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -372,6 +372,9 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.NemotronConfig(**base, head_dim=16)
     if arch == "granite_swa":  # Granite with a sliding layer (window 6) and a full NoPE one, sinks
         return tf.GraniteSWAConfig(**_GRANITE_SWA, **common, intermediate_size=128)
+    if arch == "gpt_bigcode":  # StarCoder 1: multi-query attention (one KV head), learned positions
+        return tf.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128, multi_query=True,
+                                   **common)
     if arch == "minicpm3":  # MLA (latent 32 + rope 16, rotate-half), MiniCPM's three multipliers
         return tf.MiniCPM3Config(**{**base, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
                                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, scale_emb=3.0,

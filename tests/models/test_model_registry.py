@@ -78,6 +78,8 @@ EXPECTED |= {"MiniCPM3ForCausalLM"}
 EXPECTED |= {"LagunaForCausalLM"}
 # HunYuan V3: q/k norms, sigmoid-routed experts and a shared MLP (models/hy_v3.py)
 EXPECTED |= {"HYV3ForCausalLM"}
+# GPT-BigCode: multi-query, learned positions (models/gpt_bigcode.py)
+EXPECTED |= {"GPTBigCodeForCausalLM"}
 
 
 def test_registry_names():

@@ -45,7 +45,8 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     _check_supported,
     build_gguf_config_dict,
 )
-from pagedserve.models import gguf_classic, gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_mamba, gguf_minicpm3
+from pagedserve.models import gguf_classic, gguf_mamba
+from pagedserve.models import gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_minicpm3, gguf_starcoder
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -392,6 +393,9 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         return
     if arch in gguf_minicpm3.ARCHITECTURES:
         yield from gguf_minicpm3.iter_weights(header, config, keep_quantized)
+        return
+    if arch in gguf_starcoder.ARCHITECTURES:
+        yield from gguf_starcoder.iter_weights(header, config, keep_quantized)
         return
     if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
         from pagedserve.models import gguf_hybrid

@@ -35,6 +35,7 @@ from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAFo
 from pagedserve.models.minicpm3 import MiniCPM3ForCausalLM
 from pagedserve.models.laguna import LagunaForCausalLM
 from pagedserve.models.hy_v3 import HYV3ForCausalLM
+from pagedserve.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -117,6 +118,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -224,6 +226,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "minicpm3": "MiniCPM3ForCausalLM",
     "laguna": "LagunaForCausalLM",
     "hy_v3": "HYV3ForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
