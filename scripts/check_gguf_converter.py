@@ -259,6 +259,15 @@ FAMILIES["hy_v3"] = lambda: transformers.HYV3Config(
 FAMILIES["gpt_bigcode"] = lambda: transformers.GPTBigCodeConfig(
     vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, multi_query=True,
     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Falcon 40B's layout: grouped KV heads and two LayerNorms (llama.cpp's fixed context
+# of 2048 and RoPE base 10000: the HF configs' defaults here)
+FAMILIES["falcon"] = lambda: transformers.FalconConfig(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2,
+    new_decoder_architecture=True, alibi=False, bias=False, max_position_embeddings=2048,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# NOTE: no Falcon 7B (one KV head): under transformers 5 the converter reads FalconConfig's
+# num_kv_heads, which the config fills with the head count, and fails on the multi-query q/k/v
+# (tests/models/test_falcon.py writes its file as the converter does with n_head_kv 1)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones

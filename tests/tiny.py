@@ -212,7 +212,7 @@ DENSE_FAMILIES = ("phi3", "gemma2", "granite", "glm4", "smollm3", "olmo2", "olmo
                   "cohere2", "ministral3", "lfm2", "exaone4", "gemma", "ernie4_5",
                   "hunyuan_v1_dense", "gemma4", "gemma4_e", "phi", "stablelm", "starcoder2",
                   "gpt_neox", "apertus", "arcee", "helium", "olmo", "nemotron")
-DENSE_FAMILIES += ("granite_swa", "minicpm3", "gpt_bigcode")
+DENSE_FAMILIES += ("granite_swa", "minicpm3", "gpt_bigcode", "falcon")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -372,6 +372,10 @@ def _dense_family_config(tf, arch: str, common: dict):
         return tf.NemotronConfig(**base, head_dim=16)
     if arch == "granite_swa":  # Granite with a sliding layer (window 6) and a full NoPE one, sinks
         return tf.GraniteSWAConfig(**_GRANITE_SWA, **common, intermediate_size=128)
+    if arch == "falcon":  # Falcon 40B's layout: grouped KV heads, a parallel block on ln_attn / ln_mlp
+        return tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                               new_decoder_architecture=True, alibi=False, bias=False,
+                               max_position_embeddings=512, **common)
     if arch == "gpt_bigcode":  # StarCoder 1: multi-query attention (one KV head), learned positions
         return tf.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128, multi_query=True,
                                    **common)

@@ -80,6 +80,8 @@ EXPECTED |= {"LagunaForCausalLM"}
 EXPECTED |= {"HYV3ForCausalLM"}
 # GPT-BigCode: multi-query, learned positions (models/gpt_bigcode.py)
 EXPECTED |= {"GPTBigCodeForCausalLM"}
+# Falcon with rotary positions (models/falcon.py)
+EXPECTED |= {"FalconForCausalLM"}
 
 
 def test_registry_names():

@@ -47,6 +47,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
 )
 from pagedserve.models import gguf_classic, gguf_mamba
 from pagedserve.models import gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_minicpm3, gguf_starcoder
+from pagedserve.models import gguf_falcon
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -396,6 +397,9 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         return
     if arch in gguf_starcoder.ARCHITECTURES:
         yield from gguf_starcoder.iter_weights(header, config, keep_quantized)
+        return
+    if arch in gguf_falcon.ARCHITECTURES:
+        yield from gguf_falcon.iter_weights(header, config, keep_quantized)
         return
     if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
         from pagedserve.models import gguf_hybrid

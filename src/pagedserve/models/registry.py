@@ -36,6 +36,7 @@ from pagedserve.models.minicpm3 import MiniCPM3ForCausalLM
 from pagedserve.models.laguna import LagunaForCausalLM
 from pagedserve.models.hy_v3 import HYV3ForCausalLM
 from pagedserve.models.gpt_bigcode import GPTBigCodeForCausalLM
+from pagedserve.models.falcon import FalconForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -119,6 +120,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LagunaForCausalLM": LagunaForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -227,6 +229,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "laguna": "LagunaForCausalLM",
     "hy_v3": "HYV3ForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "falcon": "FalconForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
