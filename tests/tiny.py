@@ -164,6 +164,14 @@ def config_for(arch: str, **overrides):
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                             num_experts_per_tok=2, router_scaling_factor=2.5, max_position_embeddings=512,
                             **common)
+    elif arch == "mimo_v2_flash":  # a full layer, then a sliding one (twice the KV heads, sinks);
+        # q/k heads of 24, value heads of 16; a dense layer, then DeepSeek-V3-routed experts
+        cfg = tf.MiMoV2FlashConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                                   v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                   topk_group=1, routed_scaling_factor=2.5, sliding_window=6,
+                                   layer_types=["full_attention", "sliding_attention"],
+                                   max_position_embeddings=512, tie_word_embeddings=False, **common)
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)
@@ -415,7 +423,8 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():  # (a zero buffer at init: drawn so that it moves the choice)
-            if arch in ("minimax_m2", "glm4_moe_lite", "hy_v3") and name.endswith("e_score_correction_bias"):
+            if (arch in ("minimax_m2", "glm4_moe_lite", "hy_v3", "mimo_v2_flash")
+                    and name.endswith("e_score_correction_bias")):
                 b.uniform_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)

@@ -82,6 +82,8 @@ EXPECTED |= {"HYV3ForCausalLM"}
 EXPECTED |= {"GPTBigCodeForCausalLM"}
 # Falcon with rotary positions (models/falcon.py)
 EXPECTED |= {"FalconForCausalLM"}
+# MiMo-V2-Flash: sliding layers with sinks, narrow value heads, DeepSeek-V3 routing (models/mimo_v2_flash.py)
+EXPECTED |= {"MiMoV2FlashForCausalLM"}
 
 
 def test_registry_names():

@@ -37,6 +37,7 @@ from pagedserve.models.laguna import LagunaForCausalLM
 from pagedserve.models.hy_v3 import HYV3ForCausalLM
 from pagedserve.models.gpt_bigcode import GPTBigCodeForCausalLM
 from pagedserve.models.falcon import FalconForCausalLM
+from pagedserve.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
 from pagedserve.models.kimi_linear import KimiLinearForCausalLM
@@ -121,6 +122,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HYV3ForCausalLM": HYV3ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -230,6 +232,7 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "hy_v3": "HYV3ForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "falcon": "FalconForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
