@@ -265,6 +265,12 @@ FAMILIES["falcon"] = lambda: transformers.FalconConfig(
     vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2,
     new_decoder_architecture=True, alibi=False, bias=False, max_position_embeddings=2048,
     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# MiMo-V2-Flash: a full layer, then sliding ones (twice the KV heads, sinks), q/k heads of 32 and
+# value heads of 16 (the converter reads the hub's config keys: below), DeepSeek-V3-routed experts
+FAMILIES["mimo_v2_flash"] = lambda: transformers.MiMoV2FlashConfig(
+    **{**_COMMON, "num_attention_heads": 8, "intermediate_size": 128}, head_dim=32, v_head_dim=32,
+    moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3, attention_value_scale=0.5)
 # NOTE: no Falcon 7B (one KV head): under transformers 5 the converter reads FalconConfig's
 # num_kv_heads, which the config fills with the head count, and fails on the multi-query q/k/v
 # (tests/models/test_falcon.py writes its file as the converter does with n_head_kv 1)
@@ -275,7 +281,7 @@ _RELEASED_EXPERT_LAYOUT = ("qwen3_vl_moe",)  # fused experts saved [E, H, 2I] / 
 SENTENCEPIECE = ("gemma2", "gemma", "jamba", "ernie4_5", "nemotron")  # converters that read tokenizer.model only
 SENTENCEPIECE += ("minicpm3",)
 SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias is drawn too
-SELECTION_BIAS += ("hy_v3",)
+SELECTION_BIAS += ("hy_v3", "mimo_v2_flash")
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
@@ -285,6 +291,12 @@ _NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-",
 _HUB_CONFIG = {"granitemoehybrid": lambda c: {**c, "layer_types": [
     "mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]}}
 _HUB_CONFIG["bamba"] = _HUB_CONFIG_BAMBA
+# MiMo-V2-Flash: the hub's config.json names the sliding layers' sizes and pattern on their own
+_HUB_CONFIG["mimo_v2_flash"] = lambda c: {
+    **c, "hybrid_layer_pattern": [int(t == "sliding_attention") for t in c["layer_types"]],
+    "swa_num_key_value_heads": 2 * c["num_key_value_heads"], "swa_head_dim": c["head_dim"],
+    "swa_num_attention_heads": c["num_attention_heads"], "swa_v_head_dim": c["v_head_dim"],
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "layernorm_epsilon": c["rms_norm_eps"]}
 # GLM-4.7-Flash: the hub's config.json names the dense first layer as DeepSeek's do
 # (`first_k_dense_replace`, which the converter writes as leading_dense_block_count; transformers
 # 5 saves `mlp_layer_types` only)
@@ -322,6 +334,16 @@ def _neox_with_rotary_pct(self):
     self.hparams.setdefault("rotary_pct", self.rope_parameters.get("partial_rotary_factor", 0.25))
     _neox_params(self)
 gptneox.GPTNeoXModel.set_gguf_parameters = _neox_with_rotary_pct
+# MiMo-V2-Flash: the converter reads rope_parameters["partial_rotary_factor"], which transformers
+# 5's MiMoV2FlashConfig nests per layer type (a KeyError on every checkpoint): the full layers' at
+# the top, the sliding ones' kept for the base class's rope.freq_base_swa
+from conversion import mimo
+_mimo_params = mimo.MimoV2Model.set_gguf_parameters
+def _mimo_with_flat_rope(self):
+    if "full_attention" in self.rope_parameters:
+        self.rope_parameters = {**self.rope_parameters, **self.rope_parameters["full_attention"]}
+    _mimo_params(self)
+mimo.MimoV2Model.set_gguf_parameters = _mimo_with_flat_rope
 convert_hf_to_gguf.main()
 """
 
@@ -410,6 +432,7 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
 # converter flags per family: the tiny Qwen3-Next / 3.5 checkpoints carry no multi-token
 # prediction layers (the released ones do; the converter expects them unless told)
 CONVERT_FLAGS = {"qwen3_next": ["--no-mtp"], "qwen3_5": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
+CONVERT_FLAGS["mimo_v2_flash"] = ["--no-mtp"]  # (the converter assumes the hub's 3 MTP layers)
 
 
 def convert(llama_cpp: Path, folder: Path, outtype: str, out: Path, flags=()) -> Path:

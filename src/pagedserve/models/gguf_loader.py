@@ -47,7 +47,7 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
 )
 from pagedserve.models import gguf_classic, gguf_mamba
 from pagedserve.models import gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_minicpm3, gguf_starcoder
-from pagedserve.models import gguf_falcon
+from pagedserve.models import gguf_falcon, gguf_mimo2
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -322,6 +322,7 @@ _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") +
 _BLOCK_NAMES["granite_swa"] = {**_LLAMA_BLOCK_NAMES, **gguf_granite_swa.BLOCK_NAMES}
 _PERMUTED_QK_ARCHS += gguf_granite_swa.PERMUTED_QK
 # Laguna: Llama's names, per-head q/k norms, the output gate, experts (models/gguf_laguna.py)
+_BLOCK_NAMES["mimo2"] = {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES, **gguf_mimo2.BLOCK_NAMES}  # MiMo-V2-Flash
 _BLOCK_NAMES["hy_v3"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}  # HunYuan V3
 _BLOCK_NAMES["laguna"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES, **gguf_laguna.BLOCK_NAMES}
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)

@@ -91,7 +91,8 @@ class MiMoV2FlashForCausalLM(MoECausalLM):
     """MiMo-V2-Flash decoder-only LM on a paged KV cache (see the module docstring)."""
 
     model_class = LagunaModel  # (the MoE stack with a RoPE table per layer type)
-    moe_aliases = {".self_attn.attention_sink_bias": ".self_attn.sinks"}
+    # (the hub's sink name; a GGUF file's attn_sinks.weight, `models.gguf_mimo2`)
+    moe_aliases = {".self_attn.attention_sink_bias": ".self_attn.sinks", ".self_attn.sinks.weight": ".self_attn.sinks"}
 
     def __init__(self, config: Any, **kwargs):
         super().__init__(config, **kwargs)
