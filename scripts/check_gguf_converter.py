@@ -304,6 +304,48 @@ def _bitnet_original(folder: Path) -> None:
 
 
 _POST_SAVE = {"bitnet": _bitnet_original}  # folder rewrites after save_pretrained
+# Granite SWA / Granite MoE SWA ("granite_swa"): sinks, sliding layers (window 4) around full ones
+_GRANITE_SWA = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=2.5, sliding_window=4, tie_word_embeddings=False)
+FAMILIES["granite_swa"] = lambda: transformers.GraniteSWAConfig(**_COMMON, **_GRANITE_SWA)
+FAMILIES["granitemoe_swa"] = lambda: transformers.GraniteMoeSWAConfig(
+    **{**_COMMON, "intermediate_size": 64}, **_GRANITE_SWA, num_local_experts=4, num_experts_per_tok=2,
+    shared_intermediate_size=64)
+# MiniCPM3: MLA with rotate-half RoPE; llama.cpp fixes scale_emb 12, scale_depth 1.4,
+# dim_model_base 256 and the value width hidden / heads (the converter writes none of them)
+FAMILIES["minicpm3"] = lambda: transformers.MiniCPM3Config(
+    **{**_COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=16, scale_emb=12.0, scale_depth=1.4, dim_model_base=256)
+# Laguna: per-layer query heads, softplus head gates, llama.cpp's layer pattern (every fourth layer
+# full, from the first: the converter writes none), a dense first layer, sigmoid-routed experts
+FAMILIES["laguna"] = lambda: transformers.LagunaConfig(
+    **{**_COMMON, "intermediate_size": 128}, head_dim=16, num_attention_heads_per_layer=[8, 4, 4, 4],
+    sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=64, shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5)
+# HunYuan V3: q/k norms; a dense first layer, sigmoid-routed experts (selection bias) + shared MLP
+FAMILIES["hy_v3"] = lambda: transformers.HYV3Config(
+    **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    router_scaling_factor=2.5)
+# GPT-BigCode (StarCoder 1): multi-query attention, learned positions ("starcoder")
+FAMILIES["gpt_bigcode"] = lambda: transformers.GPTBigCodeConfig(
+    vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, multi_query=True,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Falcon 40B's layout: grouped KV heads and two LayerNorms (llama.cpp's fixed context
+# of 2048 and RoPE base 10000: the HF configs' defaults here)
+FAMILIES["falcon"] = lambda: transformers.FalconConfig(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2,
+    new_decoder_architecture=True, alibi=False, bias=False, max_position_embeddings=2048,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# MiMo-V2-Flash: a full layer, then sliding ones (twice the KV heads, sinks), q/k heads of 32 and
+# value heads of 16 (the converter reads the hub's config keys: below), DeepSeek-V3-routed experts
+FAMILIES["mimo_v2_flash"] = lambda: transformers.MiMoV2FlashConfig(
+    **{**_COMMON, "num_attention_heads": 8, "intermediate_size": 128}, head_dim=32, v_head_dim=32,
+    moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    sliding_window=4, layer_types=["full_attention"] + ["sliding_attention"] * 3, attention_value_scale=0.5)
+# NOTE: no Falcon 7B (one KV head): under transformers 5 the converter reads FalconConfig's
+# num_kv_heads, which the config fills with the head count, and fails on the multi-query q/k/v
+# (tests/models/test_falcon.py writes its file as the converter does with n_head_kv 1)
 MULTIMODAL = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
               "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # HF classes of the multimodal ones
@@ -315,6 +357,8 @@ SELECTION_BIAS = ("glm4_moe_lite",)  # families whose router's correction bias i
 SELECTION_BIAS += ("exaone_moe", "solar_open")
 # converters that look up more special tokens (Solar Open's: its bos / unk)
 EXTRA_SPECIAL_TOKENS = {"solar_open": ["<unk>", "<|startoftext|>"]}
+SENTENCEPIECE += ("minicpm3",)
+SELECTION_BIAS += ("hy_v3", "mimo_v2_flash")
 GLM_SPECIAL_TOKENS = ("glm4_moe_lite",)  # converters that want GLM's [gMASK] / <|observation|>
 # config.json as the hub's checkpoints write it where transformers 5 saves it otherwise: Granite
 # 4.0-H's layer types as "mamba" / "attention" (the converter finds its attention layers by those)
@@ -324,6 +368,12 @@ _NEMOTRON_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-",
 _HUB_CONFIG = {"granitemoehybrid": lambda c: {**c, "layer_types": [
     "mamba" if t in ("mamba", "linear_attention") else "attention" for t in c["layer_types"]]}}
 _HUB_CONFIG["bamba"] = _HUB_CONFIG_BAMBA
+# MiMo-V2-Flash: the hub's config.json names the sliding layers' sizes and pattern on their own
+_HUB_CONFIG["mimo_v2_flash"] = lambda c: {
+    **c, "hybrid_layer_pattern": [int(t == "sliding_attention") for t in c["layer_types"]],
+    "swa_num_key_value_heads": 2 * c["num_key_value_heads"], "swa_head_dim": c["head_dim"],
+    "swa_num_attention_heads": c["num_attention_heads"], "swa_v_head_dim": c["v_head_dim"],
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "layernorm_epsilon": c["rms_norm_eps"]}
 # GLM-4.7-Flash: the hub's config.json names the dense first layer as DeepSeek's do
 # (`first_k_dense_replace`, which the converter writes as leading_dense_block_count; transformers
 # 5 saves `mlp_layer_types` only)
@@ -361,6 +411,16 @@ def _neox_with_rotary_pct(self):
     self.hparams.setdefault("rotary_pct", self.rope_parameters.get("partial_rotary_factor", 0.25))
     _neox_params(self)
 gptneox.GPTNeoXModel.set_gguf_parameters = _neox_with_rotary_pct
+# MiMo-V2-Flash: the converter reads rope_parameters["partial_rotary_factor"], which transformers
+# 5's MiMoV2FlashConfig nests per layer type (a KeyError on every checkpoint): the full layers' at
+# the top, the sliding ones' kept for the base class's rope.freq_base_swa
+from conversion import mimo
+_mimo_params = mimo.MimoV2Model.set_gguf_parameters
+def _mimo_with_flat_rope(self):
+    if "full_attention" in self.rope_parameters:
+        self.rope_parameters = {**self.rope_parameters, **self.rope_parameters["full_attention"]}
+    _mimo_params(self)
+mimo.MimoV2Model.set_gguf_parameters = _mimo_with_flat_rope
 convert_hf_to_gguf.main()
 """
 
@@ -452,6 +512,7 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
 # converter flags per family: the tiny Qwen3-Next / 3.5 checkpoints carry no multi-token
 # prediction layers (the released ones do; the converter expects them unless told)
 CONVERT_FLAGS = {"qwen3_next": ["--no-mtp"], "qwen3_5": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}
+CONVERT_FLAGS["mimo_v2_flash"] = ["--no-mtp"]  # (the converter assumes the hub's 3 MTP layers)
 
 
 def convert(llama_cpp: Path, folder: Path, outtype: str, out: Path, flags=()) -> Path:
@@ -497,6 +558,7 @@ def tie_rule(ours, ref) -> str | None:
 # HF run Qwen3-Next and Qwen3.5-MoE diverge where no near-tie is, against the rounded one all
 # three are token-identical.
 Q8_ROUNDED_REFERENCE = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite", "hunyuan_v1_moe")
+Q8_ROUNDED_REFERENCE += ("hy_v3",)  # (HunYuan V3: sigmoid routing with a selection bias)
 # ... and their f16 file with the HF folder's weights rounded to f16 (`f16_rounded`): GLM-4.7-Flash's
 # tiny random model flips a choice of its sigmoid router (scores plus the selection bias) on
 # f16's rounding alone (its f32 file gives the HF folder's logits exactly), Hunyuan-A13B's a
@@ -508,6 +570,7 @@ F16_ROUNDED_REFERENCE = ("glm4_moe_lite", "hunyuan_v1_moe")
 # what the converter keeps in F32 whatever the outtype: the routers (ffn_gate_inp: HunYuan's
 # `mlp.gate.wg`), the shared-expert gates, the convolutions
 _F32_KEPT = ("mlp.gate.weight", "mlp.gate.wg.weight", "shared_expert_gate.weight", "conv1d.weight")
+_F32_KEPT += ("mlp.router.gate.weight",)  # (HunYuan V3's router: F32 in the file too)
 
 
 def _q8_0_round(x: torch.Tensor) -> torch.Tensor:

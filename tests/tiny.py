@@ -147,6 +147,31 @@ def config_for(arch: str, **overrides):
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     num_experts=8, moe_topk=2, rope_parameters=_HUNYUAN_ROPE,
                                     max_position_embeddings=512, **common)
+    elif arch == "granitemoe_swa":  # Granite MoE Shared with a sliding layer, sinks, a NoPE full layer
+        cfg = tf.GraniteMoeSWAConfig(**_GRANITE_SWA, **common, intermediate_size=32, num_local_experts=8,
+                                     num_experts_per_tok=2, shared_intermediate_size=48)
+    elif arch == "laguna":  # a sliding layer of 8 heads and a full one of 4 (half-rotary), softplus
+        # gates; a dense layer, then sigmoid-routed experts (selection bias, scaling) + shared MLP
+        cfg = tf.LagunaConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_attention_heads_per_layer=[8, 4],
+                              num_experts=8, num_experts_per_tok=2, moe_routed_scaling_factor=2.5,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                              mlp_layer_types=["dense", "sparse"], max_position_embeddings=512,
+                              tie_word_embeddings=False, **common)
+    elif arch == "hy_v3":  # HunYuan V3: q/k norms; a dense layer, then sigmoid experts + shared MLP
+        cfg = tf.HYV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2, router_scaling_factor=2.5, max_position_embeddings=512,
+                            **common)
+    elif arch == "mimo_v2_flash":  # a full layer, then a sliding one (twice the KV heads, sinks);
+        # q/k heads of 24, value heads of 16; a dense layer, then DeepSeek-V3-routed experts
+        cfg = tf.MiMoV2FlashConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                                   v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                   topk_group=1, routed_scaling_factor=2.5, sliding_window=6,
+                                   layer_types=["full_attention", "sliding_attention"],
+                                   max_position_embeddings=512, tie_word_embeddings=False, **common)
     elif arch == "gemma4_moe":  # Gemma 4's experts beside the dense MLP (26B-A4B's layout)
         cfg = tf.Gemma4TextConfig(**_GEMMA4, **common, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                   moe_intermediate_size=32)
@@ -228,6 +253,7 @@ def _more_moe_config(tf, arch: str, common: dict):
                              attn_config={"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 10000.0},
                              ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2})
     raise ValueError(arch)
+DENSE_FAMILIES += ("granite_swa", "minicpm3", "gpt_bigcode", "falcon")
 
 
 # Hybrid families with recurrent layers: their state in cache entries (layers/recurrent_state.py)
@@ -419,7 +445,27 @@ def _dense_family_config(tf, arch: str, common: dict):
             image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)
     if arch == "jais2":  # LayerNorms with biases, relu^2 non-gated MLP with biases, biased attention
         return tf.Jais2Config(**base, head_dim=16)
+    if arch == "granite_swa":  # Granite with a sliding layer (window 6) and a full NoPE one, sinks
+        return tf.GraniteSWAConfig(**_GRANITE_SWA, **common, intermediate_size=128)
+    if arch == "falcon":  # Falcon 40B's layout: grouped KV heads, a parallel block on ln_attn / ln_mlp
+        return tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                               new_decoder_architecture=True, alibi=False, bias=False,
+                               max_position_embeddings=512, **common)
+    if arch == "gpt_bigcode":  # StarCoder 1: multi-query attention (one KV head), learned positions
+        return tf.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128, multi_query=True,
+                                   **common)
+    if arch == "minicpm3":  # MLA (latent 32 + rope 16, rotate-half), MiniCPM's three multipliers
+        return tf.MiniCPM3Config(**{**base, "num_key_value_heads": 4}, q_lora_rank=24, kv_lora_rank=32,
+                                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, scale_emb=3.0,
+                                 scale_depth=1.4, dim_model_base=16, tie_word_embeddings=False)
     return tf.Olmo2Config(**base)
+
+
+_GRANITE_SWA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=512, embedding_multiplier=3.0, residual_multiplier=0.5,
+                    attention_multiplier=0.2, logits_scaling=2.5, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"], layer_rope_theta=[1e4, 0],
+                    tie_word_embeddings=False)
 
 
 def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
@@ -446,7 +492,8 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
             else:
                 p.normal_(0.0, 0.05)
         for name, b in model.named_buffers():  # (a zero buffer at init: drawn so that it moves the choice)
-            if arch in ("minimax_m2", "glm4_moe_lite") and name.endswith("e_score_correction_bias"):
+            if (arch in ("minimax_m2", "glm4_moe_lite", "hy_v3", "mimo_v2_flash")
+                    and name.endswith("e_score_correction_bias")):
                 b.uniform_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer().save_pretrained(path)

@@ -30,7 +30,7 @@ def test_family_matches_hf_and_stays_exact_when_kv_moves(arch, checkpoints, hf_m
     # layers are two KV groups drawing on one pool (a block holds one layer's KV): 16 blocks leave
     # no cached prefix alive to hit, 20 (Cohere 2, EXAONE 4: 18) keep swap, recompute and hits
     two_groups = {"gemma2": 20, "olmo3": 20, "cohere2": 18, "lfm2": 20, "exaone4": 18,
-                  "gemma4": 24}  # KV blocks (Gemma 4: its sliding layers take two cache entries)
+                  "gemma4": 24, "granite_swa": 24}  # KV blocks (Gemma 4: its sliding layers take two cache entries)
     two_groups.update(cwm=18, vaultgemma=22, exaone4_5=18)  # (densec)
     tight = {**TIGHT, "num_kv_blocks": two_groups[arch], "num_cpu_blocks": 8} if arch in two_groups else TIGHT
     outs, engine = run_requests(path, requests, 4000, **tight)

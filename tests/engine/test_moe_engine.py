@@ -17,6 +17,7 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_mo
             "lfm2_moe", "phimoe", "llama4", "minimax_m2", "dots1", "glm4_moe_lite",
             "hunyuan_v1_moe", "gemma4_moe"]
 FAMILIES += ["afmoe", "exaone_moe", "solar_open", "cohere2_moe", "dbrx"]
+FAMILIES += ["granitemoe_swa", "laguna", "hy_v3", "mimo_v2_flash"]
 PROMPTS = prompts_of_lengths([6, 11, 3, 14, 9], seed=3)
 MAX_TOKENS = 6
 
@@ -74,7 +75,8 @@ def test_moe_family_matches_hf_and_is_exact_under_batching_chunking_preemption_a
     # recomputation when that is full
     # (LFM2-MoE's conv window is a second KV group over the pool: a sequence takes more blocks)
     # (Gemma 4's sliding and full layers likewise)
-    blocks = {"lfm2_moe": 10, "gemma4_moe": 16, "afmoe": 12, "exaone_moe": 12, "cohere2_moe": 12}.get(family, 7)
+    blocks = {"lfm2_moe": 10, "gemma4_moe": 16, "afmoe": 12, "exaone_moe": 12, "cohere2_moe": 12,
+              "granitemoe_swa": 12, "laguna": 12, "mimo_v2_flash": 12}.get(family, 7)
     small = _llm(path, kv_cache_memory=None, num_kv_blocks=blocks,
                  num_cpu_blocks=6 if family == "gemma4_moe" else 2, preemption_mode="swap",
                  max_num_batched_tokens=5)

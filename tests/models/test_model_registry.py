@@ -78,6 +78,20 @@ EXPECTED |= {"AfmoeForCausalLM", "ExaoneMoeForCausalLM", "ExaoneMoEForCausalLM",
 EXPECTED |= {"Jais2ForCausalLM", "Exaone4_5_ForConditionalGeneration", "CwmForCausalLM",
              "VaultGemmaForCausalLM", "YoutuForCausalLM", "Apertus1p5TextForCausalLM",
              "BitNetForCausalLM"}  # (densec)
+# Granite with sliding windows and sinks (models/granite_swa.py)
+EXPECTED |= {"GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"}
+# MiniCPM3: dense, MLA (models/minicpm3.py)
+EXPECTED |= {"MiniCPM3ForCausalLM"}
+# Laguna: gated per-layer-width attention, sigmoid-routed experts (models/laguna.py)
+EXPECTED |= {"LagunaForCausalLM"}
+# HunYuan V3: q/k norms, sigmoid-routed experts and a shared MLP (models/hy_v3.py)
+EXPECTED |= {"HYV3ForCausalLM"}
+# GPT-BigCode: multi-query, learned positions (models/gpt_bigcode.py)
+EXPECTED |= {"GPTBigCodeForCausalLM"}
+# Falcon with rotary positions (models/falcon.py)
+EXPECTED |= {"FalconForCausalLM"}
+# MiMo-V2-Flash: sliding layers with sinks, narrow value heads, DeepSeek-V3 routing (models/mimo_v2_flash.py)
+EXPECTED |= {"MiMoV2FlashForCausalLM"}
 
 
 def test_registry_names():

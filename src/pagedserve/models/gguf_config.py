@@ -17,6 +17,8 @@ import torch
 from pagedserve.models.gguf_arch_config import (
     ARCH_CONFIG_HOOKS, COHERE_ARCHS, PARTIAL_ROPE_ARCHS, granite_config, lfm2_config)
 from pagedserve.models import gguf_classic
+from pagedserve.models import gguf_falcon, gguf_granite_swa, gguf_hy_v3, gguf_laguna
+from pagedserve.models import gguf_mimo2, gguf_minicpm3, gguf_starcoder
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_families import common_config_fields
 from pagedserve.models.gguf_gemma3n import ARCHITECTURES as GEMMA3N_ARCHITECTURES
@@ -109,6 +111,21 @@ _HF_MODEL_TYPE["cohere2moe"] = "cohere2_moe"
 _HF_ARCHITECTURE["cohere2_moe"] = "Cohere2MoeForCausalLM"
 _HF_MODEL_TYPE["dbrx"] = "dbrx"
 _HF_ARCHITECTURE["dbrx"] = "DbrxForCausalLM"
+# Granite SWA / Granite MoE SWA (models/gguf_granite_swa.py)
+SUPPORTED_ARCHITECTURES += gguf_granite_swa.ARCHITECTURES
+_HF_MODEL_TYPE["granite_swa"] = "granite_swa"
+_HF_ARCHITECTURE.update(gguf_granite_swa.HF_ARCHITECTURE)
+ARCH_CONFIG_HOOKS["granite_swa"] = gguf_granite_swa.config_hook
+SUPPORTED_ARCHITECTURES += gguf_minicpm3.ARCHITECTURES  # (its own reader: models/gguf_minicpm3.py)
+SUPPORTED_ARCHITECTURES += gguf_laguna.ARCHITECTURES  # (its own config: models/gguf_laguna.py)
+# HunYuan V3 (models/gguf_hy_v3.py)
+SUPPORTED_ARCHITECTURES += gguf_hy_v3.ARCHITECTURES
+_HF_MODEL_TYPE["hy_v3"] = "hy_v3"
+_HF_ARCHITECTURE["hy_v3"] = "HYV3ForCausalLM"
+ARCH_CONFIG_HOOKS["hy_v3"] = gguf_hy_v3.config_hook
+SUPPORTED_ARCHITECTURES += gguf_starcoder.ARCHITECTURES  # (its own reader: models/gguf_starcoder.py)
+SUPPORTED_ARCHITECTURES += gguf_falcon.ARCHITECTURES  # (its own reader: models/gguf_falcon.py)
+SUPPORTED_ARCHITECTURES += gguf_mimo2.ARCHITECTURES  # (its own config: models/gguf_mimo2.py)
 # NOTE: llama.cpp fixes the top-k renormalization per architecture (its build_moe_ffn's norm_w),
 # it stores no norm_topk_prob: Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE do not.
 _MOE_RENORMALIZE = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
@@ -142,6 +159,16 @@ def build_gguf_config_dict(header: GGUFHeader) -> dict[str, Any]:
         from pagedserve.models.gguf_families import config_dict
 
         return config_dict(header)
+    if arch in gguf_minicpm3.ARCHITECTURES:
+        return gguf_minicpm3.config_dict(header)
+    if arch in gguf_laguna.ARCHITECTURES:
+        return gguf_laguna.config_dict(header)
+    if arch in gguf_starcoder.ARCHITECTURES:
+        return gguf_starcoder.config_dict(header)
+    if arch in gguf_falcon.ARCHITECTURES:
+        return gguf_falcon.config_dict(header)
+    if arch in gguf_mimo2.ARCHITECTURES:
+        return gguf_mimo2.config_dict(header)
     if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
         from pagedserve.models import gguf_hybrid
 

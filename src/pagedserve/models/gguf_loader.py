@@ -46,6 +46,8 @@ from pagedserve.models.gguf_config import (  # noqa: F401 - SUPPORTED_ARCHITECTU
     build_gguf_config_dict,
 )
 from pagedserve.models import gguf_classic, gguf_mamba
+from pagedserve.models import gguf_granite_swa, gguf_hy_v3, gguf_laguna, gguf_minicpm3, gguf_starcoder
+from pagedserve.models import gguf_falcon, gguf_mimo2
 from pagedserve.models.gguf_families import ARCHITECTURES as FAMILY_ARCHITECTURES
 from pagedserve.models.gguf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
 
@@ -327,6 +329,13 @@ _BLOCK_NAMES["dbrx"] = {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.W
 # Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses), norms it stores as 1 + w
 _PERMUTED_QK_ARCHS = ("llama", "granite", "granitemoe", "smollm3", "mistral3") + gguf_mamba.PERMUTED_QK \
     + gguf_classic.PERMUTED_QK
+# Granite SWA / Granite MoE SWA: Llama's names, the sinks and the fused experts (models/gguf_granite_swa.py)
+_BLOCK_NAMES["granite_swa"] = {**_LLAMA_BLOCK_NAMES, **gguf_granite_swa.BLOCK_NAMES}
+_PERMUTED_QK_ARCHS += gguf_granite_swa.PERMUTED_QK
+# Laguna: Llama's names, per-head q/k norms, the output gate, experts (models/gguf_laguna.py)
+_BLOCK_NAMES["mimo2"] = {**_LLAMA_BLOCK_NAMES, **_MOE_BLOCK_NAMES, **gguf_mimo2.BLOCK_NAMES}  # MiMo-V2-Flash
+_BLOCK_NAMES["hy_v3"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES}  # HunYuan V3
+_BLOCK_NAMES["laguna"] = {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_BLOCK_NAMES, **gguf_laguna.BLOCK_NAMES}
 _GEMMA_NORM_ARCHS = ("gemma3", "gemma2", "gemma") + gguf_classic.ONE_PLUS_NORMS  # (and Nemotron's layernorm1p)
 # GGUF tensors with no HF counterpart, folded into the config instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -338,6 +347,8 @@ def gguf_to_hf_name(architecture: str, gguf_name: str) -> str | None:
     if not dot or suffix not in ("weight", "bias"):
         if architecture in gguf_mamba.ARCHITECTURES:
             return gguf_mamba.hf_name(architecture, gguf_name)
+        if architecture in gguf_hy_v3.ARCHITECTURES:
+            return gguf_hy_v3.hf_name(gguf_name)
         return None
     if stem in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
@@ -392,6 +403,15 @@ def iter_gguf_weights(path: str | os.PathLike[str], config, keep_quantized: bool
         from pagedserve.models.gguf_families import iter_weights
 
         yield from iter_weights(header, config, keep_quantized)
+        return
+    if arch in gguf_minicpm3.ARCHITECTURES:
+        yield from gguf_minicpm3.iter_weights(header, config, keep_quantized)
+        return
+    if arch in gguf_starcoder.ARCHITECTURES:
+        yield from gguf_starcoder.iter_weights(header, config, keep_quantized)
+        return
+    if arch in gguf_falcon.ARCHITECTURES:
+        yield from gguf_falcon.iter_weights(header, config, keep_quantized)
         return
     if arch in HYBRID_ARCHITECTURES:  # qwen3next, qwen35, qwen35moe: models/gguf_hybrid.py
         from pagedserve.models import gguf_hybrid

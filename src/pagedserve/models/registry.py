@@ -36,6 +36,13 @@ from pagedserve.models.granite import GraniteForCausalLM
 from pagedserve.models.helium import HeliumForCausalLM
 from pagedserve.models.granite_moe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from pagedserve.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
+from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
+from pagedserve.models.minicpm3 import MiniCPM3ForCausalLM
+from pagedserve.models.laguna import LagunaForCausalLM
+from pagedserve.models.hy_v3 import HYV3ForCausalLM
+from pagedserve.models.gpt_bigcode import GPTBigCodeForCausalLM
+from pagedserve.models.falcon import FalconForCausalLM
+from pagedserve.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from pagedserve.models.gpt_oss import GptOssForCausalLM
 from pagedserve.models.jais2 import Jais2ForCausalLM
 from pagedserve.models.jamba import JambaForCausalLM
@@ -129,6 +136,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
+    "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
+    "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
+    "LagunaForCausalLM": LagunaForCausalLM,
+    "HYV3ForCausalLM": HYV3ForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     # pure state-space models (models/mamba.py)
@@ -246,6 +261,14 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM",
+    "minicpm3": "MiniCPM3ForCausalLM",
+    "laguna": "LagunaForCausalLM",
+    "hy_v3": "HYV3ForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "bamba": "BambaForCausalLM",
     "jamba": "JambaForCausalLM",
     "mamba": "MambaForCausalLM",
