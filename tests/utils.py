@@ -215,3 +215,16 @@ def ggml_block_bytes(fmt: str, n: int, k: int, seed: int = 0):
             raw[..., off:off + 2] = scales.view(np.uint8).reshape(n, k // 256, 2)
         return raw.reshape(n, -1)
     return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+
+
+def families(default, every) -> list:
+    """pytest parameters: the families of `default`, then the others of `every`, which run only
+    with PAGEDSERVE_EVERY_FAMILY=1 (the suite keeps one family per mechanism by default, to stay
+    within its time on 2 cores)."""
+    import os
+
+    import pytest
+
+    skip = pytest.mark.skipif(not os.environ.get("PAGEDSERVE_EVERY_FAMILY"),
+                              reason="PAGEDSERVE_EVERY_FAMILY=1 runs every family")
+    return list(default) + [pytest.param(f, marks=skip) for f in every if f not in default]

@@ -14,7 +14,8 @@ from pagedserve import LLM, BeamSearchParams, SamplingParams
 from spec_oracle import SPEC, speculating
 from test_llm_engine import greedy, prompts_of_lengths
 from tiny import RECURRENT_FAMILIES
-from utils import assert_same_outputs, assert_tie_rule, hf_greedy, ours_as_pairs, run_requests
+from utils import (assert_same_outputs, assert_tie_rule, families, hf_greedy, ours_as_pairs,
+                   run_requests)
 
 BASE = prompts_of_lengths([9], seed=23)[0]
 PROMPTS = prompts_of_lengths([6, 17, 5, 13], seed=23) + [BASE + [7, 8, 9], BASE + [10, 11]]
@@ -93,7 +94,13 @@ def _speculating(path, want, **options):
     return speculating(path, _spec_requests(), want, **options)
 
 
-@pytest.mark.parametrize("arch", RECURRENT_FAMILIES)
+# one family per recurrence by default: Gated DeltaNet, KDA, Mamba 1 (pure, hybrid), Mamba 2 (pure,
+# hybrid); every one with PAGEDSERVE_EVERY_FAMILY=1
+SPEC_FAMILIES = families(["qwen3_5", "kimi_linear", "mamba", "jamba", "mamba2", "granitemoehybrid"],
+                         RECURRENT_FAMILIES)
+
+
+@pytest.mark.parametrize("arch", SPEC_FAMILIES)
 def test_speculation_rolls_the_state_back_on_a_rejected_draft_and_stays_exact(arch, checkpoints):
     path = str(checkpoints(arch))
     want, _ = run_requests(path, _spec_requests(), 4000, block_size=4, kv_cache_memory=1 << 24)
@@ -106,7 +113,7 @@ def test_speculation_rolls_the_state_back_on_a_rejected_draft_and_stays_exact(ar
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-@pytest.mark.parametrize("arch", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("arch", families(["qwen3_5"], ["mamba2"]))
 def test_speculation_on_a_state_model_stays_exact_under_preemption(arch, mode, checkpoints):
     path = str(checkpoints(arch))
     want, engine = run_requests(path, _spec_requests(), 4000, block_size=4,

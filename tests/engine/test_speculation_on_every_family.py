@@ -5,9 +5,7 @@ sinks and sliding windows, per-layer inputs and KV sharing. (The recurrent famil
 tests/engine/test_recurrent_families.py, whose state rolls back.)
 
 A family per mechanism runs by default; `PAGEDSERVE_EVERY_FAMILY=1` runs every other dense and
-MoE family too (~2 minutes more on 2 cores)."""
-
-import os
+MoE family too (~3 minutes more on 2 cores)."""
 
 import pytest
 
@@ -16,20 +14,16 @@ from spec_oracle import speculating
 from test_llm_engine import prompts_of_lengths
 from test_moe_engine import FAMILIES as MOE_FAMILIES
 from tiny import DENSE_FAMILIES
-from utils import assert_same_outputs, run_requests
+from utils import assert_same_outputs, families, run_requests
 
 PROMPTS = prompts_of_lengths([7, 12, 4], seed=61)
-# one family per attention / cache mechanism: sliding windows (Gemma 2, Cohere 2), per-layer
-# head sizes and KV sharing with per-layer inputs (Gemma 4, E-series), short convolutions (LFM2),
-# latent attention (DeepSeek-V2, GLM-4.7-Flash), sinks (gpt-oss), chunked / NoPE layers (Llama 4,
-# SmolLM3), LongRoPE (Phi-3), parallel residuals (GPT-NeoX), routed experts (Qwen3-MoE)
-MECHANISMS = ["llama", "gemma2", "gemma3", "gemma4", "gemma4_e", "cohere2", "lfm2", "lfm2_moe",
-              "deepseek_v2", "glm4_moe_lite", "gpt_oss", "llama4", "smollm3", "phi3", "gpt_neox",
-              "qwen3_moe"]
-EVERY = pytest.mark.skipif(not os.environ.get("PAGEDSERVE_EVERY_FAMILY"),
-                           reason="PAGEDSERVE_EVERY_FAMILY=1 runs every family")
-FAMILIES = MECHANISMS + [pytest.param(f, marks=EVERY) for f in
-                         sorted({"qwen3", *DENSE_FAMILIES, *MOE_FAMILIES} - set(MECHANISMS))]
+# one family per attention / cache mechanism: sliding windows with soft-capping (Gemma 2), KV
+# sharing with per-layer inputs (Gemma 4 E-series), short convolutions (LFM2), latent attention
+# (DeepSeek-V2), sinks (gpt-oss), chunked / NoPE layers (Llama 4), LongRoPE (Phi-3), routed
+# experts (Qwen3-MoE)
+MECHANISMS = ["gemma2", "gemma4_e", "lfm2", "deepseek_v2", "gpt_oss", "llama4", "phi3", "qwen3_moe"]
+FAMILIES = families(MECHANISMS, sorted({"llama", "qwen3", "gemma3", *DENSE_FAMILIES,
+                                          *MOE_FAMILIES}))
 
 
 def _requests():

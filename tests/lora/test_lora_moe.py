@@ -10,7 +10,7 @@ import torch
 import tiny
 from pagedserve import LLM, LoRARequest, SamplingParams
 from test_lora_adapter import key, write_adapter
-from utils import assert_tie_rule, hf_greedy, ours_as_pairs
+from utils import assert_tie_rule, families, hf_greedy, ours_as_pairs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
 
@@ -56,7 +56,8 @@ FAMILY_TARGETS = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
+@pytest.mark.parametrize("family", families(
+    ["deepseek_v2", "glm4_moe_lite", "qwen3_next", "lfm2_moe", "gemma4_moe"], sorted(FAMILY_TARGETS)))
 def test_attention_adapters_on_latent_hybrid_and_per_layer_moe_models_match_hf_peft(
         family, checkpoints, tmp_path):
     # latent attention (q_a / q_b / kv_a / o; kv_b_proj is absorbed), hybrids whose

@@ -192,8 +192,9 @@ class ContiguousKVCacheManager(KVCacheManager):
         """Blocks of the largest free run: the biggest reservation that fits now."""
         return self.ranges.largest_gap()
 
-    def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """The whole reservation for a sequence without one; 0 for growth inside it."""
+    def num_new_blocks(self, seq_id: int, num_tokens: int, keep_state: bool = False) -> int:
+        """The whole reservation for a sequence without one; 0 for growth inside it.
+        (`keep_state`: a speculative row's; a baseline of one group holds no recurrent state.)"""
         if seq_id in self.reservations:
             _, size = self.reservations[seq_id]
             if cdiv(num_tokens, self.block_size) > size:
@@ -202,7 +203,8 @@ class ContiguousKVCacheManager(KVCacheManager):
         prompt_len, final_len = self._lengths.get(seq_id, (num_tokens, num_tokens))
         return self.reservation_blocks(prompt_len, max(num_tokens, final_len))
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+    def allocate_slots(self, seq_id: int, num_tokens: int,
+                       keep_state: bool = False) -> list[tuple[int, int]]:
         """Reserve the sequence's range on first use, then extend its table inside it."""
         if seq_id not in self.reservations:
             size = self.num_new_blocks(seq_id, num_tokens)
