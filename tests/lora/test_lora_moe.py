@@ -53,6 +53,10 @@ FAMILY_TARGETS = {
     "qwen3_next": _ATTENTION, "qwen3_5_moe": _ATTENTION, "gemma4_moe": _ATTENTION,
     "gpt_oss": _ATTENTION, "llama4": _ATTENTION, "granitemoehybrid": _ATTENTION,
     "lfm2_moe": r".*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)",
+    # this round's MoE families
+    "afmoe": _ATTENTION, "exaone_moe": _ATTENTION, "solar_open": _ATTENTION,
+    "cohere2_moe": _ATTENTION, "granitemoe_swa": _ATTENTION, "laguna": _ATTENTION,
+    "mimo_v2_flash": _ATTENTION, "hy_v3": _ATTENTION,
 }
 
 
