@@ -311,8 +311,9 @@ class KVCacheManager(PrefixCaching, StateSnapshots, StateRollback, KVInvariants)
             return copies
         w, tags, null = self.width, self._col_tag, self.null
         refs = pool.ref_counts
-        if keep_state and self._keeps_state(keep_state, blocks):
-            # (before copy-on-write: the fresh copies are unshared, the backups keep the refs)
+        if keep_state and blocks and self._state_cols:
+            # (a speculative row of a state model's sequence: before copy-on-write, so the fresh
+            # copies are unshared and the backups keep the references)
             self._backup_states(seq_id, table, copies)
         # the last row's shared blocks (written from a partial block on), and the state blocks
         # (rewritten every step), are copied before this step writes them

@@ -37,11 +37,6 @@ class StateRollback:
         self._state_backups: dict[int, list[int]] = {}
         self.state_rollbacks = 0  # speculative rows whose state was rolled back
 
-    def _keeps_state(self, keep_state: bool, blocks: list[int]) -> bool:
-        """Whether an allocation backs up the sequence's state: a speculative row of a state
-        model's sequence that already has its state blocks."""
-        return keep_state and bool(self._state_cols) and bool(blocks)
-
     def _backup_states(self, seq_id: int, table, copies: list[tuple[int, int]]) -> None:
         """Replace each state block of `seq_id` with a fresh copy (appended to `copies`), keeping
         the block it held as the backup (its reference moves to the manager)."""
