@@ -72,7 +72,7 @@ def main() -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=args.kv_cache_memory, num_blocks=engine.num_kv_blocks,
         max_concurrency=getattr(engine, "max_concurrency", None), peak_running=peak,
-        prompt_budget_per_decode_row=engine.scheduler.config.prompt_budget_per_decode_row,
+        prompt_budget_per_decode_row=getattr(engine.scheduler.config, "prompt_budget_per_decode_row", None),
         preemptions=engine.scheduler.num_preemptions, steps=steps, seconds=round(wall, 1),
         prompt_tokens_per_s=round(engine.stats["prompt_tokens"] / wall, 1),
         output_tokens_per_s=round(engine.stats["generation_tokens"] / wall, 1))

@@ -116,10 +116,14 @@ GEMM_ROWS = {ISA_AVX2: 8, ISA_AVX512: 24, ISA_AVX512BF16: 8, ISA_AMX: 8}
 # --m 4,5,6,7,8,9,10,12`, the embedded Gemma 3's and the MoE bench model's shapes; docs/benchmarks.md,
 # "The GEMM's row threshold per format"): on AVX512-BF16 the GEMM is ahead from 6 rows on Q8_0 /
 # Q5_0 (1.1-1.5x at 6-7), while on Q4_K / Q6_K the small-batch VNNI kernel keeps up to 8 rows.
+# On AMX (2026-12-07, Intel Xeon, `--isas amx --m 3,4,5,6,7,8`) the tile GEMM is ahead from 5 rows
+# on Q8_0 / Q5_0 (1.1-1.5x at 5-7: the LM head at 7 rows 129 -> 190 GFLOP/s; a 7-row decode step
+# in process 35.5 -> 28.7 ms), level with the 8-bit kernel at 8 rows on Q4_K / Q6_K.
 # Levels not measured keep `GEMM_ROWS`.
 # NOTE: a layer's projections may then run different kernels in one step (the fused decode
 # layer passes one threshold per weight, `kernels.cpu_decoder_layer`).
-GEMM_ROWS_BY_FORMAT = {ISA_AVX512BF16: {"q8_0": 6, "q5_0": 6, "q4_k": 9, "q6_k": 9}}
+GEMM_ROWS_BY_FORMAT = {ISA_AVX512BF16: {"q8_0": 6, "q5_0": 6, "q4_k": 9, "q6_k": 9},
+                       ISA_AMX: {"q8_0": 5, "q5_0": 5, "q4_k": 8, "q6_k": 8}}
 
 
 def gemm_rows(spec: QuantSpec | None, x_dtype: torch.dtype, isa: int) -> int:
