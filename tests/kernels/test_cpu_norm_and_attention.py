@@ -62,14 +62,14 @@ def test_fused_rms_norm_follows_reloaded_weights_and_skips_non_bf16(kernel, monk
     assert rms_norm(x.float(), torch.ones(64), 1e-6, llama=False) is None
 
 
-def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800):
+def _random_decode_batch(hq, hkv, d, bs, seed, num_seqs=5, nb=800, min_len=1, max_len=150):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     kc = torch.randn(nb + 1, bs, hkv, d, generator=g).bfloat16()
     vc = torch.randn(nb + 1, bs, hkv, d, generator=g).bfloat16()
     kc[nb] = 0
     vc[nb] = 0
-    lens = [rng.randint(1, 150) for _ in range(num_seqs)]
+    lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
     perm = rng.sample(range(nb), nb)
     tables, i = [], 0
     for n in lens:
@@ -102,6 +102,24 @@ def test_decode_attention_is_bit_identical_alone_and_in_a_batch_at_any_thread_co
             assert torch.equal(alone[0], batch[s]), f"sequence {s}"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [
+    (4, 1, 256, 16, None),  # Gemma 3 270M's full layers
+    (8, 2, 64, 16, 600),
+    (5, 1, 96, 8, None),
+])
+def test_decode_attention_over_contexts_of_several_key_chunks_matches_sdpa(kernel, hq, hkv, d, bs,
+                                                                          window, monkeypatch):
+    """Contexts of 257-1,500 keys: the weighted sum of values runs in chunks of 256 keys
+    (csrc/paged_attention_impl.h, kKeyChunk) with the partial sums kept between chunks; the
+    result still matches the torch path's."""
+    q, k, v, kc, vc, meta = _random_decode_batch(hq, hkv, d, bs, seed=hq * d + bs, nb=1200,
+                                                 min_len=257, max_len=1500)
+    fast = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window)
+    monkeypatch.setenv(DISABLE_ENV, "1")  # read on every call: the torch path from here on
+    plain = torch_ref.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.1, window)
+    torch.testing.assert_close(fast.float(), plain.float(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [

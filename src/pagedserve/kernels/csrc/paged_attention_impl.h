@@ -5,6 +5,9 @@
 // registers; two 8-lane registers each on AVX2, so fewer there).
 constexpr int64_t kChunks = PS_VEC == 512 ? 4 : 2;
 constexpr int64_t kPrefetch = 8;  // keys ahead
+// Keys per chunk of pass 2: a chunk's values (256 keys x D, 128 KiB at D = 256 in bf16) stay in
+// L2 while every tile of heads x dimensions walks them.
+constexpr int64_t kKeyChunk = 256;
 
 // The caches' element type by format FMT: 0 bf16, 1 fp8 E4M3FN, 2 fp8 E5M2 (one byte each,
 // attention/kv_dtype.py), and its load of 16 values widened to fp32 (exact for all three): the
@@ -26,15 +29,19 @@ struct Pv {
   int64_t start, seq_len, block_size, row, head_off, L;
 };
 
-// out[g, chunks i0 .. i0 + NC) = inv_sum[g] * sum_t w[g, t] v[t] for GN query heads (weights w
-// at sc + g * L).
+// For GN query heads (weights w at sc + g * L) and dimension chunks i0 .. i0 + NC: the sums
+// sum_t w[g, t] v[t] over keys [t0, t1), continued from the partial sums in `part` ([g][D] fp32,
+// at i0 * 16) unless `first`; then out[g, chunks] = inv_sum[g] * sums if `last`, else the sums
+// back into `part`. NOTE: fp32 partial sums stored and reloaded are exact: each lane adds its
+// keys in order from zero, one FMA each, however the keys are chunked.
 template <int FMT, int GN, int NC>
-inline void pv_tile(const Pv<FMT>& p, const float* sc, int64_t i0, const float* inv_sum, uint16_t* out,
+inline void pv_tile(const Pv<FMT>& p, const float* sc, int64_t i0, int64_t t0, int64_t t1, float* part,
+                    int64_t D, bool first, bool last, const float* inv_sum, uint16_t* out,
                     int64_t out_stride) {
   V16 acc[GN][NC];
   for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = v_zero();
-  for (int64_t t = p.start; t < p.seq_len; ++t) {
+    for (int c = 0; c < NC; ++c) acc[g][c] = first ? v_zero() : v_load(part + g * D + (i0 + c) * 16);
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t slot = p.table[t / p.block_size] * p.block_size + t % p.block_size;
     const auto* v = p.v_cache + slot * p.row + p.head_off + i0 * 16;
     V16 vv[NC];
@@ -45,7 +52,10 @@ inline void pv_tile(const Pv<FMT>& p, const float* sc, int64_t i0, const float* 
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < NC; ++c) v_store_bf16(out + g * out_stride + c * 16, v_mul(acc[g][c], v_set1(inv_sum[g])));
+    for (int c = 0; c < NC; ++c) {
+      if (last) v_store_bf16(out + g * out_stride + c * 16, v_mul(acc[g][c], v_set1(inv_sum[g])));
+      else v_store(part + g * D + (i0 + c) * 16, acc[g][c]);
+    }
 }
 
 // The G query heads of one KV head of one sequence over keys [start, seq_len): out [G, D].
@@ -136,26 +146,35 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
     inv_sum[g] = 1.0f / total;
   }
   // Pass 2: weighted sum of values, accumulated in fp32 in registers: up to 4 query heads x
-  // kChunks chunks of 16 dimensions over all keys, then the next. NOTE: each lane still adds
-  // its keys in order from zero, one FMA each: the tiling changes no bit.
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const int64_t gn = std::min<int64_t>(4, G - g0);
-    for (int64_t i0 = 0; i0 < nv; i0 += kChunks) {
-      const int64_t nc = std::min<int64_t>(kChunks, nv - i0);
-      const Pv<FMT> pv{v_cache, table, start, seq_len, block_size, row, kv_head * D, L};
-      const float* sc = scores + g0 * L;
-      uint16_t* o = out + g0 * out_stride + i0 * 16;
-      if (nc == kChunks) {
-        switch (gn) {
-          case 4: pv_tile<FMT, 4, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
-          case 3: pv_tile<FMT, 3, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
-          case 2: pv_tile<FMT, 2, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
-          default: pv_tile<FMT, 1, kChunks>(pv, sc, i0, inv_sum + g0, o, out_stride); break;
+  // kChunks chunks of 16 dimensions over a chunk of kKeyChunk keys, then the next tile; the
+  // partial sums wait in `part` for the next chunk of keys (long contexts: the values are read
+  // from memory once, not once per tile). NOTE: each lane still adds its keys in order from
+  // zero, one FMA each: the tiling and the key chunks change no bit.
+  alignas(64) float part[kMaxGroup * kMaxDim];
+  const Pv<FMT> pv{v_cache, table, start, seq_len, block_size, row, kv_head * D, L};
+  for (int64_t t0 = start; t0 < seq_len; t0 += kKeyChunk) {
+    const int64_t t1 = std::min<int64_t>(seq_len, t0 + kKeyChunk);
+    const bool first = t0 == start, last = t1 == seq_len;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t gn = std::min<int64_t>(4, G - g0);
+      for (int64_t i0 = 0; i0 < nv; i0 += kChunks) {
+        const int64_t nc = std::min<int64_t>(kChunks, nv - i0);
+        const float* sc = scores + g0 * L;
+        float* pt = part + g0 * D;
+        uint16_t* o = out + g0 * out_stride + i0 * 16;
+        if (nc == kChunks) {
+          switch (gn) {
+            case 4: pv_tile<FMT, 4, kChunks>(pv, sc, i0, t0, t1, pt, D, first, last, inv_sum + g0, o, out_stride); break;
+            case 3: pv_tile<FMT, 3, kChunks>(pv, sc, i0, t0, t1, pt, D, first, last, inv_sum + g0, o, out_stride); break;
+            case 2: pv_tile<FMT, 2, kChunks>(pv, sc, i0, t0, t1, pt, D, first, last, inv_sum + g0, o, out_stride); break;
+            default: pv_tile<FMT, 1, kChunks>(pv, sc, i0, t0, t1, pt, D, first, last, inv_sum + g0, o, out_stride); break;
+          }
+        } else {
+          for (int64_t g = 0; g < gn; ++g)
+            for (int64_t c = 0; c < nc; ++c)
+              pv_tile<FMT, 1, 1>(pv, sc + g * L, i0 + c, t0, t1, pt + g * D, D, first, last, inv_sum + g0 + g,
+                                 o + g * out_stride + c * 16, out_stride);
         }
-      } else {
-        for (int64_t g = 0; g < gn; ++g)
-          for (int64_t c = 0; c < nc; ++c)
-            pv_tile<FMT, 1, 1>(pv, sc + g * L, i0 + c, inv_sum + g0 + g, o + g * out_stride + c * 16, out_stride);
       }
     }
   }
