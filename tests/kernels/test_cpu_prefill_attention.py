@@ -46,6 +46,8 @@ def _reference(q, k, v, scale, window):
     (70, 70, 4, 1, 64, 8), (40, 101, 2, 1, 32, 17), (200, 200, 4, 1, 256, 512),
     (3, 50, 8, 2, 128, 4), (45, 80, 6, 2, 64, 0), (30, 70, 5, 1, 64, 20),
     (20, 45, 16, 1, 576, 0),  # MLA (DeepSeek V2): one latent "head" of 512 + 64
+    # contexts past 640 keys: the weighted sum of values in chunks of keys, partial sums kept
+    (40, 1500, 4, 1, 256, 0), (33, 900, 2, 2, 64, 700),
 ])
 def test_prefill_attention_matches_exact_attention(n, ctx, hq, hkv, d, window, isa):
     """Causal by position (the chunk is the context's tail: cached context before it), sliding
@@ -86,7 +88,7 @@ def test_prefill_attention_declines_what_it_does_not_cover():
     assert not prefill_attention(q16, q16, q16, torch.empty_like(q16), 1.0)
 
 
-@pytest.mark.parametrize("n,window", [(53, 0), (53, 9), (150, 0), (150, 40)])
+@pytest.mark.parametrize("n,window", [(53, 0), (53, 9), (150, 0), (150, 40), (800, 0), (800, 700)])
 def test_a_row_is_the_same_whatever_chunk_or_trimmed_context_it_is_computed_in(isa, n, window):
     """Chunked prefill is exact on either ISA: each row's bits do not depend on the rows computed
     with it, and a sliding-window chunk given only the keys its queries reach (from an even

@@ -83,13 +83,15 @@ void pack_v(const uint16_t* v, const Shape& s, uint16_t* vp) {
   });
 }
 
-// Rows i0 .. i0 + 15 (r real) of query head h times pairs [p0, p1) of the weights pp
-// ([pairs][16 lanes] of bf16 pairs) and V (vg: this KV head's packed pairs): out rows.
+// Rows lane0 .. lane0 + 3 of a block of 16 times pairs [p0, p1) of the weights pp ([pairs][16
+// lanes] of bf16 pairs) and V (vg: this KV head's packed pairs), dimensions d0 .. d0 + 16 NC:
+// acc, continued from the partial sums in `part` ([16][D] fp32) unless it is null.
 template <int NC>
 inline void pv_tile(const uint32_t* pp, const uint16_t* vg, int64_t D, int64_t p0, int64_t p1,
-                    int64_t lane0, int64_t d0, __m512* acc /* [4][NC] */) {
+                    int64_t lane0, int64_t d0, __m512* acc /* [4][NC] */, const float* part) {
 #pragma GCC unroll 16
-  for (int t = 0; t < 4 * NC; ++t) acc[t] = _mm512_setzero_ps();
+  for (int t = 0; t < 4 * NC; ++t)
+    acc[t] = part ? _mm512_loadu_ps(part + (lane0 + t / NC) * D + d0 + (t % NC) * 16) : _mm512_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* vrow = vg + p * D * 2 + d0 * 2;
     __m512bh vv[NC];
@@ -104,9 +106,15 @@ inline void pv_tile(const uint32_t* pp, const uint16_t* vg, int64_t D, int64_t p
   }
 }
 
-// One (query head, block of 16 rows) task. st: scores [keys][16], pp: [pairs][16] scratch.
+// Pairs of keys per chunk of the weighted sum of values (as the AVX2 kernel's kPvKeys, below):
+// 64 pairs' values (64 KiB at D = 256) stay in L2 while the block's tiles walk them; up to
+// kPvWholePairs in one pass.
+constexpr int64_t kPvPairs = 64, kPvWholePairs = 320;
+
+// One (query head, block of 16 rows) task. st: scores [keys][16], pp: [pairs][16], part: [16][D]
+// scratch.
 void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint16_t* out,
-                  const Shape& s, int64_t h, int64_t i0, float* st, uint32_t* pp,
+                  const Shape& s, int64_t h, int64_t i0, float* st, uint32_t* pp, float* part,
                   const uint16_t* zeros) {
   const int64_t r = std::min<int64_t>(16, s.n - i0), g = h / (s.Hq / s.Hkv);
   const int64_t q0 = s.ctx - s.n;                 // position of query row 0
@@ -175,27 +183,42 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* vp, uint
   }
   alignas(64) float inv[16];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
-  // Weighted sum of values: 4 rows x up to 4 chunks of 16 dimensions at a time.
+  // Weighted sum of values: 4 rows x up to 4 chunks of 16 dimensions at a time, over chunks of
+  // kPvPairs pairs of keys; between them the partial sums wait in `part` (long contexts: the
+  // values are read from memory once per block, not once per tile). NOTE: fp32 partial sums
+  // stored and reloaded are exact: each lane still adds its pairs in order from zero.
   const int64_t P = (s.ctx + 1) / 2;
   const uint16_t* vg = vp + g * P * s.D * 2;
   const uint32_t* ppl = pp - (lo / 2) * 16;  // indexed by absolute pair
   const int64_t chunks = s.D / 16;
-  for (int64_t ig = 0; ig < r; ig += 4) {
-    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-      const int nc = int(std::min<int64_t>(4, chunks - c0));
-      __m512 acc[16];
-      switch (nc) {
-        case 4: pv_tile<4>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
-        case 3: pv_tile<3>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
-        case 2: pv_tile<2>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
-        default: pv_tile<1>(ppl, vg, s.D, lo / 2, lo / 2 + npairs, ig, c0 * 16, acc); break;
-      }
-      for (int64_t i = 0; i < 4 && ig + i < r; ++i) {
-        uint16_t* orow = out + (i0 + ig + i) * s.so + h * s.D + c0 * 16;
-        const __m512 w = _mm512_set1_ps(inv[ig + i]);
-        for (int c = 0; c < nc; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i * nc + c], w)));
+  const int64_t span = npairs <= kPvWholePairs ? npairs : kPvPairs;
+  for (int64_t pa = 0; pa < npairs; pa += span) {
+    const int64_t pb = std::min<int64_t>(npairs, pa + span);
+    const float* from = pa == 0 ? nullptr : part;
+    const bool last = pb == npairs;
+    for (int64_t ig = 0; ig < r; ig += 4) {
+      for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+        const int nc = int(std::min<int64_t>(4, chunks - c0));
+        const int64_t p0 = lo / 2 + pa, p1 = lo / 2 + pb;
+        __m512 acc[16];
+        switch (nc) {
+          case 4: pv_tile<4>(ppl, vg, s.D, p0, p1, ig, c0 * 16, acc, from); break;
+          case 3: pv_tile<3>(ppl, vg, s.D, p0, p1, ig, c0 * 16, acc, from); break;
+          case 2: pv_tile<2>(ppl, vg, s.D, p0, p1, ig, c0 * 16, acc, from); break;
+          default: pv_tile<1>(ppl, vg, s.D, p0, p1, ig, c0 * 16, acc, from); break;
+        }
+        if (!last) {  // rows ig .. ig + 3 (< 16) of the partial sums
+          for (int64_t i = 0; i < 4; ++i)
+            for (int c = 0; c < nc; ++c) _mm512_storeu_ps(part + (ig + i) * s.D + (c0 + c) * 16, acc[i * nc + c]);
+          continue;
+        }
+        for (int64_t i = 0; i < 4 && ig + i < r; ++i) {
+          uint16_t* orow = out + (i0 + ig + i) * s.so + h * s.D + c0 * 16;
+          const __m512 w = _mm512_set1_ps(inv[ig + i]);
+          for (int c = 0; c < nc; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i * nc + c], w)));
+        }
       }
     }
   }
@@ -211,10 +234,11 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
     const int64_t keys = std::min<int64_t>(s.ctx, s.window ? s.window + 16 : s.ctx) + 32;
     std::vector<float> st_buf(size_t(keys * 16 + 16));
     std::vector<uint32_t> pp_buf(size_t((keys / 2 + 2) * 16 + 16));
+    std::vector<float> part(size_t(16 * s.D));
     float* st = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(st_buf.data()) + 63) & ~uintptr_t(63));
     uint32_t* pp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(pp_buf.data()) + 63) & ~uintptr_t(63));
     for (int64_t t = b; t < e; ++t)
-      attend_block(q, k, vp.data(), out, s, t % s.Hq, (t / s.Hq) * 16, st, pp, zeros.data());
+      attend_block(q, k, vp.data(), out, s, t % s.Hq, (t / s.Hq) * 16, st, pp, part.data(), zeros.data());
   });
 }
 
@@ -566,9 +590,16 @@ inline V16 select(V16 m, V16 a, V16 b) {  // m ? a : b
   return {_mm256_blendv_ps(b.lo, a.lo, m.lo), _mm256_blendv_ps(b.hi, a.hi, m.hi)};
 }
 
-// One (query head, block of 16 rows) task. qf: [D][16], kf: [4][D], st: [keys][16] scratch.
+// Keys per chunk of the weighted sum of values: a chunk's values (128 keys x D, 64 KiB at D = 256)
+// stay in L2 while the block's (4 rows x 16 dimensions) tiles walk them. Up to kPvWhole keys (a
+// 512-key window and its block) go in one pass: there the round trips of the partial sums cost
+// more than the values' reads (2,048 rows, window 512: ~5%).
+constexpr int64_t kPvKeys = 128, kPvWhole = 640;
+
+// One (query head, block of 16 rows) task. qf: [D][16], kf: [4][D], st: [keys][16], ps: [16][D]
+// scratch.
 void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
-                  const Shape& s, int64_t h, int64_t i0, float* qf, float* kf, float* st) {
+                  const Shape& s, int64_t h, int64_t i0, float* qf, float* kf, float* st, float* ps) {
   const int64_t r = std::min<int64_t>(16, s.n - i0), g = h / (s.Hq / s.Hkv);
   const int64_t p0 = s.ctx - s.n + i0;  // position of the block's first row
   const int64_t hi = p0 + r;            // keys [lo, hi) seen by some row of the block
@@ -618,21 +649,35 @@ void attend_block(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint1
     v_store(tot, sum);
     for (int i = 0; i < 16; ++i) inv[i] = 1.0f / tot[i];
   }
-  // Weighted sum of values: 4 rows x 16 dimensions at a time, keys in order.
-  for (int64_t ig = 0; ig < r; ig += 4) {
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      V16 a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const V16 vv = v_load_bf16(v + (lo + j) * s.sk + g * D + d0);
-        const float* w = st + j * 16 + ig;
-        a0 = v_fmadd(v_set1(w[0]), vv, a0);
-        a1 = v_fmadd(v_set1(w[1]), vv, a1);
-        a2 = v_fmadd(v_set1(w[2]), vv, a2);
-        a3 = v_fmadd(v_set1(w[3]), vv, a3);
+  // Weighted sum of values: 4 rows x 16 dimensions at a time, keys in order, over chunks of
+  // kPvKeys keys; between chunks the partial sums wait in ps (long contexts: the values are read
+  // from memory once per block, not once per tile). NOTE: fp32 partial sums stored and reloaded
+  // are exact: every lane still adds its keys in order from zero, one FMA each.
+  const int64_t chunk = nkeys <= kPvWhole ? nkeys : kPvKeys;
+  for (int64_t j0 = 0; j0 < nkeys; j0 += chunk) {
+    const int64_t j1 = std::min<int64_t>(nkeys, j0 + chunk);
+    const bool first = j0 == 0, last = j1 == nkeys;
+    for (int64_t ig = 0; ig < r; ig += 4) {
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        float* pr = ps + ig * D + d0;  // rows ig .. ig + 3 (< 16) of the partial sums
+        V16 a0 = first ? v_zero() : v_load(pr), a1 = first ? v_zero() : v_load(pr + D);
+        V16 a2 = first ? v_zero() : v_load(pr + 2 * D), a3 = first ? v_zero() : v_load(pr + 3 * D);
+        for (int64_t j = j0; j < j1; ++j) {
+          const V16 vv = v_load_bf16(v + (lo + j) * s.sk + g * D + d0);
+          const float* w = st + j * 16 + ig;
+          a0 = v_fmadd(v_set1(w[0]), vv, a0);
+          a1 = v_fmadd(v_set1(w[1]), vv, a1);
+          a2 = v_fmadd(v_set1(w[2]), vv, a2);
+          a3 = v_fmadd(v_set1(w[3]), vv, a3);
+        }
+        const V16 acc[4] = {a0, a1, a2, a3};
+        if (last) {
+          for (int64_t t = 0; t < 4 && ig + t < r; ++t)
+            v_store_bf16(out + (i0 + ig + t) * s.so + h * D + d0, v_mul(acc[t], v_set1(inv[ig + t])));
+        } else {
+          for (int64_t t = 0; t < 4; ++t) v_store(pr + t * D, acc[t]);
+        }
       }
-      const V16 acc[4] = {a0, a1, a2, a3};
-      for (int64_t t = 0; t < 4 && ig + t < r; ++t)
-        v_store_bf16(out + (i0 + ig + t) * s.so + h * D + d0, v_mul(acc[t], v_set1(inv[ig + t])));
     }
   }
 }
@@ -641,9 +686,9 @@ void run(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
   const int64_t blocks = (s.n + 15) / 16;
   at::parallel_for(0, s.Hq * blocks, 1, [&](int64_t b, int64_t e) {
     const int64_t keys = std::min<int64_t>(s.ctx, s.window ? s.window + 16 : s.ctx) + 16;
-    std::vector<float> qf(size_t(s.D * 16)), kf(size_t(4 * s.D)), st(size_t(keys * 16));
+    std::vector<float> qf(size_t(s.D * 16)), kf(size_t(4 * s.D)), st(size_t(keys * 16)), ps(size_t(16 * s.D));
     for (int64_t t = b; t < e; ++t)
-      attend_block(q, k, v, out, s, t % s.Hq, (t / s.Hq) * 16, qf.data(), kf.data(), st.data());
+      attend_block(q, k, v, out, s, t % s.Hq, (t / s.Hq) * 16, qf.data(), kf.data(), st.data(), ps.data());
   });
 }
 
