@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.request_records import finished_record, note_tokens
 from pagedserve.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
@@ -505,11 +506,11 @@ class AsyncLLMEngine:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            _note_tokens(tracked, out, now, ttft, itl)
+            note_tokens(tracked, out, now, ttft, itl)
             deliveries.append((tracked.stream, out))
             if out.finished:
                 del self._tracked[out.request_id]
-                finished.append(self._finished_record(out, tracked, now))
+                finished.append(finished_record(out, tracked, now))
         totals = self._engine_totals()
         delta = [a - b for a, b in zip(totals, self._prev_totals)]
         self._prev_totals = totals
@@ -540,23 +541,6 @@ class AsyncLLMEngine:
         if deliveries:
             self._call_in_loop(self._deliver, deliveries)
 
-    @staticmethod
-    def _finished_record(out: RequestOutput, tracked: _Tracked, now: float):
-        reasons = [c.finish_reason for c in _completions(out) if c.finish_reason]
-        if out.finished and not isinstance(out.outputs, list):
-            reasons = ["stop"]  # a pooling request that finished (vLLM records "stop")
-        m = out.metrics
-        return FinishedRequestStats(
-            request_id=out.request_id,
-            finish_reason=reasons[0] if reasons else "abort",
-            prompt_tokens=len(out.prompt_token_ids),
-            generation_tokens=tracked.num_tokens,
-            e2e_latency=now - tracked.arrival_time,
-            queue_time=(m.first_scheduled_time - tracked.arrival_time)
-            if m is not None and m.first_scheduled_time is not None else None,
-            **_request_timings(out, tracked, now),
-        )
-
     def _engine_totals(self) -> tuple[int, ...]:
         """Cumulative counters: steps, prompt and generation tokens, preemptions, prefix-cache
         queries and hits (tokens; 0 without prefix caching)."""
@@ -584,41 +568,6 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream._fail(exc)
-
-
-def _note_tokens(tracked, out, now: float, ttft: list, itl: list) -> None:
-    """Advance `tracked` (its `num_tokens`, `last_token_time`, `arrival_time`) to `out`'s token
-    count; when `out` brought new tokens, the wait goes to `ttft` (the first) or `itl`."""
-    num_tokens = sum(len(c.token_ids) for c in _completions(out))
-    if num_tokens > tracked.num_tokens:
-        if tracked.last_token_time is None:
-            ttft.append(now - tracked.arrival_time)
-        else:
-            itl.append(now - tracked.last_token_time)
-        tracked.last_token_time = now
-        tracked.num_tokens = num_tokens
-
-
-def _completions(out) -> list:
-    """A RequestOutput's completions; none for a pooling request's output."""
-    return out.outputs if isinstance(out.outputs, list) else []
-
-
-def _request_timings(out: RequestOutput, tracked: _Tracked, now: float) -> dict:
-    """A finished request's n, max_tokens, preemptions and its inference / prefill / decode
-    times (vLLM's per-request metrics)."""
-    params, m = tracked.params, out.metrics
-    record: dict = {"num_preemptions": out.num_preemptions}
-    if isinstance(params, SamplingParams):
-        record["n"] = max(params.n, params.best_of or 0)
-        record["max_tokens"] = params.max_tokens
-    if m is not None and m.first_scheduled_time is not None:
-        end = m.finished_time or now
-        record["inference_time"] = end - m.first_scheduled_time
-        if m.first_token_time is not None:
-            record["prefill_time"] = m.first_token_time - m.first_scheduled_time
-            record["decode_time"] = end - m.first_token_time
-    return record
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

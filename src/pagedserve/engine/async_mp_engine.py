@@ -22,9 +22,9 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from pagedserve.engine.async_engine import _completions, _note_tokens, _request_timings
 from pagedserve.engine.core_client import EngineCoreDiedError
 from pagedserve.engine.mp_engine import FrontEnd
+from pagedserve.engine.request_records import finished_record, note_tokens
 from pagedserve.engine.request_stream import (
     EngineDeadError,
     EngineShutdownError,
@@ -315,11 +315,11 @@ class AsyncMPEngine:
                 tracked = self._tracked.get(out.request_id)
                 if tracked is None:
                     continue
-                _note_tokens(tracked, out, now, ttft, itl)
+                note_tokens(tracked, out, now, ttft, itl)
                 deliveries.append((tracked.stream, out))
                 if out.finished:
                     del self._tracked[out.request_id]
-                    finished.append(self._finished_record(out, tracked, now))
+                    finished.append(finished_record(out, tracked, now))
         if done.stats is not None:
             done.stats.time_to_first_token = ttft
             done.stats.inter_token_latency = itl
@@ -338,20 +338,6 @@ class AsyncMPEngine:
                 and not self.front.restart_lost_cores:
             self._die(EngineCoreDiedError("every engine core is lost: " + "; ".join(
                 f"engine {i}: {r}" for i, r in sorted(self.front.lost_engines.items()))))
-
-    @staticmethod
-    def _finished_record(out, tracked: _Tracked, now: float) -> FinishedRequestStats:
-        reasons = [c.finish_reason for c in _completions(out) if c.finish_reason]
-        if out.finished and not isinstance(out.outputs, list):
-            reasons = ["stop"]
-        m = out.metrics
-        return FinishedRequestStats(
-            request_id=out.request_id, finish_reason=reasons[0] if reasons else "abort",
-            prompt_tokens=len(out.prompt_token_ids), generation_tokens=tracked.num_tokens,
-            e2e_latency=now - tracked.arrival_time,
-            queue_time=(m.first_scheduled_time - tracked.arrival_time)
-            if m is not None and m.first_scheduled_time is not None else None,
-            engine=tracked.engine, **_request_timings(out, tracked, now))
 
     def _die(self, exc: BaseException) -> None:
         if self._dead is not None:
