@@ -57,13 +57,18 @@ def test_qk_norm_rope_is_bit_identical_at_every_isa(levels, norm):
     _same_at_every_level(levels, run)
 
 
-@pytest.mark.parametrize("window", [0, 7])
-def test_decode_attention_is_bit_identical_at_every_isa(levels, window):
+@pytest.mark.parametrize("window,lens", [(0, [1, 13, 24]), (7, [1, 13, 24]),
+                                         (0, [300, 1000, 1300]), (700, [300, 1000, 1300])])
+def test_decode_attention_is_bit_identical_at_every_isa(levels, window, lens):
+    """Short contexts and contexts of several chunks of keys (the weighted sum of values runs
+    256 keys at a time, partial sums kept between chunks)."""
     torch.manual_seed(window)
-    num_blocks, bs, hkv, d = 12, 4, 2, 64
+    bs, hkv, d = 4, 2, 64
+    used = -(-max(lens) // bs)  # blocks of the longest
+    num_blocks = used * 2
     kc, vc = torch.randn(num_blocks, bs, hkv, d).bfloat16(), torch.randn(num_blocks, bs, hkv, d).bfloat16()
-    tables = torch.stack([torch.randperm(num_blocks)[:6] for _ in range(3)])  # [3, 6]
-    lens = torch.tensor([1, 13, 24])
+    tables = torch.stack([torch.randperm(num_blocks)[:used] for _ in range(3)])  # [3, used]
+    lens = torch.tensor(lens)
     q = torch.randn(3, 8, d).bfloat16()
     _same_at_every_level(levels, lambda isa: OPS.decode_attention(q, kc, vc, tables, lens, 0.125, window, isa))
 
