@@ -6,8 +6,9 @@
 constexpr int64_t kChunks = PS_VEC == 512 ? 4 : 2;
 constexpr int64_t kPrefetch = 8;  // keys ahead
 // Keys per chunk of pass 2: a chunk's values (256 keys x D, 128 KiB at D = 256 in bf16) stay in
-// L2 while every tile of heads x dimensions walks them.
-constexpr int64_t kKeyChunk = 256;
+// L2 while every tile of heads x dimensions walks them; up to kKeyWhole keys go in one pass (as
+// the prompt kernels' kPvWhole: csrc/prefill_attention.cpp).
+constexpr int64_t kKeyChunk = 256, kKeyWhole = 640;
 
 // The caches' element type by format FMT: 0 bf16, 1 fp8 E4M3FN, 2 fp8 E5M2 (one byte each,
 // attention/kv_dtype.py), and its load of 16 values widened to fp32 (exact for all three): the
@@ -152,8 +153,9 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
   // zero, one FMA each: the tiling and the key chunks change no bit.
   alignas(64) float part[kMaxGroup * kMaxDim];
   const Pv<FMT> pv{v_cache, table, start, seq_len, block_size, row, kv_head * D, L};
-  for (int64_t t0 = start; t0 < seq_len; t0 += kKeyChunk) {
-    const int64_t t1 = std::min<int64_t>(seq_len, t0 + kKeyChunk);
+  const int64_t chunk = L <= kKeyWhole ? L : kKeyChunk;
+  for (int64_t t0 = start; t0 < seq_len; t0 += chunk) {
+    const int64_t t1 = std::min<int64_t>(seq_len, t0 + chunk);
     const bool first = t0 == start, last = t1 == seq_len;
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const int64_t gn = std::min<int64_t>(4, G - g0);
