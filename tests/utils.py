@@ -228,3 +228,24 @@ def families(default, every) -> list:
     skip = pytest.mark.skipif(not os.environ.get("PAGEDSERVE_EVERY_FAMILY"),
                               reason="PAGEDSERVE_EVERY_FAMILY=1 runs every family")
     return list(default) + [pytest.param(f, marks=skip) for f in every if f not in default]
+
+
+def add_gguf_tensor(writer, name: str, data, qtype, quantize: bool = True) -> None:
+    """`data` (a float32 numpy array) under `name` in a `gguf.GGUFWriter`: as `qtype`'s blocks when
+    `quantize`, qtype is not F32 and data has 2+ dimensions (a matrix or an expert stack), else as
+    it is (norms, biases, and what the caller keeps in float: embeddings, routers)."""
+    import gguf
+    import numpy as np
+
+    if quantize and qtype != gguf.GGMLQuantizationType.F32 and data.ndim >= 2:
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, data)
+
+
+def finish_gguf(writer) -> None:
+    """Write a `gguf.GGUFWriter`'s header, key-values and tensors to its file and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -13,6 +13,7 @@ from moe_gguf import stack_experts
 from pagedserve.layers.quantization import QuantizedTensor
 from pagedserve.models.gguf_loader import iter_gguf_weights, load_gguf_config
 from pagedserve.models.loader import load_model
+from utils import add_gguf_tensor, finish_gguf
 
 VOCAB = 300
 # llama.cpp writes the layer pattern as `full_attention_interval` (4 unless the config says)
@@ -125,15 +126,9 @@ def write_gguf(path, arch: str, hf_model, qtype=gguf.GGMLQuantizationType.F32):
             base, suffix = hf_name.rsplit(".", 1)
             name = f"{names.get_name(base)}.{suffix}"
         data = t.numpy().astype(np.float32)
-        if qtype != gguf.GGMLQuantizationType.F32 and data.ndim >= 2 and "embed" not in hf_name \
-                and "norm" not in hf_name and "conv1d" not in hf_name and data.shape[-1] % 32 == 0:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_tensor(w, name, data, qtype, quantize="embed" not in hf_name and "norm" not in hf_name
+                        and "conv1d" not in hf_name and data.shape[-1] % 32 == 0)
+    finish_gguf(w)
     return path
 
 

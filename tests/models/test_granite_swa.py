@@ -8,6 +8,7 @@ import transformers
 
 from pagedserve.layers.moe import FusedMoE
 from pagedserve.models.granite_swa import GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM
+from utils import add_gguf_tensor, finish_gguf
 
 VOCAB = 300
 # a sliding layer (window 4) with RoPE at base 1e4, a full NoPE one, a sliding one at base 500
@@ -75,7 +76,6 @@ def write_granite_swa_gguf(path, hf_model, qtype):
     keys, the window, its pattern (one flag a layer), the experts' counts; Q/K rows permuted,
     `attn_sinks`, 2-D / 3-D weights but the router as `qtype`."""
     import gguf
-    import numpy as np
 
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), "granite_swa")
@@ -116,15 +116,8 @@ def write_granite_swa_gguf(path, hf_model, qtype):
         for proj, heads in ((".q_proj.", c.num_attention_heads), (".k_proj.", c.num_key_value_heads)):
             if proj in hf_name:  # LlamaModel.permute
                 data = data.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(data.shape)
-        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed" not in hf_name \
-                and "router" not in hf_name:
-            w.add_tensor(f"{name}.weight", gguf.quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(f"{name}.weight", data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_tensor(w, f"{name}.weight", data, qtype, quantize="embed" not in hf_name and "router" not in hf_name)
+    finish_gguf(w)
     return path
 
 

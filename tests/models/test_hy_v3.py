@@ -6,6 +6,7 @@ import transformers
 
 from pagedserve.layers.moe import FusedMoE
 from pagedserve.models.hy_v3 import HYV3ForCausalLM
+from utils import add_gguf_tensor, finish_gguf
 
 VOCAB = 300
 
@@ -95,16 +96,9 @@ def test_hy_v3_from_gguf_f32_and_kept_q8_0(hf_pair, check_hf, prompts, tmp_path)
             else:
                 layer, leaf = base.removeprefix("model.layers.").split(".", 1)
                 name = f"blk.{layer}.{leaves[leaf]}.{suffix}"
-            data = tensor.detach().float().numpy()
-            if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed" not in hf_name \
-                    and "ffn_gate_inp" not in name:
-                w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-            else:
-                w.add_tensor(name, data)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+            add_gguf_tensor(w, name, tensor.detach().float().numpy(), qtype,
+                            quantize="embed" not in hf_name and "ffn_gate_inp" not in name)
+        finish_gguf(w)
         return path
 
     model = load_gguf_model(write(tmp_path / "f32.gguf", gguf.GGMLQuantizationType.F32), tmp_path / "cache",

@@ -9,6 +9,7 @@ import transformers
 
 from pagedserve.layers.moe import FusedMoE
 from pagedserve.models.laguna import LagunaForCausalLM
+from utils import add_gguf_tensor, finish_gguf
 
 VOCAB = 300
 
@@ -112,16 +113,9 @@ def write_laguna_gguf(path, hf_model, state, qtype):
         else:
             layer, leaf = base.removeprefix("model.layers.").split(".", 1)
             name = f"blk.{layer}.{_GGUF_LEAVES[leaf]}.{suffix}"
-        data = tensor.detach().float().numpy()
-        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed" not in hf_name \
-                and "ffn_gate_inp" not in name:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_tensor(w, name, tensor.detach().float().numpy(), qtype,
+                        quantize="embed" not in hf_name and "ffn_gate_inp" not in name)
+    finish_gguf(w)
     return path
 
 

@@ -7,6 +7,7 @@ import transformers
 
 from pagedserve.layers.moe import FusedMoE
 from pagedserve.models.mimo_v2_flash import MiMoV2FlashForCausalLM
+from utils import add_gguf_tensor, finish_gguf
 
 VOCAB = 300
 
@@ -101,16 +102,9 @@ def write_mimo2_gguf(path, hf_model, state, qtype):
             name = f"blk.{layer}.attn_sinks.weight"
         else:
             name = f"blk.{layer}.{_LEAVES[base.split('.', 3)[3]]}.{suffix}"
-        data = tensor.detach().float().numpy()
-        if data.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "embed" not in hf_name \
-                and "ffn_gate_inp" not in name:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_tensor(w, name, tensor.detach().float().numpy(), qtype,
+                        quantize="embed" not in hf_name and "ffn_gate_inp" not in name)
+    finish_gguf(w)
     return path
 
 
