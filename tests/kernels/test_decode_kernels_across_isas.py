@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cpu_gemm
-from pagedserve.kernels.cpu_isa import ISA_AVX2, ISA_AVX512BF16, ISA_NAMES
+from pagedserve.kernels.cpu_isa import ISA_AMX, ISA_AVX2, ISA_AVX512BF16, ISA_NAMES
 from pagedserve.kernels.extension import kernels_disabled
 
 OPS = torch.ops.pagedserve_cpu
@@ -71,6 +71,25 @@ def test_decode_attention_is_bit_identical_at_every_isa(levels, window, lens):
     lens = torch.tensor(lens)
     q = torch.randn(3, 8, d).bfloat16()
     _same_at_every_level(levels, lambda isa: OPS.decode_attention(q, kc, vc, tables, lens, 0.125, window, isa))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 256), (8, 2, 128), (16, 1, 576)])
+@pytest.mark.parametrize("window", [0, 100])
+def test_decode_attention_on_amx_cpus_has_the_avx2_bits(levels, hq, hkv, d, window):
+    """AMX CPUs run decode attention on vectors, not tiles (csrc/paged_attention.cpp's NOTE): the
+    same bits as AVX2, at the shapes tiles would take (blocks of 16 slots, head_dim a multiple
+    of 32: Gemma 3's 4 x 256 over one KV head, DeepSeek's latent 576)."""
+    if cpu_gemm._cpu_isa() < ISA_AMX:
+        pytest.skip("needs a CPU with AMX")
+    torch.manual_seed(hq + d + window)
+    bs, lens = 16, [1, 15, 16, 17, 210, 700]
+    used = -(-max(lens) // bs)
+    num_blocks = used * 2
+    kc, vc = torch.randn(num_blocks, bs, hkv, d).bfloat16(), torch.randn(num_blocks, bs, hkv, d).bfloat16()
+    tables = torch.stack([torch.randperm(num_blocks)[:used] for _ in lens])
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    _same_at_every_level([*levels, ISA_AMX], lambda isa: OPS.decode_attention(
+        q, kc, vc, tables, torch.tensor(lens), d ** -0.5, window, isa))
 
 
 def test_argmax_is_bit_identical_at_every_isa(levels):

@@ -16,7 +16,10 @@
 // Parallel over (sequence, KV head) pairs on torch's OpenMP pool. Registered as
 // torch.ops.pagedserve_cpu.decode_attention; the Python wrapper is kernels/cpu_attention.py.
 // `isa` (kernels.cpu_isa) picks the build; AVX2 and AVX-512 give the same bits (csrc/vec16.h),
-// AMX computes the scores on tiles (below: its own bits).
+// and AMX CPUs run the AVX-512 build. NOTE: not on AMX tiles: scores as tile products of a
+// block's 16 keys and the query heads (24b5aeb) beat the vectors only with the cache in L2; in a
+// decode step, where each layer's cache streams from memory, the vector pass with its prefetches
+// was 1.1-1.45x faster (docs/benchmarks.md, issue 40's AMX section, seventh session).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,85 +44,6 @@ constexpr int kMaxDim = 1024;   // head_dim limit (multiple of 16; MLA's latent 
 
 #define PS_VEC_KERNEL "paged_attention_impl.h"
 #include "vec16_build.h"
-
-// On AMX (bf16 caches, blocks of a multiple of 16 slots): pass 1's scores as tile products, 16
-// keys of one block at a time (their rows of the cache read in place, one tile per 32 dims)
-// times the query heads packed as pairs (one tile's 16 columns: up to kMaxGroup heads), four
-// groups of keys in flight; then the softmax and pass 2 of paged_attention_impl.h
-// (`scores_ready`). A score is q . k summed in the tiles' order, then times the scale: not the
-// bits of the vector pass (q times the scale first), and the same bits for any batch, block
-// layout or thread split (each score is its own tile element over the same 32-dim chunks).
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
-namespace {
-namespace isa_amx {
-
-#include "amx_tiles.h"
-
-// C tiles 0 .. NG - 1 = the key rows at a[x] (rows `row` elements apart) . Q^T (qp, pairs).
-template <int NG>
-inline void key_groups(const uint16_t* const* a, int64_t row, const uint32_t* qp, int64_t DC, float* c) {
-  _tile_zero(0);
-  if constexpr (NG > 1) _tile_zero(1);
-  if constexpr (NG > 2) _tile_zero(2);
-  if constexpr (NG > 3) _tile_zero(3);
-  const int64_t ld = row * 2;
-  for (int64_t dc = 0; dc < DC; ++dc) {
-    _tile_loadd(4, qp + dc * 256, 64);
-    _tile_loadd(5, a[0] + dc * 32, ld);
-    _tile_dpbf16ps(0, 5, 4);
-    if constexpr (NG > 1) { _tile_loadd(6, a[1] + dc * 32, ld); _tile_dpbf16ps(1, 6, 4); }
-    if constexpr (NG > 2) { _tile_loadd(5, a[2] + dc * 32, ld); _tile_dpbf16ps(2, 5, 4); }
-    if constexpr (NG > 3) { _tile_loadd(6, a[3] + dc * 32, ld); _tile_dpbf16ps(3, 6, 4); }
-  }
-  _tile_stored(0, c, 64);
-  if constexpr (NG > 1) _tile_stored(1, c + 256, 64);
-  if constexpr (NG > 2) _tile_stored(2, c + 512, 64);
-  if constexpr (NG > 3) _tile_stored(3, c + 768, 64);
-}
-
-// scores[g * L + t - start] = scale * (q[g] . k[t]) for the G (<= 16) query heads at q ([G, D])
-// and keys [start, seq_len) of one sequence (L = seq_len - start); the tiles configured.
-void scores(const uint16_t* q, const uint16_t* k_cache, const int64_t* table, int64_t seq_len,
-            int64_t start, int64_t block_size, int64_t num_kv_heads, int64_t kv_head, int64_t G,
-            int64_t D, float scale, float* scores) {
-  const int64_t L = seq_len - start, DC = D / 32, row = num_kv_heads * D;
-  alignas(64) uint32_t qp[kMaxDim / 2 * 16];  // Q^T pairs: qp[p][head]
-  for (int64_t p = 0; p < D / 2; ++p)
-    for (int64_t g = 0; g < 16; ++g) {
-      uint32_t val = 0;
-      if (g < G) std::memcpy(&val, q + g * D + 2 * p, 4);
-      qp[p * 16 + g] = val;
-    }
-  alignas(64) float c[4 * 256];
-  // groups of 16 keys from a multiple of 16 (inside one block: block_size is a multiple of 16);
-  // keys before start and from seq_len on are computed and dropped
-  for (int64_t t0 = start - start % 16; t0 < seq_len;) {
-    const int ng = int(std::min<int64_t>(4, (seq_len - t0 + 15) / 16));
-    const uint16_t* a[4];
-    for (int x = 0; x < ng; ++x) {
-      const int64_t t = t0 + 16 * x;
-      a[x] = k_cache + (table[t / block_size] * block_size + t % block_size) * row + kv_head * D;
-    }
-    switch (ng) {
-      case 4: key_groups<4>(a, row, qp, DC, c); break;
-      case 3: key_groups<3>(a, row, qp, DC, c); break;
-      case 2: key_groups<2>(a, row, qp, DC, c); break;
-      default: key_groups<1>(a, row, qp, DC, c); break;
-    }
-    for (int64_t j = 0; j < 16 * ng; ++j) {
-      const int64_t t = t0 + j;
-      if (t < start || t >= seq_len) continue;
-      const float* cj = c + (j / 16) * 256 + (j % 16) * 16;
-      for (int64_t g = 0; g < G; ++g) scores[g * L + (t - start)] = cj[g] * scale;
-    }
-    t0 += 16 * ng;
-  }
-}
-
-}  // namespace isa_amx
-}  // namespace
-#pragma GCC pop_options
 
 namespace {
 
@@ -166,7 +90,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   // called with the caches' data as bytes (each instance reads its own element type).
   using Attend = void (*)(const uint16_t*, const void*, const void*, const int64_t*, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
-                          int64_t, float*, const float*, bool);
+                          int64_t, float*, const float*);
   const int fmt = cache_type == at::kBFloat16 ? 0 : cache_type == at::ScalarType::Float8_e4m3fn ? 1 : 2;
   const Attend kernels[2][3] = {
       {isa_avx2::attend_bf16, isa_avx2::attend_e4m3, isa_avx2::attend_e5m2},
@@ -182,11 +106,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t parts = std::max<int64_t>((G + kMaxGroup - 1) / kMaxGroup,
                                           std::min<int64_t>(G, (threads + S * Hkv - 1) / (S * Hkv)));
-  // AMX: pass 1 on tiles (bf16 caches whose blocks hold whole 16-key groups)
-  const bool tiles = isa >= ps_isa::kIsaAmx && fmt == 0 && B % 16 == 0 && D % 32 == 0;
   at::parallel_for(0, S * Hkv * parts, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
-    if (tiles) isa_amx::amx_config();
     for (int64_t unit = b; unit < e; ++unit) {
       const int64_t pair = unit / parts, part = unit % parts;
       const int64_t s = pair / Hkv, h = pair % Hkv;
@@ -195,14 +116,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       scores.resize(size_t((g1 - g0) * (len - start)));
       const int64_t first = s * Hq + h * G + g0;  // the run's first query head
-      if (tiles)
-        isa_amx::scores(qp + first * D, static_cast<const uint16_t*>(kp), bt + s * max_blocks, len,
-                           start, B, Hkv, h, g1 - g0, D, static_cast<float>(scale), scores.data());
       attend(qp + first * D, kp, vp, bt + s * max_blocks, len, start, B, Hkv, h, g1 - g0, D,
-             static_cast<float>(scale), op + first * D, D, scores.data(), sp ? sp + first - s * Hq : nullptr,
-             tiles);
+             static_cast<float>(scale), op + first * D, D, scores.data(), sp ? sp + first - s * Hq : nullptr);
     }
-    if (tiles) isa_amx::amx_release();
   });
   return out;
 }

@@ -69,8 +69,7 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
                        int64_t seq_len, int64_t start, int64_t block_size, int64_t num_kv_heads,
                        int64_t kv_head, int64_t G, int64_t D, float scale, uint16_t* out,
                        int64_t out_stride, float* scores /* [G * (seq_len - start)] */,
-                       const float* sink /* [G] sink logits (gpt-oss), or null */,
-                       bool scores_ready /* pass 1 done by the caller (paged_attention.cpp's AMX scores) */) {
+                       const float* sink /* [G] sink logits (gpt-oss), or null */) {
   const int64_t L = seq_len - start;
   const int64_t nv = D / 16;
   const int64_t row_bytes = D * int64_t(sizeof(typename KvElem<FMT>::type));
@@ -82,18 +81,8 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
   const int64_t row = num_kv_heads * D;  // elements between consecutive slots
   float maxs[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) maxs[g] = -std::numeric_limits<float>::infinity();
-  // Pass 1: scores (or, when the caller computed them, only their maxima).
-  if (scores_ready) {
-    for (int64_t g = 0; g < G; ++g) {
-      V16 m = v_set1(-std::numeric_limits<float>::infinity());
-      int64_t j = 0;
-      for (; j + 16 <= L; j += 16) m = v_max(m, v_load(scores + g * L + j));
-      float mx = v_hmax(m);
-      for (; j < L; ++j) mx = std::max(mx, scores[g * L + j]);
-      maxs[g] = mx;
-    }
-  }
-  for (int64_t t = scores_ready ? seq_len : start; t < seq_len; ++t) {
+  // Pass 1: scores.
+  for (int64_t t = start; t < seq_len; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     const auto* k = k_cache + slot * row + kv_head * D;
     // NOTE: prefetch: the keys of a sequence sit in blocks scattered over the cache, and read
@@ -188,12 +177,11 @@ inline void attend_one(const uint16_t* q,        // [G, D] the query heads of th
   inline void NAME(const uint16_t* q, const void* k_cache, const void* v_cache,                \
                    const int64_t* table, int64_t seq_len, int64_t start, int64_t block_size,    \
                    int64_t num_kv_heads, int64_t kv_head, int64_t G, int64_t D, float scale,     \
-                   uint16_t* out, int64_t out_stride, float* scores, const float* sink,         \
-                   bool scores_ready) {                                                         \
+                   uint16_t* out, int64_t out_stride, float* scores, const float* sink) {       \
     using T = typename KvElem<FMT>::type;                                                       \
     attend_one<FMT>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table,   \
                     seq_len, start, block_size, num_kv_heads, kv_head, G, D, scale, out,        \
-                    out_stride, scores, sink, scores_ready);                                    \
+                    out_stride, scores, sink);                                                  \
   }
 PS_ATTEND_FMT(attend_bf16, 0)
 PS_ATTEND_FMT(attend_e4m3, 1)
