@@ -3,10 +3,13 @@ at each ISA level this CPU runs, on the same inputs, side by side.
 
     python scripts/bench_attention_isa.py                         # amx vs avx512bf16, Gemma 3 shapes
     python scripts/bench_attention_isa.py --isas avx512bf16,avx2 --decode
+    python scripts/bench_attention_isa.py --decode --layers 18     # a decode step's 18 layers
 
 Prompt attention: a chunk of n query rows (4 heads of 256 over one KV head: Gemma 3 270M) over
 a context of ctx keys, causal, with and without a 512-key window. Decode (`--decode`): one query
-per sequence over S sequences' paged caches (blocks of 16, shuffled). Prints the best time of
+per sequence over S sequences' paged caches (blocks of 16, shuffled); `--layers N` gives each of
+N layers its own caches and times one call per layer, as a decode step does (N = 18: Gemma 3's
+caches stream from memory instead of sitting in cache between calls). Prints the best time of
 --reps calls per level and the ratio to the first level; `$PAGEDSERVE_CPU_ISA` caps the level the
 wrappers ask for (read on every call). Timings on a shared machine are noise: run it idle.
 """
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--isas", default="amx,avx512bf16")
     ap.add_argument("--decode", action="store_true", help="the decode kernel instead of the prompt kernel")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="decode: caches of this many layers, one call each per timing")
     args = ap.parse_args()
     isas = args.isas.split(",")
     g = torch.Generator().manual_seed(0)
@@ -50,13 +55,13 @@ def main() -> None:
         if args.decode:
             s, ctx, hq, hkv, d = case
             nb = (ctx + 15) // 16
-            kc = torch.randn(s * nb, 16, hkv, d, generator=g).bfloat16()
-            vc = torch.randn(s * nb, 16, hkv, d, generator=g).bfloat16()
+            caches = [(torch.randn(s * nb, 16, hkv, d, generator=g).bfloat16(),
+                       torch.randn(s * nb, 16, hkv, d, generator=g).bfloat16()) for _ in range(args.layers)]
             bt = torch.randperm(s * nb, generator=g).view(s, nb)
             sl = torch.full((s,), ctx)
             q = torch.randn(s, hq, d, generator=g).bfloat16()
-            fn = lambda: decode_attention(q, kc, vc, bt, sl, d ** -0.5)  # noqa: E731
-            name = f"decode S={s} ctx={ctx} heads {hq}/{hkv} x {d}"
+            fn = lambda: [decode_attention(q, kc, vc, bt, sl, d ** -0.5) for kc, vc in caches]  # noqa: E731
+            name = f"decode S={s} ctx={ctx} heads {hq}/{hkv} x {d}" + (f" x{args.layers}" if args.layers > 1 else "")
         else:
             n, ctx, w = case
             q = torch.randn(n, 4, 256, generator=g).bfloat16()
