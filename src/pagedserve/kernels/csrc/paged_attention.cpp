@@ -17,9 +17,10 @@
 // torch.ops.pagedserve_cpu.decode_attention; the Python wrapper is kernels/cpu_attention.py.
 // `isa` (kernels.cpu_isa) picks the build; AVX2 and AVX-512 give the same bits (csrc/vec16.h),
 // and AMX CPUs run the AVX-512 build. NOTE: not on AMX tiles: scores as tile products of a
-// block's 16 keys and the query heads (24b5aeb) beat the vectors only with the cache in L2; in a
-// decode step, where each layer's cache streams from memory, the vector pass with its prefetches
-// was 1.1-1.45x faster (docs/benchmarks.md, issue 40's AMX section, seventh session).
+// block's 16 keys and the query heads (24b5aeb) won with one layer's cache kept in cache; with
+// each layer's cache streaming from memory, as in a decode step, the vector pass with its
+// prefetches was 1.1-1.55x faster at serving batches (16-64 sequences of 256-1k keys), 0.83-0.89x
+// at 1-7 sequences of 2k-8k keys (docs/benchmarks.md, issue 40's AMX section, seventh session).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
