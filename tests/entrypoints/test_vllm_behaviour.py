@@ -72,7 +72,8 @@ def test_continuous_usage_stats_puts_usage_on_every_chunk_and_include_usage_fals
         (path, {**base, "stream_options": {"include_usage": False}}),
     ])
     chunks = events(every)
-    assert len(chunks) >= 3 and all(c["usage"] is not None for c in chunks)
+    # NOTE: a slow reader may get the 4 tokens in one chunk; the usage chunk comes after it
+    assert len(chunks) >= 2 and all(c["usage"] is not None for c in chunks)
     if "messages" in body:  # the role chunk too
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert chunks[0]["usage"]["completion_tokens"] == 0
