@@ -3,6 +3,7 @@ preemption, and the state update after a step."""
 
 import pytest
 
+from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
@@ -454,3 +455,55 @@ def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
     run_step(sched)  # the prompt's last 4 tokens
     out = run_step(sched)
     assert sorted((s.group.request_id, s.num_tokens) for s in out.scheduled) == [("long", 1), ("short", 1)]
+
+
+def _beam_group(rid, prompt_len, width, max_tokens):
+    """A beam search request as the engine queues it: one sequence, forked by the beam step."""
+    params = SamplingParams(n=width, max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                            use_beam_search=True)
+    g = SequenceGroup(rid, [Sequence(next(_ids), list(range(prompt_len)), 0)], params, 0.0)
+    g.beam = BeamState(BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                        ignore_eos=True))
+    return g
+
+
+def _beam_results(out):
+    """The fake runner for beams: every row that reaches its sequence's end yields 2 x width
+    candidates (distinct tokens, the beams' scores apart)."""
+    return [SeqStepOutput(s.seq.seq_id, [], None, beam_candidates=[
+                (10 + i, -0.1 * (i + 1) - 0.01 * s.seq.index)
+                for i in range(2 * s.group.beam.params.beam_width)] if s.do_sample else None)
+            for s in out.scheduled]
+
+
+def test_beams_swapped_out_while_one_is_parked_by_turns_come_back_and_finish():
+    # Regression (a hang the stress harness found, seeds 51238 and 56249): 4 beams on a pool of
+    # 5 blocks take turns; swapped out while three held their candidates and the fourth was
+    # parked, the group planned no tokens (the parked one is unparked only once running), so
+    # it was never swapped back in.
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
+                                      preemption_mode="swap", max_num_seqs=4),
+                      KVCacheManager(5, 4, num_cpu_blocks=32))
+    g = _beam_group("b", 7, 4, 8)
+    sched.add(g)
+
+    def step():
+        out = sched.schedule()
+        sched.update_from_output(out, _beam_results(out))
+        sched.check_invariants()
+
+    while not any(q.parked for q in g.unfinished_seqs()):
+        step()
+    assert [(q.parked, q.beam_candidates is not None) for q in g.unfinished_seqs()] == \
+        [(False, True)] * 3 + [(True, False)]
+    sched.running.remove(g)
+    sched._preempt(g, sched.schedule())
+    assert g in sched.swapped
+    steps = 0
+    while sched.has_unfinished():
+        step()
+        steps += 1
+        assert steps < 60, "the swapped beams never came back"
+    assert len(g.extra["beam_final"]) == 4
+    assert all(q.status is SequenceStatus.FINISHED_LENGTH for q in g.seqs)
+    assert sched.kv.num_free_blocks == 5 and sched.kv.num_free_cpu_blocks == 32

@@ -85,6 +85,25 @@ def test_random_workloads_on_a_model_mixing_window_and_full_layers(hybrid_harnes
     _run_seeds(hybrid_harness, first, hybrid_workload, hybrid=True)
 
 
+# Seeds that `scripts/stress.py --minutes N --hybrid` found failing, kept as regression tests
+# (each failed before its fix), with what went wrong.
+HYBRID_REGRESSION_SEEDS = {
+    51238: "beam search swapped out while one beam was parked by turns and the others held "
+           "their candidates: it planned no tokens, so it was never swapped back in (a hang)",
+    56249: "the same with a beam width of 3",
+}
+
+
+@pytest.mark.parametrize("seed", sorted(HYBRID_REGRESSION_SEEDS))
+def test_seeds_that_once_failed_on_the_hybrid_model_now_pass(hybrid_harness, seed):
+    workload = hybrid_workload(seed)
+    try:
+        hybrid_harness.run(workload)
+    except StressFailure as e:
+        pytest.fail(f"seed {seed} ({HYBRID_REGRESSION_SEEDS[seed]}) [{e.cause}] {e}\n"
+                    f"    {workload.describe()}\n    repro: {repro(seed, hybrid=True)}")
+
+
 CONV_SEEDS = 20
 
 

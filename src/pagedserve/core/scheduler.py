@@ -322,13 +322,20 @@ class Scheduler(Turns, Preemption):
             group = self.swapped[0]
             seq_ids = [s.seq_id for s in group.unfinished_seqs() if not s.parked]
             plan = plan_tokens(self.config, group, step.budget, self._align)
-            need = self._blocks_to_swap_in(group, plan) if plan else 0
-            if plan is not None and need > self.kv.num_blocks:
+            # NOTE: beams that all wait for the candidates of a sibling parked by turns plan
+            # nothing, yet the group must come back: it returns without tokens, and the parked
+            # sibling's turn comes in its next step (`_schedule_running`). Waiting for a plan
+            # here left it swapped out for good (a hang).
+            idle_return = plan is None and any(
+                q.parked and q.beam_candidates is None for q in group.unfinished_seqs())
+            returns = plan is not None or idle_return
+            need = self._blocks_to_swap_in(group, plan or []) if returns else 0
+            if returns and need > self.kv.num_blocks:
                 # It could not come back even into an empty cache: recompute it instead.
                 self.swapped.popleft()
                 self._requeue_for_recompute(group)
                 continue
-            if (plan is None or need > self.kv.num_free_blocks
+            if (not returns or need > self.kv.num_free_blocks
                     or slots + group.max_width_left > self.config.max_num_seqs
                     or self._lora_blocked(group)):
                 break
@@ -336,7 +343,8 @@ class Scheduler(Turns, Preemption):
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq_ids))
             self._set_running(group)
             slots += group.max_width_left
-            self._commit(plan, group, step, out)
+            if plan is not None:
+                self._commit(plan, group, step, out)
 
         skipped = 0  # waiting groups passed over this step: their adapter has no slot (vLLM's)
         while (len(self.waiting) > skipped and not self.swapped and not out.preempted
