@@ -79,6 +79,23 @@ def test_invariant_check_of_a_large_swap_pool_costs_its_held_blocks_not_its_size
     assert calls == []
 
 
+def test_nothing_is_swapped_out_without_a_cpu_pool_not_even_a_sequence_holding_no_block():
+    # Regression (the scheduler fuzzer, tests/core/test_scheduler_fuzz.py): a running beam
+    # with an empty table (unparked, not yet computing) was "swapped" into CPU tables with no
+    # pool behind them, and freeing it later crashed.
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.share_blocks(0, [], None)  # an empty table, as an unparked sequence gets
+    assert kv.block_table(0) == []
+    assert not kv.can_swap_out([0])
+    kv.free(0)
+    with_pool = KVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=4)
+    with_pool.share_blocks(0, [], None)
+    assert with_pool.can_swap_out([0])
+    assert with_pool.swap_out([0]) == []
+    with_pool.free(0)
+    assert with_pool.num_free_cpu_blocks == 4
+
+
 def test_block_size_out_of_range_is_a_value_error():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)

@@ -19,6 +19,8 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_spec import FullAttentionSpec, KVLayout, SlidingWindowSpec
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
+from pagedserve.lora.engine import cache_key
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -52,7 +54,8 @@ class Workload:
             recompute_seconds_per_token=rng.choice([0.0, 1.0]),
             scheduling_policy=rng.choice(["fcfs", "priority"]),
             long_prefill_token_threshold=rng.choice([0, 0, 3]) if chunked else 0,
-            prompt_budget_per_decode_row=rng.choice([0, 1, 32]) if chunked else 0)
+            prompt_budget_per_decode_row=rng.choice([0, 1, 32]) if chunked else 0,
+            max_loras=rng.choice([0, 0, 1, 2]))
         self.block_size = rng.choice([1, 2, 4, 8])
         self.num_blocks = rng.randint(4, 48)
         self.num_cpu_blocks = rng.choice([0, 2, 8, 64])
@@ -70,7 +73,8 @@ class Workload:
                 rid=f"r{i}", kind=kind, width=width, prompt=prompt or [1],
                 max_tokens=rng.randint(1, 16), arrive=rng.randint(0, 12),
                 abort_at=rng.randint(1, 40) if rng.random() < 0.2 else None,
-                priority=rng.randint(-2, 2) if self.config.scheduling_policy == "priority" else 0))
+                priority=rng.randint(-2, 2) if self.config.scheduling_policy == "priority" else 0,
+                lora=rng.choice([0, 1, 2, 3]) if self.config.max_loras else 0))
 
     def describe(self) -> str:
         c = self.config
@@ -78,9 +82,11 @@ class Workload:
                 f"cpu={self.num_cpu_blocks} budget={c.max_num_batched_tokens} "
                 f"chunked={c.enable_chunked_prefill} mode={c.preemption_mode} "
                 f"seqs={c.max_num_seqs} {c.scheduling_policy} prefix={self.prefix_caching} "
+                f"max_loras={c.max_loras} "
                 f"groups={'hybrid' if self.layout else 'one'} reqs="
                 + " ".join(f"{r['kind']}{r['width']}:{len(r['prompt'])}+{r['max_tokens']}"
-                           f"@{r['arrive']}" for r in self.requests))
+                           f"@{r['arrive']}" + (f"/lora{r['lora']}" if r["lora"] else "")
+                           for r in self.requests))
 
 
 _ids = iter(range(10**9))
@@ -98,9 +104,13 @@ def _group(req: dict) -> SequenceGroup:
     else:
         params = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, temperature=0.0)
     count = 1 if kind == "beam" else width
+    lora = LoRARequest(f"a{req['lora']}", req["lora"], f"/adapters/a{req['lora']}") \
+        if req["lora"] else None
     g = SequenceGroup(req["rid"], [Sequence(next(_ids), list(req["prompt"]), i)
                                    for i in range(count)], params, float(req["arrive"]),
-                      priority=req["priority"])
+                      priority=req["priority"], lora_request=lora)
+    for seq in g.seqs:  # (as the engine salts them: two adapters never share KV blocks)
+        seq.cache_salt = cache_key(None, lora)
     if kind == "beam":
         g.beam = BeamState(BeamSearchParams(beam_width=width, max_tokens=req["max_tokens"],
                                             ignore_eos=True))

@@ -508,7 +508,10 @@ class KVCacheManager(PrefixCaching, StateSnapshots, StateRollback, KVInvariants)
         return (max(0, cdiv(num_tokens, self.block_size) - rows) + 1) * w
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
-        return self.num_distinct_blocks(seq_ids) <= self.num_free_cpu_blocks
+        # NOTE: never without a CPU pool, not even sequences holding no block (an unparked beam's
+        # empty table): their CPU tables had no pool to give back to (a crash on free).
+        return self.cpu_pool is not None and \
+            self.num_distinct_blocks(seq_ids) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move these sequences' tables to the CPU pool; returns (device, cpu) block pairs to copy.
