@@ -1,10 +1,12 @@
 """The scheduler and block manager alone on random workloads, thousands a second (no model: a fake
-runner draws tokens and beam candidates): every admitted request finishes with all its tokens,
-the queues and tables stay consistent after every step, and both pools end empty. The model-based
+runner draws tokens, beam candidates and accepted drafts): every admitted request finishes with
+all its tokens, the queues and tables stay consistent after every step, and both pools end empty. The model-based
 harness (tests/engine/stress_harness.py) also checks outputs exactly; this one covers far more
-schedules per second, so it finds hangs and leaks sooner: before the swap-in fix for beams
-waiting on a parked sibling, seeds 271 and 645 here hung (5 of the first 20,000 seeds). A failure
-names its seed and workload; `run_workload(N)` replays one.
+schedules per second, so it finds hangs and leaks sooner. What it found is kept below as
+regression seeds (each failed before its fix; the seeds name workloads of this generator as it
+is: change the generator and find them again). A failure names its seed and workload;
+`run_workload(N)` replays one, and `python tests/core/test_scheduler_fuzz.py FIRST LAST` runs a
+range.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pagedserve.core.beam_search import BeamSearchParams, BeamState
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_spec import FullAttentionSpec, KVLayout, SlidingWindowSpec
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.spec_decode import SpecDecoder, SpeculativeConfig
 from pagedserve.core.step_output import SampleResult, SeqStepOutput
 from pagedserve.lora.engine import cache_key
 from pagedserve.lora.request import LoRARequest
@@ -75,6 +78,13 @@ class Workload:
                 abort_at=rng.randint(1, 40) if rng.random() < 0.2 else None,
                 priority=rng.randint(-2, 2) if self.config.scheduling_policy == "priority" else 0,
                 lora=rng.choice([0, 1, 2, 3]) if self.config.max_loras else 0))
+        # n-gram speculation (k drafts a row; the fake runner accepts a random prefix of them):
+        # no beam search beside it, as the engine refuses
+        self.spec_k = rng.choice([0, 0, 1, 3])
+        if self.spec_k:
+            for r in self.requests:
+                if r["kind"] == "beam":
+                    r["kind"] = "sample"
 
     def describe(self) -> str:
         c = self.config
@@ -82,7 +92,7 @@ class Workload:
                 f"cpu={self.num_cpu_blocks} budget={c.max_num_batched_tokens} "
                 f"chunked={c.enable_chunked_prefill} mode={c.preemption_mode} "
                 f"seqs={c.max_num_seqs} {c.scheduling_policy} prefix={self.prefix_caching} "
-                f"max_loras={c.max_loras} "
+                f"max_loras={c.max_loras} spec_k={self.spec_k} "
                 f"groups={'hybrid' if self.layout else 'one'} reqs="
                 + " ".join(f"{r['kind']}{r['width']}:{len(r['prompt'])}+{r['max_tokens']}"
                            f"@{r['arrive']}" + (f"/lora{r['lora']}" if r["lora"] else "")
@@ -118,20 +128,29 @@ def _group(req: dict) -> SequenceGroup:
     return g
 
 
+VOCAB = 16  # small, so that n-grams recur and the n-gram proposer drafts
+
+
 def _results(out, rng: random.Random) -> list[SeqStepOutput]:
-    """A fake runner: a token (or a beam's 2 x width candidates) for every row at its end."""
+    """A fake runner: a token (or a beam's 2 x width candidates) for every row at its end; a
+    speculative row accepts a random prefix of its drafts, then a token."""
     results = []
     for s in out.scheduled:
         if not s.do_sample:
             results.append(SeqStepOutput(s.seq.seq_id, []))
+        elif s.spec_token_ids:
+            accepted = rng.randint(0, len(s.spec_token_ids))
+            results.append(SeqStepOutput(s.seq.seq_id, [
+                SampleResult(t, -1.0, 1, None)
+                for t in list(s.spec_token_ids[:accepted]) + [rng.randrange(VOCAB)]]))
         elif s.group.beam is not None:
             width = s.group.beam.params.beam_width
-            tokens = rng.sample(range(1000), 2 * width)
+            tokens = rng.sample(range(VOCAB), 2 * width)
             results.append(SeqStepOutput(s.seq.seq_id, [], None, beam_candidates=sorted(
                 ((t, -rng.random() * 5) for t in tokens), key=lambda c: -c[1])))
         else:
             results.append(SeqStepOutput(s.seq.seq_id, [
-                SampleResult(rng.randrange(1000), -1.0, 1, None)] * s.num_samples))
+                SampleResult(rng.randrange(VOCAB), -1.0, 1, None)] * s.num_samples))
     return results
 
 
@@ -147,6 +166,8 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
                         num_cpu_blocks=w.num_cpu_blocks, enable_prefix_caching=w.prefix_caching,
                         layout=w.layout)
     sched = Scheduler(w.config, kv)
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=w.spec_k, prompt_lookup_max=3)) \
+        if w.spec_k else None
     groups: dict[str, SequenceGroup] = {}
     aborted: set[str] = set()
     pending = sorted(w.requests, key=lambda r: r["arrive"])
@@ -165,6 +186,8 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
             for req in w.requests:
                 if req["abort_at"] == step and req["rid"] in groups and sched.abort(req["rid"]):
                     aborted.add(req["rid"])
+            if spec is not None:  # as the engine does before each schedule
+                spec.propose(sched.running, MAX_MODEL_LEN)
             out = sched.schedule()
             sched.update_from_output(out, _results(out, rng))
             sched.check_invariants()
@@ -197,6 +220,18 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
 
 SEEDS = 2000
 CHUNK = 250
+REGRESSION_SEEDS = {
+    38926: "beams swapped out while one was parked by turns and the others held their "
+           "candidates planned no tokens and were never swapped back in (a hang)",
+}
+
+
+@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
+def test_seeds_that_once_failed_now_pass(seed):
+    try:
+        run_workload(seed)
+    except FuzzFailure as e:
+        pytest.fail(f"{REGRESSION_SEEDS[seed]}\n{e}")
 
 
 @pytest.mark.parametrize("first", range(0, SEEDS, CHUNK), ids=lambda s: f"seeds{s}")
@@ -225,3 +260,18 @@ def test_the_fuzzer_fails_on_a_broken_scheduler(monkeypatch, mutation):
         except FuzzFailure:
             failed += 1
     assert failed >= 10
+
+
+if __name__ == "__main__":  # a range of seeds: python tests/core/test_scheduler_fuzz.py 0 100000
+    import sys
+
+    first, last = int(sys.argv[1]), int(sys.argv[2])
+    failed = 0
+    for n in range(first, last):
+        try:
+            run_workload(n)
+        except FuzzFailure as e:
+            failed += 1
+            print(e, flush=True)
+    print(f"{failed} of {last - first} seeds failed")
+    sys.exit(1 if failed else 0)
