@@ -473,8 +473,18 @@ class Scheduler(Turns, Preemption):
                 # Alone in the cache: the group's sequences take turns.
                 seq = self._turn_victim(group, plan)
                 if seq is None:
-                    # One sequence alone cannot grow: unreachable for a request the engine
-                    # admitted (one sequence always fits the pool); kept as a last resort.
+                    # One sequence alone, short of blocks. NOTE: a request the engine admitted
+                    # fits the pool alone, but a state model's sequence started from a snapshot
+                    # in this step also holds the snapshot (pinned until the step's copy has
+                    # run): it computes what fits now, or waits for the next step; it was cut
+                    # short (finish_reason "length") before.
+                    trimmed = self._trim_to_fit(plan[0])
+                    if trimmed is not None:
+                        plan = [trimmed]
+                        continue
+                    if self.kv.holds_pinned_snapshots:
+                        return
+                    # Unreachable otherwise (one sequence always fits the pool); a last resort.
                     self.running.pop()
                     for q in group.unfinished_seqs():
                         self.finish_seq(q, SequenceStatus.FINISHED_LENGTH)
@@ -491,6 +501,16 @@ class Scheduler(Turns, Preemption):
             if victim is group:
                 return
         self._commit(plan, group, step, out)
+
+    def _trim_to_fit(self, entry: tuple) -> tuple | None:
+        """`entry` (seq, start, end) cut to the longest chunk whose blocks are free now (at least
+        one token), or None."""
+        seq, start, end = entry
+        kv = self.kv
+        for stop in range(min(end, seq.num_tokens) - 1, start, -1):
+            if kv.num_new_blocks(seq.seq_id, stop) <= kv.num_free_blocks:
+                return seq, start, stop
+        return None
 
     def _decode_one(self, group: SequenceGroup, seq: Sequence, step: StepPlan,
                     out: SchedulerOutput) -> bool:

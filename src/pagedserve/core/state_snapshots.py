@@ -140,6 +140,12 @@ class StateSnapshots:
                 self._pinned.append((snap, c))
         return source
 
+    @property
+    def holds_pinned_snapshots(self) -> bool:
+        """Whether snapshot blocks are pinned until the step being scheduled has run (they go
+        back to the free list at `end_step`)."""
+        return bool(self._pinned or self._hit_copies)
+
     def _drop_hit(self, seq_id: int) -> None:
         """A sequence started from a snapshot is freed in the same step: no copy."""
         for snap, _, _ in self._hit_copies.pop(seq_id, ()):
