@@ -47,18 +47,18 @@ def harness(tmp_path_factory):
     yield from _one_thread_harness(tiny_llama, tmp_path_factory.mktemp("stress-llama"))
 
 
-def _run_seeds(harness, first: int, workload_of, **repro_flags) -> None:
-    """`CHUNK` seeds from `first` through `harness`; one assertion naming every failed seed with
+def _run_seeds(harness, first: int, workload_of, count: int = CHUNK, **repro_flags) -> None:
+    """`count` seeds from `first` through `harness`; one assertion naming every failed seed with
     its workload and repro command."""
     failures = []
-    for seed in range(first, first + CHUNK):
+    for seed in range(first, first + count):
         workload = workload_of(seed)
         try:
             harness.run(workload)
         except StressFailure as e:
             failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
                             f"    repro: {repro(seed, **repro_flags)}")
-    assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+    assert not failures, f"{len(failures)} of {count} seeds failed:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("first", range(0, NUM_SEEDS, CHUNK),
@@ -96,12 +96,7 @@ HYBRID_REGRESSION_SEEDS = {
 
 @pytest.mark.parametrize("seed", sorted(HYBRID_REGRESSION_SEEDS))
 def test_seeds_that_once_failed_on_the_hybrid_model_now_pass(hybrid_harness, seed):
-    workload = hybrid_workload(seed)
-    try:
-        hybrid_harness.run(workload)
-    except StressFailure as e:
-        pytest.fail(f"seed {seed} ({HYBRID_REGRESSION_SEEDS[seed]}) [{e.cause}] {e}\n"
-                    f"    {workload.describe()}\n    repro: {repro(seed, hybrid=True)}")
+    _run_seeds(hybrid_harness, seed, hybrid_workload, count=1, hybrid=True)
 
 
 CONV_SEEDS = 20
@@ -186,7 +181,7 @@ def test_random_workloads_with_ngram_speculation_match_the_non_speculative_oracl
             failures.append(f"seed {seed} [{e.cause}] {e}\n    {workload.describe()}\n"
                             f"    repro: {repro(seed, spec=True)}")
     harness.engine.spec = None
-    assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures)
+    assert not failures, f"{len(failures)} of {count} seeds failed:\n" + "\n".join(failures)
     assert accepted > 0  # drafts were proposed and accepted
 
 

@@ -502,16 +502,6 @@ class Scheduler(Turns, Preemption):
                 return
         self._commit(plan, group, step, out)
 
-    def _trim_to_fit(self, entry: tuple) -> tuple | None:
-        """`entry` (seq, start, end) cut to the longest chunk whose blocks are free now (at least
-        one token), or None."""
-        seq, start, end = entry
-        kv = self.kv
-        for stop in range(min(end, seq.num_tokens) - 1, start, -1):
-            if kv.num_new_blocks(seq.seq_id, stop) <= kv.num_free_blocks:
-                return seq, start, stop
-        return None
-
     def _decode_one(self, group: SequenceGroup, seq: Sequence, step: StepPlan,
                     out: SchedulerOutput) -> bool:
         """Schedule the decode token of a group's one sequence, if that is all there is to it (a

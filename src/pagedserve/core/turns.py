@@ -42,6 +42,16 @@ class Turns:
         busy = [q for q, _, _ in plan[1:]]
         return busy[-1] if busy else None
 
+    def _trim_to_fit(self, entry: tuple) -> tuple | None:
+        """The last sequence computing, alone and short of blocks: `entry` (seq, start, end)
+        cut to the longest chunk whose blocks are free now (at least one token), or None."""
+        seq, start, end = entry
+        kv = self.kv
+        for stop in range(min(end, seq.num_tokens) - 1, start, -1):
+            if kv.num_new_blocks(seq.seq_id, stop) <= kv.num_free_blocks:
+                return seq, start, stop
+        return None
+
     def _park(self, group: SequenceGroup, seq: Sequence) -> None:
         """Free a sequence's blocks; it is recomputed from its tokens when its turn comes."""
         self.kv.free(seq.seq_id)
