@@ -49,11 +49,19 @@ def test_full_shared_last_block_needs_no_copy():
     kv.check_invariants()
 
 
+def _lose_a_returned_block(kv):
+    kv.allocate_slots(1, 4)
+    block = kv.block_table(1)[0]
+    kv.free(1)
+    kv.pool._free.pop(block)
+
+
 @pytest.mark.parametrize("corrupt,message", [
     (lambda kv, held: kv.pool.ref_counts.__setitem__(held, 2), "ref count 2, held by 1"),
     (lambda kv, held: kv.pool.ref_counts.__setitem__(7, 1), "block 7: ref count 1, held by 0"),
     (lambda kv, held: kv.pool._free.__setitem__(held, None), "ref count 1 but free=True"),
-    (lambda kv, held: kv.pool._free.pop(7), "block 7: ref count 0 but free=False"),
+    (lambda kv, held: kv.pool._taken_early.add(7), "block 7: ref count 0 but free=False"),
+    (lambda kv, held: _lose_a_returned_block(kv), "ref count 0 but free=False"),
     (lambda kv, held: kv.tables[0].blocks.pop(), "1 blocks for 6 slots"),
 ])
 def test_invariant_check_catches_each_disagreement_between_pool_and_tables(corrupt, message):
