@@ -24,8 +24,7 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.engine.llm_engine import LLMEngine
@@ -43,6 +42,7 @@ from pagedserve.engine.stats import (
     StatsLogLine,
     StepStats,
 )
+from pagedserve.engine.stream_host import StreamHost
 from pagedserve.kernels.openmp import release_thread_pool
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -99,7 +99,7 @@ class _Tracked:
     params: SamplingParams | None = None
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(StreamHost):
     """Serve many concurrent asyncio callers with one `LLMEngine` (see the module docstring).
 
     Use `start()` from inside the event loop (or `async with`), then `generate()` /
@@ -125,25 +125,15 @@ class AsyncLLMEngine:
         log_stats_interval: float | None = None,
         listeners: Iterable[StatsListener] = (),
     ) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self._init_streams(max_queued_requests, listeners)
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
-        self._listeners: list[StatsListener] = list(listeners)
         self._log_line = StatsLogLine(log_stats_interval) if log_stats_interval else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Event-loop side: the streams of requests not yet finished.
-        self._streams: dict[str, RequestStream] = {}
         # Engine-thread side: requests the engine holds.
         self._tracked: dict[str, _Tracked] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._dead: BaseException | None = None
-        self._death_listeners: list = []
         self._prev_modes: dict[str, int] = {}
         # Consecutive failed steps that scheduled no request (2 are fatal; see _step).
         self._unpinned_failures = 0
-        self._closing = False
         # Engine-thread side: while paused (vLLM's /pause), requests are added and aborted but
         # not stepped.
         self._paused = False
@@ -155,40 +145,6 @@ class AsyncLLMEngine:
     def tokenizer(self):
         """The engine's tokenizer (encoding is safe from the event loop's thread)."""
         return self.engine.tokenizer
-
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
-    @property
-    def accepting(self) -> bool:
-        """True while new requests are accepted (started, not shutting down, not crashed)."""
-        return self.is_running and not self._closing
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
-
-    @property
-    def errored(self) -> bool:
-        """True once the engine thread crashed."""
-        return self._dead is not None
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests added and not yet finished."""
-        return len(self._streams)
-
-    @property
-    def num_queued(self) -> int:
-        """Requests added that have not produced any output yet."""
-        return sum(1 for s in self._streams.values() if not s.started)
-
-    def add_listener(self, listener: StatsListener) -> None:
-        """Receive step and request records (call before `start`)."""
-        if self._thread is not None:
-            raise RuntimeError("add listeners before the engine starts")
-        self._listeners.append(listener)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -207,20 +163,6 @@ class AsyncLLMEngine:
             # A worker found dead while the engine is idle fails the engine at once, too.
             executor.add_failure_listener(self._die)
 
-    def stop_accepting(self) -> None:
-        """Refuse new requests (`EngineShutdownError`) and let those in flight finish (a
-        graceful drain; `begin_shutdown` ends them). Call on the event loop."""
-        self._closing = True
-
-    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
-        """Refuse new requests and end every request in flight with `EngineShutdownError`.
-        Call on the event loop."""
-        self._closing = True
-        streams = list(self._streams.values())
-        for stream in streams:
-            stream._fail(EngineShutdownError(reason))
-            self._inbox.put(_Abort(stream.request_id))
-
     async def shutdown(self, timeout: float = 30.0) -> None:
         """`begin_shutdown`, then stop and join the engine thread."""
         self.begin_shutdown()
@@ -232,18 +174,7 @@ class AsyncLLMEngine:
         if thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout)
 
-    async def __aenter__(self) -> AsyncLLMEngine:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
-
     # --- requests -----------------------------------------------------------------------------
-
-    @staticmethod
-    def new_request_id() -> str:
-        return uuid.uuid4().hex
 
     async def add_request(
         self,
@@ -261,21 +192,7 @@ class AsyncLLMEngine:
         `max_queued_requests`, EngineShutdownError while shutting down, EngineDeadError after a
         crash. Cancelling the caller while it waits aborts the request.
         """
-        if self._loop is None:
-            raise RuntimeError("start() the engine first")
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine has stopped after an error: {self._dead!r}")
-        if self._closing:
-            raise EngineShutdownError("the server is shutting down")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        if self.max_queued_requests is not None and self.num_queued >= self.max_queued_requests:
-            raise QueueFullError(
-                f"the server has {self.num_queued} requests waiting (max_queued_requests="
-                f"{self.max_queued_requests}); retry later"
-            )
-        stream = RequestStream(request_id, self, self._loop)
-        self._streams[request_id] = stream
+        stream = self._open_stream(request_id)
         self._inbox.put(_Add(
             stream, prompt, None if prompt_token_ids is None else list(prompt_token_ids), params,
             time.monotonic() if arrival_time is None else arrival_time, priority, lora_request,
@@ -286,28 +203,6 @@ class AsyncLLMEngine:
             stream.close()
             raise
         return stream
-
-    async def generate(
-        self,
-        prompt: str | None,
-        params: SamplingParams,
-        request_id: str | None = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        priority: int = 0,
-        lora_request=None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes (see `add_request` for errors).
-        Leaving the loop early or cancelling the task aborts the request."""
-        stream = await self.add_request(
-            request_id or self.new_request_id(), prompt, params, prompt_token_ids,
-            priority=priority, lora_request=lora_request,
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     async def call_in_engine_thread(self, fn, timeout: float | None = 60.0):
         """`fn(llm_engine)` run on the engine thread between two steps (the only thread that may
@@ -355,18 +250,8 @@ class AsyncLLMEngine:
 
         return await self.call_in_engine_thread(abort)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it is unknown or finished). Call on the event loop."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.close()
-
-    def _abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _abort_in_core(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
 
     # --- the engine thread --------------------------------------------------------------------
 
@@ -404,10 +289,6 @@ class AsyncLLMEngine:
         self._call_in_loop(self._fail_all, EngineDeadError(f"the engine crashed: {exc!r}"))
         for listener in self._death_listeners:
             self._call_in_loop(listener, exc)
-
-    def add_death_listener(self, callback) -> None:
-        """Call `callback(error)` on the event loop once the engine has died."""
-        self._death_listeners.append(callback)
 
     def _step(self) -> list[RequestOutput]:
         """`engine.step()`, surviving a step that raises: its requests are aborted (freeing their

@@ -18,22 +18,15 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.engine.core_client import EngineCoreDiedError
 from pagedserve.engine.mp_engine import FrontEnd
 from pagedserve.engine.request_records import finished_record, note_tokens
-from pagedserve.engine.request_stream import (
-    EngineDeadError,
-    EngineShutdownError,
-    QueueFullError,
-    RequestStream,
-)
+from pagedserve.engine.request_stream import EngineDeadError, RequestStream
 from pagedserve.engine.stats import FinishedRequestStats, StatsListener, StatsLogLine
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.engine.stream_host import StreamHost
 
 logger = logging.getLogger(__name__)
 
@@ -84,27 +77,18 @@ class _CoreProxy:
 _STOP = object()
 
 
-class AsyncMPEngine:
+class AsyncMPEngine(StreamHost):
     """See the module docstring. `owns_front`: `shutdown` also stops the engine cores."""
 
     def __init__(self, front: FrontEnd, *, max_queued_requests: int | None = None,
                  log_stats_interval: float | None = None,
                  listeners: Iterable[StatsListener] = (), owns_front: bool = True) -> None:
-        if max_queued_requests is not None and max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self._init_streams(max_queued_requests, listeners)
         self.front = front
         self.owns_front = owns_front  # shutdown() stops the cores too
-        self.max_queued_requests = max_queued_requests
-        self._listeners: list[StatsListener] = list(listeners)
         self._log_line = StatsLogLine(log_stats_interval) if log_stats_interval else None
-        self._streams: dict[str, RequestStream] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._tracked_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._dead: BaseException | None = None
-        self._death_listeners: list = []
-        self._closing = False
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -118,41 +102,9 @@ class AsyncMPEngine:
         return self.front.tokenizer
 
     @property
-    def started(self) -> bool:
-        return self._thread is not None
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
-
-    @property
-    def accepting(self) -> bool:
-        return self.is_running and not self._closing
-
-    @property
-    def errored(self) -> bool:
-        return self._dead is not None
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    @property
-    def num_queued(self) -> int:
-        return sum(1 for s in self._streams.values() if not s.started)
-
-    @property
     def lost_engines(self) -> dict[int, str]:
         """Engine cores that died (index -> why); the server's /health reports them."""
         return dict(self.front.lost_engines)
-
-    def add_listener(self, listener: StatsListener) -> None:
-        if self._thread is not None:
-            raise RuntimeError("add listeners before the engine starts")
-        self._listeners.append(listener)
-
-    def add_death_listener(self, callback) -> None:
-        self._death_listeners.append(callback)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -163,15 +115,6 @@ class AsyncMPEngine:
         self._thread = threading.Thread(target=self._run, name="pagedserve-outputs", daemon=True)
         self._thread.start()
 
-    def stop_accepting(self) -> None:
-        self._closing = True
-
-    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
-        self._closing = True
-        for stream in list(self._streams.values()):
-            stream._fail(EngineShutdownError(reason))
-            self._abort_in_core(stream.request_id)
-
     async def shutdown(self, timeout: float = 30.0) -> None:
         self.begin_shutdown()
         thread = self._thread
@@ -181,39 +124,15 @@ class AsyncMPEngine:
         if self.owns_front:
             await asyncio.to_thread(self.front.shutdown)
 
-    async def __aenter__(self) -> AsyncMPEngine:
-        self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.shutdown()
-
     # --- requests ------------------------------------------------------------------------------
-
-    @staticmethod
-    def new_request_id() -> str:
-        return uuid.uuid4().hex
 
     async def add_request(self, request_id: str, prompt: str | None, params,
                           prompt_token_ids: list[int] | None = None,
                           arrival_time: float | None = None, priority: int = 0,
                           lora_request=None) -> RequestStream:
         """As `AsyncLLMEngine.add_request`: the stream once a core accepted the request."""
-        if self._loop is None:
-            raise RuntimeError("start() the engine first")
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine has stopped after an error: {self._dead!r}")
-        if self._closing:
-            raise EngineShutdownError("the server is shutting down")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        if self.max_queued_requests is not None and self.num_queued >= self.max_queued_requests:
-            raise QueueFullError(
-                f"the server has {self.num_queued} requests waiting (max_queued_requests="
-                f"{self.max_queued_requests}); retry later")
-        stream = RequestStream(request_id, self, self._loop)
+        stream = self._open_stream(request_id)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._streams[request_id] = stream
         with self._tracked_lock:
             self._tracked[request_id] = _Tracked(stream, arrival, params)
         try:
@@ -229,34 +148,12 @@ class AsyncMPEngine:
             raise
         return stream
 
-    async def generate(self, prompt: str | None, params: SamplingParams,
-                       request_id: str | None = None, *,
-                       prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id or self.new_request_id(), prompt, params,
-                                        prompt_token_ids, priority=priority,
-                                        lora_request=lora_request)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
-
     async def call_in_engine_thread(self, fn, timeout: float | None = 60.0):
         """`fn(proxy)`: the front end's attributes and the cores' named calls (adapters,
         invariants, prefix cache; see `_CoreProxy`), run off the event loop."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         return await asyncio.wait_for(asyncio.to_thread(fn, _CoreProxy(self.front)), timeout)
-
-    def abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.close()
-
-    def _abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._abort_in_core(request_id)
 
     def _abort_in_core(self, request_id: str) -> None:
         with self._tracked_lock:
@@ -269,9 +166,6 @@ class AsyncMPEngine:
                 queue_time=None, engine=tracked.engine)
             for listener in self._listeners:
                 listener.on_request_finished(record)
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
 
     # --- the output thread ----------------------------------------------------------------------
 
