@@ -242,6 +242,8 @@ REGRESSION_SEEDS = {
     1844: "a state model's beam alone in the cache, started from a prefix-cache snapshot in "
           "the step, could not grow while the snapshot stayed pinned: it was cut short "
           "(finish_reason length) instead of computing a shorter chunk",
+    1322452: "a state model's request whose prefix hit (a snapshot) cost more blocks than the "
+             "empty pool held waited for them for good (a hang) instead of starting without it",
 }
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+from pagedserve.core.admission import Admission
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.preemption import Preemption
 from pagedserve.core.queues import GroupQueue, arrival_key, priority_key, queued_key
@@ -66,7 +67,7 @@ from pagedserve.core.turns import Turns
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-class Scheduler(Turns, Preemption):
+class Scheduler(Admission, Turns, Preemption):
     """Continuous-batching scheduler over a `KVCacheManager`; see the module docstring.
 
     Queues, each in queue order (arrival, or (priority, arrival)): `waiting` (new, and preempted
@@ -362,15 +363,10 @@ class Scheduler(Turns, Preemption):
             if step.turns_key is not None and (self.config.scheduling_policy != "priority"
                                                or self.waiting.key(group) >= step.turns_key):
                 break
-            hits = self._prefix_hits(group)
-            for seq, blocks in hits:  # tentatively: the cached tokens need no computing
-                seq.num_computed_tokens = self.kv.hit_tokens(blocks)
-            plan = plan_tokens(self.config, group, step.budget, self._align)
-            if plan is None or self._blocks_to_admit(plan, dict(
-                    (seq.seq_id, blocks) for seq, blocks in hits)) > self.kv.num_free_blocks:
-                for seq, _ in hits:
-                    seq.num_computed_tokens = 0
+            admitted = self._plan_admission(group, step.budget)
+            if admitted is None:
                 break
+            plan, hits = admitted
             for seq, blocks in hits:
                 self.kv.prefix_hits += self.kv.use_prefix(seq.seq_id, blocks)
             if group.num_cached_tokens is None:  # usage's cached_tokens: the first admission's
@@ -399,51 +395,6 @@ class Scheduler(Turns, Preemption):
             return False
         running = {g.lora_request.lora_int_id for g in self.running if g.lora_request is not None}
         return lora.lora_int_id not in running and len(running) >= self.config.max_loras
-
-    def _prefix_hits(self, group: SequenceGroup) -> list[tuple[Sequence, list[int]]]:
-        """Cached leading blocks for each sequence of a group about to be admitted.
-
-        NOTE: a request asking for prompt logprobs, or pooling more than the last token, computes
-        its whole prompt (no cached positions are skipped); a forking group looks up its parent
-        only.
-        """
-        if not self.kv.enable_prefix_caching or (
-            group.sampling_params.prompt_logprobs is not None and not group.prompt_logprobs_done
-        ):
-            return []
-        if group.pooling is not None and group.pooling.needs_whole_prompt:
-            return []  # mean / CLS / per-token pooling read every prompt position's state
-        seqs = group.unfinished_seqs()
-        if group.fork_pending:
-            seqs = seqs[:1]
-        hits = []
-        for seq in seqs:
-            if seq.seq_id in self.kv.tables or seq.num_computed_tokens:
-                continue
-            blocks = self.kv.match_prefix(seq.token_ids[: self._lookup_len(group, seq)],
-                                          seq.cache_salt)
-            if blocks:
-                hits.append((seq, blocks))
-            if self._snapshots:  # (its chunk ends where the cached attention ends: snapshot)
-                seq.snapshot_at = self.kv.junction_tokens
-        return hits
-
-    @staticmethod
-    def _lookup_len(group: SequenceGroup, seq: Sequence) -> int:
-        """Tokens of `seq` looked up in the prefix cache (a forking parent's prompt only)."""
-        return seq.num_prompt_tokens if group.fork_pending else seq.num_tokens
-
-    def _blocks_to_admit(self, plan: Plan, hits: dict[int, list[int]]) -> int:
-        """Free blocks that admitting `plan` takes: new blocks beyond the cached ones, plus the
-        cached ones that currently sit on the free list."""
-        need = 0
-        for seq, _, end in plan:
-            cached = hits.get(seq.seq_id)
-            if cached is None:
-                need += self.kv.num_new_blocks(seq.seq_id, end)
-            else:
-                need += self.kv.num_blocks_to_map(end, cached)
-        return need
 
     def _schedule_running(self, group: SequenceGroup, step: StepPlan,
                           out: SchedulerOutput) -> None:
