@@ -270,3 +270,30 @@ class MarkerJsonListToolParser(ToolParser):
 
     def tool_start(self, text):
         return marker_start(text, self.MARKERS)
+
+
+class SectionToolParser(ToolParser):
+    """Content, then BEGIN, then the calls, each a match of CALL (searched from BEGIN on) that
+    `call` turns into (name, arguments JSON); a match that is not a call (`call` gives None)
+    makes the whole text content, and so does a BEGIN with no call after it."""
+
+    BEGIN = ""
+    CALL: re.Pattern[str]
+
+    def call(self, match: re.Match[str], tools: Tools) -> ParsedCall | None:
+        raise NotImplementedError
+
+    def parse(self, text, tools=None):
+        i = text.find(self.BEGIN)
+        if i < 0:
+            return text, []
+        calls = []
+        for m in self.CALL.finditer(text, i):
+            found = self.call(m, tools)
+            if found is None:
+                return text, []
+            calls.append(found)
+        return (content_or_none(text[:i]), calls) if calls else (text, [])
+
+    def tool_start(self, text):
+        return marker_start(text, (self.BEGIN,))

@@ -4,34 +4,16 @@ arguments in a fenced JSON block, ``<｜tool▁call▁end｜>``, then ``<｜tool
 
 import re
 
-from pagedserve.entrypoints.openai.tool_parsers.base import (
-    ToolParser,
-    arguments_json,
-    content_or_none,
-    loads,
-    marker_start,
-)
-
-BEGIN = "<｜tool▁calls▁begin｜>"
-_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n"
-                   r"(?P<args>.*?)\n```(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
+from pagedserve.entrypoints.openai.tool_parsers.base import SectionToolParser, arguments_json, loads
 
 
-class DeepSeekV3ToolParser(ToolParser):
+class DeepSeekV3ToolParser(SectionToolParser):
     name = "deepseek_v3"
     skip_special_tokens = False
+    BEGIN = "<｜tool▁calls▁begin｜>"
+    CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n"
+                      r"(?P<args>.*?)\n```(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
 
-    def parse(self, text, tools=None):
-        i = text.find(BEGIN)
-        if i < 0:
-            return text, []
-        calls = []
-        for m in _CALL.finditer(text, i):
-            args = arguments_json(loads(m.group("args")))
-            if args is None:
-                return text, []
-            calls.append((m.group("name").strip(), args))
-        return (content_or_none(text[:i]), calls) if calls else (text, [])
-
-    def tool_start(self, text):
-        return marker_start(text, (BEGIN,))
+    def call(self, m, tools):
+        args = arguments_json(loads(m.group("args")))
+        return None if args is None else (m.group("name").strip(), args)

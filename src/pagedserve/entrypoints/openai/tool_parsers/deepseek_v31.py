@@ -4,34 +4,13 @@
 
 import re
 
-from pagedserve.entrypoints.openai.tool_parsers.base import (
-    ToolParser,
-    arguments_json,
-    content_or_none,
-    loads,
-    marker_start,
-)
-
-BEGIN = "<｜tool▁calls▁begin｜>"
-_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)"
-                   r"(?:<｜tool▁call▁end｜>|<｜tool▁calls▁end｜>|$)", re.DOTALL)
+from pagedserve.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 
 
-class DeepSeekV31ToolParser(ToolParser):
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    """The arguments unfenced, no call type."""
+
     name = "deepseek_v31"
-    skip_special_tokens = False
-
-    def parse(self, text, tools=None):
-        i = text.find(BEGIN)
-        if i < 0:
-            return text, []
-        calls = []
-        for m in _CALL.finditer(text, i):
-            args = arguments_json(loads(m.group("args")))
-            if args is None:
-                return text, []
-            calls.append((m.group("name").strip(), args))
-        return (content_or_none(text[:i]), calls) if calls else (text, [])
-
-    def tool_start(self, text):
-        return marker_start(text, (BEGIN,))
+    BEGIN = "<｜tool▁calls▁begin｜>"
+    CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<args>.*?)"
+                      r"(?:<｜tool▁call▁end｜>|<｜tool▁calls▁end｜>|$)", re.DOTALL)

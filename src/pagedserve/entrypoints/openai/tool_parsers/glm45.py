@@ -9,35 +9,21 @@
 
 import re
 
-from pagedserve.entrypoints.openai.tool_parsers.base import (
-    ToolParser,
-    content_or_none,
-    marker_start,
-    typed_arguments,
-)
+from pagedserve.entrypoints.openai.tool_parsers.base import SectionToolParser, typed_arguments
 
-START, END = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.DOTALL)
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(SectionToolParser):
     name = "glm45"
     skip_special_tokens = False
+    BEGIN = "<tool_call>"
+    CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text, tools=None):
-        i = text.find(START)
-        if i < 0:
-            return text, []
-        calls = []
-        for m in _CALL.finditer(text, i):
-            body = m.group(1)
-            name = body.split("<arg_key>", 1)[0].strip()
-            if not name or any(c in name for c in "<>{}\n"):
-                return text, []
-            params = {a.group(1).strip(): a.group(2) for a in _ARG.finditer(body)}
-            calls.append((name, typed_arguments(tools, name, params)))
-        return (content_or_none(text[:i]), calls) if calls else (text, [])
-
-    def tool_start(self, text):
-        return marker_start(text, (START,))
+    def call(self, m, tools):
+        body = m.group(1)
+        name = body.split("<arg_key>", 1)[0].strip()
+        if not name or any(c in name for c in "<>{}\n"):
+            return None
+        params = {a.group(1).strip(): a.group(2) for a in _ARG.finditer(body)}
+        return name, typed_arguments(tools, name, params)

@@ -10,33 +10,19 @@
 
 import re
 
-from pagedserve.entrypoints.openai.tool_parsers.base import (
-    ToolParser,
-    content_or_none,
-    marker_start,
-    typed_arguments,
-)
+from pagedserve.entrypoints.openai.tool_parsers.base import SectionToolParser, typed_arguments
 
-START = "<minimax:tool_call>"
-_INVOKE = re.compile(r"<invoke\s+name\s*=\s*[\"']?([^\"'>]+)[\"']?\s*>(.*?)(?:</invoke>|$)",
-                     re.DOTALL)
 _PARAMETER = re.compile(r"<parameter\s+name\s*=\s*[\"']?([^\"'>]+)[\"']?\s*>(.*?)"
                         r"(?:</parameter>|$)", re.DOTALL)
 
 
-class MinimaxM2ToolParser(ToolParser):
+class MinimaxM2ToolParser(SectionToolParser):
     name = "minimax_m2"
+    BEGIN = "<minimax:tool_call>"
+    CALL = re.compile(r"<invoke\s+name\s*=\s*[\"']?([^\"'>]+)[\"']?\s*>(.*?)(?:</invoke>|$)",
+                      re.DOTALL)
 
-    def parse(self, text, tools=None):
-        i = text.find(START)
-        if i < 0:
-            return text, []
-        calls = []
-        for m in _INVOKE.finditer(text, i):
-            name = m.group(1).strip()
-            params = {p.group(1).strip(): p.group(2) for p in _PARAMETER.finditer(m.group(2))}
-            calls.append((name, typed_arguments(tools, name, params)))
-        return (content_or_none(text[:i]), calls) if calls else (text, [])
-
-    def tool_start(self, text):
-        return marker_start(text, (START,))
+    def call(self, m, tools):
+        name = m.group(1).strip()
+        params = {p.group(1).strip(): p.group(2) for p in _PARAMETER.finditer(m.group(2))}
+        return name, typed_arguments(tools, name, params)
