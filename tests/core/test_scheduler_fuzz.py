@@ -1,6 +1,6 @@
 """The scheduler and block manager alone on random workloads, thousands a second (no model: a fake
 runner draws tokens, beam candidates and accepted drafts): every admitted request finishes with
-all its tokens, the queues and tables stay consistent after every step, and both pools end empty. The model-based
+all its tokens (or at the stop it was owed: EOS, a stop token id, past min_tokens), the queues and tables stay consistent after every step, and both pools end empty. The model-based
 harness (tests/engine/stress_harness.py) also checks outputs exactly; this one covers far more
 schedules per second, so it finds hangs and leaks sooner. What it found is kept below as
 regression seeds (each failed before its fix; the seeds name workloads of this generator as it
@@ -11,6 +11,7 @@ range.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -89,6 +90,16 @@ class Workload:
                 abort_at=rng.randint(1, 40) if rng.random() < 0.2 else None,
                 priority=rng.randint(-2, 2) if self.config.scheduling_policy == "priority" else 0,
                 lora=rng.choice([0, 1, 2, 3]) if self.config.max_loras else 0))
+        # early stops: EOS (token 0) unless ignore_eos, stop_token_ids, min_tokens. Drawn apart
+        # (another stream), so that the workloads of the other draws stay as they were.
+        stops = random.Random(seed * 7919 + 8)
+        self.eos = stops.random() < 0.3
+        for r in self.requests:
+            r["ignore_eos"] = not (self.eos and stops.random() < 0.7)
+            r["stop"] = [stops.randrange(1, VOCAB)] if self.eos and stops.random() < 0.3 else []
+            r["min_tokens"] = stops.randint(0, r["max_tokens"]) if self.eos else 0
+        if self.eos:
+            self.config = dataclasses.replace(self.config, eos_token_ids=(0,))
         # n-gram speculation (k drafts a row; the fake runner accepts a random prefix of them):
         # no beam search beside it, as the engine refuses
         self.spec_k = rng.choice([0, 0, 1, 3])
@@ -108,7 +119,7 @@ class Workload:
                 f"cpu={self.num_cpu_blocks} budget={c.max_num_batched_tokens} "
                 f"chunked={c.enable_chunked_prefill} mode={c.preemption_mode} "
                 f"seqs={c.max_num_seqs} {c.scheduling_policy} prefix={self.prefix_caching} "
-                f"max_loras={c.max_loras} spec_k={self.spec_k} "
+                f"max_loras={c.max_loras} spec_k={self.spec_k} eos={self.eos} "
                 f"groups={self._layout_name()} reqs="
                 + " ".join(f"{r['kind']}{r['width']}:{len(r['prompt'])}+{r['max_tokens']}"
                            f"@{r['arrive']}" + (f"/lora{r['lora']}" if r["lora"] else "")
@@ -121,14 +132,16 @@ _ids = iter(range(10**9))
 def _group(req: dict) -> SequenceGroup:
     """The request as the engine queues it (a beam search or n > 1 forks after its prompt)."""
     kind, width = req["kind"], req["width"]
+    stops = dict(ignore_eos=req.get("ignore_eos", True), min_tokens=req.get("min_tokens", 0))
     if kind == "beam":
-        params = SamplingParams(n=width, max_tokens=req["max_tokens"], ignore_eos=True,
-                                temperature=0.0, use_beam_search=True)
+        params = SamplingParams(n=width, max_tokens=req["max_tokens"], temperature=0.0,
+                                use_beam_search=True, **stops)
     elif kind == "sample":
-        params = SamplingParams(n=width, max_tokens=req["max_tokens"], ignore_eos=True,
-                                temperature=1.0, seed=1)
+        params = SamplingParams(n=width, max_tokens=req["max_tokens"], temperature=1.0, seed=1,
+                                stop_token_ids=req.get("stop") or None, **stops)
     else:
-        params = SamplingParams(max_tokens=req["max_tokens"], ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0,
+                                stop_token_ids=req.get("stop") or None, **stops)
     count = 1 if kind == "beam" else width
     lora = LoRARequest(f"a{req['lora']}", req["lora"], f"/adapters/a{req['lora']}") \
         if req["lora"] else None
@@ -139,7 +152,7 @@ def _group(req: dict) -> SequenceGroup:
         seq.cache_salt = cache_key(None, lora)
     if kind == "beam":
         g.beam = BeamState(BeamSearchParams(beam_width=width, max_tokens=req["max_tokens"],
-                                            ignore_eos=True))
+                                            ignore_eos=stops["ignore_eos"]))
     g.fork_pending = count > 1
     return g
 
@@ -172,6 +185,18 @@ def _results(out, rng: random.Random) -> list[SeqStepOutput]:
 
 class FuzzFailure(AssertionError):
     pass
+
+
+def _stopped_at(params: SamplingParams, out_ids: list[int], eos_ids) -> int | None:
+    """The output length at which a stop token ends the sequence (EOS unless ignore_eos, a
+    stop token id; not before min_tokens), or None."""
+    stops = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stops |= set(eos_ids)
+    for n, tok in enumerate(out_ids, 1):
+        if n >= params.min_tokens and tok in stops:
+            return n
+    return None
 
 
 def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
@@ -218,12 +243,17 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
                 if len(g.extra.get("beam_final", [])) != g.beam.params.beam_width:
                     raise FuzzFailure(f"{rid}: beam search ended without its hypotheses")
                 continue
-            lengths = [q.num_output_tokens for q in g.seqs]
-            cap = MAX_MODEL_LEN - len(g.seqs[0].prompt_token_ids)
-            if any(n != min(want, cap) for n in lengths):
-                raise FuzzFailure(f"{rid}: output lengths {lengths}, wanted {min(want, cap)}")
-            if any(q.status is not SequenceStatus.FINISHED_LENGTH for q in g.seqs):
-                raise FuzzFailure(f"{rid}: statuses {[q.status for q in g.seqs]}")
+            cap = min(want, MAX_MODEL_LEN - len(g.seqs[0].prompt_token_ids))
+            for q in g.seqs:  # whole, or ended by a stop it was owed (at or past min_tokens)
+                out_ids = q.token_ids[q.num_prompt_tokens:]
+                stopped = _stopped_at(g.sampling_params, out_ids, w.config.eos_token_ids)
+                if q.status is SequenceStatus.FINISHED_STOPPED and stopped == len(out_ids):
+                    continue
+                if q.status is not SequenceStatus.FINISHED_LENGTH or len(out_ids) != cap \
+                        or stopped is not None:
+                    raise FuzzFailure(f"{rid}: seq {q.seq_id} {q.status.name} with "
+                                      f"{len(out_ids)} tokens {out_ids} (max {cap}, first "
+                                      f"stop owed after {stopped})")
         if kv.num_free_blocks != w.num_blocks:
             raise FuzzFailure(f"{w.num_blocks - kv.num_free_blocks} device blocks leaked")
         if w.num_cpu_blocks and kv.num_free_cpu_blocks != w.num_cpu_blocks:
@@ -266,21 +296,27 @@ def test_random_workloads_finish_whole_and_leave_both_pools_empty(first):
     assert not failures, f"{len(failures)} of {CHUNK} seeds failed:\n" + "\n".join(failures[:5])
 
 
-@pytest.mark.parametrize("mutation", ["beams never advance", "freed blocks kept"])
+@pytest.mark.parametrize("mutation", ["beams never advance", "freed blocks kept",
+                                      "stop tokens ignored"])
 def test_the_fuzzer_fails_on_a_broken_scheduler(monkeypatch, mutation):
-    # The checks can fail: a beam step that never runs hangs every beam search, and a free that
-    # keeps its blocks leaks them.
+    # The checks can fail: a beam step that never runs hangs every beam search, a free that
+    # keeps its blocks leaks them, and sequences that run past their EOS are caught.
     if mutation == "beams never advance":
         monkeypatch.setattr(step_update, "_beam_step", lambda scheduler, group: 0)
-    else:
+    elif mutation == "freed blocks kept":
         monkeypatch.setattr(KVCacheManager, "free", lambda self, seq_id: None)
+    else:
+        append = step_update._append_token
+        monkeypatch.setattr(step_update, "_append_token",
+                            lambda sched, g, seq, sample, obs, eos, max_len:
+                            append(sched, g, seq, sample, obs, (), max_len))
     failed = 0
-    for seed in range(40):
+    for seed in range(80):
         try:
             run_workload(seed, max_steps=300)
         except FuzzFailure:
             failed += 1
-    assert failed >= 10
+    assert failed >= 8
 
 
 if __name__ == "__main__":  # a range of seeds: python tests/core/test_scheduler_fuzz.py 0 100000
