@@ -1,6 +1,7 @@
 """The scheduler and block manager alone on random workloads, thousands a second (no model: a fake
 runner draws tokens, beam candidates and accepted drafts): every admitted request finishes with
-all its tokens (or at the stop it was owed: EOS, a stop token id, past min_tokens), the queues and tables stay consistent after every step, and both pools end empty. The model-based
+all its tokens (or at the stop it was owed: EOS, a stop token id, past min_tokens) and the
+prompt logprobs it asked for (chunks in order), the queues and tables stay consistent after every step, and both pools end empty. The model-based
 harness (tests/engine/stress_harness.py) also checks outputs exactly; this one covers far more
 schedules per second, so it finds hangs and leaks sooner. What it found is kept below as
 regression seeds (each failed before its fix; the seeds name workloads of this generator as it
@@ -100,6 +101,13 @@ class Workload:
             r["min_tokens"] = stops.randint(0, r["max_tokens"]) if self.eos else 0
         if self.eos:
             self.config = dataclasses.replace(self.config, eos_token_ids=(0,))
+        # prompt logprobs (the whole prompt computed, no prefix hit; chunks in order): drawn
+        # apart as the stops are
+        plp = random.Random(seed * 7919 + 9)
+        self.prompt_logprobs = plp.random() < 0.3
+        for r in self.requests:
+            r["prompt_logprobs"] = 1 if (self.prompt_logprobs and r["kind"] != "beam"
+                                         and plp.random() < 0.5) else None
         # n-gram speculation (k drafts a row; the fake runner accepts a random prefix of them):
         # no beam search beside it, as the engine refuses
         self.spec_k = rng.choice([0, 0, 1, 3])
@@ -120,6 +128,7 @@ class Workload:
                 f"chunked={c.enable_chunked_prefill} mode={c.preemption_mode} "
                 f"seqs={c.max_num_seqs} {c.scheduling_policy} prefix={self.prefix_caching} "
                 f"max_loras={c.max_loras} spec_k={self.spec_k} eos={self.eos} "
+                f"prompt_logprobs={self.prompt_logprobs} "
                 f"groups={self._layout_name()} reqs="
                 + " ".join(f"{r['kind']}{r['width']}:{len(r['prompt'])}+{r['max_tokens']}"
                            f"@{r['arrive']}" + (f"/lora{r['lora']}" if r["lora"] else "")
@@ -133,6 +142,8 @@ def _group(req: dict) -> SequenceGroup:
     """The request as the engine queues it (a beam search or n > 1 forks after its prompt)."""
     kind, width = req["kind"], req["width"]
     stops = dict(ignore_eos=req.get("ignore_eos", True), min_tokens=req.get("min_tokens", 0))
+    if req.get("prompt_logprobs") is not None:
+        stops["prompt_logprobs"] = req["prompt_logprobs"]
     if kind == "beam":
         params = SamplingParams(n=width, max_tokens=req["max_tokens"], temperature=0.0,
                                 use_beam_search=True, **stops)
@@ -154,6 +165,8 @@ def _group(req: dict) -> SequenceGroup:
         g.beam = BeamState(BeamSearchParams(beam_width=width, max_tokens=req["max_tokens"],
                                             ignore_eos=stops["ignore_eos"]))
     g.fork_pending = count > 1
+    if params.prompt_logprobs is not None:  # (as the engine queues it: the first position's)
+        g.prompt_logprobs = [None]
     return g
 
 
@@ -165,7 +178,12 @@ def _results(out, rng: random.Random) -> list[SeqStepOutput]:
     speculative row accepts a random prefix of its drafts, then a token."""
     results = []
     for s in out.scheduled:
-        if not s.do_sample:
+        if s.wants_prompt_logprobs:  # (no draws: the other workloads' streams stay the same)
+            results.append(SeqStepOutput(s.seq.seq_id, [], [(-1.0, 1, [])] * s.num_tokens))
+            if s.do_sample:  # (the prompt's last chunk also samples)
+                results[-1].samples.extend([SampleResult(rng.randrange(VOCAB), -1.0, 1, None)]
+                                           * s.num_samples)
+        elif not s.do_sample:
             results.append(SeqStepOutput(s.seq.seq_id, []))
         elif s.spec_token_ids:
             accepted = rng.randint(0, len(s.spec_token_ids))
@@ -212,6 +230,7 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
     groups: dict[str, SequenceGroup] = {}
     aborted: set[str] = set()
     pending = sorted(w.requests, key=lambda r: r["arrive"])
+    covered: dict[str, int] = {}  # prompt positions whose logprobs came, per request
     step = 0
     try:
         while pending or sched.has_unfinished():
@@ -230,6 +249,13 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
             if spec is not None:  # as the engine does before each schedule
                 spec.propose(sched.running, MAX_MODEL_LEN)
             out = sched.schedule()
+            for s in out.scheduled:  # prompt logprobs: chunks in order (from 0 after a recompute)
+                if s.wants_prompt_logprobs:
+                    rid = s.group.request_id
+                    if s.start not in (0, covered.get(rid, 0)):
+                        raise FuzzFailure(f"{rid}: prompt logprobs from {s.start}, "
+                                          f"{covered.get(rid, 0)} covered")
+                    covered[rid] = s.end
             sched.update_from_output(out, _results(out, rng))
             sched.check_invariants()
             step += 1
@@ -239,6 +265,11 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
             if rid in aborted:
                 continue
             want = g.sampling_params.max_tokens
+            if g.sampling_params.prompt_logprobs is not None and (
+                    not g.prompt_logprobs_done
+                    or covered.get(rid, 0) < g.seqs[0].num_prompt_tokens):
+                raise FuzzFailure(f"{rid}: prompt logprobs of {covered.get(rid, 0)} positions "
+                                  f"of {g.seqs[0].num_prompt_tokens}")
             if g.beam is not None:
                 if len(g.extra.get("beam_final", [])) != g.beam.params.beam_width:
                     raise FuzzFailure(f"{rid}: beam search ended without its hypotheses")
