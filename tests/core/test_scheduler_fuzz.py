@@ -101,6 +101,10 @@ class Workload:
             r["min_tokens"] = stops.randint(0, r["max_tokens"]) if self.eos else 0
         if self.eos:
             self.config = dataclasses.replace(self.config, eos_token_ids=(0,))
+        # outputs that reach max_model_len (FINISHED_LENGTH at the cap): drawn apart as well
+        if random.Random(seed * 7919 + 12).random() < 0.2:
+            for r in self.requests:
+                r["max_tokens"] = MAX_MODEL_LEN
         # prompt logprobs (the whole prompt computed, no prefix hit; chunks in order): drawn
         # apart as the stops are
         plp = random.Random(seed * 7919 + 9)
