@@ -25,7 +25,6 @@ from pagedserve.layers.norms import GemmaRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedserve.models.base import DecoderStack, PagedCausalLM
 from pagedserve.models.gemma3 import SLIDING, Gemma3DecoderLayer
-from pagedserve.models.llama import FusableDecoderLayer, LlamaAttention, LlamaMLP
 
 
 def gemma2_layer_types(config: Any) -> list[str]:
@@ -44,25 +43,8 @@ class Gemma2DecoderLayer(Gemma3DecoderLayer):
     soft-capped attention scores."""
 
     def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE):
-        FusableDecoderLayer.__init__(self)
-        eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            scale=config.query_pre_attn_scalar**-0.5,
-            sliding_window=sliding_window,
-            qkv_bias=config.attention_bias,
-            o_bias=config.attention_bias,
-            tp=tp,
-            softcap=getattr(config, "attn_logit_softcapping", None),
-        )
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation, tp=tp)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        super().__init__(config, sliding_window, tp=tp, qk_norm=False,
+                         softcap=getattr(config, "attn_logit_softcapping", None))
 
 
 class Gemma2Model(DecoderStack):

@@ -60,7 +60,8 @@ def gemma3_rope_parameters(config: Any, layer_type: str) -> dict:
 class Gemma3DecoderLayer(FusableDecoderLayer):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE):
+    def __init__(self, config: Any, sliding_window: int | None, *, tp: TPContext = SINGLE,
+                 qk_norm: bool = True, softcap: float | None = None):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(
@@ -72,8 +73,9 @@ class Gemma3DecoderLayer(FusableDecoderLayer):
             sliding_window=sliding_window,
             qkv_bias=config.attention_bias,
             o_bias=config.attention_bias,
-            qk_norm=lambda d: GemmaRMSNorm(d, eps),
+            qk_norm=(lambda d: GemmaRMSNorm(d, eps)) if qk_norm else None,
             tp=tp,
+            softcap=softcap,
         )
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_activation, tp=tp)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
