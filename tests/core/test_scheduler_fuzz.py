@@ -35,7 +35,13 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 MAX_MODEL_LEN = 64
-MAX_STEPS = 3000  # far above what any workload here needs to finish
+# A hang: no token appended anywhere for STALL_STEPS steps while requests are unfinished (the
+# longest wait for progress: a beam's turn recomputing ~64 tokens at a budget of 4 a step, for
+# each of its siblings); MAX_STEPS bounds the whole run. NOTE: a beam search whose beams cannot
+# all be resident takes turns, recomputing parked beams: O(length^2) steps at small budgets
+# (seed 3005763: 3,154 steps), slow but finite.
+STALL_STEPS = 1000
+MAX_STEPS = 30000
 
 
 def _layout(rng: random.Random) -> KVLayout | None:
@@ -235,7 +241,7 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
     aborted: set[str] = set()
     pending = sorted(w.requests, key=lambda r: r["arrive"])
     covered: dict[str, int] = {}  # prompt positions whose logprobs came, per request
-    step = 0
+    step = last_progress = last_appended = 0
     try:
         while pending or sched.has_unfinished():
             while pending and pending[0]["arrive"] <= step:
@@ -263,6 +269,11 @@ def run_workload(seed: int, max_steps: int = MAX_STEPS) -> None:
             sched.update_from_output(out, _results(out, rng))
             sched.check_invariants()
             step += 1
+            appended = sum(len(q.token_ids) for g in groups.values() for q in g.seqs)
+            if appended != last_appended:
+                last_appended, last_progress = appended, step
+            if step - last_progress > STALL_STEPS:
+                raise FuzzFailure(f"no token appended in {STALL_STEPS} steps (a hang)")
             if step > max_steps:
                 raise FuzzFailure(f"not finished after {max_steps} steps (a hang)")
         for rid, g in groups.items():
