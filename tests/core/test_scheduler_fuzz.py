@@ -376,5 +376,7 @@ if __name__ == "__main__":  # a range of seeds: python tests/core/test_scheduler
         except FuzzFailure as e:
             failed += 1
             print(e, flush=True)
+        if (n + 1 - first) % 50_000 == 0:  # (progress, for runs cut short by a time limit)
+            print(f"up to seed {n}: {n + 1 - first} run, {failed} failed", flush=True)
     print(f"{failed} of {last - first} seeds failed")
     sys.exit(1 if failed else 0)
