@@ -21,8 +21,8 @@ class BlockPool:
     The free list is the blocks never handed out ("fresh", in their initial order) followed by
     the returned ones. NOTE (start-up cost): the fresh blocks are a position in that order, not
     entries: a pool of millions of blocks (a tiny model's KV, or its CPU swap pool of 4 GiB in
-    1 KiB blocks) costs nothing per block until a block is first taken, where entries for all of
-    them cost ~0.4 s and ~120 bytes a block, held for the engine's life.
+    1 KiB blocks) costs nothing per free block, where an entry for each cost ~0.4 s and ~120
+    bytes a block at start-up, held for the engine's life.
 
     NOTE: `shuffle_seed` randomises the initial free-list order. Tests use it to prove that nothing
     depends on blocks being contiguous or ordered; production leaves it None.
